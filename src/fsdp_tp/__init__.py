@@ -1,0 +1,49 @@
+"""fsdp_tp: fully sharded data parallelism and tensor parallelism for Flax linen models.
+
+The public API is re-exported here; the modules behind it are documented in
+``docs/architecture.md``.
+"""
+
+from . import analysis as analysis
+from . import errors as errors
+from .collectives import gather_array_with_mean_grads as gather_array_with_mean_grads
+from .fsdp import gather_params as gather_params
+from .fsdp import shard_module_params as shard_module_params
+from .fsdp import shard_params as shard_params
+from .gradients import sync_gradients as sync_gradients
+from .mesh import DEFAULT_AXIS_NAMES as DEFAULT_AXIS_NAMES
+from .mesh import make_mesh as make_mesh
+from .mesh import parse_mesh as parse_mesh
+from .mesh import simulate_cpu_devices as simulate_cpu_devices
+from .partitioning import check_specs as check_specs
+from .partitioning import derive_specs as derive_specs
+from .partitioning import init_sharded as init_sharded
+from .partitioning import shard_step as shard_step
+from .partitioning import specs_of as specs_of
+from .train import TrainState as TrainState
+from .train import accumulate_gradients as accumulate_gradients
+from .train import fold_rng_over_axis as fold_rng_over_axis
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_AXIS_NAMES",
+    "TrainState",
+    "accumulate_gradients",
+    "analysis",
+    "check_specs",
+    "derive_specs",
+    "errors",
+    "fold_rng_over_axis",
+    "gather_array_with_mean_grads",
+    "gather_params",
+    "init_sharded",
+    "make_mesh",
+    "parse_mesh",
+    "shard_module_params",
+    "shard_params",
+    "shard_step",
+    "simulate_cpu_devices",
+    "specs_of",
+    "sync_gradients",
+]

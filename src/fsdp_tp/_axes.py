@@ -1,0 +1,67 @@
+"""Questions about mesh axes asked from inside ``jax.shard_map``."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import AxisType
+
+from ._types import AxisName, AxisNames
+from .errors import UnboundAxisNameError
+
+__all__ = ["as_axis_tuple", "axis_size", "bound_axis_names", "checks_vma", "require_axes", "varying_axes"]
+
+
+def as_axis_tuple(axis_names: AxisNames) -> tuple[AxisName, ...]:
+    """``"fsdp"`` -> ``("fsdp",)``; a list or tuple of names -> a tuple."""
+    if isinstance(axis_names, (tuple, list)):
+        return tuple(axis_names)
+    return (axis_names,)
+
+
+def bound_axis_names() -> tuple[AxisName, ...]:
+    """The mesh axes that the enclosing ``jax.shard_map`` makes manual (empty outside one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return tuple(
+        name
+        for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if kind == AxisType.Manual
+    )
+
+
+def require_axes(axis_names: AxisNames, caller: str) -> tuple[AxisName, ...]:
+    """Returns ``axis_names`` as a tuple; raises if one is not bound by the enclosing shard_map."""
+    names = as_axis_tuple(axis_names)
+    bound = bound_axis_names()
+    missing = [name for name in names if name not in bound]
+    if missing:
+        where = (
+            f"the enclosing jax.shard_map binds {list(bound)}"
+            if bound
+            else "it was called outside jax.shard_map, where no mesh axis is bound"
+        )
+        raise UnboundAxisNameError(
+            f"{caller}: mesh axis {missing[0]!r} is not bound here; {where}. "
+            f"Pass axis names of the mesh given to jax.shard_map, and call {caller} inside it."
+        )
+    return names
+
+
+def axis_size(axis_names: AxisNames) -> int:
+    """The number of devices along one axis or the product over several."""
+    return math.prod(jax.lax.axis_size(name) for name in as_axis_tuple(axis_names))
+
+
+def varying_axes(x: jax.Array) -> frozenset[AxisName]:
+    """The mesh axes along which ``x`` may differ, as the vma type system tracks them."""
+    return jax.typeof(x).manual_axis_type.varying
+
+
+def checks_vma(axis_name: AxisName) -> bool:
+    """Whether the enclosing ``jax.shard_map`` runs with ``check_vma=True``.
+
+    ``axis_index`` varies over its axis by definition; with checking off, every
+    value's varying set is empty, so this one fact tells the two modes apart.
+    """
+    return axis_name in varying_axes(jax.lax.axis_index(axis_name))

@@ -1,0 +1,185 @@
+"""Exact measurements: state bytes per device, compiled memory, collective bytes from HLO.
+
+The collective figures use the ring model of ``DESIGN.md`` ("Measuring"): per
+device and per execution, an all-gather moves result*(S-1)/S bytes, a
+reduce-scatter operand*(S-1)/S, an all-reduce 2*operand*(S-1)/S, an all-to-all
+operand*(S-1)/S and a collective-permute its operand; ops inside while loops
+count once per known trip.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+
+import jax
+import numpy as np
+
+from ._types import PyTree
+
+__all__ = [
+    "Collective",
+    "collective_summary",
+    "compiled_memory",
+    "ideal_bytes_per_device",
+    "parse_collectives",
+    "state_bytes_per_device",
+]
+
+_DTYPE_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_SHAPE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_CALLEE = re.compile(r"\b(condition|body|to_apply|calls|branch_computations|called_computations)="
+                     r"(\{[^}]*\}|%?[\w.\-]+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective op of a compiled program, with its bytes on the wire per device."""
+
+    kind: str
+    name: str
+    computation: str
+    operand_bytes: int
+    group_size: int
+    executions: int
+
+    @property
+    def wire_bytes(self) -> float:
+        """Ring-model bytes sent per device over all executions of this op."""
+        s, n = self.group_size, self.operand_bytes
+        per_run = {"all-gather": n * (s - 1), "reduce-scatter": n * (s - 1) / s,
+                   "all-reduce": 2 * n * (s - 1) / s, "all-to-all": n * (s - 1) / s,
+                   "collective-permute": n}[self.kind]
+        return per_run * self.executions
+
+
+def _type_bytes(text: str) -> int:
+    total = 0
+    for dtype, dims in _SHAPE.findall(text):
+        size = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+        total += size * _DTYPE_BYTES.get(dtype, 1 if dtype.startswith("f8") else 0)
+    return total
+
+
+def _split_type(rhs: str) -> tuple[str, str]:
+    """``'(f32[2], s32[]) tuple(%a, %b), x=1'`` -> (type text, the rest)."""
+    if rhs.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rhs):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0:
+                return rhs[: i + 1], rhs[i + 1 :].strip()
+    head, _, rest = rhs.partition(" ")
+    return head, rest
+
+
+def _group_size(attrs: str, num_partitions: int) -> int:
+    if m := re.search(r"replica_groups=\{(\{[\d,]*\})", attrs):
+        return len([d for d in m.group(1).strip("{}").split(",") if d])
+    if m := re.search(r"replica_groups=\[([\d,]+)\]<=", attrs):
+        return int(m.group(1).split(",")[-1])
+    if m := re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs):
+        sizes = {k.strip("' "): int(v) for k, v in re.findall(r"([^=,\s]+)=(\d+)", m.group(1))}
+        return math.prod(sizes[a.strip("' ")] for a in m.group(2).split(",") if a.strip())
+    return num_partitions
+
+
+def _executions(calls: dict, trips: dict, entry: str) -> dict[str, int]:
+    """How often each computation runs per call of ``entry``, through while trip counts."""
+    runs: dict[str, int] = collections.defaultdict(int)
+
+    def visit(comp: str, times: int, depth: int = 0) -> None:
+        runs[comp] += times
+        for callee, site in calls.get(comp, ()):
+            visit(callee, times * trips.get(site, 1), depth + 1)
+
+    visit(entry, 1)
+    return runs
+
+
+def parse_collectives(hlo_text: str) -> list[Collective]:
+    """Every collective in an HLO module's text, with operand bytes, group size and executions."""
+    text = re.sub(r"/\*.*?\*/", "", hlo_text)
+    m = re.search(r"num_partitions=(\d+)", text)
+    num_partitions = int(m.group(1)) if m else 1
+    shapes: dict[str, str] = {}
+    calls: dict[str, list] = collections.defaultdict(list)
+    trips: dict[str, int] = {}
+    found: list[tuple] = []
+    comp, entry = "", ""
+    for line in text.splitlines():
+        if header := _HEADER.match(line):
+            comp = header.group(2)
+            entry = comp if header.group(1) else entry
+            continue
+        if not (instr := _INSTR.match(line)):
+            continue
+        name, (type_text, rest) = instr.group(1), _split_type(instr.group(2))
+        shapes[name] = type_text
+        op, _, args = rest.partition("(")
+        for role, target in _CALLEE.findall(rest):
+            for callee in re.findall(r"%?([\w.\-]+)", target):
+                calls[comp].append((callee, name if role in ("body", "condition") else None))
+        if op == "while" and (t := re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)):
+            trips[name] = int(t.group(1))
+        kind = op.removesuffix("-start")
+        if kind in _KINDS:
+            operands = re.findall(r"%([\w.\-]+)", args.split(")")[0])
+            found.append((kind, name, comp, operands, rest))
+    runs = _executions(calls, trips, entry)
+    return [
+        Collective(kind, name, comp, sum(_type_bytes(shapes.get(o, "")) for o in operands),
+                   _group_size(rest, num_partitions), runs.get(comp, 0))
+        for kind, name, comp, operands, rest in found
+    ]
+
+
+def collective_summary(collectives: list[Collective]) -> dict[str, dict[str, float]]:
+    """``{kind: {"ops": executions, "wire_bytes": bytes}}`` per device, summed per kind."""
+    summary: dict[str, dict[str, float]] = {}
+    for c in collectives:
+        entry = summary.setdefault(c.kind, {"ops": 0, "wire_bytes": 0.0})
+        entry["ops"] += c.executions
+        entry["wire_bytes"] += c.wire_bytes
+    return summary
+
+
+def compiled_memory(compiled) -> dict[str, int]:
+    """Per-device bytes from ``memory_analysis()`` of a compiled function; ``total`` is
+    argument + output - alias + temp (``peak_memory_in_bytes`` is not a real peak on CPU)."""
+    stats = compiled.memory_analysis()
+    out = {
+        "argument": stats.argument_size_in_bytes,
+        "output": stats.output_size_in_bytes,
+        "alias": stats.alias_size_in_bytes,
+        "temp": stats.temp_size_in_bytes,
+    }
+    out["total"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    return out
+
+
+def state_bytes_per_device(tree: PyTree) -> dict[jax.Device, int]:
+    """Bytes each device actually stores for the arrays of ``tree`` (its addressable shards)."""
+    totals: dict[jax.Device, int] = collections.defaultdict(int)
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            totals[shard.device] += shard.data.nbytes
+    return dict(totals)
+
+
+def ideal_bytes_per_device(tree: PyTree) -> int:
+    """Sum over arrays of nbytes / (product of the sizes of the mesh axes it is split over)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        sharding = leaf.sharding
+        axes = [a for entry in sharding.spec if entry is not None
+                for a in (entry if isinstance(entry, tuple) else (entry,))]
+        parts = math.prod(sharding.mesh.shape[a] for a in axes)
+        total += int(np.prod(leaf.shape)) * leaf.dtype.itemsize // parts
+    return total

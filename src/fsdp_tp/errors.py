@@ -1,0 +1,34 @@
+"""The errors the library raises at its boundaries.
+
+Every message names what was passed, what was expected and how to fix it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "IndivisibleShapeError",
+    "MeshShapeError",
+    "ReplicatedParameterWarning",
+    "SpecTreeMismatchError",
+    "UnboundAxisNameError",
+]
+
+
+class UnboundAxisNameError(NameError):
+    """A mesh axis name that the enclosing ``jax.shard_map`` does not bind."""
+
+
+class MeshShapeError(ValueError):
+    """Mesh axis sizes that do not fit the devices they are laid over."""
+
+
+class IndivisibleShapeError(ValueError):
+    """An array dim that the mesh axes it is split over do not divide."""
+
+
+class SpecTreeMismatchError(ValueError):
+    """A ``PartitionSpec`` tree whose structure does not match the values it describes."""
+
+
+class ReplicatedParameterWarning(UserWarning):
+    """A parameter large enough to shard stayed replicated: no dim divides the axis size."""

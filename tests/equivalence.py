@@ -1,0 +1,136 @@
+"""The reference check every strategy must pass: a sharded run equals the unsharded one.
+
+``check_equivalence`` runs one model sharded under ``jax.shard_map`` and its
+unsharded twin on the same global batches and asserts DESIGN.md invariants 1-5:
+same tree, same init (bit for bit), same outputs and loss, same synced
+gradients, same parameters after k steps of SGD and of AdamW.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import fsdp_tp
+
+RTOL, ATOL = 1e-5, 1e-6  # f32; never loosen to get a pass (DESIGN.md, STYLE.md habit 9)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    model: nn.Module  # the sharded model, applied per device
+    reference: nn.Module  # its unsharded twin
+    mesh: Mesh
+    batch_axes: tuple[str, ...]
+    check_vma: bool
+    in_dim: int
+    out_dim: int
+    batch_size: int = 16
+    seed: int = 0
+
+
+def mse(model: nn.Module, params, x, y):
+    return jnp.mean((model.apply({"params": params}, x) - y) ** 2)
+
+
+def batches(case: Case, count: int):
+    keys = jax.random.split(jax.random.key(case.seed + 1), count)
+    for key in keys:
+        kx, ky = jax.random.split(key)
+        yield (jax.random.normal(kx, (case.batch_size, case.in_dim)),
+               jax.random.normal(ky, (case.batch_size, case.out_dim)))
+
+
+def assert_trees_close(actual, expected, what: str, exact: bool = False) -> None:
+    a_paths = jax.tree_util.tree_flatten_with_path(actual)[0]
+    e_leaves, e_def = jax.tree_util.tree_flatten(expected)
+    a_keys = [jax.tree_util.keystr(p) for p, _ in a_paths]
+    e_keys = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(expected)[0]]
+    assert a_keys == e_keys, f"{what}: paths differ: {sorted(set(a_keys) ^ set(e_keys))}"
+    for (path, a), e in zip(a_paths, e_leaves, strict=True):
+        where = f"{what}{jax.tree_util.keystr(path)}"
+        assert a.shape == e.shape and a.dtype == e.dtype, f"{where}: {a.shape}/{a.dtype} vs {e.shape}/{e.dtype}"
+        if exact:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(e), err_msg=where)
+        else:
+            np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=RTOL, atol=ATOL, err_msg=where)
+
+
+def _reference_steps(case: Case, tx, params, data):
+    @jax.jit
+    def step(params, opt_state, x, y):
+        grads = jax.grad(lambda p: mse(case.reference, p, x, y))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    opt_state = tx.init(params)
+    for x, y in data:
+        params, opt_state = step(params, opt_state, x, y)
+    return params
+
+
+def _sharded_steps(case: Case, tx, sync: Callable, data):
+    batch_spec = P(case.batch_axes)
+
+    def init_fn(rng, x):
+        params = case.model.init(rng, x)["params"]
+        return fsdp_tp.TrainState.create(apply_fn=case.model.apply, params=params, tx=tx, rng=rng)
+
+    def step_fn(state, batch):
+        x, y = batch
+        loss, grads = jax.value_and_grad(lambda p: mse(case.model, p, x, y))(state.params)
+        state = state.apply_gradients(grads=sync(grads, case.batch_axes))
+        return state, jax.lax.pmean(loss, case.batch_axes)
+
+    x0 = data[0][0]
+    # A fresh state per run: donated state is never reused (DESIGN.md, CPU segfaults).
+    state, specs = fsdp_tp.init_sharded(init_fn, case.mesh, (P(), batch_spec), jax.random.key(case.seed),
+                                        x0, check_vma=case.check_vma)
+    step = fsdp_tp.shard_step(step_fn, case.mesh, specs, (batch_spec, batch_spec), check_vma=case.check_vma)
+    for x, y in data:
+        state, _ = step(state, (x, y))
+    return nn.unbox(state.params)
+
+
+def check_equivalence(case: Case, sync: Callable = fsdp_tp.sync_gradients, steps: int = 3) -> None:
+    data = list(batches(case, steps))
+    x, y = data[0]
+    rng = jax.random.key(case.seed)
+    ref_params = jax.jit(case.reference.init)(rng, x)["params"]
+    batch_spec = P(case.batch_axes)
+
+    # Invariants 1-2: tree, shapes, dtypes and init values, bit for bit.
+    def init_fn(rng, x):
+        return case.model.init(rng, x)["params"]
+
+    boxed, specs = fsdp_tp.init_sharded(init_fn, case.mesh, (P(), batch_spec), rng, x, check_vma=case.check_vma)
+    assert_trees_close(nn.unbox(boxed), ref_params, "init", exact=True)
+
+    # Invariants 3-4: outputs, loss and synced gradients.
+    def forward_backward(params, x, y):
+        out = case.model.apply({"params": params}, x)
+        loss, grads = jax.value_and_grad(lambda p: mse(case.model, p, x, y))(params)
+        return out, jax.lax.pmean(loss, case.batch_axes), sync(grads, case.batch_axes)
+
+    sharded_fb = jax.jit(jax.shard_map(
+        forward_backward, mesh=case.mesh, in_specs=(specs, batch_spec, batch_spec),
+        out_specs=(batch_spec, P(), specs), check_vma=case.check_vma))
+    out, loss, grads = sharded_fb(boxed, x, y)
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda p: mse(case.reference, p, x, y)))(ref_params)
+    ref_out = jax.jit(case.reference.apply)({"params": ref_params}, x)
+    assert_trees_close(out, ref_out, "output")
+    assert_trees_close(loss, ref_loss, "loss")
+    assert_trees_close(nn.unbox(grads), ref_grads, "grads")
+
+    # Invariant 5: parameters after k steps of SGD and of AdamW.
+    for name, tx in (("sgd", optax.sgd(0.1)), ("adamw", optax.adamw(1e-2, weight_decay=1e-2))):
+        assert_trees_close(_sharded_steps(case, tx, sync, data), _reference_steps(case, tx, ref_params, data),
+                           f"{name} params after {steps} steps")

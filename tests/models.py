@@ -1,0 +1,54 @@
+"""Small models shared by the tests: each built from a Dense class, so the sharded
+and the unsharded twin differ only in that class."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import flax.linen as nn
+
+
+class MLP(nn.Module):
+    """Dense layers with tanh between them (smooth, so gradients have no kinks)."""
+
+    features: Sequence[int]
+    use_bias: bool = True
+    dense: type = nn.Dense
+
+    @nn.compact
+    def __call__(self, x):
+        for i, width in enumerate(self.features):
+            # Auto-named on purpose: the sharded tree must keep flax's own names.
+            x = self.dense(width, use_bias=self.use_bias)(x)
+            if i < len(self.features) - 1:
+                x = nn.tanh(x)
+        return x
+
+
+class Block(nn.Module):
+    """A residual block for nn.scan: carry in, carry out."""
+
+    width: int
+    dense: type = nn.Dense
+
+    @nn.compact
+    def __call__(self, x, _):
+        return x + nn.tanh(self.dense(self.width, name="dense")(x)), None
+
+
+class ScanMLP(nn.Module):
+    """``depth`` residual blocks under nn.scan over nn.remat, then a head."""
+
+    width: int
+    depth: int
+    out_dim: int
+    dense: type = nn.Dense
+    block: type = Block
+
+    @nn.compact
+    def __call__(self, x):
+        x = self.dense(self.width, name="embed")(x)
+        stack = nn.scan(nn.remat(self.block), variable_axes={"params": 0}, split_rngs={"params": True},
+                        length=self.depth, metadata_params={nn.PARTITION_NAME: None})
+        x, _ = stack(self.width, self.dense, name="blocks")(x, None)
+        return self.dense(self.out_dim, name="head")(x)

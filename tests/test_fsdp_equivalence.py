@@ -1,0 +1,99 @@
+"""DESIGN.md invariants 1-6 for data parallelism and FSDP, against the unsharded run."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fsdp_tp
+from tests.equivalence import Case, check_equivalence
+from tests.models import MLP, Block, ScanMLP
+
+MESHES = [(1, 1), (1, 8), (2, 4), (4, 2), (8, 1)]
+# 3, 5, 6 and 12 do not divide every axis size: those parameters must stay replicated.
+WIDTHS = st.sampled_from([3, 4, 5, 6, 8, 12, 16, 24, 32])
+replicated_ok = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")
+
+
+def mesh_of(data: int, fsdp: int):
+    return fsdp_tp.make_mesh({"data": data, "fsdp": fsdp}, devices=jax.devices()[: data * fsdp])
+
+
+def blind_sync(grads, axis_names):
+    """The well-known tutorial sync: pmean every leaf over the axes it is not split over.
+
+    Correct under check_vma=False; under check_vma=True JAX has already summed
+    replicated gradients, so this leaves them N times too large."""
+
+    def sync(g):
+        if isinstance(g, nn.Partitioned):
+            axes = tuple(a for a in axis_names if a not in g.names)
+            return g.replace(value=jax.lax.pmean(g.value, axes)) if axes else g
+        return jax.lax.pmean(g, axis_names)
+
+    return jax.tree.map(sync, grads, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+
+
+def sum_assuming_sync(grads, axis_names):
+    """Divides where it should pmean: right only if JAX had summed (check_vma=True)."""
+    size = jax.lax.axis_size(axis_names)
+    return jax.tree.map(lambda g: g / size if not isinstance(g, nn.Partitioned) else g, grads,
+                        is_leaf=lambda x: isinstance(x, nn.Partitioned))
+
+
+@st.composite
+def mlp_cases(draw):
+    data, fsdp = draw(st.sampled_from(MESHES))
+    features = tuple(draw(st.lists(WIDTHS, min_size=1, max_size=4)))
+    use_bias = draw(st.booleans())
+    strategy = draw(st.sampled_from(["fsdp", "dp"]))
+    dense = nn.Dense
+    if strategy == "fsdp":
+        min_size = draw(st.sampled_from([0, 8, 64, 2**18]))
+        dense = fsdp_tp.shard_module_params(nn.Dense, "fsdp", min_weight_size=min_size)
+    return Case(model=MLP(features, use_bias, dense), reference=MLP(features, use_bias),
+                mesh=mesh_of(data, fsdp), batch_axes=("data", "fsdp"),
+                check_vma=draw(st.booleans()), in_dim=draw(WIDTHS), out_dim=features[-1],
+                seed=draw(st.integers(0, 2**16)))
+
+
+@replicated_ok
+@given(mlp_cases())
+def test_mlp_equals_unsharded(case):
+    check_equivalence(case)
+
+
+@replicated_ok
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_every_mesh_and_both_modes(check_vma):
+    """The drawn cases above are few in CI; this pins one FSDP case per mesh and mode."""
+    dense = fsdp_tp.shard_module_params(nn.Dense, "fsdp", min_weight_size=0)
+    for data, fsdp in MESHES:
+        check_equivalence(Case(MLP((16, 8), True, dense), MLP((16, 8), True), mesh_of(data, fsdp),
+                               ("data", "fsdp"), check_vma, in_dim=12, out_dim=8), steps=1)
+
+
+@replicated_ok
+@pytest.mark.parametrize(("check_vma", "wrong_sync"), [(True, blind_sync), (False, sum_assuming_sync)])
+def test_negative_control_wrong_sync_is_caught(check_vma, wrong_sync):
+    """The property must fail on a sync that ignores how the gradient was reduced."""
+    dense = fsdp_tp.shard_module_params(nn.Dense, "fsdp", min_weight_size=64)
+    case = Case(MLP((16, 4), True, dense), MLP((16, 4), True), mesh_of(2, 4), ("data", "fsdp"),
+                check_vma, in_dim=8, out_dim=4)
+    with pytest.raises(AssertionError, match="grads"):
+        check_equivalence(case, sync=wrong_sync)
+
+
+@replicated_ok
+@settings(max_examples=max(2, settings().max_examples // 2))
+@given(mesh=st.sampled_from(MESHES[1:]), check_vma=st.booleans(), depth=st.integers(1, 3),
+       width=st.sampled_from([8, 16, 12]))
+def test_scan_over_remat_blocks_equals_unsharded(mesh, check_vma, depth, width):
+    shard = lambda target: fsdp_tp.shard_module_params(target, "fsdp", min_weight_size=0)
+    model = ScanMLP(width, depth, out_dim=4, dense=shard(nn.Dense), block=shard(Block))
+    reference = ScanMLP(width, depth, out_dim=4)
+    check_equivalence(Case(model, reference, mesh_of(*mesh), ("data", "fsdp"), check_vma,
+                           in_dim=6, out_dim=4))
