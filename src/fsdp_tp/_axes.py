@@ -14,9 +14,11 @@ __all__ = ["as_axis_tuple", "axis_size", "bound_axis_names", "checks_vma", "requ
 
 
 def as_axis_tuple(axis_names: AxisNames) -> tuple[AxisName, ...]:
-    """``"fsdp"`` -> ``("fsdp",)``; a list or tuple of names -> a tuple."""
+    """``"fsdp"`` -> ``("fsdp",)``; a list, tuple or set of names -> a tuple (sets sorted)."""
     if isinstance(axis_names, (tuple, list)):
         return tuple(axis_names)
+    if isinstance(axis_names, (set, frozenset)):
+        return tuple(sorted(axis_names, key=str))
     return (axis_names,)
 
 

@@ -46,6 +46,7 @@ class Collective:
     name: str
     computation: str
     operand_bytes: int
+    operands: int
     group_size: int
     executions: int
 
@@ -135,7 +136,7 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
     runs = _executions(calls, trips, entry)
     return [
         Collective(kind, name, comp, sum(_type_bytes(shapes.get(o, "")) for o in operands),
-                   _group_size(rest, num_partitions), runs.get(comp, 0))
+                   len(operands), _group_size(rest, num_partitions), runs.get(comp, 0))
         for kind, name, comp, operands, rest in found
     ]
 

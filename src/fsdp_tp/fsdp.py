@@ -8,6 +8,7 @@ reduce-scattered as the mean over the batch shards.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import warnings
 
@@ -15,8 +16,8 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from ._axes import require_axes
-from ._types import AxisName, PyTree
+from ._axes import require_axes, varying_axes
+from ._types import AxisName, AxisNames, PyTree
 from .collectives import gather_array_with_mean_grads
 from .errors import ReplicatedParameterWarning
 
@@ -97,7 +98,7 @@ def shard_params(params: PyTree, axis_name: AxisName, min_weight_size: int = 2**
     return jax.tree_util.tree_map_with_path(shard_leaf, params, is_leaf=_is_box)
 
 
-def _gather_leaf(leaf, axis_name: AxisName):
+def _gather_leaf(leaf, axis_name: AxisName, vary_over: frozenset):
     if not _is_box(leaf) or axis_name not in _axes_of(leaf.names):
         return leaf
     names = tuple(leaf.names)
@@ -116,22 +117,35 @@ def _gather_leaf(leaf, axis_name: AxisName):
         remaining = rest if len(rest) > 1 else (rest[0] if rest else None)
     else:
         remaining = None
-    value = gather_array_with_mean_grads(leaf.value, dim, axis_name)
+    shard = leaf.value
+    if extra := tuple(sorted(vary_over - varying_axes(shard) - {axis_name}, key=str)):
+        # Meet the inputs' vma on the shard, before the gather: JAX's transpose
+        # of this pcast then psums the shard-sized gradient after the
+        # reduce-scatter, instead of the full gradient before it.
+        shard = jax.lax.pcast(shard, extra, to="varying")
+    value = gather_array_with_mean_grads(shard, dim, axis_name)
     new_names = names[:dim] + (remaining,) + names[dim + 1 :]
     if all(name is None for name in new_names):
         return value
     return leaf.replace(value=value, names=new_names)
 
 
-def gather_params(params: PyTree, axis_name: AxisName) -> PyTree:
+def gather_params(params: PyTree, axis_name: AxisName, vary_over: AxisNames = ()) -> PyTree:
     """All-gathers every leaf split over ``axis_name``; the inverse of :func:`shard_params`.
 
     Splits over other axes stay boxed, a leaf left with no split is unboxed.
     The backward pass reduce-scatters the mean gradient
     (:func:`~fsdp_tp.collectives.gather_array_with_mean_grads`).
+
+    ``vary_over`` (used with ``check_vma=True``): the axes the gathered values
+    will meet device-varying data on, e.g. ``"data"``. Naming them moves JAX's
+    implicit gradient psum over those axes from the full gradient to the
+    shard; :func:`shard_module_params` fills it from its inputs' types.
     """
     (axis_name,) = require_axes(axis_name, "gather_params")
-    return jax.tree.map(functools.partial(_gather_leaf, axis_name=axis_name), params, is_leaf=_is_box)
+    vary = frozenset(require_axes(vary_over, "gather_params") if vary_over else ())
+    return jax.tree.map(functools.partial(_gather_leaf, axis_name=axis_name, vary_over=vary),
+                        params, is_leaf=_is_box)
 
 
 def shard_module_params(target, axis_name: AxisName = "fsdp", min_weight_size: int = 2**18):
@@ -167,12 +181,35 @@ def shard_module_params(target, axis_name: AxisName = "fsdp", min_weight_size: i
         )
     mapped = nn.map_variables(
         target,
-        trans_in_fn=functools.partial(gather_params, axis_name=axis_name),
+        trans_in_fn=lambda params: gather_params(params, axis_name, _INPUT_VARYING.get()),
         trans_out_fn=functools.partial(shard_params, axis_name=axis_name, min_weight_size=min_weight_size),
         mapped_collections="params",
         mutable=True,
     )
-    return keep_module_name(mapped, target)
+
+    class Sharded(mapped):  # type: ignore[valid-type, misc]
+        def __call__(self, *args, **kwargs):
+            # The axes the inputs vary over are where JAX would pcast the
+            # gathered params anyway; gather_params does it on the shards.
+            token = _INPUT_VARYING.set(_varying_over_inputs((args, kwargs)))
+            try:
+                return super().__call__(*args, **kwargs)
+            finally:
+                _INPUT_VARYING.reset(token)
+
+    return keep_module_name(Sharded, target)
+
+
+_INPUT_VARYING: contextvars.ContextVar[frozenset] = contextvars.ContextVar("fsdp_tp_input_varying",
+                                                                          default=frozenset())
+
+
+def _varying_over_inputs(tree) -> frozenset:
+    axes: frozenset = frozenset()
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array | jax.core.Tracer):
+            axes |= varying_axes(leaf)
+    return axes
 
 
 def keep_module_name(mapped, target):

@@ -1,0 +1,118 @@
+"""DESIGN.md invariants 7 (minimal communication) and 8 (exact memory) for FSDP."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import fsdp_tp
+from fsdp_tp.analysis import (
+    collective_summary,
+    ideal_bytes_per_device,
+    parse_collectives,
+    state_bytes_per_device,
+)
+from tests.models import MLP
+
+BATCH_AXES = ("data", "fsdp")
+# in 32 -> 64 -> 64 -> 16: every kernel (>= 1024 elements) is sharded, every bias (<= 64) is not.
+FEATURES, IN_DIM, MIN_SIZE = (64, 64, 16), 32, 100
+KERNEL_BYTES = 4 * (32 * 64 + 64 * 64 + 64 * 16)
+BIAS_BYTES = 4 * (64 + 64 + 16)
+
+
+def _init(mesh, tx, check_vma=True):
+    model = MLP(FEATURES, True, fsdp_tp.shard_module_params(nn.Dense, "fsdp", min_weight_size=MIN_SIZE))
+
+    def init_fn(rng, x):
+        params = model.init(rng, x)["params"]
+        return fsdp_tp.TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=rng)
+
+    x = jax.numpy.ones((16, IN_DIM))
+    state, specs = fsdp_tp.init_sharded(init_fn, mesh, (P(), P(BATCH_AXES)), jax.random.key(0), x,
+                                        check_vma=check_vma)
+    return model, state, specs, x
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (2, 4), (4, 2)])
+def test_params_and_adamw_state_bytes_are_exactly_the_ideal(shape):
+    mesh = fsdp_tp.make_mesh({"data": shape[0], "fsdp": shape[1]})
+    _, state, _, _ = _init(mesh, optax.adamw(1e-3))
+    tree = (state.params, state.opt_state)
+    per_device = state_bytes_per_device(tree)
+    # params, mu and nu: kernels split over fsdp, biases whole; plus AdamW's int32 count.
+    expected = 3 * (KERNEL_BYTES // shape[1] + BIAS_BYTES) + 4
+    assert set(per_device.values()) == {expected}, per_device
+    assert len(per_device) == 8
+    assert ideal_bytes_per_device(tree) == expected
+
+
+def test_negative_control_memory_check_sees_replication():
+    """Unsharded params on the same mesh hold 8x the kernel bytes: the check must notice."""
+    mesh = fsdp_tp.make_mesh({"data": 1, "fsdp": 8})
+    _, state, _, _ = _init(mesh, optax.adamw(1e-3))
+    replicated = jax.device_put(nn.unbox(state.params), jax.NamedSharding(mesh, P()))
+    assert max(state_bytes_per_device(replicated).values()) == KERNEL_BYTES + BIAS_BYTES
+    assert KERNEL_BYTES + BIAS_BYTES != KERNEL_BYTES // 8 + BIAS_BYTES
+
+
+def _step_collectives(shape, check_vma: bool):
+    mesh = fsdp_tp.make_mesh({"data": shape[0], "fsdp": shape[1]})
+    model, state, specs, x = _init(mesh, optax.sgd(0.1), check_vma)
+
+    def train_step(state, batch):
+        grads = jax.grad(lambda p: ((model.apply({"params": p}, batch) ** 2).mean()))(state.params)
+        return state.apply_gradients(grads=fsdp_tp.sync_gradients(grads, BATCH_AXES)), ()
+
+    step = fsdp_tp.shard_step(train_step, mesh, specs, P(BATCH_AXES), check_vma=check_vma)
+    return parse_collectives(step.lower(state, x).compile().as_text())
+
+
+def _total(found, kind, attr="operand_bytes", min_group=1):
+    return sum(getattr(c, attr) * c.executions for c in found if c.kind == kind and c.group_size >= min_group)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("shape", [(1, 8), (2, 4)])
+def test_fsdp_step_moves_exactly_the_minimum(shape, check_vma):
+    n_data, n_fsdp = shape
+    n = n_data * n_fsdp
+    found = _step_collectives(shape, check_vma)
+    assert {c.kind for c in found} == {"all-gather", "reduce-scatter", "all-reduce"}
+    # One all-gather per sharded param (forward only: no remat) and one reduce-scatter per grad.
+    assert _total(found, "all-gather", "operands") == _total(found, "reduce-scatter", "operands") == 3
+    assert _total(found, "all-gather") == KERNEL_BYTES // n_fsdp
+    assert _total(found, "reduce-scatter") == KERNEL_BYTES
+    # All-reduces: replicated (bias) grads over all devices, and the kernel
+    # shards over `data` (a group of one on 1 x 8); never a full sharded gradient.
+    assert all(c.operand_bytes <= max(BIAS_BYTES, KERNEL_BYTES // n_fsdp)
+               for c in found if c.kind == "all-reduce")
+    assert _total(found, "all-reduce", min_group=2) == BIAS_BYTES + (KERNEL_BYTES // n_fsdp if n_data > 1 else 0)
+    wire = sum(entry["wire_bytes"] for entry in collective_summary(found).values())
+    expected = (2 * (n_fsdp - 1) / n_fsdp * KERNEL_BYTES
+                + 2 * (n_data - 1) / n_data * KERNEL_BYTES / n_fsdp
+                + 2 * (n - 1) / n * BIAS_BYTES)
+    assert wire == pytest.approx(expected, rel=1e-12)
+    if n_data == 1:  # DESIGN.md: W_min = 2(N-1)/N (S_p + R)
+        assert wire == pytest.approx(2 * (n - 1) / n * (KERNEL_BYTES + BIAS_BYTES), rel=1e-12)
+
+
+def test_negative_control_full_gradient_all_reduce_is_caught():
+    """Plain data parallelism (pmean of whole gradients) must fail the same byte check."""
+    mesh = fsdp_tp.make_mesh({"data": 1, "fsdp": 8})
+    model = MLP(FEATURES, True)
+    x = jax.numpy.ones((16, IN_DIM))
+
+    def step(params, x):
+        grads = jax.grad(lambda p: ((model.apply({"params": p}, x) ** 2).mean()))(params)
+        return jax.lax.pmean(grads, BATCH_AXES)
+
+    params = model.init(jax.random.key(0), x)["params"]
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(BATCH_AXES)), out_specs=P(),
+                              check_vma=False))
+    found = parse_collectives(f.lower(params, x).compile().as_text())
+    all_reduced = sum(c.operand_bytes * c.executions for c in found if c.kind == "all-reduce")
+    assert all_reduced == KERNEL_BYTES + BIAS_BYTES != BIAS_BYTES
