@@ -77,8 +77,9 @@ def main(steps: int = 30, batch_size: int = 256) -> None:
 
     per_device = max(fsdp_tp.analysis.state_bytes_per_device((state.params, state.opt_state)).values())
     full = sum(a.nbytes for a in jax.tree.leaves((ref_params, ref_opt)))
-    print(f"mesh {dict(mesh.shape)}: params + AdamW state {per_device:,} bytes per device "
-          f"(unsharded: {full:,})")
+    print(
+        f"mesh {dict(mesh.shape)}: params + AdamW state {per_device:,} bytes per device (unsharded: {full:,})"
+    )
     print(f"{'step':>4}  {'sharded loss':>12}  {'unsharded loss':>14}")
     for i in range(steps):
         lo = (i * batch_size) % len(x_all)

@@ -48,7 +48,12 @@ class ScanMLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         x = self.dense(self.width, name="embed")(x)
-        stack = nn.scan(nn.remat(self.block), variable_axes={"params": 0}, split_rngs={"params": True},
-                        length=self.depth, metadata_params={nn.PARTITION_NAME: None})
+        stack = nn.scan(
+            nn.remat(self.block),
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=self.depth,
+            metadata_params={nn.PARTITION_NAME: None},
+        )
         x, _ = stack(self.width, self.dense, name="blocks")(x, None)
         return self.dense(self.out_dim, name="head")(x)

@@ -40,8 +40,11 @@ def blind_sync(grads, axis_names):
 def sum_assuming_sync(grads, axis_names):
     """Divides where it should pmean: right only if JAX had summed (check_vma=True)."""
     size = jax.lax.axis_size(axis_names)
-    return jax.tree.map(lambda g: g / size if not isinstance(g, nn.Partitioned) else g, grads,
-                        is_leaf=lambda x: isinstance(x, nn.Partitioned))
+    return jax.tree.map(
+        lambda g: g / size if not isinstance(g, nn.Partitioned) else g,
+        grads,
+        is_leaf=lambda x: isinstance(x, nn.Partitioned),
+    )
 
 
 @st.composite
@@ -54,10 +57,16 @@ def mlp_cases(draw):
     if strategy == "fsdp":
         min_size = draw(st.sampled_from([0, 8, 64, 2**18]))
         dense = fsdp_tp.shard_module_params(nn.Dense, "fsdp", min_weight_size=min_size)
-    return Case(model=MLP(features, use_bias, dense), reference=MLP(features, use_bias),
-                mesh=mesh_of(data, fsdp), batch_axes=("data", "fsdp"),
-                check_vma=draw(st.booleans()), in_dim=draw(WIDTHS), out_dim=features[-1],
-                seed=draw(st.integers(0, 2**16)))
+    return Case(
+        model=MLP(features, use_bias, dense),
+        reference=MLP(features, use_bias),
+        mesh=mesh_of(data, fsdp),
+        batch_axes=("data", "fsdp"),
+        check_vma=draw(st.booleans()),
+        in_dim=draw(WIDTHS),
+        out_dim=features[-1],
+        seed=draw(st.integers(0, 2**16)),
+    )
 
 
 @replicated_ok
@@ -72,8 +81,18 @@ def test_every_mesh_and_both_modes(check_vma):
     """The drawn cases above are few in CI; this pins one FSDP case per mesh and mode."""
     dense = fsdp_tp.shard_module_params(nn.Dense, "fsdp", min_weight_size=0)
     for data, fsdp in MESHES:
-        check_equivalence(Case(MLP((16, 8), True, dense), MLP((16, 8), True), mesh_of(data, fsdp),
-                               ("data", "fsdp"), check_vma, in_dim=12, out_dim=8), steps=1)
+        check_equivalence(
+            Case(
+                MLP((16, 8), True, dense),
+                MLP((16, 8), True),
+                mesh_of(data, fsdp),
+                ("data", "fsdp"),
+                check_vma,
+                in_dim=12,
+                out_dim=8,
+            ),
+            steps=1,
+        )
 
 
 @replicated_ok
@@ -81,19 +100,31 @@ def test_every_mesh_and_both_modes(check_vma):
 def test_negative_control_wrong_sync_is_caught(check_vma, wrong_sync):
     """The property must fail on a sync that ignores how the gradient was reduced."""
     dense = fsdp_tp.shard_module_params(nn.Dense, "fsdp", min_weight_size=64)
-    case = Case(MLP((16, 4), True, dense), MLP((16, 4), True), mesh_of(2, 4), ("data", "fsdp"),
-                check_vma, in_dim=8, out_dim=4)
+    case = Case(
+        MLP((16, 4), True, dense),
+        MLP((16, 4), True),
+        mesh_of(2, 4),
+        ("data", "fsdp"),
+        check_vma,
+        in_dim=8,
+        out_dim=4,
+    )
     with pytest.raises(AssertionError, match="grads"):
         check_equivalence(case, sync=wrong_sync)
 
 
 @replicated_ok
 @settings(max_examples=max(2, settings().max_examples // 2))
-@given(mesh=st.sampled_from(MESHES[1:]), check_vma=st.booleans(), depth=st.integers(1, 3),
-       width=st.sampled_from([8, 16, 12]))
+@given(
+    mesh=st.sampled_from(MESHES[1:]),
+    check_vma=st.booleans(),
+    depth=st.integers(1, 3),
+    width=st.sampled_from([8, 16, 12]),
+)
 def test_scan_over_remat_blocks_equals_unsharded(mesh, check_vma, depth, width):
     shard = lambda target: fsdp_tp.shard_module_params(target, "fsdp", min_weight_size=0)
     model = ScanMLP(width, depth, out_dim=4, dense=shard(nn.Dense), block=shard(Block))
     reference = ScanMLP(width, depth, out_dim=4)
-    check_equivalence(Case(model, reference, mesh_of(*mesh), ("data", "fsdp"), check_vma,
-                           in_dim=6, out_dim=4))
+    check_equivalence(
+        Case(model, reference, mesh_of(*mesh), ("data", "fsdp"), check_vma, in_dim=6, out_dim=4)
+    )

@@ -32,8 +32,9 @@ def _init(mesh, tx, check_vma=True):
         return fsdp_tp.TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=rng)
 
     x = jax.numpy.ones((16, IN_DIM))
-    state, specs = fsdp_tp.init_sharded(init_fn, mesh, (P(), P(BATCH_AXES)), jax.random.key(0), x,
-                                        check_vma=check_vma)
+    state, specs = fsdp_tp.init_sharded(
+        init_fn, mesh, (P(), P(BATCH_AXES)), jax.random.key(0), x, check_vma=check_vma
+    )
     return model, state, specs, x
 
 
@@ -64,7 +65,7 @@ def _step_collectives(shape, check_vma: bool):
     model, state, specs, x = _init(mesh, optax.sgd(0.1), check_vma)
 
     def train_step(state, batch):
-        grads = jax.grad(lambda p: ((model.apply({"params": p}, batch) ** 2).mean()))(state.params)
+        grads = jax.grad(lambda p: (model.apply({"params": p}, batch) ** 2).mean())(state.params)
         return state.apply_gradients(grads=fsdp_tp.sync_gradients(grads, BATCH_AXES)), ()
 
     step = fsdp_tp.shard_step(train_step, mesh, specs, P(BATCH_AXES), check_vma=check_vma)
@@ -88,13 +89,18 @@ def test_fsdp_step_moves_exactly_the_minimum(shape, check_vma):
     assert _total(found, "reduce-scatter") == KERNEL_BYTES
     # All-reduces: replicated (bias) grads over all devices, and the kernel
     # shards over `data` (a group of one on 1 x 8); never a full sharded gradient.
-    assert all(c.operand_bytes <= max(BIAS_BYTES, KERNEL_BYTES // n_fsdp)
-               for c in found if c.kind == "all-reduce")
-    assert _total(found, "all-reduce", min_group=2) == BIAS_BYTES + (KERNEL_BYTES // n_fsdp if n_data > 1 else 0)
+    assert all(
+        c.operand_bytes <= max(BIAS_BYTES, KERNEL_BYTES // n_fsdp) for c in found if c.kind == "all-reduce"
+    )
+    assert _total(found, "all-reduce", min_group=2) == BIAS_BYTES + (
+        KERNEL_BYTES // n_fsdp if n_data > 1 else 0
+    )
     wire = sum(entry["wire_bytes"] for entry in collective_summary(found).values())
-    expected = (2 * (n_fsdp - 1) / n_fsdp * KERNEL_BYTES
-                + 2 * (n_data - 1) / n_data * KERNEL_BYTES / n_fsdp
-                + 2 * (n - 1) / n * BIAS_BYTES)
+    expected = (
+        2 * (n_fsdp - 1) / n_fsdp * KERNEL_BYTES
+        + 2 * (n_data - 1) / n_data * KERNEL_BYTES / n_fsdp
+        + 2 * (n - 1) / n * BIAS_BYTES
+    )
     assert wire == pytest.approx(expected, rel=1e-12)
     if n_data == 1:  # DESIGN.md: W_min = 2(N-1)/N (S_p + R)
         assert wire == pytest.approx(2 * (n - 1) / n * (KERNEL_BYTES + BIAS_BYTES), rel=1e-12)
@@ -107,12 +113,11 @@ def test_negative_control_full_gradient_all_reduce_is_caught():
     x = jax.numpy.ones((16, IN_DIM))
 
     def step(params, x):
-        grads = jax.grad(lambda p: ((model.apply({"params": p}, x) ** 2).mean()))(params)
+        grads = jax.grad(lambda p: (model.apply({"params": p}, x) ** 2).mean())(params)
         return jax.lax.pmean(grads, BATCH_AXES)
 
     params = model.init(jax.random.key(0), x)["params"]
-    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(BATCH_AXES)), out_specs=P(),
-                              check_vma=False))
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(BATCH_AXES)), out_specs=P(), check_vma=False))
     found = parse_collectives(f.lower(params, x).compile().as_text())
     all_reduced = sum(c.operand_bytes * c.executions for c in found if c.kind == "all-reduce")
     assert all_reduced == KERNEL_BYTES + BIAS_BYTES != BIAS_BYTES

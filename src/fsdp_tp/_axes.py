@@ -26,9 +26,7 @@ def bound_axis_names() -> tuple[AxisName, ...]:
     """The mesh axes that the enclosing ``jax.shard_map`` makes manual (empty outside one)."""
     mesh = jax.sharding.get_abstract_mesh()
     return tuple(
-        name
-        for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
-        if kind == AxisType.Manual
+        name for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True) if kind == AxisType.Manual
     )
 
 

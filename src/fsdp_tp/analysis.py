@@ -28,14 +28,33 @@ __all__ = [
     "state_bytes_per_device",
 ]
 
-_DTYPE_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s4": 1,
+    "u4": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
 _KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _SHAPE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_CALLEE = re.compile(r"\b(condition|body|to_apply|calls|branch_computations|called_computations)="
-                     r"(\{[^}]*\}|%?[\w.\-]+)")
+_CALLEE = re.compile(
+    r"\b(condition|body|to_apply|calls|branch_computations|called_computations)="
+    r"(\{[^}]*\}|%?[\w.\-]+)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +73,13 @@ class Collective:
     def wire_bytes(self) -> float:
         """Ring-model bytes sent per device over all executions of this op."""
         s, n = self.group_size, self.operand_bytes
-        per_run = {"all-gather": n * (s - 1), "reduce-scatter": n * (s - 1) / s,
-                   "all-reduce": 2 * n * (s - 1) / s, "all-to-all": n * (s - 1) / s,
-                   "collective-permute": n}[self.kind]
+        per_run = {
+            "all-gather": n * (s - 1),
+            "reduce-scatter": n * (s - 1) / s,
+            "all-reduce": 2 * n * (s - 1) / s,
+            "all-to-all": n * (s - 1) / s,
+            "collective-permute": n,
+        }[self.kind]
         return per_run * self.executions
 
 
@@ -135,8 +158,15 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
             found.append((kind, name, comp, operands, rest))
     runs = _executions(calls, trips, entry)
     return [
-        Collective(kind, name, comp, sum(_type_bytes(shapes.get(o, "")) for o in operands),
-                   len(operands), _group_size(rest, num_partitions), runs.get(comp, 0))
+        Collective(
+            kind,
+            name,
+            comp,
+            sum(_type_bytes(shapes.get(o, "")) for o in operands),
+            len(operands),
+            _group_size(rest, num_partitions),
+            runs.get(comp, 0),
+        )
         for kind, name, comp, operands, rest in found
     ]
 
@@ -179,8 +209,12 @@ def ideal_bytes_per_device(tree: PyTree) -> int:
     total = 0
     for leaf in jax.tree.leaves(tree):
         sharding = leaf.sharding
-        axes = [a for entry in sharding.spec if entry is not None
-                for a in (entry if isinstance(entry, tuple) else (entry,))]
+        axes = [
+            a
+            for entry in sharding.spec
+            if entry is not None
+            for a in (entry if isinstance(entry, tuple) else (entry,))
+        ]
         parts = math.prod(sharding.mesh.shape[a] for a in axes)
         total += int(np.prod(leaf.shape)) * leaf.dtype.itemsize // parts
     return total

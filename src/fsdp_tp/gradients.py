@@ -64,6 +64,6 @@ def sync_gradients(grads: PyTree, axis_names: AxisNames) -> PyTree:
     """
     names = require_axes(axis_names, "sync_gradients")
     checking = checks_vma(names[0]) if names else False
-    return jax.tree.map(functools.partial(_sync_leaf, axis_names=names, checking=checking),
-                        grads, is_leaf=_is_box)
-
+    return jax.tree.map(
+        functools.partial(_sync_leaf, axis_names=names, checking=checking), grads, is_leaf=_is_box
+    )

@@ -97,6 +97,14 @@ def simulate_cpu_devices(n: int) -> None:
 
     Raises ``RuntimeError`` if the backend already started with a different
     count, since the device count is fixed from then on in this process.
+    In a fresh process: ``import fsdp_tp; fsdp_tp.simulate_cpu_devices(8)``
+    right after the imports. Here the backend already runs 8 devices:
+
+    >>> simulate_cpu_devices(8)   # the count it has: nothing to do
+    >>> simulate_cpu_devices(4)
+    Traceback (most recent call last):
+    ...
+    RuntimeError: simulate_cpu_devices(4): the JAX backend already started with 8 cpu device(s), ...
     """
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"simulate_cpu_devices: n must be a positive int, got {n!r}.")

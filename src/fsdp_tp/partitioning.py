@@ -22,6 +22,9 @@ from .errors import IndivisibleShapeError, SpecTreeMismatchError
 __all__ = ["check_specs", "derive_specs", "init_sharded", "shard_step", "specs_of"]
 
 
+_REPLICATED = PartitionSpec()
+
+
 def _is_spec(x) -> bool:
     return isinstance(x, PartitionSpec) or x is None
 
@@ -34,7 +37,7 @@ def specs_of(tree: PyTree) -> PyTree:
 
     >>> import flax.linen as nn, jax.numpy as jnp
     >>> specs_of({"w": nn.Partitioned(jnp.ones((2, 4)), (None, "fsdp")), "step": 0})
-    {'step': PartitionSpec(), 'w': PartitionSpec(None, 'fsdp')}
+    {'step': P(), 'w': P(None, 'fsdp')}
     """
     return jax.tree.map(
         lambda x: x.get_partition_spec() if isinstance(x, nn.Partitioned) else PartitionSpec(),
@@ -56,7 +59,7 @@ def derive_specs(fn: Callable, mesh: Mesh, in_specs: Specs, *args, check_vma: bo
     >>> mesh = make_mesh({"fsdp": 8})
     >>> Dense = shard_module_params(nn.Dense, min_weight_size=0)
     >>> derive_specs(lambda x: Dense(16).init(jax.random.key(0), x), mesh, P("fsdp"), jnp.ones((8, 4)))
-    {'params': {'bias': PartitionSpec('fsdp',), 'kernel': PartitionSpec(None, 'fsdp')}}
+    {'params': {'bias': P('fsdp',), 'kernel': P(None, 'fsdp')}}
     """
     captured: dict[str, Any] = {}
 
@@ -110,11 +113,11 @@ def check_specs(tree: PyTree, specs: Specs, mesh: Mesh, what: str = "value") -> 
     >>> check_specs({"x": jnp.ones((6, 2))}, {"x": P("data")}, make_mesh({"data": 4, "fsdp": 2}), "batch")
     Traceback (most recent call last):
     ...
-    fsdp_tp.errors.IndivisibleShapeError: batch['x']: dim 0 (size 6) of shape (6, 2) is not divisible by mesh axes ('data',) (size 4) of spec PartitionSpec('data',); make it a multiple of 4 (for a batch: the global batch size) or change the spec.
+    fsdp_tp.errors.IndivisibleShapeError: batch['x']: dim 0 (size 6) of shape (6, 2) is not divisible by ...
     """
     spec_leaves, spec_def = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)
     try:
-        subtrees = spec_def.flatten_up_to(tree)
+        subtrees = spec_def.flatten_up_to(tree)  # type: ignore[attr-defined]  # exists, untyped
     except (ValueError, TypeError) as err:
         raise SpecTreeMismatchError(
             f"the specs given for the {what} do not match its structure: {err}. Derive them from "
@@ -135,13 +138,39 @@ def init_sharded(
 
     The state comes back as global arrays laid out by the derived specs; no
     device ever holds more than its shards plus the parameter being sliced.
+
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from fsdp_tp import make_mesh, shard_module_params
+    >>> mesh = make_mesh({"data": 2, "fsdp": 4})
+    >>> model = shard_module_params(nn.Dense, min_weight_size=0)(8)
+    >>> init_fn = lambda rng, x: model.init(rng, x)["params"]
+    >>> params, specs = init_sharded(init_fn, mesh, (P(), P(("data", "fsdp"))), jax.random.key(0),
+    ...                              jnp.ones((8, 4)))
+    >>> specs["kernel"], params["kernel"].value.shape   # global shape; each device holds (4, 2)
+    (P(None, 'fsdp'), (4, 8))
+    >>> params["kernel"].value.addressable_shards[0].data.shape
+    (4, 2)
     """
     check_specs(args, in_specs, mesh, "init argument")
-    specs = derive_specs(init_fn, mesh, in_specs, *args, check_vma=check_vma)
-    init = jax.jit(
-        jax.shard_map(init_fn, mesh=mesh, in_specs=in_specs, out_specs=specs, check_vma=check_vma)
+    # One spec per array leaf (a box holds one array), so the init's out_specs
+    # do not depend on static metadata: an optimizer built inside init_fn is a
+    # new object on every trace, and would not match a spec tree from another.
+    flat_specs = jax.tree.leaves(
+        derive_specs(init_fn, mesh, in_specs, *args, check_vma=check_vma), is_leaf=_is_spec
     )
-    return init(*args), specs
+    structure: dict[str, Any] = {}
+
+    def flat_init(*inner):
+        leaves, structure["treedef"] = jax.tree.flatten(init_fn(*inner))
+        return leaves
+
+    init = jax.jit(
+        jax.shard_map(flat_init, mesh=mesh, in_specs=in_specs, out_specs=flat_specs, check_vma=check_vma)
+    )
+    leaves = init(*args)  # traces flat_init, which records the treedef
+    state = jax.tree.unflatten(structure["treedef"], leaves)
+    return state, specs_of(state)
 
 
 def shard_step(
@@ -150,7 +179,7 @@ def shard_step(
     state_specs: PyTree,
     batch_specs: Specs,
     *,
-    metrics_specs: Specs = PartitionSpec(),
+    metrics_specs: Specs = _REPLICATED,
     check_vma: bool = True,
     donate_state: bool = True,
 ) -> Callable[[PyTree, PyTree], tuple[PyTree, PyTree]]:
@@ -161,6 +190,22 @@ def shard_step(
     The state is donated, so the caller must not reuse the state it passed.
     The state and batch are checked against their specs on every call, so a
     mismatched tree or an indivisible batch fails with a message, not deep in XLA.
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from fsdp_tp import TrainState, make_mesh, sync_gradients
+    >>> mesh = make_mesh({"data": 8})
+    >>> def init_fn(rng):
+    ...     return TrainState.create(apply_fn=None, params={"w": jnp.zeros(())}, tx=optax.sgd(1.0), rng=rng)
+    >>> def step_fn(state, x):
+    ...     loss, grads = jax.value_and_grad(lambda p: ((p["w"] - x) ** 2).mean())(state.params)
+    ...     state = state.apply_gradients(grads=sync_gradients(grads, "data"))
+    ...     return state, jax.lax.pmean(loss, "data")
+    >>> state, specs = init_sharded(init_fn, mesh, P(), jax.random.key(0))
+    >>> step = shard_step(step_fn, mesh, specs, P("data"))
+    >>> state, loss = step(state, jnp.arange(8.0))   # w moves to 2 * mean(x) * lr = 7.0
+    >>> float(loss), float(state.params["w"])
+    (17.5, 7.0)
     """
     sharded = jax.jit(
         jax.shard_map(

@@ -83,7 +83,9 @@ def accumulate_gradients(
     (7.0, 3.5)
     """
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
-        raise ValueError(f"accumulate_gradients: num_microbatches must be a positive int, got {num_microbatches!r}.")
+        raise ValueError(
+            f"accumulate_gradients: num_microbatches must be a positive int, got {num_microbatches!r}."
+        )
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if num_microbatches == 1:
         return grad_fn(params, batch, rng)
