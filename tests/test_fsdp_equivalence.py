@@ -128,3 +128,31 @@ def test_scan_over_remat_blocks_equals_unsharded(mesh, check_vma, depth, width):
     check_equivalence(
         Case(model, reference, mesh_of(*mesh), ("data", "fsdp"), check_vma, in_dim=6, out_dim=4)
     )
+
+
+@replicated_ok
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_transform_applied_for_two_axes_equals_unsharded(check_vma):
+    """Sharding over fsdp, then over data: every device holds 1/8 of each kernel."""
+    dense = fsdp_tp.shard_module_params(
+        fsdp_tp.shard_module_params(nn.Dense, "fsdp", min_weight_size=0), "data", min_weight_size=0
+    )
+    case = Case(
+        MLP((16, 8), True, dense),
+        MLP((16, 8), True),
+        mesh_of(2, 4),
+        ("data", "fsdp"),
+        check_vma,
+        in_dim=12,
+        out_dim=8,
+    )
+    check_equivalence(case)
+    specs = fsdp_tp.derive_specs(
+        lambda r, x: dense(16).init(r, x)["params"],
+        case.mesh,
+        (jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(case.batch_axes)),
+        jax.random.key(0),
+        jax.numpy.ones((16, 12)),
+        check_vma=check_vma,
+    )
+    assert specs["kernel"] == jax.sharding.PartitionSpec("data", "fsdp")
