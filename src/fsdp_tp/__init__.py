@@ -6,7 +6,10 @@ The public API is re-exported here; the modules behind it are documented in
 
 from . import analysis as analysis
 from . import errors as errors
+from .collectives import copy_to_axis as copy_to_axis
 from .collectives import gather_array_with_mean_grads as gather_array_with_mean_grads
+from .collectives import gather_from_axis as gather_from_axis
+from .collectives import reduce_from_axis as reduce_from_axis
 from .fsdp import gather_params as gather_params
 from .fsdp import shard_module_params as shard_module_params
 from .fsdp import shard_params as shard_params
@@ -20,6 +23,9 @@ from .partitioning import derive_specs as derive_specs
 from .partitioning import init_sharded as init_sharded
 from .partitioning import shard_step as shard_step
 from .partitioning import specs_of as specs_of
+from .tensor_parallel import ColumnParallelDense as ColumnParallelDense
+from .tensor_parallel import MLPBlock as MLPBlock
+from .tensor_parallel import RowParallelDense as RowParallelDense
 from .train import TrainState as TrainState
 from .train import accumulate_gradients as accumulate_gradients
 from .train import fold_rng_over_axis as fold_rng_over_axis
@@ -28,18 +34,24 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_AXIS_NAMES",
+    "ColumnParallelDense",
+    "MLPBlock",
+    "RowParallelDense",
     "TrainState",
     "accumulate_gradients",
     "analysis",
     "check_specs",
+    "copy_to_axis",
     "derive_specs",
     "errors",
     "fold_rng_over_axis",
     "gather_array_with_mean_grads",
+    "gather_from_axis",
     "gather_params",
     "init_sharded",
     "make_mesh",
     "parse_mesh",
+    "reduce_from_axis",
     "shard_module_params",
     "shard_params",
     "shard_step",

@@ -1,0 +1,146 @@
+"""Column- and row-parallel dense layers with ``nn.Dense``'s parameter tree.
+
+Each layer creates its parameters through an initializer that computes the
+full parameter from the layer's own rng and keeps this device's slice, so the
+global tree, shapes, dtypes and the init equal ``nn.Dense``'s, on any mesh, and
+unsharded ``nn.Dense`` params load unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from .._axes import require_axes
+from ..collectives import copy_to_axis, gather_from_axis, reduce_from_axis
+from ..errors import IndivisibleShapeError
+
+__all__ = ["ColumnParallelDense", "RowParallelDense", "split_param"]
+
+_Init = Callable[..., jax.Array]
+
+
+def _path(module: nn.Module, name: str) -> str:
+    return "/".join((*map(str, module.path), name)) if module.path else name
+
+
+def split_param(
+    module: nn.Module, name: str, init_fn: _Init, shape: tuple[int, ...], dtype: Any, names: tuple
+) -> jax.Array:
+    """Creates parameter ``name`` of global ``shape`` split as ``names`` says; returns the local slice.
+
+    ``names[i]`` is the mesh axis dim ``i`` is split over, or ``None``. The
+    full parameter is initialized (same rng as an unsplit layer) and sliced, so
+    the gathered init equals the unsplit init bit for bit. Stored boxed as
+    ``nn.Partitioned``; read without unboxing, since unboxing inside
+    ``shard_map`` applies a sharding constraint on manual axes.
+    """
+    for dim, axis in enumerate(names):
+        if axis is None:
+            continue
+        (axis,) = require_axes(axis, type(module).__name__)
+        size = jax.lax.axis_size(axis)
+        if shape[dim] % size:
+            raise IndivisibleShapeError(
+                f"{_path(module, name)}: dim {dim} (size {shape[dim]}) of shape {shape} is not divisible "
+                f"by mesh axis {axis!r} (size {size}); make it a multiple of {size} or use a smaller "
+                f"{axis!r} axis."
+            )
+
+    def sliced_init(key, shape, dtype):
+        value = init_fn(key, shape, dtype)
+        for dim, axis in enumerate(names):
+            if axis is not None:
+                width = shape[dim] // jax.lax.axis_size(axis)
+                value = jax.lax.dynamic_slice_in_dim(value, jax.lax.axis_index(axis) * width, width, dim)
+        return nn.Partitioned(value, names)
+
+    boxed = module.param(name, sliced_init, shape, dtype, unbox=False)
+    return boxed.value if isinstance(boxed, nn.Partitioned) else boxed
+
+
+def _matmul(x, kernel, precision):
+    return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
+
+
+class ColumnParallelDense(nn.Module):
+    """``nn.Dense`` with the kernel split on its output dim over ``axis_name``.
+
+    Input: the same on every device of the axis. Output: this device's slice of
+    the features (last dim), or all of them with ``gather_output=True``.
+    Backward: the input's gradient is summed over the axis (Megatron's *f*).
+    """
+
+    features: int
+    use_bias: bool = True
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    precision: Any = None
+    kernel_init: _Init = nn.linear.default_kernel_init
+    bias_init: _Init = nn.initializers.zeros_init()
+    axis_name: str = "tensor"
+    gather_output: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = split_param(
+            self,
+            "kernel",
+            self.kernel_init,
+            (x.shape[-1], self.features),
+            self.param_dtype,
+            (None, self.axis_name),
+        )
+        bias = (
+            split_param(self, "bias", self.bias_init, (self.features,), self.param_dtype, (self.axis_name,))
+            if self.use_bias
+            else None
+        )
+        x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+        y = _matmul(copy_to_axis(x, self.axis_name), kernel, self.precision)
+        if bias is not None:
+            y = y + bias
+        return gather_from_axis(y, y.ndim - 1, self.axis_name) if self.gather_output else y
+
+
+class RowParallelDense(nn.Module):
+    """``nn.Dense`` with the kernel split on its input dim over ``axis_name``.
+
+    Input: this device's slice of the last dim (e.g. a column-parallel output).
+    Output: the full result, the same on every device of the axis; the partial
+    products are summed (Megatron's *g*) and the bias is added once, after.
+    """
+
+    features: int
+    use_bias: bool = True
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    precision: Any = None
+    kernel_init: _Init = nn.linear.default_kernel_init
+    bias_init: _Init = nn.initializers.zeros_init()
+    axis_name: str = "tensor"
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        (axis,) = require_axes(self.axis_name, type(self).__name__)
+        full_in = x.shape[-1] * jax.lax.axis_size(axis)
+        kernel = split_param(
+            self,
+            "kernel",
+            self.kernel_init,
+            (full_in, self.features),
+            self.param_dtype,
+            (self.axis_name, None),
+        )
+        bias = (
+            split_param(self, "bias", self.bias_init, (self.features,), self.param_dtype, (None,))
+            if self.use_bias
+            else None
+        )
+        x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+        y = reduce_from_axis(_matmul(x, kernel, self.precision), self.axis_name)
+        return y + bias if bias is not None else y

@@ -1,0 +1,181 @@
+"""Tensor-parallel layers and blocks against their unsharded twins (issue 3)."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
+
+import fsdp_tp
+from fsdp_tp.analysis import parse_collectives, state_bytes_per_device
+from fsdp_tp.errors import IndivisibleShapeError
+from tests.equivalence import Case, check_equivalence
+
+BATCH_AXES = ("data", "fsdp")
+MESHES = [(1, 1, 1), (1, 1, 2), (1, 1, 4), (1, 1, 8), (2, 2, 2), (1, 2, 4), (2, 1, 4), (1, 4, 2)]
+replicated_ok = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")
+
+
+def mesh_of(data, fsdp, tensor):
+    n = data * fsdp * tensor
+    return fsdp_tp.make_mesh({"data": data, "fsdp": fsdp, "tensor": tensor}, devices=jax.devices()[:n])
+
+
+class ColumnThenGather(nn.Module):
+    """A column-parallel layer whose output is gathered, then an ordinary loss-side layer."""
+
+    features: int
+    axis_name: str | None = "tensor"
+
+    @nn.compact
+    def __call__(self, x):
+        if self.axis_name is None:
+            return nn.Dense(self.features, name="col")(x)
+        return fsdp_tp.ColumnParallelDense(
+            self.features, axis_name=self.axis_name, gather_output=True, name="col"
+        )(x)
+
+
+@replicated_ok
+@given(
+    mesh=st.sampled_from(MESHES),
+    check_vma=st.booleans(),
+    fsdp=st.booleans(),
+    use_bias=st.booleans(),
+    hidden_mult=st.integers(1, 3),
+    in_dim=st.sampled_from([4, 6, 8]),
+    seed=st.integers(0, 2**16),
+)
+def test_mlp_block_equals_unsharded(mesh, check_vma, fsdp, use_bias, hidden_mult, in_dim, seed):
+    hidden = 8 * hidden_mult  # divisible by every tensor size drawn
+    block = fsdp_tp.MLPBlock
+    if fsdp:
+        block = fsdp_tp.shard_module_params(fsdp_tp.MLPBlock, "fsdp", min_weight_size=0)
+    model = block(hidden, out_features=4, use_bias=use_bias)
+    reference = fsdp_tp.MLPBlock(hidden, out_features=4, use_bias=use_bias, axis_name=None)
+    check_equivalence(
+        Case(model, reference, mesh_of(*mesh), BATCH_AXES, check_vma, in_dim=in_dim, out_dim=4, seed=seed)
+    )
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("mesh", [(1, 1, 8), (2, 1, 4)])
+def test_gathered_column_output_equals_dense(mesh, check_vma):
+    case = Case(
+        ColumnThenGather(16),
+        ColumnThenGather(16, axis_name=None),
+        mesh_of(*mesh),
+        BATCH_AXES,
+        check_vma,
+        in_dim=6,
+        out_dim=16,
+    )
+    check_equivalence(case)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_negative_control_plain_psum_in_unchecked_mode_is_caught(check_vma, monkeypatch):
+    """A row layer that psums with JAX's own transpose: right when checked, T times too large when not."""
+    from fsdp_tp.tensor_parallel import dense
+
+    monkeypatch.setattr(dense, "reduce_from_axis", lambda x, axis_name: jax.lax.psum(x, axis_name))
+    case = Case(
+        fsdp_tp.MLPBlock(16, 4),
+        fsdp_tp.MLPBlock(16, 4, axis_name=None),
+        mesh_of(1, 1, 4),
+        BATCH_AXES,
+        check_vma,
+        in_dim=6,
+        out_dim=4,
+    )
+    if check_vma:
+        check_equivalence(case)
+    else:
+        with pytest.raises(AssertionError, match="grads"):
+            check_equivalence(case)
+
+
+def test_unsharded_dense_params_load_into_parallel_layers():
+    mesh = mesh_of(1, 1, 4)
+    x = jax.random.normal(jax.random.key(1), (8, 6))
+    plain = fsdp_tp.MLPBlock(16, 4, axis_name=None)
+    params = plain.init(jax.random.key(7), x)["params"]
+    _, specs = fsdp_tp.init_sharded(
+        lambda r, x: fsdp_tp.MLPBlock(16, 4).init(r, x)["params"], mesh, (P(), P()), jax.random.key(0), x
+    )
+    run = jax.shard_map(
+        lambda p, x: fsdp_tp.MLPBlock(16, 4).apply({"params": p}, x),
+        mesh=mesh,
+        in_specs=(specs, P()),
+        out_specs=P(),
+    )
+    boxed = jax.tree.map(
+        lambda v, s: nn.Partitioned(v, tuple(s)) if any(s) else v,
+        params,
+        specs,
+        is_leaf=lambda s: isinstance(s, P),
+    )
+    got = run(boxed, x)
+    assert jnp.allclose(got, plain.apply({"params": params}, x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_mlp_block_moves_the_megatron_minimum(check_vma):
+    """Forward + backward (input gradient included): one all-reduce each way, of activation size."""
+    mesh = mesh_of(1, 1, 8)
+    block = fsdp_tp.MLPBlock(64, out_features=32)
+    x = jnp.ones((16, 32))
+    params, specs = fsdp_tp.init_sharded(
+        lambda r, x: block.init(r, x)["params"], mesh, (P(), P()), jax.random.key(0), x, check_vma=check_vma
+    )
+
+    def fwd_bwd(params, x):
+        return jax.grad(lambda p, x: (block.apply({"params": p}, x) ** 2).sum(), argnums=(0, 1))(params, x)
+
+    f = jax.jit(
+        jax.shard_map(fwd_bwd, mesh=mesh, in_specs=(specs, P()), out_specs=(specs, P()), check_vma=check_vma)
+    )
+    found = [c for c in parse_collectives(f.lower(params, x).compile().as_text()) if c.group_size > 1]
+    assert [c.kind for c in found] == ["all-reduce", "all-reduce"]
+    assert [c.operand_bytes for c in found] == [16 * 32 * 4, 16 * 32 * 4]  # (batch, out) fwd, (batch, in) bwd
+
+
+def test_tp_and_fsdp_state_bytes_are_exactly_the_ideal():
+    mesh = mesh_of(2, 2, 2)
+    block = fsdp_tp.shard_module_params(fsdp_tp.MLPBlock, "fsdp", min_weight_size=0)(32, out_features=16)
+    tx = optax.adamw(1e-3)
+
+    def init_fn(rng, x):
+        return fsdp_tp.TrainState.create(
+            apply_fn=block.apply, params=block.init(rng, x)["params"], tx=tx, rng=rng
+        )
+
+    with pytest.warns(fsdp_tp.errors.ReplicatedParameterWarning, match="bias of shape"):
+        state, specs = fsdp_tp.init_sharded(
+            init_fn, mesh, (P(), P(BATCH_AXES)), jax.random.key(0), jnp.ones((8, 16))
+        )
+    assert specs.params["wi"]["kernel"] == P("fsdp", "tensor") and specs.params["wo"]["kernel"] == P(
+        "tensor", "fsdp"
+    )
+    # wi: kernel 16x32 /4, bias 32 /2 (over tensor only: its one dim is taken);
+    # wo: kernel 32x16 /4, bias 16 /2 (over fsdp).
+    per_param = 4 * (16 * 32 // 4 + 32 // 2 + 32 * 16 // 4 + 16 // 2)
+    assert set(state_bytes_per_device((state.params, state.opt_state)).values()) == {3 * per_param + 4}
+
+
+def test_features_not_divisible_by_the_axis():
+    mesh = mesh_of(1, 1, 4)
+    init = jax.shard_map(
+        lambda x: fsdp_tp.MLPBlock(10).init(jax.random.key(0), x),
+        mesh=mesh,
+        in_specs=P(),
+        out_specs=P(),
+        check_vma=False,
+    )
+    with pytest.raises(IndivisibleShapeError, match=r"wi/kernel: dim 1 \(size 10\) .* 'tensor' \(size 4\)"):
+        jax.eval_shape(init, jnp.ones((2, 8)))
