@@ -35,6 +35,7 @@ class Case:
     out_dim: int
     batch_size: int = 16
     seed: int = 0
+    seq_len: int | None = None  # inputs (batch, seq, dim) when set, else (batch, dim)
 
 
 def mse(model: nn.Module, params, x, y):
@@ -45,10 +46,8 @@ def batches(case: Case, count: int):
     keys = jax.random.split(jax.random.key(case.seed + 1), count)
     for key in keys:
         kx, ky = jax.random.split(key)
-        yield (
-            jax.random.normal(kx, (case.batch_size, case.in_dim)),
-            jax.random.normal(ky, (case.batch_size, case.out_dim)),
-        )
+        lead = (case.batch_size,) if case.seq_len is None else (case.batch_size, case.seq_len)
+        yield (jax.random.normal(kx, (*lead, case.in_dim)), jax.random.normal(ky, (*lead, case.out_dim)))
 
 
 def assert_trees_close(actual, expected, what: str, exact: bool = False) -> None:

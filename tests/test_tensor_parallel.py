@@ -179,3 +179,72 @@ def test_features_not_divisible_by_the_axis():
     )
     with pytest.raises(IndivisibleShapeError, match=r"wi/kernel: dim 1 \(size 10\) .* 'tensor' \(size 4\)"):
         jax.eval_shape(init, jnp.ones((2, 8)))
+
+
+@st.composite
+def attention_cases(draw):
+    mesh = draw(st.sampled_from(MESHES))
+    tensor = mesh[2]
+    heads = tensor * draw(st.integers(1, 2))
+    # kv heads: a divisor of heads that divides or is divided by the axis size (smaller than it included)
+    kv = draw(
+        st.sampled_from(
+            [g for g in range(1, heads + 1) if heads % g == 0 and (g % tensor == 0 or tensor % g == 0)]
+        )
+    )
+    use_bias = draw(st.booleans())
+    kw = dict(num_heads=heads, head_dim=4, num_kv_heads=kv, use_bias=use_bias)
+    model = fsdp_tp.AttentionBlock(**kw)
+    if draw(st.booleans()):
+        model = fsdp_tp.shard_module_params(fsdp_tp.AttentionBlock, "fsdp", min_weight_size=0)(**kw)
+    return Case(
+        model,
+        fsdp_tp.AttentionBlock(**kw, axis_name=None),
+        mesh_of(*mesh),
+        BATCH_AXES,
+        draw(st.booleans()),
+        in_dim=8,
+        out_dim=8,
+        seq_len=5,
+        batch_size=8,
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@replicated_ok
+@given(attention_cases())
+def test_attention_block_equals_unsharded(case):
+    check_equivalence(case)
+
+
+@replicated_ok
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_gqa_with_fewer_kv_heads_than_devices(check_vma):
+    kw = dict(num_heads=8, head_dim=4, num_kv_heads=2, use_bias=True)
+    check_equivalence(
+        Case(
+            fsdp_tp.AttentionBlock(**kw),
+            fsdp_tp.AttentionBlock(**kw, axis_name=None),
+            mesh_of(1, 1, 8),
+            BATCH_AXES,
+            check_vma,
+            in_dim=8,
+            out_dim=8,
+            seq_len=5,
+            batch_size=8,
+        )
+    )
+
+
+def test_heads_not_divisible_by_the_axis():
+    init = jax.shard_map(
+        lambda x: fsdp_tp.AttentionBlock(6, 4).init(jax.random.key(0), x),
+        mesh=mesh_of(1, 1, 4),
+        in_specs=P(),
+        out_specs=P(),
+        check_vma=False,
+    )
+    with pytest.raises(
+        IndivisibleShapeError, match=r"num_heads=6 is not divisible by mesh axis 'tensor' \(size 4\)"
+    ):
+        jax.eval_shape(init, jnp.ones((2, 3, 8)))

@@ -23,6 +23,7 @@ from .partitioning import derive_specs as derive_specs
 from .partitioning import init_sharded as init_sharded
 from .partitioning import shard_step as shard_step
 from .partitioning import specs_of as specs_of
+from .tensor_parallel import AttentionBlock as AttentionBlock
 from .tensor_parallel import ColumnParallelDense as ColumnParallelDense
 from .tensor_parallel import MLPBlock as MLPBlock
 from .tensor_parallel import RowParallelDense as RowParallelDense
@@ -34,6 +35,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_AXIS_NAMES",
+    "AttentionBlock",
     "ColumnParallelDense",
     "MLPBlock",
     "RowParallelDense",

@@ -1,0 +1,146 @@
+"""Multi-head attention with heads split over a mesh axis (grouped-query included)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from .._axes import require_axes
+from ..collectives import copy_to_axis
+from ..errors import IndivisibleShapeError
+from .dense import ColumnParallelDense, RowParallelDense, split_param
+
+__all__ = ["AttentionBlock"]
+
+
+def _dot_attention(q, k, v, causal: bool):
+    """q: (..., S, H, D); k, v: (..., S, G, D) with H a multiple of G; softmax in f32."""
+    heads, groups = q.shape[-2], k.shape[-2]
+    k = jnp.repeat(k, heads // groups, axis=-2)
+    v = jnp.repeat(v, heads // groups, axis=-2)
+    logits = jnp.einsum("...qhd,...khd->...hqk", q, k).astype(jnp.float32) / jnp.sqrt(q.shape[-1])
+    if causal:
+        seq = q.shape[-3]
+        logits = jnp.where(jnp.tril(jnp.ones((seq, seq), bool)), logits, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    return jnp.einsum("...hqk,...khd->...qhd", weights, v)
+
+
+class _ReplicatedKV(nn.Module):
+    """A k or v projection kept whole on every device (fewer kv heads than devices); each
+    device uses the columns of the one kv head its query heads read."""
+
+    features: int
+    head_dim: int
+    use_bias: bool
+    param_dtype: Any
+    axis_name: str
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = split_param(
+            self,
+            "kernel",
+            nn.linear.default_kernel_init,
+            (x.shape[-1], self.features),
+            self.param_dtype,
+            (None, None),
+        )
+        bias = (
+            split_param(
+                self, "bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype, (None,)
+            )
+            if self.use_bias
+            else None
+        )
+        size = jax.lax.axis_size(self.axis_name)
+        groups = self.features // self.head_dim
+        # Device t reads kv head t * groups // size; its gradient is summed over the axis.
+        start = (jax.lax.axis_index(self.axis_name) * groups // size) * self.head_dim
+        kernel = jax.lax.dynamic_slice_in_dim(copy_to_axis(kernel, self.axis_name), start, self.head_dim, 1)
+        y = x @ kernel
+        if bias is not None:
+            y = y + jax.lax.dynamic_slice_in_dim(copy_to_axis(bias, self.axis_name), start, self.head_dim, 0)
+        return y
+
+
+class AttentionBlock(nn.Module):
+    """Multi-head (or grouped-query) self-attention, heads split over ``axis_name``.
+
+    ``query``/``key``/``value`` are column-parallel (whole heads per device),
+    ``out`` is row-parallel: one all-reduce forward and one backward. With
+    ``num_kv_heads`` smaller than the axis size (it must divide it), k and v
+    stay whole on every device. ``axis_name=None`` is the unsharded twin,
+    with the same parameter tree: ``query``, ``key``, ``value``, ``out``, each
+    an ``nn.Dense``.
+
+    ``use_bias`` gives ``query``, ``value`` and ``out`` a bias, never ``key``:
+    softmax ignores a shift shared by all logits of a query, so a key bias has
+    an identically zero gradient, and Adam would turn its rounding noise into
+    lr-sized drift.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from fsdp_tp import init_sharded, make_mesh
+    >>> mesh = make_mesh({"tensor": 4})
+    >>> block = AttentionBlock(num_heads=8, num_kv_heads=2, head_dim=4)
+    >>> _, specs = init_sharded(lambda r, x: block.init(r, x)["params"], mesh, (P(), P()),
+    ...                         jax.random.key(0), jnp.ones((2, 5, 16)))
+    >>> specs["query"]["kernel"], specs["key"]["kernel"], specs["out"]["kernel"]
+    (P(None, 'tensor'), P(None, None), P('tensor', None))
+    """
+
+    num_heads: int
+    head_dim: int
+    num_kv_heads: int | None = None
+    use_bias: bool = False
+    causal: bool = True
+    param_dtype: Any = jnp.float32
+    axis_name: str | None = "tensor"
+
+    def _check_heads(self, size: int) -> None:
+        kv = self.num_kv_heads or self.num_heads
+        if self.num_heads % size:
+            raise IndivisibleShapeError(
+                f"{'/'.join(map(str, self.path)) or 'AttentionBlock'}: num_heads={self.num_heads} is not "
+                f"divisible by mesh axis {self.axis_name!r} (size {size}); use a head count that is a "
+                f"multiple of {size} or a smaller {self.axis_name!r} axis."
+            )
+        if self.num_heads % kv or (kv % size and size % kv):
+            raise IndivisibleShapeError(
+                f"{'/'.join(map(str, self.path)) or 'AttentionBlock'}: num_kv_heads={kv} must divide "
+                f"num_heads={self.num_heads} and either be divisible by or divide mesh axis "
+                f"{self.axis_name!r} (size {size})."
+            )
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kv = self.num_kv_heads or self.num_heads
+        d_model, dim = x.shape[-1], self.head_dim
+        kw = dict(use_bias=self.use_bias, param_dtype=self.param_dtype)
+        no_bias = dict(kw, use_bias=False)
+        out: nn.Module
+        if self.axis_name is None:
+            q = nn.Dense(self.num_heads * dim, name="query", **kw)(x)
+            k = nn.Dense(kv * dim, name="key", **no_bias)(x)
+            v = nn.Dense(kv * dim, name="value", **kw)(x)
+            out = nn.Dense(d_model, name="out", **kw)
+        else:
+            require_axes(self.axis_name, "AttentionBlock")
+            axis = self.axis_name
+            size = jax.lax.axis_size(axis)
+            self._check_heads(size)
+            q = ColumnParallelDense(self.num_heads * dim, axis_name=axis, name="query", **kw)(x)
+            if kv % size == 0:
+                k = ColumnParallelDense(kv * dim, axis_name=axis, name="key", **no_bias)(x)
+                v = ColumnParallelDense(kv * dim, axis_name=axis, name="value", **kw)(x)
+            else:
+                k = _ReplicatedKV(kv * dim, dim, False, self.param_dtype, axis, name="key")(x)
+                v = _ReplicatedKV(kv * dim, dim, self.use_bias, self.param_dtype, axis, name="value")(x)
+            out = RowParallelDense(d_model, axis_name=axis, name="out", **kw)
+        split = lambda t: t.reshape(*t.shape[:-1], t.shape[-1] // dim, dim)
+        y = _dot_attention(split(q), split(k), split(v), self.causal)
+        return out(y.reshape(*y.shape[:-2], -1))
