@@ -85,7 +85,7 @@ class AttentionBlock(nn.Module):
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import PartitionSpec as P
     >>> from fsdp_tp import init_sharded, make_mesh
-    >>> mesh = make_mesh({"tensor": 4})
+    >>> mesh = make_mesh({"data": 2, "tensor": 4})
     >>> block = AttentionBlock(num_heads=8, num_kv_heads=2, head_dim=4)
     >>> _, specs = init_sharded(lambda r, x: block.init(r, x)["params"], mesh, (P(), P()),
     ...                         jax.random.key(0), jnp.ones((2, 5, 16)))
