@@ -27,6 +27,8 @@ from .tensor_parallel import AttentionBlock as AttentionBlock
 from .tensor_parallel import ColumnParallelDense as ColumnParallelDense
 from .tensor_parallel import MLPBlock as MLPBlock
 from .tensor_parallel import RowParallelDense as RowParallelDense
+from .tensor_parallel import VocabParallelEmbed as VocabParallelEmbed
+from .tensor_parallel import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from .train import TrainState as TrainState
 from .train import accumulate_gradients as accumulate_gradients
 from .train import fold_rng_over_axis as fold_rng_over_axis
@@ -40,6 +42,7 @@ __all__ = [
     "MLPBlock",
     "RowParallelDense",
     "TrainState",
+    "VocabParallelEmbed",
     "accumulate_gradients",
     "analysis",
     "check_specs",
@@ -60,4 +63,5 @@ __all__ = [
     "simulate_cpu_devices",
     "specs_of",
     "sync_gradients",
+    "vocab_parallel_cross_entropy",
 ]
