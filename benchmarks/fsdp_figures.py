@@ -1,6 +1,6 @@
 """Exact memory and communication figures of one FSDP train step, library vs the tutorial style.
 
-    python benchmarks/fsdp_figures.py
+    python -m benchmarks.fsdp_figures
 
 Prints, for a 3-layer MLP on 8 simulated CPU devices (meshes 1x8 and 2x4), the per-device
 bytes of params + AdamW state against the ideal, and the collective wire bytes per device
@@ -20,6 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from benchmarks.baselines import tutorial_sync_gradients  # noqa: E402
 from fsdp_tp.analysis import (  # noqa: E402
     collective_summary,
     ideal_bytes_per_device,
@@ -28,18 +29,6 @@ from fsdp_tp.analysis import (  # noqa: E402
 )
 
 AXES = ("data", "fsdp")
-
-
-def tutorial_sync(grads, axis_names):
-    """The well-known tutorial's sync: pmean every leaf over the axes it is not split over."""
-
-    def sync(g):
-        if isinstance(g, nn.Partitioned):
-            axes = tuple(a for a in axis_names if a not in g.names)
-            return g.replace(value=jax.lax.pmean(g.value, axes)) if axes else g
-        return jax.lax.pmean(g, axis_names)
-
-    return jax.tree.map(sync, grads, is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
 
 def measure(shape, check_vma, sync):
@@ -80,7 +69,7 @@ def main():
     print("|---|---|---|---:|---:|---:|---:|")
     for shape in [(1, 8), (2, 4)]:
         for check_vma in (True, False):
-            for name, sync in (("fsdp_tp", fsdp_tp.sync_gradients), ("tutorial", tutorial_sync)):
+            for name, sync in (("fsdp_tp", fsdp_tp.sync_gradients), ("tutorial", tutorial_sync_gradients)):
                 held, ideal, wire, minimum = measure(shape, check_vma, sync)
                 print(
                     f"| {shape[0]}x{shape[1]} | {check_vma} | {name} | {held:,} | {held / ideal:.3f} "

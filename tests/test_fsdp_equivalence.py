@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fsdp_tp
+from benchmarks.baselines import tutorial_sync_gradients
 from tests.equivalence import Case, check_equivalence
 from tests.models import MLP, Block, ScanMLP
 
@@ -20,21 +21,6 @@ replicated_ok = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedPar
 
 def mesh_of(data: int, fsdp: int):
     return fsdp_tp.make_mesh({"data": data, "fsdp": fsdp}, devices=jax.devices()[: data * fsdp])
-
-
-def blind_sync(grads, axis_names):
-    """The well-known tutorial sync: pmean every leaf over the axes it is not split over.
-
-    Correct under check_vma=False; under check_vma=True JAX has already summed
-    replicated gradients, so this leaves them N times too large."""
-
-    def sync(g):
-        if isinstance(g, nn.Partitioned):
-            axes = tuple(a for a in axis_names if a not in g.names)
-            return g.replace(value=jax.lax.pmean(g.value, axes)) if axes else g
-        return jax.lax.pmean(g, axis_names)
-
-    return jax.tree.map(sync, grads, is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
 
 def sum_assuming_sync(grads, axis_names):
@@ -96,7 +82,9 @@ def test_every_mesh_and_both_modes(check_vma):
 
 
 @replicated_ok
-@pytest.mark.parametrize(("check_vma", "wrong_sync"), [(True, blind_sync), (False, sum_assuming_sync)])
+@pytest.mark.parametrize(
+    ("check_vma", "wrong_sync"), [(True, tutorial_sync_gradients), (False, sum_assuming_sync)]
+)
 def test_negative_control_wrong_sync_is_caught(check_vma, wrong_sync):
     """The property must fail on a sync that ignores how the gradient was reduced."""
     dense = fsdp_tp.shard_module_params(nn.Dense, "fsdp", min_weight_size=64)

@@ -67,13 +67,8 @@ def _matmul(x, kernel, precision):
     return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
 
 
-class ColumnParallelDense(nn.Module):
-    """``nn.Dense`` with the kernel split on its output dim over ``axis_name``.
-
-    Input: the same on every device of the axis. Output: this device's slice of
-    the features (last dim), or all of them with ``gather_output=True``.
-    Backward: the input's gradient is summed over the axis (Megatron's *f*).
-    """
+class _ParallelDense(nn.Module):
+    """``nn.Dense``'s arguments plus the mesh axis the kernel is split over."""
 
     features: int
     use_bias: bool = True
@@ -83,6 +78,16 @@ class ColumnParallelDense(nn.Module):
     kernel_init: _Init = nn.linear.default_kernel_init
     bias_init: _Init = nn.initializers.zeros_init()
     axis_name: str = "tensor"
+
+
+class ColumnParallelDense(_ParallelDense):
+    """``nn.Dense`` with the kernel split on its output dim over ``axis_name``.
+
+    Input: the same on every device of the axis. Output: this device's slice of
+    the features (last dim), or all of them with ``gather_output=True``.
+    Backward: the input's gradient is summed over the axis (Megatron's *f*).
+    """
+
     gather_output: bool = False
 
     @nn.compact
@@ -107,22 +112,13 @@ class ColumnParallelDense(nn.Module):
         return gather_from_axis(y, y.ndim - 1, self.axis_name) if self.gather_output else y
 
 
-class RowParallelDense(nn.Module):
+class RowParallelDense(_ParallelDense):
     """``nn.Dense`` with the kernel split on its input dim over ``axis_name``.
 
     Input: this device's slice of the last dim (e.g. a column-parallel output).
     Output: the full result, the same on every device of the axis; the partial
     products are summed (Megatron's *g*) and the bias is added once, after.
     """
-
-    features: int
-    use_bias: bool = True
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-    precision: Any = None
-    kernel_init: _Init = nn.linear.default_kernel_init
-    bias_init: _Init = nn.initializers.zeros_init()
-    axis_name: str = "tensor"
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -1,0 +1,1 @@
+"""Benchmarks: exact figures of the library against the baselines a user would pick instead."""
