@@ -22,6 +22,11 @@ from jax.sharding import PartitionSpec as P
 import fsdp_tp
 
 RTOL, ATOL = 1e-5, 1e-6  # f32; never loosen to get a pass (DESIGN.md, STYLE.md habit 9)
+# Adam's update lr * g / (|g| + eps) turns on the sign of g when |g| ~ eps: a gradient
+# that cancels to ~1e-7 (seen: 9.1e-8 against a median of 2.7e-2) then moves by a
+# different lr-sized step in two runs whose g differ by rounding (~1e-9). eps = 1e-3
+# keeps the update a well-conditioned function of g, still Adam-like for typical g.
+ADAM_EPS = 1e-3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +148,7 @@ def check_equivalence(case: Case, sync: Callable = fsdp_tp.sync_gradients, steps
     assert_trees_close(nn.unbox(grads), ref_grads, "grads")
 
     # Invariant 5: parameters after k steps of SGD and of AdamW.
-    for name, tx in (("sgd", optax.sgd(0.1)), ("adamw", optax.adamw(1e-2, weight_decay=1e-2))):
+    for name, tx in (("sgd", optax.sgd(0.1)), ("adamw", optax.adamw(1e-2, eps=ADAM_EPS, weight_decay=1e-2))):
         assert_trees_close(
             _sharded_steps(case, tx, sync, data),
             _reference_steps(case, tx, ref_params, data),

@@ -248,3 +248,153 @@ def test_heads_not_divisible_by_the_axis():
         IndivisibleShapeError, match=r"num_heads=6 is not divisible by mesh axis 'tensor' \(size 4\)"
     ):
         jax.eval_shape(init, jnp.ones((2, 3, 8)))
+
+
+class DenseThen(nn.Module):
+    """A dense layer before the block, so the block's input gradient reaches a parameter."""
+
+    block: nn.Module
+    width: int
+
+    @nn.compact
+    def __call__(self, x):
+        return self.block(nn.Dense(self.width, name="pre")(x))
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize(("heads", "kv"), [(8, 8), (8, 2)])
+def test_attention_input_gradient_reaches_upstream_params(heads, kv, check_vma):
+    kw = dict(num_heads=heads, head_dim=4, num_kv_heads=kv, use_bias=True)
+    model = DenseThen(fsdp_tp.AttentionBlock(**kw), 8)
+    reference = DenseThen(fsdp_tp.AttentionBlock(**kw, axis_name=None), 8)
+    check_equivalence(
+        Case(
+            model,
+            reference,
+            mesh_of(1, 2, 4),
+            BATCH_AXES,
+            check_vma,
+            in_dim=6,
+            out_dim=8,
+            seq_len=5,
+            batch_size=8,
+        )
+    )
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize(("heads", "kv"), [(8, 8), (8, 2)])
+def test_attention_block_moves_the_megatron_minimum(heads, kv, check_vma):
+    mesh = mesh_of(1, 1, 8)
+    block = fsdp_tp.AttentionBlock(num_heads=heads, head_dim=4, num_kv_heads=kv)
+    x = jnp.ones((2, 5, 16))
+    params, specs = fsdp_tp.init_sharded(
+        lambda r, x: block.init(r, x)["params"], mesh, (P(), P()), jax.random.key(0), x, check_vma=check_vma
+    )
+
+    def fwd_bwd(params, x):
+        return jax.grad(lambda p, x: (block.apply({"params": p}, x) ** 2).sum(), argnums=(0, 1))(params, x)
+
+    out_specs = (specs, P())
+    f = jax.jit(
+        jax.shard_map(fwd_bwd, mesh=mesh, in_specs=(specs, P()), out_specs=out_specs, check_vma=check_vma)
+    )
+    found = [c for c in parse_collectives(f.lower(params, x).compile().as_text()) if c.group_size > 1]
+    activation = 2 * 5 * 16 * 4
+    if kv == heads:
+        assert [(c.kind, c.operand_bytes) for c in found] == [("all-reduce", activation)] * 2
+    else:  # plus the gradients of the whole k/v kernels, summed over the axis (XLA may fuse them)
+        assert {c.kind for c in found} == {"all-reduce"} and sum(c.operands for c in found) == 4
+        assert sum(c.operand_bytes for c in found) == 2 * activation + 2 * 16 * 8 * 4
+
+
+class SequenceParallelAround(nn.Module):
+    """Dense -> enter the SP region (split the sequence) -> block in SP mode -> gather the sequence.
+
+    The unsharded twin (axis_name=None) is Dense -> block. The loss then sees the whole
+    sequence on every tensor device, as after Megatron's final gather."""
+
+    block: nn.Module
+    width: int
+    axis_name: str | None = "tensor"
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(self.width, name="pre")(x)
+        if self.axis_name is None:
+            return self.block(x)
+        y = self.block(fsdp_tp.scatter_to_axis(x, 1, self.axis_name))
+        return fsdp_tp.gather_from_axis(y, 1, self.axis_name)
+
+
+@replicated_ok
+@given(
+    mesh=st.sampled_from([m for m in MESHES if m[2] > 1]),
+    check_vma=st.booleans(),
+    fsdp=st.booleans(),
+    kind=st.sampled_from(["mlp", "attention", "gqa"]),
+    seed=st.integers(0, 2**16),
+)
+def test_sequence_parallel_blocks_equal_unsharded(mesh, check_vma, fsdp, kind, seed):
+    tensor = mesh[2]
+    if kind == "mlp":
+        cls, kw = fsdp_tp.MLPBlock, dict(hidden_features=16, out_features=8)
+    else:
+        kv = 2 * tensor if kind == "attention" else max(1, tensor // 2)
+        cls, kw = (
+            fsdp_tp.AttentionBlock,
+            dict(num_heads=2 * tensor, head_dim=4, num_kv_heads=kv, use_bias=True),
+        )
+    block_cls = fsdp_tp.shard_module_params(cls, "fsdp", min_weight_size=0) if fsdp else cls
+    model = SequenceParallelAround(block_cls(**kw, sequence_parallel=True), 8)
+    reference = SequenceParallelAround(cls(**kw, axis_name=None), 8, axis_name=None)
+    check_equivalence(
+        Case(
+            model,
+            reference,
+            mesh_of(*mesh),
+            BATCH_AXES,
+            check_vma,
+            in_dim=6,
+            out_dim=8,
+            seq_len=2 * tensor,
+            batch_size=8,
+            seed=seed,
+        )
+    )
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_sequence_parallel_mlp_block_moves_gather_and_reduce_scatter(check_vma):
+    """SP MLP block forward + backward: all-gather + reduce-scatter each way, nothing else."""
+    mesh = mesh_of(1, 1, 8)
+    block = fsdp_tp.MLPBlock(64, out_features=32, sequence_parallel=True)
+    x = jnp.ones((2, 16, 32))  # global; each device holds 2 of the 16 positions
+    params, specs = fsdp_tp.init_sharded(
+        lambda r, x: block.init(r, x)["params"],
+        mesh,
+        (P(), P(None, "tensor")),
+        jax.random.key(0),
+        x,
+        check_vma=check_vma,
+    )
+
+    def fwd_bwd(params, x):
+        return jax.grad(lambda p, x: (block.apply({"params": p}, x) ** 2).sum(), argnums=(0, 1))(params, x)
+
+    f = jax.jit(
+        jax.shard_map(
+            fwd_bwd,
+            mesh=mesh,
+            in_specs=(specs, P(None, "tensor")),
+            out_specs=(specs, P(None, "tensor")),
+            check_vma=check_vma,
+        )
+    )
+    found = [c for c in parse_collectives(f.lower(params, x).compile().as_text()) if c.group_size > 1]
+    shard = 2 * 2 * 32 * 4  # (batch, local seq, features) f32
+    kinds = sorted((c.kind, c.operand_bytes) for c in found)
+    # plus the row bias's gradient (32 f32), applied on sequence shards and summed over the axis
+    assert (
+        kinds == [("all-gather", shard)] * 2 + [("all-reduce", 32 * 4)] + [("reduce-scatter", 8 * shard)] * 2
+    )

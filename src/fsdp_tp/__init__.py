@@ -10,6 +10,7 @@ from .collectives import copy_to_axis as copy_to_axis
 from .collectives import gather_array_with_mean_grads as gather_array_with_mean_grads
 from .collectives import gather_from_axis as gather_from_axis
 from .collectives import reduce_from_axis as reduce_from_axis
+from .collectives import scatter_to_axis as scatter_to_axis
 from .fsdp import gather_params as gather_params
 from .fsdp import shard_module_params as shard_module_params
 from .fsdp import shard_params as shard_params
@@ -57,6 +58,7 @@ __all__ = [
     "make_mesh",
     "parse_mesh",
     "reduce_from_axis",
+    "scatter_to_axis",
     "shard_module_params",
     "shard_params",
     "shard_step",

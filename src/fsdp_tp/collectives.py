@@ -14,7 +14,13 @@ import jax
 from ._axes import checks_vma, varying_axes
 from ._types import AxisName
 
-__all__ = ["copy_to_axis", "gather_array_with_mean_grads", "gather_from_axis", "reduce_from_axis"]
+__all__ = [
+    "copy_to_axis",
+    "gather_array_with_mean_grads",
+    "gather_from_axis",
+    "reduce_from_axis",
+    "scatter_to_axis",
+]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
@@ -160,3 +166,48 @@ def gather_from_axis(x: jax.Array, axis: int, axis_name: AxisName) -> jax.Array:
     if checks_vma(axis_name):
         return jax.lax.all_gather(x, axis_name, axis=axis, tiled=True, to="invarying")
     return _gather_slice_grad(x, axis, axis_name)
+
+
+def _local_slice(x, axis, axis_name):
+    width = x.shape[axis] // jax.lax.axis_size(axis_name)
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis_name) * width, width, axis=axis)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _slice_gather_grad(x, axis, axis_name):
+    return _local_slice(x, axis, axis_name)
+
+
+_slice_gather_grad.defvjp(
+    lambda x, ax, a: (_local_slice(x, ax, a), None),
+    lambda ax, a, _, g: (jax.lax.all_gather(g, a, axis=ax, tiled=True),),
+)
+
+
+def scatter_to_axis(x: jax.Array, axis: int, axis_name: AxisName) -> jax.Array:
+    """Keeps this device's slice of dim ``axis`` of a value that is the same on every device;
+    the gradient is all-gathered (the inverse of :func:`gather_from_axis`). It enters a
+    sequence-parallel region the way an embedding's reduce-scatter does.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from fsdp_tp import make_mesh
+    >>> mesh = make_mesh({"tensor": 8})
+    >>> f = jax.shard_map(lambda x: scatter_to_axis(x, 0, "tensor"), mesh=mesh, in_specs=P(),
+    ...                   out_specs=P("tensor"))
+    >>> f(jnp.arange(8.0)).tolist()
+    [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+    """
+    if checks_vma(axis_name):
+        # Invariant in, varying out: JAX's transpose of the implied pcast would psum a
+        # zero-padded cotangent; an explicit all-gather (to an invariant) moves 1/N of that.
+        @jax.custom_vjp
+        def scatter(x):
+            return _local_slice(x, axis, axis_name)
+
+        scatter.defvjp(
+            lambda x: (_local_slice(x, axis, axis_name), None),
+            lambda _, g: (jax.lax.all_gather(g, axis_name, axis=axis, tiled=True, to="invarying"),),
+        )
+        return scatter(x)
+    return _slice_gather_grad(x, axis, axis_name)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from .._axes import require_axes
 from ..collectives import copy_to_axis
 from ..errors import IndivisibleShapeError
-from .dense import ColumnParallelDense, RowParallelDense, split_param
+from .dense import ColumnParallelDense, RowParallelDense, prepare_input, split_param
 
 __all__ = ["AttentionBlock"]
 
@@ -100,6 +100,7 @@ class AttentionBlock(nn.Module):
     causal: bool = True
     param_dtype: Any = jnp.float32
     axis_name: str | None = "tensor"
+    sequence_parallel: bool = False  # input and output split along dim -2 (the sequence) over axis_name
 
     def _check_heads(self, size: int) -> None:
         kv = self.num_kv_heads or self.num_heads
@@ -133,14 +134,18 @@ class AttentionBlock(nn.Module):
             axis = self.axis_name
             size = jax.lax.axis_size(axis)
             self._check_heads(size)
-            q = ColumnParallelDense(self.num_heads * dim, axis_name=axis, name="query", **kw)(x)
+            seq = x.ndim - 2 if self.sequence_parallel else None
+            # One f (or one all-gather) for q, k and v: their input gradients
+            # are summed locally, then reduced over the axis once.
+            x = prepare_input(x, axis, seq)
+            q = ColumnParallelDense(self.num_heads * dim, axis_name=axis, name="query", **kw)(x, True)
             if kv % size == 0:
-                k = ColumnParallelDense(kv * dim, axis_name=axis, name="key", **no_bias)(x)
-                v = ColumnParallelDense(kv * dim, axis_name=axis, name="value", **kw)(x)
+                k = ColumnParallelDense(kv * dim, axis_name=axis, name="key", **no_bias)(x, True)
+                v = ColumnParallelDense(kv * dim, axis_name=axis, name="value", **kw)(x, True)
             else:
                 k = _ReplicatedKV(kv * dim, dim, False, self.param_dtype, axis, name="key")(x)
                 v = _ReplicatedKV(kv * dim, dim, self.use_bias, self.param_dtype, axis, name="value")(x)
-            out = RowParallelDense(d_model, axis_name=axis, name="out", **kw)
+            out = RowParallelDense(d_model, axis_name=axis, sequence_axis=seq, name="out", **kw)
         split = lambda t: t.reshape(*t.shape[:-1], t.shape[-1] // dim, dim)
         y = _dot_attention(split(q), split(k), split(v), self.causal)
         return out(y.reshape(*y.shape[:-2], -1))

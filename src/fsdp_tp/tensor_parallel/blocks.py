@@ -43,6 +43,7 @@ class MLPBlock(nn.Module):
     dtype: Any = None
     param_dtype: Any = jnp.float32
     axis_name: str | None = "tensor"
+    sequence_parallel: bool = False  # input and output split along dim -2 (the sequence) over axis_name
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -53,6 +54,9 @@ class MLPBlock(nn.Module):
         if self.axis_name is None:
             wi, wo = nn.Dense(self.hidden_features, name="wi", **kw), nn.Dense(out, name="wo", **kw)
         else:
-            wi = ColumnParallelDense(self.hidden_features, axis_name=self.axis_name, name="wi", **kw)
-            wo = RowParallelDense(out, axis_name=self.axis_name, name="wo", **kw)
+            seq = x.ndim - 2 if self.sequence_parallel else None
+            wi = ColumnParallelDense(
+                self.hidden_features, axis_name=self.axis_name, sequence_axis=seq, name="wi", **kw
+            )
+            wo = RowParallelDense(out, axis_name=self.axis_name, sequence_axis=seq, name="wo", **kw)
         return wo(self.activation(wi(x)))

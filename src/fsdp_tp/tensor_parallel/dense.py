@@ -19,7 +19,7 @@ from .._axes import require_axes
 from ..collectives import copy_to_axis, gather_from_axis, reduce_from_axis
 from ..errors import IndivisibleShapeError
 
-__all__ = ["ColumnParallelDense", "RowParallelDense", "split_param"]
+__all__ = ["ColumnParallelDense", "RowParallelDense", "prepare_input", "split_param"]
 
 _Init = Callable[..., jax.Array]
 
@@ -63,6 +63,15 @@ def split_param(
     return boxed.value if isinstance(boxed, nn.Partitioned) else boxed
 
 
+def prepare_input(x: jax.Array, axis_name: str, sequence_axis: int | None) -> jax.Array:
+    """The input of column-parallel layers: Megatron's *f* (identity forward, psum backward),
+    or in sequence-parallel mode the all-gather along ``sequence_axis`` (whose backward
+    reduce-scatters). Do it once per input, however many layers read it."""
+    if sequence_axis is None:
+        return copy_to_axis(x, axis_name)
+    return jax.lax.all_gather(x, axis_name, axis=sequence_axis, tiled=True)
+
+
 def _matmul(x, kernel, precision):
     return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
 
@@ -86,12 +95,22 @@ class ColumnParallelDense(_ParallelDense):
     Input: the same on every device of the axis. Output: this device's slice of
     the features (last dim), or all of them with ``gather_output=True``.
     Backward: the input's gradient is summed over the axis (Megatron's *f*).
+
+    Sequence parallelism: with ``sequence_axis`` set, the input is this
+    device's slice of that dim, and the layer all-gathers it (the gather's
+    backward reduce-scatters the gradient, so *f* is not applied). Call with
+    ``prepared=True`` when the caller already passed the input through *f*
+    (``copy_to_axis``) or the all-gather, so that several layers share one
+    backward reduction, as the q/k/v projections of attention do.
     """
 
     gather_output: bool = False
+    sequence_axis: int | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, prepared: bool = False) -> jax.Array:
+        if not prepared:
+            x = prepare_input(x, self.axis_name, self.sequence_axis)
         kernel = split_param(
             self,
             "kernel",
@@ -106,7 +125,7 @@ class ColumnParallelDense(_ParallelDense):
             else None
         )
         x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
-        y = _matmul(copy_to_axis(x, self.axis_name), kernel, self.precision)
+        y = _matmul(x, kernel, self.precision)
         if bias is not None:
             y = y + bias
         return gather_from_axis(y, y.ndim - 1, self.axis_name) if self.gather_output else y
@@ -118,7 +137,11 @@ class RowParallelDense(_ParallelDense):
     Input: this device's slice of the last dim (e.g. a column-parallel output).
     Output: the full result, the same on every device of the axis; the partial
     products are summed (Megatron's *g*) and the bias is added once, after.
+    With ``sequence_axis`` set (sequence parallelism) they are reduce-scattered
+    along that dim instead: each device leaves with its slice of the sequence.
     """
+
+    sequence_axis: int | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -138,5 +161,15 @@ class RowParallelDense(_ParallelDense):
             else None
         )
         x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
-        y = reduce_from_axis(_matmul(x, kernel, self.precision), self.axis_name)
+        partial = _matmul(x, kernel, self.precision)
+        if self.sequence_axis is None:
+            y = reduce_from_axis(partial, self.axis_name)
+        else:
+            y = jax.lax.psum_scatter(
+                partial, self.axis_name, scatter_dimension=self.sequence_axis, tiled=True
+            )
+            if bias is not None:
+                # Added on this device's slice of the sequence: the bias gradient
+                # is a partial sum, completed over the axis by f's backward.
+                bias = copy_to_axis(bias, self.axis_name)
         return y + bias if bias is not None else y
