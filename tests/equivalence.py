@@ -29,6 +29,10 @@ RTOL, ATOL = 1e-5, 1e-6  # f32; never loosen to get a pass (DESIGN.md, STYLE.md 
 ADAM_EPS = 1e-3
 
 
+def mse(model: nn.Module, params, x, y):
+    return jnp.mean((model.apply({"params": params}, x) - y) ** 2)
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     model: nn.Module  # the sharded model, applied per device
@@ -41,16 +45,20 @@ class Case:
     batch_size: int = 16
     seed: int = 0
     seq_len: int | None = None  # inputs (batch, seq, dim) when set, else (batch, dim)
-
-
-def mse(model: nn.Module, params, x, y):
-    return jnp.mean((model.apply({"params": params}, x) - y) ** 2)
+    vocab: int | None = None  # inputs are token ids (batch, seq_len) and targets the next ids
+    loss: Callable = mse  # loss(model, params, x, y) of the sharded model, per device
+    reference_loss: Callable = mse
+    output_spec: P | None = None  # layout of the sharded output; default: split like the batch
 
 
 def batches(case: Case, count: int):
     keys = jax.random.split(jax.random.key(case.seed + 1), count)
     for key in keys:
         kx, ky = jax.random.split(key)
+        if case.vocab is not None:  # token ids and their next-token targets
+            ids = jax.random.randint(kx, (case.batch_size, case.seq_len + 1), 0, case.vocab)
+            yield ids[:, :-1], ids[:, 1:]
+            continue
         lead = (case.batch_size,) if case.seq_len is None else (case.batch_size, case.seq_len)
         yield (jax.random.normal(kx, (*lead, case.in_dim)), jax.random.normal(ky, (*lead, case.out_dim)))
 
@@ -75,7 +83,7 @@ def assert_trees_close(actual, expected, what: str, exact: bool = False) -> None
 def _reference_steps(case: Case, tx, params, data):
     @jax.jit
     def step(params, opt_state, x, y):
-        grads = jax.grad(lambda p: mse(case.reference, p, x, y))(params)
+        grads = jax.grad(lambda p: case.reference_loss(case.reference, p, x, y))(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
@@ -94,7 +102,7 @@ def _sharded_steps(case: Case, tx, sync: Callable, data):
 
     def step_fn(state, batch):
         x, y = batch
-        loss, grads = jax.value_and_grad(lambda p: mse(case.model, p, x, y))(state.params)
+        loss, grads = jax.value_and_grad(lambda p: case.loss(case.model, p, x, y))(state.params)
         state = state.apply_gradients(grads=sync(grads, case.batch_axes))
         return state, jax.lax.pmean(loss, case.batch_axes)
 
@@ -128,7 +136,7 @@ def check_equivalence(case: Case, sync: Callable = fsdp_tp.sync_gradients, steps
     # Invariants 3-4: outputs, loss and synced gradients.
     def forward_backward(params, x, y):
         out = case.model.apply({"params": params}, x)
-        loss, grads = jax.value_and_grad(lambda p: mse(case.model, p, x, y))(params)
+        loss, grads = jax.value_and_grad(lambda p: case.loss(case.model, p, x, y))(params)
         return out, jax.lax.pmean(loss, case.batch_axes), sync(grads, case.batch_axes)
 
     sharded_fb = jax.jit(
@@ -136,12 +144,14 @@ def check_equivalence(case: Case, sync: Callable = fsdp_tp.sync_gradients, steps
             forward_backward,
             mesh=case.mesh,
             in_specs=(specs, batch_spec, batch_spec),
-            out_specs=(batch_spec, P(), specs),
+            out_specs=(case.output_spec or batch_spec, P(), specs),
             check_vma=case.check_vma,
         )
     )
     out, loss, grads = sharded_fb(boxed, x, y)
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda p: mse(case.reference, p, x, y)))(ref_params)
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda p: case.reference_loss(case.reference, p, x, y)))(
+        ref_params
+    )
     ref_out = jax.jit(case.reference.apply)({"params": ref_params}, x)
     assert_trees_close(out, ref_out, "output")
     assert_trees_close(loss, ref_loss, "loss")

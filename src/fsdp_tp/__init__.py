@@ -6,6 +6,7 @@ The public API is re-exported here; the modules behind it are documented in
 
 from . import analysis as analysis
 from . import errors as errors
+from . import models as models
 from .collectives import copy_to_axis as copy_to_axis
 from .collectives import gather_array_with_mean_grads as gather_array_with_mean_grads
 from .collectives import gather_from_axis as gather_from_axis
@@ -56,6 +57,7 @@ __all__ = [
     "gather_params",
     "init_sharded",
     "make_mesh",
+    "models",
     "parse_mesh",
     "reduce_from_axis",
     "scatter_to_axis",
