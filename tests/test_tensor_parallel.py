@@ -398,3 +398,35 @@ def test_sequence_parallel_mlp_block_moves_gather_and_reduce_scatter(check_vma):
     assert (
         kinds == [("all-gather", shard)] * 2 + [("all-reduce", 32 * 4)] + [("reduce-scatter", 8 * shard)] * 2
     )
+
+
+def test_sequence_length_not_divisible_in_sequence_parallel_mode():
+    mesh = mesh_of(1, 1, 4)
+    model = fsdp_tp.models.Transformer(
+        vocab_size=16,
+        d_model=8,
+        num_layers=1,
+        num_heads=4,
+        head_dim=2,
+        num_kv_heads=4,
+        mlp_hidden=8,
+        sequence_parallel=True,
+    )
+    init = jax.shard_map(
+        lambda ids: model.init(jax.random.key(0), ids),
+        mesh=mesh,
+        in_specs=P(),
+        out_specs=P(),
+        check_vma=False,
+    )
+    with pytest.raises(
+        IndivisibleShapeError, match=r"embed/embedding: sequence length 6 \(dim 1\) .* 'tensor' \(size 4\)"
+    ):
+        jax.eval_shape(init, jnp.zeros((2, 6), jnp.int32))
+    with pytest.raises(IndivisibleShapeError, match=r"scatter_to_axis: sequence length 6"):
+        jax.shard_map(
+            lambda x: fsdp_tp.scatter_to_axis(x, 1, "tensor"),
+            mesh=mesh,
+            in_specs=P(),
+            out_specs=P(None, "tensor"),
+        )(jnp.zeros((2, 6)))

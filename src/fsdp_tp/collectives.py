@@ -13,6 +13,7 @@ import jax
 
 from ._axes import checks_vma, varying_axes
 from ._types import AxisName
+from .errors import IndivisibleShapeError
 
 __all__ = [
     "copy_to_axis",
@@ -168,6 +169,17 @@ def gather_from_axis(x: jax.Array, axis: int, axis_name: AxisName) -> jax.Array:
     return _gather_slice_grad(x, axis, axis_name)
 
 
+def require_sequence_divisible(caller: str, length: int, dim: int, axis_name: AxisName) -> None:
+    """Sequence parallelism splits dim ``dim`` over ``axis_name``: its length must divide."""
+    size = jax.lax.axis_size(axis_name)
+    if length % size:
+        raise IndivisibleShapeError(
+            f"{caller}: sequence length {length} (dim {dim}) is not divisible by mesh axis {axis_name!r} "
+            f"(size {size}) in sequence-parallel mode; pad the sequence to a multiple of {size} or turn "
+            f"sequence parallelism off."
+        )
+
+
 def _local_slice(x, axis, axis_name):
     width = x.shape[axis] // jax.lax.axis_size(axis_name)
     return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis_name) * width, width, axis=axis)
@@ -198,6 +210,7 @@ def scatter_to_axis(x: jax.Array, axis: int, axis_name: AxisName) -> jax.Array:
     >>> f(jnp.arange(8.0)).tolist()
     [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
     """
+    require_sequence_divisible("scatter_to_axis", x.shape[axis], axis, axis_name)
     if checks_vma(axis_name):
         # Invariant in, varying out: JAX's transpose of the implied pcast would psum a
         # zero-padded cotangent; an explicit all-gather (to an invariant) moves 1/N of that.

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..collectives import reduce_from_axis
-from .dense import split_param
+from ..collectives import reduce_from_axis, require_sequence_divisible
+from .dense import _path, split_param
 
 __all__ = ["VocabParallelEmbed", "vocab_parallel_cross_entropy"]
 
@@ -66,6 +66,9 @@ class VocabParallelEmbed(nn.Module):
         partial = jnp.take(table, jnp.where(hit, local, 0), axis=0) * hit[..., None].astype(table.dtype)
         if self.sequence_axis is None:
             return reduce_from_axis(partial, self.axis_name)
+        require_sequence_divisible(
+            _path(self, "embedding"), ids.shape[self.sequence_axis], self.sequence_axis, self.axis_name
+        )
         return jax.lax.psum_scatter(partial, self.axis_name, scatter_dimension=self.sequence_axis, tiled=True)
 
 
