@@ -10,7 +10,17 @@ from jax.sharding import AxisType
 from ._types import AxisName, AxisNames
 from .errors import UnboundAxisNameError
 
-__all__ = ["as_axis_tuple", "axis_size", "bound_axis_names", "checks_vma", "require_axes", "varying_axes"]
+__all__ = [
+    "as_axis_tuple",
+    "axes_named",
+    "axis_size",
+    "bound_axis_names",
+    "checks_vma",
+    "entry_axes",
+    "local_slice",
+    "require_axes",
+    "varying_axes",
+]
 
 
 def as_axis_tuple(axis_names: AxisNames) -> tuple[AxisName, ...]:
@@ -20,6 +30,24 @@ def as_axis_tuple(axis_names: AxisNames) -> tuple[AxisName, ...]:
     if isinstance(axis_names, (set, frozenset)):
         return tuple(sorted(axis_names, key=str))
     return (axis_names,)
+
+
+def entry_axes(entry) -> tuple[AxisName, ...]:
+    """The axes of one entry of a ``PartitionSpec`` or of box names: ``None``, a name, or a tuple."""
+    if entry is None:
+        return ()
+    return entry if isinstance(entry, tuple) else (entry,)
+
+
+def axes_named(names) -> set[AxisName]:
+    """Every mesh axis named by any entry of a spec or of a box's names."""
+    return {axis for entry in names for axis in entry_axes(entry)}
+
+
+def local_slice(x: jax.Array, dim: int, axis_name: AxisName) -> jax.Array:
+    """This device's contiguous slice of dim ``dim`` when it is split evenly over ``axis_name``."""
+    width = x.shape[dim] // jax.lax.axis_size(axis_name)
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis_name) * width, width, axis=dim)
 
 
 def bound_axis_names() -> tuple[AxisName, ...]:

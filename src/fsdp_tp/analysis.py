@@ -17,6 +17,7 @@ import re
 import jax
 import numpy as np
 
+from ._axes import entry_axes
 from ._types import PyTree
 
 __all__ = [
@@ -209,12 +210,7 @@ def ideal_bytes_per_device(tree: PyTree) -> int:
     total = 0
     for leaf in jax.tree.leaves(tree):
         sharding = leaf.sharding
-        axes = [
-            a
-            for entry in sharding.spec
-            if entry is not None
-            for a in (entry if isinstance(entry, tuple) else (entry,))
-        ]
+        axes = [a for entry in sharding.spec for a in entry_axes(entry)]
         parts = math.prod(sharding.mesh.shape[a] for a in axes)
         total += int(np.prod(leaf.shape)) * leaf.dtype.itemsize // parts
     return total

@@ -11,7 +11,7 @@ import functools
 
 import jax
 
-from ._axes import checks_vma, varying_axes
+from ._axes import checks_vma, local_slice, varying_axes
 from ._types import AxisName
 from .errors import IndivisibleShapeError
 
@@ -100,9 +100,7 @@ def _gather_slice_grad(x, axis, axis_name):
 
 
 def _slice_bwd(axis, axis_name, _, g):
-    width = g.shape[axis] // jax.lax.axis_size(axis_name)
-    start = jax.lax.axis_index(axis_name) * width
-    return (jax.lax.dynamic_slice_in_dim(g, start, width, axis=axis),)
+    return (local_slice(g, axis, axis_name),)
 
 
 _gather_slice_grad.defvjp(lambda x, ax, a: (_gather_slice_grad(x, ax, a), None), _slice_bwd)
@@ -180,20 +178,20 @@ def require_sequence_divisible(caller: str, length: int, dim: int, axis_name: Ax
         )
 
 
-def _local_slice(x, axis, axis_name):
-    width = x.shape[axis] // jax.lax.axis_size(axis_name)
-    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis_name) * width, width, axis=axis)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _slice_gather_grad(x, axis, axis_name):
-    return _local_slice(x, axis, axis_name)
+    return local_slice(x, axis, axis_name)
 
 
-_slice_gather_grad.defvjp(
-    lambda x, ax, a: (_local_slice(x, ax, a), None),
-    lambda ax, a, _, g: (jax.lax.all_gather(g, a, axis=ax, tiled=True),),
-)
+def _gather_cotangent(axis, axis_name, _, g):
+    # Invariant in, varying out. Under check_vma=True JAX's own transpose (of the implied
+    # pcast) would psum a zero-padded cotangent; an all-gather to an invariant moves 1/N
+    # of that. With checking off the plain all-gather is the right transpose.
+    to = "invarying" if checks_vma(axis_name) else "varying"
+    return (jax.lax.all_gather(g, axis_name, axis=axis, tiled=True, to=to),)
+
+
+_slice_gather_grad.defvjp(lambda x, ax, a: (local_slice(x, ax, a), None), _gather_cotangent)
 
 
 def scatter_to_axis(x: jax.Array, axis: int, axis_name: AxisName) -> jax.Array:
@@ -211,16 +209,4 @@ def scatter_to_axis(x: jax.Array, axis: int, axis_name: AxisName) -> jax.Array:
     [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
     """
     require_sequence_divisible("scatter_to_axis", x.shape[axis], axis, axis_name)
-    if checks_vma(axis_name):
-        # Invariant in, varying out: JAX's transpose of the implied pcast would psum a
-        # zero-padded cotangent; an explicit all-gather (to an invariant) moves 1/N of that.
-        @jax.custom_vjp
-        def scatter(x):
-            return _local_slice(x, axis, axis_name)
-
-        scatter.defvjp(
-            lambda x: (_local_slice(x, axis, axis_name), None),
-            lambda _, g: (jax.lax.all_gather(g, axis_name, axis=axis, tiled=True, to="invarying"),),
-        )
-        return scatter(x)
     return _slice_gather_grad(x, axis, axis_name)

@@ -16,7 +16,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from ._axes import require_axes, varying_axes
+from ._axes import axes_named, local_slice, require_axes, varying_axes
 from ._types import AxisName, AxisNames, PyTree
 from .collectives import gather_array_with_mean_grads
 from .errors import ReplicatedParameterWarning
@@ -35,14 +35,6 @@ def _unbox(leaf) -> tuple[jax.Array, _Names]:
     if _is_box(leaf):
         return leaf.value, tuple(leaf.names)
     return leaf, (None,) * np.ndim(leaf)
-
-
-def _axes_of(names: _Names) -> set:
-    """Every mesh axis named anywhere in a box's names."""
-    axes: set = set()
-    for entry in names:
-        axes.update(entry if isinstance(entry, tuple) else (entry,))
-    return axes - {None}
 
 
 def _shard_dim(shape: tuple[int, ...], names: _Names, axis_size: int) -> int | None:
@@ -93,11 +85,10 @@ def shard_params(params: PyTree, axis_name: AxisName, min_weight_size: int = 2**
     """
     (axis_name,) = require_axes(axis_name, "shard_params")
     size = jax.lax.axis_size(axis_name)
-    index = jax.lax.axis_index(axis_name)
 
     def shard_leaf(path, leaf):
         value, names = _unbox(leaf)
-        if axis_name in _axes_of(names) or np.size(value) <= min_weight_size:
+        if axis_name in axes_named(names) or np.size(value) <= min_weight_size:
             return leaf
         dim = _shard_dim(np.shape(value), names, size)
         if dim is None:
@@ -109,8 +100,7 @@ def shard_params(params: PyTree, axis_name: AxisName, min_weight_size: int = 2**
                 size,
             )
             return leaf
-        width = value.shape[dim] // size
-        local = jax.lax.dynamic_slice_in_dim(value, index * width, width, axis=dim)
+        local = local_slice(value, dim, axis_name)
         new_names = (*names[:dim], axis_name, *names[dim + 1 :])
         if _is_box(leaf):
             return leaf.replace(value=local, names=new_names)
@@ -120,7 +110,7 @@ def shard_params(params: PyTree, axis_name: AxisName, min_weight_size: int = 2**
 
 
 def _gather_leaf(leaf, axis_name: AxisName, vary_over: frozenset):
-    if not _is_box(leaf) or axis_name not in _axes_of(leaf.names):
+    if not _is_box(leaf) or axis_name not in axes_named(leaf.names):
         return leaf
     names = tuple(leaf.names)
     dim = next(

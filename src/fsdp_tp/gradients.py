@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import functools
 
+import flax.linen as nn
 import jax
 
-from ._axes import axis_size, checks_vma, require_axes, varying_axes
+from ._axes import axes_named, axis_size, checks_vma, require_axes, varying_axes
 from ._types import AxisNames, PyTree
-from .fsdp import _axes_of, _is_box
 
 __all__ = ["sync_gradients"]
 
 
 def _sync_leaf(leaf, axis_names: tuple, checking: bool):
-    value, split = (leaf.value, _axes_of(leaf.names)) if _is_box(leaf) else (leaf, set())
+    boxed = isinstance(leaf, nn.Partitioned)
+    value, split = (leaf.value, axes_named(leaf.names)) if boxed else (leaf, set())
     # A leaf split over an axis got its mean from the gather's backward pass.
     axes = [name for name in axis_names if name not in split]
     if checking:
@@ -27,7 +28,7 @@ def _sync_leaf(leaf, axis_names: tuple, checking: bool):
             value = value / axis_size(summed)
     if axes:
         value = jax.lax.pmean(value, tuple(axes))
-    return leaf.replace(value=value) if _is_box(leaf) else value
+    return leaf.replace(value=value) if boxed else value
 
 
 def sync_gradients(grads: PyTree, axis_names: AxisNames) -> PyTree:
@@ -65,5 +66,7 @@ def sync_gradients(grads: PyTree, axis_names: AxisNames) -> PyTree:
     names = require_axes(axis_names, "sync_gradients")
     checking = checks_vma(names[0]) if names else False
     return jax.tree.map(
-        functools.partial(_sync_leaf, axis_names=names, checking=checking), grads, is_leaf=_is_box
+        functools.partial(_sync_leaf, axis_names=names, checking=checking),
+        grads,
+        is_leaf=lambda x: isinstance(x, nn.Partitioned),
     )

@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
+from ._axes import entry_axes
 from ._types import PyTree, Specs
 from .errors import IndivisibleShapeError, SpecTreeMismatchError
 
@@ -75,12 +76,6 @@ def derive_specs(fn: Callable, mesh: Mesh, in_specs: Specs, *args, check_vma: bo
     return captured["specs"]
 
 
-def _spec_axes(entry) -> tuple:
-    if entry is None:
-        return ()
-    return entry if isinstance(entry, tuple) else (entry,)
-
-
 def _check_leaf(where: str, shape: tuple, spec: PartitionSpec, mesh: Mesh) -> None:
     if len(spec) > len(shape):
         raise SpecTreeMismatchError(
@@ -88,7 +83,7 @@ def _check_leaf(where: str, shape: tuple, spec: PartitionSpec, mesh: Mesh) -> No
             f"give a spec with at most {len(shape)} entries."
         )
     for dim, entry in enumerate(spec):
-        axes = _spec_axes(entry)
+        axes = entry_axes(entry)
         unknown = [a for a in axes if a not in mesh.shape]
         if unknown:
             raise SpecTreeMismatchError(
@@ -188,8 +183,8 @@ def shard_step(
     ``step_fn`` returns ``(new_state, metrics)``; metrics are replicated
     (``pmean`` them over the batch axes) unless ``metrics_specs`` says otherwise.
     The state is donated, so the caller must not reuse the state it passed.
-    The state and batch are checked against their specs on every call, so a
-    mismatched tree or an indivisible batch fails with a message, not deep in XLA.
+    When JAX rejects the state or batch, they are checked against their specs, so a
+    mismatched tree or an indivisible batch fails with a message naming the leaf.
 
     >>> import jax, jax.numpy as jnp, optax
     >>> from jax.sharding import PartitionSpec as P
@@ -219,9 +214,15 @@ def shard_step(
     )
 
     def step(state: PyTree, batch: PyTree) -> tuple[PyTree, PyTree]:
-        check_specs(state, state_specs, mesh, "state")
-        check_specs(batch, batch_specs, mesh, "batch")
-        return sharded(state, batch)
+        try:
+            return sharded(state, batch)
+        except (ValueError, TypeError) as err:
+            # A mismatched tree or an indivisible batch is rejected while tracing, before
+            # anything runs or is donated: only then is it worth walking the trees to say
+            # which leaf and which dim (no per-step cost on the happy path).
+            check_specs(state, state_specs, mesh, "state")
+            check_specs(batch, batch_specs, mesh, "batch")
+            raise err
 
     step.lower = sharded.lower  # type: ignore[attr-defined]  # for HLO and memory analysis
     return step

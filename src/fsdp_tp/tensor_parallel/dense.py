@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .._axes import require_axes
+from .._axes import local_slice, require_axes
 from ..collectives import copy_to_axis, gather_from_axis, reduce_from_axis
 from ..errors import IndivisibleShapeError
 
@@ -55,8 +55,7 @@ def split_param(
         value = init_fn(key, shape, dtype)
         for dim, axis in enumerate(names):
             if axis is not None:
-                width = shape[dim] // jax.lax.axis_size(axis)
-                value = jax.lax.dynamic_slice_in_dim(value, jax.lax.axis_index(axis) * width, width, dim)
+                value = local_slice(value, dim, axis)
         return nn.Partitioned(value, names)
 
     boxed = module.param(name, sliced_init, shape, dtype, unbox=False)
