@@ -57,3 +57,16 @@ class ScanMLP(nn.Module):
         )
         x, _ = stack(self.width, self.dense, name="blocks")(x, None)
         return self.dense(self.out_dim, name="head")(x)
+
+
+class SetupLayer(nn.Module):
+    """A layer that declares its parameters in ``setup`` (as nn.Embed does), not in a compact call."""
+
+    features: int
+
+    def setup(self):
+        self.scale = self.param("scale", nn.initializers.normal(1.0), (self.features,))
+        self.proj = nn.Dense(self.features)
+
+    def __call__(self, x):
+        return self.proj(x) * self.scale

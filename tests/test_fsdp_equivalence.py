@@ -144,3 +144,22 @@ def test_transform_applied_for_two_axes_equals_unsharded(check_vma):
         check_vma=check_vma,
     )
     assert specs["kernel"] == jax.sharding.PartitionSpec("data", "fsdp")
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_modules_with_setup_are_sharded_and_gathered_in_their_own_scope(check_vma):
+    """Regression: a wrapped method ran setup() outside the mapped scope, on the raw shards."""
+    from tests.models import SetupLayer
+
+    layer = fsdp_tp.shard_module_params(SetupLayer, "fsdp", min_weight_size=0)
+    check_equivalence(
+        Case(
+            model=MLP((8, 16), dense=lambda width, use_bias: layer(width)),
+            reference=MLP((8, 16), dense=lambda width, use_bias: SetupLayer(width)),
+            mesh=mesh_of(2, 4),
+            batch_axes=("data", "fsdp"),
+            check_vma=check_vma,
+            in_dim=6,
+            out_dim=16,
+        )
+    )

@@ -214,6 +214,9 @@ def shard_module_params(target, axis_name: AxisName = "fsdp", min_weight_size: i
     )
 
     class Sharded(mapped):  # type: ignore[valid-type, misc]
+        # nowrap: a wrapped method would run the module's setup() here, outside the
+        # lifted scope, on the stored shards; the mapped __call__ runs it inside.
+        @nn.nowrap
         def __call__(self, *args, **kwargs):
             # The axes the inputs vary over are where JAX would pcast the
             # gathered params anyway; gather_params does it on the shards.
