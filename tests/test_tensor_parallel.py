@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,7 @@ from tests.equivalence import Case, check_equivalence
 
 BATCH_AXES = ("data", "fsdp")
 MESHES = [(1, 1, 1), (1, 1, 2), (1, 1, 4), (1, 1, 8), (2, 2, 2), (1, 2, 4), (2, 1, 4), (1, 4, 2)]
+RING_MODES = [None, "unidirectional", "bidirectional"]  # plain collectives, then the two async modes
 replicated_ok = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")
 
 
@@ -49,14 +52,15 @@ class ColumnThenGather(nn.Module):
     use_bias=st.booleans(),
     hidden_mult=st.integers(1, 3),
     in_dim=st.sampled_from([4, 6, 8]),
+    ring=st.sampled_from(RING_MODES),
     seed=st.integers(0, 2**16),
 )
-def test_mlp_block_equals_unsharded(mesh, check_vma, fsdp, use_bias, hidden_mult, in_dim, seed):
+def test_mlp_block_equals_unsharded(mesh, check_vma, fsdp, use_bias, hidden_mult, in_dim, ring, seed):
     hidden = 8 * hidden_mult  # divisible by every tensor size drawn
     block = fsdp_tp.MLPBlock
     if fsdp:
         block = fsdp_tp.shard_module_params(fsdp_tp.MLPBlock, "fsdp", min_weight_size=0)
-    model = block(hidden, out_features=4, use_bias=use_bias)
+    model = block(hidden, out_features=4, use_bias=use_bias, collective_matmul=ring)
     reference = fsdp_tp.MLPBlock(hidden, out_features=4, use_bias=use_bias, axis_name=None)
     check_equivalence(
         Case(model, reference, mesh_of(*mesh), BATCH_AXES, check_vma, in_dim=in_dim, out_dim=4, seed=seed)
@@ -193,10 +197,12 @@ def attention_cases(draw):
         )
     )
     use_bias = draw(st.booleans())
+    ring = draw(st.sampled_from(RING_MODES))
     kw = dict(num_heads=heads, head_dim=4, num_kv_heads=kv, use_bias=use_bias)
-    model = fsdp_tp.AttentionBlock(**kw)
+    cls = fsdp_tp.AttentionBlock
     if draw(st.booleans()):
-        model = fsdp_tp.shard_module_params(fsdp_tp.AttentionBlock, "fsdp", min_weight_size=0)(**kw)
+        cls = fsdp_tp.shard_module_params(fsdp_tp.AttentionBlock, "fsdp", min_weight_size=0)
+    model = cls(**kw, collective_matmul=ring)
     return Case(
         model,
         fsdp_tp.AttentionBlock(**kw, axis_name=None),
@@ -205,7 +211,7 @@ def attention_cases(draw):
         draw(st.booleans()),
         in_dim=8,
         out_dim=8,
-        seq_len=5,
+        seq_len=5 if ring is None else 2 * tensor,  # the ring splits the sequence over the axis
         batch_size=8,
         seed=draw(st.integers(0, 2**16)),
     )
@@ -333,9 +339,10 @@ class SequenceParallelAround(nn.Module):
     check_vma=st.booleans(),
     fsdp=st.booleans(),
     kind=st.sampled_from(["mlp", "attention", "gqa"]),
+    ring=st.sampled_from(RING_MODES),
     seed=st.integers(0, 2**16),
 )
-def test_sequence_parallel_blocks_equal_unsharded(mesh, check_vma, fsdp, kind, seed):
+def test_sequence_parallel_blocks_equal_unsharded(mesh, check_vma, fsdp, kind, ring, seed):
     tensor = mesh[2]
     if kind == "mlp":
         cls, kw = fsdp_tp.MLPBlock, dict(hidden_features=16, out_features=8)
@@ -346,7 +353,7 @@ def test_sequence_parallel_blocks_equal_unsharded(mesh, check_vma, fsdp, kind, s
             dict(num_heads=2 * tensor, head_dim=4, num_kv_heads=kv, use_bias=True),
         )
     block_cls = fsdp_tp.shard_module_params(cls, "fsdp", min_weight_size=0) if fsdp else cls
-    model = SequenceParallelAround(block_cls(**kw, sequence_parallel=True), 8)
+    model = SequenceParallelAround(block_cls(**kw, sequence_parallel=True, collective_matmul=ring), 8)
     reference = SequenceParallelAround(cls(**kw, axis_name=None), 8, axis_name=None)
     check_equivalence(
         Case(
@@ -430,3 +437,88 @@ def test_sequence_length_not_divisible_in_sequence_parallel_mode():
             in_specs=P(),
             out_specs=P(None, "tensor"),
         )(jnp.zeros((2, 6)))
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("ring", ["unidirectional", "bidirectional"])
+def test_collective_matmul_moves_only_ring_steps(ring, check_vma):
+    """Async SP MLP block, forward + backward on 8 devices: the all-gathers and reduce-scatters
+    are gone, replaced by ppermute ring steps carrying the same bytes in chunks."""
+    mesh = mesh_of(1, 1, 8)
+    block = fsdp_tp.MLPBlock(64, out_features=32, sequence_parallel=True, collective_matmul=ring)
+    x = jnp.ones((2, 16, 32))
+    spec = P(None, "tensor")
+    params, specs = fsdp_tp.init_sharded(
+        lambda r, x: block.init(r, x)["params"], mesh, (P(), spec), jax.random.key(0), x, check_vma=check_vma
+    )
+
+    def fwd_bwd(params, x):
+        return jax.grad(lambda p, x: (block.apply({"params": p}, x) ** 2).sum(), argnums=(0, 1))(params, x)
+
+    f = jax.jit(
+        jax.shard_map(
+            fwd_bwd, mesh=mesh, in_specs=(specs, spec), out_specs=(specs, spec), check_vma=check_vma
+        )
+    )
+    found = [c for c in parse_collectives(f.lower(params, x).compile().as_text()) if c.group_size > 1]
+    shard = 2 * 2 * 32 * 4  # (batch, local seq, features) f32
+    counts = collections.Counter((c.kind, c.operand_bytes) for c in found)
+    bias_grad = {("all-reduce", 32 * 4): 1}  # the row bias, applied on sequence shards
+    if ring == "unidirectional":  # 4 rings (gather, reduce-scatter, and their transposes) x 7 steps
+        assert counts == {("collective-permute", shard): 28, **bias_grad}
+    else:  # gathers: 4 steps one way + 3 the other; reduce-scatters: 7 steps of half the features each way
+        assert counts == {
+            ("collective-permute", shard): 14,
+            ("collective-permute", shard // 2): 28,
+            **bias_grad,
+        }
+
+
+@pytest.mark.parametrize("ring", ["unidirectional", "bidirectional"])
+def test_negative_control_ring_turning_the_wrong_way_is_caught(ring, monkeypatch):
+    """A ring whose steps go the other way round places every chunk wrongly: caught.
+
+    (Causal attention, not an MLP: the MLP works token by token, so a gather and a
+    reduce-scatter that both permute the sequence the same way would cancel.)"""
+    from fsdp_tp.tensor_parallel import collective_matmul
+
+    right = collective_matmul._shift
+    monkeypatch.setattr(collective_matmul, "_shift", lambda x, axis, step: right(x, axis, -step))
+    kw = dict(num_heads=4, head_dim=4)
+    case = Case(
+        SequenceParallelAround(
+            fsdp_tp.AttentionBlock(**kw, sequence_parallel=True, collective_matmul=ring), 8
+        ),
+        SequenceParallelAround(fsdp_tp.AttentionBlock(**kw, axis_name=None), 8, axis_name=None),
+        mesh_of(1, 1, 4),
+        BATCH_AXES,
+        True,
+        in_dim=6,
+        out_dim=8,
+        seq_len=8,
+        batch_size=8,
+    )
+    with pytest.raises(AssertionError, match="output"):
+        check_equivalence(case)
+
+
+def test_collective_matmul_mode_and_divisibility_errors():
+    mesh = mesh_of(1, 1, 4)
+
+    def init(block, shape):
+        f = jax.shard_map(
+            lambda x: block.init(jax.random.key(0), x),
+            mesh=mesh,
+            in_specs=P(),
+            out_specs=P(),
+            check_vma=False,
+        )
+        return jax.eval_shape(f, jnp.ones(shape))
+
+    with pytest.raises(ValueError, match="collective_matmul='ring' is not a mode; pass None"):
+        init(fsdp_tp.MLPBlock(16, collective_matmul="ring"), (8, 6))
+    with pytest.raises(
+        IndivisibleShapeError,
+        match=r"wo/kernel: collective_matmul='unidirectional' splits dim 0 of the input \(shape \(6, 4\)\)",
+    ):
+        init(fsdp_tp.MLPBlock(16, collective_matmul="unidirectional"), (6, 6))

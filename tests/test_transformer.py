@@ -29,10 +29,18 @@ def reference_loss(model, params, ids, targets):
 
 @pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")
 @pytest.mark.parametrize("check_vma", [True, False])
-@pytest.mark.parametrize("sequence_parallel", [True, False])
-def test_transformer_fsdp_tp_sp_equals_unsharded(sequence_parallel, check_vma):
+@pytest.mark.parametrize(
+    ("sequence_parallel", "ring"), [(True, None), (False, None), (True, "bidirectional")]
+)
+def test_transformer_fsdp_tp_sp_equals_unsharded(sequence_parallel, ring, check_vma):
     mesh = fsdp_tp.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    model = Transformer(**CONFIG, sequence_parallel=sequence_parallel, fsdp_axis="fsdp", min_weight_size=0)
+    model = Transformer(
+        **CONFIG,
+        sequence_parallel=sequence_parallel,
+        collective_matmul=ring,
+        fsdp_axis="fsdp",
+        min_weight_size=0,
+    )
     reference = Transformer(**CONFIG, axis_name=None)
     check_equivalence(
         Case(

@@ -37,6 +37,7 @@ class DecoderBlock(nn.Module):
     mlp_hidden: int
     axis_name: str | None = "tensor"
     sequence_parallel: bool = False
+    collective_matmul: str | None = None
 
     @nn.compact
     def __call__(self, x, _):
@@ -49,10 +50,15 @@ class DecoderBlock(nn.Module):
             name="attn",
             axis_name=self.axis_name,
             sequence_parallel=self.sequence_parallel,
+            collective_matmul=self.collective_matmul,
         )(h)
         h = norm(name="norm_mlp")(x)
         return x + MLPBlock(
-            self.mlp_hidden, name="mlp", axis_name=self.axis_name, sequence_parallel=self.sequence_parallel
+            self.mlp_hidden,
+            name="mlp",
+            axis_name=self.axis_name,
+            sequence_parallel=self.sequence_parallel,
+            collective_matmul=self.collective_matmul,
         )(h), None
 
 
@@ -64,7 +70,9 @@ class Transformer(nn.Module):
     :func:`~fsdp_tp.vocab_parallel_cross_entropy` on the local logits. With
     ``fsdp_axis`` set, every layer's large parameters are also sharded over
     it; with ``sequence_parallel`` the residual stream between blocks is split
-    along the sequence over ``axis_name``. ``axis_name=None`` (and no
+    along the sequence over ``axis_name``; ``collective_matmul`` turns the
+    tensor-parallel collectives into overlapped rings (see
+    :class:`~fsdp_tp.RowParallelDense`). ``axis_name=None`` (and no
     ``fsdp_axis``) is the plain flax model with the same parameter tree.
     """
 
@@ -79,6 +87,7 @@ class Transformer(nn.Module):
     sequence_parallel: bool = False
     fsdp_axis: str | None = None
     min_weight_size: int = 2**18
+    collective_matmul: str | None = None
 
     def _fsdp(self, cls):
         return (
@@ -112,6 +121,7 @@ class Transformer(nn.Module):
             self.mlp_hidden,
             self.axis_name,
             sp,
+            self.collective_matmul if self.axis_name is not None else None,
             name="blocks",
         )(x, None)
         x = _norm(self.axis_name, sp)(name="norm_final")(x)
@@ -122,6 +132,7 @@ class Transformer(nn.Module):
             use_bias=False,
             axis_name=self.axis_name,
             sequence_axis=1 if sp else None,
+            collective_matmul=self.collective_matmul if sp else None,
             name="head",
         )
         return head(x)

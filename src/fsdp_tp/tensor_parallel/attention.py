@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from .._axes import require_axes
 from ..collectives import copy_to_axis
 from ..errors import IndivisibleShapeError
-from .dense import ColumnParallelDense, RowParallelDense, prepare_input, split_param
+from .dense import ColumnParallelDense, RowParallelDense, apply_chunked, prepare_input, split_param
 
 __all__ = ["AttentionBlock"]
 
@@ -61,10 +61,9 @@ class _ReplicatedKV(nn.Module):
         # Device t reads kv head t * groups // size; its gradient is summed over the axis.
         start = (jax.lax.axis_index(self.axis_name) * groups // size) * self.head_dim
         kernel = jax.lax.dynamic_slice_in_dim(copy_to_axis(kernel, self.axis_name), start, self.head_dim, 1)
-        y = x @ kernel
         if bias is not None:
-            y = y + jax.lax.dynamic_slice_in_dim(copy_to_axis(bias, self.axis_name), start, self.head_dim, 0)
-        return y
+            bias = jax.lax.dynamic_slice_in_dim(copy_to_axis(bias, self.axis_name), start, self.head_dim, 0)
+        return apply_chunked(x, lambda chunk: chunk @ kernel if bias is None else chunk @ kernel + bias)
 
 
 class AttentionBlock(nn.Module):
@@ -101,6 +100,9 @@ class AttentionBlock(nn.Module):
     param_dtype: Any = jnp.float32
     axis_name: str | None = "tensor"
     sequence_parallel: bool = False  # input and output split along dim -2 (the sequence) over axis_name
+    collective_matmul: str | None = (
+        None  # None, "unidirectional" or "bidirectional" (see ColumnParallelDense)
+    )
 
     def _check_heads(self, size: int) -> None:
         kv = self.num_kv_heads or self.num_heads
@@ -135,17 +137,24 @@ class AttentionBlock(nn.Module):
             size = jax.lax.axis_size(axis)
             self._check_heads(size)
             seq = x.ndim - 2 if self.sequence_parallel else None
-            # One f (or one all-gather) for q, k and v: their input gradients
-            # are summed locally, then reduced over the axis once.
-            x = prepare_input(x, axis, seq)
-            q = ColumnParallelDense(self.num_heads * dim, axis_name=axis, name="query", **kw)(x, True)
+            # One f (or one all-gather, or one ring) for q, k and v: their input
+            # gradients are summed locally, then reduced over the axis once.
+            shared = prepare_input(x, axis, seq, self.collective_matmul)
+            q = ColumnParallelDense(self.num_heads * dim, axis_name=axis, name="query", **kw)(shared, True)
             if kv % size == 0:
-                k = ColumnParallelDense(kv * dim, axis_name=axis, name="key", **no_bias)(x, True)
-                v = ColumnParallelDense(kv * dim, axis_name=axis, name="value", **kw)(x, True)
+                k = ColumnParallelDense(kv * dim, axis_name=axis, name="key", **no_bias)(shared, True)
+                v = ColumnParallelDense(kv * dim, axis_name=axis, name="value", **kw)(shared, True)
             else:
-                k = _ReplicatedKV(kv * dim, dim, False, self.param_dtype, axis, name="key")(x)
-                v = _ReplicatedKV(kv * dim, dim, self.use_bias, self.param_dtype, axis, name="value")(x)
-            out = RowParallelDense(d_model, axis_name=axis, sequence_axis=seq, name="out", **kw)
+                k = _ReplicatedKV(kv * dim, dim, False, self.param_dtype, axis, name="key")(shared)
+                v = _ReplicatedKV(kv * dim, dim, self.use_bias, self.param_dtype, axis, name="value")(shared)
+            out = RowParallelDense(
+                d_model,
+                axis_name=axis,
+                sequence_axis=seq,
+                collective_matmul=self.collective_matmul,
+                name="out",
+                **kw,
+            )
         split = lambda t: t.reshape(*t.shape[:-1], t.shape[-1] // dim, dim)
         y = _dot_attention(split(q), split(k), split(v), self.causal)
         return out(y.reshape(*y.shape[:-2], -1))

@@ -44,6 +44,7 @@ class MLPBlock(nn.Module):
     param_dtype: Any = jnp.float32
     axis_name: str | None = "tensor"
     sequence_parallel: bool = False  # input and output split along dim -2 (the sequence) over axis_name
+    collective_matmul: str | None = None  # None, "unidirectional" or "bidirectional" (see RowParallelDense)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -55,8 +56,9 @@ class MLPBlock(nn.Module):
             wi, wo = nn.Dense(self.hidden_features, name="wi", **kw), nn.Dense(out, name="wo", **kw)
         else:
             seq = x.ndim - 2 if self.sequence_parallel else None
-            wi = ColumnParallelDense(
-                self.hidden_features, axis_name=self.axis_name, sequence_axis=seq, name="wi", **kw
+            tp = dict(
+                kw, axis_name=self.axis_name, sequence_axis=seq, collective_matmul=self.collective_matmul
             )
-            wo = RowParallelDense(out, axis_name=self.axis_name, sequence_axis=seq, name="wo", **kw)
+            wi = ColumnParallelDense(self.hidden_features, name="wi", **tp)
+            wo = RowParallelDense(out, name="wo", **tp)
         return wo(self.activation(wi(x)))

@@ -18,8 +18,9 @@ import jax.numpy as jnp
 from .._axes import local_slice, require_axes
 from ..collectives import copy_to_axis, gather_from_axis, reduce_from_axis
 from ..errors import IndivisibleShapeError
+from .collective_matmul import RingChunks, matmul_reduce_scatter, require_mode, ring_all_gather
 
-__all__ = ["ColumnParallelDense", "RowParallelDense", "prepare_input", "split_param"]
+__all__ = ["ColumnParallelDense", "RowParallelDense", "apply_chunked", "prepare_input", "split_param"]
 
 _Init = Callable[..., jax.Array]
 
@@ -62,13 +63,24 @@ def split_param(
     return boxed.value if isinstance(boxed, nn.Partitioned) else boxed
 
 
-def prepare_input(x: jax.Array, axis_name: str, sequence_axis: int | None) -> jax.Array:
+def prepare_input(
+    x: jax.Array, axis_name: str, sequence_axis: int | None, collective_matmul: str | None = None
+) -> jax.Array | RingChunks:
     """The input of column-parallel layers: Megatron's *f* (identity forward, psum backward),
     or in sequence-parallel mode the all-gather along ``sequence_axis`` (whose backward
-    reduce-scatters). Do it once per input, however many layers read it."""
+    reduce-scatters), or with ``collective_matmul`` set the ring that replaces that
+    all-gather (:class:`~fsdp_tp.tensor_parallel.collective_matmul.RingChunks`).
+    Do it once per input, however many layers read it."""
     if sequence_axis is None:
         return copy_to_axis(x, axis_name)
+    if collective_matmul is not None:
+        return ring_all_gather(x, axis_name, sequence_axis, collective_matmul)
     return jax.lax.all_gather(x, axis_name, axis=sequence_axis, tiled=True)
+
+
+def apply_chunked(x: jax.Array | RingChunks, fn: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """``fn(x)``; on ring chunks, ``fn`` of each chunk as it arrives, placed in sequence order."""
+    return x.map(fn) if isinstance(x, RingChunks) else fn(x)
 
 
 def _matmul(x, kernel, precision):
@@ -86,6 +98,9 @@ class _ParallelDense(nn.Module):
     kernel_init: _Init = nn.linear.default_kernel_init
     bias_init: _Init = nn.initializers.zeros_init()
     axis_name: str = "tensor"
+    # None: plain collectives; "unidirectional" / "bidirectional": the sequence-parallel
+    # all-gather / reduce-scatter as a ppermute ring overlapped with per-chunk matmuls.
+    collective_matmul: str | None = None
 
 
 class ColumnParallelDense(_ParallelDense):
@@ -101,15 +116,21 @@ class ColumnParallelDense(_ParallelDense):
     ``prepared=True`` when the caller already passed the input through *f*
     (``copy_to_axis``) or the all-gather, so that several layers share one
     backward reduction, as the q/k/v projections of attention do.
+
+    ``collective_matmul`` (sequence-parallel mode only; elsewhere the layer has
+    no forward collective): the all-gather becomes a ``ppermute`` ring, each
+    arriving chunk multiplied at once (see
+    :mod:`~fsdp_tp.tensor_parallel.collective_matmul`). Same results.
     """
 
     gather_output: bool = False
     sequence_axis: int | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, prepared: bool = False) -> jax.Array:
-        if not prepared:
-            x = prepare_input(x, self.axis_name, self.sequence_axis)
+    def __call__(self, x: jax.Array | RingChunks, prepared: bool = False) -> jax.Array:
+        require_mode(self.collective_matmul, type(self).__name__)
+        if not prepared and not isinstance(x, RingChunks):
+            x = prepare_input(x, self.axis_name, self.sequence_axis, self.collective_matmul)
         kernel = split_param(
             self,
             "kernel",
@@ -123,10 +144,13 @@ class ColumnParallelDense(_ParallelDense):
             if self.use_bias
             else None
         )
-        x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
-        y = _matmul(x, kernel, self.precision)
-        if bias is not None:
-            y = y + bias
+
+        def dense(chunk):
+            chunk, k, b = nn.dtypes.promote_dtype(chunk, kernel, bias, dtype=self.dtype)
+            y = _matmul(chunk, k, self.precision)
+            return y if b is None else y + b
+
+        y = apply_chunked(x, dense)
         return gather_from_axis(y, y.ndim - 1, self.axis_name) if self.gather_output else y
 
 
@@ -138,6 +162,10 @@ class RowParallelDense(_ParallelDense):
     products are summed (Megatron's *g*) and the bias is added once, after.
     With ``sequence_axis`` set (sequence parallelism) they are reduce-scattered
     along that dim instead: each device leaves with its slice of the sequence.
+
+    ``collective_matmul``: the reduce-scatter becomes a ``ppermute`` ring fused
+    with the matmul; without sequence parallelism the all-reduce becomes that
+    ring along the dim before the features, then an all-gather. Same results.
     """
 
     sequence_axis: int | None = None
@@ -160,15 +188,34 @@ class RowParallelDense(_ParallelDense):
             else None
         )
         x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
-        partial = _matmul(x, kernel, self.precision)
-        if self.sequence_axis is None:
-            y = reduce_from_axis(partial, self.axis_name)
+        if self.collective_matmul is not None:
+            y = self._ring(x, kernel, self.collective_matmul)
+        elif self.sequence_axis is None:
+            y = reduce_from_axis(_matmul(x, kernel, self.precision), self.axis_name)
         else:
             y = jax.lax.psum_scatter(
-                partial, self.axis_name, scatter_dimension=self.sequence_axis, tiled=True
+                _matmul(x, kernel, self.precision),
+                self.axis_name,
+                scatter_dimension=self.sequence_axis,
+                tiled=True,
             )
-            if bias is not None:
-                # Added on this device's slice of the sequence: the bias gradient
-                # is a partial sum, completed over the axis by f's backward.
-                bias = copy_to_axis(bias, self.axis_name)
+        if bias is not None and self.sequence_axis is not None:
+            # Added on this device's slice of the sequence: the bias gradient
+            # is a partial sum, completed over the axis by f's backward.
+            bias = copy_to_axis(bias, self.axis_name)
         return y + bias if bias is not None else y
+
+    def _ring(self, x: jax.Array, kernel: jax.Array, mode: str) -> jax.Array:
+        """The reduction as a reduce-scatter ring fused with the matmul; without sequence
+        parallelism, along the dim before the features, then all-gathered."""
+        require_mode(mode, type(self).__name__)
+        dim = self.sequence_axis if self.sequence_axis is not None else x.ndim - 2
+        size = jax.lax.axis_size(self.axis_name)
+        if dim < 0 or x.shape[dim] % size:
+            raise IndivisibleShapeError(
+                f"{_path(self, 'kernel')}: collective_matmul={mode!r} splits dim {dim} "
+                f"of the input (shape {x.shape}) into {size} chunks over {self.axis_name!r}; make that dim "
+                f"a multiple of {size} or pass collective_matmul=None."
+            )
+        y = matmul_reduce_scatter(x, kernel, self.axis_name, dim, mode, self.precision)
+        return y if self.sequence_axis is not None else gather_from_axis(y, dim, self.axis_name)
