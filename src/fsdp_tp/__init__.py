@@ -30,6 +30,7 @@ from .tensor_parallel import ColumnParallelDense as ColumnParallelDense
 from .tensor_parallel import MLPBlock as MLPBlock
 from .tensor_parallel import RowParallelDense as RowParallelDense
 from .tensor_parallel import VocabParallelEmbed as VocabParallelEmbed
+from .tensor_parallel import tensor_parallel as tensor_parallel
 from .tensor_parallel import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from .train import TrainState as TrainState
 from .train import accumulate_gradients as accumulate_gradients
@@ -67,5 +68,6 @@ __all__ = [
     "simulate_cpu_devices",
     "specs_of",
     "sync_gradients",
+    "tensor_parallel",
     "vocab_parallel_cross_entropy",
 ]

@@ -9,6 +9,7 @@ __all__ = [
     "IndivisibleShapeError",
     "MeshShapeError",
     "ReplicatedParameterWarning",
+    "RuleError",
     "SpecTreeMismatchError",
     "UnboundAxisNameError",
 ]
@@ -32,3 +33,7 @@ class SpecTreeMismatchError(ValueError):
 
 class ReplicatedParameterWarning(UserWarning):
     """A parameter large enough to shard stayed replicated: no dim divides the axis size."""
+
+
+class RuleError(ValueError):
+    """A partition rule that is malformed, matches nothing, or names a dim or axis wrongly."""
