@@ -7,6 +7,7 @@ The public API is re-exported here; the modules behind it are documented in
 from . import analysis as analysis
 from . import errors as errors
 from . import models as models
+from . import rules as rules
 from .collectives import copy_to_axis as copy_to_axis
 from .collectives import gather_array_with_mean_grads as gather_array_with_mean_grads
 from .collectives import gather_from_axis as gather_from_axis
@@ -25,6 +26,9 @@ from .partitioning import derive_specs as derive_specs
 from .partitioning import init_sharded as init_sharded
 from .partitioning import shard_step as shard_step
 from .partitioning import specs_of as specs_of
+from .rule_transform import shard_by_rules as shard_by_rules
+from .rules import named_shardings as named_shardings
+from .rules import specs_from_rules as specs_from_rules
 from .tensor_parallel import AttentionBlock as AttentionBlock
 from .tensor_parallel import ColumnParallelDense as ColumnParallelDense
 from .tensor_parallel import MLPBlock as MLPBlock
@@ -59,13 +63,17 @@ __all__ = [
     "init_sharded",
     "make_mesh",
     "models",
+    "named_shardings",
     "parse_mesh",
     "reduce_from_axis",
+    "rules",
     "scatter_to_axis",
+    "shard_by_rules",
     "shard_module_params",
     "shard_params",
     "shard_step",
     "simulate_cpu_devices",
+    "specs_from_rules",
     "specs_of",
     "sync_gradients",
     "tensor_parallel",

@@ -12,6 +12,7 @@ __all__ = [
     "RuleError",
     "SpecTreeMismatchError",
     "UnboundAxisNameError",
+    "UnmatchedRuleWarning",
 ]
 
 
@@ -37,3 +38,7 @@ class ReplicatedParameterWarning(UserWarning):
 
 class RuleError(ValueError):
     """A partition rule that is malformed, matches nothing, or names a dim or axis wrongly."""
+
+
+class UnmatchedRuleWarning(UserWarning):
+    """Partition rules that matched no parameter: usually a typo in the pattern."""

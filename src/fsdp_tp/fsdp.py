@@ -109,7 +109,7 @@ def shard_params(params: PyTree, axis_name: AxisName, min_weight_size: int = 2**
     return jax.tree_util.tree_map_with_path(shard_leaf, params, is_leaf=_is_box)
 
 
-def _gather_leaf(leaf, axis_name: AxisName, vary_over: frozenset):
+def _gather_leaf(leaf, axis_name: AxisName, vary_over: frozenset, gather=gather_array_with_mean_grads):
     if not _is_box(leaf) or axis_name not in axes_named(leaf.names):
         return leaf
     names = tuple(leaf.names)
@@ -137,7 +137,7 @@ def _gather_leaf(leaf, axis_name: AxisName, vary_over: frozenset):
         # of this pcast then psums the shard-sized gradient after the
         # reduce-scatter, instead of the full gradient before it.
         shard = jax.lax.pcast(shard, extra, to="varying")
-    value = gather_array_with_mean_grads(shard, dim, axis_name)
+    value = gather(shard, dim, axis_name)
     new_names = (*names[:dim], remaining, *names[dim + 1 :])
     if all(name is None for name in new_names):
         return value
@@ -205,12 +205,19 @@ def shard_module_params(target, axis_name: AxisName = "fsdp", min_weight_size: i
             f"and build the layer from the result: shard_module_params({cls}, axis_name="
             f"{axis_name!r})(...{cls} arguments...)."
         )
-    mapped = nn.map_variables(
+    return map_params(
         target,
-        trans_in_fn=lambda params: gather_params(params, axis_name, _INPUT_VARYING.get()),
-        trans_out_fn=functools.partial(shard_params, axis_name=axis_name, min_weight_size=min_weight_size),
-        mapped_collections="params",
-        mutable=True,
+        trans_in=lambda params: gather_params(params, axis_name, input_varying()),
+        trans_out=functools.partial(shard_params, axis_name=axis_name, min_weight_size=min_weight_size),
+    )
+
+
+def map_params(target, trans_in, trans_out):
+    """``nn.map_variables`` over ``"params"`` that keeps ``target``'s name and tells the
+    transforms, while they run, the axes the call's inputs vary over
+    (:func:`input_varying`) and the module's path (:func:`module_path`)."""
+    mapped = nn.map_variables(
+        target, trans_in_fn=trans_in, trans_out_fn=trans_out, mapped_collections="params", mutable=True
     )
 
     class Sharded(mapped):  # type: ignore[valid-type, misc]
@@ -220,11 +227,15 @@ def shard_module_params(target, axis_name: AxisName = "fsdp", min_weight_size: i
         def __call__(self, *args, **kwargs):
             # The axes the inputs vary over are where JAX would pcast the
             # gathered params anyway; gather_params does it on the shards.
-            token = _INPUT_VARYING.set(_varying_over_inputs((args, kwargs)))
+            tokens = (
+                _INPUT_VARYING.set(_varying_over_inputs((args, kwargs))),
+                _MODULE_PATH.set("/".join(map(str, self.path))),
+            )
             try:
                 return super().__call__(*args, **kwargs)
             finally:
-                _INPUT_VARYING.reset(token)
+                _MODULE_PATH.reset(tokens[1])
+                _INPUT_VARYING.reset(tokens[0])
 
     return keep_module_name(Sharded, target)
 
@@ -232,6 +243,17 @@ def shard_module_params(target, axis_name: AxisName = "fsdp", min_weight_size: i
 _INPUT_VARYING: contextvars.ContextVar[frozenset] = contextvars.ContextVar(
     "fsdp_tp_input_varying", default=frozenset()
 )
+_MODULE_PATH: contextvars.ContextVar[str] = contextvars.ContextVar("fsdp_tp_module_path", default="")
+
+
+def input_varying() -> frozenset:
+    """Inside a :func:`map_params` transform: the axes the module's inputs vary over."""
+    return _INPUT_VARYING.get()
+
+
+def module_path() -> str:
+    """Inside a :func:`map_params` transform: the wrapped module's path, ``"a/b"`` (root: ``""``)."""
+    return _MODULE_PATH.get()
 
 
 def _varying_over_inputs(tree) -> frozenset:

@@ -1,0 +1,223 @@
+"""Partition rules and ``shard_by_rules`` (issue 4, acceptance 1, 2 and 6)."""
+
+from __future__ import annotations
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
+
+import fsdp_tp
+from fsdp_tp.errors import IndivisibleShapeError, RuleError, UnmatchedRuleWarning
+from tests.equivalence import Case, check_equivalence
+
+BATCH_AXES = ("data", "fsdp")
+MESHES = [(2, 2, 2), (1, 2, 4), (2, 1, 4), (1, 4, 2)]
+ENTRIES = [None, "data", "fsdp", "tensor", ("fsdp", "tensor"), ("data", "fsdp")]
+PATHS = [
+    "encoder/layers_0/attn/query/kernel",
+    "encoder/layers_0/attn/query/bias",
+    "encoder/layers_1/mlp/wi/kernel",
+    "encoder/layers_1/mlp/wo/kernel",
+    "decoder/embed/embedding",
+    "decoder/norm/scale",
+]
+PATTERNS = ["kernel", "bias$", "attn/", "layers_[01]/mlp", "^decoder", "embed", ".*", "query/(kernel|bias)"]
+unmatched_ok = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.UnmatchedRuleWarning")
+
+
+def mesh_of(data, fsdp, tensor):
+    return fsdp_tp.make_mesh({"data": data, "fsdp": fsdp, "tensor": tensor})
+
+
+def nest(flat: dict) -> dict:
+    tree: dict = {}
+    for path, leaf in flat.items():
+        *parents, name = path.split("/")
+        node = tree
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[name] = leaf
+    return tree
+
+
+@unmatched_ok
+@given(
+    mesh=st.sampled_from(MESHES),
+    shapes=st.dictionaries(
+        st.sampled_from(PATHS), st.lists(st.sampled_from([1, 2, 3, 4, 6, 8, 16]), min_size=1, max_size=3)
+    ),
+    rules=st.lists(
+        st.tuples(st.sampled_from(PATTERNS), st.lists(st.sampled_from(ENTRIES), max_size=3).map(tuple)),
+        max_size=5,
+    ),
+)
+def test_specs_divide_or_raise_and_the_first_match_wins(mesh, shapes, rules):
+    mesh = mesh_of(*mesh)
+    tree = nest({path: jax.ShapeDtypeStruct(tuple(shape), jnp.float32) for path, shape in shapes.items()})
+    first = {
+        path: next((P(*spec) for pattern, spec in rules if re.search(pattern, path)), P()) for path in shapes
+    }
+    valid = all(fits(tuple(shapes[path]), spec, mesh) for path, spec in first.items())
+    if not valid:
+        with pytest.raises((RuleError, IndivisibleShapeError)):
+            fsdp_tp.specs_from_rules(tree, rules, mesh)
+        return
+    specs = fsdp_tp.specs_from_rules(tree, rules, mesh)
+    leaves = jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, P))
+    assert {fsdp_tp.rules.path_of(p): spec for p, spec in leaves} == first
+
+
+def fits(shape, spec, mesh) -> bool:
+    """Written apart from the library: at most one dim per axis, and every split dim divides."""
+    if len(spec) > len(shape):
+        return False
+    used = []
+    for dim, entry in enumerate(spec):
+        axes = (entry,) if isinstance(entry, str) else entry or ()
+        used += list(axes)
+        parts = 1
+        for a in axes:
+            parts *= mesh.shape[a]
+        if shape[dim] % parts:
+            return False
+    return len(used) == len(set(used))
+
+
+class Stack(nn.Module):
+    """Two dense layers and an embedding-like table: kernels, biases and a 1-d scale."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.tanh(nn.Dense(16, name="wi")(x))
+        h = h * self.param("scale", nn.initializers.normal(1.0), (16,))
+        return nn.Dense(8, name="wo")(h)
+
+
+KERNEL_SPECS = [
+    P("fsdp", "tensor"),
+    P("tensor", "fsdp"),
+    P(None, ("fsdp", "tensor")),
+    P(("data", "fsdp"), None),
+    P("tensor"),
+    P(),
+]
+VECTOR_SPECS = [P("tensor"), P("fsdp"), P(("fsdp", "tensor")), P()]
+
+
+@unmatched_ok
+@given(
+    mesh=st.sampled_from(MESHES),
+    check_vma=st.booleans(),
+    kernels=st.lists(st.sampled_from(KERNEL_SPECS), min_size=2, max_size=2),
+    vector=st.sampled_from(VECTOR_SPECS),
+    seed=st.integers(0, 2**16),
+)
+def test_a_model_sharded_by_rules_trains_equal_to_unsharded(mesh, check_vma, kernels, vector, seed):
+    rules = [("wi/kernel", kernels[0]), ("kernel$", kernels[1]), ("bias|scale", vector)]
+    model = fsdp_tp.shard_by_rules(Stack, rules)()
+    check_equivalence(
+        Case(model, Stack(), mesh_of(*mesh), BATCH_AXES, check_vma, in_dim=8, out_dim=8, seed=seed)
+    )
+
+
+class Logical(nn.Module):
+    """Annotated only with flax logical axis names; ``annotate=False`` is the plain twin."""
+
+    annotate: bool = True
+
+    def init_for(self, names):
+        init = nn.linear.default_kernel_init
+        return nn.with_logical_partitioning(init, names) if self.annotate else init
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.gelu(nn.Dense(16, kernel_init=self.init_for(("embed", "mlp")), name="wi")(x))
+        return nn.Dense(8, kernel_init=self.init_for(("mlp", "embed")), name="wo")(h)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_logical_axis_names_alone_shard_and_train_equal(check_vma):
+    model = fsdp_tp.shard_by_rules(Logical)()
+    with nn.logical_axis_rules([("embed", "fsdp"), ("mlp", "tensor")]):
+        case = Case(
+            model, Logical(annotate=False), mesh_of(2, 2, 2), BATCH_AXES, check_vma, in_dim=8, out_dim=8
+        )
+        check_equivalence(case)
+        _, specs = fsdp_tp.init_sharded(
+            lambda r, x: model.init(r, x)["params"],
+            case.mesh,
+            (P(), P(BATCH_AXES)),
+            jax.random.key(0),
+            jnp.ones((8, 8)),
+        )
+    assert specs["wi"]["kernel"] == P("fsdp", "tensor") and specs["wo"]["kernel"] == P("tensor", "fsdp")
+
+
+def test_bad_rules_each_get_a_clear_message():
+    mesh = mesh_of(2, 2, 2)
+    tree = {"wi": {"kernel": jnp.ones((8, 6))}}
+    with pytest.warns(
+        UnmatchedRuleWarning, match=r"rules matching no parameter: \['wq/kernel'\]; .* wi/kernel"
+    ):
+        fsdp_tp.specs_from_rules(tree, [("wi/kernel", P()), ("wq/kernel", P("fsdp"))], mesh)
+    with pytest.raises(RuleError, match=r"wi/kernel: spec .* names mesh axis 'model', but the mesh has axes"):
+        fsdp_tp.specs_from_rules(tree, [("kernel", P("model"))], mesh)
+    with pytest.raises(
+        IndivisibleShapeError,
+        match=r"wi/kernel: dim 1 \(size 6\) of shape \(8, 6\) .* \('fsdp', 'tensor'\) \(size 4\)",
+    ):
+        fsdp_tp.specs_from_rules(tree, [("kernel", P(None, ("fsdp", "tensor")))], mesh)
+    with pytest.raises(RuleError, match=r"wi/kernel: spec .* uses mesh axis 'fsdp' on dims 0 and 1"):
+        fsdp_tp.specs_from_rules(tree, [("kernel", P("fsdp", "fsdp"))], mesh)
+    with pytest.raises(RuleError, match=r"rule pattern 'wi/\[kernel' is not a regular expression"):
+        fsdp_tp.specs_from_rules(tree, [("wi/[kernel", P())], mesh)
+    with pytest.raises(RuleError, match=r"names 3 dims but the parameter has shape \(8, 6\)"):
+        fsdp_tp.specs_from_rules(tree, [("kernel", P(None, None, "fsdp"))], mesh)
+
+
+@unmatched_ok
+def test_a_rule_on_a_dim_a_tensor_parallel_layer_splits_is_refused():
+    model = fsdp_tp.shard_by_rules(fsdp_tp.MLPBlock, [("wi/kernel", P(None, "fsdp"))])(16, out_features=8)
+    with pytest.raises(
+        RuleError, match=r"wi/kernel: the rule splits dim 1 over 'fsdp', but its layer already splits"
+    ):
+        fsdp_tp.init_sharded(
+            lambda r, x: model.init(r, x)["params"],
+            mesh_of(2, 2, 2),
+            (P(), P()),
+            jax.random.key(0),
+            jnp.ones((4, 8)),
+        )
+
+
+@unmatched_ok
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_rules_add_fsdp_to_a_tensor_parallel_block(check_vma):
+    model = fsdp_tp.shard_by_rules(
+        fsdp_tp.MLPBlock, [("wi/kernel", P("fsdp")), ("wo/kernel", P(None, "fsdp"))]
+    )
+    check_equivalence(
+        Case(
+            model(16, out_features=8),
+            fsdp_tp.MLPBlock(16, out_features=8, axis_name=None),
+            mesh_of(2, 2, 2),
+            BATCH_AXES,
+            check_vma,
+            in_dim=8,
+            out_dim=8,
+        )
+    )
+
+
+@unmatched_ok
+def test_negative_control_gathering_fsdp_without_the_mean_is_caught():
+    """With no batch axes declared, the fsdp gather slices the gradient instead of averaging it."""
+    model = fsdp_tp.shard_by_rules(Stack, [("kernel", P("fsdp"))], batch_axes=())()
+    with pytest.raises(AssertionError, match="grads"):
+        check_equivalence(Case(model, Stack(), mesh_of(1, 4, 2), BATCH_AXES, False, in_dim=8, out_dim=8))
