@@ -23,12 +23,14 @@ from .mesh import parse_mesh as parse_mesh
 from .mesh import simulate_cpu_devices as simulate_cpu_devices
 from .partitioning import check_specs as check_specs
 from .partitioning import derive_specs as derive_specs
-from .partitioning import init_sharded as init_sharded
 from .partitioning import shard_step as shard_step
 from .partitioning import specs_of as specs_of
 from .rule_transform import shard_by_rules as shard_by_rules
 from .rules import named_shardings as named_shardings
 from .rules import specs_from_rules as specs_from_rules
+from .sharded_init import init_direct as init_direct
+from .sharded_init import init_sharded as init_sharded
+from .sharded_init import lower_init as lower_init
 from .tensor_parallel import AttentionBlock as AttentionBlock
 from .tensor_parallel import ColumnParallelDense as ColumnParallelDense
 from .tensor_parallel import MLPBlock as MLPBlock
@@ -60,7 +62,9 @@ __all__ = [
     "gather_array_with_mean_grads",
     "gather_from_axis",
     "gather_params",
+    "init_direct",
     "init_sharded",
+    "lower_init",
     "make_mesh",
     "models",
     "named_shardings",

@@ -20,7 +20,12 @@ from ._axes import entry_axes
 from ._types import PyTree, Specs
 from .errors import IndivisibleShapeError, SpecTreeMismatchError
 
-__all__ = ["check_specs", "derive_specs", "init_sharded", "shard_step", "specs_of"]
+__all__ = [
+    "check_specs",
+    "derive_specs",
+    "shard_step",
+    "specs_of",
+]
 
 
 _REPLICATED = PartitionSpec()
@@ -40,11 +45,15 @@ def specs_of(tree: PyTree) -> PyTree:
     >>> specs_of({"w": nn.Partitioned(jnp.ones((2, 4)), (None, "fsdp")), "step": 0})
     {'step': P(), 'w': P(None, 'fsdp')}
     """
-    return jax.tree.map(
-        lambda x: x.get_partition_spec() if isinstance(x, nn.Partitioned) else PartitionSpec(),
-        tree,
-        is_leaf=lambda x: isinstance(x, nn.Partitioned),
-    )
+
+    def spec(x):
+        if not isinstance(x, nn.Partitioned):
+            return PartitionSpec()
+        # A box around no array (optax.masked's MaskedNode for a masked-out param) keeps
+        # its leafless structure, so the specs flatten like the state.
+        return x.get_partition_spec() if jax.tree.leaves(x.value) else x
+
+    return jax.tree.map(spec, tree, is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
 
 def derive_specs(fn: Callable, mesh: Mesh, in_specs: Specs, *args, check_vma: bool = True) -> PyTree:
@@ -124,48 +133,6 @@ def check_specs(tree: PyTree, specs: Specs, mesh: Mesh, what: str = "value") -> 
         for leaf_path, leaf in jax.tree_util.tree_flatten_with_path(subtree)[0]:
             where = what + jax.tree_util.keystr(tuple(spec_path) + tuple(leaf_path))
             _check_leaf(where, tuple(getattr(leaf, "shape", ())), spec, mesh)
-
-
-def init_sharded(
-    init_fn: Callable, mesh: Mesh, in_specs: Specs, *args, check_vma: bool = True
-) -> tuple[PyTree, PyTree]:
-    """Runs ``init_fn`` per device under ``shard_map`` and returns ``(state, specs)``.
-
-    The state comes back as global arrays laid out by the derived specs; no
-    device ever holds more than its shards plus the parameter being sliced.
-
-    >>> import jax, jax.numpy as jnp, flax.linen as nn
-    >>> from jax.sharding import PartitionSpec as P
-    >>> from fsdp_tp import make_mesh, shard_module_params
-    >>> mesh = make_mesh({"data": 2, "fsdp": 4})
-    >>> model = shard_module_params(nn.Dense, min_weight_size=0)(8)
-    >>> init_fn = lambda rng, x: model.init(rng, x)["params"]
-    >>> params, specs = init_sharded(init_fn, mesh, (P(), P(("data", "fsdp"))), jax.random.key(0),
-    ...                              jnp.ones((8, 4)))
-    >>> specs["kernel"], params["kernel"].value.shape   # global shape; each device holds (4, 2)
-    (P(None, 'fsdp'), (4, 8))
-    >>> params["kernel"].value.addressable_shards[0].data.shape
-    (4, 2)
-    """
-    check_specs(args, in_specs, mesh, "init argument")
-    # One spec per array leaf (a box holds one array), so the init's out_specs
-    # do not depend on static metadata: an optimizer built inside init_fn is a
-    # new object on every trace, and would not match a spec tree from another.
-    flat_specs = jax.tree.leaves(
-        derive_specs(init_fn, mesh, in_specs, *args, check_vma=check_vma), is_leaf=_is_spec
-    )
-    structure: dict[str, Any] = {}
-
-    def flat_init(*inner):
-        leaves, structure["treedef"] = jax.tree.flatten(init_fn(*inner))
-        return leaves
-
-    init = jax.jit(
-        jax.shard_map(flat_init, mesh=mesh, in_specs=in_specs, out_specs=flat_specs, check_vma=check_vma)
-    )
-    leaves = init(*args)  # traces flat_init, which records the treedef
-    state = jax.tree.unflatten(structure["treedef"], leaves)
-    return state, specs_of(state)
 
 
 def shard_step(
