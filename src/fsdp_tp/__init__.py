@@ -25,6 +25,7 @@ from .partitioning import check_specs as check_specs
 from .partitioning import derive_specs as derive_specs
 from .partitioning import shard_step as shard_step
 from .partitioning import specs_of as specs_of
+from .plan import make_plan as make_plan
 from .rule_transform import shard_by_rules as shard_by_rules
 from .rules import named_shardings as named_shardings
 from .rules import specs_from_rules as specs_from_rules
@@ -66,6 +67,7 @@ __all__ = [
     "init_sharded",
     "lower_init",
     "make_mesh",
+    "make_plan",
     "models",
     "named_shardings",
     "parse_mesh",

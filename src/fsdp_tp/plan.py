@@ -1,0 +1,215 @@
+"""The sharding plan: what each device will hold, read off an abstract trace of the init.
+
+Nothing is allocated and nothing runs: the init is traced per device under
+``jax.shard_map`` with ``jax.eval_shape``, so the mesh may be an
+``AbstractMesh`` far larger than the machine (64 x 8 devices planned on a laptop).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from ._axes import entry_axes
+from ._types import Specs
+from .rules import path_of
+
+__all__ = ["Plan", "PlanRow", "make_plan"]
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    path: str
+    shape: tuple[int, ...]  # global
+    dtype: str
+    spec: PartitionSpec
+    bytes_per_device: int
+    note: str = ""  # why a large parameter stayed whole
+
+
+@dataclass(frozen=True)
+class Plan:
+    mesh: dict[str, int]
+    rows: tuple[PlanRow, ...]  # the parameters
+    param_bytes: int  # per device
+    optimizer_bytes: int  # per device
+    other_bytes: int  # per device: step counter, rng, ...
+    activation_bytes: int | None = None  # per device, saved for the backward pass (None: not estimated)
+    replicated: tuple[PlanRow, ...] = field(default=())
+
+    @property
+    def total_bytes(self) -> int:
+        return self.param_bytes + self.optimizer_bytes + self.other_bytes
+
+    def __str__(self) -> str:
+        mesh = " x ".join(f"{name}={size}" for name, size in self.mesh.items())
+        head = ("parameter", "global shape", "dtype", "spec", "bytes/device")
+        body = [
+            (r.path, str(r.shape), r.dtype, _spec_str(r.spec), f"{r.bytes_per_device:,}") for r in self.rows
+        ]
+        widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
+        line = lambda row: "  ".join(
+            c.rjust(w) if i == 4 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        )
+        out = [
+            f"mesh {mesh} ({math.prod(self.mesh.values())} devices)",
+            line(head),
+            line(["-" * w for w in widths]),
+        ]
+        out += [line(row) for row in body]
+        act = "not estimated" if self.activation_bytes is None else f"{self.activation_bytes:,}"
+        out += [
+            "",
+            f"per device: params {self.param_bytes:,} B, optimizer state {self.optimizer_bytes:,} B, "
+            f"other {self.other_bytes:,} B, total {self.total_bytes:,} B",
+            f"activations saved for the backward pass, per device: {act}",
+        ]
+        if self.replicated:
+            out.append(f"replicated on every device ({len(self.replicated)}):")
+            out += [f"  {r.path} {r.shape}: {r.note}" for r in self.replicated]
+        return "\n".join(out)
+
+
+def _spec_str(spec: PartitionSpec) -> str:
+    return "P(" + ", ".join(repr(e) for e in spec) + ")"
+
+
+def _trace(fn: Callable, mesh, in_specs: Specs, args, check_vma: bool) -> tuple[Any, Any]:
+    """Local shapes and specs of ``fn``'s per-device output (boxes give their names)."""
+    captured: dict[str, Any] = {}
+
+    def probe(*inner):
+        out = fn(*inner)
+        is_box = lambda x: isinstance(x, nn.Partitioned)
+        captured["specs"] = jax.tree.map(
+            lambda x: x.get_partition_spec() if is_box(x) else PartitionSpec(), out, is_leaf=is_box
+        )
+        captured["local"] = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x.value if is_box(x) else x), _dtype(x)),
+            out,
+            is_leaf=is_box,
+        )
+        return ()
+
+    jax.eval_shape(
+        jax.shard_map(probe, mesh=mesh, in_specs=in_specs, out_specs=(), check_vma=check_vma), *args
+    )
+    return captured["local"], captured["specs"]
+
+
+def _dtype(x):
+    value = x.value if isinstance(x, nn.Partitioned) else x
+    # A Python scalar (a step counter) leaves shard_map as a JAX array: int32 or float32.
+    return getattr(value, "dtype", None) or jnp.asarray(value).dtype
+
+
+def _leaves(local, specs):
+    is_spec = lambda x: isinstance(x, PartitionSpec)
+    flat_specs = jax.tree.leaves(specs, is_leaf=is_spec)
+    flat_local = jax.tree_util.tree_flatten_with_path(local)[0]
+    return [(path_of(p), s, spec) for (p, s), spec in zip(flat_local, flat_specs, strict=True)]
+
+
+def _nbytes(struct) -> int:
+    return math.prod(struct.shape) * struct.dtype.itemsize
+
+
+def _why_whole(shape, mesh: dict[str, int]) -> str:
+    sizes = sorted({s for s in mesh.values() if s > 1})
+    if not any(n % s == 0 for n in shape for s in sizes):
+        return f"no dim divisible by a mesh axis size {sizes}"
+    return (
+        "not split by the model: at most min_weight_size, outside any sharding transform, or no rule names it"
+    )
+
+
+def make_plan(
+    init_fn: Callable,
+    mesh,
+    in_specs: Specs,
+    *args,
+    check_vma: bool = True,
+    loss_fn: Callable | None = None,
+    batch: Any = None,
+    batch_specs: Specs = None,
+) -> Plan:
+    """The plan of ``init_fn``'s state on ``mesh`` (a ``Mesh`` or an ``AbstractMesh``).
+
+    ``init_fn(*args)`` builds the state per device, as for
+    :func:`~fsdp_tp.init_sharded`; a state with ``.params`` and ``.opt_state``
+    (a :class:`~fsdp_tp.TrainState`) is split into parameters and optimizer
+    state. With ``loss_fn(params, batch)`` (per device) the activations that
+    the backward pass keeps are estimated from ``jax.vjp``'s residuals.
+    ``args`` and ``batch`` may be ``jax.ShapeDtypeStruct``s of global shape.
+
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
+    >>> from fsdp_tp import shard_module_params
+    >>> mesh = AbstractMesh((64, 8), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
+    >>> model = shard_module_params(nn.Dense, min_weight_size=0)(4096)
+    >>> plan = make_plan(lambda r, x: model.init(r, x)["params"], mesh, (P(), P()),
+    ...                  jax.random.key(0), jax.ShapeDtypeStruct((8, 1024), jnp.float32))
+    >>> [(r.path, r.shape, r.bytes_per_device) for r in plan.rows]
+    [('bias', (4096,), 2048), ('kernel', (1024, 4096), 2097152)]
+    """
+    local, specs = _trace(init_fn, mesh, in_specs, args, check_vma)
+    mesh_sizes = dict(mesh.shape)
+    params, opt = (local.params, local.opt_state) if hasattr(local, "opt_state") else (local, None)
+    pspecs, ospecs = (specs.params, specs.opt_state) if hasattr(specs, "opt_state") else (specs, None)
+    rows = []
+    for path, struct, spec in _leaves(params, pspecs):
+        parts = [math.prod(mesh_sizes[a] for a in entry_axes(e)) for e in spec] + [1] * len(struct.shape)
+        shape = tuple(n * p for n, p in zip(struct.shape, parts[: len(struct.shape)], strict=True))
+        whole = not any(entry_axes(e) for e in spec) and math.prod(shape) > 1
+        rows.append(
+            PlanRow(
+                path,
+                shape,
+                str(struct.dtype),
+                spec,
+                _nbytes(struct),
+                _why_whole(shape, mesh_sizes) if whole else "",
+            )
+        )
+    param_bytes = sum(r.bytes_per_device for r in rows)
+    optimizer_bytes = sum(_nbytes(s) for _, s, _ in _leaves(opt, ospecs)) if opt is not None else 0
+    total = sum(_nbytes(s) for _, s, _ in _leaves(local, specs))
+    activations = None
+    if loss_fn is not None:
+        activations = _activation_bytes(init_fn, loss_fn, mesh, in_specs, args, batch, batch_specs, check_vma)
+    return Plan(
+        mesh=mesh_sizes,
+        rows=tuple(rows),
+        param_bytes=param_bytes,
+        optimizer_bytes=optimizer_bytes,
+        other_bytes=total - param_bytes - optimizer_bytes,
+        activation_bytes=activations,
+        replicated=tuple(r for r in rows if r.note),
+    )
+
+
+def _activation_bytes(init_fn, loss_fn, mesh, in_specs, args, batch, batch_specs, check_vma) -> int:
+    """Bytes of the residuals ``jax.vjp`` keeps for the backward pass of one device's loss."""
+    captured: dict[str, int] = {}
+
+    def probe(inner_args, inner_batch):
+        state = init_fn(*inner_args)
+        params = state.params if hasattr(state, "params") else state
+        _, vjp = jax.vjp(lambda p: loss_fn(p, inner_batch), params)
+        captured["bytes"] = sum(_nbytes(r) for r in jax.tree.leaves(vjp))
+        return ()
+
+    jax.eval_shape(
+        jax.shard_map(probe, mesh=mesh, in_specs=(in_specs, batch_specs), out_specs=(), check_vma=check_vma),
+        args,
+        batch,
+    )
+    return captured["bytes"]

@@ -1,0 +1,76 @@
+"""The sharding plan (issue 4, acceptance 5): exact bytes, and abstract meshes larger than the machine."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import AbstractMesh, AxisType
+from jax.sharding import PartitionSpec as P
+
+import fsdp_tp
+from fsdp_tp.analysis import state_bytes_per_device
+from fsdp_tp.models import Transformer
+
+pytestmark = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")
+CONFIG = dict(
+    vocab_size=256, d_model=64, num_layers=2, num_heads=8, head_dim=8, num_kv_heads=8, mlp_hidden=256
+)
+BATCH = P(("data", "fsdp"))
+
+
+def state_fn(model):
+    return lambda rng, ids: fsdp_tp.TrainState.create(
+        apply_fn=model.apply, params=model.init(rng, ids)["params"], tx=optax.adamw(1e-3), rng=rng
+    )
+
+
+def loss_fn(model):
+    return lambda params, ids: fsdp_tp.vocab_parallel_cross_entropy(
+        model.apply({"params": params}, ids), ids
+    ).mean()
+
+
+def test_plan_bytes_are_the_bytes_of_the_initialized_state():
+    mesh = fsdp_tp.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    model = Transformer(**CONFIG, fsdp_axis="fsdp", min_weight_size=1024)
+    args = (jax.random.key(0), jnp.zeros((8, 16), jnp.int32))
+    plan = fsdp_tp.make_plan(state_fn(model), mesh, (P(), BATCH), *args)
+    state, _ = fsdp_tp.init_sharded(state_fn(model), mesh, (P(), BATCH), *args)
+    assert set(state_bytes_per_device(state).values()) == {plan.total_bytes}
+    assert set(state_bytes_per_device(state.params).values()) == {plan.param_bytes}
+    assert set(state_bytes_per_device(state.opt_state).values()) == {plan.optimizer_bytes}
+    global_shapes = {
+        fsdp_tp.rules.path_of(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(state.params)
+    }
+    assert {r.path: r.shape for r in plan.rows} == {
+        p.removesuffix("/value"): s for p, s in global_shapes.items()
+    }
+    # Norm scales (64 <= min_weight_size) stay whole, and the plan says why.
+    scale = next(r for r in plan.replicated if r.path.endswith("norm_final/scale"))
+    assert scale.spec == P() and "min_weight_size" in scale.note
+
+
+def test_plan_of_a_64_by_8_mesh_runs_without_512_devices():
+    mesh = AbstractMesh((64, 8), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2)
+    model = Transformer(**dict(CONFIG, d_model=512, mlp_hidden=2048), fsdp_axis="fsdp", min_weight_size=0)
+    ids = jax.ShapeDtypeStruct((64, 32), jnp.int32)
+    plan = fsdp_tp.make_plan(
+        state_fn(model),
+        mesh,
+        (P(), P("fsdp")),
+        jax.random.key(0),
+        ids,
+        loss_fn=loss_fn(model),
+        batch=ids,
+        batch_specs=P("fsdp"),
+    )
+    wi = next(r for r in plan.rows if r.path == "blocks/mlp/wi/kernel")
+    assert wi.shape == (2, 512, 2048) and wi.spec == P(None, "fsdp", "tensor")
+    assert wi.bytes_per_device == 2 * 512 * 2048 * 4 // 512
+    assert plan.optimizer_bytes == 2 * plan.param_bytes + 4  # mu and nu mirror every parameter; + the count
+    assert plan.activation_bytes and plan.activation_bytes > 0
+    text = str(plan)
+    assert text.startswith("mesh fsdp=64 x tensor=8 (512 devices)")
+    assert "blocks/mlp/wi/kernel" in text and "P(None, 'fsdp', 'tensor')" in text
