@@ -1,0 +1,5 @@
+"""The ``fsdp-tp`` command (``python -m fsdp_tp``)."""
+
+from .main import main as main
+
+__all__ = ["main"]

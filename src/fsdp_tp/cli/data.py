@@ -1,0 +1,76 @@
+"""Token data for the ``fsdp-tp`` command: an embedded corpus, or a user's file.
+
+The embedded corpus is generated from a small grammar with a fixed seed: text
+with structure to learn (words, agreement, punctuation), so the loss falls
+visibly within a few hundred steps. Batches are drawn by step index, so a run
+resumed at step ``s`` sees the same batches as one that never stopped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["DataError", "batch_at", "embedded_corpus", "load_tokens"]
+
+
+class DataError(ValueError):
+    """A data file that is missing, empty, or too short for one batch."""
+
+
+_SUBJECTS = ["the cat", "a dog", "my friend", "the old man", "a small bird", "the teacher", "her brother"]
+_VERBS = ["sees", "likes", "follows", "finds", "watches", "helps", "calls"]
+_OBJECTS = ["the ball", "a red fox", "the river", "an apple", "the garden", "a quiet house", "the moon"]
+_ENDINGS = [".", " today.", " again.", " at night.", " in the morning."]
+
+
+def embedded_corpus(num_sentences: int = 20_000, seed: int = 0) -> np.ndarray:
+    """Byte tokens (uint8) of generated sentences: ``"The cat sees the river at night. ..."``."""
+    rng = np.random.default_rng(seed)
+    parts = []
+    for _ in range(num_sentences):
+        sentence = (
+            f"{_SUBJECTS[rng.integers(len(_SUBJECTS))]} {_VERBS[rng.integers(len(_VERBS))]} "
+            f"{_OBJECTS[rng.integers(len(_OBJECTS))]}{_ENDINGS[rng.integers(len(_ENDINGS))]} "
+        )
+        parts.append(sentence[0].upper() + sentence[1:])
+    return np.frombuffer("".join(parts).encode(), dtype=np.uint8)
+
+
+def load_tokens(path: str | None) -> np.ndarray:
+    """Tokens from ``path``: ``.npy`` (any int dtype) or ``.bin`` (uint16, nanoGPT-style), both
+    memory-mapped; any other file is UTF-8 text as bytes. ``None``: the embedded corpus."""
+    if path is None:
+        return embedded_corpus()
+    file = Path(path)
+    if not file.is_file():
+        raise DataError(f"--data {path}: no such file; pass a text file, a .npy or a uint16 .bin token file.")
+    if file.stat().st_size == 0:
+        raise DataError(f"--data {path}: the file is empty.")
+    if file.suffix == ".npy":
+        tokens = np.load(file, mmap_mode="r")
+    elif file.suffix == ".bin":
+        tokens = np.memmap(file, dtype=np.uint16, mode="r")
+    else:
+        tokens = np.frombuffer(file.read_bytes(), dtype=np.uint8)
+    if tokens.ndim != 1:
+        raise DataError(f"--data {path}: tokens must be a flat array, got shape {tokens.shape}.")
+    return tokens
+
+
+def batch_at(tokens: np.ndarray, step: int, batch: int, seq_len: int, seed: int, vocab: int) -> tuple:
+    """The global batch of ``step``: ``batch`` windows of ``seq_len + 1`` tokens, as (ids, targets)."""
+    if len(tokens) < seq_len + 1 or len(tokens) < 2 * (seq_len + 1):
+        raise DataError(
+            f"the data has {len(tokens)} tokens, fewer than two windows of seq_len + 1 = {seq_len + 1}; "
+            f"use more data or a shorter --seq-len."
+        )
+    rng = np.random.default_rng([seed, step])
+    starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch)
+    windows = np.stack([np.asarray(tokens[s : s + seq_len + 1], dtype=np.int32) for s in starts])
+    if windows.max() >= vocab:
+        raise DataError(
+            f"the data holds token {int(windows.max())}, outside the model's vocabulary of {vocab}."
+        )
+    return windows[:, :-1], windows[:, 1:]

@@ -1,0 +1,141 @@
+"""The train loop behind ``fsdp-tp train``: the state, the sharded step, and ``--check``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+from ..gradients import sync_gradients
+from ..partitioning import shard_step
+from ..sharded_init import init_direct
+from ..tensor_parallel import vocab_parallel_cross_entropy
+from ..train import TrainState, accumulate_gradients
+from .config import ModelConfig
+from .data import batch_at
+
+__all__ = ["BATCH_AXES", "Settings", "Trainer", "compare_with_twin"]
+
+BATCH_AXES = ("data", "fsdp")
+BATCH = P(BATCH_AXES)
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: ModelConfig
+    steps: int
+    batch: int
+    microbatches: int
+    lr: float
+    warmup: int
+    seed: int
+    sequence_parallel: bool
+    collective_matmul: str | None
+    check_vma: bool
+    min_weight_size: int
+
+    def optimizer(self) -> optax.GradientTransformation:
+        # No optax.clip_by_global_norm: per device it would see only its shards' norm (to do).
+        schedule = optax.warmup_cosine_decay_schedule(
+            0.0, self.lr, max(self.warmup, 1), max(self.steps, self.warmup + 2)
+        )
+        return optax.adamw(schedule, weight_decay=0.01)
+
+
+def _state_fn(model: nn.Module, tx) -> Callable:
+    return lambda rng, ids: TrainState.create(
+        apply_fn=model.apply, params=model.init(rng, ids)["params"], tx=tx, rng=rng
+    )
+
+
+def _step_fn(settings: Settings) -> Callable:
+    def step(state, batch):
+        def loss_fn(params, microbatch, _rng):
+            ids, targets = microbatch
+            logits = state.apply_fn({"params": params}, ids)
+            return vocab_parallel_cross_entropy(logits, targets).mean(), None
+
+        (loss, _), grads = accumulate_gradients(loss_fn, state.params, batch, settings.microbatches)
+        state = state.apply_gradients(grads=sync_gradients(grads, BATCH_AXES))
+        return state, jax.lax.pmean(loss, BATCH_AXES)
+
+    return step
+
+
+class Trainer:
+    """The sharded model, its state (initialized straight into its shardings) and step."""
+
+    def __init__(self, settings: Settings, mesh):
+        self.settings, self.mesh = settings, mesh
+        config = settings.model
+        self.model = config.sharded(
+            settings.sequence_parallel, settings.collective_matmul, settings.min_weight_size
+        )
+        self.twin = config.twin()
+        self.tx = settings.optimizer()
+        example = np.zeros((settings.batch, config.seq_len), np.int32)
+        self.state, self.specs = init_direct(
+            _state_fn(self.twin, self.tx),
+            _state_fn(self.model, self.tx),
+            mesh,
+            (P(), BATCH),
+            jax.random.key(settings.seed),
+            example,
+            check_vma=settings.check_vma,
+        )
+        self.step = shard_step(
+            _step_fn(settings), mesh, self.specs, (BATCH, BATCH), check_vma=settings.check_vma
+        )
+
+    def run(self, tokens: np.ndarray, start: int, stop: int) -> Iterator[tuple[int, float, float]]:
+        """Trains steps ``start .. stop - 1``; yields ``(step, loss, seconds)`` after each."""
+        s, config = self.settings, self.settings.model
+        for step in range(start, stop):
+            ids, targets = batch_at(tokens, step, s.batch, config.seq_len, s.seed, config.vocab_size)
+            began = time.perf_counter()
+            self.state, loss = self.step(self.state, (ids, targets))
+            loss = float(loss)  # waits for the step
+            yield step, loss, time.perf_counter() - began
+
+    def params(self) -> dict:
+        """The parameters as full numpy arrays (gathered from the devices)."""
+        return jax.tree.map(np.asarray, nn.unbox(self.state.params))
+
+
+def compare_with_twin(trainer: Trainer, tokens: np.ndarray, steps: int) -> tuple[float, float, list, list]:
+    """Trains ``steps`` steps sharded and, on one device, the unsharded twin on the same batches.
+
+    Returns the largest loss difference, the largest parameter difference, and both loss curves.
+    """
+    s, config = trainer.settings, trainer.settings.model
+    state_fn = _state_fn(trainer.twin, trainer.tx)
+    state = jax.jit(state_fn)(jax.random.key(s.seed), np.zeros((s.batch, config.seq_len), np.int32))
+
+    @jax.jit
+    def twin_step(state, ids, targets):
+        def loss_fn(params):
+            logits = trainer.twin.apply({"params": params}, ids)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    twin_losses = []
+    for step in range(steps):
+        ids, targets = batch_at(tokens, step, s.batch, config.seq_len, s.seed, config.vocab_size)
+        state, loss = twin_step(state, ids, targets)
+        twin_losses.append(float(loss))
+    losses = [loss for _, loss, _ in trainer.run(tokens, 0, steps)]
+    loss_diff = max(abs(a - b) for a, b in zip(losses, twin_losses, strict=True))
+    sharded, twin = trainer.params(), jax.tree.map(np.asarray, state.params)
+    param_diff = max(
+        float(np.max(np.abs(a - b)))
+        for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(twin), strict=True)
+    )
+    return loss_diff, param_diff, losses, twin_losses

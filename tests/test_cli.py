@@ -1,0 +1,95 @@
+"""``fsdp-tp``: trains with a falling loss, --check and its negative control, plan, bad input (issue 5)."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from fsdp_tp.cli import main
+from fsdp_tp.cli import trainer as trainer_module
+
+pytestmark = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")
+SHORT = ["--steps", "40", "--log-every", "10"]
+
+
+def run(*argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    return main(list(argv), out=out), out.getvalue()
+
+
+def test_train_logs_a_falling_loss(tmp_path):
+    log = tmp_path / "log.jsonl"
+    code, out = run("train", *SHORT, "--log-file", str(log))
+    assert code == 0, out
+    losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+    assert len(losses) == 40
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 2.0  # bytes: ~ln(256) at first, words learned after
+    assert "mesh data=2 x fsdp=2 x tensor=2 on 8 cpu devices" in out and "done: loss" in out
+
+
+def test_check_passes_on_the_default_mesh_with_async_tp():
+    code, out = run("train", "--steps", "1", "--check", "3", "--async-tp", "bidirectional")
+    assert code == 0 and "check: 3 steps" in out and "-> ok" in out, out
+
+
+def test_negative_control_check_fails_on_a_broken_build(monkeypatch):
+    """Gradients left unsynced over the batch shards: --check must notice and exit 1."""
+    monkeypatch.setattr(trainer_module, "sync_gradients", lambda grads, axes: grads)
+    code, out = run("train", "--steps", "1", "--check", "3", "--no-check-vma")
+    assert code == 1 and "FAILED" in out, out
+
+
+def test_plan_of_a_cluster_mesh_prints_the_table():
+    code, out = run("plan", "--preset", "base", "--mesh", "data=8,fsdp=64,tensor=8", "--batch", "512")
+    assert code == 0
+    assert out.startswith("mesh data=8 x fsdp=64 x tensor=8 (4096 devices)")
+    assert "blocks/mlp/wi/kernel" in out and "(12, 768, 3072)" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--mesh", "data=2,fsdp"], "mesh 'data=2,fsdp'"),
+        (["--mesh", "data=2,fsdp=2,tensor=1", "--cpu-devices", "8"], "multiply to 4 devices, but 8"),
+        (["--data", "/nonexistent/tokens.txt"], "no such file"),
+        (["--batch", "6"], "--batch 6 is not divisible by the batch shards data x fsdp = 4"),
+        (["--batch", "8", "--microbatches", "3"], "--microbatches 3 does not divide the per-device batch 2"),
+        (["--mesh", "data=2,model=4"], "unknown axes ['model']"),
+    ],
+)
+def test_bad_input_exits_2_with_a_clear_message(argv, message, capsys):
+    code, _ = run("train", "--steps", "1", *argv)
+    assert code == 2 and message in capsys.readouterr().err
+
+
+def test_bad_data_files_exit_2(tmp_path, capsys):
+    empty, short = tmp_path / "empty.txt", tmp_path / "short.txt"
+    empty.write_text("")
+    short.write_text("too short")
+    assert run("train", "--steps", "1", "--data", str(empty))[0] == 2
+    assert "is empty" in capsys.readouterr().err
+    assert run("train", "--steps", "1", "--data", str(short))[0] == 2
+    assert "fewer than two windows" in capsys.readouterr().err
+
+
+def test_unknown_preset_exits_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run("train", "--preset", "huge")
+    assert exit_info.value.code == 2 and "invalid choice: 'huge'" in capsys.readouterr().err
+
+
+def test_console_script_runs_in_a_fresh_process():
+    """What a newcomer types (shortened): its own process, its own 8 simulated devices."""
+    command = shutil.which("fsdp-tp") or sys.executable
+    argv = [command] if command != sys.executable else [command, "-m", "fsdp_tp"]
+    done = subprocess.run([*argv, "train", *SHORT], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "done: loss" in done.stdout
+    assert jax.device_count() == 8  # this process untouched
