@@ -149,6 +149,7 @@ def test_mlp_block_moves_the_megatron_minimum(check_vma):
     assert [c.operand_bytes for c in found] == [16 * 32 * 4, 16 * 32 * 4]  # (batch, out) fwd, (batch, in) bwd
 
 
+@replicated_ok
 def test_tp_and_fsdp_state_bytes_are_exactly_the_ideal():
     mesh = mesh_of(2, 2, 2)
     block = fsdp_tp.shard_module_params(fsdp_tp.MLPBlock, "fsdp", min_weight_size=0)(32, out_features=16)
@@ -159,10 +160,11 @@ def test_tp_and_fsdp_state_bytes_are_exactly_the_ideal():
             apply_fn=block.apply, params=block.init(rng, x)["params"], tx=tx, rng=rng
         )
 
-    with pytest.warns(fsdp_tp.errors.ReplicatedParameterWarning, match="bias of shape"):
-        state, specs = fsdp_tp.init_sharded(
-            init_fn, mesh, (P(), P(BATCH_AXES)), jax.random.key(0), jnp.ones((8, 16))
-        )
+    # (The replicated-bias warning is reported once per process: not asserted here, where
+    # an earlier test may have reported it; test_fsdp_units.py asserts the report.)
+    state, specs = fsdp_tp.init_sharded(
+        init_fn, mesh, (P(), P(BATCH_AXES)), jax.random.key(0), jnp.ones((8, 16))
+    )
     assert specs.params["wi"]["kernel"] == P("fsdp", "tensor") and specs.params["wo"]["kernel"] == P(
         "tensor", "fsdp"
     )

@@ -155,7 +155,7 @@ def shard_step(
 
     >>> import jax, jax.numpy as jnp, optax
     >>> from jax.sharding import PartitionSpec as P
-    >>> from fsdp_tp import TrainState, make_mesh, sync_gradients
+    >>> from fsdp_tp import TrainState, init_sharded, make_mesh, sync_gradients
     >>> mesh = make_mesh({"data": 8})
     >>> def init_fn(rng):
     ...     return TrainState.create(apply_fn=None, params={"w": jnp.zeros(())}, tx=optax.sgd(1.0), rng=rng)
