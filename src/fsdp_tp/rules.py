@@ -20,6 +20,7 @@ import re
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -62,23 +63,25 @@ def compile_rules(rules: Rules, caller: str = "rules") -> tuple[CompiledRule, ..
     """
     compiled = []
     for rule in rules:
-        if not (isinstance(rule, tuple | list) and len(rule) == 2 and isinstance(rule[0], str)):
-            raise RuleError(
-                f"{caller}: rule {rule!r} is not a (pattern, spec) pair, e.g. ('kernel$', P(None, 'fsdp'))."
-            )
-        pattern, spec = rule
-        try:
-            regex = re.compile(pattern)
-        except re.error as err:
-            raise RuleError(
-                f"{caller}: rule pattern {pattern!r} is not a regular expression: {err}."
-            ) from None
+        pattern, regex, spec = split_rule(
+            rule, caller, "(pattern, spec) pair, e.g. ('kernel$', P(None, 'fsdp'))"
+        )
         if not isinstance(spec, PartitionSpec | tuple):
             raise RuleError(
                 f"{caller}: rule {pattern!r} -> {spec!r}: give a PartitionSpec or a tuple of axis names."
             )
         compiled.append(CompiledRule(pattern, regex, PartitionSpec(*spec)))
     return tuple(compiled)
+
+
+def split_rule(rule, caller: str, expected: str) -> tuple[str, re.Pattern, Any]:
+    """``(pattern, compiled pattern, value)`` of a ``(pattern, value)`` rule, or a clear RuleError."""
+    if not (isinstance(rule, tuple | list) and len(rule) == 2 and isinstance(rule[0], str)):
+        raise RuleError(f"{caller}: rule {rule!r} is not a {expected}.")
+    try:
+        return rule[0], re.compile(rule[0]), rule[1]
+    except re.error as err:
+        raise RuleError(f"{caller}: rule pattern {rule[0]!r} is not a regular expression: {err}.") from None
 
 
 def path_of(key_path) -> str:

@@ -28,6 +28,7 @@ from .._axes import axes_named, local_slice, require_axes
 from .._types import AxisName
 from ..errors import IndivisibleShapeError, RuleError
 from ..fsdp import keep_module_name
+from ..rules import split_rule
 
 __all__ = ["tensor_parallel"]
 
@@ -42,15 +43,7 @@ class _Rule:
 def _compile(rules, caller: str) -> tuple[_Rule, ...]:
     compiled = []
     for rule in rules:
-        if not (isinstance(rule, tuple | list) and len(rule) == 2 and isinstance(rule[0], str)):
-            raise RuleError(f"{caller}: rule {rule!r} is not a (pattern, dims) pair, e.g. ('kernel', -1).")
-        pattern, dims = rule
-        try:
-            regex = re.compile(pattern)
-        except re.error as err:
-            raise RuleError(
-                f"{caller}: rule pattern {pattern!r} is not a regular expression: {err}."
-            ) from err
+        pattern, regex, dims = split_rule(rule, caller, "(pattern, dims) pair, e.g. ('kernel', -1)")
         dims = (dims,) if isinstance(dims, int) else tuple(dims)
         if not dims or not all(isinstance(d, int) for d in dims):
             raise RuleError(
