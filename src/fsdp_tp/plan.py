@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec
 
 from ._axes import entry_axes
 from ._types import Specs
+from .partitioning import specs_of
 from .rules import path_of
 
 __all__ = ["Plan", "PlanRow", "make_plan"]
@@ -89,9 +90,7 @@ def _trace(fn: Callable, mesh, in_specs: Specs, args, check_vma: bool) -> tuple[
     def probe(*inner):
         out = fn(*inner)
         is_box = lambda x: isinstance(x, nn.Partitioned)
-        captured["specs"] = jax.tree.map(
-            lambda x: x.get_partition_spec() if is_box(x) else PartitionSpec(), out, is_leaf=is_box
-        )
+        captured["specs"] = specs_of(out)
         captured["local"] = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(np.shape(x.value if is_box(x) else x), _dtype(x)),
             out,

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from ._axes import as_axis_tuple, axes_named, bound_axis_names, entry_axes
+from ._axes import as_axis_tuple, axes_named, bound_axis_names, entry_axes, local_slice
 from ._types import AxisNames, PyTree
 from .collectives import gather_array_with_mean_grads, gather_from_axis
 from .errors import RuleError
@@ -37,10 +37,8 @@ def _is_box(x) -> bool:
 def _block(value: jax.Array, spec: PartitionSpec) -> jax.Array:
     """This device's block of ``value`` under ``spec`` (a dim over several axes: major first)."""
     for dim, entry in enumerate(spec):
-        axes = entry_axes(entry)
-        if axes:
-            width = value.shape[dim] // jax.lax.axis_size(axes)
-            value = jax.lax.dynamic_slice_in_dim(value, jax.lax.axis_index(axes) * width, width, axis=dim)
+        if entry_axes(entry):
+            value = local_slice(value, dim, entry)
     return value
 
 

@@ -42,7 +42,7 @@ def init_sharded(
     >>> params["kernel"].value.addressable_shards[0].data.shape
     (4, 2)
     """
-    init, structure = _flat_init(init_fn, mesh, in_specs, args, check_vma)
+    init, structure, _ = _flat_init(init_fn, mesh, in_specs, args, check_vma)
     leaves = init(*args)  # traces flat_init, which records the treedef
     state = jax.tree.unflatten(structure["treedef"], leaves)
     return state, specs_of(state)
@@ -61,7 +61,7 @@ def lower_init(init_fn: Callable, mesh: Mesh, in_specs: Specs, *args, check_vma:
     >>> lowered.compile().memory_analysis().output_size_in_bytes   # 32 * 64 * 4 bytes / 4 devices
     2048
     """
-    init, _ = _flat_init(init_fn, mesh, in_specs, args, check_vma)
+    init, _, _ = _flat_init(init_fn, mesh, in_specs, args, check_vma)
     return init.lower(*args)
 
 
@@ -89,9 +89,9 @@ def init_direct(
     >>> specs["kernel"], bool((direct["kernel"].value == via_shard_map["kernel"].value).all())
     (P(None, 'fsdp'), True)
     """
-    check_specs(args, in_specs, mesh, "init argument")
-    specs = derive_specs(init_fn, mesh, in_specs, *args, check_vma=check_vma)
-    flat_specs = jax.tree.leaves(specs, is_leaf=_is_spec)
+    # The sharded init gives the specs and, traced abstractly, the tree with its boxes.
+    sharded, structure, flat_specs = _flat_init(init_fn, mesh, in_specs, args, check_vma)
+    jax.eval_shape(sharded, *args)
     init = jax.jit(
         lambda *inner: jax.tree.leaves(twin_init_fn(*inner)),
         out_shardings=[NamedSharding(mesh, spec) for spec in flat_specs],
@@ -102,11 +102,8 @@ def init_direct(
             f"init_direct: twin_init_fn returns {len(shapes)} arrays, init_fn {len(flat_specs)}; the twin "
             f"must build the same state with the unsharded model (same parameter tree, same optimizer)."
         )
-    # The sharded init's tree (with its boxes) from an abstract trace; the twin's leaves fill it.
-    sharded, structure = _flat_init(init_fn, mesh, in_specs, args, check_vma)
-    jax.eval_shape(sharded, *args)
-    treedef = structure["treedef"]
-    return jax.tree.unflatten(treedef, init(*args)), specs
+    state = jax.tree.unflatten(structure["treedef"], init(*args))  # the twin's leaves fill the tree
+    return state, specs_of(state)
 
 
 def _flat_init(init_fn: Callable, mesh: Mesh, in_specs: Specs, args: tuple, check_vma: bool):
@@ -126,4 +123,4 @@ def _flat_init(init_fn: Callable, mesh: Mesh, in_specs: Specs, args: tuple, chec
     init = jax.jit(
         jax.shard_map(flat_init, mesh=mesh, in_specs=in_specs, out_specs=flat_specs, check_vma=check_vma)
     )
-    return init, structure
+    return init, structure, flat_specs

@@ -7,6 +7,7 @@ import math
 from typing import TextIO
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
@@ -59,6 +60,7 @@ def train(settings: Settings, sizes: dict, args, out: TextIO) -> int:
     )
     trainer = Trainer(settings, mesh)
     if args.check:
+        initial = jax.tree.map(jnp.copy, trainer.state)  # the step donates the state it is given
         loss_diff, param_diff, losses, twin_losses = compare_with_twin(trainer, tokens, args.check)
         ok = (
             np.allclose(losses, twin_losses, rtol=CHECK_RTOL, atol=CHECK_ATOL)
@@ -71,7 +73,7 @@ def train(settings: Settings, sizes: dict, args, out: TextIO) -> int:
         )
         if not ok:
             return 1
-        trainer = Trainer(settings, mesh)  # train from the same init as without --check
+        trainer.state = initial  # train from the same init as without --check
     log = open(args.log_file, "a") if args.log_file else None
     tokens_per_step = settings.batch * config.seq_len
     first = last = None
