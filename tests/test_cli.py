@@ -28,10 +28,51 @@ def test_train_logs_a_falling_loss(tmp_path):
     log = tmp_path / "log.jsonl"
     code, out = run("train", *SHORT, "--log-file", str(log))
     assert code == 0, out
-    losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+    losses = [r["loss"] for r in map(json.loads, log.read_text().splitlines()) if "loss" in r]
     assert len(losses) == 40
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 2.0  # bytes: ~ln(256) at first, words learned after
     assert "mesh data=2 x fsdp=2 x tensor=2 on 8 cpu devices" in out and "done: loss" in out
+
+
+def test_eval_reports_a_held_out_loss(tmp_path):
+    log = tmp_path / "log.jsonl"
+    code, out = run(
+        "train", "--steps", "20", "--eval-every", "10", "--eval-batches", "2", "--log-file", str(log)
+    )
+    assert code == 0, out
+    evals = [r for r in map(json.loads, log.read_text().splitlines()) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [9, 19] and evals[1]["eval_loss"] < evals[0]["eval_loss"]
+    assert "eval at step 10: held-out loss" in out
+
+
+def test_bf16_compute_trains_f32_params_and_passes_check(tmp_path):
+    log = tmp_path / "log.jsonl"
+    code, out = run("train", *SHORT, "--dtype", "bf16", "--check", "2", "--log-file", str(log))
+    assert code == 0 and "(bfloat16 compute)" in out and "-> ok" in out, out
+    losses = [r["loss"] for r in map(json.loads, log.read_text().splitlines()) if "loss" in r]
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 2.0
+
+
+def test_bf16_computes_in_bf16_on_f32_parameters():
+    from fsdp_tp.cli.config import preset
+
+    config = preset("tiny", dtype="bfloat16")
+    ids = np.zeros((2, config.seq_len), np.int32)
+    params = jax.eval_shape(config.twin().init, jax.random.key(0), ids)
+    assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {np.dtype("float32")}
+    hlo = jax.jit(config.twin().apply).lower(params, ids).as_text()
+    assert "bf16" in hlo and jax.eval_shape(config.twin().apply, params, ids).dtype == np.float32
+
+
+def test_token_file_fits_the_vocabulary(tmp_path):
+    """A nanoGPT-style uint16 .bin with ids beyond 256: the vocabulary grows to a multiple of 128."""
+    tokens = (np.arange(20_000) * 7 % 1000).astype(np.uint16)
+    path = tmp_path / "train.bin"
+    tokens.tofile(path)
+    code, out = run("train", "--steps", "2", "--data", str(path), "--eval-every", "0")
+    assert code == 0, out
+    code, _ = run("plan", "--vocab-size", "1024")
+    assert code == 0
 
 
 def test_check_passes_on_the_default_mesh_with_async_tp():
@@ -62,6 +103,13 @@ def test_plan_of_a_cluster_mesh_prints_the_table():
         (["--batch", "6"], "--batch 6 is not divisible by the batch shards data x fsdp = 4"),
         (["--batch", "8", "--microbatches", "3"], "--microbatches 3 does not divide the per-device batch 2"),
         (["--mesh", "data=2,model=4"], "unknown axes ['model']"),
+        (["--process-id", "1"], "needs --coordinator (or JAX_COORDINATOR_ADDRESS), --num-processes"),
+        (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"], "outside 0 .. 1"),
+        (
+            ["--vocab-size", "100"],
+            "holds token 121, outside the model's vocabulary of 100; pass --vocab-size 128",
+        ),
+        (["--eval-batches", "0"], "--eval-batches 0 must be positive"),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_message(argv, message, capsys):
@@ -77,6 +125,11 @@ def test_bad_data_files_exit_2(tmp_path, capsys):
     assert "is empty" in capsys.readouterr().err
     assert run("train", "--steps", "1", "--data", str(short))[0] == 2
     assert "fewer than two windows" in capsys.readouterr().err
+    held_out_too_short = tmp_path / "medium.txt"
+    held_out_too_short.write_text("x" * 1000)  # enough to train on, but 5% of it is not two windows
+    assert run("train", "--steps", "1", "--data", str(held_out_too_short))[0] == 2
+    assert "(held-out part for --eval-every) has 50 tokens" in capsys.readouterr().err
+    assert run("train", "--steps", "1", "--data", str(held_out_too_short), "--eval-every", "0")[0] == 0
 
 
 def test_unknown_preset_exits_2(capsys):

@@ -5,9 +5,12 @@ The public API is re-exported here; the modules behind it are documented in
 """
 
 from . import analysis as analysis
+from . import checkpoint as checkpoint
 from . import errors as errors
 from . import models as models
 from . import rules as rules
+from .checkpoint import Checkpoints as Checkpoints
+from .checkpoint import global_tree as global_tree
 from .collectives import copy_to_axis as copy_to_axis
 from .collectives import gather_array_with_mean_grads as gather_array_with_mean_grads
 from .collectives import gather_from_axis as gather_from_axis
@@ -48,6 +51,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_AXIS_NAMES",
     "AttentionBlock",
+    "Checkpoints",
     "ColumnParallelDense",
     "MLPBlock",
     "RowParallelDense",
@@ -56,6 +60,7 @@ __all__ = [
     "accumulate_gradients",
     "analysis",
     "check_specs",
+    "checkpoint",
     "copy_to_axis",
     "derive_specs",
     "errors",
@@ -63,6 +68,7 @@ __all__ = [
     "gather_array_with_mean_grads",
     "gather_from_axis",
     "gather_params",
+    "global_tree",
     "init_direct",
     "init_sharded",
     "lower_init",

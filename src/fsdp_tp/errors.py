@@ -6,6 +6,7 @@ Every message names what was passed, what was expected and how to fix it.
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointMismatchError",
     "IndivisibleShapeError",
     "MeshShapeError",
     "ReplicatedParameterWarning",
@@ -42,3 +43,7 @@ class RuleError(ValueError):
 
 class UnmatchedRuleWarning(UserWarning):
     """Partition rules that matched no parameter: usually a typo in the pattern."""
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint whose arrays do not fit the model restoring it (another preset or size)."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import jax.numpy as jnp
+
 from ..models import Transformer
 
 __all__ = ["PRESETS", "ModelConfig", "preset"]
@@ -23,6 +25,7 @@ class ModelConfig:
     mlp_hidden: int
     seq_len: int
     vocab_size: int = 256
+    dtype: str = "float32"  # the computation's; parameters and optimizer state stay f32
 
     def sharded(
         self, sequence_parallel: bool, collective_matmul: str | None, min_weight_size: int
@@ -44,6 +47,7 @@ class ModelConfig:
     def _layout(self) -> dict:
         fields = dataclasses.asdict(self)
         del fields["seq_len"]
+        fields["dtype"] = jnp.dtype(self.dtype)
         return fields
 
 

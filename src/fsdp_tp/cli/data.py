@@ -12,7 +12,20 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["DataError", "batch_at", "embedded_corpus", "load_tokens"]
+__all__ = [
+    "EVAL_FRACTION",
+    "DataError",
+    "batch_at",
+    "check_tokens",
+    "embedded_corpus",
+    "load_tokens",
+    "split_held_out",
+    "vocab_for",
+    "windows_at",
+]
+
+
+EVAL_FRACTION = 0.05  # the tail of the tokens held out when --eval-every is on
 
 
 class DataError(ValueError):
@@ -59,18 +72,47 @@ def load_tokens(path: str | None) -> np.ndarray:
     return tokens
 
 
-def batch_at(tokens: np.ndarray, step: int, batch: int, seq_len: int, seed: int, vocab: int) -> tuple:
-    """The global batch of ``step``: ``batch`` windows of ``seq_len + 1`` tokens, as (ids, targets)."""
-    if len(tokens) < seq_len + 1 or len(tokens) < 2 * (seq_len + 1):
+def check_tokens(tokens: np.ndarray, seq_len: int, vocab: int, what: str = "the data") -> None:
+    """Raises ``DataError`` unless ``tokens`` hold two windows of ``seq_len + 1`` tokens, all
+    inside the vocabulary (checked once, up front, so a bad file fails before anything is written)."""
+    if len(tokens) < 2 * (seq_len + 1):
         raise DataError(
-            f"the data has {len(tokens)} tokens, fewer than two windows of seq_len + 1 = {seq_len + 1}; "
+            f"{what} has {len(tokens)} tokens, fewer than two windows of seq_len + 1 = {seq_len + 1}; "
             f"use more data or a shorter --seq-len."
         )
-    rng = np.random.default_rng([seed, step])
-    starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch)
-    windows = np.stack([np.asarray(tokens[s : s + seq_len + 1], dtype=np.int32) for s in starts])
-    if windows.max() >= vocab:
+    top = int(np.max(tokens))
+    if top >= vocab:
         raise DataError(
-            f"the data holds token {int(windows.max())}, outside the model's vocabulary of {vocab}."
+            f"{what} holds token {top}, outside the model's vocabulary of {vocab}; "
+            f"pass --vocab-size {vocab_for(top)} or more."
         )
+
+
+def vocab_for(top_token: int, multiple: int = 128) -> int:
+    """The smallest vocabulary above ``top_token`` that is a multiple of ``multiple`` (so any
+    tensor axis up to it divides the vocab-parallel embedding and head)."""
+    return -(-(top_token + 1) // multiple) * multiple
+
+
+def split_held_out(tokens: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """``tokens`` cut into a train part and the last ``fraction`` held out for eval."""
+    cut = len(tokens) - int(len(tokens) * fraction)
+    return tokens[:cut], tokens[cut:]
+
+
+def windows_at(
+    tokens: np.ndarray, step: int, batch: int, seq_len: int, seed: int, rows: slice = slice(None)
+) -> np.ndarray:
+    """Rows ``rows`` of step ``step``'s global batch: windows of ``seq_len + 1`` tokens (int32).
+
+    The window starts depend only on ``(seed, step)``, so every process, mesh and resumed
+    run agrees on the batch; only the requested rows are read from the (memory-mapped) file.
+    """
+    starts = np.random.default_rng([seed, step]).integers(0, len(tokens) - seq_len - 1, size=batch)
+    return np.stack([np.asarray(tokens[s : s + seq_len + 1], dtype=np.int32) for s in starts[rows]])
+
+
+def batch_at(tokens: np.ndarray, step: int, batch: int, seq_len: int, seed: int) -> tuple:
+    """The whole global batch of ``step`` as ``(ids, targets)``, targets shifted by one."""
+    windows = windows_at(tokens, step, batch, seq_len, seed)
     return windows[:, :-1], windows[:, 1:]

@@ -2,6 +2,7 @@
 
     fsdp-tp train                        # 8 simulated CPU devices, mesh 2x2x2, embedded data
     fsdp-tp train --check 3              # and first compare 3 steps with the unsharded twin
+    fsdp-tp train --checkpoint-dir ckpt --resume   # save every 100 steps; continue the newest
     fsdp-tp plan --preset base --mesh data=8,fsdp=64,tensor=8
 
 Bad input exits with status 2 and one line saying what to change.
@@ -14,14 +15,18 @@ import importlib.util
 import math
 import sys
 
-from ..errors import IndivisibleShapeError, MeshShapeError
+import numpy as np
+
+from ..errors import CheckpointMismatchError, IndivisibleShapeError, MeshShapeError
 from ..mesh import parse_mesh
 from .config import PRESETS, preset
-from .data import DataError
+from .data import EVAL_FRACTION, DataError, check_tokens, load_tokens, split_held_out, vocab_for
+from .distributed import DistributedError
 
 __all__ = ["main"]
 
 DEFAULT_MESH = "data=2,fsdp=2,tensor=2"
+DTYPES = {"f32": "float32", "bf16": "bfloat16"}
 
 
 class UsageError(ValueError):
@@ -42,6 +47,10 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--kv-heads", type=int, dest="num_kv_heads")
         p.add_argument("--mlp-hidden", type=int)
         p.add_argument("--seq-len", type=int)
+        p.add_argument("--vocab-size", type=int, help="default: 256 (bytes), or fitted to a token file")
+        p.add_argument(
+            "--dtype", choices=["f32", "bf16"], default="f32", help="compute dtype (params stay f32)"
+        )
         p.add_argument("--batch", type=int, default=16, help="global batch (sequences per step)")
         p.add_argument("--min-weight-size", type=int, default=2**10, help="smaller params stay whole")
         p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True)
@@ -58,18 +67,37 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--check", type=int, default=0, metavar="K", help="compare K steps with the twin first"
     )
-    train.add_argument("--cpu-devices", type=int, help="simulate this many CPU devices (default: the mesh's)")
+    train.add_argument("--eval-every", type=int, default=100, help="held-out loss every N steps (0: off)")
+    train.add_argument("--eval-batches", type=int, default=4)
+    train.add_argument("--checkpoint-dir", help="save sharded checkpoints here (orbax, async, atomic)")
+    train.add_argument("--checkpoint-every", type=int, default=100)
+    train.add_argument("--keep", type=int, default=3, help="how many checkpoints to keep")
+    train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    train.add_argument(
+        "--cpu-devices", type=int, help="simulate this many CPU devices per process (default: the mesh's)"
+    )
+    hosts = train.add_argument_group(
+        "multi-process (also JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)"
+    )
+    hosts.add_argument("--coordinator", help="process 0's host:port")
+    hosts.add_argument("--num-processes", type=int)
+    hosts.add_argument("--process-id", type=int)
+    hosts.add_argument(
+        "--distributed", action="store_true", help="let JAX detect the cluster (SLURM, Open MPI)"
+    )
     return parser
 
 
-def _settings(args, mesh: dict):
+def _settings(args, mesh: dict, vocab_size: int | None = None):
     from .trainer import Settings
 
     overrides = {
         k: getattr(args, k)
         for k in ("d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_hidden", "seq_len")
     }
-    config = preset(args.preset, **overrides)
+    config = preset(
+        args.preset, **overrides, vocab_size=args.vocab_size or vocab_size, dtype=DTYPES[args.dtype]
+    )
     shards = mesh.get("data", 1) * mesh.get("fsdp", 1)
     if args.batch % shards:
         raise UsageError(
@@ -109,6 +137,41 @@ def _has_accelerator_plugin() -> bool:
     return any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu"))
 
 
+def _tokens(args, mesh: dict):
+    """The data and the settings that fit it, checked before anything starts or is written."""
+    tokens = load_tokens(args.data)
+    # A token file's ids may exceed the bytes' 256: fit the vocabulary unless it was given.
+    vocab = None if tokens.dtype == np.uint8 else vocab_for(int(np.max(tokens)))
+    settings = _settings(args, mesh, vocab)
+    for part, what in _parts(tokens, args):
+        check_tokens(part, settings.model.seq_len, settings.model.vocab_size, what)
+    for flag in ("steps", "eval_batches", "checkpoint_every", "keep", "log_every"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be positive.")
+    return tokens, settings
+
+
+def _parts(tokens: np.ndarray, args) -> list:
+    name = args.data or "the embedded corpus"
+    if not args.eval_every:
+        return [(tokens, name)]
+    train, held_out = split_held_out(tokens, EVAL_FRACTION)
+    return [(train, f"{name} (train part)"), (held_out, f"{name} (held-out part for --eval-every)")]
+
+
+def _devices(args, sizes: dict) -> None:
+    """Joins the multi-process run if asked, then picks the devices: before JAX starts."""
+    from ..mesh import simulate_cpu_devices
+    from .distributed import join, requested
+
+    processes = requested(args.coordinator, args.num_processes, args.process_id, args.distributed)
+    if args.cpu_devices or not _has_accelerator_plugin():
+        per_process = args.cpu_devices or math.prod(sizes.values()) // max(processes, 1)
+        simulate_cpu_devices(per_process)
+    if processes != 1:
+        join(args.coordinator, args.num_processes, args.process_id, args.distributed)
+
+
 def main(argv: list[str] | None = None, out=sys.stdout) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
@@ -116,20 +179,24 @@ def main(argv: list[str] | None = None, out=sys.stdout) -> int:
     args = _parser().parse_args(argv)
     try:
         sizes = _mesh(args.mesh)
-        settings = _settings(args, sizes)
         if args.command == "plan":
             from .run import print_plan
 
-            print_plan(settings, sizes, out)
+            print_plan(_settings(args, sizes), sizes, out)
             return 0
-        from ..mesh import simulate_cpu_devices
-
-        if args.cpu_devices or not _has_accelerator_plugin():
-            simulate_cpu_devices(args.cpu_devices or math.prod(sizes.values()))
+        tokens, settings = _tokens(args, sizes)
+        _devices(args, sizes)
         from .run import train
 
-        return train(settings, sizes, args, out)
-    except (MeshShapeError, IndivisibleShapeError, DataError, UsageError) as err:
+        return train(settings, sizes, args, tokens, out)
+    except (
+        MeshShapeError,
+        IndivisibleShapeError,
+        DataError,
+        UsageError,
+        DistributedError,
+        CheckpointMismatchError,
+    ) as err:
         print(f"fsdp-tp: error: {err}", file=sys.stderr)
         return 2
 

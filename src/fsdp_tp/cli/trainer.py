@@ -10,6 +10,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 import optax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..gradients import sync_gradients
@@ -18,7 +19,7 @@ from ..sharded_init import init_direct
 from ..tensor_parallel import vocab_parallel_cross_entropy
 from ..train import TrainState, accumulate_gradients
 from .config import ModelConfig
-from .data import batch_at
+from .data import batch_at, windows_at
 
 __all__ = ["BATCH_AXES", "Settings", "Trainer", "compare_with_twin"]
 
@@ -54,18 +55,26 @@ def _state_fn(model: nn.Module, tx) -> Callable:
     )
 
 
-def _step_fn(settings: Settings) -> Callable:
-    def step(state, batch):
-        def loss_fn(params, microbatch, _rng):
-            ids, targets = microbatch
-            logits = state.apply_fn({"params": params}, ids)
-            return vocab_parallel_cross_entropy(logits, targets).mean(), None
+def _loss(apply_fn: Callable, params, windows: jax.Array) -> jax.Array:
+    """Mean next-token loss of this device's windows ``(rows, seq_len + 1)``."""
+    logits = apply_fn({"params": params}, windows[:, :-1])
+    return vocab_parallel_cross_entropy(logits, windows[:, 1:]).mean()
 
-        (loss, _), grads = accumulate_gradients(loss_fn, state.params, batch, settings.microbatches)
+
+def _step_fn(settings: Settings) -> Callable:
+    def step(state, windows):
+        def loss_fn(params, microbatch, _rng):
+            return _loss(state.apply_fn, params, microbatch), None
+
+        (loss, _), grads = accumulate_gradients(loss_fn, state.params, windows, settings.microbatches)
         state = state.apply_gradients(grads=sync_gradients(grads, BATCH_AXES))
         return state, jax.lax.pmean(loss, BATCH_AXES)
 
     return step
+
+
+def _eval_fn(state, windows):
+    return jax.lax.pmean(_loss(state.apply_fn, state.params, windows), BATCH_AXES)
 
 
 class Trainer:
@@ -89,19 +98,38 @@ class Trainer:
             example,
             check_vma=settings.check_vma,
         )
-        self.step = shard_step(
-            _step_fn(settings), mesh, self.specs, (BATCH, BATCH), check_vma=settings.check_vma
+        self.step = shard_step(_step_fn(settings), mesh, self.specs, BATCH, check_vma=settings.check_vma)
+        self._eval = jax.jit(
+            jax.shard_map(
+                _eval_fn, mesh=mesh, in_specs=(self.specs, BATCH), out_specs=P(), check_vma=settings.check_vma
+            )
         )
+        self._batch_sharding = NamedSharding(mesh, BATCH)
+
+    def windows(self, tokens: np.ndarray, step: int) -> jax.Array:
+        """Step ``step``'s global batch of windows, each process reading only the rows its
+        devices hold (``jax.make_array_from_callback`` asks for one row block per device)."""
+        s, seq_len = self.settings, self.settings.model.seq_len
+
+        def rows(index) -> np.ndarray:
+            return windows_at(tokens, step, s.batch, seq_len, s.seed, index[0])
+
+        return jax.make_array_from_callback((s.batch, seq_len + 1), self._batch_sharding, rows)
 
     def run(self, tokens: np.ndarray, start: int, stop: int) -> Iterator[tuple[int, float, float]]:
         """Trains steps ``start .. stop - 1``; yields ``(step, loss, seconds)`` after each."""
-        s, config = self.settings, self.settings.model
         for step in range(start, stop):
-            ids, targets = batch_at(tokens, step, s.batch, config.seq_len, s.seed, config.vocab_size)
+            windows = self.windows(tokens, step)
             began = time.perf_counter()
-            self.state, loss = self.step(self.state, (ids, targets))
+            self.state, loss = self.step(self.state, windows)
             loss = float(loss)  # waits for the step
             yield step, loss, time.perf_counter() - began
+
+    def evaluate(self, tokens: np.ndarray, batches: int) -> float:
+        """Mean loss over ``batches`` fixed batches of held-out ``tokens`` (the same ones each time)."""
+        return float(
+            np.mean([float(self._eval(self.state, self.windows(tokens, i))) for i in range(batches)])
+        )
 
     def params(self) -> dict:
         """The parameters as full numpy arrays (gathered from the devices)."""
@@ -128,7 +156,7 @@ def compare_with_twin(trainer: Trainer, tokens: np.ndarray, steps: int) -> tuple
 
     twin_losses = []
     for step in range(steps):
-        ids, targets = batch_at(tokens, step, s.batch, config.seq_len, s.seed, config.vocab_size)
+        ids, targets = batch_at(tokens, step, s.batch, config.seq_len, s.seed)
         state, loss = twin_step(state, ids, targets)
         twin_losses.append(float(loss))
     losses = [loss for _, loss, _ in trainer.run(tokens, 0, steps)]

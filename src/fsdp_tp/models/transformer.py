@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from ..collectives import copy_to_axis
 from ..fsdp import keep_module_name, shard_module_params
@@ -38,10 +40,11 @@ class DecoderBlock(nn.Module):
     axis_name: str | None = "tensor"
     sequence_parallel: bool = False
     collective_matmul: str | None = None
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, x, _):
-        norm = _norm(self.axis_name, self.sequence_parallel)
+        norm = functools.partial(_norm(self.axis_name, self.sequence_parallel), dtype=self.dtype)
         h = norm(name="norm_attn")(x)
         x = x + AttentionBlock(
             self.num_heads,
@@ -51,6 +54,7 @@ class DecoderBlock(nn.Module):
             axis_name=self.axis_name,
             sequence_parallel=self.sequence_parallel,
             collective_matmul=self.collective_matmul,
+            dtype=self.dtype,
         )(h)
         h = norm(name="norm_mlp")(x)
         return x + MLPBlock(
@@ -59,6 +63,7 @@ class DecoderBlock(nn.Module):
             axis_name=self.axis_name,
             sequence_parallel=self.sequence_parallel,
             collective_matmul=self.collective_matmul,
+            dtype=self.dtype,
         )(h), None
 
 
@@ -74,6 +79,8 @@ class Transformer(nn.Module):
     tensor-parallel collectives into overlapped rings (see
     :class:`~fsdp_tp.RowParallelDense`). ``axis_name=None`` (and no
     ``fsdp_axis``) is the plain flax model with the same parameter tree.
+    ``dtype=jnp.bfloat16`` computes in bf16 on f32 parameters; the logits come
+    back in f32 either way, for the loss.
     """
 
     vocab_size: int
@@ -88,6 +95,7 @@ class Transformer(nn.Module):
     fsdp_axis: str | None = None
     min_weight_size: int = 2**18
     collective_matmul: str | None = None
+    dtype: Any = None
 
     def _fsdp(self, cls):
         return (
@@ -98,13 +106,14 @@ class Transformer(nn.Module):
     def __call__(self, ids: jax.Array) -> jax.Array:
         sp = self.axis_name is not None and self.sequence_parallel
         if self.axis_name is None:
-            x = self._fsdp(nn.Embed)(self.vocab_size, self.d_model, name="embed")(ids)
+            x = self._fsdp(nn.Embed)(self.vocab_size, self.d_model, dtype=self.dtype, name="embed")(ids)
         else:
             x = self._fsdp(VocabParallelEmbed)(
                 self.vocab_size,
                 self.d_model,
                 axis_name=self.axis_name,
                 sequence_axis=1 if sp else None,
+                dtype=self.dtype,
                 name="embed",
             )(ids)
         stack = nn.scan(
@@ -122,17 +131,20 @@ class Transformer(nn.Module):
             self.axis_name,
             sp,
             self.collective_matmul if self.axis_name is not None else None,
+            self.dtype,
             name="blocks",
         )(x, None)
-        x = _norm(self.axis_name, sp)(name="norm_final")(x)
+        x = _norm(self.axis_name, sp)(dtype=self.dtype, name="norm_final")(x)
         if self.axis_name is None:
-            return self._fsdp(nn.Dense)(self.vocab_size, use_bias=False, name="head")(x)
+            head = self._fsdp(nn.Dense)(self.vocab_size, use_bias=False, dtype=self.dtype, name="head")
+            return head(x).astype(jnp.float32)
         head = self._fsdp(ColumnParallelDense)(
             self.vocab_size,
             use_bias=False,
             axis_name=self.axis_name,
             sequence_axis=1 if sp else None,
             collective_matmul=self.collective_matmul if sp else None,
+            dtype=self.dtype,
             name="head",
         )
-        return head(x)
+        return head(x).astype(jnp.float32)

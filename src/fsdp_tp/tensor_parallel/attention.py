@@ -38,6 +38,7 @@ class _ReplicatedKV(nn.Module):
     use_bias: bool
     param_dtype: Any
     axis_name: str
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, x):
@@ -63,7 +64,12 @@ class _ReplicatedKV(nn.Module):
         kernel = jax.lax.dynamic_slice_in_dim(copy_to_axis(kernel, self.axis_name), start, self.head_dim, 1)
         if bias is not None:
             bias = jax.lax.dynamic_slice_in_dim(copy_to_axis(bias, self.axis_name), start, self.head_dim, 0)
-        return apply_chunked(x, lambda chunk: chunk @ kernel if bias is None else chunk @ kernel + bias)
+
+        def project(chunk):
+            chunk, k, b = nn.dtypes.promote_dtype(chunk, kernel, bias, dtype=self.dtype)
+            return chunk @ k if b is None else chunk @ k + b
+
+        return apply_chunked(x, project)
 
 
 class AttentionBlock(nn.Module):
@@ -97,6 +103,7 @@ class AttentionBlock(nn.Module):
     num_kv_heads: int | None = None
     use_bias: bool = False
     causal: bool = True
+    dtype: Any = None  # the computation's dtype (bf16 compute on f32 params: jnp.bfloat16)
     param_dtype: Any = jnp.float32
     axis_name: str | None = "tensor"
     sequence_parallel: bool = False  # input and output split along dim -2 (the sequence) over axis_name
@@ -123,7 +130,7 @@ class AttentionBlock(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         kv = self.num_kv_heads or self.num_heads
         d_model, dim = x.shape[-1], self.head_dim
-        kw = dict(use_bias=self.use_bias, param_dtype=self.param_dtype)
+        kw = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
         no_bias = dict(kw, use_bias=False)
         out: nn.Module
         if self.axis_name is None:
@@ -145,8 +152,12 @@ class AttentionBlock(nn.Module):
                 k = ColumnParallelDense(kv * dim, axis_name=axis, name="key", **no_bias)(shared, True)
                 v = ColumnParallelDense(kv * dim, axis_name=axis, name="value", **kw)(shared, True)
             else:
-                k = _ReplicatedKV(kv * dim, dim, False, self.param_dtype, axis, name="key")(shared)
-                v = _ReplicatedKV(kv * dim, dim, self.use_bias, self.param_dtype, axis, name="value")(shared)
+                k = _ReplicatedKV(kv * dim, dim, False, self.param_dtype, axis, self.dtype, name="key")(
+                    shared
+                )
+                v = _ReplicatedKV(
+                    kv * dim, dim, self.use_bias, self.param_dtype, axis, self.dtype, name="value"
+                )(shared)
             out = RowParallelDense(
                 d_model,
                 axis_name=axis,

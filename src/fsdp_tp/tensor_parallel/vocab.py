@@ -45,6 +45,7 @@ class VocabParallelEmbed(nn.Module):
 
     num_embeddings: int
     features: int
+    dtype: Any = None  # the output's dtype, as nn.Embed's
     param_dtype: Any = jnp.float32
     embedding_init: Any = nn.linear.default_embed_init
     axis_name: str = "tensor"
@@ -60,6 +61,7 @@ class VocabParallelEmbed(nn.Module):
             self.param_dtype,
             (self.axis_name, None),
         )
+        (table,) = nn.dtypes.promote_dtype(table, dtype=self.dtype, inexact=False)
         rows = table.shape[0]
         local = ids - _vocab_slice(rows, self.axis_name)
         hit = (local >= 0) & (local < rows)
