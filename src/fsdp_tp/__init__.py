@@ -32,6 +32,7 @@ from .plan import make_plan as make_plan
 from .rule_transform import shard_by_rules as shard_by_rules
 from .rules import named_shardings as named_shardings
 from .rules import specs_from_rules as specs_from_rules
+from .sharded_init import direct_init_programs as direct_init_programs
 from .sharded_init import init_direct as init_direct
 from .sharded_init import init_sharded as init_sharded
 from .sharded_init import lower_init as lower_init
@@ -63,6 +64,7 @@ __all__ = [
     "checkpoint",
     "copy_to_axis",
     "derive_specs",
+    "direct_init_programs",
     "errors",
     "fold_rng_over_axis",
     "gather_array_with_mean_grads",

@@ -18,7 +18,7 @@ from ._types import PyTree, Specs
 from .errors import SpecTreeMismatchError
 from .partitioning import _is_spec, check_specs, derive_specs, specs_of
 
-__all__ = ["init_direct", "init_sharded", "lower_init"]
+__all__ = ["direct_init_programs", "init_direct", "init_sharded", "lower_init"]
 
 
 def init_sharded(
@@ -66,7 +66,13 @@ def lower_init(init_fn: Callable, mesh: Mesh, in_specs: Specs, *args, check_vma:
 
 
 def init_direct(
-    twin_init_fn: Callable, init_fn: Callable, mesh: Mesh, in_specs: Specs, *args, check_vma: bool = True
+    twin_init_fn: Callable,
+    init_fn: Callable,
+    mesh: Mesh,
+    in_specs: Specs,
+    *args,
+    check_vma: bool = True,
+    one_leaf_at_a_time: bool = False,
 ) -> tuple[PyTree, PyTree]:
     """Like :func:`init_sharded`, but each device computes only its own blocks.
 
@@ -76,6 +82,13 @@ def init_direct(
     partitions the init (JAX's partitionable threefry draws each block's
     random bits where it lives) and no device materializes the whole state.
     The result has ``init_fn``'s tree and boxes, ready for the sharded step.
+
+    In one program XLA may keep several parameters' random-bit temporaries alive
+    at once. ``one_leaf_at_a_time=True`` compiles one program per leaf instead
+    (the same values, bit for bit): a device then holds at most its shards made
+    so far plus one leaf's temporaries, i.e. under ``state / N + the largest
+    parameter``, at the price of a compile per leaf (:func:`direct_init_programs`
+    gives the programs, to measure them).
 
     >>> import jax, jax.numpy as jnp, flax.linen as nn
     >>> from jax.sharding import PartitionSpec as P
@@ -89,21 +102,59 @@ def init_direct(
     >>> specs["kernel"], bool((direct["kernel"].value == via_shard_map["kernel"].value).all())
     (P(None, 'fsdp'), True)
     """
+    programs, treedef = _direct_programs(
+        twin_init_fn, init_fn, mesh, in_specs, args, check_vma, one_leaf_at_a_time
+    )
+    leaves = [leaf for program in programs for leaf in program(*args)]
+    state = jax.tree.unflatten(treedef, leaves)  # the twin's leaves fill the sharded tree
+    return state, specs_of(state)
+
+
+def direct_init_programs(
+    twin_init_fn: Callable,
+    init_fn: Callable,
+    mesh: Mesh,
+    in_specs: Specs,
+    *args,
+    check_vma: bool = True,
+    one_leaf_at_a_time: bool = False,
+) -> list:
+    """The jitted programs :func:`init_direct` runs, in order; each returns a list of leaves.
+
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from fsdp_tp import make_mesh, shard_module_params
+    >>> sharded, twin = shard_module_params(nn.Dense, min_weight_size=0)(64), nn.Dense(64)
+    >>> args = (jax.random.key(0), jnp.ones((2, 32)))
+    >>> programs = direct_init_programs(lambda r, x: twin.init(r, x)["params"],
+    ...                                 lambda r, x: sharded.init(r, x)["params"],
+    ...                                 make_mesh({"fsdp": 8}), (P(), P()), *args, one_leaf_at_a_time=True)
+    >>> [p.lower(*args).compile().memory_analysis().output_size_in_bytes for p in programs]  # 1/8 of each
+    [32, 1024]
+    """
+    programs, _ = _direct_programs(twin_init_fn, init_fn, mesh, in_specs, args, check_vma, one_leaf_at_a_time)
+    return programs
+
+
+def _direct_programs(twin_init_fn, init_fn, mesh, in_specs, args, check_vma: bool, one_leaf_at_a_time: bool):
     # The sharded init gives the specs and, traced abstractly, the tree with its boxes.
     sharded, structure, flat_specs = _flat_init(init_fn, mesh, in_specs, args, check_vma)
     jax.eval_shape(sharded, *args)
-    init = jax.jit(
-        lambda *inner: jax.tree.leaves(twin_init_fn(*inner)),
-        out_shardings=[NamedSharding(mesh, spec) for spec in flat_specs],
-    )
-    shapes = jax.eval_shape(init, *args)
-    if len(shapes) != len(flat_specs):
+    shardings = [NamedSharding(mesh, spec) for spec in flat_specs]
+    leaves = jax.eval_shape(lambda *inner: jax.tree.leaves(twin_init_fn(*inner)), *args)
+    if len(leaves) != len(flat_specs):
         raise SpecTreeMismatchError(
-            f"init_direct: twin_init_fn returns {len(shapes)} arrays, init_fn {len(flat_specs)}; the twin "
+            f"init_direct: twin_init_fn returns {len(leaves)} arrays, init_fn {len(flat_specs)}; the twin "
             f"must build the same state with the unsharded model (same parameter tree, same optimizer)."
         )
-    state = jax.tree.unflatten(structure["treedef"], init(*args))  # the twin's leaves fill the tree
-    return state, specs_of(state)
+    groups = [[i] for i in range(len(leaves))] if one_leaf_at_a_time else [list(range(len(leaves)))]
+
+    def program(group: list[int]):
+        # XLA drops what the group's outputs do not need: the other leaves' random bits.
+        pick = lambda *inner: [jax.tree.leaves(twin_init_fn(*inner))[i] for i in group]
+        return jax.jit(pick, out_shardings=[shardings[i] for i in group])
+
+    return [program(group) for group in groups], structure["treedef"]
 
 
 def _flat_init(init_fn: Callable, mesh: Mesh, in_specs: Specs, args: tuple, check_vma: bool):
