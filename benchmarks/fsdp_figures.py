@@ -20,7 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from benchmarks.baselines import tutorial_sync_gradients  # noqa: E402
+from fsdp_tp.bench.baselines import tutorial_sync_gradients  # noqa: E402
 from fsdp_tp.analysis import (  # noqa: E402
     collective_summary,
     ideal_bytes_per_device,

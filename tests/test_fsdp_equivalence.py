@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fsdp_tp
-from benchmarks.baselines import tutorial_sync_gradients
+from fsdp_tp.bench.baselines import tutorial_sync_gradients
 from tests.equivalence import Case, check_equivalence
 from tests.models import MLP, Block, ScanMLP
 

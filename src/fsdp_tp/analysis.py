@@ -5,6 +5,14 @@ device and per execution, an all-gather moves result*(S-1)/S bytes, a
 reduce-scatter operand*(S-1)/S, an all-reduce 2*operand*(S-1)/S, an all-to-all
 operand*(S-1)/S and a collective-permute its operand; ops inside while loops
 count once per known trip.
+
+>>> hlo = "\\n".join([
+...     "ENTRY %main (p: f32[256]) -> f32[1024] {",
+...     "  %p = f32[256]{0} parameter(0)",
+...     "  ROOT %ag = f32[1024]{0} all-gather(%p), replica_groups=[2,4]<=[8], dimensions={0}",
+...     "}"])
+>>> [(c.kind, c.operand_bytes, c.group_size, c.wire_bytes) for c in parse_collectives(hlo)]
+[('all-gather', 1024, 4, 3072)]
 """
 
 from __future__ import annotations
@@ -69,6 +77,7 @@ class Collective:
     operands: int
     group_size: int
     executions: int
+    operand_types: tuple[str, ...] = ()  # e.g. ("f32[64,256]",), to tell a gradient from an activation
 
     @property
     def wire_bytes(self) -> float:
@@ -167,6 +176,7 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
             len(operands),
             _group_size(rest, num_partitions),
             runs.get(comp, 0),
+            tuple(shapes.get(o, "") for o in operands),
         )
         for kind, name, comp, operands, rest in found
     ]

@@ -9,6 +9,11 @@ mesh reshards, and no device ever holds more than its own shards.
 Saves are asynchronous (training goes on while the bytes are written) and atomic: orbax
 writes into a temporary directory and renames it when complete, so a process killed in
 the middle of a save leaves the previous checkpoint as the newest restorable one.
+
+>>> import tempfile, jax.numpy as jnp
+>>> with Checkpoints(tempfile.mkdtemp()) as checkpoints:
+...     checkpoints.save(0, {"w": jnp.ones(4)}), checkpoints.restore({"w": jnp.zeros(4)})[0]["w"].tolist()
+(True, [1.0, 1.0, 1.0, 1.0])
 """
 
 from __future__ import annotations

@@ -1,6 +1,12 @@
 """The errors the library raises at its boundaries.
 
 Every message names what was passed, what was expected and how to fix it.
+
+>>> from fsdp_tp import make_mesh
+>>> make_mesh({"data": 3, "fsdp": 2})
+Traceback (most recent call last):
+...
+fsdp_tp.errors.MeshShapeError: make_mesh: axis sizes {'data': 3, 'fsdp': 2} multiply to 6 devices, but 8 ...
 """
 
 from __future__ import annotations

@@ -1,4 +1,12 @@
-"""Building device meshes and simulating devices on a CPU-only machine."""
+"""Building device meshes and simulating devices on a CPU-only machine.
+
+``DEFAULT_AXIS_NAMES`` are the three axes the library's defaults use:
+
+>>> DEFAULT_AXIS_NAMES
+('data', 'fsdp', 'tensor')
+>>> dict(make_mesh({"data": 2, "fsdp": 2, "tensor": 2}).shape)
+{'data': 2, 'fsdp': 2, 'tensor': 2}
+"""
 
 from __future__ import annotations
 

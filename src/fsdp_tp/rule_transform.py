@@ -84,7 +84,8 @@ def _shard(params: PyTree, rules: tuple[CompiledRule, ...], default, logical) ->
 
     out = jax.tree_util.tree_map_with_path(leaf_fn, params, is_leaf=_is_box)
     key = (id(rules), tuple(sorted(set(range(len(rules))) - used)))
-    if key not in _warned:
+    # No parameters: an apply (nothing is created), where no rule can match anything.
+    if paths and key not in _warned:
         _warned.add(key)
         warn_unmatched(rules, used, paths, "shard_by_rules")
     return out

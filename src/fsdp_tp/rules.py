@@ -11,6 +11,14 @@ split it. The first rule that matches wins; unmatched leaves get ``default``.
 Flax's logical annotations are the second source: a leaf boxed by
 ``nn.with_logical_partitioning`` that no rule matches is laid out by
 ``nn.logical_axis_rules`` (passed, or the ones active in flax's context).
+
+>>> import jax.numpy as jnp
+>>> from jax.sharding import PartitionSpec as P
+>>> from fsdp_tp import make_mesh
+>>> rules = [(r"attn/(query|key|value)/kernel$", P("fsdp", "tensor")), (r"kernel$", P("fsdp"))]
+>>> params = {"attn": {"query": {"kernel": jnp.ones((8, 8))}}, "mlp": {"kernel": jnp.ones((8, 4))}}
+>>> specs_from_rules(params, rules, make_mesh({"fsdp": 2, "tensor": 4}))   # first match wins
+{'attn': {'query': {'kernel': P('fsdp', 'tensor')}}, 'mlp': {'kernel': P('fsdp',)}}
 """
 
 from __future__ import annotations

@@ -16,7 +16,15 @@ __all__ = ["TrainState", "accumulate_gradients", "fold_rng_over_axis"]
 
 
 class TrainState(train_state.TrainState):
-    """``flax.training.train_state.TrainState`` plus an rng, replicated like the step counter."""
+    """``flax.training.train_state.TrainState`` plus an rng, replicated like the step counter.
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> state = TrainState.create(apply_fn=None, params={"w": jnp.ones(3)}, tx=optax.sgd(0.5),
+    ...                           rng=jax.random.key(0))
+    >>> state = state.apply_gradients(grads={"w": jnp.ones(3)})
+    >>> int(state.step), state.params["w"].tolist()
+    (1, [0.5, 0.5, 0.5])
+    """
 
     rng: jax.Array
 

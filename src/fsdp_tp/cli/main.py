@@ -4,6 +4,7 @@
     fsdp-tp train --check 3              # and first compare 3 steps with the unsharded twin
     fsdp-tp train --checkpoint-dir ckpt --resume   # save every 100 steps; continue the newest
     fsdp-tp plan --preset base --mesh data=8,fsdp=64,tensor=8
+    fsdp-tp bench                        # every strategy vs the baselines -> docs/benchmarks.md
 
 Bad input exits with status 2 and one line saying what to change.
 """
@@ -76,6 +77,15 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--cpu-devices", type=int, help="simulate this many CPU devices per process (default: the mesh's)"
     )
+    bench = sub.add_parser("bench", help="measure every strategy against the baselines; write docs")
+    bench.add_argument("--out", default="docs", help="where benchmarks.md and the plots go")
+    bench.add_argument("--workloads", default="mlp,block,gpt")
+    bench.add_argument("--blocks", type=int, default=3, help="interleaved timing blocks (median taken)")
+    bench.add_argument("--steps", type=int, default=3, help="steps per timing block")
+    bench.add_argument("--depths", default="2,8,32", help="GPT layers for the compile-time figure")
+    bench.add_argument("--max-unrolled", type=int, default=16, help="deepest unrolled GPT to compile")
+    bench.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True)
+    bench.add_argument("--readme", default="README.md", help="rewrite its headline table (if marked)")
     hosts = train.add_argument_group(
         "multi-process (also JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)"
     )
@@ -172,11 +182,47 @@ def _devices(args, sizes: dict) -> None:
         join(args.coordinator, args.num_processes, args.process_id, args.distributed)
 
 
+def _bench(args, argv: list[str], out) -> int:
+    from pathlib import Path
+
+    from ..mesh import simulate_cpu_devices
+
+    workloads, known = args.workloads.split(","), {"mlp", "block", "gpt"}
+    if not set(workloads) <= known or args.blocks < 3 or args.steps < 1:
+        print(
+            f"fsdp-tp: error: --workloads {args.workloads!r} must name some of {sorted(known)}, "
+            f"--blocks at least 3 (a median of blocks), --steps at least 1.",
+            file=sys.stderr,
+        )
+        return 2
+    if not _has_accelerator_plugin():
+        simulate_cpu_devices(8)
+    from ..bench.run import run_benchmarks
+
+    readme = Path(args.readme) if args.readme and Path(args.readme).is_file() else None
+    depths = [int(d) for d in args.depths.split(",") if d]
+    run_benchmarks(
+        argv,
+        Path(args.out),
+        workloads,
+        args.blocks,
+        args.steps,
+        depths,
+        args.plots,
+        readme,
+        out,
+        args.max_unrolled,
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None, out=sys.stdout) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["train", *argv]
     args = _parser().parse_args(argv)
+    if args.command == "bench":
+        return _bench(args, argv[1:], out)
     try:
         sizes = _mesh(args.mesh)
         if args.command == "plan":

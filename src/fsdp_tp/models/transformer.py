@@ -80,7 +80,8 @@ class Transformer(nn.Module):
     :class:`~fsdp_tp.RowParallelDense`). ``axis_name=None`` (and no
     ``fsdp_axis``) is the plain flax model with the same parameter tree.
     ``dtype=jnp.bfloat16`` computes in bf16 on f32 parameters; the logits come
-    back in f32 either way, for the loss.
+    back in f32 either way, for the loss. ``scan_layers=False`` unrolls the
+    layers (parameters ``blocks_0``, ``blocks_1``, ...; compile time grows with depth).
     """
 
     vocab_size: int
@@ -96,6 +97,7 @@ class Transformer(nn.Module):
     min_weight_size: int = 2**18
     collective_matmul: str | None = None
     dtype: Any = None
+    scan_layers: bool = True
 
     def _fsdp(self, cls):
         return (
@@ -116,14 +118,7 @@ class Transformer(nn.Module):
                 dtype=self.dtype,
                 name="embed",
             )(ids)
-        stack = nn.scan(
-            nn.remat(self._fsdp(DecoderBlock)),
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            length=self.num_layers,
-            metadata_params={nn.PARTITION_NAME: None},
-        )
-        x, _ = stack(
+        block_args = (
             self.num_heads,
             self.head_dim,
             self.num_kv_heads,
@@ -132,8 +127,20 @@ class Transformer(nn.Module):
             sp,
             self.collective_matmul if self.axis_name is not None else None,
             self.dtype,
-            name="blocks",
-        )(x, None)
+        )
+        block = nn.remat(self._fsdp(DecoderBlock))
+        if self.scan_layers:  # one traced and compiled block, its params stacked on a leading dim
+            stack = nn.scan(
+                block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=self.num_layers,
+                metadata_params={nn.PARTITION_NAME: None},
+            )
+            x, _ = stack(*block_args, name="blocks")(x, None)
+        else:  # blocks_0, blocks_1, ...: what compile time costs without scan
+            for i in range(self.num_layers):
+                x, _ = block(*block_args, name=f"blocks_{i}")(x, None)
         x = _norm(self.axis_name, sp)(dtype=self.dtype, name="norm_final")(x)
         if self.axis_name is None:
             head = self._fsdp(nn.Dense)(self.vocab_size, use_bias=False, dtype=self.dtype, name="head")

@@ -1,7 +1,8 @@
 """The baselines the library is measured against, re-implemented faithfully here.
 
-Kept out of the package: they are reference points (and negative controls in
-the tests), not something to use.
+They live in ``fsdp_tp.bench`` so that ``fsdp-tp bench`` can run them, and are not
+exported from ``fsdp_tp``: reference points (and negative controls in the tests), not
+something to use.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Benchmarks of every strategy against the baselines: `fsdp-tp bench`."""

@@ -1,0 +1,151 @@
+"""``fsdp-tp bench``: every strategy against the baselines, in one process and one run.
+
+Writes ``docs/benchmarks.md`` (tables, the command, when and where it ran), PNG plots
+beside it, and the README's headline table between its markers.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import TextIO
+
+import jax
+
+from .figures import Figures, compile_seconds, exact_figures, median, step_seconds
+from .report import headline, markdown, replace_headline, spread
+from .variants import IMPLEMENTATIONS, STRATEGIES, Strategy, Variant, build_variant
+from .workloads import WORKLOADS, Layout, gpt
+
+__all__ = ["overhead_at_one_device", "run_benchmarks", "workload_variants"]
+
+ONE_DEVICE_LIBRARY = Strategy(
+    "fsdp_tp_1x1x1",
+    {"data": 1, "fsdp": 1, "tensor": 1},
+    Layout(tensor="tensor", fsdp="fsdp", sequence_parallel=True),
+)
+
+
+def workload_variants(
+    name: str, implementations: tuple[str, ...] = IMPLEMENTATIONS
+) -> list[tuple[Variant, Variant]]:
+    """Every (variant, the library variant of its strategy) of a workload, one device first;
+    ``implementations`` beyond ``"fsdp_tp"`` (always built) pick the baselines."""
+    workload = WORKLOADS[name]
+    pairs = []
+    for strategy in STRATEGIES.values():
+        if strategy.layout.sequence_parallel and not workload.supports_sequence_parallel:
+            continue
+        library = build_variant(workload, strategy, "fsdp_tp")
+        pairs.append((library, library))
+        if strategy.name != "single":
+            pairs += [
+                (build_variant(workload, strategy, impl), library)
+                for impl in implementations
+                if impl != "fsdp_tp"
+            ]
+    return pairs
+
+
+def overhead_at_one_device(blocks: int, steps: int) -> dict[str, list[float]]:
+    """The GPT-style model on one device: through the library at mesh 1x1x1 vs plain flax."""
+    workload = WORKLOADS["gpt"]
+    library = build_variant(workload, ONE_DEVICE_LIBRARY, "fsdp_tp")
+    plain = build_variant(workload, STRATEGIES["single"], "fsdp_tp")
+    return step_seconds([library, plain], blocks, steps)
+
+
+def _header(argv: list[str]) -> list[str]:
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    machine = f"{platform.machine()} {platform.system()}, {os.cpu_count()} cores"
+    return [
+        "# Benchmarks",
+        "",
+        "Regenerate (tables, plots and the README's headline) with:",
+        "",
+        f"    fsdp-tp bench {' '.join(argv)}".rstrip(),
+        "",
+        f"Ran {when} on {machine}, jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} "
+        f"devices; global batch 64, AdamW. Bytes are per device and exact (state: the arrays' shards; "
+        f"memory: `memory_analysis()`; wire: the compiled HLO's collectives, ring model, DESIGN.md "
+        f'"Measuring"). Times are medians of interleaved blocks (min-max in brackets), noisy on a '
+        f'shared CPU; read them as ratios. "minimum": dp 2(N-1)/N·P; fsdp W_min = 2(N-1)/N·(S_p+R), '
+        f"3(N-1)/N on params re-gathered by remat; tp on the classifier and the block: Megatron's "
+        f'all-reduces of the activations; — where no closed form is given. "full-grad all-reduces": '
+        f"all-reduces shaped like a whole sharded parameter (a gradient synced unsharded). "
+        f"MB = 10⁶ bytes.",
+    ]
+
+
+def run_benchmarks(
+    argv: list[str],
+    out_dir: Path,
+    workloads: list[str],
+    blocks: int,
+    steps: int,
+    depths: list[int],
+    plots: bool,
+    readme: Path | None,
+    out: TextIO = sys.stdout,
+    max_unrolled: int = 16,
+) -> dict[str, list[Figures]]:
+    """Measures everything, writes ``out_dir/benchmarks.md``, the plots and the README's headline.
+
+    ``max_unrolled``: the deepest unrolled (no ``nn.scan``) GPT whose compile time is taken;
+    tracing the init of 32 unrolled FSDP + remat layers took 800 s here (a known problem).
+    """
+    results: dict[str, list[Figures]] = {}
+    times: dict[str, dict[str, list[float]]] = {}
+    for name in workloads:
+        pairs = workload_variants(name)
+        results[name] = []
+        for variant, library in pairs:
+            results[name].append(exact_figures(variant, library.state))
+            print(f"{name}: {variant.label} measured", file=out, flush=True)
+        times[name] = step_seconds([v for v, _ in pairs], blocks, steps)
+        del pairs  # free the states before the next workload
+    overhead = overhead_at_one_device(blocks, steps)
+    compile_times = {}
+    for layers in depths:
+        for scan in (True, False) if layers <= max_unrolled else (True,):
+            variant = build_variant(
+                WORKLOADS["gpt"], STRATEGIES["fsdp_tp"], "fsdp_tp", gpt(layers, scan), abstract=True
+            )  # shapes and shardings only: compile time without the init's
+            compile_times[(layers, scan)] = compile_seconds(variant)
+            print(f"compile: {layers} layers, scan={scan}: {compile_times[(layers, scan)]:.2f} s", file=out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    if plots:
+        from .plots import plot_all
+
+        paths = plot_all(results, times, compile_times, out_dir)
+    titles = {name: WORKLOADS[name].title for name in workloads}
+    text = markdown(results, titles, times, compile_times, _header(argv), paths)
+    text += _overhead_section(overhead)
+    (out_dir / "benchmarks.md").write_text(text)
+    if readme is not None and "gpt" in results:
+        replace_headline(readme, headline(results, times))
+    print(f"wrote {out_dir / 'benchmarks.md'}" + "".join(f", {p}" for p in paths), file=out)
+    return results
+
+
+def _overhead_section(overhead: dict[str, list[float]]) -> str:
+    library, plain = (overhead[k] for k in sorted(overhead, key=lambda k: "single" in k))
+    backend = jax.default_backend()
+    gpu = (
+        ""
+        if backend == "gpu"
+        else "\nNo GPU was lent to the session that produced this file: the one-device figures above "
+        "are on CPU. On a GPU machine the same command measures them there.\n"
+    )
+    return (
+        f"\n### The library's overhead on one device ({backend})\n\n"
+        "The GPT-style model at mesh 1x1x1 through the library (FSDP + TP + SP wrappers, "
+        "`shard_map`) against the same model in plain flax under `jax.jit`:\n\n"
+        "| | step ms median (min-max) | ÷ plain flax |\n|---|---:|---:|\n"
+        f"| fsdp_tp at 1x1x1 | {spread(library)} | {median(library) / median(plain):.3f} |\n"
+        f"| plain flax | {spread(plain)} | 1 |\n" + gpu
+    )

@@ -1,0 +1,169 @@
+"""Strategies and implementations: each variant is a compiled train step with its state.
+
+A *strategy* fixes the mesh and the layout; an *implementation* fixes how the step is
+written: ``fsdp_tp`` (this library: ``shard_map`` + ``sync_gradients``), ``gspmd``
+(``jax.jit`` of the plain flax twin with ``NamedSharding``s of the same specs, what
+MaxText-style code does), ``tutorial`` (the same sharded modules under
+``check_vma=False`` with the well-known tutorial's blind pmean), ``single`` (one device).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ..gradients import sync_gradients
+from ..mesh import make_mesh
+from ..partitioning import _is_spec, shard_step, specs_of
+from ..sharded_init import init_direct
+from ..train import TrainState
+from .baselines import tutorial_sync_gradients
+from .workloads import Layout, Workload
+
+__all__ = ["IMPLEMENTATIONS", "STRATEGIES", "Strategy", "Variant", "build_variant"]
+
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+GLOBAL_BATCH = 64
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    mesh: dict  # axis sizes over 8 devices
+    layout: Layout
+
+
+STRATEGIES = {
+    s.name: s
+    for s in [
+        Strategy("single", {"data": 1, "fsdp": 1, "tensor": 1}, Layout()),
+        Strategy("dp", {"data": 8, "fsdp": 1, "tensor": 1}, Layout()),
+        Strategy("fsdp", {"data": 1, "fsdp": 8, "tensor": 1}, Layout(fsdp="fsdp")),
+        Strategy("tp", {"data": 1, "fsdp": 1, "tensor": 8}, Layout(tensor="tensor")),
+        Strategy("fsdp_tp", {"data": 1, "fsdp": 4, "tensor": 2}, Layout(tensor="tensor", fsdp="fsdp")),
+        Strategy(
+            "fsdp_tp_sp",
+            {"data": 1, "fsdp": 4, "tensor": 2},
+            Layout(tensor="tensor", fsdp="fsdp", sequence_parallel=True),
+        ),
+        Strategy(
+            "async_tp",
+            {"data": 1, "fsdp": 4, "tensor": 2},
+            Layout(tensor="tensor", fsdp="fsdp", sequence_parallel=True, collective_matmul="bidirectional"),
+        ),
+    ]
+}
+IMPLEMENTATIONS = ("fsdp_tp", "gspmd", "tutorial")
+
+
+@dataclass
+class Variant:
+    """One compiled step, ready to run: ``state, loss = step(state, batch)``."""
+
+    workload: str
+    strategy: Strategy
+    implementation: str
+    mesh: Mesh
+    state: Any
+    step: Any  # a jitted function: called, and lowered for its HLO and memory
+    batch: tuple
+    sharded_model: nn.Module  # the module whose tree (and boxes) the specs came from
+
+    @property
+    def label(self) -> str:
+        return f"{self.strategy.name}/{self.implementation}"
+
+    def lowered(self):
+        return self.step.lower(self.state, self.batch)
+
+
+def _mesh(strategy: Strategy) -> Mesh:
+    if math.prod(strategy.mesh.values()) == 1:
+        devices = np.array(jax.devices()[:1]).reshape(1, 1, 1)
+        return Mesh(devices, AXES, axis_types=(AxisType.Auto,) * 3)
+    return make_mesh(strategy.mesh)
+
+
+def _state_fn(model: nn.Module, tx) -> Callable:
+    return lambda rng, x: TrainState.create(
+        apply_fn=model.apply, params=model.init(rng, x)["params"], tx=tx, rng=rng
+    )
+
+
+def _library_step(workload: Workload, layout: Layout, sync: Callable) -> Callable:
+    def step(state, batch):
+        x, y = batch
+
+        def loss_fn(params):
+            return workload.loss(state.apply_fn({"params": params}, x), y, layout.tensor)
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        state = state.apply_gradients(grads=sync(grads, BATCH_AXES))
+        return state, jax.lax.pmean(loss, BATCH_AXES)
+
+    return step
+
+
+def _twin_step(workload: Workload) -> Callable:
+    def step(state, batch):
+        x, y = batch
+        loss, grads = jax.value_and_grad(lambda p: workload.loss(state.apply_fn({"params": p}, x), y, None))(
+            state.params
+        )
+        return state.apply_gradients(grads=grads), loss
+
+    return step
+
+
+def build_variant(
+    workload: Workload, strategy: Strategy, implementation: str, model=None, abstract: bool = False
+) -> Variant:
+    """Initializes the state (directly into its shardings) and compiles-on-call the step.
+
+    ``model`` replaces the workload's builder (e.g. a deeper GPT for compile-time figures);
+    ``abstract=True`` (library only) keeps the state as shapes and shardings: enough to
+    lower and compile the step, without running the init.
+    """
+    build = model or workload.build
+    mesh, layout = _mesh(strategy), strategy.layout
+    twin, sharded = build(Layout()), build(layout)
+    tx = optax.adamw(1e-3)
+    x, y = workload.batch(GLOBAL_BATCH)
+    batch_spec = P(BATCH_AXES)
+    rng = jax.random.key(0)
+    check_vma = implementation != "tutorial"
+    init = (_state_fn(twin, tx), _state_fn(sharded, tx), mesh, (P(), batch_spec))
+    if abstract:
+        state = jax.eval_shape(lambda r, x: init_direct(*init, r, x, check_vma=check_vma)[0], rng, x)
+        specs = specs_of(state)
+    else:
+        state, specs = init_direct(*init, rng, x, check_vma=check_vma)
+    batch = jax.device_put((x, y), NamedSharding(mesh, batch_spec))
+    if implementation == "gspmd" or strategy.name == "single":
+        flat = [NamedSharding(mesh, s) for s in jax.tree.leaves(specs, is_leaf=_is_spec)]
+        twin_state = jax.eval_shape(_state_fn(twin, tx), rng, x)
+        shardings = jax.tree.unflatten(jax.tree.structure(twin_state), flat)
+        state = jax.jit(_state_fn(twin, tx), out_shardings=shardings)(rng, x)
+        jitted = jax.jit(
+            _twin_step(workload),
+            in_shardings=(shardings, NamedSharding(mesh, batch_spec)),
+            out_shardings=(shardings, NamedSharding(mesh, P())),
+            donate_argnums=0,
+        )
+        name = "single" if strategy.name == "single" else implementation
+        return Variant(workload.name, strategy, name, mesh, state, jitted, batch, sharded)
+    sync = tutorial_sync_gradients if implementation == "tutorial" else sync_gradients
+    step = shard_step(
+        _library_step(workload, layout, sync), mesh, specs, (batch_spec, batch_spec), check_vma=check_vma
+    )
+    return Variant(workload.name, strategy, implementation, mesh, state, step, batch, sharded)
