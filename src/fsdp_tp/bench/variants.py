@@ -143,7 +143,8 @@ def build_variant(
     rng = jax.random.key(0)
     check_vma = implementation != "tutorial"
     init = (_state_fn(twin, tx), _state_fn(sharded, tx), mesh, (P(), batch_spec))
-    if abstract:
+    # GSPMD and one device only need the library's specs: the library's state stays abstract.
+    if abstract or implementation == "gspmd" or strategy.name == "single":
         state = jax.eval_shape(lambda r, x: init_direct(*init, r, x, check_vma=check_vma)[0], rng, x)
         specs = specs_of(state)
     else:
