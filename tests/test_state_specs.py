@@ -61,7 +61,9 @@ CONFIG = dict(
 )
 
 
-def test_direct_init_equals_the_unsharded_init_bit_for_bit_without_a_full_copy():
+def _transformer_init():
+    """The test transformer on 2x2x2: mesh, twin, the twin's and the sharded model's state
+    init functions, and the init's args."""
     mesh = fsdp_tp.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     model = Transformer(**CONFIG, sequence_parallel=True, fsdp_axis="fsdp", min_weight_size=0)
     twin = Transformer(**CONFIG, axis_name=None)
@@ -73,12 +75,17 @@ def test_direct_init_equals_the_unsharded_init_bit_for_bit_without_a_full_copy()
         )
 
     args = (jax.random.key(3), jnp.zeros((8, 16), jnp.int32))
-    state, specs = fsdp_tp.init_direct(state_of(twin), state_of(model), mesh, (P(), BATCH), *args)
-    unsharded = jax.jit(state_of(twin))(*args)
+    return mesh, twin, state_of(twin), state_of(model), args
+
+
+def test_direct_init_equals_the_unsharded_init_bit_for_bit_without_a_full_copy():
+    mesh, _, twin_state, sharded_state, args = _transformer_init()
+    state, specs = fsdp_tp.init_direct(twin_state, sharded_state, mesh, (P(), BATCH), *args)
+    unsharded = jax.jit(twin_state)(*args)
     raw = lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(unsharded), strict=True):
         np.testing.assert_array_equal(np.asarray(raw(got)), np.asarray(raw(want)))
-    via_shard_map, _ = fsdp_tp.init_sharded(state_of(model), mesh, (P(), BATCH), *args)
+    via_shard_map, _ = fsdp_tp.init_sharded(sharded_state, mesh, (P(), BATCH), *args)
     assert jax.tree.structure(state) == jax.tree.structure(via_shard_map)
     assert state_bytes_per_device(state) == state_bytes_per_device(via_shard_map)
 
@@ -89,7 +96,7 @@ def test_direct_init_equals_the_unsharded_init_bit_for_bit_without_a_full_copy()
         jax.sharding.NamedSharding(mesh, s)
         for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
     ]
-    init = jax.jit(lambda *a: jax.tree.leaves(state_of(twin)(*a)), out_shardings=flat)
+    init = jax.jit(lambda *a: jax.tree.leaves(twin_state(*a)), out_shardings=flat)
     memory = init.lower(*args).compile().memory_analysis()
     per_device = memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
     (held,) = set(state_bytes_per_device(state).values())
@@ -99,18 +106,8 @@ def test_direct_init_equals_the_unsharded_init_bit_for_bit_without_a_full_copy()
 
 def test_direct_init_one_leaf_at_a_time_stays_under_a_shard_of_the_state_plus_the_largest_param():
     """Acceptance 4 of issue 4: per-device peak <= state / N + the largest single parameter."""
-    mesh = fsdp_tp.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    model = Transformer(**CONFIG, sequence_parallel=True, fsdp_axis="fsdp", min_weight_size=0)
-    twin = Transformer(**CONFIG, axis_name=None)
-    tx = optax.adamw(1e-3)
-
-    def state_of(m):
-        return lambda rng, ids: fsdp_tp.TrainState.create(
-            apply_fn=m.apply, params=m.init(rng, ids)["params"], tx=tx, rng=rng
-        )
-
-    args = (jax.random.key(3), jnp.zeros((8, 16), jnp.int32))
-    run = (state_of(twin), state_of(model), mesh, (P(), BATCH), *args)
+    mesh, twin, twin_state, sharded_state, args = _transformer_init()
+    run = (twin_state, sharded_state, mesh, (P(), BATCH), *args)
     state, _ = fsdp_tp.init_direct(*run, one_leaf_at_a_time=True)
     at_once, _ = fsdp_tp.init_direct(*run)
     raw = lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
@@ -130,7 +127,7 @@ def test_direct_init_one_leaf_at_a_time_stays_under_a_shard_of_the_state_plus_th
     assert peak <= held + largest
     # and what one program does here, for the record: it exceeds the bound (XLA CPU's schedule).
     one = jax.jit(
-        lambda *a: jax.tree.leaves(state_of(twin)(*a)),
+        lambda *a: jax.tree.leaves(twin_state(*a)),
         out_shardings=[
             jax.sharding.NamedSharding(mesh, s)
             for s in jax.tree.leaves(fsdp_tp.specs_of(state), is_leaf=lambda x: isinstance(x, P))
