@@ -36,6 +36,11 @@ def _is_box(x: Any) -> bool:
     return isinstance(x, nn.meta.AxisMetadata)
 
 
+def _unboxed(tree: PyTree) -> PyTree:
+    """``tree`` with every box replaced by its value (outside ``shard_map``: global arrays)."""
+    return jax.tree.map(lambda x: x.unbox() if _is_box(x) else x, tree, is_leaf=_is_box)
+
+
 def _is_key(x: Any) -> bool:
     return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
@@ -52,7 +57,7 @@ def global_tree(state: PyTree) -> PyTree:
     >>> jax.tree.map(lambda x: (x.shape, str(x.dtype)), global_tree(state))
     {'rng': ((2,), 'uint32'), 'w': ((4, 2), 'float32')}
     """
-    plain = jax.tree.map(lambda x: x.unbox() if _is_box(x) else x, state, is_leaf=_is_box)
+    plain = _unboxed(state)
     return jax.tree.map(
         lambda x: jax.random.key_data(x) if _is_key(x) else x,
         serialization.to_state_dict(plain),
@@ -69,7 +74,7 @@ def _abstract(tree: PyTree) -> PyTree:
             x = jax.eval_shape(jax.random.key_data, x)
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
-    plain = jax.tree.map(lambda x: x.unbox() if _is_box(x) else x, tree, is_leaf=_is_box)
+    plain = _unboxed(tree)
     return serialization.to_state_dict(jax.tree.map(target, plain))
 
 
@@ -195,7 +200,7 @@ class Checkpoints:
 
 def _into(like: PyTree, restored: PyTree) -> PyTree:
     """``restored`` (nested dicts) put back into ``like``'s structure, boxes and key types."""
-    plain_like = jax.tree.map(lambda x: x.unbox() if _is_box(x) else x, like, is_leaf=_is_box)
+    plain_like = _unboxed(like)
     plain = serialization.from_state_dict(plain_like, restored)
     plain = jax.tree.map(
         lambda want, got: (

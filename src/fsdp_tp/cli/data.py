@@ -17,6 +17,7 @@ __all__ = [
     "DataError",
     "batch_at",
     "check_tokens",
+    "check_vocab",
     "embedded_corpus",
     "load_tokens",
     "split_held_out",
@@ -72,15 +73,18 @@ def load_tokens(path: str | None) -> np.ndarray:
     return tokens
 
 
-def check_tokens(tokens: np.ndarray, seq_len: int, vocab: int, what: str = "the data") -> None:
-    """Raises ``DataError`` unless ``tokens`` hold two windows of ``seq_len + 1`` tokens, all
-    inside the vocabulary (checked once, up front, so a bad file fails before anything is written)."""
+def check_tokens(tokens: np.ndarray, seq_len: int, what: str = "the data") -> None:
+    """Raises ``DataError`` unless ``tokens`` hold two windows of ``seq_len + 1`` tokens
+    (checked up front, so a bad file fails before anything is written)."""
     if len(tokens) < 2 * (seq_len + 1):
         raise DataError(
             f"{what} has {len(tokens)} tokens, fewer than two windows of seq_len + 1 = {seq_len + 1}; "
             f"use more data or a shorter --seq-len."
         )
-    top = int(np.max(tokens))
+
+
+def check_vocab(top: int, vocab: int, what: str = "the data") -> None:
+    """Raises ``DataError`` when the largest token id ``top`` is outside the vocabulary."""
     if top >= vocab:
         raise DataError(
             f"{what} holds token {top}, outside the model's vocabulary of {vocab}; "

@@ -21,7 +21,15 @@ import numpy as np
 from ..errors import CheckpointMismatchError, IndivisibleShapeError, MeshShapeError
 from ..mesh import parse_mesh
 from .config import PRESETS, preset
-from .data import EVAL_FRACTION, DataError, check_tokens, load_tokens, split_held_out, vocab_for
+from .data import (
+    EVAL_FRACTION,
+    DataError,
+    check_tokens,
+    check_vocab,
+    load_tokens,
+    split_held_out,
+    vocab_for,
+)
 from .distributed import DistributedError
 
 __all__ = ["main"]
@@ -148,25 +156,25 @@ def _has_accelerator_plugin() -> bool:
 
 
 def _tokens(args, mesh: dict):
-    """The data and the settings that fit it, checked before anything starts or is written."""
+    """The train and held-out tokens (``None`` without ``--eval-every``) and the settings that
+    fit them, checked before anything starts or is written."""
     tokens = load_tokens(args.data)
+    top = int(np.max(tokens))  # the one pass over a (memory-mapped) token file
     # A token file's ids may exceed the bytes' 256: fit the vocabulary unless it was given.
-    vocab = None if tokens.dtype == np.uint8 else vocab_for(int(np.max(tokens)))
-    settings = _settings(args, mesh, vocab)
-    for part, what in _parts(tokens, args):
-        check_tokens(part, settings.model.seq_len, settings.model.vocab_size, what)
+    settings = _settings(args, mesh, None if tokens.dtype == np.uint8 else vocab_for(top))
+    name = args.data or "the embedded corpus"
+    check_vocab(top, settings.model.vocab_size, name)
+    if not args.eval_every:
+        check_tokens(tokens, settings.model.seq_len, name)
+        train, held_out = tokens, None
+    else:
+        train, held_out = split_held_out(tokens, EVAL_FRACTION)
+        check_tokens(train, settings.model.seq_len, f"{name} (train part)")
+        check_tokens(held_out, settings.model.seq_len, f"{name} (held-out part for --eval-every)")
     for flag in ("steps", "eval_batches", "checkpoint_every", "keep", "log_every"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be positive.")
-    return tokens, settings
-
-
-def _parts(tokens: np.ndarray, args) -> list:
-    name = args.data or "the embedded corpus"
-    if not args.eval_every:
-        return [(tokens, name)]
-    train, held_out = split_held_out(tokens, EVAL_FRACTION)
-    return [(train, f"{name} (train part)"), (held_out, f"{name} (held-out part for --eval-every)")]
+    return train, held_out, settings
 
 
 def _devices(args, sizes: dict) -> None:
@@ -230,11 +238,11 @@ def main(argv: list[str] | None = None, out=sys.stdout) -> int:
 
             print_plan(_settings(args, sizes), sizes, out)
             return 0
-        tokens, settings = _tokens(args, sizes)
+        train_tokens, eval_tokens, settings = _tokens(args, sizes)
         _devices(args, sizes)
         from .run import train
 
-        return train(settings, sizes, args, tokens, out)
+        return train(settings, sizes, args, train_tokens, eval_tokens, out)
     except (
         MeshShapeError,
         IndivisibleShapeError,

@@ -16,7 +16,6 @@ from jax.sharding import PartitionSpec as P
 from ..checkpoint import Checkpoints
 from ..mesh import make_mesh
 from ..plan import make_plan
-from .data import EVAL_FRACTION, split_held_out
 from .trainer import BATCH, Settings, Trainer, _state_fn, compare_with_twin
 
 __all__ = ["print_plan", "train"]
@@ -122,21 +121,25 @@ def _resume(trainer: Trainer, checkpoints: Checkpoints, say) -> int:
     return int(meta["step"])
 
 
-def train(settings: Settings, sizes: dict, args, tokens: np.ndarray, out: TextIO) -> int:
-    """The ``train`` command after its options were checked; the process's exit status."""
+def train(
+    settings: Settings, sizes: dict, args, tokens: np.ndarray, eval_tokens: np.ndarray | None, out: TextIO
+) -> int:
+    """The ``train`` command after its options and data were checked; the process's exit status.
+    ``eval_tokens``: the held-out part for ``--eval-every`` (``None``: no eval)."""
     mesh = make_mesh(sizes)
     output = _Output(out, None)
     output.say(_summary(settings, sizes, mesh, args.preset))
     trainer = Trainer(settings, mesh)
     if not args.checkpoint_dir:
-        return _train(trainer, args, tokens, output, out, None)
+        return _train(trainer, args, tokens, eval_tokens, output, out, None)
     with Checkpoints(args.checkpoint_dir, keep=args.keep, every=args.checkpoint_every) as checkpoints:
-        return _train(trainer, args, tokens, output, out, checkpoints)  # closing waits for the saves
+        return _train(trainer, args, tokens, eval_tokens, output, out, checkpoints)  # closing waits
 
 
-def _train(trainer: Trainer, args, tokens: np.ndarray, output: _Output, out: TextIO, checkpoints) -> int:
+def _train(
+    trainer: Trainer, args, train_tokens, eval_tokens, output: _Output, out: TextIO, checkpoints
+) -> int:
     settings = trainer.settings
-    train_tokens, eval_tokens = split_held_out(tokens, EVAL_FRACTION) if args.eval_every else (tokens, None)
     if args.check and not _check(trainer, train_tokens, args.check, settings.model.dtype, output.say):
         return 1
     start = 0

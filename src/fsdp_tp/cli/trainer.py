@@ -110,9 +110,13 @@ class Trainer:
         """Step ``step``'s global batch of windows, each process reading only the rows its
         devices hold (``jax.make_array_from_callback`` asks for one row block per device)."""
         s, seq_len = self.settings, self.settings.model.seq_len
+        read: dict = {}  # devices that hold the same rows (the tensor axis) share one read
 
         def rows(index) -> np.ndarray:
-            return windows_at(tokens, step, s.batch, seq_len, s.seed, index[0])
+            key = index[0].indices(s.batch)
+            if key not in read:
+                read[key] = windows_at(tokens, step, s.batch, seq_len, s.seed, index[0])
+            return read[key]
 
         return jax.make_array_from_callback((s.batch, seq_len + 1), self._batch_sharding, rows)
 
