@@ -14,6 +14,8 @@ from jax.sharding import PartitionSpec as P
 import fsdp_tp
 from fsdp_tp.analysis import ideal_bytes_per_device, state_bytes_per_device
 from fsdp_tp.models import Transformer
+from fsdp_tp.partitioning import specs_of
+from fsdp_tp.sharded_init import lower_init
 
 pytestmark = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")
 BATCH = P(("data", "fsdp"))
@@ -69,18 +71,13 @@ def _transformer_init():
     twin = Transformer(**CONFIG, axis_name=None)
     tx = optax.adamw(1e-3)
 
-    def state_of(m):
-        return lambda rng, ids: fsdp_tp.TrainState.create(
-            apply_fn=m.apply, params=m.init(rng, ids)["params"], tx=tx, rng=rng
-        )
-
     args = (jax.random.key(3), jnp.zeros((8, 16), jnp.int32))
-    return mesh, twin, state_of(twin), state_of(model), args
+    return mesh, twin, fsdp_tp.state_init_fn(twin, tx), fsdp_tp.state_init_fn(model, tx), args
 
 
 def test_direct_init_equals_the_unsharded_init_bit_for_bit_without_a_full_copy():
     mesh, _, twin_state, sharded_state, args = _transformer_init()
-    state, specs = fsdp_tp.init_direct(twin_state, sharded_state, mesh, (P(), BATCH), *args)
+    state, specs = fsdp_tp.init_sharded(sharded_state, mesh, (P(), BATCH), *args, twin_init_fn=twin_state)
     unsharded = jax.jit(twin_state)(*args)
     raw = lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(unsharded), strict=True):
@@ -107,9 +104,9 @@ def test_direct_init_equals_the_unsharded_init_bit_for_bit_without_a_full_copy()
 def test_direct_init_one_leaf_at_a_time_stays_under_a_shard_of_the_state_plus_the_largest_param():
     """Acceptance 4 of issue 4: per-device peak <= state / N + the largest single parameter."""
     mesh, twin, twin_state, sharded_state, args = _transformer_init()
-    run = (twin_state, sharded_state, mesh, (P(), BATCH), *args)
-    state, _ = fsdp_tp.init_direct(*run, one_leaf_at_a_time=True)
-    at_once, _ = fsdp_tp.init_direct(*run)
+    run = (sharded_state, mesh, (P(), BATCH), *args)
+    state, _ = fsdp_tp.init_sharded(*run, twin_init_fn=twin_state, one_leaf_at_a_time=True)
+    at_once, _ = fsdp_tp.init_sharded(*run, twin_init_fn=twin_state)
     raw = lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(at_once), strict=True):
         np.testing.assert_array_equal(np.asarray(raw(got)), np.asarray(raw(want)))
@@ -117,8 +114,8 @@ def test_direct_init_one_leaf_at_a_time_stays_under_a_shard_of_the_state_plus_th
     params = jax.tree.leaves(jax.eval_shape(lambda r, x: twin.init(r, x)["params"], *args))
     largest = max(math.prod(p.shape) * p.dtype.itemsize for p in params)
     (held,) = set(state_bytes_per_device(state).values())
-    programs = fsdp_tp.direct_init_programs(*run, one_leaf_at_a_time=True)
-    memory = [p.lower(*args).compile().memory_analysis() for p in programs]
+    lowered = lower_init(*run, twin_init_fn=twin_state, one_leaf_at_a_time=True)
+    memory = [low.compile().memory_analysis() for low in lowered]
     # Leaf i's program runs while the shards of leaves < i are held: its peak is at most
     # held_before + output_i + temp_i <= held + temp_i.
     assert sum(m.output_size_in_bytes for m in memory) == held
@@ -130,7 +127,82 @@ def test_direct_init_one_leaf_at_a_time_stays_under_a_shard_of_the_state_plus_th
         lambda *a: jax.tree.leaves(twin_state(*a)),
         out_shardings=[
             jax.sharding.NamedSharding(mesh, s)
-            for s in jax.tree.leaves(fsdp_tp.specs_of(state), is_leaf=lambda x: isinstance(x, P))
+            for s in jax.tree.leaves(specs_of(state), is_leaf=lambda x: isinstance(x, P))
         ],
     )
     assert one.lower(*args).compile().memory_analysis().temp_size_in_bytes > largest
+
+
+class _Counted:
+    """Counts calls of ``Transformer.__call__`` (each is one trace of the whole model)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        original = Transformer.__call__
+
+        def counted(module, *args, **kwargs):
+            self.calls += 1
+            return original(module, *args, **kwargs)
+
+        monkeypatch.setattr(Transformer, "__call__", counted)
+
+
+@pytest.mark.parametrize("layers", [1, 4])
+def test_the_sharded_init_traces_each_model_once_whatever_the_depth(monkeypatch, layers):
+    """Issue 12, point 4: one trace of the sharded model, one of the twin, for any depth and
+    leaf grouping. (The first version traced the twin once per leaf: quadratic in depth.)"""
+    counter = _Counted(monkeypatch)
+    mesh = fsdp_tp.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    config = dict(CONFIG, num_layers=layers, scan_layers=False)
+    model = Transformer(**config, fsdp_axis="fsdp", min_weight_size=0)
+    twin = Transformer(**config, axis_name=None)
+    tx, args = optax.adamw(1e-3), (jax.random.key(3), jnp.zeros((8, 16), jnp.int32))
+    for with_twin in (False, True):
+        for one_leaf in (False, True):
+            # New functions each time: JAX caches a trace of the same function and shapes.
+            init_fn, twin_fn = fsdp_tp.state_init_fn(model, tx), fsdp_tp.state_init_fn(twin, tx)
+            counter.calls = 0
+            lower_init(  # traces and lowers what init_sharded runs, without compiling it
+                init_fn,
+                mesh,
+                (P(), BATCH),
+                *args,
+                twin_init_fn=twin_fn if with_twin else None,
+                one_leaf_at_a_time=one_leaf,
+            )
+            assert counter.calls == 1 + with_twin, (with_twin, one_leaf)
+
+
+def test_trace_counter_catches_a_second_trace(monkeypatch):
+    """Negative control: two inits from two function objects trace the model twice, and the
+    counter says so (it does not stop at one)."""
+    counter = _Counted(monkeypatch)
+    mesh = fsdp_tp.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    model = Transformer(**CONFIG, fsdp_axis="fsdp", min_weight_size=0)
+    args = (jax.random.key(3), jnp.zeros((8, 16), jnp.int32))
+    for _ in range(2):
+        lower_init(lambda r, x: model.init(r, x)["params"], mesh, (P(), BATCH), *args)
+    assert counter.calls == 2
+
+
+def test_a_state_with_none_leaves_and_empty_subtrees_inits():
+    mesh = fsdp_tp.make_mesh({"data": 8})
+    init_fn = lambda r: {"w": jnp.zeros(()), "extra": None, "empty": {}, "nested": (None, [])}
+    state, specs = fsdp_tp.init_sharded(init_fn, mesh, P(), jax.random.key(0))
+    assert state["extra"] is None and state["empty"] == {} and state["nested"] == (None, [])
+    assert specs == {"w": P(), "extra": None, "empty": {}, "nested": (None, [])}
+    direct, _ = fsdp_tp.init_sharded(init_fn, mesh, P(), jax.random.key(0), twin_init_fn=init_fn)
+    assert jax.tree.structure(direct) == jax.tree.structure(state)
+
+
+def test_the_twin_is_a_keyword_and_must_build_the_same_state():
+    mesh = fsdp_tp.make_mesh({"data": 8})
+    init_fn = lambda r: {"w": jnp.zeros(())}
+    with pytest.raises(TypeError):  # not by position: the two callables cannot be swapped
+        fsdp_tp.init_sharded(init_fn, init_fn, mesh, P(), jax.random.key(0))
+    with pytest.raises(
+        fsdp_tp.errors.SpecTreeMismatchError, match="twin_init_fn returns 2 arrays, init_fn 1"
+    ):
+        fsdp_tp.init_sharded(
+            init_fn, mesh, P(), jax.random.key(0), twin_init_fn=lambda r: {"w": jnp.zeros(()), "b": 1.0}
+        )

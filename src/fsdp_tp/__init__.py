@@ -26,14 +26,11 @@ from .mesh import parse_mesh as parse_mesh
 from .mesh import simulate_cpu_devices as simulate_cpu_devices
 from .partitioning import check_specs as check_specs
 from .partitioning import derive_specs as derive_specs
-from .partitioning import shard_step as shard_step
 from .partitioning import specs_of as specs_of
 from .plan import make_plan as make_plan
 from .rule_transform import shard_by_rules as shard_by_rules
 from .rules import named_shardings as named_shardings
 from .rules import specs_from_rules as specs_from_rules
-from .sharded_init import direct_init_programs as direct_init_programs
-from .sharded_init import init_direct as init_direct
 from .sharded_init import init_sharded as init_sharded
 from .sharded_init import lower_init as lower_init
 from .tensor_parallel import AttentionBlock as AttentionBlock
@@ -46,6 +43,8 @@ from .tensor_parallel import vocab_parallel_cross_entropy as vocab_parallel_cros
 from .train import TrainState as TrainState
 from .train import accumulate_gradients as accumulate_gradients
 from .train import fold_rng_over_axis as fold_rng_over_axis
+from .train import shard_step as shard_step
+from .train import state_init_fn as state_init_fn
 
 __version__ = "0.1.0"
 
@@ -64,14 +63,12 @@ __all__ = [
     "checkpoint",
     "copy_to_axis",
     "derive_specs",
-    "direct_init_programs",
     "errors",
     "fold_rng_over_axis",
     "gather_array_with_mean_grads",
     "gather_from_axis",
     "gather_params",
     "global_tree",
-    "init_direct",
     "init_sharded",
     "lower_init",
     "make_mesh",
@@ -89,6 +86,7 @@ __all__ = [
     "simulate_cpu_devices",
     "specs_from_rules",
     "specs_of",
+    "state_init_fn",
     "sync_gradients",
     "tensor_parallel",
     "vocab_parallel_cross_entropy",

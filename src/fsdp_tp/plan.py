@@ -12,15 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec
 
 from ._axes import entry_axes
+from ._trace import trace_per_device
 from ._types import Specs
-from .partitioning import specs_of
 from .rules import path_of
 
 __all__ = ["Plan", "PlanRow", "make_plan"]
@@ -83,33 +80,6 @@ def _spec_str(spec: PartitionSpec) -> str:
     return "P(" + ", ".join(repr(e) for e in spec) + ")"
 
 
-def _trace(fn: Callable, mesh, in_specs: Specs, args, check_vma: bool) -> tuple[Any, Any]:
-    """Local shapes and specs of ``fn``'s per-device output (boxes give their names)."""
-    captured: dict[str, Any] = {}
-
-    def probe(*inner):
-        out = fn(*inner)
-        is_box = lambda x: isinstance(x, nn.Partitioned)
-        captured["specs"] = specs_of(out)
-        captured["local"] = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(np.shape(x.value if is_box(x) else x), _dtype(x)),
-            out,
-            is_leaf=is_box,
-        )
-        return ()
-
-    jax.eval_shape(
-        jax.shard_map(probe, mesh=mesh, in_specs=in_specs, out_specs=(), check_vma=check_vma), *args
-    )
-    return captured["local"], captured["specs"]
-
-
-def _dtype(x):
-    value = x.value if isinstance(x, nn.Partitioned) else x
-    # A Python scalar (a step counter) leaves shard_map as a JAX array: int32 or float32.
-    return getattr(value, "dtype", None) or jnp.asarray(value).dtype
-
-
 def _leaves(local, specs):
     is_spec = lambda x: isinstance(x, PartitionSpec)
     flat_specs = jax.tree.leaves(specs, is_leaf=is_spec)
@@ -159,7 +129,21 @@ def make_plan(
     >>> [(r.path, r.shape, r.bytes_per_device) for r in plan.rows]
     [('bias', (4096,), 2048), ('kernel', (1024, 4096), 2097152)]
     """
-    local, specs = _trace(init_fn, mesh, in_specs, args, check_vma)
+    if loss_fn is None:
+        traced = trace_per_device(init_fn, mesh, in_specs, args, check_vma=check_vma)
+        local, specs, residuals = traced.local, traced.specs, None
+    else:
+        # One trace: the state, and what jax.vjp keeps of one device's loss for the backward pass.
+        def with_residuals(inner_args, inner_batch):
+            state = init_fn(*inner_args)
+            params = state.params if hasattr(state, "params") else state
+            _, vjp = jax.vjp(lambda p: loss_fn(p, inner_batch), params)
+            return state, jax.tree.leaves(vjp)
+
+        traced = trace_per_device(
+            with_residuals, mesh, (in_specs, batch_specs), (args, batch), check_vma=check_vma
+        )
+        (local, residuals), (specs, _) = traced.local, traced.specs
     mesh_sizes = dict(mesh.shape)
     params, opt = (local.params, local.opt_state) if hasattr(local, "opt_state") else (local, None)
     pspecs, ospecs = (specs.params, specs.opt_state) if hasattr(specs, "opt_state") else (specs, None)
@@ -181,9 +165,7 @@ def make_plan(
     param_bytes = sum(r.bytes_per_device for r in rows)
     optimizer_bytes = sum(_nbytes(s) for _, s, _ in _leaves(opt, ospecs)) if opt is not None else 0
     total = sum(_nbytes(s) for _, s, _ in _leaves(local, specs))
-    activations = None
-    if loss_fn is not None:
-        activations = _activation_bytes(init_fn, loss_fn, mesh, in_specs, args, batch, batch_specs, check_vma)
+    activations = None if residuals is None else sum(_nbytes(r) for r in residuals)
     return Plan(
         mesh=mesh_sizes,
         rows=tuple(rows),
@@ -193,22 +175,3 @@ def make_plan(
         activation_bytes=activations,
         replicated=tuple(r for r in rows if r.note),
     )
-
-
-def _activation_bytes(init_fn, loss_fn, mesh, in_specs, args, batch, batch_specs, check_vma) -> int:
-    """Bytes of the residuals ``jax.vjp`` keeps for the backward pass of one device's loss."""
-    captured: dict[str, int] = {}
-
-    def probe(inner_args, inner_batch):
-        state = init_fn(*inner_args)
-        params = state.params if hasattr(state, "params") else state
-        _, vjp = jax.vjp(lambda p: loss_fn(p, inner_batch), params)
-        captured["bytes"] = sum(_nbytes(r) for r in jax.tree.leaves(vjp))
-        return ()
-
-    jax.eval_shape(
-        jax.shard_map(probe, mesh=mesh, in_specs=(in_specs, batch_specs), out_specs=(), check_vma=check_vma),
-        args,
-        batch,
-    )
-    return captured["bytes"]

@@ -21,11 +21,11 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .._trace import flat_specs_of, specs_of
 from ..gradients import sync_gradients
 from ..mesh import make_mesh
-from ..partitioning import _is_spec, shard_step, specs_of
-from ..sharded_init import init_direct
-from ..train import TrainState
+from ..sharded_init import init_sharded
+from ..train import shard_step, state_init_fn
 from .baselines import tutorial_sync_gradients
 from .workloads import Layout, Workload
 
@@ -94,12 +94,6 @@ def _mesh(strategy: Strategy) -> Mesh:
     return make_mesh(strategy.mesh)
 
 
-def _state_fn(model: nn.Module, tx) -> Callable:
-    return lambda rng, x: TrainState.create(
-        apply_fn=model.apply, params=model.init(rng, x)["params"], tx=tx, rng=rng
-    )
-
-
 def _library_step(workload: Workload, layout: Layout, sync: Callable) -> Callable:
     def step(state, batch):
         x, y = batch
@@ -142,19 +136,20 @@ def build_variant(
     batch_spec = P(BATCH_AXES)
     rng = jax.random.key(0)
     check_vma = implementation != "tutorial"
-    init = (_state_fn(twin, tx), _state_fn(sharded, tx), mesh, (P(), batch_spec))
+    init = (state_init_fn(sharded, tx), mesh, (P(), batch_spec), rng, x)
+    init_kw = dict(twin_init_fn=state_init_fn(twin, tx), check_vma=check_vma)
     # GSPMD and one device only need the library's specs: the library's state stays abstract.
     if abstract or implementation == "gspmd" or strategy.name == "single":
-        state = jax.eval_shape(lambda r, x: init_direct(*init, r, x, check_vma=check_vma)[0], rng, x)
+        state = jax.eval_shape(lambda *a: init_sharded(*init[:3], *a, **init_kw)[0], rng, x)
         specs = specs_of(state)
     else:
-        state, specs = init_direct(*init, rng, x, check_vma=check_vma)
+        state, specs = init_sharded(*init, **init_kw)
     batch = jax.device_put((x, y), NamedSharding(mesh, batch_spec))
     if implementation == "gspmd" or strategy.name == "single":
-        flat = [NamedSharding(mesh, s) for s in jax.tree.leaves(specs, is_leaf=_is_spec)]
-        twin_state = jax.eval_shape(_state_fn(twin, tx), rng, x)
+        flat = [NamedSharding(mesh, s) for s in flat_specs_of(state)]
+        twin_state = jax.eval_shape(state_init_fn(twin, tx), rng, x)
         shardings = jax.tree.unflatten(jax.tree.structure(twin_state), flat)
-        state = jax.jit(_state_fn(twin, tx), out_shardings=shardings)(rng, x)
+        state = jax.jit(state_init_fn(twin, tx), out_shardings=shardings)(rng, x)
         jitted = jax.jit(
             _twin_step(workload),
             in_shardings=(shardings, NamedSharding(mesh, batch_spec)),

@@ -16,7 +16,8 @@ from jax.sharding import PartitionSpec as P
 from ..checkpoint import Checkpoints
 from ..mesh import make_mesh
 from ..plan import make_plan
-from .trainer import BATCH, Settings, Trainer, _state_fn, compare_with_twin
+from ..train import state_init_fn
+from .trainer import BATCH, Settings, Trainer, compare_with_twin
 
 __all__ = ["print_plan", "train"]
 
@@ -31,7 +32,7 @@ def _plan(settings: Settings, mesh):
     model = config.sharded(settings.sequence_parallel, settings.collective_matmul, settings.min_weight_size)
     ids = jax.ShapeDtypeStruct((settings.batch, config.seq_len), np.int32)
     return make_plan(
-        _state_fn(model, settings.optimizer()),
+        state_init_fn(model, settings.optimizer()),
         mesh,
         (P(), BATCH),
         jax.random.key(0),

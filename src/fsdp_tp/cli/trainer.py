@@ -14,10 +14,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..gradients import sync_gradients
-from ..partitioning import shard_step
-from ..sharded_init import init_direct
+from ..sharded_init import init_sharded
 from ..tensor_parallel import vocab_parallel_cross_entropy
-from ..train import TrainState, accumulate_gradients
+from ..train import accumulate_gradients, shard_step, state_init_fn
 from .config import ModelConfig
 from .data import batch_at, windows_at
 
@@ -47,12 +46,6 @@ class Settings:
             0.0, self.lr, max(self.warmup, 1), max(self.steps, self.warmup + 2)
         )
         return optax.adamw(schedule, weight_decay=0.01)
-
-
-def _state_fn(model: nn.Module, tx) -> Callable:
-    return lambda rng, ids: TrainState.create(
-        apply_fn=model.apply, params=model.init(rng, ids)["params"], tx=tx, rng=rng
-    )
 
 
 def _loss(apply_fn: Callable, params, windows: jax.Array) -> jax.Array:
@@ -89,13 +82,13 @@ class Trainer:
         self.twin = config.twin()
         self.tx = settings.optimizer()
         example = np.zeros((settings.batch, config.seq_len), np.int32)
-        self.state, self.specs = init_direct(
-            _state_fn(self.twin, self.tx),
-            _state_fn(self.model, self.tx),
+        self.state, self.specs = init_sharded(
+            state_init_fn(self.model, self.tx),
             mesh,
             (P(), BATCH),
             jax.random.key(settings.seed),
             example,
+            twin_init_fn=state_init_fn(self.twin, self.tx),
             check_vma=settings.check_vma,
         )
         self.step = shard_step(_step_fn(settings), mesh, self.specs, BATCH, check_vma=settings.check_vma)
@@ -146,7 +139,7 @@ def compare_with_twin(trainer: Trainer, tokens: np.ndarray, steps: int) -> tuple
     Returns the largest loss difference, the largest parameter difference, and both loss curves.
     """
     s, config = trainer.settings, trainer.settings.model
-    state_fn = _state_fn(trainer.twin, trainer.tx)
+    state_fn = state_init_fn(trainer.twin, trainer.tx)
     state = jax.jit(state_fn)(jax.random.key(s.seed), np.zeros((s.batch, config.seq_len), np.int32))
 
     @jax.jit

@@ -1,0 +1,116 @@
+"""The one abstract per-device trace that specs, the plan and the sharded init read.
+
+A function that builds a train state (or anything with ``nn.Partitioned`` boxes) is
+traced once per device under ``jax.shard_map``, abstractly (``jax.eval_shape``: no
+FLOPs, no memory, any mesh, an ``AbstractMesh`` included). The trace keeps:
+
+- the output's tree and each leaf's *local* shape and dtype (what one device holds),
+- each leaf's ``PartitionSpec`` (a box gives ``P(*names)``, any other leaf ``P()``),
+- the per-device program as a jaxpr, so the init can run it without tracing the
+  model a second time (flax traces are what grows with depth, not replays).
+
+>>> import jax, jax.numpy as jnp
+>>> from jax.sharding import PartitionSpec as P
+>>> from fsdp_tp import make_mesh, shard_module_params
+>>> import flax.linen as nn
+>>> model = shard_module_params(nn.Dense, min_weight_size=0)(16)
+>>> traced = trace_per_device(lambda r, x: model.init(r, x)["params"], make_mesh({"fsdp": 8}),
+...                           (P(), P()), (jax.random.key(0), jnp.ones((2, 4))))
+>>> traced.flat_specs, [s.shape for s in traced.flat_local]   # bias, kernel: 1/8 of each
+([P('fsdp',), P(None, 'fsdp')], [(2,), (4, 2)])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from ._types import PyTree, Specs
+
+__all__ = ["Traced", "flat_specs_of", "specs_of", "trace_per_device"]
+
+
+def specs_of(tree: PyTree) -> PyTree:
+    """``P(*names)`` for each ``nn.Partitioned`` box, ``P()`` for every other leaf.
+
+    Unlike ``nn.get_partition_spec`` it gives ``P()`` (not ``None``) for Python
+    scalars such as a train state's step counter, which shard_map outputs as arrays.
+
+    >>> import flax.linen as nn, jax.numpy as jnp
+    >>> specs_of({"w": nn.Partitioned(jnp.ones((2, 4)), (None, "fsdp")), "step": 0, "extra": None})
+    {'extra': None, 'step': P(), 'w': P(None, 'fsdp')}
+    """
+
+    def spec(x):
+        if not isinstance(x, nn.Partitioned):
+            return PartitionSpec()
+        # A box around no array (optax.masked's MaskedNode for a masked-out param) keeps
+        # its leafless structure, so the specs flatten like the state.
+        return x.get_partition_spec() if jax.tree.leaves(x.value) else x
+
+    return jax.tree.map(spec, tree, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+
+
+def flat_specs_of(tree: PyTree) -> list[PartitionSpec]:
+    """One spec per array leaf of ``tree``, in ``jax.tree.leaves`` order (``None`` and
+    empty subtrees hold no leaf and get no spec)."""
+    return jax.tree.leaves(specs_of(tree), is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+@dataclass(frozen=True)
+class Traced:
+    """What one abstract trace of a per-device function tells."""
+
+    local: PyTree  # the output, unboxed, each array leaf a local ShapeDtypeStruct
+    specs: PyTree  # the PartitionSpec of each leaf, as specs_of gives it
+    treedef: Any  # the output's structure, boxes included
+    jaxpr: jax.extend.core.ClosedJaxpr  # the per-device program: flat args -> flat leaves
+
+    @property
+    def flat_specs(self) -> list[PartitionSpec]:
+        return jax.tree.leaves(self.specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+    @property
+    def flat_local(self) -> list[jax.ShapeDtypeStruct]:
+        return jax.tree.leaves(self.local)
+
+    def replay(self, *args) -> list:
+        """The per-device program's flat output leaves for ``args``, without tracing ``fn`` again."""
+        return jax.core.eval_jaxpr(self.jaxpr.jaxpr, self.jaxpr.consts, *jax.tree.leaves(args))
+
+
+def trace_per_device(fn: Callable, mesh, in_specs: Specs, args: tuple, *, check_vma: bool = True) -> Traced:
+    """Traces ``fn(*args)`` once per device under ``jax.shard_map`` over ``mesh``, abstractly.
+
+    ``args`` may hold arrays or ``jax.ShapeDtypeStruct``s of global shape;
+    ``mesh`` may be an ``AbstractMesh``.
+    """
+    captured: dict[str, Any] = {}
+
+    def probe(*inner):
+        # make_jaxpr is the trace itself: it runs fn once on abstract values and keeps the program.
+        closed, out = jax.make_jaxpr(fn, return_shape=True)(*inner)
+        captured["jaxpr"], captured["out"] = closed, out
+        return ()  # nothing leaves: no out_specs, no replication claim needed
+
+    jax.eval_shape(
+        jax.shard_map(probe, mesh=mesh, in_specs=in_specs, out_specs=(), check_vma=check_vma), *args
+    )
+    out = captured["out"]
+    is_box = lambda x: isinstance(x, nn.Partitioned)
+    # A box around no array (optax.masked's MaskedNode) stays leafless, as in the state.
+    local = jax.tree.map(lambda x: jax.tree.map(_struct, x.value if is_box(x) else x), out, is_leaf=is_box)
+    return Traced(local, specs_of(out), jax.tree.structure(out), captured["jaxpr"])
+
+
+def _struct(x) -> Any:
+    # A Python scalar (a step counter) leaves shard_map as a JAX array: int32 or float32.
+    dtype = getattr(x, "dtype", None) or jnp.asarray(x).dtype
+    return jax.ShapeDtypeStruct(np.shape(x), dtype)
