@@ -75,3 +75,15 @@ def test_report_tables_name_every_variant(library_figures):
     assert "| 2 | 1.00 | 2.00 | 2.00 |" in text
     if name == "gpt":
         assert "| fsdp | " in headline(results, times)
+
+
+def test_the_build_time_section_reports_both_builds_against_depth():
+    """The build-time figure runs both builds (sharded from the twin, and plain flax) and the
+    page reports them; the times themselves are the benchmark's, not asserted here."""
+    from fsdp_tp.bench.figures import build_seconds
+
+    build_times = {1: build_seconds(1), 2: build_seconds(2)}
+    assert all(t > 0 for pair in build_times.values() for t in pair)
+    text = markdown({}, {}, {}, {}, ["# Benchmarks"], [], build_times)
+    rows = [line for line in text.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
+    assert len(rows) == 2 and "÷ fsdp_tp at 1 layers" in text

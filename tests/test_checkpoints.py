@@ -19,6 +19,7 @@ from fsdp_tp.cli.config import preset
 from fsdp_tp.cli.trainer import Settings, Trainer
 from fsdp_tp.errors import CheckpointMismatchError
 from fsdp_tp.mesh import make_mesh
+from fsdp_tp.models import Layout
 
 pytestmark = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")
 RUN = ["train", "--steps", "12", "--checkpoint-every", "4", "--eval-every", "0", "--log-every", "100"]
@@ -61,10 +62,8 @@ def settings(**changes) -> Settings:
         lr=3e-3,
         warmup=20,
         seed=0,
-        sequence_parallel=True,
-        collective_matmul=None,
+        layout=Layout("tensor", "fsdp", sequence_parallel=True, min_weight_size=2**10),
         check_vma=True,
-        min_weight_size=2**10,
     )
     return Settings(**{**fields, **changes})
 

@@ -53,15 +53,20 @@ def test_bf16_compute_trains_f32_params_and_passes_check(tmp_path):
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 2.0
 
 
+def test_unrolled_layers_train_and_pass_check():
+    code, out = run("train", "--steps", "3", "--no-scan-layers", "--layers", "3", "--check", "2")
+    assert code == 0 and "-> ok" in out, out
+
+
 def test_bf16_computes_in_bf16_on_f32_parameters():
     from fsdp_tp.cli.config import preset
 
     config = preset("tiny", dtype="bfloat16")
     ids = np.zeros((2, config.seq_len), np.int32)
-    params = jax.eval_shape(config.twin().init, jax.random.key(0), ids)
+    params = jax.eval_shape(config.model().init, jax.random.key(0), ids)
     assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {np.dtype("float32")}
-    hlo = jax.jit(config.twin().apply).lower(params, ids).as_text()
-    assert "bf16" in hlo and jax.eval_shape(config.twin().apply, params, ids).dtype == np.float32
+    hlo = jax.jit(config.model().apply).lower(params, ids).as_text()
+    assert "bf16" in hlo and jax.eval_shape(config.model().apply, params, ids).dtype == np.float32
 
 
 def test_token_file_fits_the_vocabulary(tmp_path):
@@ -146,3 +151,14 @@ def test_console_script_runs_in_a_fresh_process():
     assert done.returncode == 0, done.stderr[-2000:]
     assert "done: loss" in done.stdout
     assert jax.device_count() == 8  # this process untouched
+
+
+def test_a_reader_that_stops_reading_is_not_an_error():
+    """`fsdp-tp plan | head` must not end in a BrokenPipeError traceback (`true` reads nothing)."""
+    done = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", f"{shutil.which('fsdp-tp')} plan --preset base | true"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]

@@ -45,19 +45,34 @@ def test_python_blocks_run(page, monkeypatch):
         exec(compile(source, f"{page.name} block {i + 1}", "exec"), module.__dict__)
 
 
+def run_bash(source: str, where: Path, label: str) -> None:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    (where / "examples").symlink_to(ROOT / "examples")  # paths as a reader in the repository types them
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", source],
+        cwd=where,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, f"{label}:\n{source}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+
+
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks(p, "bash")], ids=lambda p: p.name)
 def test_bash_blocks_run(page, tmp_path):
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    for source in blocks(page, "bash"):
-        done = subprocess.run(
-            ["bash", "-euo", "pipefail", "-c", source],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert done.returncode == 0, f"{page.name}:\n{source}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    for i, source in enumerate(blocks(page, "bash")):
+        (tmp_path / str(i)).mkdir()
+        run_bash(source, tmp_path / str(i), page.name)
+
+
+def test_the_readme_main_job_runs_as_written(tmp_path):
+    """The README's first command: set-up (what this environment is) then the main job, as typed."""
+    readme = (ROOT / "README.md").read_text()
+    command = re.search(r"\*\*Run the main job\*\*.*?\n\n    ([^\n]+)\n", readme, re.S).group(1)
+    setup = "python3 -m venv .venv && . .venv/bin/activate && pip install -e . && "
+    assert command.startswith(setup), command
+    run_bash(command.removeprefix(setup), tmp_path, "README main job")
 
 
 def test_every_public_name_is_in_the_api_reference_with_an_example():

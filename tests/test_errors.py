@@ -13,7 +13,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
-from fsdp_tp.errors import IndivisibleShapeError, MeshShapeError, SpecTreeMismatchError, UnboundAxisNameError
+from fsdp_tp.errors import (
+    IndivisibleShapeError,
+    MeshShapeError,
+    SpecError,
+    SpecTreeMismatchError,
+    UnboundAxisNameError,
+)
 from tests.models import MLP
 
 
@@ -48,7 +54,7 @@ def test_unknown_axis_name_in_module_transform():
 
 def test_axis_name_outside_shard_map():
     with pytest.raises(UnboundAxisNameError, match=r"outside jax\.shard_map"):
-        fsdp_tp.fold_rng_over_axis(jax.random.key(0), "data")
+        fsdp_tp.train.fold_rng_over_axis(jax.random.key(0), "data")
 
 
 def test_module_instance_is_rejected_with_the_fix():
@@ -98,8 +104,26 @@ def test_spec_tree_that_does_not_match_the_state():
 
 def test_spec_naming_an_axis_not_in_the_mesh():
     mesh = fsdp_tp.make_mesh({"data": 2, "fsdp": 4})
-    with pytest.raises(SpecTreeMismatchError, match="names mesh axis 'model'"):
-        fsdp_tp.check_specs({"w": jnp.ones((8, 8))}, {"w": P("model")}, mesh, "params")
+    with pytest.raises(SpecError, match="names mesh axis 'model'"):
+        fsdp_tp.partitioning.check_specs({"w": jnp.ones((8, 8))}, {"w": P("model")}, mesh, "params")
+
+
+def test_a_layout_check_lists_every_failing_leaf_with_one_wording_per_mistake():
+    mesh = fsdp_tp.make_mesh({"data": 2, "fsdp": 4})
+    tree = {"a": jnp.ones((6, 8)), "b": jnp.ones((8,)), "c": jnp.ones((8, 8)), "ok": jnp.ones((8, 8))}
+    specs = {"a": P("fsdp"), "b": P("model"), "c": P("fsdp", "fsdp"), "ok": P("data", "fsdp")}
+    with pytest.raises(IndivisibleShapeError) as caught:
+        fsdp_tp.partitioning.check_specs(tree, specs, mesh, "params")
+    lines = str(caught.value).splitlines()
+    assert lines[0] == "3 arrays do not fit their specs:"
+    assert lines[1].startswith(
+        "  params['a']: dim 0 (size 6) of shape (6, 8) is not divisible by mesh axis 'fsdp'"
+    )
+    assert lines[2].startswith(
+        "  params['b']: spec P('model',) names mesh axis 'model', but the mesh has axes"
+    )
+    assert lines[3].startswith("  params['c']: spec P('fsdp', 'fsdp') uses mesh axis 'fsdp' on dims 0 and 1")
+    assert len(lines) == 4  # 'ok' fits
 
 
 def test_microbatches_not_dividing_the_batch():
@@ -125,7 +149,7 @@ def test_mesh_sizes_not_matching_the_devices(sizes, message):
 @pytest.mark.parametrize("text", ["data=2,fsdp", "data=x", "data=2,data=4", ""])
 def test_malformed_mesh_text(text):
     with pytest.raises(MeshShapeError, match="mesh"):
-        fsdp_tp.parse_mesh(text)
+        fsdp_tp.mesh.parse_mesh(text)
 
 
 def test_simulating_devices_after_the_backend_started():

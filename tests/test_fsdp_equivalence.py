@@ -135,7 +135,7 @@ def test_transform_applied_for_two_axes_equals_unsharded(check_vma):
         out_dim=8,
     )
     check_equivalence(case)
-    specs = fsdp_tp.derive_specs(
+    specs = fsdp_tp.partitioning.derive_specs(
         lambda r, x: dense(16).init(r, x)["params"],
         case.mesh,
         (jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(case.batch_axes)),

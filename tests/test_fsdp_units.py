@@ -40,7 +40,7 @@ def test_gather_inverts_shard(shape, min_size):
     full = {"w": jax.random.normal(jax.random.key(0), shape)}
 
     def roundtrip(full):
-        return fsdp_tp.gather_params(fsdp_tp.shard_params(full, "fsdp", min_size), "fsdp")
+        return fsdp_tp.fsdp.gather_params(fsdp_tp.fsdp.shard_params(full, "fsdp", min_size), "fsdp")
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ReplicatedParameterWarning)
@@ -53,7 +53,9 @@ def test_existing_splits_on_other_axes_are_kept():
     captured = {}
 
     def probe(w):
-        out = fsdp_tp.shard_params({"w": nn.Partitioned(w, ("tensor", None))}, "fsdp", min_weight_size=0)["w"]
+        out = fsdp_tp.fsdp.shard_params(
+            {"w": nn.Partitioned(w, ("tensor", None))}, "fsdp", min_weight_size=0
+        )["w"]
         captured.update(names=out.names, shape=out.value.shape)
         return ()
 
@@ -70,7 +72,7 @@ def test_gathering_the_minor_axis_of_a_shared_dim():
     w = jnp.arange(16.0)
 
     def gather(local):
-        out = fsdp_tp.gather_params({"w": nn.Partitioned(local, (("data", "fsdp"),))}, "fsdp")["w"]
+        out = fsdp_tp.fsdp.gather_params({"w": nn.Partitioned(local, (("data", "fsdp"),))}, "fsdp")["w"]
         assert out.names == ("data",)
         return out.value
 
@@ -80,7 +82,9 @@ def test_gathering_the_minor_axis_of_a_shared_dim():
     np.testing.assert_array_equal(got, w)
     with pytest.raises(ValueError, match=r"only be gathered after \('fsdp',\)"):
         jax.shard_map(
-            lambda local: fsdp_tp.gather_params({"w": nn.Partitioned(local, (("data", "fsdp"),))}, "data"),
+            lambda local: fsdp_tp.fsdp.gather_params(
+                {"w": nn.Partitioned(local, (("data", "fsdp"),))}, "data"
+            ),
             mesh=mesh,
             in_specs=P(("data", "fsdp")),
             out_specs=P(),
@@ -104,7 +108,7 @@ def test_a_large_indivisible_parameter_is_reported_once_by_path_and_shape():
         jax.eval_shape(init, jnp.ones((8, 7)))
     messages = [str(w.message) for w in caught if issubclass(w.category, ReplicatedParameterWarning)]
     assert len(messages) == 2, messages  # kernel (7, 3) and bias (3,), each once
-    assert any("params/kernel of shape (7, 3)" in m and "'fsdp' (size 8)" in m for m in messages)
+    assert any("parameter kernel of shape (7, 3)" in m and "'fsdp' (size 8)" in m for m in messages)
 
 
 def test_shard_module_params_keeps_flax_auto_names():

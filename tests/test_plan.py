@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 from fsdp_tp.analysis import state_bytes_per_device
-from fsdp_tp.models import Transformer
+from fsdp_tp.models import Layout, Transformer
 
 pytestmark = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")
 CONFIG = dict(
@@ -34,7 +34,7 @@ def loss_fn(model):
 
 def test_plan_bytes_are_the_bytes_of_the_initialized_state():
     mesh = fsdp_tp.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    model = Transformer(**CONFIG, fsdp_axis="fsdp", min_weight_size=1024)
+    model = Transformer(**CONFIG, layout=Layout("tensor", "fsdp", min_weight_size=1024))
     args = (jax.random.key(0), jnp.zeros((8, 16), jnp.int32))
     plan = fsdp_tp.make_plan(state_fn(model), mesh, (P(), BATCH), *args)
     state, _ = fsdp_tp.init_sharded(state_fn(model), mesh, (P(), BATCH), *args)
@@ -54,7 +54,9 @@ def test_plan_bytes_are_the_bytes_of_the_initialized_state():
 
 def test_plan_of_a_64_by_8_mesh_runs_without_512_devices():
     mesh = AbstractMesh((64, 8), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2)
-    model = Transformer(**dict(CONFIG, d_model=512, mlp_hidden=2048), fsdp_axis="fsdp", min_weight_size=0)
+    model = Transformer(
+        **dict(CONFIG, d_model=512, mlp_hidden=2048), layout=Layout("tensor", "fsdp", min_weight_size=0)
+    )
     ids = jax.ShapeDtypeStruct((64, 32), jnp.int32)
     plan = fsdp_tp.make_plan(
         state_fn(model),

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import inspect
+import pkgutil
 import re
 import types
 from pathlib import Path
@@ -28,6 +31,18 @@ def test_public_name_exists_and_is_documented(name):
 @pytest.mark.parametrize("module", [m for m in vars(fsdp_tp).values() if isinstance(m, types.ModuleType)])
 def test_every_module_declares_all(module):
     assert isinstance(getattr(module, "__all__", None), list), module.__name__
+
+
+def test_the_front_door_is_the_users_path_and_shadows_no_submodule():
+    assert len(fsdp_tp.__all__) <= 20, fsdp_tp.__all__
+    assert len(set(fsdp_tp.__all__)) == len(fsdp_tp.__all__)
+    for name in fsdp_tp.__all__:
+        assert importlib.util.find_spec(f"fsdp_tp.{name}") is None, f"fsdp_tp.{name} shadows a module"
+    # every module of the package is importable under its own name
+    for info in pkgutil.walk_packages(fsdp_tp.__path__, "fsdp_tp."):
+        if info.name == "fsdp_tp.__main__":  # `python -m fsdp_tp`: running it is the command
+            continue
+        assert isinstance(getattr(importlib.import_module(info.name), "__all__", None), list), info.name
 
 
 def test_ci_runs_the_readme_test_command():

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
-from fsdp_tp.errors import IndivisibleShapeError, RuleError, UnmatchedRuleWarning
+from fsdp_tp.errors import IndivisibleShapeError, RuleError, SpecError, UnmatchedRuleWarning
 from tests.equivalence import Case, check_equivalence
 
 BATCH_AXES = ("data", "fsdp")
@@ -65,10 +65,10 @@ def test_specs_divide_or_raise_and_the_first_match_wins(mesh, shapes, rules):
     }
     valid = all(fits(tuple(shapes[path]), spec, mesh) for path, spec in first.items())
     if not valid:
-        with pytest.raises((RuleError, IndivisibleShapeError)):
-            fsdp_tp.specs_from_rules(tree, rules, mesh)
+        with pytest.raises((SpecError, IndivisibleShapeError)):
+            fsdp_tp.rules.specs_from_rules(tree, rules, mesh)
         return
-    specs = fsdp_tp.specs_from_rules(tree, rules, mesh)
+    specs = fsdp_tp.rules.specs_from_rules(tree, rules, mesh)
     leaves = jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, P))
     assert {fsdp_tp.rules.path_of(p): spec for p, spec in leaves} == first
 
@@ -165,20 +165,20 @@ def test_bad_rules_each_get_a_clear_message():
     with pytest.warns(
         UnmatchedRuleWarning, match=r"rules matching no parameter: \['wq/kernel'\]; .* wi/kernel"
     ):
-        fsdp_tp.specs_from_rules(tree, [("wi/kernel", P()), ("wq/kernel", P("fsdp"))], mesh)
-    with pytest.raises(RuleError, match=r"wi/kernel: spec .* names mesh axis 'model', but the mesh has axes"):
-        fsdp_tp.specs_from_rules(tree, [("kernel", P("model"))], mesh)
+        fsdp_tp.rules.specs_from_rules(tree, [("wi/kernel", P()), ("wq/kernel", P("fsdp"))], mesh)
+    with pytest.raises(SpecError, match=r"wi/kernel: spec .* names mesh axis 'model', but the mesh has axes"):
+        fsdp_tp.rules.specs_from_rules(tree, [("kernel", P("model"))], mesh)
     with pytest.raises(
         IndivisibleShapeError,
         match=r"wi/kernel: dim 1 \(size 6\) of shape \(8, 6\) .* \('fsdp', 'tensor'\) \(size 4\)",
     ):
-        fsdp_tp.specs_from_rules(tree, [("kernel", P(None, ("fsdp", "tensor")))], mesh)
-    with pytest.raises(RuleError, match=r"wi/kernel: spec .* uses mesh axis 'fsdp' on dims 0 and 1"):
-        fsdp_tp.specs_from_rules(tree, [("kernel", P("fsdp", "fsdp"))], mesh)
+        fsdp_tp.rules.specs_from_rules(tree, [("kernel", P(None, ("fsdp", "tensor")))], mesh)
+    with pytest.raises(SpecError, match=r"wi/kernel: spec .* uses mesh axis 'fsdp' on dims 0 and 1"):
+        fsdp_tp.rules.specs_from_rules(tree, [("kernel", P("fsdp", "fsdp"))], mesh)
     with pytest.raises(RuleError, match=r"rule pattern 'wi/\[kernel' is not a regular expression"):
-        fsdp_tp.specs_from_rules(tree, [("wi/[kernel", P())], mesh)
-    with pytest.raises(RuleError, match=r"names 3 dims but the parameter has shape \(8, 6\)"):
-        fsdp_tp.specs_from_rules(tree, [("kernel", P(None, None, "fsdp"))], mesh)
+        fsdp_tp.rules.specs_from_rules(tree, [("wi/[kernel", P())], mesh)
+    with pytest.raises(SpecError, match=r"names 3 dims, but the array has shape \(8, 6\)"):
+        fsdp_tp.rules.specs_from_rules(tree, [("kernel", P(None, None, "fsdp"))], mesh)
 
 
 @unmatched_ok

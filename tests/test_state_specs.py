@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 from fsdp_tp.analysis import ideal_bytes_per_device, state_bytes_per_device
-from fsdp_tp.models import Transformer
+from fsdp_tp.models import Layout, Transformer
 from fsdp_tp.partitioning import specs_of
 from fsdp_tp.sharded_init import lower_init
 
@@ -67,8 +67,8 @@ def _transformer_init():
     """The test transformer on 2x2x2: mesh, twin, the twin's and the sharded model's state
     init functions, and the init's args."""
     mesh = fsdp_tp.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    model = Transformer(**CONFIG, sequence_parallel=True, fsdp_axis="fsdp", min_weight_size=0)
-    twin = Transformer(**CONFIG, axis_name=None)
+    model = Transformer(**CONFIG, layout=Layout("tensor", "fsdp", sequence_parallel=True, min_weight_size=0))
+    twin = Transformer(**CONFIG)
     tx = optax.adamw(1e-3)
 
     args = (jax.random.key(3), jnp.zeros((8, 16), jnp.int32))
@@ -154,8 +154,8 @@ def test_the_sharded_init_traces_each_model_once_whatever_the_depth(monkeypatch,
     counter = _Counted(monkeypatch)
     mesh = fsdp_tp.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     config = dict(CONFIG, num_layers=layers, scan_layers=False)
-    model = Transformer(**config, fsdp_axis="fsdp", min_weight_size=0)
-    twin = Transformer(**config, axis_name=None)
+    model = Transformer(**config, layout=Layout("tensor", "fsdp", min_weight_size=0))
+    twin = Transformer(**config)
     tx, args = optax.adamw(1e-3), (jax.random.key(3), jnp.zeros((8, 16), jnp.int32))
     for with_twin in (False, True):
         for one_leaf in (False, True):
@@ -178,7 +178,7 @@ def test_trace_counter_catches_a_second_trace(monkeypatch):
     counter says so (it does not stop at one)."""
     counter = _Counted(monkeypatch)
     mesh = fsdp_tp.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    model = Transformer(**CONFIG, fsdp_axis="fsdp", min_weight_size=0)
+    model = Transformer(**CONFIG, layout=Layout("tensor", "fsdp", min_weight_size=0))
     args = (jax.random.key(3), jnp.zeros((8, 16), jnp.int32))
     for _ in range(2):
         lower_init(lambda r, x: model.init(r, x)["params"], mesh, (P(), BATCH), *args)
@@ -198,7 +198,7 @@ def test_a_state_with_none_leaves_and_empty_subtrees_inits():
 def test_the_twin_is_a_keyword_and_must_build_the_same_state():
     mesh = fsdp_tp.make_mesh({"data": 8})
     init_fn = lambda r: {"w": jnp.zeros(())}
-    with pytest.raises(TypeError):  # not by position: the two callables cannot be swapped
+    with pytest.raises(TypeError, match=r"got function .* the unsharded twin's init goes by keyword"):
         fsdp_tp.init_sharded(init_fn, init_fn, mesh, P(), jax.random.key(0))
     with pytest.raises(
         fsdp_tp.errors.SpecTreeMismatchError, match="twin_init_fn returns 2 arrays, init_fn 1"

@@ -85,7 +85,7 @@ def test_gathered_column_output_equals_dense(mesh, check_vma):
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_negative_control_plain_psum_in_unchecked_mode_is_caught(check_vma, monkeypatch):
     """A row layer that psums with JAX's own transpose: right when checked, T times too large when not."""
-    from fsdp_tp.tensor_parallel import dense
+    from fsdp_tp.layers import dense
 
     monkeypatch.setattr(dense, "reduce_from_axis", lambda x, axis_name: jax.lax.psum(x, axis_name))
     case = Case(
@@ -331,8 +331,8 @@ class SequenceParallelAround(nn.Module):
         x = nn.Dense(self.width, name="pre")(x)
         if self.axis_name is None:
             return self.block(x)
-        y = self.block(fsdp_tp.scatter_to_axis(x, 1, self.axis_name))
-        return fsdp_tp.gather_from_axis(y, 1, self.axis_name)
+        y = self.block(fsdp_tp.collectives.scatter_to_axis(x, 1, self.axis_name))
+        return fsdp_tp.collectives.gather_from_axis(y, 1, self.axis_name)
 
 
 @replicated_ok
@@ -419,7 +419,7 @@ def test_sequence_length_not_divisible_in_sequence_parallel_mode():
         head_dim=2,
         num_kv_heads=4,
         mlp_hidden=8,
-        sequence_parallel=True,
+        layout=fsdp_tp.models.Layout("tensor", sequence_parallel=True),
     )
     init = jax.shard_map(
         lambda ids: model.init(jax.random.key(0), ids),
@@ -434,7 +434,7 @@ def test_sequence_length_not_divisible_in_sequence_parallel_mode():
         jax.eval_shape(init, jnp.zeros((2, 6), jnp.int32))
     with pytest.raises(IndivisibleShapeError, match=r"scatter_to_axis: sequence length 6"):
         jax.shard_map(
-            lambda x: fsdp_tp.scatter_to_axis(x, 1, "tensor"),
+            lambda x: fsdp_tp.collectives.scatter_to_axis(x, 1, "tensor"),
             mesh=mesh,
             in_specs=P(),
             out_specs=P(None, "tensor"),
@@ -482,7 +482,7 @@ def test_negative_control_ring_turning_the_wrong_way_is_caught(ring, monkeypatch
 
     (Causal attention, not an MLP: the MLP works token by token, so a gather and a
     reduce-scatter that both permute the sequence the same way would cancel.)"""
-    from fsdp_tp.tensor_parallel import collective_matmul
+    from fsdp_tp.layers import collective_matmul
 
     right = collective_matmul._shift
     monkeypatch.setattr(collective_matmul, "_shift", lambda x, axis, step: right(x, axis, -step))

@@ -34,10 +34,10 @@ class Split(nn.Module):
         return fsdp_tp.shard_module_params(split, "fsdp", min_weight_size=0) if self.fsdp else split
 
     def enter(self, x):  # a replicated input: its gradient is summed over the axis (f)
-        return fsdp_tp.copy_to_axis(x, "tensor") if self.tp else x
+        return fsdp_tp.collectives.copy_to_axis(x, "tensor") if self.tp else x
 
     def leave(self, y, dim=-1):  # a split output, gathered
-        return fsdp_tp.gather_from_axis(y, y.ndim + dim, "tensor") if self.tp else y
+        return fsdp_tp.collectives.gather_from_axis(y, y.ndim + dim, "tensor") if self.tp else y
 
     @nn.compact
     def __call__(self, x):
@@ -46,7 +46,7 @@ class Split(nn.Module):
         if self.kind == "mlp":  # column, then row (its bias-free partial sums reduced: g)
             h = nn.gelu(self.wrap(nn.Dense, COLUMN)(16)(self.enter(x)))
             y = self.wrap(nn.Dense, [("kernel", 0)], split_input=True)(4, use_bias=False)(h)
-            return fsdp_tp.reduce_from_axis(y, "tensor") if self.tp else y
+            return fsdp_tp.collectives.reduce_from_axis(y, "tensor") if self.tp else y
         if self.kind == "conv":
             return self.leave(self.wrap(nn.Conv, COLUMN)(8, kernel_size=(3,))(self.enter(x)))
         if self.kind == "dense_general":  # kernel (in, 8, 2): split the 8 "heads"

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
-from fsdp_tp.models import Transformer
+from fsdp_tp.models import Layout, Transformer
 from tests.equivalence import Case, check_equivalence
 
 BATCH_AXES = ("data", "fsdp")
@@ -34,14 +34,9 @@ def reference_loss(model, params, ids, targets):
 )
 def test_transformer_fsdp_tp_sp_equals_unsharded(sequence_parallel, ring, check_vma):
     mesh = fsdp_tp.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    model = Transformer(
-        **CONFIG,
-        sequence_parallel=sequence_parallel,
-        collective_matmul=ring,
-        fsdp_axis="fsdp",
-        min_weight_size=0,
-    )
-    reference = Transformer(**CONFIG, axis_name=None)
+    layout = Layout("tensor", "fsdp", sequence_parallel, collective_matmul=ring, min_weight_size=0)
+    model = Transformer(**CONFIG, layout=layout)
+    reference = Transformer(**CONFIG)  # Layout(): plain flax
     check_equivalence(
         Case(
             model,
@@ -65,9 +60,9 @@ def test_transformer_fsdp_tp_sp_equals_unsharded(sequence_parallel, ring, check_
 def test_transformer_tree_is_the_unsharded_tree():
     """Unsharded params load into the sharded model: same paths, global shapes and dtypes."""
     ids = jax.numpy.zeros((8, 8), jax.numpy.int32)
-    ref = jax.eval_shape(Transformer(**CONFIG, axis_name=None).init, jax.random.key(0), ids)["params"]
+    ref = jax.eval_shape(Transformer(**CONFIG).init, jax.random.key(0), ids)["params"]
     mesh = fsdp_tp.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    model = Transformer(**CONFIG, sequence_parallel=True, fsdp_axis="fsdp", min_weight_size=0)
+    model = Transformer(**CONFIG, layout=Layout("tensor", "fsdp", sequence_parallel=True, min_weight_size=0))
     params, _ = fsdp_tp.init_sharded(
         lambda r, x: model.init(r, x)["params"], mesh, (P(), P(BATCH_AXES)), jax.random.key(0), ids
     )

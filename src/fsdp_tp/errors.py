@@ -17,6 +17,7 @@ __all__ = [
     "MeshShapeError",
     "ReplicatedParameterWarning",
     "RuleError",
+    "SpecError",
     "SpecTreeMismatchError",
     "UnboundAxisNameError",
     "UnmatchedRuleWarning",
@@ -33,6 +34,11 @@ class MeshShapeError(ValueError):
 
 class IndivisibleShapeError(ValueError):
     """An array dim that the mesh axes it is split over do not divide."""
+
+
+class SpecError(ValueError):
+    """A ``PartitionSpec`` that cannot lay out its array: more entries than dims, a mesh axis the
+    mesh lacks, or one axis on two dims."""
 
 
 class SpecTreeMismatchError(ValueError):

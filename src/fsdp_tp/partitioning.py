@@ -8,16 +8,16 @@ init's ``out_specs`` and as the train step's ``in_specs``/``out_specs``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import jax
-from jax.sharding import Mesh, PartitionSpec
+import numpy as np
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
-from ._axes import entry_axes
+from ._layout import check_fit
 from ._trace import specs_of, trace_per_device
 from ._types import PyTree, Specs
-from .errors import IndivisibleShapeError, SpecTreeMismatchError
+from .errors import SpecTreeMismatchError
 
 __all__ = ["check_specs", "derive_specs", "specs_of"]
 
@@ -26,7 +26,9 @@ def _is_spec(x) -> bool:
     return isinstance(x, PartitionSpec) or x is None
 
 
-def derive_specs(fn: Callable, mesh: Mesh, in_specs: Specs, *args, check_vma: bool = True) -> PyTree:
+def derive_specs(
+    fn: Callable, mesh: Mesh | AbstractMesh, in_specs: Specs, *args, check_vma: bool = True
+) -> PyTree:
     """The ``PartitionSpec`` tree of ``fn``'s output when run per device under ``shard_map``.
 
     ``fn`` is traced abstractly (``jax.eval_shape``: no FLOPs, no memory), with
@@ -44,30 +46,7 @@ def derive_specs(fn: Callable, mesh: Mesh, in_specs: Specs, *args, check_vma: bo
     return trace_per_device(fn, mesh, in_specs, args, check_vma=check_vma).specs
 
 
-def _check_leaf(where: str, shape: tuple, spec: PartitionSpec, mesh: Mesh) -> None:
-    if len(spec) > len(shape):
-        raise SpecTreeMismatchError(
-            f"{where}: spec {spec} names {len(spec)} dims but the value has shape {shape}; "
-            f"give a spec with at most {len(shape)} entries."
-        )
-    for dim, entry in enumerate(spec):
-        axes = entry_axes(entry)
-        unknown = [a for a in axes if a not in mesh.shape]
-        if unknown:
-            raise SpecTreeMismatchError(
-                f"{where}: spec {spec} names mesh axis {unknown[0]!r}, but the mesh has axes "
-                f"{dict(mesh.shape)}; use one of those names."
-            )
-        parts = math.prod(mesh.shape[a] for a in axes)
-        if shape[dim] % parts:
-            raise IndivisibleShapeError(
-                f"{where}: dim {dim} (size {shape[dim]}) of shape {shape} is not divisible by mesh "
-                f"axes {axes} (size {parts}) of spec {spec}; make it a multiple of {parts} "
-                f"(for a batch: the global batch size) or change the spec."
-            )
-
-
-def check_specs(tree: PyTree, specs: Specs, mesh: Mesh, what: str = "value") -> None:
+def check_specs(tree: PyTree, specs: Specs, mesh: Mesh | AbstractMesh, what: str = "value") -> None:
     """Raises a clear error if ``specs`` is not a spec-tree prefix of ``tree`` that ``mesh`` divides.
 
     >>> import jax.numpy as jnp
@@ -84,11 +63,16 @@ def check_specs(tree: PyTree, specs: Specs, mesh: Mesh, what: str = "value") -> 
     except (ValueError, TypeError) as err:
         raise SpecTreeMismatchError(
             f"the specs given for the {what} do not match its structure: {err}. Derive them from "
-            f"the same function that builds the {what} (fsdp_tp.derive_specs) instead of writing "
-            f"them by hand."
+            f"the same function that builds the {what} (fsdp_tp.init_sharded returns them) instead "
+            f"of writing them by hand."
         ) from None
-    for (spec_path, spec), subtree in zip(spec_leaves, subtrees, strict=True):
-        spec = PartitionSpec() if spec is None else spec
-        for leaf_path, leaf in jax.tree_util.tree_flatten_with_path(subtree)[0]:
-            where = what + jax.tree_util.keystr(tuple(spec_path) + tuple(leaf_path))
-            _check_leaf(where, tuple(getattr(leaf, "shape", ())), spec, mesh)
+    checks = [
+        (
+            what + jax.tree_util.keystr(tuple(spec_path) + tuple(leaf_path)),
+            np.shape(leaf),
+            spec or PartitionSpec(),
+        )
+        for (spec_path, spec), subtree in zip(spec_leaves, subtrees, strict=True)
+        for leaf_path, leaf in jax.tree_util.tree_flatten_with_path(subtree)[0]
+    ]
+    check_fit(checks, mesh.shape, "change the spec (for a batch: the global batch size)")

@@ -15,98 +15,39 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import numpy as np
 from jax.sharding import PartitionSpec
 
-from ._axes import as_axis_tuple, axes_named, bound_axis_names, entry_axes, local_slice
-from ._types import AxisNames, PyTree
-from .collectives import gather_array_with_mean_grads, gather_from_axis
-from .errors import RuleError
-from .fsdp import _gather_leaf, input_varying, keep_module_name, map_params, module_path
-from .rules import REPLICATED, CompiledRule, Rules, compile_rules, path_of, spec_for, warn_unmatched
+from ._axes import as_axis_tuple, bound_axis_names, entry_axes
+from ._transform import gather, input_varying, keep_module_name, map_params, store, warn_once
+from ._types import AxisNames
+from .rules import REPLICATED, CompiledRule, Rules, compile_rules, spec_for, unmatched_warning
 
 __all__ = ["shard_by_rules"]
 
-_warned: set[tuple] = set()
 
-
-def _is_box(x) -> bool:
-    return isinstance(x, nn.Partitioned | nn.LogicallyPartitioned)
-
-
-def _block(value: jax.Array, spec: PartitionSpec) -> jax.Array:
-    """This device's block of ``value`` under ``spec`` (a dim over several axes: major first)."""
-    for dim, entry in enumerate(spec):
-        if entry_axes(entry):
-            value = local_slice(value, dim, entry)
-    return value
-
-
-def _merge(path: str, names: tuple, spec: PartitionSpec) -> tuple:
-    """The box names after splitting by ``spec`` a value some layer already split as ``names``."""
-    merged = list(names)
-    for dim, entry in enumerate(spec):
-        if entry is None:
-            continue
-        if names[dim] is not None:
-            raise RuleError(
-                f"{path}: the rule splits dim {dim} over {entry!r}, but its layer already splits that dim "
-                f"over {names[dim]!r}; give that dim None in the rule."
-            )
-        if twice := set(entry_axes(entry)) & axes_named(names):
-            raise RuleError(
-                f"{path}: the rule uses mesh axis {sorted(twice, key=str)[0]!r}, which its layer already "
-                f"splits another dim over (names {names}); an axis can split one dim of a parameter."
-            )
-        merged[dim] = entry
-    return tuple(merged)
-
-
-def _shard(params: PyTree, rules: tuple[CompiledRule, ...], default, logical) -> PyTree:
+def _by_rules(rules: tuple[CompiledRule, ...], default: PartitionSpec, logical):
+    """The rules' layout choice; it records which rules matched, to report the others."""
     sizes = {axis: jax.lax.axis_size(axis) for axis in bound_axis_names()}
-    prefix = module_path()
     used: set[int] = set()
     paths: list[str] = []
 
-    def leaf_fn(key_path, leaf):
-        path = "/".join(p for p in (prefix, path_of(key_path).removeprefix("params/")) if p)
+    def choose(path: str, shape: tuple, _names: tuple, logical_names) -> PartitionSpec:
         paths.append(path)
-        value = leaf.value if _is_box(leaf) else leaf
-        logical_names = tuple(leaf.names) if isinstance(leaf, nn.LogicallyPartitioned) else None
-        names = tuple(leaf.names) if type(leaf) is nn.Partitioned else (None,) * np.ndim(value)
-        spec, index = spec_for(path, np.shape(value), rules, sizes, default, logical_names, logical)
+        spec, index = spec_for(path, shape, rules, sizes, default, logical_names, logical, check=False)
         if index is not None:
             used.add(index)
-        # Dims the layer split are already local: check divisibility on the others only.
-        merged = _merge(path, names, spec)
-        value = _block(value, spec)
-        return nn.Partitioned(value, merged) if any(n is not None for n in merged) else value
+        return spec
 
-    out = jax.tree_util.tree_map_with_path(leaf_fn, params, is_leaf=_is_box)
-    key = (id(rules), tuple(sorted(set(range(len(rules))) - used)))
+    return choose, used, paths
+
+
+def _store_by_rules(params, rules: tuple[CompiledRule, ...], default: PartitionSpec, logical):
+    choose, used, paths = _by_rules(rules, default, logical)
+    out = store(params, choose)
     # No parameters: an apply (nothing is created), where no rule can match anything.
-    if paths and key not in _warned:
-        _warned.add(key)
-        warn_unmatched(rules, used, paths, "shard_by_rules")
+    if paths and (warning := unmatched_warning(rules, used, paths, "shard_by_rules")):
+        warn_once((id(rules), tuple(sorted(set(range(len(rules))) - used))), warning)
     return out
-
-
-def _gather(params: PyTree, axes: frozenset, batch_axes: frozenset) -> PyTree:
-    vary = input_varying()
-
-    def leaf_fn(leaf):
-        if not isinstance(leaf, nn.Partitioned):
-            return leaf
-        # Minor axes of a dim first, so each gather joins contiguous blocks.
-        order = [a for entry in leaf.names for a in reversed(entry_axes(entry)) if a in axes]
-        for axis in order:
-            # Over a batch axis every device's gradient is a part of the mean (reduce-scatter
-            # it, / N); over any other axis all devices computed the same one (slice it).
-            gather = gather_array_with_mean_grads if axis in batch_axes else gather_from_axis
-            leaf = _gather_leaf(leaf, axis, vary, gather)
-        return leaf
-
-    return jax.tree.map(leaf_fn, params, is_leaf=_is_box)
 
 
 def _rule_axes(rules: tuple[CompiledRule, ...], default: PartitionSpec, logical) -> frozenset:
@@ -158,8 +99,10 @@ def shard_by_rules(
     batch = frozenset(as_axis_tuple(batch_axes))
     mapped = map_params(
         target,
-        trans_in=lambda params: _gather(params, _rule_axes(compiled, default, _LOGICAL.get()), batch),
-        trans_out=lambda params: _shard(params, compiled, default, _LOGICAL.get()),
+        trans_in=lambda params: gather(
+            params, _rule_axes(compiled, default, _LOGICAL.get()), batch, input_varying()
+        ),
+        trans_out=lambda params: _store_by_rules(params, compiled, default, _LOGICAL.get()),
     )
 
     class ByRules(mapped):  # type: ignore[valid-type, misc]

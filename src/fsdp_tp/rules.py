@@ -6,7 +6,10 @@ parameters keep the scan's name, e.g. ``"blocks/mlp/wi/kernel"``, with the
 layer dim first). ``pattern`` is a regular expression searched in the path
 (``re.search``: anchor it with ``^``/``$`` to match whole paths); ``spec`` is
 a ``PartitionSpec`` (or tuple) naming, per dim, the mesh axis or axes that
-split it. The first rule that matches wins; unmatched leaves get ``default``.
+split it. The first rule that matches wins; unmatched leaves get ``default``. This is
+the library's one rule grammar: ``shard_by_rules``, ``specs_from_rules`` and
+``tensor_parallel``'s ``(pattern, dim)`` rules all search their patterns in the same full
+path.
 
 Flax's logical annotations are the second source: a leaf boxed by
 ``nn.with_logical_partitioning`` that no rule matches is laid out by
@@ -23,7 +26,6 @@ Flax's logical annotations are the second source: a leaf boxed by
 
 from __future__ import annotations
 
-import math
 import re
 import warnings
 from collections.abc import Mapping, Sequence
@@ -34,9 +36,9 @@ import flax.linen as nn
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ._axes import entry_axes
+from ._layout import check_fit
 from ._types import PyTree
-from .errors import IndivisibleShapeError, RuleError, UnmatchedRuleWarning
+from .errors import RuleError, UnmatchedRuleWarning
 
 __all__ = [
     "REPLICATED",
@@ -97,33 +99,6 @@ def path_of(key_path) -> str:
     return jax.tree_util.keystr(tuple(key_path), simple=True, separator="/")
 
 
-def _check(path: str, shape: tuple[int, ...], spec: PartitionSpec, axis_sizes: Mapping) -> PartitionSpec:
-    if len(spec) > len(shape):
-        raise RuleError(f"{path}: spec {spec} names {len(spec)} dims but the parameter has shape {shape}.")
-    seen: dict = {}
-    for dim, entry in enumerate(spec):
-        for axis in entry_axes(entry):
-            if axis not in axis_sizes:
-                raise RuleError(
-                    f"{path}: spec {spec} names mesh axis {axis!r}, but the mesh has axes "
-                    f"{dict(axis_sizes)}; use one of those names."
-                )
-            if axis in seen:
-                raise RuleError(
-                    f"{path}: spec {spec} uses mesh axis {axis!r} on dims {seen[axis]} and {dim}; an axis "
-                    f"can split one dim of a parameter. Split the other dim over another axis."
-                )
-            seen[axis] = dim
-        parts = math.prod(axis_sizes[a] for a in entry_axes(entry))
-        if shape[dim] % parts:
-            raise IndivisibleShapeError(
-                f"{path}: dim {dim} (size {shape[dim]}) of shape {shape} is not divisible by mesh axes "
-                f"{entry_axes(entry)} (size {parts}) of spec {spec}; make it a multiple of {parts} or "
-                f"change the rule."
-            )
-    return spec
-
-
 def spec_for(
     path: str,
     shape: tuple[int, ...],
@@ -132,8 +107,11 @@ def spec_for(
     default: PartitionSpec = REPLICATED,
     logical_names: tuple | None = None,
     logical_axis_rules=None,
+    check: bool = True,
 ) -> tuple[PartitionSpec, int | None]:
-    """The checked spec of one parameter and the index of the rule that gave it (None: not a rule).
+    """The spec of one parameter and the index of the rule that gave it (None: not a rule);
+    checked against ``shape`` and ``axis_sizes`` unless ``check=False`` (callers that check
+    many leaves at once, to report every failing one).
 
     >>> rules = compile_rules([("attn/.*kernel$", (None, "tensor")), ("kernel$", ("fsdp",))])
     >>> spec_for("layer/attn/query/kernel", (8, 16), rules, {"fsdp": 2, "tensor": 4})
@@ -141,27 +119,30 @@ def spec_for(
     >>> spec_for("layer/mlp/kernel", (8, 16), rules, {"fsdp": 2, "tensor": 4})
     (P('fsdp',), 1)
     """
-    for index, rule in enumerate(rules):
-        if rule.regex.search(path):
-            return _check(path, shape, rule.spec, axis_sizes), index
-    if logical_names is not None:
-        mesh_axes = nn.logical_to_mesh_axes(logical_names, logical_axis_rules)
-        return _check(path, shape, PartitionSpec(*(mesh_axes or ())), axis_sizes), None
-    return _check(path, shape, default, axis_sizes), None
+    index = next((i for i, rule in enumerate(rules) if rule.regex.search(path)), None)
+    if index is not None:
+        spec = rules[index].spec
+    elif logical_names is not None:
+        spec = PartitionSpec(*(nn.logical_to_mesh_axes(logical_names, logical_axis_rules) or ()))
+    else:
+        spec = default
+    if check:
+        check_fit([(path, shape, spec)], axis_sizes, "change the rule")
+    return spec, index
 
 
-def warn_unmatched(rules: Sequence[CompiledRule], used: set[int], paths: Sequence[str], caller: str) -> None:
-    """Warns once, listing every rule that matched no parameter (a typo's usual symptom)."""
+def unmatched_warning(
+    rules: Sequence[CompiledRule], used: set[int], paths: Sequence[str], caller: str
+) -> UnmatchedRuleWarning | None:
+    """The warning that lists every rule that matched no parameter (a typo's usual symptom)."""
     unused = [rule.pattern for index, rule in enumerate(rules) if index not in used]
-    if unused:
-        sample = ", ".join(paths[:6]) + (", ..." if len(paths) > 6 else "")
-        warnings.warn(
-            UnmatchedRuleWarning(
-                f"{caller}: rules matching no parameter: {unused}; parameter paths look like: {sample}. "
-                f"Fix the patterns or drop those rules."
-            ),
-            stacklevel=3,
-        )
+    if not unused:
+        return None
+    sample = ", ".join(paths[:6]) + (", ..." if len(paths) > 6 else "")
+    return UnmatchedRuleWarning(
+        f"{caller}: rules matching no parameter: {unused}; parameter paths look like: {sample}. "
+        f"Fix the patterns or drop those rules."
+    )
 
 
 def _is_box(x) -> bool:
@@ -193,20 +174,22 @@ def specs_from_rules(
     compiled = compile_rules(rules, "specs_from_rules")
     logical = logical_axis_rules if logical_axis_rules is not None else nn.get_logical_axis_rules()
     used: set[int] = set()
-    paths: list[str] = []
 
     def leaf_spec(key_path, leaf):
         path = path_of(key_path)
-        paths.append(path)
         names = tuple(leaf.names) if isinstance(leaf, nn.LogicallyPartitioned) else None
         value = leaf.value if _is_box(leaf) else leaf
-        spec, index = spec_for(path, tuple(value.shape), compiled, mesh.shape, default, names, logical)
+        spec, index = spec_for(path, value.shape, compiled, mesh.shape, default, names, logical, check=False)
         if index is not None:
             used.add(index)
+        checks.append((path, tuple(value.shape), spec))
         return spec
 
+    checks: list[tuple] = []
     specs = jax.tree_util.tree_map_with_path(leaf_spec, tree, is_leaf=_is_box)
-    warn_unmatched(compiled, used, paths, "specs_from_rules")
+    check_fit(checks, mesh.shape, "change the rule")  # every leaf that does not fit, at once
+    if warning := unmatched_warning(compiled, used, [c[0] for c in checks], "specs_from_rules"):
+        warnings.warn(warning, stacklevel=2)
     return specs
 
 

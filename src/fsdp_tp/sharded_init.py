@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from ._trace import Traced, specs_of, trace_per_device
 from ._types import PyTree, Specs
@@ -97,6 +97,12 @@ def lower_init(
 
 def _programs(init_fn, mesh, in_specs, args, twin_init_fn, one_leaf_at_a_time, check_vma):
     """The trace of the sharded init and the jitted programs that build its leaves."""
+    if not isinstance(mesh, Mesh | AbstractMesh):
+        raise TypeError(
+            f"init_sharded: mesh must be a jax.sharding.Mesh (e.g. fsdp_tp.make_mesh(...)), got "
+            f"{type(mesh).__name__} {mesh!r}. Arguments go (init_fn, mesh, in_specs, *args); the "
+            f"unsharded twin's init goes by keyword: twin_init_fn=..."
+        )
     if twin_init_fn is not None and not callable(twin_init_fn):
         raise TypeError(f"init_sharded: twin_init_fn must be a function like init_fn, got {twin_init_fn!r}.")
     check_specs(args, in_specs, mesh, "init argument")

@@ -23,9 +23,18 @@ from ..analysis import (
     parse_collectives,
     state_bytes_per_device,
 )
-from .variants import Variant
+from .variants import STRATEGIES, Variant, build_variant, plain_flax_build
+from .workloads import WORKLOADS, gpt
 
-__all__ = ["Figures", "compile_seconds", "exact_figures", "median", "minimum_wire_bytes", "step_seconds"]
+__all__ = [
+    "Figures",
+    "build_seconds",
+    "compile_seconds",
+    "exact_figures",
+    "median",
+    "minimum_wire_bytes",
+    "step_seconds",
+]
 
 
 @dataclass
@@ -171,3 +180,16 @@ def compile_seconds(variant: Variant) -> float:
     began = time.perf_counter()
     variant.lowered().compile()
     return time.perf_counter() - began
+
+
+def build_seconds(layers: int) -> tuple[float, float]:
+    """Seconds to build the unrolled GPT-style model of ``layers`` layers, from nothing to a
+    compiled first step: fsdp_tp on data=1 x fsdp=4 x tensor=2 (sharded init from the twin,
+    specs, the step compiled), and plain flax on one device (init under jit, step compiled)."""
+    model = gpt(layers, scan_layers=False)
+    began = time.perf_counter()
+    build_variant(WORKLOADS["gpt"], STRATEGIES["fsdp_tp"], "fsdp_tp", model).lowered().compile()
+    library = time.perf_counter() - began
+    began = time.perf_counter()
+    plain_flax_build(WORKLOADS["gpt"], model)
+    return library, time.perf_counter() - began

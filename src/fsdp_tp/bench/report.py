@@ -60,6 +60,7 @@ def markdown(
     compile_times: dict[tuple[int, bool], float],
     header: list[str],
     plots: list[str],
+    build_times: dict[int, tuple[float, float]] | None = None,
 ) -> str:
     """The whole ``docs/benchmarks.md``."""
     lines = [*header, ""]
@@ -78,6 +79,7 @@ def markdown(
             if scan is not None and loop is not None
             else f"| {layers} | {scan or float('nan'):.2f} | not measured (`--max-unrolled`) | — |"
         )
+    lines += _build_section(build_times or {})
     lines += [""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     return "\n".join(lines) + "\n"
 
@@ -111,3 +113,26 @@ def replace_headline(readme: Path, table: str) -> None:
         return
     pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.S)
     readme.write_text(pattern.sub(lambda _: f"{START}\n{table}\n{END}", text))
+
+
+def _build_section(build_times: dict[int, tuple[float, float]]) -> list[str]:
+    """Init + specs + first step compiled, unrolled, against plain flax and against depth."""
+    if not build_times:
+        return []
+    base = build_times[min(build_times)][0]
+    lines = [
+        "",
+        "### Build time against depth (unrolled GPT-style model: init + specs + first step compiled)",
+        "",
+        f"fsdp_tp on data=1 x fsdp=4 x tensor=2 (init from the twin, `twin_init_fn`) against plain flax "
+        f"on one device doing the same (init under `jax.jit`, step compiled); the last column is "
+        f"fsdp_tp's time over its own at {min(build_times)} layers.",
+        "",
+        f"| layers | fsdp_tp s | plain flax s | ÷ plain flax | ÷ fsdp_tp at {min(build_times)} layers |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for layers, (library, plain) in sorted(build_times.items()):
+        lines.append(
+            f"| {layers} | {library:.2f} | {plain:.2f} | {library / plain:.2f} | {library / base:.2f} |"
+        )
+    return lines

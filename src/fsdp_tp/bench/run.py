@@ -15,17 +15,17 @@ from typing import TextIO
 
 import jax
 
-from .figures import Figures, compile_seconds, exact_figures, median, step_seconds
+from .figures import Figures, build_seconds, compile_seconds, exact_figures, median, step_seconds
 from .report import headline, markdown, replace_headline, spread
 from .variants import IMPLEMENTATIONS, STRATEGIES, Strategy, Variant, build_variant
-from .workloads import WORKLOADS, Layout, gpt
+from .workloads import WORKLOADS, bench_layout, gpt
 
 __all__ = ["overhead_at_one_device", "run_benchmarks", "workload_variants"]
 
 ONE_DEVICE_LIBRARY = Strategy(
     "fsdp_tp_1x1x1",
     {"data": 1, "fsdp": 1, "tensor": 1},
-    Layout(tensor="tensor", fsdp="fsdp", sequence_parallel=True),
+    bench_layout(tensor="tensor", fsdp="fsdp", sequence_parallel=True),
 )
 
 
@@ -90,12 +90,14 @@ def run_benchmarks(
     plots: bool,
     readme: Path | None,
     out: TextIO = sys.stdout,
-    max_unrolled: int = 16,
+    max_unrolled: int = 32,
+    build_depths: tuple[int, ...] = (8, 32),
 ) -> dict[str, list[Figures]]:
     """Measures everything, writes ``out_dir/benchmarks.md``, the plots and the README's headline.
 
-    ``max_unrolled``: the deepest unrolled (no ``nn.scan``) GPT whose compile time is taken;
-    tracing the init of 32 unrolled FSDP + remat layers took 800 s here (a known problem).
+    ``max_unrolled``: the deepest unrolled (no ``nn.scan``) GPT whose compile time is taken.
+    ``build_depths``: the unrolled depths whose whole build (init + specs + first step
+    compiled) is timed against plain flax.
     """
     results: dict[str, list[Figures]] = {}
     times: dict[str, dict[str, list[float]]] = {}
@@ -116,6 +118,14 @@ def run_benchmarks(
             )  # shapes and shardings only: compile time without the init's
             compile_times[(layers, scan)] = compile_seconds(variant)
             print(f"compile: {layers} layers, scan={scan}: {compile_times[(layers, scan)]:.2f} s", file=out)
+    build_times = {}
+    for layers in build_depths:
+        build_times[layers] = build_seconds(layers)
+        print(
+            f"build: {layers} unrolled layers: {build_times[layers][0]:.2f} s (plain flax "
+            f"{build_times[layers][1]:.2f} s)",
+            file=out,
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     if plots:
@@ -123,7 +133,7 @@ def run_benchmarks(
 
         paths = plot_all(results, times, compile_times, out_dir)
     titles = {name: WORKLOADS[name].title for name in workloads}
-    text = markdown(results, titles, times, compile_times, _header(argv), paths)
+    text = markdown(results, titles, times, compile_times, _header(argv), paths, build_times)
     text += _overhead_section(overhead)
     (out_dir / "benchmarks.md").write_text(text)
     if readme is not None and "gpt" in results:

@@ -9,6 +9,7 @@ MaxText-style code does), ``tutorial`` (the same sharded modules under
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,12 +25,13 @@ from jax.sharding import PartitionSpec as P
 from .._trace import flat_specs_of, specs_of
 from ..gradients import sync_gradients
 from ..mesh import make_mesh
+from ..models import Layout
 from ..sharded_init import init_sharded
 from ..train import shard_step, state_init_fn
 from .baselines import tutorial_sync_gradients
-from .workloads import Layout, Workload
+from .workloads import Workload, bench_layout
 
-__all__ = ["IMPLEMENTATIONS", "STRATEGIES", "Strategy", "Variant", "build_variant"]
+__all__ = ["IMPLEMENTATIONS", "STRATEGIES", "Strategy", "Variant", "build_variant", "plain_flax_build"]
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -48,18 +50,20 @@ STRATEGIES = {
     for s in [
         Strategy("single", {"data": 1, "fsdp": 1, "tensor": 1}, Layout()),
         Strategy("dp", {"data": 8, "fsdp": 1, "tensor": 1}, Layout()),
-        Strategy("fsdp", {"data": 1, "fsdp": 8, "tensor": 1}, Layout(fsdp="fsdp")),
-        Strategy("tp", {"data": 1, "fsdp": 1, "tensor": 8}, Layout(tensor="tensor")),
-        Strategy("fsdp_tp", {"data": 1, "fsdp": 4, "tensor": 2}, Layout(tensor="tensor", fsdp="fsdp")),
+        Strategy("fsdp", {"data": 1, "fsdp": 8, "tensor": 1}, bench_layout(fsdp="fsdp")),
+        Strategy("tp", {"data": 1, "fsdp": 1, "tensor": 8}, bench_layout(tensor="tensor")),
+        Strategy("fsdp_tp", {"data": 1, "fsdp": 4, "tensor": 2}, bench_layout(tensor="tensor", fsdp="fsdp")),
         Strategy(
             "fsdp_tp_sp",
             {"data": 1, "fsdp": 4, "tensor": 2},
-            Layout(tensor="tensor", fsdp="fsdp", sequence_parallel=True),
+            bench_layout(tensor="tensor", fsdp="fsdp", sequence_parallel=True),
         ),
         Strategy(
             "async_tp",
             {"data": 1, "fsdp": 4, "tensor": 2},
-            Layout(tensor="tensor", fsdp="fsdp", sequence_parallel=True, collective_matmul="bidirectional"),
+            bench_layout(
+                tensor="tensor", fsdp="fsdp", sequence_parallel=True, collective_matmul="bidirectional"
+            ),
         ),
     ]
 }
@@ -136,14 +140,20 @@ def build_variant(
     batch_spec = P(BATCH_AXES)
     rng = jax.random.key(0)
     check_vma = implementation != "tutorial"
-    init = (state_init_fn(sharded, tx), mesh, (P(), batch_spec), rng, x)
-    init_kw = dict(twin_init_fn=state_init_fn(twin, tx), check_vma=check_vma)
+    init = functools.partial(
+        init_sharded,
+        state_init_fn(sharded, tx),
+        mesh,
+        (P(), batch_spec),
+        twin_init_fn=state_init_fn(twin, tx),
+        check_vma=check_vma,
+    )
     # GSPMD and one device only need the library's specs: the library's state stays abstract.
     if abstract or implementation == "gspmd" or strategy.name == "single":
-        state = jax.eval_shape(lambda *a: init_sharded(*init[:3], *a, **init_kw)[0], rng, x)
+        state = jax.eval_shape(lambda r, x: init(r, x)[0], rng, x)
         specs = specs_of(state)
     else:
-        state, specs = init_sharded(*init, **init_kw)
+        state, specs = init(rng, x)
     batch = jax.device_put((x, y), NamedSharding(mesh, batch_spec))
     if implementation == "gspmd" or strategy.name == "single":
         flat = [NamedSharding(mesh, s) for s in flat_specs_of(state)]
@@ -163,3 +173,12 @@ def build_variant(
         _library_step(workload, layout, sync), mesh, specs, (batch_spec, batch_spec), check_vma=check_vma
     )
     return Variant(workload.name, strategy, implementation, mesh, state, step, batch, sharded)
+
+
+def plain_flax_build(workload: Workload, model=None) -> Any:
+    """What a plain flax script does on one device: the twin's init under ``jax.jit`` and its
+    train step compiled. Returns the compiled step (the reference for build times)."""
+    twin = (model or workload.build)(Layout())
+    x, y = workload.batch(GLOBAL_BATCH)
+    state = jax.jit(state_init_fn(twin, optax.adamw(1e-3)))(jax.random.key(0), x)
+    return jax.jit(_twin_step(workload)).lower(state, (x, y)).compile()

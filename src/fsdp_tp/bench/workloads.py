@@ -17,26 +17,16 @@ import numpy as np
 import optax
 
 from ..collectives import gather_from_axis, scatter_to_axis
-from ..fsdp import shard_module_params
-from ..models import Transformer
+from ..layers import MLPBlock, vocab_parallel_cross_entropy
+from ..models import Layout, Transformer
 from ..models.transformer import DecoderBlock
-from ..tensor_parallel import MLPBlock, vocab_parallel_cross_entropy
 
-__all__ = ["WORKLOADS", "Layout", "Workload"]
+__all__ = ["WORKLOADS", "Workload", "bench_layout"]
 
 
-@dataclass(frozen=True)
-class Layout:
-    """How a model is split: ``tensor`` set means TP over it, ``fsdp`` set means FSDP over it."""
-
-    tensor: str | None = None
-    fsdp: str | None = None
-    sequence_parallel: bool = False
-    collective_matmul: str | None = None
-    min_weight_size: int = 2**10
-
-    def shard(self, cls):
-        return cls if self.fsdp is None else shard_module_params(cls, self.fsdp, self.min_weight_size)
+def bench_layout(**fields) -> Layout:
+    """The benchmarks' layouts shard every parameter over 1024 elements under FSDP."""
+    return Layout(**{"min_weight_size": 2**10, **fields})
 
 
 class Classifier(nn.Module):
@@ -54,7 +44,7 @@ class Classifier(nn.Module):
                 self.hidden,
                 self.width,
                 axis_name=lay.tensor,
-                collective_matmul=lay.collective_matmul if lay.tensor else None,
+                collective_matmul=lay.ring,
                 name=f"mlp_{i}",
             )(x)
         return lay.shard(nn.Dense)(10, name="head")(x)
@@ -71,18 +61,11 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x):
         lay = self.layout
-        sp = lay.tensor is not None and lay.sequence_parallel
+        sp = lay.sequence_split
         if sp:
             x = scatter_to_axis(x, 1, lay.tensor)
         block = lay.shard(DecoderBlock)(
-            self.num_heads,
-            self.head_dim,
-            self.num_heads,
-            self.mlp_hidden,
-            lay.tensor,
-            sp,
-            lay.collective_matmul if lay.tensor else None,
-            name="block",
+            self.num_heads, self.head_dim, self.num_heads, self.mlp_hidden, lay, name="block"
         )
         y, _ = block(x, None)
         return gather_from_axis(y, 1, lay.tensor) if sp else y
@@ -134,11 +117,7 @@ def gpt(layers: int = 4, scan_layers: bool = True) -> Callable[[Layout], nn.Modu
             head_dim=32,
             num_kv_heads=8,
             mlp_hidden=1024,
-            axis_name=lay.tensor,
-            sequence_parallel=lay.sequence_parallel,
-            fsdp_axis=lay.fsdp,
-            min_weight_size=lay.min_weight_size,
-            collective_matmul=lay.collective_matmul,
+            layout=lay,
             scan_layers=scan_layers,
         )
 

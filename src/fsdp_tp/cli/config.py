@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import jax.numpy as jnp
 
-from ..models import Transformer
+from ..models import Layout, Transformer
 
 __all__ = ["PRESETS", "ModelConfig", "preset"]
 
@@ -26,25 +26,14 @@ class ModelConfig:
     seq_len: int
     vocab_size: int = 256
     dtype: str = "float32"  # the computation's; parameters and optimizer state stay f32
+    scan_layers: bool = True  # False: blocks_0, blocks_1, ... unrolled (another parameter tree)
 
-    def sharded(
-        self, sequence_parallel: bool, collective_matmul: str | None, min_weight_size: int
-    ) -> Transformer:
-        """The model on a ``data x fsdp x tensor`` mesh: FSDP over ``fsdp``, TP over ``tensor``."""
-        return Transformer(
-            **self._layout(),
-            axis_name="tensor",
-            sequence_parallel=sequence_parallel,
-            collective_matmul=collective_matmul,
-            fsdp_axis="fsdp",
-            min_weight_size=min_weight_size,
-        )
+    def model(self, layout: Layout | None = None) -> Transformer:
+        """The model split as ``layout`` says; without one, the plain flax twin, the reference
+        the sharded one must equal."""
+        return Transformer(**self._sizes(), layout=layout or Layout())
 
-    def twin(self) -> Transformer:
-        """The same model in plain flax: the reference the sharded one must equal."""
-        return Transformer(**self._layout(), axis_name=None)
-
-    def _layout(self) -> dict:
+    def _sizes(self) -> dict:
         fields = dataclasses.asdict(self)
         del fields["seq_len"]
         fields["dtype"] = jnp.dtype(self.dtype)

@@ -14,12 +14,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import os
 import sys
 
 import numpy as np
 
 from ..errors import CheckpointMismatchError, IndivisibleShapeError, MeshShapeError
 from ..mesh import parse_mesh
+from ..models import Layout
 from .config import PRESETS, preset
 from .data import (
     EVAL_FRACTION,
@@ -63,6 +65,12 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--batch", type=int, default=16, help="global batch (sequences per step)")
         p.add_argument("--min-weight-size", type=int, default=2**10, help="smaller params stay whole")
         p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True)
+        p.add_argument(
+            "--scan-layers",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="nn.scan over the layers (one compiled block); --no-scan-layers unrolls them",
+        )
         p.add_argument("--async-tp", choices=["off", "unidirectional", "bidirectional"], default="off")
         p.add_argument("--check-vma", action=argparse.BooleanOptionalAction, default=True)
     train.add_argument("--steps", type=int, default=300)
@@ -91,7 +99,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--blocks", type=int, default=3, help="interleaved timing blocks (median taken)")
     bench.add_argument("--steps", type=int, default=3, help="steps per timing block")
     bench.add_argument("--depths", default="2,8,32", help="GPT layers for the compile-time figure")
-    bench.add_argument("--max-unrolled", type=int, default=16, help="deepest unrolled GPT to compile")
+    bench.add_argument("--max-unrolled", type=int, default=32, help="deepest unrolled GPT to compile")
+    bench.add_argument(
+        "--build-depths", default="8,32", help="unrolled GPT depths whose whole build is timed vs plain flax"
+    )
     bench.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True)
     bench.add_argument("--readme", default="README.md", help="rewrite its headline table (if marked)")
     hosts = train.add_argument_group(
@@ -114,7 +125,11 @@ def _settings(args, mesh: dict, vocab_size: int | None = None):
         for k in ("d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_hidden", "seq_len")
     }
     config = preset(
-        args.preset, **overrides, vocab_size=args.vocab_size or vocab_size, dtype=DTYPES[args.dtype]
+        args.preset,
+        **overrides,
+        vocab_size=args.vocab_size or vocab_size,
+        dtype=DTYPES[args.dtype],
+        scan_layers=args.scan_layers,
     )
     shards = mesh.get("data", 1) * mesh.get("fsdp", 1)
     if args.batch % shards:
@@ -136,10 +151,14 @@ def _settings(args, mesh: dict, vocab_size: int | None = None):
         lr=getattr(args, "lr", 0.0),
         warmup=getattr(args, "warmup", 0),
         seed=getattr(args, "seed", 0),
-        sequence_parallel=args.sequence_parallel,
-        collective_matmul=None if args.async_tp == "off" else args.async_tp,
+        layout=Layout(
+            tensor="tensor",
+            fsdp="fsdp",
+            sequence_parallel=args.sequence_parallel,
+            collective_matmul=None if args.async_tp == "off" else args.async_tp,
+            min_weight_size=args.min_weight_size,
+        ),
         check_vma=args.check_vma,
-        min_weight_size=args.min_weight_size,
     )
 
 
@@ -220,6 +239,7 @@ def _bench(args, argv: list[str], out) -> int:
         readme,
         out,
         args.max_unrolled,
+        tuple(int(d) for d in args.build_depths.split(",") if d),
     )
     return 0
 
@@ -253,6 +273,11 @@ def main(argv: list[str] | None = None, out=sys.stdout) -> int:
     ) as err:
         print(f"fsdp-tp: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader stopped reading (`fsdp-tp plan | head`): not an error. Point stdout at
+        # /dev/null so the interpreter's last flush does not raise it again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

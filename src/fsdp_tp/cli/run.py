@@ -29,7 +29,7 @@ CHECK_TOLERANCE = {"float32": (1e-4, 1e-5), "bfloat16": (4e-3, 4e-4)}
 
 def _plan(settings: Settings, mesh):
     config = settings.model
-    model = config.sharded(settings.sequence_parallel, settings.collective_matmul, settings.min_weight_size)
+    model = config.model(settings.layout)
     ids = jax.ShapeDtypeStruct((settings.batch, config.seq_len), np.int32)
     return make_plan(
         state_init_fn(model, settings.optimizer()),

@@ -14,8 +14,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..gradients import sync_gradients
+from ..layers import vocab_parallel_cross_entropy
+from ..models import Layout
 from ..sharded_init import init_sharded
-from ..tensor_parallel import vocab_parallel_cross_entropy
 from ..train import accumulate_gradients, shard_step, state_init_fn
 from .config import ModelConfig
 from .data import batch_at, windows_at
@@ -35,10 +36,8 @@ class Settings:
     lr: float
     warmup: int
     seed: int
-    sequence_parallel: bool
-    collective_matmul: str | None
+    layout: Layout  # on the data x fsdp x tensor mesh: FSDP over fsdp, TP over tensor
     check_vma: bool
-    min_weight_size: int
 
     def optimizer(self) -> optax.GradientTransformation:
         # No optax.clip_by_global_norm: per device it would see only its shards' norm (to do).
@@ -76,10 +75,8 @@ class Trainer:
     def __init__(self, settings: Settings, mesh):
         self.settings, self.mesh = settings, mesh
         config = settings.model
-        self.model = config.sharded(
-            settings.sequence_parallel, settings.collective_matmul, settings.min_weight_size
-        )
-        self.twin = config.twin()
+        self.model = config.model(settings.layout)
+        self.twin = config.model()
         self.tx = settings.optimizer()
         example = np.zeros((settings.batch, config.seq_len), np.int32)
         self.state, self.specs = init_sharded(

@@ -4,12 +4,12 @@ The wrapped module computes on this device's slices of its parameters, so a
 ``Dense`` whose kernel is split on the output dim yields this device's slice of
 the features: column-parallel compute with the module's own code. Init stays
 that of the unsplit module, bit for bit: the full parameter is initialized from
-the module's rng and sliced (as in :func:`~fsdp_tp.tensor_parallel.split_param`).
+the module's rng and sliced (as in :func:`~fsdp_tp.layers.split_param`).
 
 The transform splits parameters only. The collectives around the module are
-the caller's: :func:`~fsdp_tp.copy_to_axis` on a replicated input (its
-gradient is summed over the axis), :func:`~fsdp_tp.gather_from_axis` on a
-split output, :func:`~fsdp_tp.reduce_from_axis` on partial sums.
+the caller's: :func:`~fsdp_tp.collectives.copy_to_axis` on a replicated input (its
+gradient is summed over the axis), :func:`~fsdp_tp.collectives.gather_from_axis` on a
+split output, :func:`~fsdp_tp.collectives.reduce_from_axis` on partial sums.
 :class:`~fsdp_tp.ColumnParallelDense` and :class:`~fsdp_tp.RowParallelDense`
 do that wiring for ``Dense``.
 """
@@ -23,12 +23,14 @@ from dataclasses import dataclass
 import flax.linen as nn
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec
 
-from .._axes import axes_named, local_slice, require_axes
-from .._types import AxisName
-from ..errors import IndivisibleShapeError, RuleError
-from ..fsdp import keep_module_name
-from ..rules import split_rule
+from ._axes import axes_named, require_axes
+from ._layout import check_fit, sliced_init
+from ._transform import keep_module_name
+from ._types import AxisName
+from .errors import IndivisibleShapeError, RuleError
+from .rules import split_rule
 
 __all__ = ["tensor_parallel"]
 
@@ -78,9 +80,10 @@ def tensor_parallel(
     """Wraps a Flax module class so the parameters ``rules`` name are split over ``axis_name``.
 
     ``rules``: ``(pattern, dim)`` pairs, first match wins; ``pattern`` is a
-    regular expression that must match a parameter's whole name (``"kernel"``,
-    ``"bias"``, ``"embedding"``; the parameters the module declares itself),
-    ``dim`` the dim split over the axis (negative counts from the end).
+    regular expression searched in the parameter's full path, as every rule of the
+    library is (:mod:`fsdp_tp.rules`): ``"kernel$"`` matches ``"mlp/up/kernel"``
+    (only parameters the module declares itself are split), ``dim`` the dim split over
+    the axis (negative counts from the end).
     Unmatched parameters stay whole on every device. Every rule must match a
     parameter the module creates.
 
@@ -118,11 +121,11 @@ def tensor_parallel(
 
     class Split(target):  # type: ignore[valid-type, misc]
         def param(self, name, init_fn, *init_args, unbox=True, **init_kwargs):
-            rule = next((r for r in compiled if r.regex.fullmatch(name)), None)
+            path = "/".join((*map(str, self.path), name))
+            rule = next((r for r in compiled if r.regex.search(path)), None)
             if rule is None:
                 return super().param(name, init_fn, *init_args, unbox=unbox, **init_kwargs)
             (axis,) = require_axes(axis_name, caller)
-            path = "/".join((*map(str, self.path), name))
             init_fn, init_args = _full_size_init(init_fn, init_args, rule, path, axis, split_input)
             boxed = super().param(name, init_fn, *init_args, unbox=False, **init_kwargs)
             return boxed.value if unbox and isinstance(boxed, nn.Partitioned) else boxed
@@ -161,40 +164,31 @@ def _full_size_init(init_fn, init_args, rule: _Rule, path: str, axis: AxisName, 
         dims = _resolve(rule, path, shape, axis)
         init_args = (tuple(n * size if d in dims else n for d, n in enumerate(shape)), *init_args[1:])
 
-    def sliced(key, *args, **kwargs):
-        value = init_fn(key, *args, **kwargs)
-        names: tuple = tuple(value.names) if isinstance(value, nn.Partitioned) else (None,) * np.ndim(value)
-        value = value.value if isinstance(value, nn.Partitioned) else value
-        dims = _resolve(rule, path, np.shape(value), axis)
+    def spec_of(shape: tuple, names: tuple) -> PartitionSpec:
+        (dim,) = _resolve(rule, path, shape, axis)
         if axis in axes_named(names):
             raise RuleError(
                 f"tensor_parallel: parameter {path} is already split over {axis!r} (names {names}); "
                 f"an axis can split one dim of a parameter. Wrap the module once per axis."
             )
-        for dim in dims:
-            if names[dim] is not None:
-                raise RuleError(
-                    f"tensor_parallel: dim {dim} of parameter {path} is already split over {names[dim]!r}; "
-                    f"split another dim over {axis!r}."
-                )
-            if np.shape(value)[dim] % size:
-                raise IndivisibleShapeError(
-                    f"{path}: dim {dim} (size {np.shape(value)[dim]}) of shape {np.shape(value)} is not "
-                    f"divisible by mesh axis {axis!r} (size {size}); make it a multiple of {size} or use a "
-                    f"smaller {axis!r} axis."
-                )
-            value = local_slice(value, dim, axis)
-            names = (*names[:dim], axis, *names[dim + 1 :])
-        return nn.Partitioned(value, names)
+        if names[dim] is not None:
+            raise RuleError(
+                f"tensor_parallel: dim {dim} of parameter {path} is already split over {names[dim]!r}; "
+                f"split another dim over {axis!r}."
+            )
+        spec = PartitionSpec(*(axis if d == dim else None for d in range(len(shape))))
+        check_fit([(path, shape, spec)], {axis: size}, f"use a smaller {axis!r} axis")
+        return spec
 
-    return sliced, init_args
+    return sliced_init(init_fn, spec_of), init_args
 
 
 def _require_all_matched(rules: tuple[_Rule, ...], module: nn.Module) -> None:
     created = list(module.variables.get("params", {}))
+    paths = ["/".join((*map(str, module.path), name)) for name in created]
     caller = f"tensor_parallel({type(module).__name__})"
     for rule in rules:
-        if not any(rule.regex.fullmatch(name) for name in created):
+        if not any(rule.regex.search(path) for path in paths):
             where = "/".join(map(str, module.path)) or type(module).__name__
             raise RuleError(
                 f"{caller}: rule {rule.pattern!r} matches no parameter of {where} (its parameters: "

@@ -5,7 +5,6 @@ from .blocks import MLPBlock as MLPBlock
 from .dense import ColumnParallelDense as ColumnParallelDense
 from .dense import RowParallelDense as RowParallelDense
 from .dense import split_param as split_param
-from .transform import tensor_parallel as tensor_parallel
 from .vocab import VocabParallelEmbed as VocabParallelEmbed
 from .vocab import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 
@@ -16,6 +15,5 @@ __all__ = [
     "RowParallelDense",
     "VocabParallelEmbed",
     "split_param",
-    "tensor_parallel",
     "vocab_parallel_cross_entropy",
 ]

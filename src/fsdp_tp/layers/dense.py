@@ -14,8 +14,10 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
-from .._axes import local_slice, require_axes
+from .._axes import require_axes
+from .._layout import check_fit, sliced_init
 from ..collectives import copy_to_axis, gather_from_axis, reduce_from_axis
 from ..errors import IndivisibleShapeError
 from .collective_matmul import RingChunks, matmul_reduce_scatter, require_mode, ring_all_gather
@@ -40,26 +42,14 @@ def split_param(
     ``nn.Partitioned``; read without unboxing, since unboxing inside
     ``shard_map`` applies a sharding constraint on manual axes.
     """
-    for dim, axis in enumerate(names):
-        if axis is None:
-            continue
-        (axis,) = require_axes(axis, type(module).__name__)
-        size = jax.lax.axis_size(axis)
-        if shape[dim] % size:
-            raise IndivisibleShapeError(
-                f"{_path(module, name)}: dim {dim} (size {shape[dim]}) of shape {shape} is not divisible "
-                f"by mesh axis {axis!r} (size {size}); make it a multiple of {size} or use a smaller "
-                f"{axis!r} axis."
-            )
-
-    def sliced_init(key, shape, dtype):
-        value = init_fn(key, shape, dtype)
-        for dim, axis in enumerate(names):
-            if axis is not None:
-                value = local_slice(value, dim, axis)
-        return nn.Partitioned(value, names)
-
-    boxed = module.param(name, sliced_init, shape, dtype, unbox=False)
+    spec = PartitionSpec(*names)
+    axes = [axis for axis in names if axis is not None]
+    sizes = (
+        {axis: jax.lax.axis_size(axis) for axis in require_axes(axes, type(module).__name__)} if axes else {}
+    )
+    check_fit([(_path(module, name), shape, spec)], sizes, "use a smaller mesh axis")
+    init = sliced_init(init_fn, lambda _shape, _names: spec)
+    boxed = module.param(name, init, shape, dtype, unbox=False)
     return boxed.value if isinstance(boxed, nn.Partitioned) else boxed
 
 
@@ -69,7 +59,7 @@ def prepare_input(
     """The input of column-parallel layers: Megatron's *f* (identity forward, psum backward),
     or in sequence-parallel mode the all-gather along ``sequence_axis`` (whose backward
     reduce-scatters), or with ``collective_matmul`` set the ring that replaces that
-    all-gather (:class:`~fsdp_tp.tensor_parallel.collective_matmul.RingChunks`).
+    all-gather (:class:`~fsdp_tp.layers.collective_matmul.RingChunks`).
     Do it once per input, however many layers read it."""
     if sequence_axis is None:
         return copy_to_axis(x, axis_name)
@@ -120,7 +110,7 @@ class ColumnParallelDense(_ParallelDense):
     ``collective_matmul`` (sequence-parallel mode only; elsewhere the layer has
     no forward collective): the all-gather becomes a ``ppermute`` ring, each
     arriving chunk multiplied at once (see
-    :mod:`~fsdp_tp.tensor_parallel.collective_matmul`). Same results.
+    :mod:`~fsdp_tp.layers.collective_matmul`). Same results.
 
     >>> import jax, jax.numpy as jnp, flax.linen as nn
     >>> from jax.sharding import PartitionSpec as P

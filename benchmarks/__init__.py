@@ -1,1 +1,0 @@
-"""Benchmarks: exact figures of the library against the baselines a user would pick instead."""

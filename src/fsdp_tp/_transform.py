@@ -1,0 +1,226 @@
+"""The transform core: store each parameter by a layout, gather it where it is used.
+
+Every "store sharded, gather for compute" strategy of the library is these three pieces:
+
+- :func:`store` keeps this device's block of every parameter, as a per-leaf *layout
+  choice* says (FSDP's largest divisible dim, partition rules, ...), checks every leaf
+  at once (:mod:`fsdp_tp._layout`) and boxes the blocks as ``nn.Partitioned``;
+- :func:`gather` all-gathers the blocks over the given axes for compute; over a batch
+  axis the backward pass reduce-scatters the mean gradient, over any other axis (every
+  device there saw the same batch) it keeps this device's slice;
+- :func:`map_params` makes a module transform of the two (``nn.map_variables`` on
+  ``"params"``) that keeps the target's name and tells the two, while they run, the
+  module's path and the axes its inputs vary over.
+
+``fsdp.shard_module_params`` and ``rule_transform.shard_by_rules`` are thin front doors
+over them; the tensor-parallel layers and ``tensor_parallel`` use the same layout core
+(:func:`fsdp_tp._layout.sliced_init`) to create their blocks.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import warnings
+from collections.abc import Callable, Collection
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from ._axes import axes_named, bound_axis_names, entry_axes, varying_axes
+from ._layout import block_of, check_fit
+from ._types import AxisName, PyTree
+from .collectives import gather_array_with_mean_grads, gather_from_axis
+from .errors import RuleError
+
+__all__ = [
+    "LayoutChoice",
+    "gather",
+    "input_varying",
+    "keep_module_name",
+    "map_params",
+    "module_path",
+    "store",
+    "warn_once",
+]
+
+LayoutChoice = Callable[[str, tuple[int, ...], tuple, "tuple | None"], PartitionSpec | None]
+"""``(path, stored shape, names a layer already split it by, logical names or None)`` -> the
+spec to split the leaf by (over dims the layer left whole), or ``None`` to leave it as it is."""
+
+_warned: set = set()
+
+
+def warn_once(key, warning: Warning) -> None:
+    """Warns once per process for ``key`` (a model is traced many times; one warning is enough)."""
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(warning, stacklevel=3)
+
+
+def _is_box(x) -> bool:
+    return isinstance(x, nn.Partitioned | nn.LogicallyPartitioned)
+
+
+def _merge(path: str, names: tuple, spec: PartitionSpec) -> tuple:
+    """The box names after splitting by ``spec`` a value some layer already split as ``names``."""
+    merged = list(names)
+    for dim, entry in enumerate(spec):
+        if entry is None:
+            continue
+        if names[dim] is not None:
+            raise RuleError(
+                f"{path}: the rule splits dim {dim} over {entry!r}, but its layer already splits that dim "
+                f"over {names[dim]!r}; give that dim None in the rule."
+            )
+        if twice := set(entry_axes(entry)) & axes_named(names):
+            raise RuleError(
+                f"{path}: the rule uses mesh axis {sorted(twice, key=str)[0]!r}, which its layer already "
+                f"splits another dim over (names {names}); an axis can split one dim of a parameter."
+            )
+        merged[dim] = entry
+    return tuple(merged)
+
+
+def store(params: PyTree, choose: LayoutChoice, fix: str = "change the rule") -> PyTree:
+    """This device's block of every parameter, as ``choose`` lays it out (inside ``shard_map``,
+    on full values the same across the axes they are split over). Paths start at the
+    wrapped module's path (:func:`module_path`); every leaf that does not fit is reported
+    at once; ``fix`` ends the divisibility message."""
+    sizes = {axis: jax.lax.axis_size(axis) for axis in bound_axis_names()}
+    prefix = module_path()
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_box)
+    plans = []
+    for key_path, leaf in leaves:
+        inner = jax.tree_util.keystr(key_path, simple=True, separator="/").removeprefix("params/")
+        path = "/".join(p for p in (prefix, inner) if p)
+        value = leaf.value if _is_box(leaf) else leaf
+        logical = tuple(leaf.names) if isinstance(leaf, nn.LogicallyPartitioned) else None
+        names = tuple(leaf.names) if type(leaf) is nn.Partitioned else (None,) * np.ndim(value)
+        spec = choose(path, np.shape(value), names, logical)
+        plans.append((path, leaf, value, names, spec))
+    # Dims a layer split are already local; the spec splits only the others.
+    check_fit(((path, np.shape(v), spec) for path, _, v, _, spec in plans if spec is not None), sizes, fix)
+    out = []
+    for path, leaf, value, names, spec in plans:
+        if spec is None or not any(entry_axes(e) for e in spec):
+            out.append(leaf.value if isinstance(leaf, nn.LogicallyPartitioned) else leaf)
+            continue
+        merged = _merge(path, names, spec)
+        out.append(nn.Partitioned(block_of(value, spec), merged))
+    return jax.tree.unflatten(treedef, out)
+
+
+def _gather_one(leaf: nn.Partitioned, axis: AxisName, vary: frozenset, mean: bool):
+    names = tuple(leaf.names)
+    dim = next(i for i, entry in enumerate(names) if axis in entry_axes(entry))
+    axes = entry_axes(names[dim])
+    # A dim split over (a, b) holds a contiguous block per (a, b) pair only when b is
+    # gathered first; gathering a first would interleave blocks.
+    if axes[-1] != axis:
+        raise ValueError(
+            f"gather: dim {dim} is split over {axes}; axis {axis!r} can only be gathered after "
+            f"{axes[axes.index(axis) + 1 :]} (the minor axes first)."
+        )
+    rest = axes[:-1]
+    shard = leaf.value
+    if extra := tuple(sorted(vary - varying_axes(shard) - {axis}, key=str)):
+        # Meet the inputs' vma on the shard, before the gather: JAX's transpose of this
+        # pcast then psums the shard-sized gradient after the reduce-scatter, instead of
+        # the full gradient before it.
+        shard = jax.lax.pcast(shard, extra, to="varying")
+    collective = gather_array_with_mean_grads if mean else gather_from_axis
+    value = collective(shard, dim, axis)
+    new_names = (*names[:dim], rest if len(rest) > 1 else (rest[0] if rest else None), *names[dim + 1 :])
+    return value if all(n is None for n in new_names) else leaf.replace(value=value, names=new_names)
+
+
+def gather(
+    params: PyTree,
+    axes: Collection[AxisName],
+    batch_axes: Collection[AxisName],
+    vary: frozenset = frozenset(),
+) -> PyTree:
+    """All-gathers every block split over ``axes`` (a dim's minor axis first); splits over other
+    axes stay boxed, a leaf left whole is unboxed. Over an axis in ``batch_axes`` the gradient
+    comes back as the reduce-scattered mean (every device's gradient is a part of the batch
+    mean); over any other axis as this device's slice (all devices computed the same one).
+    ``vary``: the axes the gathered values will meet device-varying data on, under
+    ``check_vma=True`` (see :func:`input_varying`)."""
+
+    def leaf_fn(leaf):
+        if not isinstance(leaf, nn.Partitioned):
+            return leaf
+        order = [a for entry in leaf.names for a in reversed(entry_axes(entry)) if a in axes]
+        for axis in order:
+            leaf = _gather_one(leaf, axis, vary, mean=axis in batch_axes)
+        return leaf
+
+    return jax.tree.map(leaf_fn, params, is_leaf=_is_box)
+
+
+def map_params(target, trans_in: Callable[[PyTree], PyTree], trans_out: Callable[[PyTree], PyTree]):
+    """``nn.map_variables`` over ``"params"`` that keeps ``target``'s name and tells the
+    transforms, while they run, the axes the call's inputs vary over (:func:`input_varying`)
+    and the module's path (:func:`module_path`)."""
+    mapped = nn.map_variables(
+        target, trans_in_fn=trans_in, trans_out_fn=trans_out, mapped_collections="params", mutable=True
+    )
+
+    class Sharded(mapped):  # type: ignore[valid-type, misc]
+        # nowrap: a wrapped method would run the module's setup() here, outside the
+        # lifted scope, on the stored shards; the mapped __call__ runs it inside.
+        @nn.nowrap
+        def __call__(self, *args, **kwargs):
+            # The axes the inputs vary over are where JAX would pcast the gathered
+            # params anyway; gather does it on the shards.
+            tokens = (
+                _INPUT_VARYING.set(_varying_over_inputs((args, kwargs))),
+                _MODULE_PATH.set("/".join(map(str, self.path))),
+            )
+            try:
+                return super().__call__(*args, **kwargs)
+            finally:
+                _MODULE_PATH.reset(tokens[1])
+                _INPUT_VARYING.reset(tokens[0])
+
+    return keep_module_name(Sharded, target)
+
+
+_INPUT_VARYING: contextvars.ContextVar[frozenset] = contextvars.ContextVar(
+    "fsdp_tp_input_varying", default=frozenset()
+)
+_MODULE_PATH: contextvars.ContextVar[str] = contextvars.ContextVar("fsdp_tp_module_path", default="")
+
+
+def input_varying() -> frozenset:
+    """Inside a :func:`map_params` transform: the axes the module's inputs vary over."""
+    return _INPUT_VARYING.get()
+
+
+def module_path() -> str:
+    """Inside a :func:`map_params` transform: the wrapped module's path, ``"a/b"`` (root: ``""``)."""
+    return _MODULE_PATH.get()
+
+
+def _varying_over_inputs(tree) -> frozenset:
+    axes: frozenset = frozenset()
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array | jax.core.Tracer):
+            axes |= varying_axes(leaf)
+    return axes
+
+
+def keep_module_name(mapped, target):
+    """Gives a transformed module class its target's name.
+
+    Flax auto-names submodules ``f"{type(module).__name__}_{i}"`` and derives
+    their init rngs from those names; ``nn.map_variables`` returns a class
+    named ``Map_variablesDense``, which would change both the parameter paths
+    and the init (DESIGN.md invariants 1 and 2).
+    """
+    if isinstance(mapped, type):
+        mapped.__name__ = target.__name__
+        mapped.__qualname__ = target.__qualname__
+    return mapped
