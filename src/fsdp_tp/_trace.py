@@ -30,6 +30,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from jax.sharding import PartitionSpec
 
 from ._types import PyTree, Specs
@@ -71,7 +72,7 @@ class Traced:
     local: PyTree  # the output, unboxed, each array leaf a local ShapeDtypeStruct
     specs: PyTree  # the PartitionSpec of each leaf, as specs_of gives it
     treedef: Any  # the output's structure, boxes included
-    jaxpr: jax.extend.core.ClosedJaxpr  # the per-device program: flat args -> flat leaves
+    jaxpr: ClosedJaxpr  # the per-device program: flat args -> flat leaves
 
     @property
     def flat_specs(self) -> list[PartitionSpec]:
@@ -83,7 +84,7 @@ class Traced:
 
     def replay(self, *args) -> list:
         """The per-device program's flat output leaves for ``args``, without tracing ``fn`` again."""
-        return jax.core.eval_jaxpr(self.jaxpr.jaxpr, self.jaxpr.consts, *jax.tree.leaves(args))
+        return jaxpr_as_fun(self.jaxpr)(*jax.tree.leaves(args))
 
 
 def trace_per_device(fn: Callable, mesh, in_specs: Specs, args: tuple, *, check_vma: bool = True) -> Traced:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+from jax.extend.core import jaxpr_as_fun
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from ._trace import Traced, specs_of, trace_per_device
@@ -122,7 +123,7 @@ def _programs(init_fn, mesh, in_specs, args, twin_init_fn, one_leaf_at_a_time, c
     def program(group: list[int]):
         # XLA drops what the group's outputs do not need: the other leaves' random bits.
         def pick(*inner):
-            leaves = jax.core.eval_jaxpr(twin.jaxpr, twin.consts, *jax.tree.leaves(inner))
+            leaves = jaxpr_as_fun(twin)(*jax.tree.leaves(inner))
             return [leaves[i] for i in group]
 
         return jax.jit(pick, out_shardings=[shardings[i] for i in group])
