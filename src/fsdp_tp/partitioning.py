@@ -15,11 +15,11 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from ._layout import check_fit
-from ._trace import specs_of, trace_per_device
+from ._trace import flat_specs_of, specs_of, trace_per_device
 from ._types import PyTree, Specs
 from .errors import SpecTreeMismatchError
 
-__all__ = ["check_specs", "derive_specs", "specs_of"]
+__all__ = ["check_specs", "derive_specs", "flat_specs_of", "specs_of"]
 
 
 def _is_spec(x) -> bool:

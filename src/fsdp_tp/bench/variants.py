@@ -22,10 +22,10 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .._trace import flat_specs_of, specs_of
 from ..gradients import sync_gradients
 from ..mesh import make_mesh
 from ..models import Layout
+from ..partitioning import flat_specs_of, specs_of
 from ..sharded_init import init_sharded
 from ..train import shard_step, state_init_fn
 from .baselines import tutorial_sync_gradients
