@@ -16,12 +16,13 @@ FLOPs, no memory, any mesh, an ``AbstractMesh`` included). The trace keeps:
 >>> model = shard_module_params(nn.Dense, min_weight_size=0)(16)
 >>> traced = trace_per_device(lambda r, x: model.init(r, x)["params"], make_mesh({"fsdp": 8}),
 ...                           (P(), P()), (jax.random.key(0), jnp.ones((2, 4))))
->>> traced.flat_specs, [s.shape for s in traced.flat_local]   # bias, kernel: 1/8 of each
+>>> traced.flat_specs, [s.shape for s in jax.tree.leaves(traced.local)]   # bias, kernel: 1/8 of each
 ([P('fsdp',), P(None, 'fsdp')], [(2,), (4, 2)])
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr
 from jax.sharding import PartitionSpec
 
 from ._types import PyTree, Specs
@@ -74,17 +75,10 @@ class Traced:
     treedef: Any  # the output's structure, boxes included
     jaxpr: ClosedJaxpr  # the per-device program: flat args -> flat leaves
 
-    @property
+    @functools.cached_property
     def flat_specs(self) -> list[PartitionSpec]:
+        """One spec per array leaf, in ``jax.tree.leaves`` order (computed once)."""
         return jax.tree.leaves(self.specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-
-    @property
-    def flat_local(self) -> list[jax.ShapeDtypeStruct]:
-        return jax.tree.leaves(self.local)
-
-    def replay(self, *args) -> list:
-        """The per-device program's flat output leaves for ``args``, without tracing ``fn`` again."""
-        return jaxpr_as_fun(self.jaxpr)(*jax.tree.leaves(args))
 
 
 def trace_per_device(fn: Callable, mesh, in_specs: Specs, args: tuple, *, check_vma: bool = True) -> Traced:

@@ -33,6 +33,7 @@ from ._layout import block_of, check_fit
 from ._types import AxisName, PyTree
 from .collectives import gather_array_with_mean_grads, gather_from_axis
 from .errors import RuleError
+from .rules import path_of
 
 __all__ = [
     "LayoutChoice",
@@ -93,7 +94,7 @@ def store(params: PyTree, choose: LayoutChoice, fix: str = "change the rule") ->
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_box)
     plans = []
     for key_path, leaf in leaves:
-        inner = jax.tree_util.keystr(key_path, simple=True, separator="/").removeprefix("params/")
+        inner = path_of(key_path).removeprefix("params/")
         path = "/".join(p for p in (prefix, inner) if p)
         value = leaf.value if _is_box(leaf) else leaf
         logical = tuple(leaf.names) if isinstance(leaf, nn.LogicallyPartitioned) else None

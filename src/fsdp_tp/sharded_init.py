@@ -15,7 +15,7 @@ import jax
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-from ._trace import Traced, specs_of, trace_per_device
+from ._trace import specs_of, trace_per_device
 from ._types import PyTree, Specs
 from .errors import SpecTreeMismatchError
 from .partitioning import check_specs
@@ -111,7 +111,19 @@ def _programs(init_fn, mesh, in_specs, args, twin_init_fn, one_leaf_at_a_time, c
     count = len(traced.flat_specs)
     groups = [[i] for i in range(count)] if one_leaf_at_a_time else [list(range(count))]
     if twin_init_fn is None:
-        return traced, [_per_device_program(traced, mesh, in_specs, group, check_vma) for group in groups]
+        programs = [
+            jax.jit(
+                jax.shard_map(
+                    _picking(traced.jaxpr, group),
+                    mesh=mesh,
+                    in_specs=in_specs,
+                    out_specs=[traced.flat_specs[i] for i in group],
+                    check_vma=check_vma,
+                )
+            )
+            for group in groups
+        ]
+        return traced, programs
     twin = jax.make_jaxpr(lambda *inner: jax.tree.leaves(twin_init_fn(*inner)))(*args)
     if len(twin.out_avals) != count:
         raise SpecTreeMismatchError(
@@ -119,22 +131,19 @@ def _programs(init_fn, mesh, in_specs, args, twin_init_fn, one_leaf_at_a_time, c
             f"must build the same state with the unsharded model (same parameter tree, same optimizer)."
         )
     shardings = [NamedSharding(mesh, spec) for spec in traced.flat_specs]
-
-    def program(group: list[int]):
-        # XLA drops what the group's outputs do not need: the other leaves' random bits.
-        def pick(*inner):
-            leaves = jaxpr_as_fun(twin)(*jax.tree.leaves(inner))
-            return [leaves[i] for i in group]
-
-        return jax.jit(pick, out_shardings=[shardings[i] for i in group])
-
-    return traced, [program(group) for group in groups]
+    return traced, [
+        jax.jit(_picking(twin, group), out_shardings=[shardings[i] for i in group]) for group in groups
+    ]
 
 
-def _per_device_program(traced: Traced, mesh, in_specs, group: list[int], check_vma: bool):
-    def pick(*inner):
-        leaves = traced.replay(*inner)
+def _picking(jaxpr, group: list[int]):
+    """A function of the init's arguments that runs a traced program (no model is traced
+    again) and keeps the leaves in ``group``; XLA drops what they do not need (the other
+    leaves' random bits)."""
+    run = jaxpr_as_fun(jaxpr)
+
+    def pick(*args):
+        leaves = run(*jax.tree.leaves(args))
         return [leaves[i] for i in group]
 
-    specs = [traced.flat_specs[i] for i in group]
-    return jax.jit(jax.shard_map(pick, mesh=mesh, in_specs=in_specs, out_specs=specs, check_vma=check_vma))
+    return pick
