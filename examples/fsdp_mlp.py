@@ -59,8 +59,7 @@ def main(steps: int = 30, batch_size: int = 256) -> None:
 
     def train_step(state, batch):
         loss, grads = jax.value_and_grad(lambda p: loss_fn(sharded, p, *batch))(state.params)
-        grads = fsdp_tp.sync_gradients(grads, BATCH_AXES)
-        return state.apply_gradients(grads=grads), jax.lax.pmean(loss, BATCH_AXES)
+        return fsdp_tp.sync_gradients(grads, BATCH_AXES), jax.lax.pmean(loss, BATCH_AXES)
 
     batch_spec = P(BATCH_AXES)
     state, specs = fsdp_tp.init_sharded(init_fn, mesh, (P(), batch_spec), rng, x_all[:batch_size])

@@ -16,10 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
+from fsdp_tp.partitioning import specs_of
 
 RTOL, ATOL = 1e-5, 1e-6  # f32; never loosen to get a pass (DESIGN.md, STYLE.md habit 9)
 # Adam's update lr * g / (|g| + eps) turns on the sign of g when |g| ~ eps: a gradient
@@ -81,6 +82,8 @@ def assert_trees_close(actual, expected, what: str, exact: bool = False) -> None
 
 
 def _reference_steps(case: Case, tx, params, data):
+    """The unsharded twin's (params, optimizer state) after a step per batch."""
+
     @jax.jit
     def step(params, opt_state, x, y):
         grads = jax.grad(lambda p: case.reference_loss(case.reference, p, x, y))(params)
@@ -90,31 +93,118 @@ def _reference_steps(case: Case, tx, params, data):
     opt_state = tx.init(params)
     for x, y in data:
         params, opt_state = step(params, opt_state, x, y)
-    return params
+    return params, opt_state
+
+
+def step_program(
+    case: Case, specs, naive: bool = False, donate: bool = True, sync: Callable = fsdp_tp.sync_gradients
+):
+    """The jitted train step of ``case`` (a ``TrainState`` laid out by ``specs``), with the
+    mean loss as metric. ``naive=True`` is the negative control: the optax update runs per
+    device on its shards, inside ``shard_map``, as a hand-written step would."""
+    batch_spec = P(case.batch_axes)
+
+    def step_fn(state, batch):
+        x, y = batch
+        loss, grads = jax.value_and_grad(lambda p: case.loss(case.model, p, x, y))(state.params)
+        return sync(grads, case.batch_axes), jax.lax.pmean(loss, case.batch_axes)
+
+    def naive_step_fn(state, batch):
+        grads, loss = step_fn(state, batch)
+        updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), loss
+
+    if not naive:
+        return fsdp_tp.shard_step(
+            step_fn, case.mesh, specs, (batch_spec, batch_spec), check_vma=case.check_vma, donate_state=donate
+        )
+    per_device = jax.shard_map(
+        naive_step_fn,
+        mesh=case.mesh,
+        in_specs=(specs, (batch_spec, batch_spec)),
+        out_specs=(specs, P()),
+        check_vma=case.check_vma,
+    )
+    return jax.jit(per_device)
+
+
+def _run_sharded(case: Case, state, specs, sync: Callable, data, naive: bool = False, donate: bool = True):
+    """``state`` after a step per batch (see :func:`step_program`)."""
+    step = step_program(case, specs, naive, donate, sync)
+    for x, y in data:
+        state, _ = step(state, (x, y))
+    return state
 
 
 def _sharded_steps(case: Case, tx, sync: Callable, data):
-    batch_spec = P(case.batch_axes)
+    """Params after a step per batch, from a train state built by ``init_sharded``."""
 
     def init_fn(rng, x):
         params = case.model.init(rng, x)["params"]
         return fsdp_tp.TrainState.create(apply_fn=case.model.apply, params=params, tx=tx, rng=rng)
 
-    def step_fn(state, batch):
-        x, y = batch
-        loss, grads = jax.value_and_grad(lambda p: case.loss(case.model, p, x, y))(state.params)
-        state = state.apply_gradients(grads=sync(grads, case.batch_axes))
-        return state, jax.lax.pmean(loss, case.batch_axes)
-
-    x0 = data[0][0]
     # A fresh state per run: donated state is never reused (DESIGN.md, CPU segfaults).
     state, specs = fsdp_tp.init_sharded(
-        init_fn, case.mesh, (P(), batch_spec), jax.random.key(case.seed), x0, check_vma=case.check_vma
+        init_fn,
+        case.mesh,
+        (P(), P(case.batch_axes)),
+        jax.random.key(case.seed),
+        data[0][0],
+        check_vma=case.check_vma,
     )
-    step = fsdp_tp.shard_step(step_fn, case.mesh, specs, (batch_spec, batch_spec), check_vma=case.check_vma)
-    for x, y in data:
-        state, _ = step(state, (x, y))
-    return nn.unbox(state.params)
+    return nn.unbox(_run_sharded(case, state, specs, sync, data).params)
+
+
+def optimizer_mismatches(
+    case: Case, optimizers: dict[str, Callable], steps: int = 3, naive: bool = False, references=None
+) -> dict[str, str]:
+    """Invariant 5 for many optax transforms on one case: the name and the assertion message
+    of each transform whose params or optimizer state after ``steps`` sharded steps differ
+    from the unsharded run's (empty: all equal).
+
+    The parameters are initialized sharded once; each transform's train state is built from
+    them on global arrays (``TrainState.create`` under ``jax.jit``, outside ``shard_map``,
+    specs from ``specs_of(state, mesh)``). ``references`` (a dict) keeps the unsharded runs by name,
+    to share them between cases that differ only in how they shard.
+    """
+    data = list(batches(case, steps))
+    rng = jax.random.key(case.seed)
+    params, _ = fsdp_tp.init_sharded(
+        lambda r, x: case.model.init(r, x)["params"],
+        case.mesh,
+        (P(), P(case.batch_axes)),
+        rng,
+        data[0][0],
+        check_vma=case.check_vma,
+    )
+    references = {} if references is None else references
+    mismatches = {}
+    for name, make in optimizers.items():
+        tx = make()
+        # Jitted into the specs' shardings, as init_sharded builds it: the step then
+        # compiles once (an eager state's Python step counter and uncommitted arrays
+        # would compile it a second time, for the state the first step returns).
+        create = lambda p, tx=tx: fsdp_tp.TrainState.create(
+            apply_fn=case.model.apply, params=p, tx=tx, rng=rng
+        )
+        specs = specs_of(jax.eval_shape(create, params), case.mesh)
+        shardings = jax.tree.map(
+            lambda s: NamedSharding(case.mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
+        )
+        state = jax.jit(create, out_shardings=shardings)(params)
+        state = _run_sharded(case, state, specs, fsdp_tp.sync_gradients, data, naive, donate=False)
+        if name not in references:
+            ref_params = jax.jit(case.reference.init)(rng, data[0][0])["params"]
+            references[name] = _reference_steps(case, tx, ref_params, data)
+        try:
+            assert_trees_close(
+                nn.unbox(state.params), references[name][0], f"{name}: params after {steps} steps"
+            )
+            assert_trees_close(nn.unbox(state.opt_state), references[name][1], f"{name}: optimizer state")
+        except AssertionError as err:
+            mismatches[name] = str(err)
+    return mismatches
 
 
 def check_equivalence(case: Case, sync: Callable = fsdp_tp.sync_gradients, steps: int = 3) -> None:
@@ -161,6 +251,6 @@ def check_equivalence(case: Case, sync: Callable = fsdp_tp.sync_gradients, steps
     for name, tx in (("sgd", optax.sgd(0.1)), ("adamw", optax.adamw(1e-2, eps=ADAM_EPS, weight_decay=1e-2))):
         assert_trees_close(
             _sharded_steps(case, tx, sync, data),
-            _reference_steps(case, tx, ref_params, data),
+            _reference_steps(case, tx, ref_params, data)[0],
             f"{name} params after {steps} steps",
         )

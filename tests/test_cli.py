@@ -85,6 +85,13 @@ def test_check_passes_on_the_default_mesh_with_async_tp():
     assert code == 0 and "check: 3 steps" in out and "-> ok" in out, out
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "adafactor", "lamb", "lion", "sgd"])
+def test_every_optimizer_clipped_passes_check(optimizer):
+    """Clipping and the optimizer run on global arrays: the sharded run equals the twin's."""
+    code, out = run("train", "--optimizer", optimizer, "--clip-norm", "1.0", "--check", "3", "--steps", "1")
+    assert code == 0 and f"({optimizer}, clip 1)" in out and "-> ok" in out, out
+
+
 def test_negative_control_check_fails_on_a_broken_build(monkeypatch):
     """Gradients left unsynced over the batch shards: --check must notice and exit 1."""
     monkeypatch.setattr(trainer_module, "sync_gradients", lambda grads, axes: grads)
@@ -115,6 +122,8 @@ def test_plan_of_a_cluster_mesh_prints_the_table():
             "holds token 121, outside the model's vocabulary of 100; pass --vocab-size 128",
         ),
         (["--eval-batches", "0"], "--eval-batches 0 must be positive"),
+        (["--clip-norm", "-1"], "--clip-norm -1.0 must be a norm >= 0 (0 turns clipping off)"),
+        (["--clip-norm", "nan"], "--clip-norm nan must be a norm >= 0"),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_message(argv, message, capsys):

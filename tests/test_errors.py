@@ -65,7 +65,7 @@ def test_module_instance_is_rejected_with_the_fix():
 def _train_step(model):
     def step(state, batch):
         grads = jax.grad(lambda p: (model.apply({"params": p}, batch) ** 2).mean())(state.params)
-        return state.apply_gradients(grads=fsdp_tp.sync_gradients(grads, ("data", "fsdp"))), ()
+        return fsdp_tp.sync_gradients(grads, ("data", "fsdp")), ()
 
     return step
 

@@ -34,28 +34,46 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr
 from jax.sharding import PartitionSpec
 
+from ._layout import fit_problems
 from ._types import PyTree, Specs
 
 __all__ = ["Traced", "flat_specs_of", "specs_of", "trace_per_device"]
 
 
-def specs_of(tree: PyTree) -> PyTree:
+def specs_of(tree: PyTree, mesh=None) -> PyTree:
     """``P(*names)`` for each ``nn.Partitioned`` box, ``P()`` for every other leaf.
 
     Unlike ``nn.get_partition_spec`` it gives ``P()`` (not ``None``) for Python
     scalars such as a train state's step counter, which shard_map outputs as arrays.
 
+    With ``mesh``, a box whose names do not fit its value on the mesh gets ``P()``: an
+    optimizer leaf inherits its parameter's box even where its shape is not the
+    parameter's (Adafactor's factored row ``(rows,)`` of a ``(rows, cols)`` kernel, or a
+    ``(1,)`` placeholder); such a leaf is small and is kept whole on every device.
+
     >>> import flax.linen as nn, jax.numpy as jnp
+    >>> from fsdp_tp import make_mesh
     >>> specs_of({"w": nn.Partitioned(jnp.ones((2, 4)), (None, "fsdp")), "step": 0, "extra": None})
     {'extra': None, 'step': P(), 'w': P(None, 'fsdp')}
+    >>> box = lambda shape: nn.Partitioned(jnp.zeros(shape), ("fsdp", None))
+    >>> specs_of({"moment": box((8, 4)), "row": box((8,)), "odd": box((3, 4))}, make_mesh({"fsdp": 8}))
+    {'moment': P('fsdp', None), 'odd': P(), 'row': P()}
     """
+    sizes = None if mesh is None else dict(mesh.shape)
 
     def spec(x):
         if not isinstance(x, nn.Partitioned):
             return PartitionSpec()
         # A box around no array (optax.masked's MaskedNode for a masked-out param) keeps
         # its leafless structure, so the specs flatten like the state.
-        return x.get_partition_spec() if jax.tree.leaves(x.value) else x
+        if not jax.tree.leaves(x.value):
+            return x
+        wanted = x.get_partition_spec()
+        if sizes is None:
+            return wanted
+        shape = tuple(x.value.shape)
+        fits = len(wanted) == len(shape) and not fit_problems("", shape, wanted, sizes)
+        return wanted if fits else PartitionSpec()
 
     return jax.tree.map(spec, tree, is_leaf=lambda x: isinstance(x, nn.Partitioned))
 

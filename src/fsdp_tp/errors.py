@@ -15,6 +15,7 @@ __all__ = [
     "CheckpointMismatchError",
     "IndivisibleShapeError",
     "MeshShapeError",
+    "OptimizerOnShardsError",
     "ReplicatedParameterWarning",
     "RuleError",
     "SpecError",
@@ -34,6 +35,11 @@ class MeshShapeError(ValueError):
 
 class IndivisibleShapeError(ValueError):
     """An array dim that the mesh axes it is split over do not divide."""
+
+
+class OptimizerOnShardsError(RuntimeError):
+    """An optimizer update asked for on one device's shards, where a transform that reduces
+    (a norm, a trust ratio, a factored moment) would compute a wrong update silently."""
 
 
 class SpecError(ValueError):

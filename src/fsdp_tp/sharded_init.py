@@ -5,6 +5,11 @@ boxes and specs. Then either that per-device program runs under ``jax.shard_map`
 device computes a parameter in full and keeps its block), or, given ``twin_init_fn``,
 the unsharded twin's init runs under ``jax.jit`` with the specs as ``out_shardings``, so
 XLA computes only each device's blocks. Either way each model is traced once.
+
+A train state's optimizer state is the exception: it is built by ``tx.init`` on the global
+parameters (:mod:`fsdp_tp._optimizer`), never per device, so a transform whose state
+depends on a parameter's full shape (Adafactor's factored moments) gets the state it
+would have unsharded.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import jax
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
+from ._optimizer import lower_optimizer_state, with_optimizer_state, without_optimizer_state
 from ._trace import specs_of, trace_per_device
 from ._types import PyTree, Specs
 from .errors import SpecTreeMismatchError
@@ -67,8 +73,8 @@ def init_sharded(
     """
     traced, programs = _programs(init_fn, mesh, in_specs, args, twin_init_fn, one_leaf_at_a_time, check_vma)
     leaves = [leaf for program in programs for leaf in program(*args)]
-    state = jax.tree.unflatten(traced.treedef, leaves)
-    return state, specs_of(state)
+    state = with_optimizer_state(jax.tree.unflatten(traced.treedef, leaves), mesh)
+    return state, specs_of(state, mesh)
 
 
 def lower_init(
@@ -80,8 +86,9 @@ def lower_init(
     one_leaf_at_a_time: bool = False,
     check_vma: bool = True,
 ) -> list[jax.stages.Lowered]:
-    """The programs :func:`init_sharded` runs, lowered, in order: compile one to read its
-    ``memory_analysis()`` or its HLO. Same arguments as :func:`init_sharded`.
+    """The programs :func:`init_sharded` runs, lowered, in order (a train state's optimizer
+    state last): compile one to read its ``memory_analysis()`` or its HLO. Same arguments
+    as :func:`init_sharded`.
 
     >>> import jax, jax.numpy as jnp, flax.linen as nn
     >>> from jax.sharding import PartitionSpec as P
@@ -92,8 +99,15 @@ def lower_init(
     >>> [low.compile().memory_analysis().output_size_in_bytes for low in lowered]  # 1/8 of each
     [32, 1024]
     """
-    _, programs = _programs(init_fn, mesh, in_specs, args, twin_init_fn, one_leaf_at_a_time, check_vma)
-    return [program.lower(*args) for program in programs]
+    traced, programs = _programs(init_fn, mesh, in_specs, args, twin_init_fn, one_leaf_at_a_time, check_vma)
+    # The optimizer's state is built from the global parameters: lower it from their shapes.
+    leaves = [leaf for program in programs for leaf in jax.eval_shape(program, *args)]
+    laid_out = [
+        jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
+        for leaf, spec in zip(leaves, traced.flat_specs, strict=True)
+    ]
+    abstract = jax.tree.unflatten(traced.treedef, laid_out)
+    return [program.lower(*args) for program in programs] + lower_optimizer_state(abstract, mesh)
 
 
 def _programs(init_fn, mesh, in_specs, args, twin_init_fn, one_leaf_at_a_time, check_vma):
@@ -107,6 +121,7 @@ def _programs(init_fn, mesh, in_specs, args, twin_init_fn, one_leaf_at_a_time, c
     if twin_init_fn is not None and not callable(twin_init_fn):
         raise TypeError(f"init_sharded: twin_init_fn must be a function like init_fn, got {twin_init_fn!r}.")
     check_specs(args, in_specs, mesh, "init argument")
+    init_fn = without_optimizer_state(init_fn)
     traced = trace_per_device(init_fn, mesh, in_specs, args, check_vma=check_vma)
     count = len(traced.flat_specs)
     groups = [[i] for i in range(count)] if one_leaf_at_a_time else [list(range(count))]
@@ -124,6 +139,7 @@ def _programs(init_fn, mesh, in_specs, args, twin_init_fn, one_leaf_at_a_time, c
             for group in groups
         ]
         return traced, programs
+    twin_init_fn = without_optimizer_state(twin_init_fn)
     twin = jax.make_jaxpr(lambda *inner: jax.tree.leaves(twin_init_fn(*inner)))(*args)
     if len(twin.out_avals) != count:
         raise SpecTreeMismatchError(

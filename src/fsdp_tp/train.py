@@ -1,4 +1,9 @@
-"""The train step: the state, rngs per shard, microbatching, and the jitted ``shard_map`` step."""
+"""The train step: the state, rngs per shard, microbatching, and the jitted step.
+
+The step is two halves in one ``jax.jit``: the forward and backward pass per device under
+``jax.shard_map`` (the user's ``step_fn``, which returns synced gradients), then the
+optimizer on global arrays (:mod:`fsdp_tp._optimizer` says why).
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax.training import train_state
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._axes import require_axes
+from ._optimizer import per_device_step, refuse_on_shards
 from ._types import AxisNames, PyTree, Specs
 from .partitioning import check_specs
 
@@ -31,6 +37,13 @@ class TrainState(train_state.TrainState):
     """
 
     rng: jax.Array
+
+    def apply_gradients(self, *, grads, **kwargs):
+        """``flax``'s update, refused where it would see one device's shards (inside
+        :func:`shard_step`'s ``step_fn``, or under ``jax.shard_map`` with split parameters):
+        there a transform that reduces over a leaf or across leaves is silently wrong."""
+        refuse_on_shards(self.params)
+        return super().apply_gradients(grads=grads, **kwargs)
 
 
 def state_init_fn(model, tx) -> Callable[..., TrainState]:
@@ -143,13 +156,19 @@ def shard_step(
     check_vma: bool = True,
     donate_state: bool = True,
 ) -> Callable[[PyTree, PyTree], tuple[PyTree, PyTree]]:
-    """Builds the jitted ``shard_map`` train step from a per-device ``step_fn(state, batch)``.
+    """Builds the jitted train step from a per-device ``step_fn(state, batch) -> (grads, metrics)``.
 
-    ``step_fn`` returns ``(new_state, metrics)``; metrics are replicated
-    (``pmean`` them over the batch axes) unless ``metrics_specs`` says otherwise.
-    The state is donated, so the caller must not reuse the state it passed.
-    When JAX rejects the state or batch, they are checked against their specs, so a
-    mismatched tree or an indivisible batch fails with a message naming the leaf.
+    ``step_fn`` runs under ``jax.shard_map``: it computes this device's loss and returns
+    the gradients of ``state.params``, synced (:func:`~fsdp_tp.sync_gradients`), and the
+    metrics, replicated (``pmean`` them over the batch axes) unless ``metrics_specs`` says
+    otherwise. The step then applies ``state.tx`` to the gradients on *global* arrays, in
+    the same ``jax.jit``, so every optax transform gives the unsharded update (global-norm
+    clipping, LAMB, LARS, Adafactor included) and the state keeps ``state_specs``.
+    ``state`` is a :class:`TrainState` (or any flax ``TrainState``).
+
+    The state is donated, so the caller must not reuse the state it passed. When JAX
+    rejects the state or batch, they are checked against their specs, so a mismatched tree
+    or an indivisible batch fails with a message naming the leaf.
 
     >>> import jax, jax.numpy as jnp, optax
     >>> from jax.sharding import PartitionSpec as P
@@ -159,22 +178,36 @@ def shard_step(
     ...     return TrainState.create(apply_fn=None, params={"w": jnp.zeros(())}, tx=optax.sgd(1.0), rng=rng)
     >>> def step_fn(state, x):
     ...     loss, grads = jax.value_and_grad(lambda p: ((p["w"] - x) ** 2).mean())(state.params)
-    ...     state = state.apply_gradients(grads=sync_gradients(grads, "data"))
-    ...     return state, jax.lax.pmean(loss, "data")
+    ...     return sync_gradients(grads, "data"), jax.lax.pmean(loss, "data")
     >>> state, specs = init_sharded(init_fn, mesh, P(), jax.random.key(0))
     >>> step = shard_step(step_fn, mesh, specs, P("data"))
     >>> state, loss = step(state, jnp.arange(8.0))   # w moves to 2 * mean(x) * lr = 7.0
     >>> float(loss), float(state.params["w"])
     (17.5, 7.0)
     """
+    if not hasattr(state_specs, "params"):
+        raise TypeError(
+            f"shard_step: state_specs must be the specs of a train state (with .params), as "
+            f"init_sharded returns them for a fsdp_tp.TrainState; got {type(state_specs).__name__}."
+        )
+    per_device = jax.shard_map(
+        per_device_step(step_fn),
+        mesh=mesh,
+        in_specs=(state_specs, batch_specs),
+        out_specs=(state_specs.params, metrics_specs),
+        check_vma=check_vma,
+    )
+
+    def update(state, batch):
+        grads, metrics = per_device(state, batch)
+        return state.apply_gradients(grads=grads), metrics
+
+    named = lambda specs: jax.tree.map(
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
     sharded = jax.jit(
-        jax.shard_map(
-            step_fn,
-            mesh=mesh,
-            in_specs=(state_specs, batch_specs),
-            out_specs=(state_specs, metrics_specs),
-            check_vma=check_vma,
-        ),
+        update,
+        out_shardings=(named(state_specs), named(metrics_specs)),
         donate_argnums=(0,) if donate_state else (),
     )
 

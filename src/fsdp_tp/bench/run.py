@@ -16,6 +16,7 @@ from typing import TextIO
 import jax
 
 from .figures import Figures, build_seconds, compile_seconds, exact_figures, median, step_seconds
+from .optimizer import optimizer_costs, optimizer_section
 from .report import headline, markdown, replace_headline, spread
 from .variants import IMPLEMENTATIONS, STRATEGIES, Strategy, Variant, build_variant
 from .workloads import WORKLOADS, bench_layout, gpt
@@ -110,6 +111,8 @@ def run_benchmarks(
         times[name] = step_seconds([v for v, _ in pairs], blocks, steps)
         del pairs  # free the states before the next workload
     overhead = overhead_at_one_device(blocks, steps)
+    costs = optimizer_costs(blocks, steps)
+    print("optimizer: per device vs global arrays measured", file=out, flush=True)
     compile_times = {}
     for layers in depths:
         for scan in (True, False) if layers <= max_unrolled else (True,):
@@ -134,7 +137,7 @@ def run_benchmarks(
         paths = plot_all(results, times, compile_times, out_dir)
     titles = {name: WORKLOADS[name].title for name in workloads}
     text = markdown(results, titles, times, compile_times, _header(argv), paths, build_times)
-    text += _overhead_section(overhead)
+    text += _overhead_section(overhead) + optimizer_section(costs)
     (out_dir / "benchmarks.md").write_text(text)
     if readme is not None and "gpt" in results:
         replace_headline(readme, headline(results, times))

@@ -4,7 +4,10 @@ A *strategy* fixes the mesh and the layout; an *implementation* fixes how the st
 written: ``fsdp_tp`` (this library: ``shard_map`` + ``sync_gradients``), ``gspmd``
 (``jax.jit`` of the plain flax twin with ``NamedSharding``s of the same specs, what
 MaxText-style code does), ``tutorial`` (the same sharded modules under
-``check_vma=False`` with the well-known tutorial's blind pmean), ``single`` (one device).
+``check_vma=False`` with the well-known tutorial's blind pmean), ``single`` (one device),
+and ``per_device_update`` (the library's step as the first version ran it: the optax
+update inside ``shard_map`` on each device's shards; right only for element-wise
+transforms, kept to measure what the update on global arrays costs).
 """
 
 from __future__ import annotations
@@ -106,8 +109,19 @@ def _library_step(workload: Workload, layout: Layout, sync: Callable) -> Callabl
             return workload.loss(state.apply_fn({"params": params}, x), y, layout.tensor)
 
         loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        state = state.apply_gradients(grads=sync(grads, BATCH_AXES))
-        return state, jax.lax.pmean(loss, BATCH_AXES)
+        return sync(grads, BATCH_AXES), jax.lax.pmean(loss, BATCH_AXES)
+
+    return step
+
+
+def _per_device_update_step(workload: Workload, layout: Layout) -> Callable:
+    grads_of = _library_step(workload, layout, sync_gradients)
+
+    def step(state, batch):
+        grads, loss = grads_of(state, batch)
+        updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), loss
 
     return step
 
@@ -124,18 +138,24 @@ def _twin_step(workload: Workload) -> Callable:
 
 
 def build_variant(
-    workload: Workload, strategy: Strategy, implementation: str, model=None, abstract: bool = False
+    workload: Workload,
+    strategy: Strategy,
+    implementation: str,
+    model=None,
+    abstract: bool = False,
+    tx: optax.GradientTransformation | None = None,
 ) -> Variant:
     """Initializes the state (directly into its shardings) and compiles-on-call the step.
 
     ``model`` replaces the workload's builder (e.g. a deeper GPT for compile-time figures);
     ``abstract=True`` (library only) keeps the state as shapes and shardings: enough to
-    lower and compile the step, without running the init.
+    lower and compile the step, without running the init. ``tx``: the optimizer (AdamW
+    by default).
     """
     build = model or workload.build
     mesh, layout = _mesh(strategy), strategy.layout
     twin, sharded = build(Layout()), build(layout)
-    tx = optax.adamw(1e-3)
+    tx = optax.adamw(1e-3) if tx is None else tx
     x, y = workload.batch(GLOBAL_BATCH)
     batch_spec = P(BATCH_AXES)
     rng = jax.random.key(0)
@@ -168,6 +188,16 @@ def build_variant(
         )
         name = "single" if strategy.name == "single" else implementation
         return Variant(workload.name, strategy, name, mesh, state, jitted, batch, sharded)
+    if implementation == "per_device_update":
+        per_device = jax.shard_map(
+            _per_device_update_step(workload, layout),
+            mesh=mesh,
+            in_specs=(specs, (batch_spec, batch_spec)),
+            out_specs=(specs, P()),
+            check_vma=check_vma,
+        )
+        per_device_step = jax.jit(per_device, donate_argnums=0)
+        return Variant(workload.name, strategy, implementation, mesh, state, per_device_step, batch, sharded)
     sync = tutorial_sync_gradients if implementation == "tutorial" else sync_gradients
     step = shard_step(
         _library_step(workload, layout, sync), mesh, specs, (batch_spec, batch_spec), check_vma=check_vma

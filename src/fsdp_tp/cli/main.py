@@ -77,6 +77,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--microbatches", type=int, default=1)
     train.add_argument("--lr", type=float, default=3e-3)
     train.add_argument("--warmup", type=int, default=20)
+    train.add_argument("--optimizer", choices=["adamw", "adafactor", "lamb", "lion", "sgd"], default="adamw")
+    train.add_argument(
+        "--clip-norm", type=float, default=1.0, help="clip the gradient's global norm to this (0: off)"
+    )
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--data", help="a UTF-8 text file (bytes as tokens), .npy or uint16 .bin tokens")
     train.add_argument("--log-file", help="append JSON lines of step, loss, tokens/s")
@@ -143,6 +147,9 @@ def _settings(args, mesh: dict, vocab_size: int | None = None):
             f"--microbatches {microbatches} does not divide the per-device batch {args.batch // shards} "
             f"(--batch {args.batch} / {shards} shards); choose a divisor of it."
         )
+    clip_norm = getattr(args, "clip_norm", 0.0)
+    if not clip_norm >= 0:  # also refuses nan
+        raise UsageError(f"--clip-norm {clip_norm} must be a norm >= 0 (0 turns clipping off).")
     return Settings(
         model=config,
         steps=getattr(args, "steps", 1),
@@ -159,6 +166,8 @@ def _settings(args, mesh: dict, vocab_size: int | None = None):
             min_weight_size=args.min_weight_size,
         ),
         check_vma=args.check_vma,
+        optimizer_name=getattr(args, "optimizer", "adamw"),
+        clip_norm=clip_norm,
     )
 
 

@@ -81,7 +81,8 @@ def _summary(settings: Settings, sizes: dict, mesh, preset: str) -> str:
         f"mesh {' x '.join(f'{k}={v}' for k, v in sizes.items())} on {jax.device_count()} "
         f"{jax.default_backend()} devices{processes}; model {preset} ({settings.model.dtype} compute): "
         f"{params:,} params; per device: params {_mib(plan.param_bytes)}, "
-        f"optimizer {_mib(plan.optimizer_bytes)}"
+        f"optimizer {_mib(plan.optimizer_bytes)} ({settings.optimizer_name}, "
+        f"{f'clip {settings.clip_norm:g}' if settings.clip_norm else 'no clipping'})"
     )
 
 

@@ -21,10 +21,19 @@ from ..train import accumulate_gradients, shard_step, state_init_fn
 from .config import ModelConfig
 from .data import batch_at, windows_at
 
-__all__ = ["BATCH_AXES", "Settings", "Trainer", "compare_with_twin"]
+__all__ = ["BATCH_AXES", "OPTIMIZERS", "Settings", "Trainer", "compare_with_twin"]
 
 BATCH_AXES = ("data", "fsdp")
 BATCH = P(BATCH_AXES)
+
+# --optimizer: each takes the learning-rate schedule.
+OPTIMIZERS: dict[str, Callable[[optax.Schedule], optax.GradientTransformation]] = {
+    "adamw": lambda lr: optax.adamw(lr, weight_decay=0.01),
+    "adafactor": lambda lr: optax.adafactor(lr),
+    "lamb": lambda lr: optax.lamb(lr, weight_decay=0.01),
+    "lion": lambda lr: optax.lion(lr, weight_decay=0.01),
+    "sgd": lambda lr: optax.sgd(lr, momentum=0.9),
+}
 
 
 @dataclass(frozen=True)
@@ -38,13 +47,17 @@ class Settings:
     seed: int
     layout: Layout  # on the data x fsdp x tensor mesh: FSDP over fsdp, TP over tensor
     check_vma: bool
+    optimizer_name: str = "adamw"  # a key of OPTIMIZERS
+    clip_norm: float = 1.0  # clip the gradient's global norm to this (0: no clipping)
 
     def optimizer(self) -> optax.GradientTransformation:
-        # No optax.clip_by_global_norm: per device it would see only its shards' norm (to do).
+        """The optimizer on a warmup-cosine schedule, after global-norm clipping. Both run
+        on global arrays (shard_step), so the norm is the whole gradient's."""
         schedule = optax.warmup_cosine_decay_schedule(
             0.0, self.lr, max(self.warmup, 1), max(self.steps, self.warmup + 2)
         )
-        return optax.adamw(schedule, weight_decay=0.01)
+        tx = OPTIMIZERS[self.optimizer_name](schedule)
+        return optax.chain(optax.clip_by_global_norm(self.clip_norm), tx) if self.clip_norm else tx
 
 
 def _loss(apply_fn: Callable, params, windows: jax.Array) -> jax.Array:
@@ -59,8 +72,7 @@ def _step_fn(settings: Settings) -> Callable:
             return _loss(state.apply_fn, params, microbatch), None
 
         (loss, _), grads = accumulate_gradients(loss_fn, state.params, windows, settings.microbatches)
-        state = state.apply_gradients(grads=sync_gradients(grads, BATCH_AXES))
-        return state, jax.lax.pmean(loss, BATCH_AXES)
+        return sync_gradients(grads, BATCH_AXES), jax.lax.pmean(loss, BATCH_AXES)
 
     return step
 

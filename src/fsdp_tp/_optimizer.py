@@ -1,0 +1,155 @@
+"""The optimizer runs on global arrays, never on one device's shards.
+
+Inside ``jax.shard_map`` an optax transform sees only this device's block of each leaf.
+Any transform that reduces over a leaf (trust ratios: LAMB, LARS), across leaves
+(``clip_by_global_norm``) or over rows and columns (Adafactor's factored moments) then
+computes on the wrong numbers, with no error. So the library keeps only the forward and
+backward pass per device; ``tx.init`` and ``tx.update`` run under ``jax.jit`` on global
+arrays laid out by the state's specs, and XLA inserts exactly the reductions a transform
+needs: none for an element-wise one, one scalar all-reduce for a global norm.
+
+This module holds the two halves of that rule:
+
+- at init, every :class:`~flax.training.train_state.TrainState` built per device gets its
+  optimizer state from ``tx.init`` on the *global* parameters (:func:`with_optimizer_state`;
+  the per-device trace drops the one it built, :func:`without_optimizer_state`). Each
+  optimizer leaf is split like its parameter where that fits (Adam's moments); a leaf whose
+  shape is not the parameter's (a factored row or column) stays whole;
+- in the step, an update asked for on shards is refused (:func:`refuse_on_shards`).
+
+>>> import jax, jax.numpy as jnp, optax
+>>> from fsdp_tp import TrainState, make_mesh
+>>> from fsdp_tp.sharded_init import init_sharded
+>>> from jax.sharding import PartitionSpec as P
+>>> import flax.linen as nn
+>>> def init_fn(rng):  # each device holds an (8, 8) block of a (64, 8) kernel split over fsdp
+...     params = {"w": nn.Partitioned(jnp.ones((8, 8)), ("fsdp", None))}
+...     return TrainState.create(apply_fn=None, params=params, rng=rng,
+...                              tx=optax.adafactor(1e-2, min_dim_size_to_factor=4))
+>>> state, specs = init_sharded(init_fn, make_mesh({"fsdp": 8}), P(), jax.random.key(0))
+>>> factored = state.opt_state[0]      # statistics of the global (64, 8) kernel, kept whole
+>>> factored.v_row["w"].value.shape, factored.v_col["w"].value.shape, specs.opt_state[0].v_col
+((8,), (64,), {'w': P()})
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import jax
+from flax.training import train_state
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ._axes import varying_axes
+from ._trace import specs_of
+from ._types import PyTree
+from .errors import OptimizerOnShardsError
+
+__all__ = [
+    "lower_optimizer_state",
+    "per_device_step",
+    "refuse_on_shards",
+    "with_optimizer_state",
+    "without_optimizer_state",
+]
+
+_PER_DEVICE = contextvars.ContextVar("fsdp_tp_per_device_step", default=False)
+
+
+def _is_state(x) -> bool:
+    return isinstance(x, train_state.TrainState)
+
+
+def without_optimizer_state(fn):
+    """``fn`` with every train state's ``opt_state`` in its output set to ``None``: what a
+    per-device trace builds of the optimizer is thrown away, to be built globally."""
+
+    def stripped(*args):
+        drop = lambda x: x.replace(opt_state=None) if _is_state(x) else x
+        return jax.tree.map(drop, fn(*args), is_leaf=_is_state)
+
+    return stripped
+
+
+def _init_program(state, mesh):
+    """``tx.init`` of the state's optimizer under ``jax.jit``, each leaf laid out as
+    ``specs_of(..., mesh)`` says: like its parameter where that fits, else whole."""
+    specs = specs_of(jax.eval_shape(state.tx.init, state.params), mesh)
+    shardings = jax.tree.map(
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
+    return jax.jit(state.tx.init, out_shardings=shardings)
+
+
+def with_optimizer_state(tree: PyTree, mesh) -> PyTree:
+    """Every train state in ``tree`` with ``opt_state = tx.init(params)`` computed on the global
+    parameters (see :func:`_init_program`)."""
+    init = lambda s: s.replace(opt_state=_init_program(s, mesh)(s.params)) if _is_state(s) else s
+    return jax.tree.map(init, tree, is_leaf=_is_state)
+
+
+def lower_optimizer_state(tree: PyTree, mesh) -> list[jax.stages.Lowered]:
+    """The programs :func:`with_optimizer_state` runs for ``tree`` (arrays, or shape structs
+    with their shardings), lowered, to measure them."""
+    states = [s for s in jax.tree.leaves(tree, is_leaf=_is_state) if _is_state(s)]
+    return [_init_program(s, mesh).lower(s.params) for s in states]
+
+
+@contextlib.contextmanager
+def _per_device():
+    token = _PER_DEVICE.set(True)
+    try:
+        yield
+    finally:
+        _PER_DEVICE.reset(token)
+
+
+def per_device_step(step_fn):
+    """``step_fn(state, batch) -> (grads, metrics)`` checked: it runs with updates refused,
+    and its grads must have the parameters' structure."""
+
+    def run(state, batch):
+        with _per_device():
+            out = step_fn(state, batch)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                f"shard_step: step_fn must return (grads, metrics), got {type(out).__name__}. Return "
+                f"the synced gradients of state.params and the metrics; the optimizer update then runs "
+                f"on global arrays."
+            )
+        grads = out[0]
+        expected = jax.tree.structure(state.params)
+        if jax.tree.structure(grads) != expected:  # type: ignore[operator]  # PyTreeDef is untyped
+            got = (
+                type(grads).__name__
+                if _is_state(grads)
+                else f"a tree of structure {jax.tree.structure(grads)}"
+            )
+            raise TypeError(
+                f"shard_step: step_fn's first output must be the gradients of state.params (same "
+                f"tree, boxes included), got {got}; state.params has structure "
+                f"{expected}. Return (sync_gradients(grads, batch_axes), "
+                f"metrics), not a new state: shard_step applies the optimizer on global arrays."
+            )
+        return out
+
+    return run
+
+
+def refuse_on_shards(params: PyTree) -> None:
+    """Raises :class:`~fsdp_tp.errors.OptimizerOnShardsError` where an update would see only
+    this device's shards: inside :func:`~fsdp_tp.shard_step`'s per-device function, or
+    under ``jax.shard_map`` with a parameter that varies across devices."""
+    varying = sorted({str(a) for leaf in jax.tree.leaves(params) for a in varying_axes(leaf)})
+    if not (_PER_DEVICE.get() or varying):
+        return
+    reasons = ["inside shard_step's step_fn"] if _PER_DEVICE.get() else []
+    reasons += [f"its parameters vary over mesh axes {varying}"] if varying else []
+    where = "; ".join(reasons)
+    raise OptimizerOnShardsError(
+        f"apply_gradients was called on one device's shards ({where}): an optax transform that "
+        f"reduces over a leaf, across leaves or over rows (clip_by_global_norm, LAMB, LARS, "
+        f"Adafactor) would give a wrong update there, silently. Return (grads, metrics) from the "
+        f"per-device step and let fsdp_tp.shard_step apply the optimizer on global arrays."
+    )
