@@ -2,13 +2,37 @@
 hypothesis profiles. It runs before any test module imports jax's backend."""
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _compilation_cache() -> Path:
+    """One directory per test run, shared by the xdist workers and the CLI subprocesses
+    the docs tests start: a program compiled twice anywhere in the run (the same model at
+    the same shapes: a twin's step, a CLI run repeated by two pages) is compiled once. The
+    tests still trace, lower and run every program; only XLA's compile is reused."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
+    return Path(tempfile.gettempdir()) / "fsdp_tp_test_jax_cache" / run
+
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(_compilation_cache())
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import jax
 from hypothesis import HealthCheck, settings
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+def pytest_sessionfinish(session):
+    # The controller (not an xdist worker) removes the run's cache when the run ends.
+    if not hasattr(session.config, "workerinput"):
+        shutil.rmtree(_compilation_cache(), ignore_errors=True)
 
 _common = dict(
     derandomize=True,

@@ -133,7 +133,7 @@ def test_mismatch_lists_every_differing_leaf():
     for leaf in (
         "params/blocks/mlp/wi/kernel",
         "params/blocks/mlp/wo/kernel",
-        "opt_state/0/mu/blocks/mlp/wi/kernel",
+        "opt_state/1/0/mu/blocks/mlp/wi/kernel",  # (clip_by_global_norm, adamw): adamw is the second
     ):
         assert leaf in message
     assert "d_model" not in message and "embed" not in message  # only the leaves that differ
