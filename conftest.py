@@ -23,8 +23,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
-import jax
-from hypothesis import HealthCheck, settings
+import jax  # noqa: E402  (after the environment above: jax reads it at import)
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -33,6 +33,7 @@ def pytest_sessionfinish(session):
     # The controller (not an xdist worker) removes the run's cache when the run ends.
     if not hasattr(session.config, "workerinput"):
         shutil.rmtree(_compilation_cache(), ignore_errors=True)
+
 
 _common = dict(
     derandomize=True,
