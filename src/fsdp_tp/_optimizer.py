@@ -6,7 +6,8 @@ Any transform that reduces over a leaf (trust ratios: LAMB, LARS), across leaves
 computes on the wrong numbers, with no error. So the library keeps only the forward and
 backward pass per device; ``tx.init`` and ``tx.update`` run under ``jax.jit`` on global
 arrays laid out by the state's specs, and XLA inserts exactly the reductions a transform
-needs: none for an element-wise one, one scalar all-reduce for a global norm.
+needs: none for an element-wise one, all-reduces of scalars for a global norm (one on an
+FSDP mesh; ``tests/test_optimizers.py`` counts them).
 
 This module holds the two halves of that rule:
 
