@@ -9,6 +9,7 @@ gradients, same parameters after k steps of SGD and of AdamW.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -16,11 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 from fsdp_tp.partitioning import specs_of
+from fsdp_tp.rules import named_shardings
 
 RTOL, ATOL = 1e-5, 1e-6  # f32; never loosen to get a pass (DESIGN.md, STYLE.md habit 9)
 # Adam's update lr * g / (|g| + eps) turns on the sign of g when |g| ~ eps: a gradient
@@ -140,13 +142,9 @@ def _run_sharded(case: Case, state, specs, sync: Callable, data, naive: bool = F
 def _sharded_steps(case: Case, tx, sync: Callable, data):
     """Params after a step per batch, from a train state built by ``init_sharded``."""
 
-    def init_fn(rng, x):
-        params = case.model.init(rng, x)["params"]
-        return fsdp_tp.TrainState.create(apply_fn=case.model.apply, params=params, tx=tx, rng=rng)
-
     # A fresh state per run: donated state is never reused (DESIGN.md, CPU segfaults).
     state, specs = fsdp_tp.init_sharded(
-        init_fn,
+        fsdp_tp.state_init_fn(case.model, tx),
         case.mesh,
         (P(), P(case.batch_axes)),
         jax.random.key(case.seed),
@@ -179,6 +177,8 @@ def optimizer_mismatches(
         check_vma=case.check_vma,
     )
     references = {} if references is None else references
+    # The twin's init, compiled once and only if some unsharded run is not yet kept.
+    reference_params = functools.cache(lambda: jax.jit(case.reference.init)(rng, data[0][0])["params"])
     mismatches = {}
     for name, make in optimizers.items():
         tx = make()
@@ -189,14 +189,10 @@ def optimizer_mismatches(
             apply_fn=case.model.apply, params=p, tx=tx, rng=rng
         )
         specs = specs_of(jax.eval_shape(create, params), case.mesh)
-        shardings = jax.tree.map(
-            lambda s: NamedSharding(case.mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
-        )
-        state = jax.jit(create, out_shardings=shardings)(params)
+        state = jax.jit(create, out_shardings=named_shardings(specs, case.mesh))(params)
         state = _run_sharded(case, state, specs, fsdp_tp.sync_gradients, data, naive, donate=False)
         if name not in references:
-            ref_params = jax.jit(case.reference.init)(rng, data[0][0])["params"]
-            references[name] = _reference_steps(case, tx, ref_params, data)
+            references[name] = _reference_steps(case, tx, reference_params(), data)
         try:
             assert_trees_close(
                 nn.unbox(state.params), references[name][0], f"{name}: params after {steps} steps"

@@ -116,10 +116,7 @@ def _fsdp_state(check_vma: bool):
     case = _strategy("fsdp", check_vma)
     x = jnp.ones((16, 8))
 
-    def init_fn(rng, x):
-        params = case.model.init(rng, x)["params"]
-        return fsdp_tp.TrainState.create(apply_fn=case.model.apply, params=params, tx=optax.sgd(LR), rng=rng)
-
+    init_fn = fsdp_tp.state_init_fn(case.model, optax.sgd(LR))
     state, specs = fsdp_tp.init_sharded(init_fn, case.mesh, (P(), P(BATCH_AXES)), jax.random.key(0), x)
     return case, state, specs, x
 
@@ -169,12 +166,13 @@ def _step_collectives(strategy: str, optimizer: str, check_vma: bool, naive: boo
     case = _strategy(strategy, check_vma)
     tx, batch = OPTIMIZERS[optimizer](), next(batches(case, 1))
 
-    def init_fn(rng, x):
-        params = case.model.init(rng, x)["params"]
-        return fsdp_tp.TrainState.create(apply_fn=case.model.apply, params=params, tx=tx, rng=rng)
-
     state, specs = fsdp_tp.init_sharded(
-        init_fn, case.mesh, (P(), P(case.batch_axes)), jax.random.key(0), batch[0], check_vma=check_vma
+        fsdp_tp.state_init_fn(case.model, tx),
+        case.mesh,
+        (P(), P(case.batch_axes)),
+        jax.random.key(0),
+        batch[0],
+        check_vma=check_vma,
     )
     hlo = step_program(case, specs, naive).lower(state, batch).compile().as_text()
     ops = collections.Counter(

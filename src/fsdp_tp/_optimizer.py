@@ -40,12 +40,12 @@ import contextvars
 
 import jax
 from flax.training import train_state
-from jax.sharding import NamedSharding, PartitionSpec
 
 from ._axes import varying_axes
 from ._trace import specs_of
 from ._types import PyTree
 from .errors import OptimizerOnShardsError
+from .rules import named_shardings
 
 __all__ = [
     "lower_optimizer_state",
@@ -77,10 +77,7 @@ def _init_program(state, mesh):
     """``tx.init`` of the state's optimizer under ``jax.jit``, each leaf laid out as
     ``specs_of(..., mesh)`` says: like its parameter where that fits, else whole."""
     specs = specs_of(jax.eval_shape(state.tx.init, state.params), mesh)
-    shardings = jax.tree.map(
-        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
-    )
-    return jax.jit(state.tx.init, out_shardings=shardings)
+    return jax.jit(state.tx.init, out_shardings=named_shardings(specs, mesh))
 
 
 def with_optimizer_state(tree: PyTree, mesh) -> PyTree:
@@ -143,10 +140,10 @@ def refuse_on_shards(params: PyTree) -> None:
     this device's shards: inside :func:`~fsdp_tp.shard_step`'s per-device function, or
     under ``jax.shard_map`` with a parameter that varies across devices."""
     varying = sorted({str(a) for leaf in jax.tree.leaves(params) for a in varying_axes(leaf)})
-    if not (_PER_DEVICE.get() or varying):
-        return
     reasons = ["inside shard_step's step_fn"] if _PER_DEVICE.get() else []
     reasons += [f"its parameters vary over mesh axes {varying}"] if varying else []
+    if not reasons:
+        return
     where = "; ".join(reasons)
     raise OptimizerOnShardsError(
         f"apply_gradients was called on one device's shards ({where}): an optax transform that "

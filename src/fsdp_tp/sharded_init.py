@@ -100,14 +100,16 @@ def lower_init(
     [32, 1024]
     """
     traced, programs = _programs(init_fn, mesh, in_specs, args, twin_init_fn, one_leaf_at_a_time, check_vma)
-    # The optimizer's state is built from the global parameters: lower it from their shapes.
-    leaves = [leaf for program in programs for leaf in jax.eval_shape(program, *args)]
+    lowered = [program.lower(*args) for program in programs]
+    # The optimizer's state is built from the global parameters: lower it from their shapes
+    # (the lowered programs' outputs; tracing the programs again would only repeat them).
+    leaves = [leaf for low in lowered for leaf in jax.tree.leaves(low.out_info)]
     laid_out = [
         jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
         for leaf, spec in zip(leaves, traced.flat_specs, strict=True)
     ]
     abstract = jax.tree.unflatten(traced.treedef, laid_out)
-    return [program.lower(*args) for program in programs] + lower_optimizer_state(abstract, mesh)
+    return lowered + lower_optimizer_state(abstract, mesh)
 
 
 def _programs(init_fn, mesh, in_specs, args, twin_init_fn, one_leaf_at_a_time, check_vma):

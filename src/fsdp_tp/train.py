@@ -13,12 +13,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax.training import train_state
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from ._axes import require_axes
 from ._optimizer import per_device_step, refuse_on_shards
 from ._types import AxisNames, PyTree, Specs
 from .partitioning import check_specs
+from .rules import named_shardings
 
 __all__ = ["TrainState", "accumulate_gradients", "fold_rng_over_axis", "shard_step", "state_init_fn"]
 
@@ -202,12 +203,9 @@ def shard_step(
         grads, metrics = per_device(state, batch)
         return state.apply_gradients(grads=grads), metrics
 
-    named = lambda specs: jax.tree.map(
-        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
-    )
     sharded = jax.jit(
         update,
-        out_shardings=(named(state_specs), named(metrics_specs)),
+        out_shardings=(named_shardings(state_specs, mesh), named_shardings(metrics_specs, mesh)),
         donate_argnums=(0,) if donate_state else (),
     )
 
