@@ -133,7 +133,7 @@ def test_rule_errors_name_the_rule_the_parameter_and_the_fix():
         fsdp_tp.tensor_parallel(nn.Dense, "tensor", [("ker(nel", 1)])
     with pytest.raises(RuleError, match=r"no rules"):
         fsdp_tp.tensor_parallel(nn.Dense, "tensor", [])
-    with pytest.raises(TypeError, match=r"pass a flax.linen Module class"):
+    with pytest.raises(TypeError, match=r"tensor_parallel: got a Dense instance .* pass the class"):
         fsdp_tp.tensor_parallel(nn.Dense(4), "tensor", COLUMN)
     with pytest.raises(
         IndivisibleShapeError, match=r"kernel: dim 1 \(size 6\) of shape \(8, 6\) .* 'tensor' \(size 4\)"

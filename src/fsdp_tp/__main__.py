@@ -1,7 +1,5 @@
 """``python -m fsdp_tp``: the ``fsdp-tp`` command."""
 
-import sys
+from .cli import console
 
-from .cli import main
-
-sys.exit(main())
+console()

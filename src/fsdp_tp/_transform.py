@@ -37,6 +37,7 @@ from .rules import path_of
 
 __all__ = [
     "LayoutChoice",
+    "check_module_class",
     "gather",
     "input_varying",
     "keep_module_name",
@@ -159,6 +160,25 @@ def gather(
         return leaf
 
     return jax.tree.map(leaf_fn, params, is_leaf=_is_box)
+
+
+def check_module_class(target, who: str) -> None:
+    """Raises ``TypeError`` unless ``target`` is a flax linen Module class (what every
+    transform wraps), naming what was passed and how to pass the class instead."""
+    if isinstance(target, type) and issubclass(target, nn.Module):
+        return
+    if isinstance(target, nn.Module):
+        # An instance has already claimed its name in its parent, so it cannot
+        # be re-created as the wrapped class under that name.
+        cls = type(target).__name__
+        raise TypeError(
+            f"{who}: got a {cls} instance ({target.name or 'unnamed'}); pass the class and build the "
+            f"layer from the result: {who}({cls}, ...)(...{cls} arguments...)."
+        )
+    raise TypeError(
+        f"{who}: expected a flax.linen Module class such as nn.Dense, got {target!r} "
+        f"({type(target).__name__}); to shard a function's parameters, wrap the module it calls."
+    )
 
 
 def map_params(target, trans_in: Callable[[PyTree], PyTree], trans_out: Callable[[PyTree], PyTree]):

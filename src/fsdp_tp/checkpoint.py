@@ -1,4 +1,4 @@
-"""Sharded checkpoints that do not depend on the mesh they were written on.
+"""Sharded checkpoints that do not depend on the mesh they were written on, and prove their bytes.
 
 A train state is saved as its *global* arrays (each device writes its own blocks,
 through orbax-checkpoint) with the boxes (``nn.Partitioned``) stripped, so the tree on
@@ -10,6 +10,12 @@ Saves are asynchronous (training goes on while the bytes are written) and atomic
 writes into a temporary directory and renames it when complete, so a process killed in
 the middle of a save leaves the previous checkpoint as the newest restorable one.
 
+Each checkpoint records a fingerprint of every array (``_integrity``), and a restore
+recomputes them from what it read: a checkpoint with flipped or truncated bytes or lost
+metadata is never handed back. ``restore()`` falls back to the newest checkpoint that
+verifies and moves the bad ones aside (``corrupt-<step>``); old checkpoints are deleted
+only once ``keep`` newer ones have been read back and verified.
+
 >>> import tempfile, jax.numpy as jnp
 >>> with Checkpoints(tempfile.mkdtemp()) as checkpoints:
 ...     checkpoints.save(0, {"w": jnp.ones(4)}), checkpoints.restore({"w": jnp.zeros(4)})[0]["w"].tolist()
@@ -18,91 +24,58 @@ the middle of a save leaves the previous checkpoint as the newest restorable one
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
-from typing import Any
 
-import flax.linen as nn
 import jax
 import orbax.checkpoint as ocp
-from flax import serialization
 
+from ._integrity import fingerprints, mismatches
+from ._state_tree import abstract, check_saved, global_tree, into
 from ._types import PyTree
-from .errors import CheckpointMismatchError
+from .errors import CheckpointCorruptError, CheckpointSaveError
 
 __all__ = ["Checkpoints", "global_tree"]
 
-
-def _is_box(x: Any) -> bool:
-    return isinstance(x, nn.meta.AxisMetadata)
-
-
-def _unboxed(tree: PyTree) -> PyTree:
-    """``tree`` with every box replaced by its value (outside ``shard_map``: global arrays)."""
-    return jax.tree.map(lambda x: x.unbox() if _is_box(x) else x, tree, is_leaf=_is_box)
+_FINGERPRINTS = "fingerprints"  # the meta key that holds them
+_FILESYSTEM_ERRORS = (errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EIO)
 
 
-def _is_key(x: Any) -> bool:
-    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+def _cause(err: BaseException) -> str:
+    """What went wrong, in one line: the filesystem's own error where orbax or tensorstore
+    wrapped one (their messages run to 150 lines of escaped bytes), else the first line."""
+    inner: BaseException | None = err
+    while inner is not None:
+        if isinstance(inner, OSError) and inner.strerror:
+            return f"{inner.strerror}" + (f" ({inner.filename})" if inner.filename else "")
+        inner = inner.__cause__ or inner.__context__
+    text = str(err)
+    for code in _FILESYSTEM_ERRORS:  # tensorstore reports them as text inside a ValueError
+        if os.strerror(code) in text:
+            return os.strerror(code)
+    lines = text.strip().splitlines()
+    first = lines[0].split(" See full TensorStore details")[0] if lines else ""
+    return f"{type(err).__name__}: {first}"[:300]
 
 
-def global_tree(state: PyTree) -> PyTree:
-    """The mesh-independent form of ``state``: nested dicts of plain global arrays.
+def _sync(name: str) -> None:
+    """A barrier across the processes of a multi-process run (nothing in a single one)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
 
-    Boxes are unboxed, flax structs and optax states become dicts
-    (``flax.serialization.to_state_dict``), typed rng keys become their key data.
-    Works on concrete arrays and on ``jax.ShapeDtypeStruct``s alike.
-
-    >>> import flax.linen as nn, jax, jax.numpy as jnp
-    >>> state = {"w": nn.Partitioned(jnp.ones((4, 2)), ("fsdp", None)), "rng": jax.random.key(0)}
-    >>> jax.tree.map(lambda x: (x.shape, str(x.dtype)), global_tree(state))
-    {'rng': ((2,), 'uint32'), 'w': ((4, 2), 'float32')}
-    """
-    plain = _unboxed(state)
-    return jax.tree.map(
-        lambda x: jax.random.key_data(x) if _is_key(x) else x,
-        serialization.to_state_dict(plain),
-    )
-
-
-def _abstract(tree: PyTree) -> PyTree:
-    """What orbax should read: each leaf's global shape, dtype and *current* sharding."""
-
-    def target(x):
-        # Always this run's sharding: the saved one may name devices this run does not have.
-        sharding = getattr(x, "sharding", None)
-        if _is_key(x):
-            x = jax.eval_shape(jax.random.key_data, x)
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-    plain = _unboxed(tree)
-    return serialization.to_state_dict(jax.tree.map(target, plain))
-
-
-def _check_shapes(saved: PyTree, expected: PyTree, where: str) -> None:
-    """Raises naming every leaf whose saved shape differs from the model's (or is missing)."""
-    saved_leaves = dict(jax.tree_util.tree_flatten_with_path(saved)[0])
-    problems = []
-    for path, want in jax.tree_util.tree_flatten_with_path(expected)[0]:
-        name = "/".join(str(getattr(k, "key", k)) for k in path)
-        got = saved_leaves.get(path)
-        if got is None:
-            problems.append(f"{name}: missing (the model expects shape {tuple(want.shape)})")
-        elif tuple(got.shape) != tuple(want.shape):
-            problems.append(f"{name}: saved shape {tuple(got.shape)}, the model expects {tuple(want.shape)}")
-    if problems:
-        raise CheckpointMismatchError(
-            f"checkpoint {where} was written by a different model:\n  "
-            + "\n  ".join(problems)
-            + "\nRestore with the model (preset and sizes) that wrote it, or use a new checkpoint directory."
-        )
+        multihost_utils.sync_global_devices(name)
 
 
 class Checkpoints:
-    """Numbered checkpoints of a (sharded) train state in ``directory``, the last ``keep`` kept.
+    """Numbered, verified checkpoints of a (sharded) train state in ``directory``.
 
-    ``every`` > 1 makes ``save`` skip steps that are not multiples of it (``force`` overrides).
-    Every process of a multi-process run makes the same calls; orbax writes each array
-    block once and one process writes the metadata. Saved on ``fsdp=8``, read on ``2 x 4``:
+    ``keep``: how many verified checkpoints to keep (``None``: all). ``every`` > 1 makes
+    ``save`` skip steps that are not multiples of it (``force`` overrides). ``verify_saves``:
+    read each finished save back and check its fingerprints before older ones are deleted
+    (costs one read of the state per save). Every process of a multi-process run makes the
+    same calls; orbax writes each array block once and one process writes the metadata.
+    Saved on ``fsdp=8``, read on ``2 x 4``:
 
     >>> import tempfile, jax, jax.numpy as jnp
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
@@ -120,36 +93,65 @@ class Checkpoints:
     """
 
     def __init__(
-        self, directory: str | Path, *, keep: int | None = 3, every: int = 1, async_save: bool = True
+        self,
+        directory: str | Path,
+        *,
+        keep: int | None = 3,
+        every: int = 1,
+        async_save: bool = True,
+        verify_saves: bool = True,
     ):
         if every < 1 or (keep is not None and keep < 1):
             raise ValueError(
                 f"Checkpoints: every={every} and keep={keep} must be at least 1 (keep=None keeps all)."
             )
-        self.directory, self.every = Path(directory).absolute(), every
+        self.directory, self.every, self.keep = Path(directory).absolute(), every, keep
+        self.verify_saves = verify_saves
+        self._unverified: tuple[int, PyTree] | None = None  # the last save, and what to read it into
+        self._verified: set[int] = set()
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
+            max_to_keep=None,  # deleting is ours: only after newer ones verified (_prune)
             enable_async_checkpointing=async_save,
             cleanup_tmp_directories=True,  # half-written saves of a killed run
         )
         # Handlers named up front, so a new process can read metadata before its first restore.
         handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        try:
+            self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        except OSError as err:
+            raise CheckpointSaveError(f"checkpoint directory {self.directory}: {_cause(err)}") from err
 
     def save(self, step: int, state: PyTree, meta: dict | None = None, *, force: bool = False) -> bool:
         """Starts saving ``state`` (and the JSON-able ``meta``) as checkpoint ``step``.
 
         Returns whether a save started. The arrays are copied off the devices before it
-        returns, so the caller may donate or overwrite ``state`` at once.
+        returns, so the caller may donate or overwrite ``state`` at once. Raises
+        ``CheckpointSaveError`` when this or the previous save failed.
         """
         if step % self.every and not force:
             return False
+        self._settle()
+        tree = global_tree(state)
         items = ocp.args.Composite(
-            state=ocp.args.StandardSave(global_tree(state)),
-            meta=ocp.args.JsonSave({**(meta or {}), "step": step}),
+            state=ocp.args.StandardSave(tree),
+            meta=ocp.args.JsonSave({**(meta or {}), "step": step, _FINGERPRINTS: fingerprints(tree)}),
         )
-        # force: orbax would also save the first step of a fresh directory; we decide here.
-        return self._manager.save(step, args=items, force=True)
+        try:
+            # force: orbax would also save the first step of a fresh directory; we decide here.
+            started = self._manager.save(step, args=items, force=True)
+        except Exception as err:  # orbax raises what the filesystem raised, in many types
+            raise CheckpointSaveError(f"could not save {self.path(step)}: {_cause(err)}") from err
+        if self.verify_saves:
+            self._unverified = (step, abstract(state))
+        return started
+
+    def check(self) -> None:
+        """Raises ``CheckpointSaveError`` if a save running in the background has failed (cheap:
+        call it every step to stop within a step of a disk error, not at the next save)."""
+        try:
+            self._manager.check_for_errors()
+        except Exception as err:
+            raise CheckpointSaveError(f"could not save in {self.directory}: {_cause(err)}") from err
 
     def steps(self) -> list[int]:
         """The steps of the complete checkpoints, oldest first."""
@@ -163,52 +165,140 @@ class Checkpoints:
         return self.directory / str(step)
 
     def restore(self, like: PyTree, step: int | None = None) -> tuple[PyTree, dict]:
-        """Checkpoint ``step`` (default: the newest) read into the tree and shardings of ``like``.
+        """Checkpoint ``step`` (default: the newest that verifies) read into the tree and
+        shardings of ``like``.
 
         ``like`` is a state of the model you train now, on the mesh you train on now (concrete
-        arrays or ``jax.ShapeDtypeStruct``s with shardings). Returns ``(state, meta)``; raises
-        ``CheckpointMismatchError`` naming every parameter whose shape differs.
+        arrays or ``jax.ShapeDtypeStruct``s with shardings). Returns ``(state, meta)``; ``meta``
+        holds ``"step"`` and, when newer checkpoints failed verification, ``"skipped"``:
+        ``{step: reason}`` (those were moved to ``corrupt-<step>``). Raises
+        ``CheckpointMismatchError`` naming every leaf whose shape or dtype differs,
+        ``CheckpointCorruptError`` when the asked-for step (or, without one, every step)
+        fails verification.
         """
         self.wait()  # a save of this process still in flight is part of what there is to read
-        step = self.latest() if step is None else step
-        if step is None or step not in self._manager.all_steps():
-            raise FileNotFoundError(
-                f"no complete checkpoint {'' if step is None else step} in {self.directory}; "
-                f"the complete ones are {self.steps()}."
+        if step is not None:
+            if step not in self.steps():
+                raise FileNotFoundError(
+                    f"no complete checkpoint {step} in {self.directory}; "
+                    f"the complete ones are {self.steps()}."
+                )
+            tree, meta = self._read(step, abstract(like))
+            return into(like, tree), meta
+        skipped: dict[int, str] = {}
+        for candidate in reversed(self.steps()):
+            try:
+                tree, meta = self._read(candidate, abstract(like))
+            except CheckpointCorruptError as err:
+                skipped[candidate] = str(err)
+                continue
+            for bad in skipped:
+                self._quarantine(bad)
+            return into(like, tree), {**meta, "skipped": skipped} if skipped else meta
+        if skipped:
+            raise CheckpointCorruptError(
+                f"no checkpoint in {self.directory} verifies:\n  "
+                + "\n  ".join(f"{s}: {why}" for s, why in skipped.items())
             )
-        target = _abstract(like)
-        _check_shapes(self._manager.item_metadata(step)["state"], target, str(self.path(step)))
-        restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()),
-        )
-        return _into(like, restored["state"]), dict(restored["meta"])
+        raise FileNotFoundError(f"no complete checkpoint in {self.directory}.")
+
+    def _read(self, step: int, target: PyTree) -> tuple[PyTree, dict]:
+        """Checkpoint ``step``'s global arrays and meta, verified against its fingerprints."""
+        where = str(self.path(step))
+        try:
+            saved = self._manager.item_metadata(step)["state"]
+        except Exception as err:
+            raise CheckpointCorruptError(f"its metadata does not read ({_cause(err)})") from err
+        if saved is None:
+            raise CheckpointCorruptError("its array metadata (state/_METADATA) is missing or unreadable")
+        check_saved(saved, target, where)  # another model: the user's mistake, not corruption
+        try:
+            restored = self._manager.restore(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()),
+            )
+        except Exception as err:
+            raise CheckpointCorruptError(f"its arrays do not read ({_cause(err)})") from err
+        meta = dict(restored["meta"])
+        recorded = meta.pop(_FINGERPRINTS, None)
+        if recorded is None:
+            raise CheckpointCorruptError("it records no fingerprints, so its bytes cannot be verified")
+        bad = mismatches(recorded, fingerprints(restored["state"]))
+        if bad:
+            raise CheckpointCorruptError(
+                f"{len(bad)} array(s) differ from the fingerprints saved with them: {', '.join(bad[:4])}"
+                + (", ..." if len(bad) > 4 else "")
+            )
+        self._verified.add(step)
+        return restored["state"], meta
+
+    def _settle(self) -> None:
+        """Waits for the last save, reads it back and verifies it, then deletes old checkpoints."""
+        self.wait()
+        if self._unverified is not None:
+            step, target = self._unverified
+            self._unverified = None
+            try:
+                self._read(step, target)
+            except CheckpointCorruptError as err:
+                moved = self._quarantine(step)
+                raise CheckpointSaveError(
+                    f"checkpoint {self.path(step)} was written but does not read back: {err}; "
+                    f"moved to {moved}."
+                ) from err
+        self._prune()
+
+    def _prune(self) -> None:
+        """Deletes the checkpoints older than the ``keep`` newest verified ones."""
+        verified = [s for s in self.steps() if s in self._verified]
+        if self.keep is None or len(verified) <= self.keep:
+            return
+        oldest_kept = verified[-self.keep]
+        for step in self.steps():
+            if step < oldest_kept:
+                self._manager.delete(step)
+
+    def set_aside(self, step: int, label: str) -> Path:
+        """Moves checkpoint ``step`` to ``<label>-<step>`` in the directory: out of the step list
+        (so the step can be saved again), but nothing deleted. Returns the new path."""
+        _sync(f"fsdp_tp set aside {step}")  # every process names the same destination
+        moved, suffix = self.directory / f"{label}-{step}", 0
+        while moved.exists():
+            suffix += 1
+            moved = self.directory / f"{label}-{step}.{suffix}"
+        if jax.process_index() == 0:
+            self.path(step).rename(moved)
+        _sync(f"fsdp_tp set aside {step} done")
+        self._manager.reload()
+        self._verified.discard(step)
+        return moved
+
+    def _quarantine(self, step: int) -> Path:
+        return self.set_aside(step, "corrupt")
 
     def wait(self) -> None:
-        """Blocks until every started save is complete on disk."""
-        self._manager.wait_until_finished()
+        """Blocks until every started save is complete on disk; raises ``CheckpointSaveError``
+        if one failed."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as err:
+            raise CheckpointSaveError(f"could not save in {self.directory}: {_cause(err)}") from err
 
     def close(self) -> None:
-        self._manager.close()  # waits for the saves in flight
+        """Waits for the saves in flight and verifies the last one (see ``verify_saves``)."""
+        try:
+            self._settle()
+        finally:
+            self._manager.close()
 
     def __enter__(self) -> Checkpoints:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def _into(like: PyTree, restored: PyTree) -> PyTree:
-    """``restored`` (nested dicts) put back into ``like``'s structure, boxes and key types."""
-    plain_like = _unboxed(like)
-    plain = serialization.from_state_dict(plain_like, restored)
-    plain = jax.tree.map(
-        lambda want, got: (
-            jax.random.wrap_key_data(got, impl=jax.random.key_impl(want)) if _is_key(want) else got
-        ),
-        plain_like,
-        plain,
-    )
-    return jax.tree.map(
-        lambda box, value: box.replace_boxed(value) if _is_box(box) else value, like, plain, is_leaf=_is_box
-    )
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # already failing: do not verify; the save that failed may fail closing again
+            try:
+                self._manager.close()
+            except Exception:  # the error in flight is the one to report
+                pass

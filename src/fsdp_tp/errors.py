@@ -12,7 +12,9 @@ fsdp_tp.errors.MeshShapeError: make_mesh: axis sizes {'data': 3, 'fsdp': 2} mult
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointCorruptError",
     "CheckpointMismatchError",
+    "CheckpointSaveError",
     "IndivisibleShapeError",
     "MeshShapeError",
     "OptimizerOnShardsError",
@@ -65,3 +67,13 @@ class UnmatchedRuleWarning(UserWarning):
 
 class CheckpointMismatchError(ValueError):
     """A checkpoint whose arrays do not fit the model restoring it (another preset or size)."""
+
+
+class CheckpointCorruptError(RuntimeError):
+    """A checkpoint whose files do not read back as the arrays that were saved (flipped or
+    truncated bytes, deleted metadata): it is never trained on."""
+
+
+class CheckpointSaveError(OSError):
+    """A checkpoint that could not be written (read-only or full disk, no permission), or that
+    was written but does not read back."""

@@ -10,13 +10,12 @@ largest dim the axis divides. The mechanism is the transform core's
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
 from ._axes import axes_named, require_axes
-from ._transform import gather, input_varying, map_params, store, warn_once
+from ._transform import check_module_class, gather, input_varying, map_params, store, warn_once
 from ._types import AxisName, AxisNames, PyTree
 from .errors import ReplicatedParameterWarning
 
@@ -129,15 +128,7 @@ def shard_module_params(target, axis_name: AxisName = "fsdp", min_weight_size: i
     >>> local["kernel"].value.shape, local["kernel"].names   # per device: 16 / 8 columns
     ((4, 2), (None, 'fsdp'))
     """
-    if isinstance(target, nn.Module):
-        # An instance has already claimed its name in its parent, so it cannot
-        # be re-created as the wrapped class under that name.
-        cls = type(target).__name__
-        raise TypeError(
-            f"shard_module_params: got a {cls} instance ({target.name or 'unnamed'}); pass the class "
-            f"and build the layer from the result: shard_module_params({cls}, axis_name="
-            f"{axis_name!r})(...{cls} arguments...)."
-        )
+    check_module_class(target, "shard_module_params")
     return map_params(
         target,
         trans_in=lambda params: gather_params(params, axis_name, input_varying()),

@@ -51,22 +51,30 @@ def _resolve_sizes(axis_sizes: Mapping[str, int], num_devices: int) -> dict[str,
 
 
 def make_mesh(
-    axis_sizes: Mapping[str, int] | None = None,
+    axis_sizes: Mapping[str, int] | str | None = None,
     *,
     devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
     """A mesh with ``Auto`` axis types over all (or the given) devices.
 
-    ``axis_sizes`` maps axis names to sizes, in mesh order; one size may be ``-1``
-    to take the remaining devices. The default is every device on ``fsdp`` of a
-    ``data x fsdp x tensor`` mesh. ``Auto`` (not jax 0.10's default ``Explicit``)
-    lets ``jax.shard_map`` take inputs that are not sharded like its ``in_specs`` yet.
+    ``axis_sizes`` maps axis names to sizes, in mesh order (or is the command line's
+    ``"data=2,fsdp=4"``); one size may be ``-1`` to take the remaining devices. The
+    default is every device on ``fsdp`` of a ``data x fsdp x tensor`` mesh. ``Auto`` (not
+    jax 0.10's default ``Explicit``) lets ``jax.shard_map`` take inputs that are not sharded
+    like its ``in_specs`` yet.
 
     >>> mesh = make_mesh({"data": 2, "fsdp": -1, "tensor": 1})
     >>> dict(mesh.shape)
     {'data': 2, 'fsdp': 4, 'tensor': 1}
     """
     devices = list(jax.devices() if devices is None else devices)
+    if isinstance(axis_sizes, str):  # what the command line takes: "data=2,fsdp=4"
+        axis_sizes = parse_mesh(axis_sizes)
+    if axis_sizes is not None and not isinstance(axis_sizes, Mapping):
+        raise MeshShapeError(
+            f"make_mesh: axis_sizes must map axis names to sizes, e.g. {{'data': 2, 'fsdp': 4}} or "
+            f"'data=2,fsdp=4'; got {axis_sizes!r} ({type(axis_sizes).__name__})."
+        )
     if axis_sizes is None:
         axis_sizes = {"data": 1, "fsdp": -1, "tensor": 1}
     sizes = _resolve_sizes(axis_sizes, len(devices))

@@ -60,9 +60,11 @@ def check_specs(tree: PyTree, specs: Specs, mesh: Mesh | AbstractMesh, what: str
     spec_leaves, spec_def = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)
     try:
         subtrees = spec_def.flatten_up_to(tree)  # type: ignore[attr-defined]  # exists, untyped
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError):
         raise SpecTreeMismatchError(
-            f"the specs given for the {what} do not match its structure: {err}. Derive them from "
+            # Not jax's message: it prints the whole tree, arrays included.
+            f"the specs given for the {what} do not match its structure: specs {spec_def}, "
+            f"{what} {jax.tree.structure(tree)}. Derive them from "
             f"the same function that builds the {what} (fsdp_tp.init_sharded returns them) instead "
             f"of writing them by hand."
         ) from None

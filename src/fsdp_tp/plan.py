@@ -129,6 +129,13 @@ def make_plan(
     >>> [(r.path, r.shape, r.bytes_per_device) for r in plan.rows]
     [('bias', (4096,), 2048), ('kernel', (1024, 4096), 2097152)]
     """
+    if not callable(init_fn):
+        raise TypeError(
+            f"make_plan: init_fn must be a function that builds the state, e.g. "
+            f"fsdp_tp.state_init_fn(model, tx); got {init_fn!r} ({type(init_fn).__name__})."
+        )
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"make_plan: loss_fn must be a function (params, batch) -> loss; got {loss_fn!r}.")
     if loss_fn is None:
         traced = trace_per_device(init_fn, mesh, in_specs, args, check_vma=check_vma)
         local, specs, residuals = traced.local, traced.specs, None

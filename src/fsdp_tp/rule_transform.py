@@ -18,7 +18,15 @@ import jax
 from jax.sharding import PartitionSpec
 
 from ._axes import as_axis_tuple, bound_axis_names, entry_axes
-from ._transform import gather, input_varying, keep_module_name, map_params, store, warn_once
+from ._transform import (
+    check_module_class,
+    gather,
+    input_varying,
+    keep_module_name,
+    map_params,
+    store,
+    warn_once,
+)
 from ._types import AxisNames
 from .rules import REPLICATED, CompiledRule, Rules, compile_rules, spec_for, unmatched_warning
 
@@ -94,6 +102,7 @@ def shard_by_rules(
     >>> specs["hidden"]["kernel"], specs["out"]["kernel"], specs["out"]["bias"]
     (P('fsdp', None), P('fsdp', None), P())
     """
+    check_module_class(target, "shard_by_rules")
     compiled = compile_rules(rules, "shard_by_rules")
     default = PartitionSpec(*default)
     batch = frozenset(as_axis_tuple(batch_axes))

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec
 
 from ._axes import axes_named, require_axes
 from ._layout import check_fit, sliced_init
-from ._transform import keep_module_name
+from ._transform import check_module_class, keep_module_name
 from ._types import AxisName
 from .errors import IndivisibleShapeError, RuleError
 from .rules import split_rule
@@ -113,8 +113,7 @@ def tensor_parallel(
     {'bias': P('tensor',), 'kernel': P(None, 'tensor')}
     """
     caller = f"tensor_parallel({getattr(target, '__name__', target)!s})"
-    if not isinstance(target, type) or not issubclass(target, nn.Module):
-        raise TypeError(f"{caller}: pass a flax.linen Module class, got {target!r}.")
+    check_module_class(target, "tensor_parallel")
     compiled = _compile(rules, caller)
     if not compiled:
         raise RuleError(f"{caller}: no rules; name at least one parameter to split, e.g. ('kernel', -1).")

@@ -63,8 +63,23 @@ def load_tokens(path: str | None) -> np.ndarray:
     if file.stat().st_size == 0:
         raise DataError(f"--data {path}: the file is empty.")
     if file.suffix == ".npy":
-        tokens = np.load(file, mmap_mode="r")
+        try:
+            tokens = np.load(file, mmap_mode="r")
+        except (ValueError, OSError, EOFError) as err:
+            raise DataError(
+                f"--data {path}: not a readable .npy file ({err}); save one with numpy.save."
+            ) from err
+        if not np.issubdtype(tokens.dtype, np.integer):
+            raise DataError(
+                f"--data {path}: tokens must be integers, got dtype {tokens.dtype}; "
+                f"convert with tokens.astype(np.int32) (ids are not rounded for you)."
+            )
     elif file.suffix == ".bin":
+        if file.stat().st_size % 2:
+            raise DataError(
+                f"--data {path}: {file.stat().st_size} bytes is not a whole number of uint16 tokens "
+                f"(2 bytes each); the file is truncated or not a nanoGPT-style .bin."
+            )
         tokens = np.memmap(file, dtype=np.uint16, mode="r")
     else:
         tokens = np.frombuffer(file.read_bytes(), dtype=np.uint8)
@@ -83,8 +98,10 @@ def check_tokens(tokens: np.ndarray, seq_len: int, what: str = "the data") -> No
         )
 
 
-def check_vocab(top: int, vocab: int, what: str = "the data") -> None:
-    """Raises ``DataError`` when the largest token id ``top`` is outside the vocabulary."""
+def check_vocab(low: int, top: int, vocab: int, what: str = "the data") -> None:
+    """Raises ``DataError`` when the token ids ``low .. top`` are not all in the vocabulary."""
+    if low < 0:
+        raise DataError(f"{what} holds token {low}; token ids must be >= 0.")
     if top >= vocab:
         raise DataError(
             f"{what} holds token {top}, outside the model's vocabulary of {vocab}; "

@@ -13,10 +13,12 @@ Under SLURM or Open MPI, ``--distributed`` alone lets JAX read the cluster's var
 from __future__ import annotations
 
 import os
+import socket
+import time
 
 import jax
 
-__all__ = ["DistributedError", "join", "requested"]
+__all__ = ["DistributedError", "join", "parse_address", "requested"]
 
 ENV = {
     "coordinator": "JAX_COORDINATOR_ADDRESS",
@@ -39,6 +41,43 @@ def _options(coordinator: str | None, num_processes: int | None, process_id: int
     return given
 
 
+def parse_address(text: str) -> tuple[str, int]:
+    """``"HOST:PORT"`` (``"[::1]:PORT"`` for IPv6) as ``(host, port)``, or ``DistributedError``.
+
+    >>> parse_address("127.0.0.1:9911"), parse_address("[::1]:80")
+    (('127.0.0.1', 9911), ('::1', 80))
+    """
+    host, sep, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise DistributedError(
+            f"--coordinator {text!r} is not HOST:PORT; write e.g. 127.0.0.1:9911 (a port 1..65535)."
+        )
+    return host, int(port)
+
+
+def _bind_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _wait_for(host: str, port: int, timeout: float) -> None:
+    """Waits until the coordinator accepts connections. JAX itself would abort the process with a
+    C++ stack trace after its timeout; this says what is wrong instead."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1.0).close()
+            return
+        except OSError as err:
+            if time.monotonic() >= deadline:
+                raise DistributedError(
+                    f"could not reach the coordinator at {_bind_address(host, port)} within {timeout:g} s "
+                    f"({err.strerror or err}); start process 0 first, check --coordinator, or raise "
+                    f"--coordinator-timeout."
+                ) from None
+            time.sleep(0.25)
+
+
 def requested(coordinator: str | None, num_processes: int | None, process_id: int | None, auto: bool) -> int:
     """How many processes the flags (or environment) ask for: 1 when none are set.
 
@@ -54,6 +93,7 @@ def requested(coordinator: str | None, num_processes: int | None, process_id: in
         raise DistributedError(
             f"a multi-process run needs {', '.join(missing)} as well; or pass --distributed on SLURM."
         )
+    parse_address(options["coordinator"])
     if not 0 <= options["process_id"] < options["num_processes"]:
         raise DistributedError(
             f"--process-id {options['process_id']} is outside 0 .. {options['num_processes'] - 1} "
@@ -62,15 +102,33 @@ def requested(coordinator: str | None, num_processes: int | None, process_id: in
     return options["num_processes"]
 
 
-def join(coordinator: str | None, num_processes: int | None, process_id: int | None, auto: bool) -> None:
+def join(
+    coordinator: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+    auto: bool,
+    timeout: int = 300,
+) -> None:
     """``jax.distributed.initialize`` with the flags (or environment); call before any JAX work.
 
-    CPU devices talk over gloo (the default CPU collectives would reject a
-    computation that spans processes).
+    Process 0's coordination service listens on the coordinator's host only (JAX's default is
+    every interface, and the service has no authentication): loopback stays loopback. The
+    other processes wait up to ``timeout`` seconds for it, then raise ``DistributedError``.
+    CPU devices talk over gloo (the default CPU collectives would reject a computation that
+    spans processes).
     """
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if auto:
-        jax.distributed.initialize()
+        jax.distributed.initialize(initialization_timeout=timeout)
         return
     options = _options(coordinator, num_processes, process_id)
-    jax.distributed.initialize(options["coordinator"], options["num_processes"], options["process_id"])
+    host, port = parse_address(options["coordinator"])
+    if options["process_id"] != 0:
+        _wait_for(host, port, timeout)
+    jax.distributed.initialize(
+        options["coordinator"],
+        options["num_processes"],
+        options["process_id"],
+        initialization_timeout=timeout,
+        coordinator_bind_address=_bind_address(host, port) if options["process_id"] == 0 else None,
+    )

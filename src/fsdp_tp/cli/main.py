@@ -11,18 +11,25 @@ Bad input exits with status 2 and one line saying what to change.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import math
 import os
 import sys
+import threading
 
 import numpy as np
 
-from ..errors import CheckpointMismatchError, IndivisibleShapeError, MeshShapeError
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointMismatchError,
+    CheckpointSaveError,
+    IndivisibleShapeError,
+    MeshShapeError,
+)
 from ..mesh import parse_mesh
 from ..models import Layout
-from .config import PRESETS, preset
+from .checks import UsageError, check_paths, check_ranges
+from .config import preset
 from .data import (
     EVAL_FRACTION,
     DataError,
@@ -32,93 +39,13 @@ from .data import (
     split_held_out,
     vocab_for,
 )
-from .distributed import DistributedError
+from .distributed import DistributedError, requested
+from .options import DEFAULT_MESH, parser
+from .workdir import check_contents
 
-__all__ = ["main"]
+__all__ = ["console", "main"]
 
-DEFAULT_MESH = "data=2,fsdp=2,tensor=2"
 DTYPES = {"f32": "float32", "bf16": "bfloat16"}
-
-
-class UsageError(ValueError):
-    """Options that cannot work together (batch not divisible, ...)."""
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fsdp-tp", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=False)
-    train = sub.add_parser("train", help="train the model (the default command)")
-    plan = sub.add_parser("plan", help="print what each device would hold, on any mesh")
-    for p in (train, plan):
-        p.add_argument("--mesh", default=DEFAULT_MESH, help=f"axis sizes, e.g. {DEFAULT_MESH}")
-        p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-        p.add_argument("--d-model", type=int)
-        p.add_argument("--layers", type=int, dest="num_layers")
-        p.add_argument("--heads", type=int, dest="num_heads")
-        p.add_argument("--kv-heads", type=int, dest="num_kv_heads")
-        p.add_argument("--mlp-hidden", type=int)
-        p.add_argument("--seq-len", type=int)
-        p.add_argument("--vocab-size", type=int, help="default: 256 (bytes), or fitted to a token file")
-        p.add_argument(
-            "--dtype", choices=["f32", "bf16"], default="f32", help="compute dtype (params stay f32)"
-        )
-        p.add_argument("--batch", type=int, default=16, help="global batch (sequences per step)")
-        p.add_argument("--min-weight-size", type=int, default=2**10, help="smaller params stay whole")
-        p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True)
-        p.add_argument(
-            "--scan-layers",
-            action=argparse.BooleanOptionalAction,
-            default=True,
-            help="nn.scan over the layers (one compiled block); --no-scan-layers unrolls them",
-        )
-        p.add_argument("--async-tp", choices=["off", "unidirectional", "bidirectional"], default="off")
-        p.add_argument("--check-vma", action=argparse.BooleanOptionalAction, default=True)
-    train.add_argument("--steps", type=int, default=300)
-    train.add_argument("--microbatches", type=int, default=1)
-    train.add_argument("--lr", type=float, default=3e-3)
-    train.add_argument("--warmup", type=int, default=20)
-    train.add_argument("--optimizer", choices=["adamw", "adafactor", "lamb", "lion", "sgd"], default="adamw")
-    train.add_argument(
-        "--clip-norm", type=float, default=1.0, help="clip the gradient's global norm to this (0: off)"
-    )
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--data", help="a UTF-8 text file (bytes as tokens), .npy or uint16 .bin tokens")
-    train.add_argument("--log-file", help="append JSON lines of step, loss, tokens/s")
-    train.add_argument("--log-every", type=int, default=25)
-    train.add_argument(
-        "--check", type=int, default=0, metavar="K", help="compare K steps with the twin first"
-    )
-    train.add_argument("--eval-every", type=int, default=100, help="held-out loss every N steps (0: off)")
-    train.add_argument("--eval-batches", type=int, default=4)
-    train.add_argument("--checkpoint-dir", help="save sharded checkpoints here (orbax, async, atomic)")
-    train.add_argument("--checkpoint-every", type=int, default=100)
-    train.add_argument("--keep", type=int, default=3, help="how many checkpoints to keep")
-    train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
-    train.add_argument(
-        "--cpu-devices", type=int, help="simulate this many CPU devices per process (default: the mesh's)"
-    )
-    bench = sub.add_parser("bench", help="measure every strategy against the baselines; write docs")
-    bench.add_argument("--out", default="docs", help="where benchmarks.md and the plots go")
-    bench.add_argument("--workloads", default="mlp,block,gpt")
-    bench.add_argument("--blocks", type=int, default=3, help="interleaved timing blocks (median taken)")
-    bench.add_argument("--steps", type=int, default=3, help="steps per timing block")
-    bench.add_argument("--depths", default="2,8,32", help="GPT layers for the compile-time figure")
-    bench.add_argument("--max-unrolled", type=int, default=32, help="deepest unrolled GPT to compile")
-    bench.add_argument(
-        "--build-depths", default="8,32", help="unrolled GPT depths whose whole build is timed vs plain flax"
-    )
-    bench.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True)
-    bench.add_argument("--readme", default="README.md", help="rewrite its headline table (if marked)")
-    hosts = train.add_argument_group(
-        "multi-process (also JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)"
-    )
-    hosts.add_argument("--coordinator", help="process 0's host:port")
-    hosts.add_argument("--num-processes", type=int)
-    hosts.add_argument("--process-id", type=int)
-    hosts.add_argument(
-        "--distributed", action="store_true", help="let JAX detect the cluster (SLURM, Open MPI)"
-    )
-    return parser
 
 
 def _settings(args, mesh: dict, vocab_size: int | None = None):
@@ -148,8 +75,11 @@ def _settings(args, mesh: dict, vocab_size: int | None = None):
             f"(--batch {args.batch} / {shards} shards); choose a divisor of it."
         )
     clip_norm = getattr(args, "clip_norm", 0.0)
-    if not clip_norm >= 0:  # also refuses nan
-        raise UsageError(f"--clip-norm {clip_norm} must be a norm >= 0 (0 turns clipping off).")
+    if config.num_heads % config.num_kv_heads:
+        raise UsageError(
+            f"--kv-heads {config.num_kv_heads} does not divide --heads {config.num_heads}; "
+            f"each key/value head serves a whole group of query heads."
+        )
     return Settings(
         model=config,
         steps=getattr(args, "steps", 1),
@@ -176,6 +106,9 @@ def _mesh(text: str) -> dict:
     unknown = set(sizes) - {"data", "fsdp", "tensor"}
     if unknown:
         raise MeshShapeError(f"--mesh {text!r}: unknown axes {sorted(unknown)}; use data, fsdp and tensor.")
+    bad = {axis: size for axis, size in sizes.items() if size < 1}
+    if bad:
+        raise MeshShapeError(f"--mesh {text!r}: axis sizes must be >= 1, got {bad}; e.g. {DEFAULT_MESH}.")
     return {axis: sizes.get(axis, 1) for axis in ("data", "fsdp", "tensor")}
 
 
@@ -187,11 +120,11 @@ def _tokens(args, mesh: dict):
     """The train and held-out tokens (``None`` without ``--eval-every``) and the settings that
     fit them, checked before anything starts or is written."""
     tokens = load_tokens(args.data)
-    top = int(np.max(tokens))  # the one pass over a (memory-mapped) token file
+    low, top = int(np.min(tokens)), int(np.max(tokens))  # one pass each over a (memory-mapped) file
     # A token file's ids may exceed the bytes' 256: fit the vocabulary unless it was given.
     settings = _settings(args, mesh, None if tokens.dtype == np.uint8 else vocab_for(top))
     name = args.data or "the embedded corpus"
-    check_vocab(top, settings.model.vocab_size, name)
+    check_vocab(low, top, settings.model.vocab_size, name)
     if not args.eval_every:
         check_tokens(tokens, settings.model.seq_len, name)
         train, held_out = tokens, None
@@ -199,23 +132,22 @@ def _tokens(args, mesh: dict):
         train, held_out = split_held_out(tokens, EVAL_FRACTION)
         check_tokens(train, settings.model.seq_len, f"{name} (train part)")
         check_tokens(held_out, settings.model.seq_len, f"{name} (held-out part for --eval-every)")
-    for flag in ("steps", "eval_batches", "checkpoint_every", "keep", "log_every"):
-        if getattr(args, flag) < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be positive.")
     return train, held_out, settings
 
 
 def _devices(args, sizes: dict) -> None:
     """Joins the multi-process run if asked, then picks the devices: before JAX starts."""
     from ..mesh import simulate_cpu_devices
-    from .distributed import join, requested
+    from .distributed import join
 
     processes = requested(args.coordinator, args.num_processes, args.process_id, args.distributed)
     if args.cpu_devices or not _has_accelerator_plugin():
         per_process = args.cpu_devices or math.prod(sizes.values()) // max(processes, 1)
         simulate_cpu_devices(per_process)
     if processes != 1:
-        join(args.coordinator, args.num_processes, args.process_id, args.distributed)
+        join(
+            args.coordinator, args.num_processes, args.process_id, args.distributed, args.coordinator_timeout
+        )
 
 
 def _bench(args, argv: list[str], out) -> int:
@@ -253,25 +185,37 @@ def _bench(args, argv: list[str], out) -> int:
     return 0
 
 
+def _checked_train(args, sizes: dict, out) -> int:
+    """``train``: every input checked (flags, paths, data, processes), then devices, then the run."""
+    check_paths(args)
+    if args.checkpoint_dir:
+        check_contents(args.checkpoint_dir, args.resume or args.resume_from is not None, args.overwrite)
+    train_tokens, eval_tokens, settings = _tokens(args, sizes)
+    requested(args.coordinator, args.num_processes, args.process_id, args.distributed)
+    _devices(args, sizes)
+    from .run import train
+
+    return train(settings, sizes, args, train_tokens, eval_tokens, out)
+
+
 def main(argv: list[str] | None = None, out=sys.stdout) -> int:
+    """Runs ``fsdp-tp`` with ``argv``; returns the exit status: 0, 1 when the run failed (a save,
+    a non-finite step, ``--check``), 2 for bad input (one line on stderr, nothing started)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["train", *argv]
-    args = _parser().parse_args(argv)
+    args = parser(__doc__).parse_args(argv)
     if args.command == "bench":
         return _bench(args, argv[1:], out)
     try:
+        check_ranges(args)
         sizes = _mesh(args.mesh)
         if args.command == "plan":
             from .run import print_plan
 
             print_plan(_settings(args, sizes), sizes, out)
             return 0
-        train_tokens, eval_tokens, settings = _tokens(args, sizes)
-        _devices(args, sizes)
-        from .run import train
-
-        return train(settings, sizes, args, train_tokens, eval_tokens, out)
+        return _checked_train(args, sizes, out)
     except (
         MeshShapeError,
         IndivisibleShapeError,
@@ -279,9 +223,13 @@ def main(argv: list[str] | None = None, out=sys.stdout) -> int:
         UsageError,
         DistributedError,
         CheckpointMismatchError,
+        CheckpointCorruptError,
     ) as err:
         print(f"fsdp-tp: error: {err}", file=sys.stderr)
         return 2
+    except CheckpointSaveError as err:
+        print(f"fsdp-tp: error: {err}", file=sys.stderr)
+        return 1
     except BrokenPipeError:
         # The reader stopped reading (`fsdp-tp plan | head`): not an error. Point stdout at
         # /dev/null so the interpreter's last flush does not raise it again.
@@ -289,5 +237,17 @@ def main(argv: list[str] | None = None, out=sys.stdout) -> int:
         return 0
 
 
+def console() -> None:
+    """The ``fsdp-tp`` executable: ``main``, then exit even if a failed save left orbax threads
+    waiting for signals that will never come (they would hold the interpreter for 20 minutes)."""
+    code = main()
+    stuck = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    if code and stuck:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict
+import sys
+from contextlib import ExitStack
 from typing import TextIO
 
 import jax
@@ -17,9 +17,20 @@ from ..checkpoint import Checkpoints
 from ..mesh import make_mesh
 from ..plan import make_plan
 from ..train import state_init_fn
+from .checks import UsageError
+from .output import Output, model_name, run_header
+from .resume import changes, data_identity, record
 from .trainer import BATCH, Settings, Trainer, compare_with_twin
+from .workdir import clear, locked
 
 __all__ = ["print_plan", "train"]
+
+MAX_SKIPPED = 10  # --nonfinite skip: this many non-finite steps in a row end the run
+
+
+class NonFiniteStepError(RuntimeError):
+    """A step whose loss or update was not finite, under ``--nonfinite stop``."""
+
 
 # (rtol, atol) of sharded vs unsharded: f32 over a whole transformer (DESIGN.md: 1e-4 for
 # full blocks); bf16 compute: one bf16 ulp (2^-8) relative. Measured on the default run,
@@ -51,36 +62,45 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
 
-class _Output:
-    """Progress and logs, written by process 0 only (every process trains; one speaks)."""
+def _memory_per_device() -> tuple[int, str] | None:
+    """Bytes one device may use, and where the figure comes from; ``None`` where nobody says.
 
-    def __init__(self, out: TextIO, log_file: str | None):
-        self.primary = jax.process_index() == 0
-        self.out = out
-        self.log = open(log_file, "a") if log_file and self.primary else None
+    Accelerators report ``bytes_limit``; the CPU backend reports nothing, but its simulated
+    devices share the host's memory, so each gets the host's RAM over the local device count.
+    """
+    device = jax.local_devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]), f"{device.device_kind} memory"
+    if device.platform == "cpu":
+        import os
 
-    def say(self, text: str) -> None:
-        if self.primary:
-            print(text, file=self.out, flush=True)
-
-    def record(self, **fields) -> None:
-        if self.log:
-            self.log.write(json.dumps(fields) + "\n")
-            self.log.flush()
-
-    def close(self) -> None:
-        if self.log:
-            self.log.close()
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return ram // jax.local_device_count(), f"host RAM / {jax.local_device_count()} devices"
+    return None
 
 
-def _summary(settings: Settings, sizes: dict, mesh, preset: str) -> str:
-    plan = _plan(settings, mesh)
+def _check_fits(plan) -> None:
+    """Refuses a run whose state and gradients alone exceed a device's memory (before the init
+    would allocate them and the kernel or the allocator kill the process)."""
+    limit = _memory_per_device()
+    needed = plan.total_bytes + plan.param_bytes + (plan.activation_bytes or 0)
+    activations = f" + activations {_mib(plan.activation_bytes)}" if plan.activation_bytes else ""
+    if limit is not None and needed > limit[0]:
+        raise UsageError(
+            f"the run needs at least {_mib(needed)} per device (state {_mib(plan.total_bytes)} + gradients "
+            f"{_mib(plan.param_bytes)}{activations}), "
+            f"more than the {_mib(limit[0])} available ({limit[1]}); use a smaller model or more devices."
+        )
+
+
+def _summary(settings: Settings, sizes: dict, plan, name: str) -> str:
     params = sum(math.prod(r.shape) for r in plan.rows)
     processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
     return (
         f"mesh {' x '.join(f'{k}={v}' for k, v in sizes.items())} on {jax.device_count()} "
-        f"{jax.default_backend()} devices{processes}; model {preset} ({settings.model.dtype} compute): "
-        f"{params:,} params; per device: params {_mib(plan.param_bytes)}, "
+        f"{jax.default_backend()} devices{processes}; model {name}, vocab {settings.model.vocab_size} "
+        f"({settings.model.dtype} compute): {params:,} params; per device: params {_mib(plan.param_bytes)}, "
         f"optimizer {_mib(plan.optimizer_bytes)} ({settings.optimizer_name}, "
         f"{f'clip {settings.clip_norm:g}' if settings.clip_norm else 'no clipping'})"
     )
@@ -100,25 +120,26 @@ def _check(trainer: Trainer, tokens: np.ndarray, steps: int, dtype: str, say) ->
     return ok
 
 
-def _meta(settings: Settings, tokens: np.ndarray) -> dict:
-    """What a checkpoint records besides the arrays: the data position and what to check on resume."""
-    return {
-        "seed": settings.seed,
-        "batch": settings.batch,
-        "data_tokens": len(tokens),
-        "model": asdict(settings.model),
-    }
-
-
-def _resume(trainer: Trainer, checkpoints: Checkpoints, say) -> int:
-    """Loads the newest checkpoint into the trainer (resharding it onto this mesh); its step."""
-    state, meta = checkpoints.restore(trainer.state)
-    trainer.state = state
-    if meta["seed"] != trainer.settings.seed or meta["batch"] != trainer.settings.batch:
-        say(
-            f"note: the checkpoint was written with --seed {meta['seed']} --batch {meta['batch']}; "
-            f"batches from here differ from the run that wrote it."
+def _resume(trainer: Trainer, checkpoints: Checkpoints, args, now: dict, say) -> int:
+    """Loads the newest checkpoint that verifies (or ``--resume-from``'s) into the trainer,
+    resharding it onto this mesh; refuses one written with other data or schedule. Its step."""
+    state, meta = checkpoints.restore(trainer.state, args.resume_from)
+    for step, why in meta.get("skipped", {}).items():
+        say(f"skipped checkpoint {checkpoints.path(step)}: {why}; moved it to corrupt-{step}")
+    changed = changes(meta, now)
+    if changed and not args.allow_changes:
+        raise UsageError(
+            f"checkpoint {checkpoints.path(meta['step'])} was written by another run: "
+            + "; ".join(changed)
+            + ". Pass the recorded values, or --allow-changes to resume anyway."
         )
+    if changed:
+        say(f"note: resuming with changes: {'; '.join(changed)}")
+    newer = [s for s in checkpoints.steps() if s > meta["step"]]  # --resume-from an older one
+    if newer:
+        moved = [checkpoints.set_aside(s, "superseded").name for s in newer]
+        say(f"checkpoints {newer}, newer than step {meta['step']}, moved to {', '.join(moved)}")
+    trainer.state = state
     say(f"resumed from {checkpoints.path(meta['step'])} at step {meta['step']}")
     return int(meta["step"])
 
@@ -129,30 +150,52 @@ def train(
     """The ``train`` command after its options and data were checked; the process's exit status.
     ``eval_tokens``: the held-out part for ``--eval-every`` (``None``: no eval)."""
     mesh = make_mesh(sizes)
-    output = _Output(out, None)
-    output.say(_summary(settings, sizes, mesh, args.preset))
-    trainer = Trainer(settings, mesh)
-    if not args.checkpoint_dir:
-        return _train(trainer, args, tokens, eval_tokens, output, out, None)
-    with Checkpoints(args.checkpoint_dir, keep=args.keep, every=args.checkpoint_every) as checkpoints:
-        return _train(trainer, args, tokens, eval_tokens, output, out, checkpoints)  # closing waits
+    output = Output(out, None)
+    plan = _plan(settings, mesh)
+    output.say(_summary(settings, sizes, plan, model_name(args)))
+    _check_fits(plan)
+    with ExitStack() as stack:
+        checkpoints = None
+        if args.checkpoint_dir:
+            if jax.process_index() == 0:
+                stack.enter_context(locked(args.checkpoint_dir))
+                if args.overwrite and (gone := clear(args.checkpoint_dir)):
+                    output.say(f"--overwrite: deleted checkpoints {gone} in {args.checkpoint_dir}")
+            checkpoints = Checkpoints(args.checkpoint_dir, keep=args.keep, every=args.checkpoint_every)
+            stack.enter_context(checkpoints)  # closing waits for the last save and verifies it
+        trainer = Trainer(settings, mesh)
+        meta = record(settings, data_identity(tokens, _data_name(args)))
+        return _train(trainer, args, tokens, eval_tokens, output, out, checkpoints, meta)
+    raise AssertionError("unreachable")  # mypy: ExitStack may swallow exceptions
+
+
+def _data_name(args) -> str:
+    from pathlib import Path
+
+    return Path(args.data).name if args.data else "embedded corpus"
 
 
 def _train(
-    trainer: Trainer, args, train_tokens, eval_tokens, output: _Output, out: TextIO, checkpoints
+    trainer: Trainer, args, train_tokens, eval_tokens, output: Output, out: TextIO, checkpoints, meta: dict
 ) -> int:
     settings = trainer.settings
     if args.check and not _check(trainer, train_tokens, args.check, settings.model.dtype, output.say):
         return 1
     start = 0
-    if checkpoints and args.resume and checkpoints.latest() is not None:
-        start = _resume(trainer, checkpoints, output.say)
+    resuming = args.resume or args.resume_from is not None
+    if checkpoints and resuming and checkpoints.latest() is not None:
+        start = _resume(trainer, checkpoints, args, meta, output.say)
     if start >= settings.steps:
         output.say(f"checkpoint step {start} already reached --steps {settings.steps}; pass more steps.")
         return 0
-    output = _Output(out, args.log_file)  # nothing is written before the inputs are known good
+    output = Output(out, args.log_file)  # nothing is written before the inputs are known good
+    output.record(**run_header(settings, args, start))
     try:
-        first, last, rate = _loop(trainer, train_tokens, eval_tokens, start, args, output, checkpoints)
+        first, last, rate = _loop(trainer, train_tokens, eval_tokens, start, args, output, checkpoints, meta)
+    except NonFiniteStepError as err:
+        output.record(event="stopped", reason=str(err))
+        print(f"fsdp-tp: error: {err}", file=sys.stderr)
+        return 1
     finally:
         output.close()
     saved = ""
@@ -163,29 +206,43 @@ def _train(
     return 0
 
 
-def _loop(trainer, tokens, eval_tokens, start: int, args, output: _Output, checkpoints) -> tuple:
+def _nonfinite(step: int, loss: float, args, skipped_in_a_row: int, output: Output) -> None:
+    """A step whose loss or update was not finite (its update was not applied): stop, or skip."""
+    what = f"step {step + 1}: loss {loss} or its update is not finite"
+    if args.nonfinite == "stop":
+        raise NonFiniteStepError(
+            f"{what}; stopped before saving it (the state is step {step}'s). Lower --lr, keep "
+            f"--clip-norm on, or pass --nonfinite skip to skip such steps."
+        )
+    output.say(f"{what}; skipped it ({skipped_in_a_row} in a row)")
+    if skipped_in_a_row >= MAX_SKIPPED:
+        raise NonFiniteStepError(f"{MAX_SKIPPED} steps in a row were not finite (the last: {what}); stopped.")
+
+
+def _loop(trainer, tokens, eval_tokens, start: int, args, output: Output, checkpoints, meta: dict) -> tuple:
     settings = trainer.settings
     steps, tokens_per_step = settings.steps, settings.batch * settings.model.seq_len
-    meta = _meta(settings, tokens)
     first = last = float("nan")
-    timed, counted = 0.0, 0
-    for step, loss, seconds in trainer.run(tokens, start, steps):
-        first = loss if step == start else first
+    timed, counted, in_a_row = 0.0, 0, 0
+    for step, loss, seconds, finite in trainer.run(tokens, start, steps):
+        in_a_row = 0 if finite else in_a_row + 1
+        if not finite:
+            output.record(step=step + 1, loss=None, finite=False, seconds=seconds)
+            _nonfinite(step, loss, args, in_a_row, output)
+            continue
+        first = loss if math.isnan(first) else first
         last = loss
         if step > start:  # the first step includes compilation
             timed, counted = timed + seconds, counted + 1
-        rate = tokens_per_step * counted / timed if timed else 0.0
-        output.record(step=step, loss=loss, tokens_per_s=rate)
+        rate = tokens_per_step * counted / timed if counted else None
+        output.record(step=step + 1, loss=loss, seconds=seconds, tokens_per_s=rate)
         if checkpoints:
+            checkpoints.check()  # a background save that failed ends the run now, not at the next save
             checkpoints.save(step + 1, trainer.state, meta, force=step + 1 == steps)
         if step % args.log_every == 0 or step == steps - 1:
-            eta = (steps - step - 1) * (timed / counted if counted else 0.0)
-            bar = "#" * (20 * (step + 1) // steps)
-            output.say(
-                f"[{bar:<20}] step {step + 1}/{steps} loss {loss:.4f} {rate:,.0f} tokens/s eta {eta:.0f}s"
-            )
+            output.progress(step, steps, loss, seconds, timed, counted, tokens_per_step)
         if eval_tokens is not None and ((step + 1) % args.eval_every == 0 or step == steps - 1):
             eval_loss = trainer.evaluate(eval_tokens, args.eval_batches)
-            output.record(step=step, eval_loss=eval_loss)
+            output.record(step=step + 1, eval_loss=eval_loss)
             output.say(f"eval at step {step + 1}: held-out loss {eval_loss:.4f}")
     return first, last, tokens_per_step * counted / max(timed, 1e-9)

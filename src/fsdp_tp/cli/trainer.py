@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
@@ -77,6 +78,28 @@ def _step_fn(settings: Settings) -> Callable:
     return step
 
 
+def _finite(tree) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def _guarded(step: Callable) -> Callable:
+    """``step`` that keeps the state it was given when the loss or the updated parameters are
+    not finite (a nan or inf gradient makes them so), and says whether it did.
+
+    Returns ``(state, loss, finite)``. Selecting in the same program costs one pass over the
+    state; it lets ``--nonfinite stop`` end the run on the last good state (nothing bad is
+    checkpointed) and ``--nonfinite skip`` go on as if the batch had not been drawn.
+    """
+
+    def guarded(state, windows):
+        new, loss = step(state, windows)
+        finite = jnp.isfinite(loss) & _finite(nn.unbox(new.params))
+        kept = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
+        return kept, loss, finite
+
+    return guarded
+
+
 def _eval_fn(state, windows):
     return jax.lax.pmean(_loss(state.apply_fn, state.params, windows), BATCH_AXES)
 
@@ -100,7 +123,8 @@ class Trainer:
             twin_init_fn=state_init_fn(self.twin, self.tx),
             check_vma=settings.check_vma,
         )
-        self.step = shard_step(_step_fn(settings), mesh, self.specs, BATCH, check_vma=settings.check_vma)
+        step = shard_step(_step_fn(settings), mesh, self.specs, BATCH, check_vma=settings.check_vma)
+        self.step = jax.jit(_guarded(step), donate_argnums=0)
         self._eval = jax.jit(
             jax.shard_map(
                 _eval_fn, mesh=mesh, in_specs=(self.specs, BATCH), out_specs=P(), check_vma=settings.check_vma
@@ -122,14 +146,15 @@ class Trainer:
 
         return jax.make_array_from_callback((s.batch, seq_len + 1), self._batch_sharding, rows)
 
-    def run(self, tokens: np.ndarray, start: int, stop: int) -> Iterator[tuple[int, float, float]]:
-        """Trains steps ``start .. stop - 1``; yields ``(step, loss, seconds)`` after each."""
+    def run(self, tokens: np.ndarray, start: int, stop: int) -> Iterator[tuple[int, float, float, bool]]:
+        """Trains steps ``start .. stop - 1``; yields ``(step, loss, seconds, finite)`` after
+        each. A step whose loss or update is not finite leaves the state as it was."""
         for step in range(start, stop):
             windows = self.windows(tokens, step)
             began = time.perf_counter()
-            self.state, loss = self.step(self.state, windows)
+            self.state, loss, finite = self.step(self.state, windows)
             loss = float(loss)  # waits for the step
-            yield step, loss, time.perf_counter() - began
+            yield step, loss, time.perf_counter() - began, bool(finite)
 
     def evaluate(self, tokens: np.ndarray, batches: int) -> float:
         """Mean loss over ``batches`` fixed batches of held-out ``tokens`` (the same ones each time)."""
@@ -165,7 +190,7 @@ def compare_with_twin(trainer: Trainer, tokens: np.ndarray, steps: int) -> tuple
         ids, targets = batch_at(tokens, step, s.batch, config.seq_len, s.seed)
         state, loss = twin_step(state, ids, targets)
         twin_losses.append(float(loss))
-    losses = [loss for _, loss, _ in trainer.run(tokens, 0, steps)]
+    losses = [loss for _, loss, _, _ in trainer.run(tokens, 0, steps)]
     loss_diff = max(abs(a - b) for a, b in zip(losses, twin_losses, strict=True))
     sharded, twin = trainer.params(), jax.tree.map(np.asarray, state.params)
     param_diff = max(

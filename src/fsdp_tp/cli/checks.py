@@ -1,0 +1,142 @@
+"""Every flag of ``fsdp-tp train`` and ``plan`` checked before anything starts or is written.
+
+Each check raises ``UsageError`` with one line: the flag, what was passed, what would work.
+``main`` turns it into exit status 2.
+
+>>> import argparse
+>>> check_ranges(argparse.Namespace(batch=0, lr=3e-3))
+Traceback (most recent call last):
+...
+fsdp_tp.cli.checks.UsageError: --batch 0 is out of range: expected an integer >= 1 (sequences per step).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from pathlib import Path
+
+__all__ = ["UsageError", "check_paths", "check_ranges", "writable_file"]
+
+
+class UsageError(ValueError):
+    """Options that cannot work (out of range, not dividing, a path that cannot be written)."""
+
+
+# dest: (smallest value, what the flag counts). Flags absent from a command are skipped.
+MINIMUM = {
+    "batch": (1, "sequences per step"),
+    "seq_len": (1, "tokens per sequence"),
+    "d_model": (1, "model width"),
+    "num_layers": (1, "layers"),
+    "num_heads": (1, "attention heads"),
+    "num_kv_heads": (1, "key/value heads"),
+    "mlp_hidden": (1, "MLP width"),
+    "vocab_size": (2, "token ids"),
+    "min_weight_size": (0, "elements; smaller parameters stay whole"),
+    "steps": (1, "train steps"),
+    "microbatches": (1, "gradient accumulation steps"),
+    "warmup": (0, "warmup steps"),
+    "seed": (0, "the random seed"),
+    "log_every": (1, "steps between progress lines"),
+    "check": (0, "steps compared with the twin; 0 is off"),
+    "eval_every": (0, "steps between held-out losses; 0 is off"),
+    "eval_batches": (1, "held-out batches"),
+    "checkpoint_every": (1, "steps between checkpoints"),
+    "keep": (1, "checkpoints kept"),
+    "resume_from": (0, "a checkpoint's step"),
+    "cpu_devices": (1, "simulated devices per process"),
+    "num_processes": (1, "processes"),
+    "process_id": (0, "this process's index"),
+    "coordinator_timeout": (1, "seconds to wait for the coordinator"),
+}
+# dest: (smallest value, whether it may equal it, what it is). Refuses nan and inf too.
+FLOAT_MINIMUM = {
+    "lr": (0.0, False, "a learning rate"),
+    "clip_norm": (0.0, True, "a norm; 0 turns clipping off"),
+    "peak_tflops": (0.0, False, "TFLOP/s"),
+}
+
+
+# Flags whose dest is not their name (options.py: dest="num_layers" for --layers, ...).
+_RENAMED = {"num_layers": "--layers", "num_heads": "--heads", "num_kv_heads": "--kv-heads"}
+
+
+def _flag(dest: str) -> str:
+    return _RENAMED.get(dest, "--" + dest.replace("_", "-"))
+
+
+def check_ranges(args) -> None:
+    """Raises ``UsageError`` for the first numeric flag outside its range."""
+    for dest, (low, meaning) in MINIMUM.items():
+        value = getattr(args, dest, None)
+        if value is not None and value < low:
+            raise UsageError(
+                f"{_flag(dest)} {value} is out of range: expected an integer >= {low} ({meaning})."
+            )
+    for dest, (bound, inclusive, meaning) in FLOAT_MINIMUM.items():
+        number = getattr(args, dest, None)
+        if number is None:
+            continue
+        if not math.isfinite(number) or number < bound or (number == bound and not inclusive):
+            relation = ">=" if inclusive else ">"
+            raise UsageError(
+                f"{_flag(dest)} {number} is out of range: "
+                f"expected a finite number {relation} {bound} ({meaning})."
+            )
+
+
+def _probe_directory(directory: Path, flag: str) -> None:
+    """Raises unless a file can be created in ``directory`` (root ignores permission bits, so
+    asking ``os.access`` is not enough: a read-only mount or a full disk answers only to a write)."""
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as err:
+        raise UsageError(
+            f"{flag} {directory}: cannot write there ({err.strerror}); pass a writable path."
+        ) from err
+
+
+def _existing_ancestor(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def writable_file(path: str, flag: str) -> None:
+    """Raises unless ``path`` can be appended to (creating it), without creating it."""
+    file = Path(path).absolute()
+    if file.is_dir():
+        raise UsageError(f"{flag} {path} is a directory; pass a file path.")
+    if file.exists():
+        if not os.access(file, os.W_OK):
+            raise UsageError(f"{flag} {path}: the file is not writable; pass a writable path.")
+        return
+    if not file.parent.is_dir():
+        raise UsageError(
+            f"{flag} {path}: directory {file.parent} does not exist; create it or pass another path."
+        )
+    _probe_directory(file.parent, flag)
+
+
+def check_paths(args) -> None:
+    """The log file and checkpoint directory can be written; resume flags make sense."""
+    if getattr(args, "log_file", None):
+        writable_file(args.log_file, "--log-file")
+    directory = getattr(args, "checkpoint_dir", None)
+    resuming = args.resume or args.resume_from is not None
+    if not directory:
+        if resuming:
+            raise UsageError("--resume needs --checkpoint-dir DIR: the directory to resume from.")
+        return
+    path = Path(directory).absolute()
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--checkpoint-dir {directory} is a file; pass a directory.")
+    if resuming and args.overwrite:
+        raise UsageError(
+            "--resume and --overwrite contradict each other: "
+            "resume keeps the checkpoints, overwrite deletes them."
+        )
+    _probe_directory(_existing_ancestor(path), "--checkpoint-dir")

@@ -1,0 +1,161 @@
+"""The flags of ``fsdp-tp``: every one with its meaning and default in ``--help``."""
+
+from __future__ import annotations
+
+import argparse
+
+from .config import PRESETS
+
+__all__ = ["DEFAULT_MESH", "parser"]
+
+DEFAULT_MESH = "data=2,fsdp=2,tensor=2"
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown after each flag's text; the description's line breaks kept."""
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mesh", default=DEFAULT_MESH, help="axis sizes over data, fsdp and tensor")
+    p.add_argument(
+        "--preset", default="tiny", choices=sorted(PRESETS), help="model size; the flags below override it"
+    )
+    p.add_argument("--d-model", type=int, help="model width (default: the preset's)")
+    p.add_argument("--layers", type=int, dest="num_layers", help="decoder layers (default: the preset's)")
+    p.add_argument("--heads", type=int, dest="num_heads", help="attention heads (default: the preset's)")
+    p.add_argument(
+        "--kv-heads",
+        type=int,
+        dest="num_kv_heads",
+        help="key/value heads, dividing --heads (default: the preset's)",
+    )
+    p.add_argument("--mlp-hidden", type=int, help="MLP width (default: the preset's)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
+    p.add_argument("--vocab-size", type=int, help="default: 256 (bytes), or fitted to a token file")
+    p.add_argument("--dtype", choices=["f32", "bf16"], default="f32", help="compute dtype (params stay f32)")
+    p.add_argument("--batch", type=int, default=16, help="global batch (sequences per step)")
+    p.add_argument(
+        "--min-weight-size", type=int, default=2**10, help="parameters with fewer elements stay whole"
+    )
+    p.add_argument(
+        "--sequence-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split activations between TP blocks over the tensor axis",
+    )
+    p.add_argument(
+        "--scan-layers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="nn.scan over the layers (one compiled block); --no-scan-layers unrolls them",
+    )
+    p.add_argument(
+        "--async-tp",
+        choices=["off", "unidirectional", "bidirectional"],
+        default="off",
+        help="overlap TP collectives with matmuls (ring collective matmul)",
+    )
+    p.add_argument(
+        "--check-vma",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="jax.shard_map's varying-manual-axes checking",
+    )
+
+
+def _train_flags(train: argparse.ArgumentParser) -> None:
+    train.add_argument("--steps", type=int, default=300, help="train steps (the schedule's length)")
+    train.add_argument("--microbatches", type=int, default=1, help="gradient accumulation steps per batch")
+    train.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then cosine)")
+    train.add_argument("--warmup", type=int, default=20, help="warmup steps")
+    train.add_argument(
+        "--optimizer",
+        choices=["adamw", "adafactor", "lamb", "lion", "sgd"],
+        default="adamw",
+        help="optax optimizer",
+    )
+    train.add_argument(
+        "--clip-norm", type=float, default=1.0, help="clip the gradient's global norm to this (0: off)"
+    )
+    train.add_argument(
+        "--nonfinite",
+        choices=["stop", "skip"],
+        default="stop",
+        help="a step with a nan/inf loss or update: stop (exit 1, nothing bad saved) or skip it",
+    )
+    train.add_argument("--seed", type=int, default=0, help="init and batch order")
+    train.add_argument(
+        "--data",
+        help="a UTF-8 text file (bytes as tokens), .npy or uint16 .bin tokens (default: embedded corpus)",
+    )
+    train.add_argument("--log-file", help="append JSON lines: a run header, then step, loss, tokens/s")
+    train.add_argument("--log-every", type=int, default=25, help="steps between progress lines")
+    train.add_argument(
+        "--check", type=int, default=0, metavar="K", help="compare K steps with the unsharded twin first"
+    )
+    train.add_argument("--eval-every", type=int, default=100, help="held-out loss every N steps (0: off)")
+    train.add_argument("--eval-batches", type=int, default=4, help="held-out batches per eval")
+    ckpt = train.add_argument_group("checkpoints (orbax: async, atomic, verified)")
+    ckpt.add_argument("--checkpoint-dir", help="save sharded checkpoints here")
+    ckpt.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
+    ckpt.add_argument("--keep", type=int, default=3, help="how many verified checkpoints to keep")
+    ckpt.add_argument(
+        "--resume", action="store_true", help="continue from the newest checkpoint that verifies"
+    )
+    ckpt.add_argument("--resume-from", type=int, metavar="STEP", help="continue from this checkpoint")
+    ckpt.add_argument(
+        "--overwrite", action="store_true", help="delete the directory's checkpoints and start over"
+    )
+    ckpt.add_argument(
+        "--allow-changes",
+        action="store_true",
+        help="resume although the data, vocabulary, schedule or optimizer differ from the checkpoint's",
+    )
+    train.add_argument(
+        "--cpu-devices", type=int, help="simulate this many CPU devices per process (default: the mesh's)"
+    )
+    hosts = train.add_argument_group(
+        "multi-process (also JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)"
+    )
+    hosts.add_argument("--coordinator", help="process 0's HOST:PORT; process 0 listens on HOST only")
+    hosts.add_argument("--num-processes", type=int, help="processes in the run")
+    hosts.add_argument("--process-id", type=int, help="this process's index, 0 .. num-processes - 1")
+    hosts.add_argument(
+        "--coordinator-timeout", type=int, default=300, help="seconds to wait for the other processes"
+    )
+    hosts.add_argument(
+        "--distributed", action="store_true", help="let JAX detect the cluster (SLURM, Open MPI)"
+    )
+
+
+def _bench_flags(bench: argparse.ArgumentParser) -> None:
+    bench.add_argument("--out", default="docs", help="where benchmarks.md and the plots go")
+    bench.add_argument("--workloads", default="mlp,block,gpt", help="some of mlp, block, gpt")
+    bench.add_argument("--blocks", type=int, default=3, help="interleaved timing blocks (median taken)")
+    bench.add_argument("--steps", type=int, default=3, help="steps per timing block")
+    bench.add_argument("--depths", default="2,8,32", help="GPT layers for the compile-time figure")
+    bench.add_argument("--max-unrolled", type=int, default=32, help="deepest unrolled GPT to compile")
+    bench.add_argument(
+        "--build-depths", default="8,32", help="unrolled GPT depths whose whole build is timed vs plain flax"
+    )
+    bench.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True, help="draw the plots")
+    bench.add_argument("--readme", default="README.md", help="rewrite its headline table (if marked)")
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """The ``fsdp-tp`` parser: ``train`` (the default command), ``plan`` and ``bench``."""
+    top = argparse.ArgumentParser(prog="fsdp-tp", description=description, formatter_class=_Help)
+    sub = top.add_subparsers(dest="command", required=False)
+    train = sub.add_parser("train", help="train the model (the default command)", formatter_class=_Help)
+    plan = sub.add_parser(
+        "plan", help="print what each device would hold, on any mesh", formatter_class=_Help
+    )
+    for p in (train, plan):
+        _model_flags(p)
+    _train_flags(train)
+    _bench_flags(
+        sub.add_parser(
+            "bench", help="measure every strategy against the baselines; write docs", formatter_class=_Help
+        )
+    )
+    return top

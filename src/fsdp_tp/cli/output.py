@@ -1,0 +1,100 @@
+"""What ``fsdp-tp train`` prints and logs: progress lines, and JSON lines with a run header.
+
+Steps are counted from 1 everywhere (console and log): step ``n`` is the ``n``-th update, and
+checkpoint ``n`` holds the state after it. Every log record carries a Unix timestamp; each
+run (a resume included) starts with a header record, so appended runs stay apart.
+
+>>> import argparse
+>>> model_name(argparse.Namespace(preset="tiny", d_model=128, num_layers=None, num_heads=None,
+...                               num_kv_heads=None, mlp_hidden=None, seq_len=None))
+'tiny with d_model=128'
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict
+from importlib import metadata
+from typing import TextIO
+
+import jax
+
+__all__ = ["Output", "model_name", "run_header"]
+
+_SIZES = ("d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_hidden", "seq_len")
+
+
+def model_name(args) -> str:
+    """The preset's name and the sizes a flag replaced: what the summary calls the model."""
+    changed = [f"{k}={getattr(args, k)}" for k in _SIZES if getattr(args, k, None) is not None]
+    return f"{args.preset} with {', '.join(changed)}" if changed else args.preset
+
+
+def _versions() -> dict:
+    names = ("fsdp-tp", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint")
+    found: dict[str, str | None] = {}
+    for name in names:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return {"python": sys.version.split()[0], **found}
+
+
+def run_header(settings, args, start: int) -> dict:
+    """The first record of a run's log: what ran, where, on what, from which step."""
+    return {
+        "event": "start",
+        "resumed_from": start or None,
+        "argv": sys.argv[1:],
+        "settings": json.loads(json.dumps(asdict(settings), default=str)),
+        "mesh": args.mesh,
+        "devices": jax.device_count(),
+        "backend": jax.default_backend(),
+        "processes": jax.process_count(),
+        "versions": _versions(),
+    }
+
+
+class Output:
+    """Progress and logs, written by process 0 only (every process trains; one speaks)."""
+
+    def __init__(self, out: TextIO, log_file: str | None):
+        self.primary = jax.process_index() == 0
+        self.out = out
+        self.log = open(log_file, "a") if log_file and self.primary else None
+
+    def say(self, text: str) -> None:
+        if self.primary:
+            print(text, file=self.out, flush=True)
+
+    def record(self, **fields) -> None:
+        if self.log:
+            self.log.write(json.dumps({"time": round(time.time(), 3), **fields}) + "\n")
+            self.log.flush()
+
+    def progress(
+        self,
+        step: int,
+        steps: int,
+        loss: float,
+        seconds: float,
+        timed: float,
+        counted: int,
+        tokens_per_step: int,
+    ) -> None:
+        """The progress line after 0-based ``step``; the first step shows its compile time instead
+        of a rate (it has none yet)."""
+        bar = "#" * (20 * (step + 1) // steps)
+        head = f"[{bar:<20}] step {step + 1}/{steps} loss {loss:.4f}"
+        if not counted:
+            self.say(f"{head} (compiled and ran in {seconds:.1f}s)")
+            return
+        rate, eta = tokens_per_step * counted / timed, (steps - step - 1) * timed / counted
+        self.say(f"{head} {rate:,.0f} tokens/s eta {eta:.0f}s")
+
+    def close(self) -> None:
+        if self.log:
+            self.log.close()

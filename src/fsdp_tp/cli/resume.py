@@ -1,0 +1,63 @@
+"""What a checkpoint of ``fsdp-tp train`` records besides its arrays, and what a resume changed.
+
+A resumed run continues the one that wrote the checkpoint only if it draws the same batches
+(data, seed, batch) from the same schedule (learning rate, warmup, steps, optimizer,
+clipping) on the same model. Anything else is refused unless ``--allow-changes`` says so.
+
+>>> recorded = {"schedule": {"lr": 0.003, "steps": 300}, "seed": 0}
+>>> changes(recorded, {"schedule": {"lr": 0.001, "steps": 300}, "seed": 0})
+['schedule lr: 0.003 -> 0.001']
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import asdict
+
+import numpy as np
+
+from .trainer import Settings
+
+__all__ = ["changes", "data_identity", "record"]
+
+_SAMPLES = 4096  # tokens read to fingerprint a (possibly huge, memory-mapped) token file
+
+
+def data_identity(tokens: np.ndarray, name: str) -> dict:
+    """The data's name, length and a CRC of evenly spaced tokens: cheap on a 100 GB file, and
+    different for another file, another tokenizer or another order with near certainty."""
+    stride = max(1, len(tokens) // _SAMPLES)
+    sample = np.asarray(tokens[::stride][:_SAMPLES], dtype=np.int64)
+    return {"name": name, "tokens": len(tokens), "crc32": zlib.crc32(sample.tobytes())}
+
+
+def record(settings: Settings, data: dict) -> dict:
+    """The checkpoint's ``meta``: what ``changes`` compares on resume."""
+    return {
+        "seed": settings.seed,
+        "batch": settings.batch,
+        "data": data,
+        "model": asdict(settings.model),
+        "schedule": {
+            "lr": settings.lr,
+            "warmup": settings.warmup,
+            "steps": settings.steps,
+            "optimizer": settings.optimizer_name,
+            "clip_norm": settings.clip_norm,
+        },
+    }
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out: dict = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        out.update(_flat(value, name + " ") if isinstance(value, dict) else {name: value})
+    return out
+
+
+def changes(recorded: dict, now: dict) -> list[str]:
+    """``"what: recorded -> now"`` for every recorded field that differs (fields a checkpoint of
+    an older version did not record are not compared)."""
+    old, new = _flat(recorded), _flat(now)
+    return [f"{k}: {old[k]} -> {new.get(k)}" for k in old if k in new and old[k] != new[k]]

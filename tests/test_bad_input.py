@@ -1,0 +1,204 @@
+"""Every bad input is one line and exit 2 (the CLI) or a named error (the API), checked before
+anything starts or is written (issue 16): the message names what was passed and what works."""
+
+from __future__ import annotations
+
+import io
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import fsdp_tp
+from fsdp_tp.checkpoint import Checkpoints
+from fsdp_tp.cli import main
+from fsdp_tp.cli.workdir import locked
+from fsdp_tp.errors import CheckpointMismatchError, MeshShapeError, SpecTreeMismatchError
+from fsdp_tp.partitioning import check_specs
+
+pytestmark = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")
+
+TWO = ["--coordinator", "127.0.0.1:9911", "--num-processes", "2"]
+
+# (flags after `train --steps 1`, what the one line must say). Each names the flag and value
+# passed and what would work.
+FLAGS = [
+    (["--batch", "0"], "--batch 0 is out of range: expected an integer >= 1 (sequences per step)"),
+    (["--batch", "-4"], "--batch -4 is out of range: expected an integer >= 1"),
+    (["--batch", "6"], "--batch 6 is not divisible by the batch shards data x fsdp = 4; use a multiple of 4"),
+    (["--seq-len", "0"], "--seq-len 0 is out of range: expected an integer >= 1"),
+    (["--heads", "0"], "--heads 0 is out of range: expected an integer >= 1 (attention heads)"),
+    (["--kv-heads", "0"], "--kv-heads 0 is out of range: expected an integer >= 1"),
+    (["--kv-heads", "3"], "--kv-heads 3 does not divide --heads 4"),
+    (["--d-model", "-1"], "--d-model -1 is out of range: expected an integer >= 1 (model width)"),
+    (["--layers", "0"], "--layers 0 is out of range: expected an integer >= 1 (layers)"),
+    (["--mlp-hidden", "0"], "--mlp-hidden 0 is out of range: expected an integer >= 1"),
+    (["--vocab-size", "1"], "--vocab-size 1 is out of range: expected an integer >= 2"),
+    (
+        ["--vocab-size", "100"],
+        "holds token 121, outside the model's vocabulary of 100; pass --vocab-size 128",
+    ),
+    (["--min-weight-size", "-1"], "--min-weight-size -1 is out of range: expected an integer >= 0"),
+    (["--microbatches", "0"], "--microbatches 0 is out of range: expected an integer >= 1"),
+    (["--batch", "8", "--microbatches", "3"], "--microbatches 3 does not divide the per-device batch 2"),
+    (["--cpu-devices", "0"], "--cpu-devices 0 is out of range: expected an integer >= 1"),
+    (["--mesh", "data=0,fsdp=2,tensor=2"], "axis sizes must be >= 1, got {'data': 0}"),
+    (["--mesh", "data=-1,fsdp=8"], "axis sizes must be >= 1, got {'data': -1}"),
+    (["--mesh", "data=2,fsdp"], "item 'fsdp' is not NAME=SIZE; write e.g. 'data=2,fsdp=2,tensor=2'"),
+    (["--mesh", "data=2,model=4"], "unknown axes ['model']; use data, fsdp and tensor"),
+    (["--mesh", "data=2,fsdp=2,tensor=1", "--cpu-devices", "8"], "multiply to 4 devices, but 8"),
+    (["--check", "-3"], "--check -3 is out of range: expected an integer >= 0"),
+    (["--steps", "0"], "--steps 0 is out of range: expected an integer >= 1 (train steps)"),
+    (["--warmup", "-1"], "--warmup -1 is out of range: expected an integer >= 0"),
+    (["--seed", "-1"], "--seed -1 is out of range: expected an integer >= 0"),
+    (["--log-every", "0"], "--log-every 0 is out of range: expected an integer >= 1"),
+    (["--eval-every", "-1"], "--eval-every -1 is out of range: expected an integer >= 0"),
+    (["--eval-batches", "0"], "--eval-batches 0 is out of range: expected an integer >= 1"),
+    (["--checkpoint-every", "0"], "--checkpoint-every 0 is out of range: expected an integer >= 1"),
+    (["--keep", "0"], "--keep 0 is out of range: expected an integer >= 1 (checkpoints kept)"),
+    (["--lr", "nan"], "--lr nan is out of range: expected a finite number > 0.0 (a learning rate)"),
+    (["--lr", "inf"], "--lr inf is out of range: expected a finite number > 0.0"),
+    (["--lr", "0"], "--lr 0.0 is out of range: expected a finite number > 0.0"),
+    (["--clip-norm", "-1"], "--clip-norm -1.0 is out of range: expected a finite number >= 0.0"),
+    (["--clip-norm", "nan"], "--clip-norm nan is out of range: expected a finite number >= 0.0"),
+    (["--process-id", "1"], "needs --coordinator (or JAX_COORDINATOR_ADDRESS), --num-processes"),
+    ([*TWO, "--process-id", "2"], "--process-id 2 is outside 0 .. 1 (--num-processes 2)"),
+    (["--num-processes", "0"], "--num-processes 0 is out of range: expected an integer >= 1"),
+    (["--coordinator-timeout", "0"], "--coordinator-timeout 0 is out of range: expected an integer >= 1"),
+    (
+        ["--coordinator", "localhost", "--num-processes", "2", "--process-id", "1"],
+        "--coordinator 'localhost' is not HOST:PORT; write e.g. 127.0.0.1:9911",
+    ),
+    (
+        ["--coordinator", "127.0.0.1:99999", "--num-processes", "2", "--process-id", "1"],
+        "--coordinator '127.0.0.1:99999' is not HOST:PORT; write e.g. 127.0.0.1:9911 (a port 1..65535)",
+    ),
+    (["--resume"], "--resume needs --checkpoint-dir DIR"),
+    (["--resume-from", "4"], "--resume needs --checkpoint-dir DIR"),
+    (["--resume-from", "-1"], "--resume-from -1 is out of range: expected an integer >= 0"),
+    (["--data", "/nonexistent/tokens.txt"], "--data /nonexistent/tokens.txt: no such file"),
+    (["--log-file", "/nonexistent/dir/log.jsonl"], "directory /nonexistent/dir does not exist"),
+    (["--log-file", "/"], "--log-file / is a directory; pass a file path"),
+    (["--checkpoint-dir", "/etc/hostname"], "--checkpoint-dir /etc/hostname is a file; pass a directory"),
+]
+
+
+def run(*argv: str) -> int:
+    return main(list(argv), out=io.StringIO())
+
+
+@pytest.mark.parametrize(("flags", "message"), FLAGS, ids=[" ".join(f) for f, _ in FLAGS])
+def test_a_bad_flag_exits_2_with_one_line_naming_it(flags, message, capsys):
+    assert run("train", "--steps", "1", *flags) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert err.count("\n") == 1 and err.startswith("fsdp-tp: error: "), err
+
+
+def _npy(path, array) -> str:
+    np.save(path, array)
+    return str(path)
+
+
+def test_bad_token_files_exit_2_naming_the_file_and_the_fix(tmp_path, capsys):
+    ids = np.arange(4000) % 200
+    cases = [
+        (_npy(tmp_path / "float.npy", ids.astype(np.float32)), "tokens must be integers, got dtype float32"),
+        (_npy(tmp_path / "negative.npy", ids - 5), "holds token -5; token ids must be >= 0"),
+        (_npy(tmp_path / "2d.npy", ids.reshape(40, 100)), "tokens must be a flat array, got shape (40, 100)"),
+        (_npy(tmp_path / "big.npy", np.where(ids == 7, 300, ids)), "holds token 300, outside the model's"),
+    ]
+    garbage = tmp_path / "garbage.npy"
+    garbage.write_bytes(b"not a numpy file at all" * 10)
+    cases.append((str(garbage), "not a readable .npy file"))
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(b"\x01" * 1001)
+    cases.append((str(odd), "1001 bytes is not a whole number of uint16 tokens"))
+    for path, message in cases:
+        extra = ["--vocab-size", "256"] if "big" in path else []
+        assert run("train", "--steps", "1", "--data", path, *extra) == 2, path
+        err = capsys.readouterr().err
+        assert message in err and path in err, err
+
+
+def test_a_run_that_cannot_fit_is_refused_with_the_figures(tmp_path, capsys):
+    """A model far beyond the memory, and a token file whose ids would fit a 2^31 vocabulary:
+    refused after the plan, before the init allocates anything."""
+    assert run("train", "--steps", "1", "--d-model", "10000000") == 2
+    err = capsys.readouterr().err
+    assert "the run needs at least" in err and "per device" in err and "available (host RAM / 8" in err, err
+    huge_ids = _npy(tmp_path / "ids.npy", np.append(np.arange(4000) % 200, 2**31 - 10).astype(np.int64))
+    assert run("train", "--steps", "1", "--data", huge_ids) == 2
+    assert "use a smaller model or more devices" in capsys.readouterr().err
+
+
+def test_a_directory_of_checkpoints_needs_resume_or_overwrite(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "100").mkdir(parents=True)
+    assert run("train", "--steps", "1", "--checkpoint-dir", str(ckpt)) == 2
+    assert "already holds checkpoints (steps 100); pass --resume" in capsys.readouterr().err
+    assert run("train", "--steps", "1", "--checkpoint-dir", str(ckpt), "--resume", "--overwrite") == 2
+    assert "--resume and --overwrite contradict each other" in capsys.readouterr().err
+
+
+def test_a_directory_in_use_is_refused(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    with locked(ckpt):  # another run holds it (flock: per open file, so this process counts)
+        assert run("train", "--steps", "1", "--checkpoint-dir", str(ckpt), "--eval-every", "0") == 2
+    assert "in use by another run" in capsys.readouterr().err
+    assert not [p for p in ckpt.iterdir() if not p.name.startswith(".")]  # nothing written
+
+
+# The Python API: the error class, and a message that names the input and the fix.
+def test_a_function_is_not_a_module_class():
+    with pytest.raises(
+        TypeError, match=r"shard_module_params: expected a flax.linen Module class .*<lambda>"
+    ):
+        fsdp_tp.shard_module_params(lambda x: x)
+    with pytest.raises(TypeError, match=r"shard_by_rules: expected a flax.linen Module class"):
+        fsdp_tp.shard_by_rules("Dense", [])
+
+
+def test_make_mesh_takes_the_command_lines_text_and_refuses_other_types():
+    assert dict(fsdp_tp.make_mesh("data=2,fsdp=4").shape) == {"data": 2, "fsdp": 4}
+    with pytest.raises(MeshShapeError, match=r"axis_sizes must map axis names to sizes.*got 42 \(int\)"):
+        fsdp_tp.make_mesh(42)  # type: ignore[arg-type]
+
+
+def test_make_plan_needs_an_init_function():
+    mesh = fsdp_tp.make_mesh({"fsdp": 8})
+    with pytest.raises(TypeError, match=r"make_plan: init_fn must be a function .* got 42 \(int\)"):
+        fsdp_tp.make_plan(42, mesh, P())  # type: ignore[arg-type]
+
+
+def test_a_restore_into_another_dtype_is_refused_not_cast(tmp_path):
+    with Checkpoints(tmp_path) as checkpoints:
+        checkpoints.save(1, {"w": jnp.ones(4)})
+        with pytest.raises(
+            CheckpointMismatchError, match=r"w: saved dtype float32, the model expects bfloat16"
+        ):
+            checkpoints.restore({"w": jnp.zeros(4, jnp.bfloat16)})
+
+
+def test_a_spec_tree_mismatch_names_structures_not_array_values():
+    tree = {"w": jnp.arange(1000.0), "b": jnp.arange(1000.0)}
+    with pytest.raises(SpecTreeMismatchError) as info:
+        check_specs(tree, {"w": P()}, fsdp_tp.make_mesh({"fsdp": 8}), "state")
+    assert "Array(" not in str(info.value) and "999" not in str(info.value)
+    assert "PyTreeDef({'b': *, 'w': *})" in str(info.value)
+
+
+def test_checkpoints_and_devices_refuse_impossible_counts():
+    with pytest.raises(ValueError, match=r"every=1 and keep=0 must be at least 1"):
+        Checkpoints("/tmp/unused", keep=0)
+    with pytest.raises(ValueError, match=r"n must be a positive int, got 0"):
+        fsdp_tp.simulate_cpu_devices(0)
+
+
+def test_the_api_cases_are_real_modules():
+    """Negative control of the type checks above: a module class passes them."""
+    assert issubclass(fsdp_tp.shard_module_params(nn.Dense), nn.Module)
+    assert jax.device_count() == 8

@@ -1,0 +1,352 @@
+"""Faults (issue 16): corrupted checkpoints are never trained on and no good one is lost; a
+failing save ends the run in seconds; a non-finite step is never saved; a missing coordinator
+says so; the coordinator listens where it was told."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fsdp_tp._integrity import fingerprints
+from fsdp_tp.checkpoint import Checkpoints
+from fsdp_tp.cli import main
+from fsdp_tp.cli import trainer as trainer_module
+from fsdp_tp.cli.workdir import saved_steps
+from fsdp_tp.errors import CheckpointCorruptError, CheckpointSaveError
+
+pytestmark = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")
+RUN = [
+    "train",
+    "--steps",
+    "8",
+    "--checkpoint-every",
+    "2",
+    "--keep",
+    "4",
+    "--eval-every",
+    "0",
+    "--log-every",
+    "100",
+]
+
+
+def run(*argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    return main(list(argv), out=out), out.getvalue()
+
+
+def losses(log: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, log.read_text().splitlines()) if "loss" in r}
+
+
+def _largest_array_file(checkpoint: Path) -> Path:
+    files = [p for p in (checkpoint / "state").rglob("*") if p.is_file() and "/d/" in str(p)]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+def _flip(checkpoint: Path) -> None:
+    file = _largest_array_file(checkpoint)
+    data = bytearray(file.read_bytes())
+    for i in range(16):  # 16 bytes in the middle of the largest array file
+        data[len(data) // 2 + i] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def _truncate(checkpoint: Path) -> None:
+    file = _largest_array_file(checkpoint)
+    os.truncate(file, file.stat().st_size // 2)
+
+
+def _delete_metadata(checkpoint: Path) -> None:
+    (checkpoint / "state" / "_METADATA").unlink()
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory) -> tuple[Path, Path]:
+    """Checkpoints 2, 4, 6, 8 of an 8-step run, and its log."""
+    root = tmp_path_factory.mktemp("good")
+    log = root / "log.jsonl"
+    assert run(*RUN, "--checkpoint-dir", str(root / "ckpt"), "--log-file", str(log))[0] == 0
+    return root / "ckpt", log
+
+
+@pytest.mark.parametrize("damage", [_flip, _truncate, _delete_metadata], ids=["flip", "truncate", "metadata"])
+def test_a_damaged_newest_checkpoint_is_skipped_and_moved_aside(good, damage, tmp_path):
+    source, whole_log = good
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    shutil.copytree(source, ckpt)
+    damage(ckpt / "8")
+    code, out = run(*RUN, "--checkpoint-dir", str(ckpt), "--resume", "--log-file", str(log))
+    assert code == 0, out
+    assert f"skipped checkpoint {ckpt / '8'}: " in out and "moved it to corrupt-8" in out
+    assert f"resumed from {ckpt / '6'} at step 6" in out
+    assert losses(log) == {s: loss for s, loss in losses(whole_log).items() if s > 6}  # exactly
+    assert saved_steps(ckpt) == [2, 4, 6, 8] and (ckpt / "corrupt-8").is_dir()  # nothing good lost
+
+
+def test_negative_control_without_fingerprints_the_flip_would_restore(good, tmp_path):
+    """What the check catches: orbax itself reads the flipped checkpoint back without a word."""
+    import orbax.checkpoint as ocp
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(good[0], ckpt)
+    _flip(ckpt / "8")
+    with ocp.CheckpointManager(ckpt, item_handlers={"state": ocp.StandardCheckpointHandler()}) as manager:
+        raw = manager.restore(8, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+    meta = json.loads((ckpt / "8" / "meta" / "metadata").read_text())
+    assert fingerprints(raw) != meta["fingerprints"]
+
+
+def test_resume_from_picks_a_step_and_every_damaged_checkpoint_is_refused(good, tmp_path, capsys):
+    source, whole_log = good
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    shutil.copytree(source, ckpt)
+    code, out = run(*RUN, "--checkpoint-dir", str(ckpt), "--resume-from", "4", "--log-file", str(log))
+    assert code == 0 and f"resumed from {ckpt / '4'} at step 4" in out
+    assert "checkpoints [6, 8], newer than step 4, moved to superseded-6, superseded-8" in out
+    assert losses(log) == {s: loss for s, loss in losses(whole_log).items() if s > 4}
+    for step in saved_steps(ckpt):
+        _flip(ckpt / str(step))
+    assert run(*RUN, "--checkpoint-dir", str(ckpt), "--resume")[0] == 2
+    err = capsys.readouterr().err
+    assert "no checkpoint in" in err and "verifies" in err
+    assert saved_steps(ckpt) == [2, 4, 6, 8]  # refused, and nothing deleted or trained on
+
+
+def test_a_save_that_does_not_read_back_keeps_the_older_checkpoints(tmp_path):
+    """keep=1: checkpoint 1 is deleted only once a newer one verified; 2, damaged on disk
+    before it was read back, never does."""
+    state = {"w": jnp.arange(4096.0)}
+    checkpoints = Checkpoints(tmp_path, keep=1)
+    checkpoints.save(1, state)
+    checkpoints.save(2, state)  # verified 1 first
+    checkpoints.wait()
+    _flip(tmp_path / "2")
+    with pytest.raises(CheckpointSaveError, match=r"checkpoint .*2 was written but does not read back"):
+        checkpoints.close()
+    assert saved_steps(tmp_path) == [1] and (tmp_path / "corrupt-2").is_dir()
+    shutil.copytree(tmp_path / "corrupt-2", tmp_path / "3")  # the bad one, put back under a step
+    with Checkpoints(tmp_path) as again:
+        assert again.restore(state, step=1)[1]["step"] == 1
+        with pytest.raises(CheckpointCorruptError, match=r"1 array\(s\) differ from the fingerprints"):
+            again.restore(state, step=3)
+        assert again.restore(state)[1]["skipped"].keys() == {3}  # the newest that verifies: 1
+
+
+# --- a save that fails: its own process, since orbax leaves threads waiting in the process ---
+
+FAILING_SAVE = textwrap.dedent(
+    """
+    import os, subprocess, sys
+    from fsdp_tp.checkpoint import Checkpoints
+
+    save = Checkpoints.save
+
+    def save_then_fail(self, step, *args, **kwargs):
+        if step == int(os.environ["FAIL_AT_STEP"]):
+            self.wait()  # the earlier saves complete; the disk fails after them
+            if os.environ["HOW"] == "raise":
+                import orbax.checkpoint as ocp
+                def full(*a, **k):
+                    raise OSError(28, "No space left on device")
+                ocp.StandardCheckpointHandler.async_save = full
+            else:
+                subprocess.run(os.environ["HOW"], shell=True, check=True)
+        return save(self, step, *args, **kwargs)
+
+    Checkpoints.save = save_then_fail
+    from fsdp_tp.cli import console
+    sys.argv = ["fsdp-tp", *sys.argv[1:]]
+    console()
+    """
+)
+
+
+def _fail_a_save(ckpt: Path, how: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "FAIL_AT_STEP": "4", "HOW": how}
+    argv = [*RUN, "--steps", "40", "--checkpoint-dir", str(ckpt)]
+    return subprocess.run(
+        [sys.executable, "-c", FAILING_SAVE, *argv], env=env, capture_output=True, text=True, timeout=240
+    )
+
+
+def _read_only(directory: Path) -> str | None:
+    """A shell command that makes ``directory`` read-only for this process's user, or ``None``."""
+    if os.geteuid() != 0:
+        return f"chmod -R a-w {directory}"
+    # root ignores permission bits: a read-only bind mount is what refuses root's writes. Made
+    # in the run's process at the failing step (its open lock file is on the mount below).
+    probe = Path(tempfile.mkdtemp())
+    command = "mount --bind {0} {0} && mount -o remount,bind,ro {0}"
+    works = subprocess.run(command.format(probe), shell=True, capture_output=True).returncode == 0
+    subprocess.run(["umount", str(probe)], capture_output=True)
+    return command.format(directory) if works else None
+
+
+@pytest.mark.parametrize("how", ["read-only", "raise"])
+def test_a_failing_save_ends_the_run_in_seconds_with_one_line(tmp_path, how):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    command = "raise" if how == "raise" else _read_only(ckpt)
+    if command is None:
+        pytest.skip("no way to make a directory read-only for root here (no chmod effect, no mount)")
+    try:
+        began = time.monotonic()
+        done = _fail_a_save(ckpt, command)
+        seconds = time.monotonic() - began
+        errors = [line for line in done.stderr.splitlines() if line.startswith("fsdp-tp: error:")]
+        assert done.returncode == 1, done.stderr[-3000:]
+        assert len(errors) == 1 and str(ckpt) in errors[0], done.stderr[-3000:]
+        assert ("Read-only file system" if how == "read-only" else "No space left on device") in errors[0]
+        assert seconds < 120 and "done: loss" not in done.stdout
+        assert saved_steps(ckpt) == [2]  # the good checkpoint stays
+    finally:
+        subprocess.run(["umount", str(ckpt)], capture_output=True)
+        subprocess.run(["chmod", "-R", "u+w", str(ckpt)], capture_output=True)
+
+
+# --- non-finite steps ---
+
+
+def _poisoned(when):
+    """The CLI's step, with nan gradients and loss where ``when(state, windows)`` holds."""
+
+    def step_fn(settings):
+        real = _real_step_fn(settings)
+
+        def step(state, windows):
+            grads, loss = real(state, windows)
+            scale = jnp.where(when(state, windows), jnp.nan, 1.0)
+            return jax.tree.map(lambda g: g * scale, grads), loss * scale
+
+        return step
+
+    return step_fn
+
+
+def _at_step_4(state, windows):
+    return state.step == 3  # 0-based: the 4th update
+
+
+def _odd_first_token(state, windows):  # some batches, whatever the state
+    return jax.lax.pmax(windows[0, 0] % 2, trainer_module.BATCH_AXES) == 1
+
+
+_real_step_fn = trainer_module._step_fn
+
+
+def test_a_nonfinite_step_stops_the_run_before_it_is_saved(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(trainer_module, "_step_fn", _poisoned(_at_step_4))
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    argv = [*RUN, "--checkpoint-every", "1", "--checkpoint-dir", str(ckpt), "--log-file", str(log)]
+    code, _ = run(*argv)
+    err = capsys.readouterr().err
+    assert code == 1 and "not finite; stopped before saving it" in err, err
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    bad = next(r["step"] for r in records if r.get("finite") is False)
+    assert bad == 4 and f"step {bad}:" in err and saved_steps(ckpt) == list(range(1, bad))
+    with Checkpoints(ckpt) as checkpoints:  # the newest checkpoint is good and finite
+        state, meta = checkpoints.restore(_abstract_state(ckpt))
+    assert meta["step"] == bad - 1
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))
+
+
+def _abstract_state(ckpt: Path):
+    """A restore target built from what the checkpoint says it holds (any mesh will do)."""
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(ckpt, item_handlers={"state": ocp.StandardCheckpointHandler()}) as m:
+        tree = m.item_metadata(m.latest_step())["state"]
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), getattr(tree, "tree", tree))
+
+
+def test_skip_goes_on_past_nonfinite_steps(tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer_module, "_step_fn", _poisoned(_odd_first_token))
+    log = tmp_path / "log.jsonl"
+    code, out = run(*RUN, "--nonfinite", "skip", "--log-file", str(log))
+    records = [json.loads(line) for line in log.read_text().splitlines() if "step" in json.loads(line)]
+    skipped = [r["step"] for r in records if r.get("finite") is False]
+    assert code == 0 and skipped and len(skipped) < 8, out
+    assert all(f"step {s}: loss nan or its update is not finite; skipped it" in out for s in skipped)
+    assert np.isfinite([r["loss"] for r in records if r.get("finite", True)]).all()
+
+
+# --- the coordinator ---
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _listeners(port: int) -> list[str]:
+    """``tcp 127.0.0.1`` / ``tcp6 ::`` for each socket listening on ``port`` (from /proc)."""
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                found.append(f"{table} {address}")
+    return found
+
+
+def test_the_coordinator_listens_on_the_host_it_was_given(tmp_path):
+    port = _free_port()
+    argv = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "0"]
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fsdp_tp",
+            "train",
+            "--cpu-devices",
+            "4",
+            "--coordinator-timeout",
+            "60",
+            *argv,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while not _listeners(port) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        # 127.0.0.1 as /proc writes it, on an IPv4 socket or IPv4-mapped on an IPv6 one; JAX's
+        # default is tcp6 0000...0000 (::, every interface).
+        loopback = {"tcp 0100007F", "tcp6 0000000000000000FFFF00000100007F"}
+        assert _listeners(port) and set(_listeners(port)) <= loopback, _listeners(port)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_process_without_its_coordinator_gives_up_with_one_line():
+    port = _free_port()  # nobody listens there
+    argv = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "1"]
+    began = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "fsdp_tp", "train", "--cpu-devices", "4", "--coordinator-timeout", "3", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and time.monotonic() - began < 60, done.stderr[-2000:]
+    assert f"could not reach the coordinator at 127.0.0.1:{port} within 3 s" in done.stderr
+    assert "Traceback" not in done.stderr
