@@ -98,17 +98,23 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_moved_aside(good, damage, tm
     assert saved_steps(ckpt) == [2, 4, 6, 8] and (ckpt / "corrupt-8").is_dir()  # nothing good lost
 
 
-def test_negative_control_without_fingerprints_the_flip_would_restore(good, tmp_path):
-    """What the check catches: orbax itself reads the flipped checkpoint back without a word."""
+def test_negative_control_orbax_alone_restores_a_silently_changed_checkpoint(good, tmp_path):
+    """What only the fingerprints catch: valid bytes that are not the ones saved (checkpoint 6's
+    arrays under checkpoint 8's name). orbax reads them without a word. Flipped bytes may or may
+    not break a compressed chunk (orbax then fails loudly); this change never does."""
     import orbax.checkpoint as ocp
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(good[0], ckpt)
-    _flip(ckpt / "8")
+    shutil.rmtree(ckpt / "8" / "state")
+    shutil.copytree(ckpt / "6" / "state", ckpt / "8" / "state")
     with ocp.CheckpointManager(ckpt, item_handlers={"state": ocp.StandardCheckpointHandler()}) as manager:
         raw = manager.restore(8, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
     meta = json.loads((ckpt / "8" / "meta" / "metadata").read_text())
     assert fingerprints(raw) != meta["fingerprints"]
+    code, out = run(*RUN, "--checkpoint-dir", str(ckpt), "--resume", "--steps", "8")
+    assert code == 0 and "differ from the fingerprints saved with them" in out
+    assert f"resumed from {ckpt / '6'} at step 6" in out
 
 
 def test_resume_from_picks_a_step_and_every_damaged_checkpoint_is_refused(good, tmp_path, capsys):
