@@ -28,13 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._types import PyTree
+from .rules import path_of
 
-__all__ = ["fingerprints", "mismatches", "path_name"]
-
-
-def path_name(path: tuple) -> str:
-    """``('opt_state', 0, 'mu')`` -> ``'opt_state/0/mu'``: how checkpoints name a leaf."""
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+__all__ = ["fingerprints", "mismatches"]
 
 
 def _words(x: jax.Array) -> jax.Array:
@@ -65,7 +61,7 @@ def fingerprints(tree: PyTree) -> dict[str, str]:
     The results are replicated scalars, so every process of a multi-process run gets them.
     """
     sums = jax.tree_util.tree_flatten_with_path(_all(tree))[0]
-    return {path_name(path): "".join(f"{int(v):08x}" for v in np.asarray(s)) for path, s in sums}
+    return {path_of(path): "".join(f"{int(v):08x}" for v in np.asarray(s)) for path, s in sums}
 
 
 def mismatches(saved: dict[str, str], restored: dict[str, str]) -> list[str]:

@@ -13,9 +13,9 @@ import flax.linen as nn
 import jax
 from flax import serialization
 
-from ._integrity import path_name
 from ._types import PyTree
 from .errors import CheckpointMismatchError
+from .rules import path_of
 
 __all__ = ["abstract", "check_saved", "global_tree", "into"]
 
@@ -72,7 +72,7 @@ def check_saved(saved: PyTree, expected: PyTree, where: str) -> None:
     saved_leaves = dict(jax.tree_util.tree_flatten_with_path(saved)[0])
     problems = []
     for path, want in jax.tree_util.tree_flatten_with_path(expected)[0]:
-        name, got = path_name(path), saved_leaves.get(path)
+        name, got = path_of(path), saved_leaves.get(path)
         if got is None:
             problems.append(f"{name}: missing (the model expects shape {tuple(want.shape)})")
         elif tuple(got.shape) != tuple(want.shape):

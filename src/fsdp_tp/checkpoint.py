@@ -177,23 +177,24 @@ class Checkpoints:
         fails verification.
         """
         self.wait()  # a save of this process still in flight is part of what there is to read
+        target = abstract(like)
         if step is not None:
             if step not in self.steps():
                 raise FileNotFoundError(
                     f"no complete checkpoint {step} in {self.directory}; "
                     f"the complete ones are {self.steps()}."
                 )
-            tree, meta = self._read(step, abstract(like))
+            tree, meta = self._read(step, target)
             return into(like, tree), meta
         skipped: dict[int, str] = {}
         for candidate in reversed(self.steps()):
             try:
-                tree, meta = self._read(candidate, abstract(like))
+                tree, meta = self._read(candidate, target)
             except CheckpointCorruptError as err:
                 skipped[candidate] = str(err)
                 continue
             for bad in skipped:
-                self._quarantine(bad)
+                skipped[bad] += f"; moved it to {self._quarantine(bad).name}"
             return into(like, tree), {**meta, "skipped": skipped} if skipped else meta
         if skipped:
             raise CheckpointCorruptError(

@@ -17,7 +17,7 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["UsageError", "check_paths", "check_ranges", "writable_file"]
+__all__ = ["UsageError", "check_paths", "check_ranges", "resuming", "writable_file"]
 
 
 class UsageError(ValueError):
@@ -55,7 +55,6 @@ MINIMUM = {
 FLOAT_MINIMUM = {
     "lr": (0.0, False, "a learning rate"),
     "clip_norm": (0.0, True, "a norm; 0 turns clipping off"),
-    "peak_tflops": (0.0, False, "TFLOP/s"),
 }
 
 
@@ -121,20 +120,24 @@ def writable_file(path: str, flag: str) -> None:
     _probe_directory(file.parent, flag)
 
 
+def resuming(args) -> bool:
+    """Whether the run continues from a checkpoint (``--resume`` or ``--resume-from``)."""
+    return bool(args.resume or args.resume_from is not None)
+
+
 def check_paths(args) -> None:
     """The log file and checkpoint directory can be written; resume flags make sense."""
     if getattr(args, "log_file", None):
         writable_file(args.log_file, "--log-file")
     directory = getattr(args, "checkpoint_dir", None)
-    resuming = args.resume or args.resume_from is not None
     if not directory:
-        if resuming:
+        if resuming(args):
             raise UsageError("--resume needs --checkpoint-dir DIR: the directory to resume from.")
         return
     path = Path(directory).absolute()
     if path.exists() and not path.is_dir():
         raise UsageError(f"--checkpoint-dir {directory} is a file; pass a directory.")
-    if resuming and args.overwrite:
+    if resuming(args) and args.overwrite:
         raise UsageError(
             "--resume and --overwrite contradict each other: "
             "resume keeps the checkpoints, overwrite deletes them."

@@ -28,7 +28,7 @@ from ..errors import (
 )
 from ..mesh import parse_mesh
 from ..models import Layout
-from .checks import UsageError, check_paths, check_ranges
+from .checks import UsageError, check_paths, check_ranges, resuming
 from .config import preset
 from .data import (
     EVAL_FRACTION,
@@ -189,10 +189,9 @@ def _checked_train(args, sizes: dict, out) -> int:
     """``train``: every input checked (flags, paths, data, processes), then devices, then the run."""
     check_paths(args)
     if args.checkpoint_dir:
-        check_contents(args.checkpoint_dir, args.resume or args.resume_from is not None, args.overwrite)
+        check_contents(args.checkpoint_dir, resuming(args), args.overwrite)
     train_tokens, eval_tokens, settings = _tokens(args, sizes)
-    requested(args.coordinator, args.num_processes, args.process_id, args.distributed)
-    _devices(args, sizes)
+    _devices(args, sizes)  # checks the multi-process flags first
     from .run import train
 
     return train(settings, sizes, args, train_tokens, eval_tokens, out)

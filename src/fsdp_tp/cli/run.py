@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 from contextlib import ExitStack
+from pathlib import Path
 from typing import TextIO
 
 import jax
@@ -17,7 +19,7 @@ from ..checkpoint import Checkpoints
 from ..mesh import make_mesh
 from ..plan import make_plan
 from ..train import state_init_fn
-from .checks import UsageError
+from .checks import UsageError, resuming
 from .output import Output, model_name, run_header
 from .resume import changes, data_identity, record
 from .trainer import BATCH, Settings, Trainer, compare_with_twin
@@ -73,8 +75,6 @@ def _memory_per_device() -> tuple[int, str] | None:
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"]), f"{device.device_kind} memory"
     if device.platform == "cpu":
-        import os
-
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return ram // jax.local_device_count(), f"host RAM / {jax.local_device_count()} devices"
     return None
@@ -125,7 +125,7 @@ def _resume(trainer: Trainer, checkpoints: Checkpoints, args, now: dict, say) ->
     resharding it onto this mesh; refuses one written with other data or schedule. Its step."""
     state, meta = checkpoints.restore(trainer.state, args.resume_from)
     for step, why in meta.get("skipped", {}).items():
-        say(f"skipped checkpoint {checkpoints.path(step)}: {why}; moved it to corrupt-{step}")
+        say(f"skipped checkpoint {checkpoints.path(step)}: {why}")
     changed = changes(meta, now)
     if changed and not args.allow_changes:
         raise UsageError(
@@ -165,13 +165,11 @@ def train(
             stack.enter_context(checkpoints)  # closing waits for the last save and verifies it
         trainer = Trainer(settings, mesh)
         meta = record(settings, data_identity(tokens, _data_name(args)))
-        return _train(trainer, args, tokens, eval_tokens, output, out, checkpoints, meta)
-    raise AssertionError("unreachable")  # mypy: ExitStack may swallow exceptions
+        code = _train(trainer, args, tokens, eval_tokens, output, out, checkpoints, meta)
+    return code
 
 
 def _data_name(args) -> str:
-    from pathlib import Path
-
     return Path(args.data).name if args.data else "embedded corpus"
 
 
@@ -182,8 +180,7 @@ def _train(
     if args.check and not _check(trainer, train_tokens, args.check, settings.model.dtype, output.say):
         return 1
     start = 0
-    resuming = args.resume or args.resume_from is not None
-    if checkpoints and resuming and checkpoints.latest() is not None:
+    if checkpoints and resuming(args) and checkpoints.latest() is not None:
         start = _resume(trainer, checkpoints, args, meta, output.say)
     if start >= settings.steps:
         output.say(f"checkpoint step {start} already reached --steps {settings.steps}; pass more steps.")
