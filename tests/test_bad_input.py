@@ -49,7 +49,10 @@ FLAGS = [
     (["--mesh", "data=-1,fsdp=8"], "axis sizes must be >= 1, got {'data': -1}"),
     (["--mesh", "data=2,fsdp"], "item 'fsdp' is not NAME=SIZE; write e.g. 'data=2,fsdp=2,tensor=2'"),
     (["--mesh", "data=2,model=4"], "unknown axes ['model']; use data, fsdp and tensor"),
-    (["--mesh", "data=2,fsdp=2,tensor=1", "--cpu-devices", "8"], "multiply to 4 devices, but 8"),
+    (
+        ["--mesh", "data=2,fsdp=2,tensor=1", "--cpu-devices", "8"],
+        "needs 4 devices, but 8 are here; meshes that fit: fsdp=8, data=2,fsdp=4",
+    ),
     (["--check", "-3"], "--check -3 is out of range: expected an integer >= 0"),
     (["--steps", "0"], "--steps 0 is out of range: expected an integer >= 1 (train steps)"),
     (["--warmup", "-1"], "--warmup -1 is out of range: expected an integer >= 0"),
@@ -132,7 +135,7 @@ def test_a_run_that_cannot_fit_is_refused_with_the_figures(tmp_path, capsys):
     assert "the run needs at least" in err and "per device" in err and "available (host RAM / 8" in err, err
     huge_ids = _npy(tmp_path / "ids.npy", np.append(np.arange(4000) % 200, 2**31 - 10).astype(np.int64))
     assert run("train", "--steps", "1", "--data", huge_ids) == 2
-    assert "use a smaller model or more devices" in capsys.readouterr().err
+    assert "use a smaller model or batch, --remat full" in capsys.readouterr().err
 
 
 def test_a_directory_of_checkpoints_needs_resume_or_overwrite(tmp_path, capsys):

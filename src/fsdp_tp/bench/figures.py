@@ -11,7 +11,9 @@ import math
 import re
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import flax.linen as nn
 import jax
@@ -28,6 +30,7 @@ from .workloads import WORKLOADS, gpt
 
 __all__ = [
     "Figures",
+    "Timed",
     "build_seconds",
     "compile_seconds",
     "exact_figures",
@@ -150,7 +153,18 @@ def exact_figures(variant: Variant, library_state=None) -> Figures:
     )
 
 
-def step_seconds(variants: list[Variant], blocks: int = 3, steps: int = 5) -> dict[str, list[float]]:
+class Timed(Protocol):
+    """What ``step_seconds`` runs: a labelled step, its (donated) state and its batch."""
+
+    @property
+    def label(self) -> str: ...
+
+    state: Any
+    step: Callable
+    batch: Any
+
+
+def step_seconds(variants: Sequence[Timed], blocks: int = 3, steps: int = 5) -> dict[str, list[float]]:
     """Seconds per step of each variant in ``blocks`` interleaved blocks (after a warm-up step).
 
     Interleaving spreads the machine's noise over all variants alike; compare the

@@ -55,6 +55,7 @@ MINIMUM = {
 FLOAT_MINIMUM = {
     "lr": (0.0, False, "a learning rate"),
     "clip_norm": (0.0, True, "a norm; 0 turns clipping off"),
+    "peak_tflops": (0.0, False, "a device's peak TFLOP/s"),
 }
 
 

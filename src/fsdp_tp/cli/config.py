@@ -15,7 +15,8 @@ __all__ = ["PRESETS", "ModelConfig", "preset"]
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a decoder-only transformer LM over byte tokens (vocab 256)."""
+    """The shape of a decoder-only transformer LM over byte tokens (vocab 256) or a token
+    file's ids, and how it computes (``dtype``, ``attention``, ``remat``: see ``Transformer``)."""
 
     d_model: int
     num_layers: int
@@ -27,6 +28,23 @@ class ModelConfig:
     vocab_size: int = 256
     dtype: str = "float32"  # the computation's; parameters and optimizer state stay f32
     scan_layers: bool = True  # False: blocks_0, blocks_1, ... unrolled (another parameter tree)
+    attention: str = "reference"  # fsdp_tp.layers.ATTENTION_IMPLEMENTATIONS
+    remat: str = "full"  # fsdp_tp.models.REMAT_POLICIES
+
+    def flops_per_token(self) -> int:
+        """Model FLOPs of one trained token (forward and backward, recomputation not counted):
+        6 per weight multiply-add (the input embedding is a lookup, not one) plus the
+        attention scores and their values, 12 · layers · heads · head_dim · seq_len (every
+        query against the whole sequence, the causal half included, as PaLM's MFU counts).
+
+        >>> config = dataclasses.replace(PRESETS["125m"], vocab_size=32768)
+        >>> f"{config.flops_per_token() / 1e9:.3f} GFLOP"   # 6 x 110M weights + attention
+        '0.774 GFLOP'
+        """
+        d, heads, kv, dim = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim
+        per_layer = d * (heads + 2 * kv) * dim + heads * dim * d + 2 * d * self.mlp_hidden
+        weights = self.num_layers * per_layer + d * self.vocab_size  # blocks + output head
+        return 6 * weights + 12 * self.num_layers * heads * dim * self.seq_len
 
     def model(self, layout: Layout | None = None) -> Transformer:
         """The model split as ``layout`` says; without one, the plain flax twin, the reference
@@ -56,6 +74,29 @@ PRESETS = {
         num_kv_heads=8,
         mlp_hidden=3072,
         seq_len=512,
+    ),
+    # Realistic sizes (the GPU measurements of the benchmark page): GPT-2-like widths, a
+    # vocabulary from the token file (or --vocab-size), sequences of 1024.
+    "125m": ModelConfig(
+        d_model=768, num_layers=12, num_heads=12, head_dim=64, num_kv_heads=12, mlp_hidden=3072, seq_len=1024
+    ),
+    "350m": ModelConfig(
+        d_model=1024,
+        num_layers=24,
+        num_heads=16,
+        head_dim=64,
+        num_kv_heads=16,
+        mlp_hidden=4096,
+        seq_len=1024,
+    ),
+    "1b": ModelConfig(
+        d_model=2048,
+        num_layers=16,
+        num_heads=16,
+        head_dim=128,
+        num_kv_heads=16,
+        mlp_hidden=8192,
+        seq_len=1024,
     ),
 }
 

@@ -11,8 +11,6 @@ Bad input exits with status 2 and one line saying what to change.
 
 from __future__ import annotations
 
-import importlib.util
-import math
 import os
 import sys
 import threading
@@ -39,7 +37,8 @@ from .data import (
     split_held_out,
     vocab_for,
 )
-from .distributed import DistributedError, requested
+from .distributed import DistributedError
+from .machine import check_mesh_fits, select_devices, uses_accelerator
 from .options import DEFAULT_MESH, parser
 from .workdir import check_contents
 
@@ -61,6 +60,8 @@ def _settings(args, mesh: dict, vocab_size: int | None = None):
         vocab_size=args.vocab_size or vocab_size,
         dtype=DTYPES[args.dtype],
         scan_layers=args.scan_layers,
+        attention=args.attention,
+        remat=args.remat,
     )
     shards = mesh.get("data", 1) * mesh.get("fsdp", 1)
     if args.batch % shards:
@@ -112,10 +113,6 @@ def _mesh(text: str) -> dict:
     return {axis: sizes.get(axis, 1) for axis in ("data", "fsdp", "tensor")}
 
 
-def _has_accelerator_plugin() -> bool:
-    return any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu"))
-
-
 def _tokens(args, mesh: dict):
     """The train and held-out tokens (``None`` without ``--eval-every``) and the settings that
     fit them, checked before anything starts or is written."""
@@ -135,19 +132,22 @@ def _tokens(args, mesh: dict):
     return train, held_out, settings
 
 
-def _devices(args, sizes: dict) -> None:
-    """Joins the multi-process run if asked, then picks the devices: before JAX starts."""
-    from ..mesh import simulate_cpu_devices
-    from .distributed import join
+def _accelerator_bench(args, argv: list[str], out) -> int:
+    from pathlib import Path
 
-    processes = requested(args.coordinator, args.num_processes, args.process_id, args.distributed)
-    if args.cpu_devices or not _has_accelerator_plugin():
-        per_process = args.cpu_devices or math.prod(sizes.values()) // max(processes, 1)
-        simulate_cpu_devices(per_process)
-    if processes != 1:
-        join(
-            args.coordinator, args.num_processes, args.process_id, args.distributed, args.coordinator_timeout
-        )
+    from ..bench.accelerator import accelerator_section, parse_presets, write_accelerator_page
+
+    try:
+        presets = parse_presets(args.presets)
+    except ValueError as err:
+        print(f"fsdp-tp: error: {err}", file=sys.stderr)
+        return 2
+    overrides = dict(
+        vocab_size=args.vocab_size, dtype=DTYPES[args.dtype], attention=args.attention, remat=args.remat
+    )
+    text = accelerator_section(presets, overrides, args.blocks, args.steps, argv, out)
+    print(f"wrote {write_accelerator_page(text, Path(args.out))}", file=out)
+    return 0
 
 
 def _bench(args, argv: list[str], out) -> int:
@@ -163,8 +163,10 @@ def _bench(args, argv: list[str], out) -> int:
             file=sys.stderr,
         )
         return 2
-    if not _has_accelerator_plugin():
+    if not uses_accelerator(args):
         simulate_cpu_devices(8)
+    if args.accelerator:
+        return _accelerator_bench(args, argv, out)
     from ..bench.run import run_benchmarks
 
     readme = Path(args.readme) if args.readme and Path(args.readme).is_file() else None
@@ -185,13 +187,24 @@ def _bench(args, argv: list[str], out) -> int:
     return 0
 
 
-def _checked_train(args, sizes: dict, out) -> int:
-    """``train``: every input checked (flags, paths, data, processes), then devices, then the run."""
+def _checked_train(args, out) -> int:
+    """``train``: every input checked (flags, paths, data, processes), then devices, then the run.
+    Without ``--mesh`` on accelerators, the devices come first: the mesh is all of them on fsdp."""
+    import jax
+
     check_paths(args)
     if args.checkpoint_dir:
         check_contents(args.checkpoint_dir, resuming(args), args.overwrite)
-    train_tokens, eval_tokens, settings = _tokens(args, sizes)
-    _devices(args, sizes)  # checks the multi-process flags first
+    if args.mesh is None and uses_accelerator(args):
+        select_devices(args, None)  # checks the multi-process flags first
+        sizes = {"data": 1, "fsdp": jax.device_count(), "tensor": 1}
+        args.mesh, args.mesh_chosen = f"fsdp={jax.device_count()}", True
+        train_tokens, eval_tokens, settings = _tokens(args, sizes)
+    else:
+        sizes = _mesh(args.mesh or DEFAULT_MESH)
+        train_tokens, eval_tokens, settings = _tokens(args, sizes)
+        select_devices(args, sizes)
+    check_mesh_fits(sizes, jax.device_count(), settings)
     from .run import train
 
     return train(settings, sizes, args, train_tokens, eval_tokens, out)
@@ -208,13 +221,13 @@ def main(argv: list[str] | None = None, out=sys.stdout) -> int:
         return _bench(args, argv[1:], out)
     try:
         check_ranges(args)
-        sizes = _mesh(args.mesh)
         if args.command == "plan":
-            from .run import print_plan
+            from .fit import print_plan
 
+            sizes = _mesh(args.mesh or DEFAULT_MESH)
             print_plan(_settings(args, sizes), sizes, out)
             return 0
-        return _checked_train(args, sizes, out)
+        return _checked_train(args, out)
     except (
         MeshShapeError,
         IndivisibleShapeError,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..layers.attention import ATTENTION_IMPLEMENTATIONS
+from ..models.transformer import REMAT_POLICIES
 from .config import PRESETS
 
 __all__ = ["DEFAULT_MESH", "parser"]
@@ -16,7 +18,11 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpF
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mesh", default=DEFAULT_MESH, help="axis sizes over data, fsdp and tensor")
+    p.add_argument(
+        "--mesh",
+        help=f"axis sizes over data, fsdp and tensor (default: train on an accelerator puts every "
+        f"device on fsdp; on CPU, and for plan, {DEFAULT_MESH})",
+    )
     p.add_argument(
         "--preset", default="tiny", choices=sorted(PRESETS), help="model size; the flags below override it"
     )
@@ -33,6 +39,20 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
     p.add_argument("--vocab-size", type=int, help="default: 256 (bytes), or fitted to a token file")
     p.add_argument("--dtype", choices=["f32", "bf16"], default="f32", help="compute dtype (params stay f32)")
+    p.add_argument(
+        "--attention",
+        choices=ATTENTION_IMPLEMENTATIONS,
+        default="auto",
+        help="reference einsums, or jax.nn.dot_product_attention: xla, cudnn (flash, bf16 on GPU), "
+        "auto (cudnn where it runs, else xla)",
+    )
+    p.add_argument(
+        "--remat",
+        choices=[*REMAT_POLICIES, "auto"],
+        default="auto",
+        help="what each layer keeps for the backward pass: full (only its input), dots (also its "
+        "matmuls' results), none (everything); auto: the fastest whose plan fits a device",
+    )
     p.add_argument("--batch", type=int, default=16, help="global batch (sequences per step)")
     p.add_argument(
         "--min-weight-size", type=int, default=2**10, help="parameters with fewer elements stay whole"
@@ -91,6 +111,12 @@ def _train_flags(train: argparse.ArgumentParser) -> None:
     train.add_argument("--log-file", help="append JSON lines: a run header, then step, loss, tokens/s")
     train.add_argument("--log-every", type=int, default=25, help="steps between progress lines")
     train.add_argument(
+        "--peak-tflops",
+        type=float,
+        help="a device's peak TFLOP/s in the compute dtype, for MFU (default: from a table of "
+        "accelerators; none on CPU, where MFU is not shown)",
+    )
+    train.add_argument(
         "--check", type=int, default=0, metavar="K", help="compare K steps with the unsharded twin first"
     )
     train.add_argument("--eval-every", type=int, default=100, help="held-out loss every N steps (0: off)")
@@ -140,6 +166,17 @@ def _bench_flags(bench: argparse.ArgumentParser) -> None:
     )
     bench.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True, help="draw the plots")
     bench.add_argument("--readme", default="README.md", help="rewrite its headline table (if marked)")
+    acc = bench.add_argument_group("--accelerator: the realistic presets on one device (GPU or TPU)")
+    acc.add_argument(
+        "--accelerator",
+        action="store_true",
+        help="only this: library vs plain flax, tokens/s, MFU, memory -> benchmarks_accelerator.md",
+    )
+    acc.add_argument("--presets", default="125m:32,1b:16", help="PRESET:GLOBAL_BATCH, comma-separated")
+    acc.add_argument("--vocab-size", type=int, default=32768, help="the presets' vocabulary")
+    acc.add_argument("--dtype", choices=["f32", "bf16"], default="bf16", help="compute dtype")
+    acc.add_argument("--attention", choices=ATTENTION_IMPLEMENTATIONS, default="auto", help="see train")
+    acc.add_argument("--remat", choices=list(REMAT_POLICIES), default="dots", help="see train")
 
 
 def parser(description: str) -> argparse.ArgumentParser:

@@ -84,16 +84,17 @@ class Output:
         timed: float,
         counted: int,
         tokens_per_step: int,
+        extra: str = "",
     ) -> None:
         """The progress line after 0-based ``step``; the first step shows its compile time instead
-        of a rate (it has none yet)."""
+        of a rate (it has none yet). ``extra``: what else the step achieved (TFLOP/s, memory)."""
         bar = "#" * (20 * (step + 1) // steps)
         head = f"[{bar:<20}] step {step + 1}/{steps} loss {loss:.4f}"
         if not counted:
             self.say(f"{head} (compiled and ran in {seconds:.1f}s)")
             return
         rate, eta = tokens_per_step * counted / timed, (steps - step - 1) * timed / counted
-        self.say(f"{head} {rate:,.0f} tokens/s eta {eta:.0f}s")
+        self.say(f"{head} {rate:,.0f} tokens/s{f', {extra}' if extra else ''} eta {eta:.0f}s")
 
     def close(self) -> None:
         if self.log:

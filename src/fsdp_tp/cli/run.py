@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import sys
 from contextlib import ExitStack
 from pathlib import Path
@@ -12,20 +11,19 @@ from typing import TextIO
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AbstractMesh, AxisType
-from jax.sharding import PartitionSpec as P
 
 from ..checkpoint import Checkpoints
+from ..layers.attention import resolved_implementation
 from ..mesh import make_mesh
-from ..plan import make_plan
-from ..train import state_init_fn
 from .checks import UsageError, resuming
+from .fit import check_fits, choose_remat, mib, plan_of
 from .output import Output, model_name, run_header
 from .resume import changes, data_identity, record
-from .trainer import BATCH, Settings, Trainer, compare_with_twin
+from .throughput import Achieved, memory_in_use, peak_tflops
+from .trainer import Settings, Trainer, compare_with_twin
 from .workdir import clear, locked
 
-__all__ = ["print_plan", "train"]
+__all__ = ["train"]
 
 MAX_SKIPPED = 10  # --nonfinite skip: this many non-finite steps in a row end the run
 
@@ -40,69 +38,17 @@ class NonFiniteStepError(RuntimeError):
 CHECK_TOLERANCE = {"float32": (1e-4, 1e-5), "bfloat16": (4e-3, 4e-4)}
 
 
-def _plan(settings: Settings, mesh):
-    config = settings.model
-    model = config.model(settings.layout)
-    ids = jax.ShapeDtypeStruct((settings.batch, config.seq_len), np.int32)
-    return make_plan(
-        state_init_fn(model, settings.optimizer()),
-        mesh,
-        (P(), BATCH),
-        jax.random.key(0),
-        ids,
-        check_vma=settings.check_vma,
-    )
-
-
-def print_plan(settings: Settings, sizes: dict, out: TextIO) -> None:
-    """The plan on an abstract mesh of ``sizes``: no devices needed, any size."""
-    mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
-    print(_plan(settings, mesh), file=out)
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.2f} MiB"
-
-
-def _memory_per_device() -> tuple[int, str] | None:
-    """Bytes one device may use, and where the figure comes from; ``None`` where nobody says.
-
-    Accelerators report ``bytes_limit``; the CPU backend reports nothing, but its simulated
-    devices share the host's memory, so each gets the host's RAM over the local device count.
-    """
-    device = jax.local_devices()[0]
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"]), f"{device.device_kind} memory"
-    if device.platform == "cpu":
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return ram // jax.local_device_count(), f"host RAM / {jax.local_device_count()} devices"
-    return None
-
-
-def _check_fits(plan) -> None:
-    """Refuses a run whose state and gradients alone exceed a device's memory (before the init
-    would allocate them and the kernel or the allocator kill the process)."""
-    limit = _memory_per_device()
-    needed = plan.total_bytes + plan.param_bytes + (plan.activation_bytes or 0)
-    activations = f" + activations {_mib(plan.activation_bytes)}" if plan.activation_bytes else ""
-    if limit is not None and needed > limit[0]:
-        raise UsageError(
-            f"the run needs at least {_mib(needed)} per device (state {_mib(plan.total_bytes)} + gradients "
-            f"{_mib(plan.param_bytes)}{activations}), "
-            f"more than the {_mib(limit[0])} available ({limit[1]}); use a smaller model or more devices."
-        )
-
-
 def _summary(settings: Settings, sizes: dict, plan, name: str) -> str:
     params = sum(math.prod(r.shape) for r in plan.rows)
     processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
     return (
         f"mesh {' x '.join(f'{k}={v}' for k, v in sizes.items())} on {jax.device_count()} "
         f"{jax.default_backend()} devices{processes}; model {name}, vocab {settings.model.vocab_size} "
-        f"({settings.model.dtype} compute): {params:,} params; per device: params {_mib(plan.param_bytes)}, "
-        f"optimizer {_mib(plan.optimizer_bytes)} ({settings.optimizer_name}, "
-        f"{f'clip {settings.clip_norm:g}' if settings.clip_norm else 'no clipping'})"
+        f"({settings.model.dtype} compute): {params:,} params; per device: params {mib(plan.param_bytes)}, "
+        f"optimizer {mib(plan.optimizer_bytes)} ({settings.optimizer_name}, "
+        f"{f'clip {settings.clip_norm:g}' if settings.clip_norm else 'no clipping'}), "
+        f"activations {mib(plan.activation_bytes or 0)} (remat {settings.model.remat}, "
+        f"{resolved_implementation(settings.model.attention, settings.model.dtype)} attention)"
     )
 
 
@@ -151,9 +97,14 @@ def train(
     ``eval_tokens``: the held-out part for ``--eval-every`` (``None``: no eval)."""
     mesh = make_mesh(sizes)
     output = Output(out, None)
-    plan = _plan(settings, mesh)
+    if settings.model.remat == "auto":
+        settings, plan = choose_remat(settings, mesh)
+    else:
+        plan = plan_of(settings, mesh)
+    if getattr(args, "mesh_chosen", False):
+        output.say(f"no --mesh given: chose {args.mesh}, every {jax.default_backend()} device on fsdp")
     output.say(_summary(settings, sizes, plan, model_name(args)))
-    _check_fits(plan)
+    check_fits(plan)
     with ExitStack() as stack:
         checkpoints = None
         if args.checkpoint_dir:
@@ -216,9 +167,29 @@ def _nonfinite(step: int, loss: float, args, skipped_in_a_row: int, output: Outp
         raise NonFiniteStepError(f"{MAX_SKIPPED} steps in a row were not finite (the last: {what}); stopped.")
 
 
+def _peak(settings: Settings, args) -> float | None:
+    """``--peak-tflops``, or the table's figure for this device and compute dtype."""
+    return args.peak_tflops or peak_tflops(jax.devices()[0].device_kind, settings.model.dtype)
+
+
+def _achieved(settings: Settings, rate: float | None, peak: float | None) -> tuple[dict, str]:
+    """The log fields and the progress text of what the steps so far achieved."""
+    fields: dict = {}
+    texts = []
+    if rate:
+        achieved = Achieved.of(settings.model.flops_per_token(), rate, jax.device_count(), peak)
+        fields.update(achieved.fields())
+        texts.append(achieved.text())
+    if (memory := memory_in_use()) is not None:
+        fields.update(bytes_in_use=memory[0], peak_bytes_in_use=memory[1])
+        texts.append(f"{memory[0] / 2**30:.2f} GiB in use (peak {memory[1] / 2**30:.2f})")
+    return fields, ", ".join(texts)
+
+
 def _loop(trainer, tokens, eval_tokens, start: int, args, output: Output, checkpoints, meta: dict) -> tuple:
     settings = trainer.settings
     steps, tokens_per_step = settings.steps, settings.batch * settings.model.seq_len
+    peak = _peak(settings, args)
     first = last = float("nan")
     timed, counted, in_a_row = 0.0, 0, 0
     for step, loss, seconds, finite in trainer.run(tokens, start, steps):
@@ -232,12 +203,13 @@ def _loop(trainer, tokens, eval_tokens, start: int, args, output: Output, checkp
         if step > start:  # the first step includes compilation
             timed, counted = timed + seconds, counted + 1
         rate = tokens_per_step * counted / timed if counted else None
-        output.record(step=step + 1, loss=loss, seconds=seconds, tokens_per_s=rate)
+        fields, achieved = _achieved(settings, rate, peak)
+        output.record(step=step + 1, loss=loss, seconds=seconds, tokens_per_s=rate, **fields)
         if checkpoints:
             checkpoints.check()  # a background save that failed ends the run now, not at the next save
             checkpoints.save(step + 1, trainer.state, meta, force=step + 1 == steps)
         if step % args.log_every == 0 or step == steps - 1:
-            output.progress(step, steps, loss, seconds, timed, counted, tokens_per_step)
+            output.progress(step, steps, loss, seconds, timed, counted, tokens_per_step, achieved)
         if eval_tokens is not None and ((step + 1) % args.eval_every == 0 or step == steps - 1):
             eval_loss = trainer.evaluate(eval_tokens, args.eval_batches)
             output.record(step=step + 1, eval_loss=eval_loss)

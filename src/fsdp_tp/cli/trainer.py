@@ -22,7 +22,7 @@ from ..train import accumulate_gradients, shard_step, state_init_fn
 from .config import ModelConfig
 from .data import batch_at, windows_at
 
-__all__ = ["BATCH_AXES", "OPTIMIZERS", "Settings", "Trainer", "compare_with_twin"]
+__all__ = ["BATCH_AXES", "OPTIMIZERS", "Settings", "Trainer", "compare_with_twin", "step_fn", "window_loss"]
 
 BATCH_AXES = ("data", "fsdp")
 BATCH = P(BATCH_AXES)
@@ -61,16 +61,18 @@ class Settings:
         return optax.chain(optax.clip_by_global_norm(self.clip_norm), tx) if self.clip_norm else tx
 
 
-def _loss(apply_fn: Callable, params, windows: jax.Array) -> jax.Array:
+def window_loss(apply_fn: Callable, params, windows: jax.Array) -> jax.Array:
     """Mean next-token loss of this device's windows ``(rows, seq_len + 1)``."""
     logits = apply_fn({"params": params}, windows[:, :-1])
     return vocab_parallel_cross_entropy(logits, windows[:, 1:]).mean()
 
 
-def _step_fn(settings: Settings) -> Callable:
+def step_fn(settings: Settings) -> Callable:
+    """The per-device step for ``shard_step``: this device's windows -> synced gradients, loss."""
+
     def step(state, windows):
         def loss_fn(params, microbatch, _rng):
-            return _loss(state.apply_fn, params, microbatch), None
+            return window_loss(state.apply_fn, params, microbatch), None
 
         (loss, _), grads = accumulate_gradients(loss_fn, state.params, windows, settings.microbatches)
         return sync_gradients(grads, BATCH_AXES), jax.lax.pmean(loss, BATCH_AXES)
@@ -101,7 +103,7 @@ def _guarded(step: Callable) -> Callable:
 
 
 def _eval_fn(state, windows):
-    return jax.lax.pmean(_loss(state.apply_fn, state.params, windows), BATCH_AXES)
+    return jax.lax.pmean(window_loss(state.apply_fn, state.params, windows), BATCH_AXES)
 
 
 class Trainer:
@@ -123,7 +125,7 @@ class Trainer:
             twin_init_fn=state_init_fn(self.twin, self.tx),
             check_vma=settings.check_vma,
         )
-        step = shard_step(_step_fn(settings), mesh, self.specs, BATCH, check_vma=settings.check_vma)
+        step = shard_step(step_fn(settings), mesh, self.specs, BATCH, check_vma=settings.check_vma)
         self.step = jax.jit(_guarded(step), donate_argnums=0)
         self._eval = jax.jit(
             jax.shard_map(

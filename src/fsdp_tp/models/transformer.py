@@ -14,7 +14,24 @@ from ..collectives import copy_to_axis
 from ..layers import AttentionBlock, ColumnParallelDense, MLPBlock, VocabParallelEmbed
 from .layout import Layout
 
-__all__ = ["Transformer"]
+__all__ = ["REMAT_POLICIES", "Transformer"]
+
+# What a decoder block keeps for the backward pass: ``full`` keeps only its input and
+# recomputes the rest (and re-gathers its FSDP shards), ``dots`` also keeps the results of
+# its weight matmuls (no batch dims: not the attention scores), ``none`` keeps everything.
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "none": None,
+}
+
+
+def _rematted(block, policy: str):
+    if policy not in REMAT_POLICIES:
+        raise ValueError(f"Transformer: remat={policy!r} is not one of {sorted(REMAT_POLICIES)}.")
+    if policy == "none":
+        return block
+    return nn.remat(block, policy=REMAT_POLICIES[policy])
 
 
 def _norm(axis_name: str | None, sequence_parallel: bool):
@@ -41,6 +58,7 @@ class DecoderBlock(nn.Module):
     mlp_hidden: int
     layout: Layout = Layout()
     dtype: Any = None
+    attention: str = "reference"
 
     @nn.compact
     def __call__(self, x, _):
@@ -56,6 +74,7 @@ class DecoderBlock(nn.Module):
             sequence_parallel=lay.sequence_split,
             collective_matmul=lay.ring,
             dtype=self.dtype,
+            attention=self.attention,
         )(h)
         h = norm(name="norm_mlp")(x)
         return x + MLPBlock(
@@ -72,8 +91,9 @@ class Transformer(nn.Module):
     """Token ids ``(batch, seq)`` -> logits ``(batch, seq, vocab)``, split on the vocab over the
     tensor axis.
 
-    Embedding, ``num_layers`` decoder blocks under ``nn.scan`` over ``nn.remat``,
-    final norm, vocab-parallel head: train it with
+    Embedding, ``num_layers`` decoder blocks under ``nn.scan`` over ``nn.remat`` (what each
+    block keeps for the backward pass: ``remat``, a key of :data:`REMAT_POLICIES`), final
+    norm, vocab-parallel head: train it with
     :func:`~fsdp_tp.vocab_parallel_cross_entropy` on the local logits. ``layout``
     (:class:`~fsdp_tp.models.Layout`) says what is split: tensor parallelism over
     ``layout.tensor``, every layer's large parameters sharded over ``layout.fsdp``,
@@ -82,6 +102,8 @@ class Transformer(nn.Module):
     ``dtype=jnp.bfloat16`` computes in bf16 on f32 parameters; the logits come
     back in f32 either way, for the loss. ``scan_layers=False`` unrolls the
     layers (parameters ``blocks_0``, ``blocks_1``, ...; compile time grows with depth).
+    ``attention`` picks how attention is computed (:func:`~fsdp_tp.layers.attend`); every
+    choice of ``attention`` and ``remat`` computes the same function.
     """
 
     vocab_size: int
@@ -94,6 +116,8 @@ class Transformer(nn.Module):
     layout: Layout = Layout()
     dtype: Any = None
     scan_layers: bool = True
+    attention: str = "reference"
+    remat: str = "full"
 
     @nn.compact
     def __call__(self, ids: jax.Array) -> jax.Array:
@@ -110,8 +134,16 @@ class Transformer(nn.Module):
                 dtype=self.dtype,
                 name="embed",
             )(ids)
-        block_args = (self.num_heads, self.head_dim, self.num_kv_heads, self.mlp_hidden, lay, self.dtype)
-        block = nn.remat(lay.shard(DecoderBlock))
+        block_args = (
+            self.num_heads,
+            self.head_dim,
+            self.num_kv_heads,
+            self.mlp_hidden,
+            lay,
+            self.dtype,
+            self.attention,
+        )
+        block = _rematted(lay.shard(DecoderBlock), self.remat)
         if self.scan_layers:  # one traced and compiled block, its params stacked on a leading dim
             stack = nn.scan(
                 block,

@@ -1,0 +1,127 @@
+"""Whether a run fits a device: its plan (state, gradients, activations), the memory a device
+has, and the fastest remat policy that fits.
+
+The plan is one abstract trace of the init and of one device's forward pass (``jax.vjp``'s
+residuals are what the backward pass keeps), so it holds on meshes of any size; remat
+changes the residuals, so each policy has its own activation figure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import TextIO
+
+import jax
+import numpy as np
+from jax.sharding import AbstractMesh, AxisType
+from jax.sharding import PartitionSpec as P
+
+from ..plan import Plan, make_plan
+from ..train import state_init_fn
+from .checks import UsageError
+from .trainer import BATCH, Settings, window_loss
+
+__all__ = ["HEADROOM", "check_fits", "choose_remat", "memory_per_device", "mib", "plan_of", "print_plan"]
+
+# --remat auto keeps this fraction of a device's memory for what the plan does not count:
+# XLA's temporaries (the logits and their gradient, fusion buffers) and the allocator's slack.
+HEADROOM = 0.25
+# Fastest first: recomputing nothing, then only what is not a weight matmul, then everything.
+_FASTEST_FIRST = ("none", "dots", "full")
+
+
+def plan_of(settings: Settings, mesh) -> Plan:
+    """What each device of ``mesh`` (or an ``AbstractMesh``) holds: parameters, optimizer state,
+    and the activations one step keeps for its backward pass."""
+    config = settings.model
+    model = config.model(settings.layout)
+    ids = jax.ShapeDtypeStruct((settings.batch, config.seq_len), np.int32)
+    # One microbatch's activations are alive at a time (accumulate_gradients).
+    rows = settings.batch // settings.microbatches
+    windows = jax.ShapeDtypeStruct((rows, config.seq_len + 1), np.int32)
+    return make_plan(
+        state_init_fn(model, settings.optimizer()),
+        mesh,
+        (P(), BATCH),
+        jax.random.key(0),
+        ids,
+        check_vma=settings.check_vma,
+        loss_fn=lambda params, batch: window_loss(model.apply, params, batch),
+        batch=windows,
+        batch_specs=BATCH,
+    )
+
+
+def _abstract_mesh(sizes: dict) -> AbstractMesh:
+    return AbstractMesh(tuple(sizes.values()), tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
+
+
+def print_plan(settings: Settings, sizes: dict, out: TextIO) -> None:
+    """The plan on an abstract mesh of ``sizes``: no devices needed, any size. Under
+    ``--remat auto`` the table is ``full``'s, and each policy's activations follow it (which
+    one ``train`` takes depends on the device's memory)."""
+    mesh = _abstract_mesh(sizes)
+    if settings.model.remat != "auto":
+        print(plan_of(settings, mesh), file=out)
+        return
+    plans = {policy: plan_of(_with_remat(settings, policy), mesh) for policy in _FASTEST_FIRST}
+    print(plans["full"], file=out)
+    each = ", ".join(f"{policy} {plans[policy].activation_bytes:,} B" for policy in _FASTEST_FIRST)
+    print(f"activations per device by --remat: {each}; train's auto takes the first that fits", file=out)
+
+
+def _with_remat(settings: Settings, policy: str) -> Settings:
+    return dataclasses.replace(settings, model=dataclasses.replace(settings.model, remat=policy))
+
+
+def mib(n: int) -> str:
+    """``n`` bytes in MiB, for messages."""
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def memory_per_device() -> tuple[int, str] | None:
+    """Bytes one device may use, and where the figure comes from; ``None`` where nobody says.
+
+    Accelerators report ``bytes_limit``; the CPU backend reports nothing, but its simulated
+    devices share the host's memory, so each gets the host's RAM over the local device count.
+    """
+    device = jax.local_devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]), f"{device.device_kind} memory"
+    if device.platform == "cpu":
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return ram // jax.local_device_count(), f"host RAM / {jax.local_device_count()} devices"
+    return None
+
+
+def needed_bytes(plan: Plan) -> int:
+    """State, gradients (the parameters' size) and saved activations, per device."""
+    return plan.total_bytes + plan.param_bytes + (plan.activation_bytes or 0)
+
+
+def check_fits(plan: Plan) -> None:
+    """Refuses a run whose state, gradients and saved activations exceed a device's memory
+    (before the init would allocate them and the kernel or the allocator kill the process)."""
+    limit = memory_per_device()
+    needed = needed_bytes(plan)
+    activations = f" + activations {mib(plan.activation_bytes)}" if plan.activation_bytes else ""
+    if limit is not None and needed > limit[0]:
+        raise UsageError(
+            f"the run needs at least {mib(needed)} per device (state {mib(plan.total_bytes)} + gradients "
+            f"{mib(plan.param_bytes)}{activations}), more than the {mib(limit[0])} available "
+            f"({limit[1]}); use a smaller model or batch, --remat full, more --microbatches or more devices."
+        )
+
+
+def choose_remat(settings: Settings, mesh) -> tuple[Settings, Plan]:
+    """``--remat auto``: the fastest policy whose plan leaves ``HEADROOM`` of a device's memory
+    free (``full`` if none does; ``check_fits`` then judges it). Settings with it, and its plan."""
+    limit = memory_per_device()
+    for policy in _FASTEST_FIRST:
+        chosen = _with_remat(settings, policy)
+        plan = plan_of(chosen, mesh)
+        if limit is None or needed_bytes(plan) <= (1 - HEADROOM) * limit[0]:
+            break
+    return chosen, plan

@@ -1,0 +1,102 @@
+"""Which devices a run uses and which mesh fits them.
+
+Simulated CPU devices when ``--cpu-devices`` is given, when ``JAX_PLATFORMS`` names only
+``cpu``, or when no accelerator plugin is installed; the accelerators otherwise. Without
+``--mesh``, ``train`` puts every accelerator on ``fsdp``, and simulates the default
+2 x 2 x 2 mesh's 8 devices on CPU. A mesh that does not fit gets the meshes that would:
+
+>>> fitting_meshes(8, num_heads=4, num_kv_heads=2, batch=16)
+['fsdp=8', 'data=2,fsdp=4', 'data=4,fsdp=2', 'data=8', 'fsdp=4,tensor=2']
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+
+from .checks import UsageError
+from .distributed import join, requested
+from .options import DEFAULT_MESH
+
+__all__ = ["fitting_meshes", "select_devices", "uses_accelerator"]
+
+_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "libtpu")
+
+
+def uses_accelerator(args) -> bool:
+    """Whether this run takes the machine's accelerators rather than simulated CPU devices."""
+    if getattr(args, "cpu_devices", None):
+        return False
+    platforms = [p.strip() for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if platforms and set(platforms) <= {"cpu"}:  # the user asked for the CPU, plugin or not
+        return False
+    return any(importlib.util.find_spec(m) for m in _PLUGINS)
+
+
+def select_devices(args, sizes: dict | None) -> None:
+    """Joins the multi-process run if asked, then picks the devices, before JAX starts:
+    ``sizes``' product of simulated CPU devices (over the processes), or the accelerators
+    (``sizes`` is ``None`` when the mesh is to be chosen from them)."""
+    from ..mesh import simulate_cpu_devices
+
+    processes = requested(args.coordinator, args.num_processes, args.process_id, args.distributed)
+    if not uses_accelerator(args):
+        total = math.prod((sizes or _default_sizes()).values())
+        simulate_cpu_devices(args.cpu_devices or max(total // max(processes, 1), 1))
+    if processes != 1:
+        join(
+            args.coordinator, args.num_processes, args.process_id, args.distributed, args.coordinator_timeout
+        )
+
+
+def _default_sizes() -> dict:
+    from ..mesh import parse_mesh
+
+    return parse_mesh(DEFAULT_MESH)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def fitting_meshes(
+    devices: int, num_heads: int, num_kv_heads: int, batch: int, microbatches: int = 1, limit: int = 5
+) -> list[str]:
+    """Meshes of ``devices`` devices the model and batch can use (``data x fsdp`` divides the
+    batch into whole microbatches, ``tensor`` splits the heads), least tensor parallelism and
+    most FSDP first, as ``--mesh`` values."""
+    found = []
+    for tensor in _divisors(devices):
+        heads_ok = num_heads % tensor == 0 and (num_kv_heads % tensor == 0 or tensor % num_kv_heads == 0)
+        shards = devices // tensor
+        if not heads_ok or batch % shards or (batch // shards) % microbatches:
+            continue
+        for data in _divisors(shards):
+            sizes = {"data": data, "fsdp": shards // data, "tensor": tensor}
+            found.append(",".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "fsdp=1")
+    return found[:limit]
+
+
+def check_mesh_fits(sizes: dict, devices: int, settings) -> None:
+    """Raises ``UsageError`` naming meshes that would fit when ``sizes`` does not cover
+    ``devices`` exactly."""
+    wanted = math.prod(sizes.values())
+    if wanted == devices:
+        return
+    config = settings.model
+    options = fitting_meshes(
+        devices, config.num_heads, config.num_kv_heads, settings.batch, settings.microbatches
+    )
+    mesh = ",".join(f"{k}={v}" for k, v in sizes.items())
+    hint = (
+        f"; meshes that fit: {', '.join(options)}"
+        if options
+        else (
+            f"; no mesh of {devices} devices divides --batch {settings.batch} and --heads {config.num_heads}"
+        )
+    )
+    raise UsageError(
+        f"--mesh {mesh} needs {wanted} devices, but {devices} are here{hint} "
+        f"(or leave out --mesh to use them all on fsdp)."
+    )
