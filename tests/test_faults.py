@@ -252,11 +252,11 @@ def _odd_first_token(state, windows):  # some batches, whatever the state
     return jax.lax.pmax(windows[0, 0] % 2, trainer_module.BATCH_AXES) == 1
 
 
-_real_step_fn = trainer_module._step_fn
+_real_step_fn = trainer_module.step_fn
 
 
 def test_a_nonfinite_step_stops_the_run_before_it_is_saved(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(trainer_module, "_step_fn", _poisoned(_at_step_4))
+    monkeypatch.setattr(trainer_module, "step_fn", _poisoned(_at_step_4))
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
     argv = [*RUN, "--checkpoint-every", "1", "--checkpoint-dir", str(ckpt), "--log-file", str(log)]
     code, _ = run(*argv)
@@ -281,7 +281,7 @@ def _abstract_state(ckpt: Path):
 
 
 def test_skip_goes_on_past_nonfinite_steps(tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer_module, "_step_fn", _poisoned(_odd_first_token))
+    monkeypatch.setattr(trainer_module, "step_fn", _poisoned(_odd_first_token))
     log = tmp_path / "log.jsonl"
     code, out = run(*RUN, "--nonfinite", "skip", "--log-file", str(log))
     records = [json.loads(line) for line in log.read_text().splitlines() if "step" in json.loads(line)]
