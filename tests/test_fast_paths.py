@@ -18,12 +18,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fsdp_tp import make_mesh
 from fsdp_tp.cli import fit, machine, main
 from fsdp_tp.cli.config import PRESETS
+from fsdp_tp.cli.main import _settings
+from fsdp_tp.cli.options import parser
 from fsdp_tp.layers.attention import attend
+from fsdp_tp.mesh import parse_mesh
 from fsdp_tp.models import Layout, Transformer
-from tests.equivalence import Case, check_equivalence
-from tests.test_transformer import BATCH_AXES, CONFIG, reference_loss, sharded_loss
+from tests.equivalence import check_equivalence
+from tests.test_transformer import CONFIG, reference_loss, transformer_case
 
 pytestmark = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")
 
@@ -56,25 +60,6 @@ def test_auto_attention_is_xla_off_gpu_and_unknown_names_are_refused():
         attend(q, q, q, implementation="flash")
 
 
-def _transformer_case(model, check_vma):
-    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
-    return Case(
-        model,
-        Transformer(**CONFIG),  # the unsharded twin: reference attention, full remat
-        mesh,
-        BATCH_AXES,
-        check_vma,
-        in_dim=0,
-        out_dim=0,
-        seq_len=8,
-        batch_size=8,
-        vocab=32,
-        loss=sharded_loss,
-        reference_loss=reference_loss,
-        output_spec=jax.sharding.PartitionSpec(BATCH_AXES, None, "tensor"),
-    )
-
-
 @pytest.mark.parametrize(
     ("attention", "remat", "check_vma"),
     [
@@ -88,7 +73,7 @@ def test_attention_and_remat_choices_equal_the_unsharded_twin(attention, remat, 
     """FSDP x TP x SP on 2x2x2: init, loss, gradients and steps equal to the plain model's."""
     layout = Layout("tensor", "fsdp", sequence_parallel=True, min_weight_size=0)
     model = Transformer(**CONFIG, layout=layout, attention=attention, remat=remat)
-    check_equivalence(_transformer_case(model, check_vma))
+    check_equivalence(transformer_case(model, check_vma))
 
 
 def test_remat_policies_give_the_same_gradient():
@@ -111,25 +96,20 @@ def test_remat_policies_give_the_same_gradient():
 def test_flops_per_token_counts_every_weight_but_the_embedding(name):
     config = dataclasses.replace(PRESETS[name], vocab_size=1000)
     shapes = jax.eval_shape(config.model().init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
-    matmul_weights = (
-        sum(
-            math.prod(x.shape)
-            for path, x in jax.tree_util.tree_flatten_with_path(shapes)[0]
-            if path[-1].key == "kernel" or (path[0].key == "embed")  # no biases: the model has none
-        )
-        - config.vocab_size * config.d_model
-    )  # the input embedding is a lookup
+    # Every kernel, the output head's included; the input embedding ("embedding") is a lookup.
+    matmul_weights = sum(
+        math.prod(x.shape)
+        for path, x in jax.tree_util.tree_flatten_with_path(shapes)[0]
+        if path[-1].key == "kernel"
+    )
     attention = 12 * config.num_layers * config.num_heads * config.head_dim * config.seq_len
     assert config.flops_per_token() == 6 * matmul_weights + attention
 
 
 def test_the_fastest_remat_that_fits_is_chosen(monkeypatch):
     args = ["train", "--remat", "auto", "--batch", "16"]
-    from fsdp_tp.cli.main import _settings
-    from fsdp_tp.cli.options import parser
-
     settings = _settings(parser("").parse_args(args), {"data": 2, "fsdp": 2, "tensor": 2})
-    mesh = fsdp_tp_mesh()
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     needed = {
         p: fit.needed_bytes(fit.plan_of(fit._with_remat(settings, p), mesh)) for p in ("none", "dots", "full")
     }
@@ -141,12 +121,6 @@ def test_the_fastest_remat_that_fits_is_chosen(monkeypatch):
     monkeypatch.setattr(fit, "memory_per_device", lambda: (needed["full"] - 1, "test"))
     with pytest.raises(fit.UsageError, match=r"more than the .* available"):
         fit.check_fits(fit.choose_remat(settings, mesh)[1])
-
-
-def fsdp_tp_mesh():
-    from fsdp_tp import make_mesh
-
-    return make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
 
 
 def test_progress_and_log_carry_tflops_and_mfu(tmp_path):
@@ -194,12 +168,7 @@ def test_accelerator_or_simulated_cpus(monkeypatch, environ, cpu_devices, plugin
 )
 def test_every_suggested_mesh_fits(devices, heads, batch):
     for text in machine.fitting_meshes(devices, heads, heads, batch, limit=100):
-        sizes = {
-            "data": 1,
-            "fsdp": 1,
-            "tensor": 1,
-            **dict(map(lambda kv: (kv[0], int(kv[1])), (i.split("=") for i in text.split(",")))),
-        }
+        sizes = {"data": 1, "fsdp": 1, "tensor": 1, **parse_mesh(text)}
         assert math.prod(sizes.values()) == devices
         assert batch % (sizes["data"] * sizes["fsdp"]) == 0 and heads % sizes["tensor"] == 0
 

@@ -27,33 +27,34 @@ def reference_loss(model, params, ids, targets):
     ).mean()
 
 
+def transformer_case(model, check_vma: bool) -> Case:
+    """``model`` on 2x2x2 against the plain flax twin (reference attention, full remat)."""
+    mesh = fsdp_tp.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    return Case(
+        model,
+        Transformer(**CONFIG),  # Layout(): plain flax
+        mesh,
+        BATCH_AXES,
+        check_vma,
+        in_dim=0,
+        out_dim=0,
+        seq_len=8,
+        batch_size=8,
+        vocab=32,
+        loss=sharded_loss,
+        reference_loss=reference_loss,
+        output_spec=P(BATCH_AXES, None, "tensor"),
+    )
+
+
 @pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize(
     ("sequence_parallel", "ring"), [(True, None), (False, None), (True, "bidirectional")]
 )
 def test_transformer_fsdp_tp_sp_equals_unsharded(sequence_parallel, ring, check_vma):
-    mesh = fsdp_tp.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     layout = Layout("tensor", "fsdp", sequence_parallel, collective_matmul=ring, min_weight_size=0)
-    model = Transformer(**CONFIG, layout=layout)
-    reference = Transformer(**CONFIG)  # Layout(): plain flax
-    check_equivalence(
-        Case(
-            model,
-            reference,
-            mesh,
-            BATCH_AXES,
-            check_vma,
-            in_dim=0,
-            out_dim=0,
-            seq_len=8,
-            batch_size=8,
-            vocab=32,
-            loss=sharded_loss,
-            reference_loss=reference_loss,
-            output_spec=P(BATCH_AXES, None, "tensor"),
-        )
-    )
+    check_equivalence(transformer_case(Transformer(**CONFIG, layout=layout), check_vma))
 
 
 @pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")

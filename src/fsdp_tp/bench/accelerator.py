@@ -27,14 +27,14 @@ import optax
 
 from ..analysis import compiled_memory
 from ..cli.config import PRESETS, ModelConfig
-from ..cli.throughput import peak_tflops
+from ..cli.throughput import Achieved, peak_tflops
 from ..cli.trainer import BATCH, Settings, Trainer, step_fn
 from ..mesh import make_mesh
 from ..models import Layout
 from ..train import shard_step, state_init_fn
 from .figures import median, step_seconds
 
-__all__ = ["Measured", "accelerator_section", "measure", "parse_presets"]
+__all__ = ["Measured", "accelerator_section", "measure", "parse_presets", "write_accelerator_page"]
 
 
 @dataclass
@@ -112,7 +112,7 @@ def measure(config: ModelConfig, name: str, batch: int, blocks: int, steps: int)
     times = step_seconds(timed, blocks, steps)
     tokens_per_s = batch * config.seq_len / median(times["library"])
     peak = peak_tflops(jax.devices()[0].device_kind, config.dtype)
-    mfu = config.flops_per_token() * tokens_per_s / 1e12 / peak if peak else None
+    mfu = Achieved.of(config.flops_per_token(), tokens_per_s, 1, peak).mfu
     params = sum(math.prod(x.shape) for x in jax.tree.leaves(plain_state.params))
     return Measured(name, params, batch, config.seq_len, times, memory, mfu, tokens_per_s)
 
@@ -161,6 +161,7 @@ def accelerator_section(
 
 
 def write_accelerator_page(text: str, out_dir: Path) -> Path:
+    """Writes the page as ``out_dir/benchmarks_accelerator.md``; its path."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "benchmarks_accelerator.md"
     path.write_text(text)

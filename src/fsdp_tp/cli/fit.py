@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from ..plan import Plan, make_plan
 from ..train import state_init_fn
 from .checks import UsageError
+from .throughput import memory_stats
 from .trainer import BATCH, Settings, window_loss
 
 __all__ = ["HEADROOM", "check_fits", "choose_remat", "memory_per_device", "mib", "plan_of", "print_plan"]
@@ -87,7 +88,7 @@ def memory_per_device() -> tuple[int, str] | None:
     devices share the host's memory, so each gets the host's RAM over the local device count.
     """
     device = jax.local_devices()[0]
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    stats = memory_stats()
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"]), f"{device.device_kind} memory"
     if device.platform == "cpu":

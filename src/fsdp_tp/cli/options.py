@@ -17,6 +17,27 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpF
     """Defaults shown after each flag's text; the description's line breaks kept."""
 
 
+def _compute_flags(p, remat_default: str) -> None:
+    """``--attention`` and ``--remat``: how the model computes (the same function either way).
+    ``auto`` remat picks by the device's memory, so only ``train`` and ``plan`` offer it."""
+    p.add_argument(
+        "--attention",
+        choices=ATTENTION_IMPLEMENTATIONS,
+        default="auto",
+        help="reference einsums, or jax.nn.dot_product_attention: xla, cudnn (flash, bf16 on GPU), "
+        "auto (cudnn where it runs, else xla)",
+    )
+    auto = remat_default == "auto"
+    p.add_argument(
+        "--remat",
+        choices=[*REMAT_POLICIES, "auto"] if auto else list(REMAT_POLICIES),
+        default=remat_default,
+        help="what each layer keeps for the backward pass: full (only its input), dots (also its "
+        "matmuls' results), none (everything)"
+        + ("; auto: the fastest whose plan fits a device" if auto else ""),
+    )
+
+
 def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mesh",
@@ -39,20 +60,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
     p.add_argument("--vocab-size", type=int, help="default: 256 (bytes), or fitted to a token file")
     p.add_argument("--dtype", choices=["f32", "bf16"], default="f32", help="compute dtype (params stay f32)")
-    p.add_argument(
-        "--attention",
-        choices=ATTENTION_IMPLEMENTATIONS,
-        default="auto",
-        help="reference einsums, or jax.nn.dot_product_attention: xla, cudnn (flash, bf16 on GPU), "
-        "auto (cudnn where it runs, else xla)",
-    )
-    p.add_argument(
-        "--remat",
-        choices=[*REMAT_POLICIES, "auto"],
-        default="auto",
-        help="what each layer keeps for the backward pass: full (only its input), dots (also its "
-        "matmuls' results), none (everything); auto: the fastest whose plan fits a device",
-    )
+    _compute_flags(p, remat_default="auto")
     p.add_argument("--batch", type=int, default=16, help="global batch (sequences per step)")
     p.add_argument(
         "--min-weight-size", type=int, default=2**10, help="parameters with fewer elements stay whole"
@@ -175,8 +183,7 @@ def _bench_flags(bench: argparse.ArgumentParser) -> None:
     acc.add_argument("--presets", default="125m:32,1b:16", help="PRESET:GLOBAL_BATCH, comma-separated")
     acc.add_argument("--vocab-size", type=int, default=32768, help="the presets' vocabulary")
     acc.add_argument("--dtype", choices=["f32", "bf16"], default="bf16", help="compute dtype")
-    acc.add_argument("--attention", choices=ATTENTION_IMPLEMENTATIONS, default="auto", help="see train")
-    acc.add_argument("--remat", choices=list(REMAT_POLICIES), default="dots", help="see train")
+    _compute_flags(acc, remat_default="dots")
 
 
 def parser(description: str) -> argparse.ArgumentParser:

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import jax
 
-__all__ = ["PEAK_TFLOPS", "Achieved", "memory_in_use", "peak_tflops"]
+__all__ = ["PEAK_TFLOPS", "Achieved", "memory_in_use", "memory_stats", "peak_tflops"]
 
 # (a substring of jax's device_kind, checked in this order): {compute dtype: dense TFLOP/s}.
 # f32 matmuls on NVIDIA GPUs run as TF32 by default in XLA, so their peak is TF32's.
@@ -63,11 +63,17 @@ class Achieved:
         return asdict(self)
 
 
+def memory_stats() -> dict | None:
+    """The first local device's allocator statistics (accelerators report them; ``None`` or
+    empty on the CPU backend)."""
+    device = jax.local_devices()[0]
+    return device.memory_stats() if hasattr(device, "memory_stats") else None
+
+
 def memory_in_use() -> tuple[int, int] | None:
     """Bytes in use on the first local device now, and at the most, where the backend reports
     them (accelerators do; the CPU backend does not: ``None``)."""
-    device = jax.local_devices()[0]
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    stats = memory_stats()
     if not stats or "bytes_in_use" not in stats:
         return None
     return int(stats["bytes_in_use"]), int(stats.get("peak_bytes_in_use", stats["bytes_in_use"]))
