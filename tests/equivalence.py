@@ -51,6 +51,9 @@ class Case:
     vocab: int | None = None  # inputs are token ids (batch, seq_len) and targets the next ids
     loss: Callable = mse  # loss(model, params, x, y) of the sharded model, per device
     reference_loss: Callable = mse
+    # What the twin computes on, given its params: the params themselves, or e.g. them
+    # rounded as a mixed-precision run reads them (MixedPrecision.round).
+    twin_reads: Callable = lambda params: params
     output_spec: P | None = None  # layout of the sharded output; default: split like the batch
 
 
@@ -88,7 +91,7 @@ def _reference_steps(case: Case, tx, params, data):
 
     @jax.jit
     def step(params, opt_state, x, y):
-        grads = jax.grad(lambda p: case.reference_loss(case.reference, p, x, y))(params)
+        grads = jax.grad(lambda p: case.reference_loss(case.reference, case.twin_reads(p), x, y))(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
@@ -235,10 +238,10 @@ def check_equivalence(case: Case, sync: Callable = fsdp_tp.sync_gradients, steps
         )
     )
     out, loss, grads = sharded_fb(boxed, x, y)
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda p: case.reference_loss(case.reference, p, x, y)))(
-        ref_params
-    )
-    ref_out = jax.jit(case.reference.apply)({"params": ref_params}, x)
+    ref_loss, ref_grads = jax.jit(
+        jax.value_and_grad(lambda p: case.reference_loss(case.reference, case.twin_reads(p), x, y))
+    )(ref_params)
+    ref_out = jax.jit(case.reference.apply)({"params": case.twin_reads(ref_params)}, x)
     assert_trees_close(out, ref_out, "output")
     assert_trees_close(loss, ref_loss, "loss")
     assert_trees_close(nn.unbox(grads), ref_grads, "grads")

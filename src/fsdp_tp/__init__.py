@@ -4,11 +4,12 @@ The front door holds the user's path: a mesh, a transform (or the tensor-paralle
 layers), the sharded init, the step, the gradient sync, checkpoints and the plan. The
 building blocks live in named submodules: :mod:`fsdp_tp.collectives` (the custom-gradient
 collectives), :mod:`fsdp_tp.fsdp` (``shard_params`` / ``gather_params``),
-:mod:`fsdp_tp.partitioning` (specs of a state, checks), :mod:`fsdp_tp.rules` (the rule
-grammar, specs for ``jax.jit``), :mod:`fsdp_tp.layers` (every tensor-parallel layer),
-:mod:`fsdp_tp.mesh`, :mod:`fsdp_tp.train`, :mod:`fsdp_tp.sharded_init`,
-:mod:`fsdp_tp.checkpoint`, :mod:`fsdp_tp.analysis`, :mod:`fsdp_tp.models`,
-:mod:`fsdp_tp.errors`. ``docs/architecture.md`` maps them.
+:mod:`fsdp_tp.precision` (mixed-precision gathers), :mod:`fsdp_tp.partitioning` (specs of
+a state, checks), :mod:`fsdp_tp.rules` (the rule grammar, specs for ``jax.jit``),
+:mod:`fsdp_tp.layers` (every tensor-parallel layer), :mod:`fsdp_tp.mesh`,
+:mod:`fsdp_tp.train`, :mod:`fsdp_tp.sharded_init`, :mod:`fsdp_tp.checkpoint`,
+:mod:`fsdp_tp.analysis`, :mod:`fsdp_tp.models`, :mod:`fsdp_tp.errors`.
+``docs/architecture.md`` maps them.
 """
 
 from . import analysis as analysis
@@ -20,6 +21,7 @@ from . import layers as layers
 from . import mesh as mesh
 from . import models as models
 from . import partitioning as partitioning
+from . import precision as precision
 from . import rules as rules
 from . import sharded_init as sharded_init
 from . import train as train
@@ -35,6 +37,7 @@ from .layers import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from .mesh import make_mesh as make_mesh
 from .mesh import simulate_cpu_devices as simulate_cpu_devices
 from .plan import make_plan as make_plan
+from .precision import MixedPrecision as MixedPrecision
 from .rule_transform import shard_by_rules as shard_by_rules
 from .sharded_init import init_sharded as init_sharded
 from .tp_transform import tensor_parallel as tensor_parallel
@@ -50,6 +53,7 @@ __all__ = [
     "Checkpoints",
     "ColumnParallelDense",
     "MLPBlock",
+    "MixedPrecision",
     "RowParallelDense",
     "TrainState",
     "VocabParallelEmbed",

@@ -33,6 +33,7 @@ from ._layout import block_of, check_fit
 from ._types import AxisName, PyTree
 from .collectives import gather_array_with_mean_grads, gather_from_axis
 from .errors import RuleError
+from .precision import MixedPrecision
 from .rules import path_of
 
 __all__ = [
@@ -114,7 +115,7 @@ def store(params: PyTree, choose: LayoutChoice, fix: str = "change the rule") ->
     return jax.tree.unflatten(treedef, out)
 
 
-def _gather_one(leaf: nn.Partitioned, axis: AxisName, vary: frozenset, mean: bool):
+def _gather_one(leaf: nn.Partitioned, axis: AxisName, vary: frozenset, mean: bool, precision):
     names = tuple(leaf.names)
     dim = next(i for i, entry in enumerate(names) if axis in entry_axes(entry))
     axes = entry_axes(names[dim])
@@ -132,8 +133,11 @@ def _gather_one(leaf: nn.Partitioned, axis: AxisName, vary: frozenset, mean: boo
         # pcast then psums the shard-sized gradient after the reduce-scatter, instead of
         # the full gradient before it.
         shard = jax.lax.pcast(shard, extra, to="varying")
-    collective = gather_array_with_mean_grads if mean else gather_from_axis
-    value = collective(shard, dim, axis)
+    if mean:
+        dtypes = precision.dtypes_for(shard.dtype) if precision is not None else (None, None)
+        value = gather_array_with_mean_grads(shard, dim, axis, *dtypes)
+    else:  # the backward pass slices: nothing is reduced, so nothing to save in precision
+        value = gather_from_axis(shard, dim, axis)
     new_names = (*names[:dim], rest if len(rest) > 1 else (rest[0] if rest else None), *names[dim + 1 :])
     return value if all(n is None for n in new_names) else leaf.replace(value=value, names=new_names)
 
@@ -143,20 +147,27 @@ def gather(
     axes: Collection[AxisName],
     batch_axes: Collection[AxisName],
     vary: frozenset = frozenset(),
+    precision: MixedPrecision | None = None,
 ) -> PyTree:
     """All-gathers every block split over ``axes`` (a dim's minor axis first); splits over other
     axes stay boxed, a leaf left whole is unboxed. Over an axis in ``batch_axes`` the gradient
     comes back as the reduce-scattered mean (every device's gradient is a part of the batch
     mean); over any other axis as this device's slice (all devices computed the same one).
     ``vary``: the axes the gathered values will meet device-varying data on, under
-    ``check_vma=True`` (see :func:`input_varying`)."""
+    ``check_vma=True`` (see :func:`input_varying`). ``precision``: every floating leaf is read
+    rounded to its gather dtype, and the gathers over ``batch_axes`` move that dtype and
+    reduce-scatter the gradient in its reduce dtype (:class:`~fsdp_tp.precision.MixedPrecision`)."""
 
     def leaf_fn(leaf):
         if not isinstance(leaf, nn.Partitioned):
-            return leaf
+            return leaf if precision is None else precision.round(leaf)
         order = [a for entry in leaf.names for a in reversed(entry_axes(entry)) if a in axes]
+        if precision is not None and not set(batch_axes) & set(order):
+            # Not gathered over a batch axis, so no gather rounds it: the model reads every
+            # parameter rounded, on every mesh (whether a dim divides or not).
+            leaf = leaf.replace(value=precision.round(leaf.value))
         for axis in order:
-            leaf = _gather_one(leaf, axis, vary, mean=axis in batch_axes)
+            leaf = _gather_one(leaf, axis, vary, axis in batch_axes, precision)
         return leaf
 
     return jax.tree.map(leaf_fn, params, is_leaf=_is_box)

@@ -138,7 +138,11 @@ def _executions(calls: dict, trips: dict, entry: str) -> dict[str, int]:
 
 
 def parse_collectives(hlo_text: str) -> list[Collective]:
-    """Every collective in an HLO module's text, with operand bytes, group size and executions."""
+    """Every collective in an HLO module's text, with operand bytes, group size and executions.
+
+    The text of a compiled program (``compile().as_text()``: what runs) or of a lowered one
+    (``lower().as_text(dialect="hlo")``: what the program asks for, before the backend's
+    passes; XLA's CPU backend, for one, upcasts bf16 collectives to f32)."""
     text = re.sub(r"/\*.*?\*/", "", hlo_text)
     m = re.search(r"num_partitions=(\d+)", text)
     num_partitions = int(m.group(1)) if m else 1
@@ -164,7 +168,8 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
             trips[name] = int(t.group(1))
         kind = op.removesuffix("-start")
         if kind in _KINDS:
-            operands = re.findall(r"%([\w.\-]+)", args.split(")")[0])
+            # Operands are %-prefixed in compiled HLO, bare in the lowered (pre-optimization) text.
+            operands = re.findall(r"%?([\w.\-]+)", args.split(")")[0])
             found.append((kind, name, comp, operands, rest))
     runs = _executions(calls, trips, entry)
     return [

@@ -24,32 +24,44 @@ __all__ = [
 ]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _gather_mean_grads(x: jax.Array, axis: int, axis_name: AxisName) -> jax.Array:
-    return jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _gather_mean_grads(x: jax.Array, axis: int, axis_name: AxisName, wire, reduce) -> jax.Array:
+    return _gather_fwd(x, axis, axis_name, wire, reduce)[0]
 
 
-def _gather_fwd(x, axis, axis_name):
-    return _gather_mean_grads(x, axis, axis_name), None
+def _gather_fwd(x, axis, axis_name, wire, reduce):
+    # On the wire in ``wire``; back in x's dtype, holding the rounded values: the
+    # cotangent then stays in x's dtype too, for the reduction to choose its own.
+    gathered = jax.lax.all_gather(x.astype(wire or x.dtype), axis_name, axis=axis, tiled=True)
+    return gathered.astype(x.dtype), None
 
 
-def _gather_bwd(axis, axis_name, _, cotangent):
+def _gather_bwd(axis, axis_name, wire, reduce, _, cotangent):
     # Every device used the whole gathered array on its own batch shard; the
     # sum of their cotangents is N times the gradient of the mean loss.
-    summed = jax.lax.psum_scatter(cotangent, axis_name, scatter_dimension=axis, tiled=True)
-    return (summed / jax.lax.axis_size(axis_name),)
+    dtype = cotangent.dtype
+    summed = jax.lax.psum_scatter(
+        cotangent.astype(reduce or dtype), axis_name, scatter_dimension=axis, tiled=True
+    )
+    return (summed.astype(dtype) / jax.lax.axis_size(axis_name),)
 
 
 _gather_mean_grads.defvjp(_gather_fwd, _gather_bwd)
 
 
-def gather_array_with_mean_grads(x: jax.Array, axis: int, axis_name: AxisName) -> jax.Array:
+def gather_array_with_mean_grads(
+    x: jax.Array, axis: int, axis_name: AxisName, gather_dtype=None, reduce_dtype=None
+) -> jax.Array:
     """All-gathers ``x`` along dim ``axis`` over ``axis_name``; the gradient is the mean.
 
     Forward: ``all_gather(tiled=True)`` of the local shard. Backward:
     ``psum_scatter(tiled=True)`` of the cotangent divided by the axis size,
     so each device gets the batch-mean gradient of its own shard, and the
     wire carries a reduce-scatter, never a full all-reduce.
+
+    ``gather_dtype`` / ``reduce_dtype`` (mixed precision,
+    :class:`~fsdp_tp.precision.MixedPrecision`): the dtype the all-gather and the
+    reduce-scatter move; the result and the gradient stay in ``x``'s dtype.
 
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import PartitionSpec as P
@@ -67,7 +79,7 @@ def gather_array_with_mean_grads(x: jax.Array, axis: int, axis_name: AxisName) -
             f"gather_array_with_mean_grads: axis {axis} is out of range for an array of shape "
             f"{x.shape}; pass 0 <= axis < {x.ndim}."
         )
-    return _gather_mean_grads(x, axis, axis_name)
+    return _gather_mean_grads(x, axis, axis_name, gather_dtype, reduce_dtype)
 
 
 # Megatron's f and g, and the output gather of a column-parallel layer. Under

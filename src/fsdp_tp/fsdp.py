@@ -18,6 +18,7 @@ from ._axes import axes_named, require_axes
 from ._transform import check_module_class, gather, input_varying, map_params, store, warn_once
 from ._types import AxisName, AxisNames, PyTree
 from .errors import ReplicatedParameterWarning
+from .precision import MixedPrecision, checked_policy
 
 __all__ = ["gather_params", "shard_module_params", "shard_params"]
 
@@ -78,7 +79,12 @@ def shard_params(params: PyTree, axis_name: AxisName, min_weight_size: int = 2**
     return store(params, _largest_dim(axis_name, jax.lax.axis_size(axis_name), min_weight_size))
 
 
-def gather_params(params: PyTree, axis_name: AxisName, vary_over: AxisNames = ()) -> PyTree:
+def gather_params(
+    params: PyTree,
+    axis_name: AxisName,
+    vary_over: AxisNames = (),
+    mixed_precision: MixedPrecision | None = None,
+) -> PyTree:
     """All-gathers every leaf split over ``axis_name``; the inverse of :func:`shard_params`.
 
     Splits over other axes stay boxed, a leaf left with no split is unboxed.
@@ -89,6 +95,8 @@ def gather_params(params: PyTree, axis_name: AxisName, vary_over: AxisNames = ()
     will meet device-varying data on, e.g. ``"data"``. Naming them moves JAX's
     implicit gradient psum over those axes from the full gradient to the
     shard; :func:`shard_module_params` fills it from its inputs' types.
+    ``mixed_precision``: the dtypes the gather and the gradient's reduce-scatter move
+    (:class:`~fsdp_tp.precision.MixedPrecision`; default: as stored).
 
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import PartitionSpec as P
@@ -103,10 +111,15 @@ def gather_params(params: PyTree, axis_name: AxisName, vary_over: AxisNames = ()
     """
     (axis_name,) = require_axes(axis_name, "gather_params")
     vary = frozenset(require_axes(vary_over, "gather_params") if vary_over else ())
-    return gather(params, {axis_name}, {axis_name}, vary)
+    return gather(params, {axis_name}, {axis_name}, vary, checked_policy(mixed_precision, "gather_params"))
 
 
-def shard_module_params(target, axis_name: AxisName = "fsdp", min_weight_size: int = 2**18):
+def shard_module_params(
+    target,
+    axis_name: AxisName = "fsdp",
+    min_weight_size: int = 2**18,
+    mixed_precision: MixedPrecision | None = None,
+):
     """Wraps a Flax module class so its parameters live sharded over ``axis_name``.
 
     The result is a module class with ``target``'s arguments and name, so the
@@ -114,8 +127,8 @@ def shard_module_params(target, axis_name: AxisName = "fsdp", min_weight_size: i
     ``target`` on every mesh.
 
     Init keeps each device's slice (:func:`shard_params`); every call gathers
-    them for compute (:func:`gather_params`). Composes with ``nn.remat`` and
-    ``nn.scan``, and with itself for several axes.
+    them for compute (:func:`gather_params`), in ``mixed_precision``'s dtypes if given.
+    Composes with ``nn.remat`` and ``nn.scan``, and with itself for several axes.
 
     >>> import jax, jax.numpy as jnp, flax.linen as nn
     >>> from jax.sharding import PartitionSpec as P
@@ -129,8 +142,9 @@ def shard_module_params(target, axis_name: AxisName = "fsdp", min_weight_size: i
     ((4, 2), (None, 'fsdp'))
     """
     check_module_class(target, "shard_module_params")
+    policy = checked_policy(mixed_precision, "shard_module_params")
     return map_params(
         target,
-        trans_in=lambda params: gather_params(params, axis_name, input_varying()),
+        trans_in=lambda params: gather_params(params, axis_name, input_varying(), policy),
         trans_out=lambda params: shard_params(params, axis_name, min_weight_size),
     )

@@ -28,6 +28,7 @@ from ._transform import (
     warn_once,
 )
 from ._types import AxisNames
+from .precision import MixedPrecision, checked_policy
 from .rules import REPLICATED, CompiledRule, Rules, compile_rules, spec_for, unmatched_warning
 
 __all__ = ["shard_by_rules"]
@@ -72,6 +73,7 @@ def shard_by_rules(
     default: PartitionSpec = REPLICATED,
     logical_axis_rules=None,
     batch_axes: AxisNames = ("data", "fsdp"),
+    mixed_precision: MixedPrecision | None = None,
 ):
     """Wraps a Flax module class so its parameters are stored as ``rules`` lay them out.
 
@@ -85,6 +87,8 @@ def shard_by_rules(
     batch) slices it. Paths start at the wrapped module's own path,
     so wrapping the top-level model gives full paths, and then a rule that
     matched nothing is reported (:class:`~fsdp_tp.errors.UnmatchedRuleWarning`).
+    ``mixed_precision``: the dtypes the gathers over ``batch_axes`` and their gradients'
+    reduce-scatters move (:class:`~fsdp_tp.precision.MixedPrecision`; default: as stored).
 
     The parameter tree, names and init are ``target``'s on every mesh.
 
@@ -106,10 +110,11 @@ def shard_by_rules(
     compiled = compile_rules(rules, "shard_by_rules")
     default = PartitionSpec(*default)
     batch = frozenset(as_axis_tuple(batch_axes))
+    policy = checked_policy(mixed_precision, "shard_by_rules")
     mapped = map_params(
         target,
         trans_in=lambda params: gather(
-            params, _rule_axes(compiled, default, _LOGICAL.get()), batch, input_varying()
+            params, _rule_axes(compiled, default, _LOGICAL.get()), batch, input_varying(), policy
         ),
         trans_out=lambda params: _store_by_rules(params, compiled, default, _LOGICAL.get()),
     )

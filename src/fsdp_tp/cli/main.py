@@ -26,6 +26,7 @@ from ..errors import (
 )
 from ..mesh import parse_mesh
 from ..models import Layout
+from ..precision import MixedPrecision
 from .checks import UsageError, check_paths, check_ranges, resuming
 from .config import preset
 from .data import (
@@ -95,11 +96,19 @@ def _settings(args, mesh: dict, vocab_size: int | None = None):
             sequence_parallel=args.sequence_parallel,
             collective_matmul=None if args.async_tp == "off" else args.async_tp,
             min_weight_size=args.min_weight_size,
+            mixed_precision=_mixed_precision(args),
         ),
         check_vma=args.check_vma,
         optimizer_name=getattr(args, "optimizer", "adamw"),
         clip_norm=clip_norm,
     )
+
+
+def _mixed_precision(args) -> MixedPrecision | None:
+    """``--gather-dtype`` / ``--reduce-dtype``: a policy where either is narrower than f32."""
+    if args.gather_dtype == args.reduce_dtype == "f32":
+        return None
+    return MixedPrecision(DTYPES[args.gather_dtype], DTYPES[args.reduce_dtype])
 
 
 def _mesh(text: str) -> dict:

@@ -66,6 +66,19 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
         "--min-weight-size", type=int, default=2**10, help="parameters with fewer elements stay whole"
     )
     p.add_argument(
+        "--gather-dtype",
+        choices=["f32", "bf16"],
+        default="f32",
+        help="dtype FSDP all-gathers parameters in; bf16 moves half the bytes and the model reads "
+        "every parameter rounded to bf16 (stored and updated in f32)",
+    )
+    p.add_argument(
+        "--reduce-dtype",
+        choices=["f32", "bf16"],
+        default="f32",
+        help="dtype FSDP reduce-scatters gradients in",
+    )
+    p.add_argument(
         "--sequence-parallel",
         action=argparse.BooleanOptionalAction,
         default=True,

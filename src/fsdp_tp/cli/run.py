@@ -49,7 +49,15 @@ def _summary(settings: Settings, sizes: dict, plan, name: str) -> str:
         f"{f'clip {settings.clip_norm:g}' if settings.clip_norm else 'no clipping'}), "
         f"activations {mib(plan.activation_bytes or 0)} (remat {settings.model.remat}, "
         f"{resolved_implementation(settings.model.attention, settings.model.dtype)} attention)"
+        + _precision_text(settings.layout.mixed_precision)
     )
+
+
+def _precision_text(policy) -> str:
+    if policy is None:
+        return ""
+    gather, reduce = policy.dtypes_for("float32")
+    return f"; FSDP gathers in {gather or 'float32'}, reduces in {reduce or 'float32'}"
 
 
 def _check(trainer: Trainer, tokens: np.ndarray, steps: int, dtype: str, say) -> bool:

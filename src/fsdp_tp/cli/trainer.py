@@ -175,13 +175,16 @@ def compare_with_twin(trainer: Trainer, tokens: np.ndarray, steps: int) -> tuple
     Returns the largest loss difference, the largest parameter difference, and both loss curves.
     """
     s, config = trainer.settings, trainer.settings.model
+    policy = s.layout.mixed_precision
+    # The twin computes on what the sharded model reads: its params rounded as FSDP gathers them.
+    twin_reads = policy.round if policy is not None else (lambda params: params)
     state_fn = state_init_fn(trainer.twin, trainer.tx)
     state = jax.jit(state_fn)(jax.random.key(s.seed), np.zeros((s.batch, config.seq_len), np.int32))
 
     @jax.jit
     def twin_step(state, ids, targets):
         def loss_fn(params):
-            logits = trainer.twin.apply({"params": params}, ids)
+            logits = trainer.twin.apply({"params": twin_reads(params)}, ids)
             return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
         loss, grads = jax.value_and_grad(loss_fn)(state.params)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..fsdp import shard_module_params
+from ..precision import MixedPrecision, checked_policy
 
 __all__ = ["Layout"]
 
@@ -19,6 +20,8 @@ class Layout:
     over ``tensor``. ``collective_matmul`` (``"unidirectional"`` / ``"bidirectional"``): the
     tensor-parallel collectives become ``ppermute`` rings overlapped with the matmuls.
     ``min_weight_size``: parameters of at most this many elements stay whole under FSDP.
+    ``mixed_precision``: the dtypes FSDP gathers and reduces in
+    (:class:`~fsdp_tp.MixedPrecision`); it needs ``fsdp``.
 
     >>> import flax.linen as nn
     >>> layout = Layout(tensor="tensor", fsdp="fsdp", min_weight_size=0)
@@ -31,10 +34,21 @@ class Layout:
     sequence_parallel: bool = False
     collective_matmul: str | None = None
     min_weight_size: int = 2**18
+    mixed_precision: MixedPrecision | None = None
+
+    def __post_init__(self):
+        checked_policy(self.mixed_precision, "Layout")
+        if self.mixed_precision is not None and self.fsdp is None:
+            raise ValueError(
+                f"Layout: mixed_precision={self.mixed_precision} casts what FSDP gathers, but fsdp is None; "
+                f"name the FSDP axis (fsdp='fsdp') or drop mixed_precision."
+            )
 
     def shard(self, cls):
         """``cls`` wrapped for FSDP over ``fsdp`` (:func:`~fsdp_tp.shard_module_params`), or as it is."""
-        return cls if self.fsdp is None else shard_module_params(cls, self.fsdp, self.min_weight_size)
+        if self.fsdp is None:
+            return cls
+        return shard_module_params(cls, self.fsdp, self.min_weight_size, self.mixed_precision)
 
     @property
     def sequence_split(self) -> bool:

@@ -156,7 +156,9 @@ class Transformer(nn.Module):
         else:  # blocks_0, blocks_1, ...: what compile time costs without scan
             for i in range(self.num_layers):
                 x, _ = block(*block_args, name=f"blocks_{i}")(x, None)
-        x = _norm(lay.tensor, sp)(dtype=self.dtype, name="norm_final")(x)
+        # Wrapped like every other layer: each parameter of the model is FSDP's to shard
+        # (if large) and to read in the gather dtype under mixed precision.
+        x = lay.shard(_norm(lay.tensor, sp))(dtype=self.dtype, name="norm_final")(x)
         if lay.tensor is None:
             head = lay.shard(nn.Dense)(self.vocab_size, use_bias=False, dtype=self.dtype, name="head")
             return head(x).astype(jnp.float32)

@@ -1,0 +1,203 @@
+"""Mixed-precision FSDP gathers (issue 15 point 5): parameters all-gathered in a narrower
+dtype, gradients reduce-scattered in f32 or in that dtype, as PyTorch FSDP2's policy does.
+
+What is exact here: the bytes on the wire, and the equality with the unsharded twin that
+computes with the same casts (its large parameters rounded to bf16 on the way in, the
+gradient passed straight through, as the gather's backward pass does)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
+
+import fsdp_tp
+from fsdp_tp.analysis import parse_collectives
+from tests.equivalence import Case, check_equivalence
+from tests.models import MLP
+from tests.test_fsdp_equivalence import MESHES, WIDTHS, mesh_of, replicated_ok
+from tests.test_memory_and_communication import BIAS_BYTES, FEATURES, IN_DIM, KERNEL_BYTES, MIN_SIZE, _total
+
+BF16 = jnp.bfloat16
+BATCH_AXES = ("data", "fsdp")
+
+
+def _dense(policy, dtype=None):
+    dense = fsdp_tp.shard_module_params(nn.Dense, "fsdp", MIN_SIZE, mixed_precision=policy)
+    return functools.partial(dense, dtype=dtype) if dtype is not None else dense
+
+
+def _case(policy, twin_casts: bool, check_vma: bool, shape=(2, 4)) -> Case:
+    return Case(
+        model=MLP(FEATURES, True, _dense(policy)),
+        reference=MLP(FEATURES),
+        twin_reads=fsdp_tp.MixedPrecision(BF16).round if twin_casts else lambda params: params,
+        mesh=mesh_of(*shape),
+        batch_axes=BATCH_AXES,
+        check_vma=check_vma,
+        in_dim=IN_DIM,
+        out_dim=FEATURES[-1],
+    )
+
+
+@st.composite
+def mixed_cases(draw):
+    """Any FSDP MLP and mesh (widths that no axis divides included: those kernels stay
+    whole, and are read rounded all the same), gathered in bf16, reduced in f32."""
+    data, fsdp = draw(st.sampled_from(MESHES))
+    features = tuple(draw(st.lists(WIDTHS, min_size=1, max_size=3)))
+    dense = fsdp_tp.shard_module_params(
+        nn.Dense, "fsdp", draw(st.sampled_from([0, 64, 2**18])), mixed_precision=fsdp_tp.MixedPrecision(BF16)
+    )
+    return Case(
+        model=MLP(features, True, dense),
+        reference=MLP(features),
+        twin_reads=fsdp_tp.MixedPrecision(BF16).round,
+        mesh=mesh_of(data, fsdp),
+        batch_axes=BATCH_AXES,
+        check_vma=draw(st.booleans()),
+        in_dim=draw(WIDTHS),
+        out_dim=features[-1],
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@replicated_ok
+@settings(max_examples=max(2, settings().max_examples // 2))
+@given(mixed_cases())
+def test_equals_the_twin_computing_with_the_same_casts(case):
+    """Invariants 1-5 at the f32 tolerances (init, output, loss, gradients, SGD and AdamW
+    steps) against the twin computing on ``MixedPrecision.round(params)``, on every mesh."""
+    check_equivalence(case)
+
+
+def test_rules_gather_the_same_way():
+    """``shard_by_rules`` over the whole model: the same gathers, the same twin."""
+    rules = [("Dense_0/kernel", P(None, "fsdp")), ("Dense_1/kernel", P("fsdp", None))]
+    model = fsdp_tp.shard_by_rules(MLP, rules, mixed_precision=fsdp_tp.MixedPrecision(BF16))(FEATURES)
+    check_equivalence(dataclasses.replace(_case(fsdp_tp.MixedPrecision(BF16), True, False), model=model))
+
+
+def test_negative_control_the_twin_without_the_casts_differs():
+    with pytest.raises(AssertionError):
+        check_equivalence(_case(fsdp_tp.MixedPrecision(BF16), False, check_vma=True), steps=1)
+
+
+def _step_collectives(policy, check_vma: bool, shape=(2, 4)):
+    mesh = mesh_of(*shape)
+    model = MLP(FEATURES, True, _dense(policy))
+    x = jnp.ones((16, IN_DIM))
+    init = fsdp_tp.state_init_fn(model, optax.sgd(0.1))
+    state, specs = fsdp_tp.init_sharded(
+        init, mesh, (P(), P(BATCH_AXES)), jax.random.key(0), x, check_vma=check_vma
+    )
+
+    def train_step(state, batch):
+        grads = jax.grad(lambda p: (model.apply({"params": p}, batch) ** 2).mean())(state.params)
+        return fsdp_tp.sync_gradients(grads, BATCH_AXES), ()
+
+    step = fsdp_tp.shard_step(train_step, mesh, specs, P(BATCH_AXES), check_vma=check_vma)
+    # The program as lowered: XLA's CPU backend upcasts bf16 collectives to f32 when it
+    # compiles (float normalization; GPU and TPU run them in bf16), so the compiled CPU
+    # program cannot show the policy's bytes.
+    return parse_collectives(step.lower(state, x).as_text(dialect="hlo"))
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("reduce_dtype", [jnp.float32, BF16])
+def test_gathers_move_half_the_bytes_and_reduce_in_the_chosen_dtype(reduce_dtype, check_vma):
+    found = _step_collectives(fsdp_tp.MixedPrecision(BF16, reduce_dtype), check_vma)
+    f32 = _step_collectives(None, check_vma)
+    # One all-gather per sharded kernel and one reduce-scatter per kernel gradient, as in f32.
+    assert _total(found, "all-gather", "operands") == _total(found, "reduce-scatter", "operands") == 3
+    assert _total(found, "all-gather") * 2 == _total(f32, "all-gather") == KERNEL_BYTES // 4
+    reduce_itemsize = jnp.dtype(reduce_dtype).itemsize
+    assert _total(found, "reduce-scatter") == KERNEL_BYTES * reduce_itemsize // 4
+    # Replicated (bias) gradients and kernel shards over `data`: all-reduced in f32, unchanged.
+    assert _total(found, "all-reduce", min_group=2) == _total(f32, "all-reduce", min_group=2)
+    assert _total(f32, "all-reduce", min_group=2) == BIAS_BYTES + KERNEL_BYTES // 4
+
+
+def _loss_and_grads(policy, dense_dtype, check_vma: bool):
+    case = _case(policy, False, check_vma)
+    model = MLP(FEATURES, True, _dense(policy, dense_dtype))
+    x = jax.random.normal(jax.random.key(1), (16, IN_DIM))
+    params, specs = fsdp_tp.init_sharded(
+        lambda r, x: model.init(r, x)["params"],
+        case.mesh,
+        (P(), P(BATCH_AXES)),
+        jax.random.key(0),
+        x,
+        check_vma=check_vma,
+    )
+
+    def fb(params, x):
+        loss, grads = jax.value_and_grad(lambda p: (model.apply({"params": p}, x) ** 2).mean())(params)
+        return jax.lax.pmean(loss, BATCH_AXES), fsdp_tp.sync_gradients(grads, BATCH_AXES)
+
+    step = jax.shard_map(
+        fb, mesh=case.mesh, in_specs=(specs, P(BATCH_AXES)), out_specs=(P(), specs), check_vma=check_vma
+    )
+    return jax.jit(step)(params, x)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_bf16_compute_gathering_bf16_and_reducing_f32_is_bit_identical(check_vma):
+    """A model that computes in bf16 casts each gathered kernel to bf16 anyway: casting the
+    shard before the gather moves half the bytes and changes no bit of loss or gradient."""
+    plain = _loss_and_grads(None, BF16, check_vma)
+    mixed = _loss_and_grads(fsdp_tp.MixedPrecision(BF16, jnp.float32), BF16, check_vma)
+    for a, b in zip(jax.tree.leaves(mixed), jax.tree.leaves(plain), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Negative control: reducing in bf16 rounds the gradient, so the same check fails.
+    rounded = _loss_and_grads(fsdp_tp.MixedPrecision(BF16, BF16), BF16, check_vma)
+    differs = [
+        not np.array_equal(np.asarray(a), np.asarray(b))
+        for a, b in zip(jax.tree.leaves(rounded), jax.tree.leaves(plain), strict=True)
+    ]
+    assert any(differs)
+
+
+def test_bf16_reduction_stays_within_its_rounding():
+    """Reduced in bf16, a kernel gradient is the f32 one up to bf16 rounding: fsdp=4 partials,
+    each rounded once (unit roundoff 2**-9), summed in 3 rounded adds: at most 7 * 2**-9,
+    about 4 * 2**-8, of the largest partial (seen: 0.78 * 2**-8). In f32 nothing rounds."""
+    f32 = _loss_and_grads(fsdp_tp.MixedPrecision(BF16, jnp.float32), None, True)[1]
+    bf16 = _loss_and_grads(fsdp_tp.MixedPrecision(BF16, BF16), None, True)[1]
+    for a, b in zip(jax.tree.leaves(nn.unbox(bf16)), jax.tree.leaves(nn.unbox(f32)), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.dtype == b.dtype == np.float32
+        if a.size > MIN_SIZE:
+            assert not np.array_equal(a, b)  # the reduction did run in bf16
+        np.testing.assert_allclose(a, b, rtol=0, atol=4 * 2**-8 * np.abs(b).max())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"gather_dtype": jnp.int8}, r"gather_dtype int8 is not a floating dtype"),
+        ({"gather_dtype": BF16, "reduce_dtype": "int32"}, r"reduce_dtype int32 is not a floating dtype"),
+        ({"gather_dtype": "bf17"}, r"gather_dtype 'bf17' is not a dtype"),
+    ],
+)
+def test_a_policy_that_is_not_floating_is_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        fsdp_tp.MixedPrecision(**kwargs)
+
+
+def test_a_policy_where_none_goes_is_refused():
+    with pytest.raises(
+        TypeError, match=r"shard_module_params: mixed_precision must be a fsdp_tp.MixedPrecision"
+    ):
+        fsdp_tp.shard_module_params(nn.Dense, mixed_precision="bf16")
+    with pytest.raises(ValueError, match=r"Layout: .* casts what FSDP gathers, but fsdp is None"):
+        fsdp_tp.models.Layout(mixed_precision=fsdp_tp.MixedPrecision())
