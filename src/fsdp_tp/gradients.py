@@ -1,4 +1,5 @@
-"""Averaging gradients over the batch axes, correct with and without vma checking."""
+"""Averaging gradients over the batch axes, correct with and without vma checking, and the
+per-device losses that make a loss normalised by a global count (or summed) fit that mean."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import jax
 from ._axes import axes_named, axis_size, checks_vma, require_axes, varying_axes
 from ._types import AxisNames, PyTree
 
-__all__ = ["sync_gradients"]
+__all__ = ["batch_total", "global_mean_loss", "global_sum_loss", "sync_gradients"]
 
 
 def _sync_leaf(leaf, axis_names: tuple, checking: bool):
@@ -70,3 +71,64 @@ def sync_gradients(grads: PyTree, axis_names: AxisNames) -> PyTree:
         grads,
         is_leaf=lambda x: isinstance(x, nn.Partitioned),
     )
+
+
+def batch_total(x: jax.Array, axis_names: AxisNames) -> jax.Array:
+    """The sum over the devices of ``axis_names`` of each one's ``x`` (a count, say), the same
+    on every device, in both ``check_vma`` modes: over an axis where ``x`` is already
+    invariant (each device holds the same value) it is ``size * x``, where a ``psum`` would
+    be refused under ``check_vma=True``."""
+    names = require_axes(axis_names, "batch_total")
+    if names and checks_vma(names[0]):
+        varying = varying_axes(x)
+        over = tuple(a for a in names if a in varying)
+        x = jax.lax.psum(x, over) if over else x
+        return x * axis_size(tuple(a for a in names if a not in varying))
+    return jax.lax.psum(x, names) if names else x
+
+
+def global_mean_loss(local_sum: jax.Array, local_count: jax.Array, axis_names: AxisNames) -> jax.Array:
+    """The per-device loss for a loss normalised by a count over the whole batch (the tokens
+    that are not padding, say): ``local_sum`` sums this device's per-token losses,
+    ``local_count`` counts them (it is not differentiated).
+
+    Returns ``local_sum * D / total count`` (``D`` devices over ``axis_names``): its mean over
+    the devices is the global loss, and :func:`sync_gradients` (and the FSDP gather's mean)
+    of its gradient is the gradient of the global loss, however unevenly the devices count.
+    A per-device mean ``local_sum / local_count`` would weight each device's tokens by
+    ``1 / local_count`` instead.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from fsdp_tp import make_mesh
+    >>> mesh = make_mesh({"data": 8})
+    >>> def grad(w, x, mask):  # 1 + 2 + ... + 8 tokens on the 8 devices
+    ...     loss = lambda w: global_mean_loss((w * x * mask).sum(), mask.sum(), "data")
+    ...     return sync_gradients(jax.grad(loss)(w), "data")
+    >>> x = jnp.repeat(jnp.arange(8.0), 8).reshape(8, 8)   # device d sees the value d
+    >>> mask = (jnp.arange(8)[None, :] <= jnp.arange(8)[:, None]).astype(jnp.float32)
+    >>> f = jax.shard_map(grad, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P())
+    >>> float(f(jnp.float32(1.0), x, mask)), float((x * mask).sum() / mask.sum())
+    (4.666666507720947, 4.666666507720947)
+    """
+    names = require_axes(axis_names, "global_mean_loss")
+    total = batch_total(jax.lax.stop_gradient(local_count).astype(local_sum.dtype), names)
+    return local_sum * (axis_size(names) / total)
+
+
+def global_sum_loss(local_sum: jax.Array, axis_names: AxisNames) -> jax.Array:
+    """The per-device loss for a loss summed over the whole batch: ``local_sum * D``, whose
+    mean over the ``D`` devices of ``axis_names`` is the global sum and whose synced gradient
+    (:func:`sync_gradients`) is the global sum's gradient.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from fsdp_tp import make_mesh
+    >>> mesh = make_mesh({"data": 8})
+    >>> def grad(w, x):
+    ...     return sync_gradients(jax.grad(lambda w: global_sum_loss((w * x).sum(), "data"))(w), "data")
+    >>> f = jax.shard_map(grad, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+    >>> float(f(jnp.float32(1.0), jnp.arange(8.0)))  # d/dw sum(w * x) = sum(x)
+    28.0
+    """
+    return local_sum * axis_size(require_axes(axis_names, "global_sum_loss"))

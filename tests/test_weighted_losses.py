@@ -1,0 +1,118 @@
+"""Losses that are not a per-device mean (issue 13 point 4): normalised by a global count of
+unevenly spread tokens, or summed. Invariants 1-6 against the unsharded global loss."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
+
+import fsdp_tp
+from fsdp_tp.gradients import batch_total, global_mean_loss, global_sum_loss
+from tests.equivalence import Case, check_equivalence
+from tests.models import MLP
+from tests.test_fsdp_equivalence import MESHES, mesh_of
+
+BATCH_AXES = ("data", "fsdp")
+
+
+def _masked(model, params, x, y, density: float):
+    """Per-token squared errors summed over the tokens the mask keeps, and their count. The
+    mask comes from the targets, so each device keeps its own, uneven, number of tokens."""
+    err = ((model.apply({"params": params}, x) - y) ** 2).mean(-1)
+    mask = (jax.nn.sigmoid(y[..., 0]) < density).astype(err.dtype)
+    return (err * mask).sum(), mask.sum()
+
+
+def _losses(kind: str, density: float):
+    """(per-device loss, the unsharded global loss) for ``kind``; ``naive`` is the negative
+    control: each device's own token mean, as a per-device mean loss would be written."""
+
+    def reference(model, params, x, y):
+        total, count = _masked(model, params, x, y, density)
+        return total if kind == "sum" else total / count
+
+    def sharded(model, params, x, y):
+        total, count = _masked(model, params, x, y, density)
+        if kind == "sum":
+            return global_sum_loss(total, BATCH_AXES)
+        if kind == "naive":
+            return total / count
+        return global_mean_loss(total, count, BATCH_AXES)
+
+    return sharded, reference
+
+
+@st.composite
+def weighted_cases(draw, kind: str):
+    data, fsdp = draw(st.sampled_from([m for m in MESHES if m[0] * m[1] > 1]))
+    features = tuple(draw(st.lists(st.sampled_from([8, 16, 24]), min_size=1, max_size=3)))
+    sharded, reference = _losses(kind, draw(st.sampled_from([0.3, 0.6, 0.9])))
+    return Case(
+        model=MLP(features, True, fsdp_tp.shard_module_params(nn.Dense, "fsdp", 0)),
+        reference=MLP(features),
+        mesh=mesh_of(data, fsdp),
+        batch_axes=BATCH_AXES,
+        check_vma=draw(st.booleans()),
+        in_dim=8,
+        out_dim=features[-1],
+        seq_len=4,
+        seed=draw(st.integers(0, 2**16)),
+        loss=sharded,
+        reference_loss=reference,
+    )
+
+
+@settings(max_examples=max(2, settings().max_examples // 2))
+@given(weighted_cases("mean"))
+def test_a_loss_over_a_global_token_count_equals_the_unsharded_one(case):
+    check_equivalence(case)
+
+
+@settings(max_examples=max(2, settings().max_examples // 2))
+@given(weighted_cases("sum"))
+def test_a_summed_loss_equals_the_unsharded_one(case):
+    check_equivalence(case)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_negative_control_per_device_token_means_differ(check_vma):
+    """Each device's own token mean weights its tokens by 1 / its count: wrong when uneven."""
+    sharded, reference = _losses("naive", 0.3)
+    case = Case(
+        model=MLP((16,), True, fsdp_tp.shard_module_params(nn.Dense, "fsdp", 0)),
+        reference=MLP((16,)),
+        mesh=mesh_of(2, 4),
+        batch_axes=BATCH_AXES,
+        check_vma=check_vma,
+        in_dim=8,
+        out_dim=16,
+        seq_len=4,
+        loss=sharded,
+        reference_loss=reference,
+    )
+    with pytest.raises(AssertionError, match=r"loss|grads"):
+        check_equivalence(case, steps=1)
+    check_equivalence(dataclasses.replace(case, loss=_losses("mean", 0.3)[0]), steps=1)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_batch_total_sums_varying_and_multiplies_invariant_counts(check_vma):
+    """A count varying over both batch axes, over fsdp only, or the same everywhere: the sum
+    of every device's value, where a psum over an invariant axis would be refused."""
+
+    def totals(counts):
+        on_fsdp = jax.lax.axis_index("fsdp").astype(jnp.float32)
+        return tuple(batch_total(c, BATCH_AXES) for c in (counts[0], on_fsdp, jnp.float32(5.0)))
+
+    f = jax.shard_map(
+        totals, mesh=mesh_of(2, 4), in_specs=P(BATCH_AXES), out_specs=(P(), P(), P()), check_vma=check_vma
+    )
+    every, per_fsdp, invariant = jax.jit(f)(jnp.arange(8.0))
+    assert (float(every), float(per_fsdp), float(invariant)) == (28.0, 2 * (0 + 1 + 2 + 3), 40.0)
