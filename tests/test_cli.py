@@ -61,6 +61,22 @@ def test_bf16_gathers_pass_check_at_the_f32_tolerance():
     assert "FSDP gathers in bfloat16, reduces in float32" in out
 
 
+def test_a_resume_that_changes_the_gather_dtypes_is_named():
+    from fsdp_tp.cli.main import _settings
+    from fsdp_tp.cli.options import parser
+    from fsdp_tp.cli.resume import changes, record
+
+    def recorded(*flags):
+        args = parser("").parse_args(["train", *flags])
+        return record(_settings(args, {"data": 2, "fsdp": 2, "tensor": 2}), {"name": "bytes"})
+
+    assert changes(recorded(), recorded()) == []
+    assert changes(recorded(), recorded("--gather-dtype", "bf16", "--reduce-dtype", "bf16")) == [
+        "precision gather: float32 -> bfloat16",
+        "precision reduce: float32 -> bfloat16",
+    ]
+
+
 def test_unrolled_layers_train_and_pass_check():
     code, out = run("train", "--steps", "3", "--no-scan-layers", "--layers", "3", "--check", "2")
     assert code == 0 and "-> ok" in out, out

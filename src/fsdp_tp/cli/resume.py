@@ -38,6 +38,7 @@ def record(settings: Settings, data: dict) -> dict:
         "batch": settings.batch,
         "data": data,
         "model": asdict(settings.model),
+        "precision": _precision(settings),
         "schedule": {
             "lr": settings.lr,
             "warmup": settings.warmup,
@@ -46,6 +47,13 @@ def record(settings: Settings, data: dict) -> dict:
             "clip_norm": settings.clip_norm,
         },
     }
+
+
+def _precision(settings: Settings) -> dict:
+    """The dtypes FSDP gathers and reduces in: they change the numbers a resumed run computes."""
+    policy = settings.layout.mixed_precision
+    gather, reduce = policy.dtypes_for("float32") if policy is not None else (None, None)
+    return {"gather": str(gather or "float32"), "reduce": str(reduce or "float32")}
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
