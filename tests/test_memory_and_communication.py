@@ -24,8 +24,9 @@ KERNEL_BYTES = 4 * (32 * 64 + 64 * 64 + 64 * 16)
 BIAS_BYTES = 4 * (64 + 64 + 16)
 
 
-def _init(mesh, tx, check_vma=True):
-    model = MLP(FEATURES, True, fsdp_tp.shard_module_params(nn.Dense, "fsdp", min_weight_size=MIN_SIZE))
+def _init(mesh, tx, check_vma=True, mixed_precision=None):
+    dense = fsdp_tp.shard_module_params(nn.Dense, "fsdp", MIN_SIZE, mixed_precision=mixed_precision)
+    model = MLP(FEATURES, True, dense)
 
     def init_fn(rng, x):
         params = model.init(rng, x)["params"]
@@ -60,16 +61,20 @@ def test_negative_control_memory_check_sees_replication():
     assert KERNEL_BYTES + BIAS_BYTES != KERNEL_BYTES // 8 + BIAS_BYTES
 
 
-def _step_collectives(shape, check_vma: bool):
+def _step_collectives(shape, check_vma: bool, mixed_precision=None, lowered: bool = False):
+    """The collectives of the FSDP step, compiled or (``lowered``) as the program asks for them:
+    XLA's CPU backend upcasts bf16 collectives to f32 when it compiles (GPU and TPU run them in
+    bf16), so only the lowered program shows a mixed-precision policy's bytes."""
     mesh = fsdp_tp.make_mesh({"data": shape[0], "fsdp": shape[1]})
-    model, state, specs, x = _init(mesh, optax.sgd(0.1), check_vma)
+    model, state, specs, x = _init(mesh, optax.sgd(0.1), check_vma, mixed_precision)
 
     def train_step(state, batch):
         grads = jax.grad(lambda p: (model.apply({"params": p}, batch) ** 2).mean())(state.params)
         return fsdp_tp.sync_gradients(grads, BATCH_AXES), ()
 
     step = fsdp_tp.shard_step(train_step, mesh, specs, P(BATCH_AXES), check_vma=check_vma)
-    return parse_collectives(step.lower(state, x).compile().as_text())
+    program = step.lower(state, x)
+    return parse_collectives(program.as_text(dialect="hlo") if lowered else program.compile().as_text())
 
 
 def _total(found, kind, attr="operand_bytes", min_group=1):

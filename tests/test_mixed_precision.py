@@ -14,18 +14,17 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
-from fsdp_tp.analysis import parse_collectives
 from tests.equivalence import Case, check_equivalence
 from tests.models import MLP
 from tests.test_fsdp_equivalence import MESHES, WIDTHS, mesh_of, replicated_ok
 from tests.test_memory_and_communication import BIAS_BYTES, FEATURES, IN_DIM, KERNEL_BYTES, MIN_SIZE, _total
+from tests.test_memory_and_communication import _step_collectives as _fsdp_step_collectives
 
 BF16 = jnp.bfloat16
 BATCH_AXES = ("data", "fsdp")
@@ -92,24 +91,8 @@ def test_negative_control_the_twin_without_the_casts_differs():
         check_equivalence(_case(fsdp_tp.MixedPrecision(BF16), False, check_vma=True), steps=1)
 
 
-def _step_collectives(policy, check_vma: bool, shape=(2, 4)):
-    mesh = mesh_of(*shape)
-    model = MLP(FEATURES, True, _dense(policy))
-    x = jnp.ones((16, IN_DIM))
-    init = fsdp_tp.state_init_fn(model, optax.sgd(0.1))
-    state, specs = fsdp_tp.init_sharded(
-        init, mesh, (P(), P(BATCH_AXES)), jax.random.key(0), x, check_vma=check_vma
-    )
-
-    def train_step(state, batch):
-        grads = jax.grad(lambda p: (model.apply({"params": p}, batch) ** 2).mean())(state.params)
-        return fsdp_tp.sync_gradients(grads, BATCH_AXES), ()
-
-    step = fsdp_tp.shard_step(train_step, mesh, specs, P(BATCH_AXES), check_vma=check_vma)
-    # The program as lowered: XLA's CPU backend upcasts bf16 collectives to f32 when it
-    # compiles (float normalization; GPU and TPU run them in bf16), so the compiled CPU
-    # program cannot show the policy's bytes.
-    return parse_collectives(step.lower(state, x).as_text(dialect="hlo"))
+def _step_collectives(policy, check_vma: bool):
+    return _fsdp_step_collectives((2, 4), check_vma, policy, lowered=True)
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
@@ -128,12 +111,12 @@ def test_gathers_move_half_the_bytes_and_reduce_in_the_chosen_dtype(reduce_dtype
 
 
 def _loss_and_grads(policy, dense_dtype, check_vma: bool):
-    case = _case(policy, False, check_vma)
+    mesh = mesh_of(2, 4)
     model = MLP(FEATURES, True, _dense(policy, dense_dtype))
     x = jax.random.normal(jax.random.key(1), (16, IN_DIM))
     params, specs = fsdp_tp.init_sharded(
         lambda r, x: model.init(r, x)["params"],
-        case.mesh,
+        mesh,
         (P(), P(BATCH_AXES)),
         jax.random.key(0),
         x,
@@ -145,7 +128,7 @@ def _loss_and_grads(policy, dense_dtype, check_vma: bool):
         return jax.lax.pmean(loss, BATCH_AXES), fsdp_tp.sync_gradients(grads, BATCH_AXES)
 
     step = jax.shard_map(
-        fb, mesh=case.mesh, in_specs=(specs, P(BATCH_AXES)), out_specs=(P(), specs), check_vma=check_vma
+        fb, mesh=mesh, in_specs=(specs, P(BATCH_AXES)), out_specs=(P(), specs), check_vma=check_vma
     )
     return jax.jit(step)(params, x)
 

@@ -49,24 +49,30 @@ def _losses(kind: str, density: float):
     return sharded, reference
 
 
-@st.composite
-def weighted_cases(draw, kind: str):
-    data, fsdp = draw(st.sampled_from([m for m in MESHES if m[0] * m[1] > 1]))
-    features = tuple(draw(st.lists(st.sampled_from([8, 16, 24]), min_size=1, max_size=3)))
-    sharded, reference = _losses(kind, draw(st.sampled_from([0.3, 0.6, 0.9])))
+def _case(kind: str, density: float, mesh, check_vma: bool, features=(16,), seed: int = 0) -> Case:
+    """An FSDP MLP on token sequences, trained with ``kind``'s loss, against the unsharded one."""
+    sharded, reference = _losses(kind, density)
     return Case(
         model=MLP(features, True, fsdp_tp.shard_module_params(nn.Dense, "fsdp", 0)),
         reference=MLP(features),
-        mesh=mesh_of(data, fsdp),
+        mesh=mesh_of(*mesh),
         batch_axes=BATCH_AXES,
-        check_vma=draw(st.booleans()),
+        check_vma=check_vma,
         in_dim=8,
         out_dim=features[-1],
         seq_len=4,
-        seed=draw(st.integers(0, 2**16)),
+        seed=seed,
         loss=sharded,
         reference_loss=reference,
     )
+
+
+@st.composite
+def weighted_cases(draw, kind: str):
+    mesh = draw(st.sampled_from([m for m in MESHES if m[0] * m[1] > 1]))
+    features = tuple(draw(st.lists(st.sampled_from([8, 16, 24]), min_size=1, max_size=3)))
+    density = draw(st.sampled_from([0.3, 0.6, 0.9]))
+    return _case(kind, density, mesh, draw(st.booleans()), features, draw(st.integers(0, 2**16)))
 
 
 @settings(max_examples=max(2, settings().max_examples // 2))
@@ -84,19 +90,7 @@ def test_a_summed_loss_equals_the_unsharded_one(case):
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_negative_control_per_device_token_means_differ(check_vma):
     """Each device's own token mean weights its tokens by 1 / its count: wrong when uneven."""
-    sharded, reference = _losses("naive", 0.3)
-    case = Case(
-        model=MLP((16,), True, fsdp_tp.shard_module_params(nn.Dense, "fsdp", 0)),
-        reference=MLP((16,)),
-        mesh=mesh_of(2, 4),
-        batch_axes=BATCH_AXES,
-        check_vma=check_vma,
-        in_dim=8,
-        out_dim=16,
-        seq_len=4,
-        loss=sharded,
-        reference_loss=reference,
-    )
+    case = _case("naive", 0.3, (2, 4), check_vma)
     with pytest.raises(AssertionError, match=r"loss|grads"):
         check_equivalence(case, steps=1)
     check_equivalence(dataclasses.replace(case, loss=_losses("mean", 0.3)[0]), steps=1)

@@ -40,12 +40,10 @@ from .data import (
 )
 from .distributed import DistributedError
 from .machine import check_mesh_fits, select_devices, uses_accelerator
-from .options import DEFAULT_MESH, parser
+from .options import DEFAULT_MESH, DTYPES, parser
 from .workdir import check_contents
 
 __all__ = ["console", "main"]
-
-DTYPES = {"f32": "float32", "bf16": "bfloat16"}
 
 
 def _settings(args, mesh: dict, vocab_size: int | None = None):

@@ -8,9 +8,10 @@ from ..layers.attention import ATTENTION_IMPLEMENTATIONS
 from ..models.transformer import REMAT_POLICIES
 from .config import PRESETS
 
-__all__ = ["DEFAULT_MESH", "parser"]
+__all__ = ["DEFAULT_MESH", "DTYPES", "parser"]
 
 DEFAULT_MESH = "data=2,fsdp=2,tensor=2"
+DTYPES = {"f32": "float32", "bf16": "bfloat16"}  # the dtype flags' names -> numpy's
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -59,7 +60,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mlp-hidden", type=int, help="MLP width (default: the preset's)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
     p.add_argument("--vocab-size", type=int, help="default: 256 (bytes), or fitted to a token file")
-    p.add_argument("--dtype", choices=["f32", "bf16"], default="f32", help="compute dtype (params stay f32)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="f32", help="compute dtype (params stay f32)")
     _compute_flags(p, remat_default="auto")
     p.add_argument("--batch", type=int, default=16, help="global batch (sequences per step)")
     p.add_argument(
@@ -67,14 +68,14 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--gather-dtype",
-        choices=["f32", "bf16"],
+        choices=list(DTYPES),
         default="f32",
         help="dtype FSDP all-gathers parameters in; bf16 moves half the bytes and the model reads "
         "every parameter rounded to bf16 (stored and updated in f32)",
     )
     p.add_argument(
         "--reduce-dtype",
-        choices=["f32", "bf16"],
+        choices=list(DTYPES),
         default="f32",
         help="dtype FSDP reduce-scatters gradients in",
     )
@@ -195,7 +196,7 @@ def _bench_flags(bench: argparse.ArgumentParser) -> None:
     )
     acc.add_argument("--presets", default="125m:32,1b:16", help="PRESET:GLOBAL_BATCH, comma-separated")
     acc.add_argument("--vocab-size", type=int, default=32768, help="the presets' vocabulary")
-    acc.add_argument("--dtype", choices=["f32", "bf16"], default="bf16", help="compute dtype")
+    acc.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="compute dtype")
     _compute_flags(acc, remat_default="dots")
 
 

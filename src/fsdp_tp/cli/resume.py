@@ -18,7 +18,7 @@ import numpy as np
 
 from .trainer import Settings
 
-__all__ = ["changes", "data_identity", "record"]
+__all__ = ["changes", "data_identity", "precision_of", "record"]
 
 _SAMPLES = 4096  # tokens read to fingerprint a (possibly huge, memory-mapped) token file
 
@@ -38,7 +38,7 @@ def record(settings: Settings, data: dict) -> dict:
         "batch": settings.batch,
         "data": data,
         "model": asdict(settings.model),
-        "precision": _precision(settings),
+        "precision": precision_of(settings),
         "schedule": {
             "lr": settings.lr,
             "warmup": settings.warmup,
@@ -49,8 +49,9 @@ def record(settings: Settings, data: dict) -> dict:
     }
 
 
-def _precision(settings: Settings) -> dict:
-    """The dtypes FSDP gathers and reduces in: they change the numbers a resumed run computes."""
+def precision_of(settings: Settings) -> dict:
+    """The dtypes FSDP gathers and reduces f32 parameters in (they change the numbers a resumed
+    run computes): ``{"gather": "bfloat16", "reduce": "float32"}``, say."""
     policy = settings.layout.mixed_precision
     gather, reduce = policy.dtypes_for("float32") if policy is not None else (None, None)
     return {"gather": str(gather or "float32"), "reduce": str(reduce or "float32")}

@@ -18,7 +18,7 @@ from ..mesh import make_mesh
 from .checks import UsageError, resuming
 from .fit import check_fits, choose_remat, mib, plan_of
 from .output import Output, model_name, run_header
-from .resume import changes, data_identity, record
+from .resume import changes, data_identity, precision_of, record
 from .throughput import Achieved, memory_in_use, peak_tflops
 from .trainer import Settings, Trainer, compare_with_twin
 from .workdir import clear, locked
@@ -49,15 +49,15 @@ def _summary(settings: Settings, sizes: dict, plan, name: str) -> str:
         f"{f'clip {settings.clip_norm:g}' if settings.clip_norm else 'no clipping'}), "
         f"activations {mib(plan.activation_bytes or 0)} (remat {settings.model.remat}, "
         f"{resolved_implementation(settings.model.attention, settings.model.dtype)} attention)"
-        + _precision_text(settings.layout.mixed_precision)
+        + _precision_text(settings)
     )
 
 
-def _precision_text(policy) -> str:
-    if policy is None:
+def _precision_text(settings: Settings) -> str:
+    if settings.layout.mixed_precision is None:
         return ""
-    gather, reduce = policy.dtypes_for("float32")
-    return f"; FSDP gathers in {gather or 'float32'}, reduces in {reduce or 'float32'}"
+    precision = precision_of(settings)
+    return f"; FSDP gathers in {precision['gather']}, reduces in {precision['reduce']}"
 
 
 def _check(trainer: Trainer, tokens: np.ndarray, steps: int, dtype: str, say) -> bool:
