@@ -5,9 +5,10 @@ Every "store sharded, gather for compute" strategy of the library is these three
 - :func:`store` keeps this device's block of every parameter, as a per-leaf *layout
   choice* says (FSDP's largest divisible dim, partition rules, ...), checks every leaf
   at once (:mod:`fsdp_tp._layout`) and boxes the blocks as ``nn.Partitioned``;
-- :func:`gather` all-gathers the blocks over the given axes for compute; over a batch
-  axis the backward pass reduce-scatters the mean gradient, over any other axis (every
-  device there saw the same batch) it keeps this device's slice;
+- :func:`fsdp_tp._gather.gather` all-gathers the blocks over the given axes for compute,
+  at once or where the module reads them; over a batch axis the backward pass
+  reduce-scatters the mean gradient, over any other axis (every device there saw the
+  same batch) it keeps this device's slice;
 - :func:`map_params` makes a module transform of the two (``nn.map_variables`` on
   ``"params"``) that keeps the target's name and tells the two, while they run, the
   module's path and the axes its inputs vary over.
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import contextvars
 import warnings
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -30,16 +31,13 @@ from jax.sharding import PartitionSpec
 
 from ._axes import axes_named, bound_axis_names, entry_axes, varying_axes
 from ._layout import block_of, check_fit
-from ._types import AxisName, PyTree
-from .collectives import gather_array_with_mean_grads, gather_from_axis
+from ._types import PyTree
 from .errors import RuleError
-from .precision import MixedPrecision
 from .rules import path_of
 
 __all__ = [
     "LayoutChoice",
     "check_module_class",
-    "gather",
     "input_varying",
     "keep_module_name",
     "map_params",
@@ -113,64 +111,6 @@ def store(params: PyTree, choose: LayoutChoice, fix: str = "change the rule") ->
         merged = _merge(path, names, spec)
         out.append(nn.Partitioned(block_of(value, spec), merged))
     return jax.tree.unflatten(treedef, out)
-
-
-def _gather_one(leaf: nn.Partitioned, axis: AxisName, vary: frozenset, mean: bool, precision):
-    names = tuple(leaf.names)
-    dim = next(i for i, entry in enumerate(names) if axis in entry_axes(entry))
-    axes = entry_axes(names[dim])
-    # A dim split over (a, b) holds a contiguous block per (a, b) pair only when b is
-    # gathered first; gathering a first would interleave blocks.
-    if axes[-1] != axis:
-        raise ValueError(
-            f"gather: dim {dim} is split over {axes}; axis {axis!r} can only be gathered after "
-            f"{axes[axes.index(axis) + 1 :]} (the minor axes first)."
-        )
-    rest = axes[:-1]
-    shard = leaf.value
-    if extra := tuple(sorted(vary - varying_axes(shard) - {axis}, key=str)):
-        # Meet the inputs' vma on the shard, before the gather: JAX's transpose of this
-        # pcast then psums the shard-sized gradient after the reduce-scatter, instead of
-        # the full gradient before it.
-        shard = jax.lax.pcast(shard, extra, to="varying")
-    if mean:
-        dtypes = precision.dtypes_for(shard.dtype) if precision is not None else (None, None)
-        value = gather_array_with_mean_grads(shard, dim, axis, *dtypes)
-    else:  # the backward pass slices: nothing is reduced, so nothing to save in precision
-        value = gather_from_axis(shard, dim, axis)
-    new_names = (*names[:dim], rest if len(rest) > 1 else (rest[0] if rest else None), *names[dim + 1 :])
-    return value if all(n is None for n in new_names) else leaf.replace(value=value, names=new_names)
-
-
-def gather(
-    params: PyTree,
-    axes: Collection[AxisName],
-    batch_axes: Collection[AxisName],
-    vary: frozenset = frozenset(),
-    precision: MixedPrecision | None = None,
-) -> PyTree:
-    """All-gathers every block split over ``axes`` (a dim's minor axis first); splits over other
-    axes stay boxed, a leaf left whole is unboxed. Over an axis in ``batch_axes`` the gradient
-    comes back as the reduce-scattered mean (every device's gradient is a part of the batch
-    mean); over any other axis as this device's slice (all devices computed the same one).
-    ``vary``: the axes the gathered values will meet device-varying data on, under
-    ``check_vma=True`` (see :func:`input_varying`). ``precision``: every floating leaf is read
-    rounded to its gather dtype, and the gathers over ``batch_axes`` move that dtype and
-    reduce-scatter the gradient in its reduce dtype (:class:`~fsdp_tp.precision.MixedPrecision`)."""
-
-    def leaf_fn(leaf):
-        if not isinstance(leaf, nn.Partitioned):
-            return leaf if precision is None else precision.round(leaf)
-        order = [a for entry in leaf.names for a in reversed(entry_axes(entry)) if a in axes]
-        if precision is not None and not set(batch_axes) & set(order):
-            # Not gathered over a batch axis, so no gather rounds it: the model reads every
-            # parameter rounded, on every mesh (whether a dim divides or not).
-            leaf = leaf.replace(value=precision.round(leaf.value))
-        for axis in order:
-            leaf = _gather_one(leaf, axis, vary, axis in batch_axes, precision)
-        return leaf
-
-    return jax.tree.map(leaf_fn, params, is_leaf=_is_box)
 
 
 def check_module_class(target, who: str) -> None:

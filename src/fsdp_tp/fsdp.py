@@ -15,7 +15,8 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from ._axes import axes_named, require_axes
-from ._transform import check_module_class, gather, input_varying, map_params, store, warn_once
+from ._gather import gather
+from ._transform import check_module_class, input_varying, map_params, store, warn_once
 from ._types import AxisName, AxisNames, PyTree
 from .errors import ReplicatedParameterWarning
 from .precision import MixedPrecision, checked_policy
@@ -145,6 +146,8 @@ def shard_module_params(
     policy = checked_policy(mixed_precision, "shard_module_params")
     return map_params(
         target,
-        trans_in=lambda params: gather_params(params, axis_name, input_varying(), policy),
+        trans_in=lambda params: gather(
+            params, {axis_name}, {axis_name}, input_varying(), policy, at_read=True
+        ),
         trans_out=lambda params: shard_params(params, axis_name, min_weight_size),
     )

@@ -18,9 +18,9 @@ import jax
 from jax.sharding import PartitionSpec
 
 from ._axes import as_axis_tuple, bound_axis_names, entry_axes
+from ._gather import gather
 from ._transform import (
     check_module_class,
-    gather,
     input_varying,
     keep_module_name,
     map_params,
@@ -114,7 +114,12 @@ def shard_by_rules(
     mapped = map_params(
         target,
         trans_in=lambda params: gather(
-            params, _rule_axes(compiled, default, _LOGICAL.get()), batch, input_varying(), policy
+            params,
+            _rule_axes(compiled, default, _LOGICAL.get()),
+            batch,
+            input_varying(),
+            policy,
+            at_read=True,
         ),
         trans_out=lambda params: _store_by_rules(params, compiled, default, _LOGICAL.get()),
     )

@@ -1,0 +1,154 @@
+"""The transform core's gather: blocks all-gathered for compute, at once or where they are read.
+
+:func:`gather` all-gathers every block split over the given axes (a dim's minor axis
+first). Over a batch axis the backward pass reduce-scatters the mean gradient; over any
+other axis (every device there saw the same batch) it keeps this device's slice. With
+``at_read=True`` a block that would come back whole is not gathered yet: it is boxed as
+:class:`GatheredOnRead`, and the gather runs where a module reads it (``self.param``
+unboxes it). So a transform over a whole model gathers each parameter inside the call
+of the submodule that owns it, as wrapping every layer does: inside any ``nn.remat`` or
+``nn.scan`` of the model, next to its use, each layer's parameters on their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+import flax.linen as nn
+import jax
+from flax import struct
+from flax.core import meta
+
+from ._axes import entry_axes, varying_axes
+from ._transform import module_path
+from ._types import AxisName, PyTree
+from .collectives import gather_array_with_mean_grads, gather_from_axis
+from .errors import RuleError
+from .precision import MixedPrecision
+from .rules import path_of
+
+__all__ = ["GatheredOnRead", "axes_of", "gather", "read_boxed"]
+
+
+def _gather_one(leaf: nn.Partitioned, axis: AxisName, vary: frozenset, mean: bool, precision):
+    names = tuple(leaf.names)
+    dim = next(i for i, entry in enumerate(names) if axis in entry_axes(entry))
+    axes = entry_axes(names[dim])
+    # A dim split over (a, b) holds a contiguous block per (a, b) pair only when b is
+    # gathered first; gathering a first would interleave blocks.
+    if axes[-1] != axis:
+        raise ValueError(
+            f"gather: dim {dim} is split over {axes}; axis {axis!r} can only be gathered after "
+            f"{axes[axes.index(axis) + 1 :]} (the minor axes first)."
+        )
+    rest = axes[:-1]
+    shard = leaf.value
+    if extra := tuple(sorted(vary - varying_axes(shard) - {axis}, key=str)):
+        # Meet the inputs' vma on the shard, before the gather: JAX's transpose of this
+        # pcast then psums the shard-sized gradient after the reduce-scatter, instead of
+        # the full gradient before it.
+        shard = jax.lax.pcast(shard, extra, to="varying")
+    if mean:
+        dtypes = precision.dtypes_for(shard.dtype) if precision is not None else (None, None)
+        value = gather_array_with_mean_grads(shard, dim, axis, *dtypes)
+    else:  # the backward pass slices: nothing is reduced, so nothing to save in precision
+        value = gather_from_axis(shard, dim, axis)
+    new_names = (*names[:dim], rest if len(rest) > 1 else (rest[0] if rest else None), *names[dim + 1 :])
+    return value if all(n is None for n in new_names) else leaf.replace(value=value, names=new_names)
+
+
+def _gather_leaf(leaf, axes: frozenset, batch_axes: frozenset, vary: frozenset, precision):
+    if not isinstance(leaf, nn.Partitioned):
+        return leaf if precision is None else precision.round(leaf)
+    order = [a for entry in leaf.names for a in reversed(entry_axes(entry)) if a in axes]
+    if precision is not None and not batch_axes & set(order):
+        # Not gathered over a batch axis, so no gather rounds it: the model reads every
+        # parameter rounded, on every mesh (whether a dim divides or not).
+        leaf = leaf.replace(value=precision.round(leaf.value))
+    for axis in order:
+        leaf = _gather_one(leaf, axis, vary, axis in batch_axes, precision)
+    return leaf
+
+
+class GatheredOnRead(struct.PyTreeNode, meta.AxisMetadata):
+    """A stored block that :func:`gather` leaves for the module to gather when it reads it.
+
+    ``unbox()`` (what ``self.param`` does) runs the gather, so it lands inside the
+    submodule's call and inside any lifted transform around it (an ``nn.remat`` of the
+    model re-gathers in its backward pass, as FSDP frees and re-gathers a layer's
+    parameters). The pytree leaf is the block, so lifted transforms pass the block, not
+    the full value, across their boundaries.
+    """
+
+    block: nn.Partitioned
+    path: str = struct.field(pytree_node=False)
+    axes: frozenset = struct.field(pytree_node=False)
+    batch_axes: frozenset = struct.field(pytree_node=False)
+    vary: frozenset = struct.field(pytree_node=False)
+    precision: MixedPrecision | None = struct.field(pytree_node=False)
+
+    def unbox(self) -> Any:
+        return _gather_leaf(self.block, self.axes, self.batch_axes, self.vary, self.precision)
+
+    def replace_boxed(self, val: Any) -> Any:
+        # A value written over the parameter is whole; the transform's store splits it again.
+        return val
+
+    def add_axis(self, index: int, params: dict) -> GatheredOnRead:
+        return self.replace(block=self.block.add_axis(index, params))
+
+    def remove_axis(self, index: int, params: dict) -> GatheredOnRead:
+        names = self.block.names
+        if index < len(names) and names[index] is not None:
+            raise RuleError(
+                f"{self.path}: dim {index} is split over {names[index]!r}, and a lifted transform "
+                f"(nn.scan or nn.vmap) slices the parameter along that dim, one layer per step; a "
+                f"device's block holds only some layers. Split another dim: give dim {index} None in "
+                f"the rule, e.g. P(None, {names[index]!r})."
+            )
+        return self.replace(block=self.block.replace(names=names[:index] + names[index + 1 :]))
+
+
+def gather(
+    params: PyTree,
+    axes: Collection[AxisName],
+    batch_axes: Collection[AxisName],
+    vary: frozenset = frozenset(),
+    precision: MixedPrecision | None = None,
+    at_read: bool = False,
+) -> PyTree:
+    """All-gathers every block split over ``axes`` (a dim's minor axis first); splits over other
+    axes stay boxed, a leaf left whole is unboxed. Over an axis in ``batch_axes`` the gradient
+    comes back as the reduce-scattered mean (every device's gradient is a part of the batch
+    mean); over any other axis as this device's slice (all devices computed the same one).
+    ``vary``: the axes the gathered values will meet device-varying data on, under
+    ``check_vma=True`` (see :func:`~fsdp_tp._transform.input_varying`). ``precision``: every
+    floating leaf is read rounded to its gather dtype, and the gathers over ``batch_axes``
+    move that dtype and reduce-scatter the gradient in its reduce dtype
+    (:class:`~fsdp_tp.precision.MixedPrecision`). ``at_read``: a block that would come back
+    whole is boxed as :class:`GatheredOnRead` and gathered where the module reads it."""
+    axes, batch = frozenset(axes), frozenset(batch_axes)
+
+    def leaf_fn(key_path, leaf):
+        if at_read and isinstance(leaf, nn.Partitioned) and axes_of(leaf) <= axes:
+            path = "/".join(p for p in (module_path(), path_of(key_path).removeprefix("params/")) if p)
+            return GatheredOnRead(leaf, path, axes, batch, vary, precision)
+        return _gather_leaf(leaf, axes, batch, vary, precision)
+
+    return jax.tree_util.tree_map_with_path(leaf_fn, params, is_leaf=_is_box)
+
+
+def read_boxed(value: Any) -> Any:
+    """What a layer that reads its parameter boxed (``self.param(..., unbox=False)``, to keep
+    its own split) sees: a :class:`GatheredOnRead` block gathered, anything else as it is."""
+    return value.unbox() if isinstance(value, GatheredOnRead) else value
+
+
+def axes_of(leaf: nn.Partitioned) -> frozenset:
+    """The mesh axes a box's dims are split over."""
+    return frozenset(a for entry in leaf.names for a in entry_axes(entry))
+
+
+def _is_box(x) -> bool:
+    return isinstance(x, nn.Partitioned | nn.LogicallyPartitioned)
