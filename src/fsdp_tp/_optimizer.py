@@ -103,18 +103,28 @@ def _per_device():
         _PER_DEVICE.reset(token)
 
 
-def per_device_step(step_fn):
-    """``step_fn(state, batch) -> (grads, metrics)`` checked: it runs with updates refused,
-    and its grads must have the parameters' structure."""
+def per_device_step(step_fn, model_state: tuple[str, ...] = ()):
+    """``step_fn(state, batch) -> (grads, metrics)`` checked, or ``(grads, metrics,
+    model_state)`` where the state holds the collections ``model_state`` names: it runs with
+    updates refused, and its grads must have the parameters' structure."""
+    expected_out = "(grads, metrics, model_state)" if model_state else "(grads, metrics)"
 
     def run(state, batch):
         with _per_device():
             out = step_fn(state, batch)
-        if not (isinstance(out, tuple) and len(out) == 2):
+        if not (isinstance(out, tuple) and len(out) == (3 if model_state else 2)):
+            got = f"a tuple of {len(out)}" if isinstance(out, tuple) else type(out).__name__
+            held = (
+                f"The state holds model_state {list(model_state)}: return it as the model's apply gave "
+                f"it back (mutable={list(model_state)}), the same on every device: averaged with "
+                f"batch_mean(..., batch_axes) unless the model syncs it itself (BatchNorm(axis_name=...))."
+                if model_state
+                else "The state holds no model_state (TrainState.model_state is empty): return "
+                "(grads, metrics), or create the state with the model's other collections."
+            )
             raise TypeError(
-                f"shard_step: step_fn must return (grads, metrics), got {type(out).__name__}. Return "
-                f"the synced gradients of state.params and the metrics; the optimizer update then runs "
-                f"on global arrays."
+                f"shard_step: step_fn must return {expected_out}, got {got}. {held} The gradients "
+                f"are those of state.params, synced; the optimizer update then runs on global arrays."
             )
         grads = out[0]
         expected = jax.tree.structure(state.params)

@@ -11,7 +11,7 @@ import jax
 from ._axes import axes_named, axis_size, checks_vma, require_axes, varying_axes
 from ._types import AxisNames, PyTree
 
-__all__ = ["batch_total", "global_mean_loss", "global_sum_loss", "sync_gradients"]
+__all__ = ["batch_mean", "batch_total", "global_mean_loss", "global_sum_loss", "sync_gradients"]
 
 
 def _sync_leaf(leaf, axis_names: tuple, checking: bool):
@@ -85,6 +85,33 @@ def batch_total(x: jax.Array, axis_names: AxisNames) -> jax.Array:
         x = jax.lax.psum(x, over) if over else x
         return x * axis_size(tuple(a for a in names if a not in varying))
     return jax.lax.psum(x, names) if names else x
+
+
+def batch_mean(tree: PyTree, axis_names: AxisNames) -> PyTree:
+    """Every leaf of ``tree`` averaged over the devices of ``axis_names``, the same on every
+    device, in both ``check_vma`` modes: state a model updates from its own shard of the
+    batch (BatchNorm's ``batch_stats`` without an ``axis_name``, a running count), before
+    it leaves the step replicated. Over an axis where a leaf is already invariant it is left
+    as it is, where a ``pmean`` would be refused under ``check_vma=True``.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from fsdp_tp import make_mesh
+    >>> mesh = make_mesh({"data": 4, "fsdp": 2})
+    >>> def stats(x):  # each device's mean of its rows, and a value invariant over fsdp
+    ...     return batch_mean({"mean": x.mean(), "seen": jnp.float32(3.0)}, ("data", "fsdp"))
+    >>> out = jax.shard_map(stats, mesh=mesh, in_specs=P(("data", "fsdp")), out_specs=P())(jnp.arange(16.0))
+    >>> float(out["mean"]), float(out["seen"])
+    (7.5, 3.0)
+    """
+    names = require_axes(axis_names, "batch_mean")
+    checking = bool(names) and checks_vma(names[0])
+
+    def leaf_mean(x):
+        over = tuple(a for a in names if a in varying_axes(x)) if checking else names
+        return jax.lax.pmean(x, over) if over else x
+
+    return jax.tree.map(leaf_mean, tree)
 
 
 def global_mean_loss(local_sum: jax.Array, local_count: jax.Array, axis_names: AxisNames) -> jax.Array:

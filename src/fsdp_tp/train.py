@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 from flax.training import train_state
 from jax.sharding import Mesh, PartitionSpec
 
@@ -27,7 +28,9 @@ _REPLICATED = PartitionSpec()
 
 
 class TrainState(train_state.TrainState):
-    """``flax.training.train_state.TrainState`` plus an rng, replicated like the step counter.
+    """``flax.training.train_state.TrainState`` plus an rng, replicated like the step counter,
+    and ``model_state``: the model's collections other than ``params`` (``batch_stats``, say),
+    a dict by collection name, updated by the step (:func:`shard_step`), never by the optimizer.
 
     >>> import jax, jax.numpy as jnp, optax
     >>> state = TrainState.create(apply_fn=None, params={"w": jnp.ones(3)}, tx=optax.sgd(0.5),
@@ -38,6 +41,7 @@ class TrainState(train_state.TrainState):
     """
 
     rng: jax.Array
+    model_state: PyTree = struct.field(default_factory=dict)
 
     def apply_gradients(self, *, grads, **kwargs):
         """``flax``'s update, refused where it would see one device's shards (inside
@@ -49,17 +53,23 @@ class TrainState(train_state.TrainState):
 
 def state_init_fn(model, tx) -> Callable[..., TrainState]:
     """``init_fn(rng, *inputs)``: a :class:`TrainState` of ``model``'s params (initialized on
-    ``inputs``), the optimizer ``tx`` and ``rng``. Build one for the sharded model and one
-    for its twin: they make the same state, which is what ``init_sharded`` needs.
+    ``inputs``), its other collections as ``model_state``, the optimizer ``tx`` and ``rng``.
+    Build one for the sharded model and one for its twin: they make the same state, which
+    is what ``init_sharded`` needs.
 
     >>> import jax, jax.numpy as jnp, flax.linen as nn, optax
-    >>> state = state_init_fn(nn.Dense(3), optax.sgd(0.1))(jax.random.key(0), jnp.ones((1, 2)))
-    >>> state.params["kernel"].shape, int(state.step)
-    ((2, 3), 0)
+    >>> state = state_init_fn(nn.BatchNorm(use_running_average=False), optax.sgd(0.1))(
+    ...     jax.random.key(0), jnp.ones((1, 2)))
+    >>> state.params["scale"].shape, state.model_state["batch_stats"]["mean"].shape, int(state.step)
+    ((2,), (2,), 0)
     """
-    return lambda rng, *inputs: TrainState.create(
-        apply_fn=model.apply, params=model.init(rng, *inputs)["params"], tx=tx, rng=rng
-    )
+
+    def init_fn(rng, *inputs):
+        variables = dict(model.init(rng, *inputs))
+        params = variables.pop("params", {})
+        return TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=rng, model_state=variables)
+
+    return init_fn
 
 
 def fold_rng_over_axis(rng: jax.Array, axis_name: AxisNames) -> jax.Array:
@@ -165,7 +175,11 @@ def shard_step(
     otherwise. The step then applies ``state.tx`` to the gradients on *global* arrays, in
     the same ``jax.jit``, so every optax transform gives the unsharded update (global-norm
     clipping, LAMB, LARS, Adafactor included) and the state keeps ``state_specs``.
-    ``state`` is a :class:`TrainState` (or any flax ``TrainState``).
+    ``state`` is a :class:`TrainState` (or any flax ``TrainState``). When it holds a
+    ``model_state`` (``batch_stats``, say), ``step_fn`` returns ``(grads, metrics,
+    model_state)``: the collections the model's ``apply(..., mutable=...)`` gave back, the
+    same on every device (the model's ``BatchNorm(axis_name=batch_axes)`` makes them so,
+    or :func:`~fsdp_tp.gradients.batch_mean`), laid out like the state's.
 
     The state is donated, so the caller must not reuse the state it passed. When JAX
     rejects the state or batch, they are checked against their specs, so a mismatched tree
@@ -191,17 +205,20 @@ def shard_step(
             f"shard_step: state_specs must be the specs of a train state (with .params), as "
             f"init_sharded returns them for a fsdp_tp.TrainState; got {type(state_specs).__name__}."
         )
+    model_state = getattr(state_specs, "model_state", None) or {}
+    updated = (model_state,) if jax.tree.leaves(model_state) else ()
     per_device = jax.shard_map(
-        per_device_step(step_fn),
+        per_device_step(step_fn, tuple(model_state) if updated else ()),
         mesh=mesh,
         in_specs=(state_specs, batch_specs),
-        out_specs=(state_specs.params, metrics_specs),
+        out_specs=(state_specs.params, metrics_specs, *updated),
         check_vma=check_vma,
     )
 
     def update(state, batch):
-        grads, metrics = per_device(state, batch)
-        return state.apply_gradients(grads=grads), metrics
+        grads, metrics, *new_model_state = per_device(state, batch)
+        kwargs = {"model_state": new_model_state[0]} if new_model_state else {}
+        return state.apply_gradients(grads=grads, **kwargs), metrics
 
     sharded = jax.jit(
         update,
