@@ -64,11 +64,11 @@ def _twin_run(tx):
     return state, losses
 
 
-def _sharded(mesh_axes: dict, batch_axes: tuple, check_vma: bool, tx, fsdp_axis: str):
+def _sharded(mesh_axes: dict, batch_axes: tuple, check_vma: bool, tx, fsdp_axis: str, per_device_stats=False):
+    """``per_device_stats``: BatchNorm without an axis_name, its state averaged by batch_mean."""
     mesh = fsdp_tp.make_mesh(mesh_axes)
-    model = fsdp_tp.shard_by_rules(PlainResNet, _rules(fsdp_axis), batch_axes=batch_axes)(
-        axis_name=batch_axes if len(batch_axes) > 1 else batch_axes[0]
-    )
+    axis_name = None if per_device_stats else (batch_axes if len(batch_axes) > 1 else batch_axes[0])
+    model = fsdp_tp.shard_by_rules(PlainResNet, _rules(fsdp_axis), batch_axes=batch_axes)(axis_name=axis_name)
     images, _ = next(_batches())
     state, specs = fsdp_tp.init_sharded(
         fsdp_tp.state_init_fn(model, tx),
@@ -84,6 +84,7 @@ def _sharded(mesh_axes: dict, batch_axes: tuple, check_vma: bool, tx, fsdp_axis:
         (loss, updated), grads = jax.value_and_grad(
             lambda p: _loss(model, p, state.model_state, images, labels), has_aux=True
         )(state.params)
+        updated = batch_mean(updated, batch_axes) if per_device_stats else updated
         return fsdp_tp.sync_gradients(grads, batch_axes), jax.lax.pmean(loss, batch_axes), updated
 
     step = fsdp_tp.shard_step(step_fn, mesh, specs, (P(batch_axes), P(batch_axes)), check_vma=check_vma)
@@ -126,21 +127,9 @@ def test_negative_control_per_device_statistics_differ_from_the_global_batch():
     """A BatchNorm that normalises by its own shard's statistics (no axis_name), its running
     averages then averaged by batch_mean, is not the unsharded model: the check must see it."""
     tx = optax.sgd(0.1)
-    mesh = fsdp_tp.make_mesh({"data": 2, "fsdp": 4})
-    axes = ("data", "fsdp")
-    model = fsdp_tp.shard_by_rules(PlainResNet, _rules("fsdp"))(axis_name=None)
-    images, _ = next(_batches())
-    state, specs = fsdp_tp.init_sharded(
-        fsdp_tp.state_init_fn(model, tx), mesh, (P(), P(axes)), jax.random.key(0), images
+    _, state, _, step = _sharded(
+        {"data": 2, "fsdp": 4}, ("data", "fsdp"), True, tx, "fsdp", per_device_stats=True
     )
-
-    def step_fn(state, batch):
-        (loss, updated), grads = jax.value_and_grad(
-            lambda p: _loss(model, p, state.model_state, *batch), has_aux=True
-        )(state.params)
-        return fsdp_tp.sync_gradients(grads, axes), jax.lax.pmean(loss, axes), batch_mean(updated, axes)
-
-    step = fsdp_tp.shard_step(step_fn, mesh, specs, (P(axes), P(axes)))
     _, loss = step(state, next(_batches()))
     _, twin_losses = _twin_run(tx)
     assert not np.allclose(loss, twin_losses[0], rtol=1e-5, atol=1e-6)

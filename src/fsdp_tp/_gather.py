@@ -12,7 +12,7 @@ of the submodule that owns it, as wrapping every layer does: inside any ``nn.rem
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import flax.linen as nn
@@ -20,15 +20,15 @@ import jax
 from flax import struct
 from flax.core import meta
 
-from ._axes import entry_axes, varying_axes
+from ._axes import axes_named, entry_axes, varying_axes
 from ._transform import module_path
-from ._types import AxisName, PyTree
+from ._types import AxisName, PyTree, is_box
 from .collectives import gather_array_with_mean_grads, gather_from_axis
 from .errors import RuleError
 from .precision import MixedPrecision
 from .rules import path_of
 
-__all__ = ["GatheredOnRead", "axes_of", "gather", "read_boxed"]
+__all__ = ["GatheredOnRead", "gather", "param_boxed"]
 
 
 def _gather_one(leaf: nn.Partitioned, axis: AxisName, vary: frozenset, mean: bool, precision):
@@ -131,24 +131,22 @@ def gather(
     axes, batch = frozenset(axes), frozenset(batch_axes)
 
     def leaf_fn(key_path, leaf):
-        if at_read and isinstance(leaf, nn.Partitioned) and axes_of(leaf) <= axes:
+        if at_read and isinstance(leaf, nn.Partitioned) and axes_named(leaf.names) <= axes:
             path = "/".join(p for p in (module_path(), path_of(key_path).removeprefix("params/")) if p)
             return GatheredOnRead(leaf, path, axes, batch, vary, precision)
         return _gather_leaf(leaf, axes, batch, vary, precision)
 
-    return jax.tree_util.tree_map_with_path(leaf_fn, params, is_leaf=_is_box)
+    return jax.tree_util.tree_map_with_path(leaf_fn, params, is_leaf=is_box)
 
 
-def read_boxed(value: Any) -> Any:
-    """What a layer that reads its parameter boxed (``self.param(..., unbox=False)``, to keep
-    its own split) sees: a :class:`GatheredOnRead` block gathered, anything else as it is."""
-    return value.unbox() if isinstance(value, GatheredOnRead) else value
-
-
-def axes_of(leaf: nn.Partitioned) -> frozenset:
-    """The mesh axes a box's dims are split over."""
-    return frozenset(a for entry in leaf.names for a in entry_axes(entry))
-
-
-def _is_box(x) -> bool:
-    return isinstance(x, nn.Partitioned | nn.LogicallyPartitioned)
+def param_boxed(module: nn.Module, name: str, param: Callable[[], Any]) -> Any:
+    """Parameter ``name`` of ``module`` for a layer that reads it boxed, to keep its own split:
+    ``param()`` (its ``self.param(..., unbox=False)``) unless a transform around the layer
+    left the block to be gathered here (:class:`GatheredOnRead`); then the gathered value,
+    read as stored, since flax's shape check in ``param`` would take the box's leaf, the
+    block, for the value."""
+    if module.has_variable("params", name):
+        stored: Any = module.get_variable("params", name)
+        if isinstance(stored, GatheredOnRead):
+            return stored.unbox()
+    return param()

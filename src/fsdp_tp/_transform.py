@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec
 
 from ._axes import axes_named, bound_axis_names, entry_axes, varying_axes
 from ._layout import block_of, check_fit
-from ._types import PyTree
+from ._types import PyTree, is_box
 from .errors import RuleError
 from .rules import path_of
 
@@ -58,10 +58,6 @@ def warn_once(key, warning: Warning) -> None:
     if key not in _warned:
         _warned.add(key)
         warnings.warn(warning, stacklevel=3)
-
-
-def _is_box(x) -> bool:
-    return isinstance(x, nn.Partitioned | nn.LogicallyPartitioned)
 
 
 def _merge(path: str, names: tuple, spec: PartitionSpec) -> tuple:
@@ -91,12 +87,12 @@ def store(params: PyTree, choose: LayoutChoice, fix: str = "change the rule") ->
     at once; ``fix`` ends the divisibility message."""
     sizes = {axis: jax.lax.axis_size(axis) for axis in bound_axis_names()}
     prefix = module_path()
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_box)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_box)
     plans = []
     for key_path, leaf in leaves:
         inner = path_of(key_path).removeprefix("params/")
         path = "/".join(p for p in (prefix, inner) if p)
-        value = leaf.value if _is_box(leaf) else leaf
+        value = leaf.value if is_box(leaf) else leaf
         logical = tuple(leaf.names) if isinstance(leaf, nn.LogicallyPartitioned) else None
         names = tuple(leaf.names) if type(leaf) is nn.Partitioned else (None,) * np.ndim(value)
         spec = choose(path, np.shape(value), names, logical)

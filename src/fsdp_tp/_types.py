@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import Any, TypeAlias
 
+import flax.linen as nn
 from jax.sharding import PartitionSpec
 
-__all__ = ["AxisName", "AxisNames", "PyTree", "Specs"]
+__all__ = ["AxisName", "AxisNames", "PyTree", "Specs", "is_box"]
 
 PyTree: TypeAlias = Any
 """Any nested structure of lists, tuples, dicts and registered nodes."""
@@ -20,3 +21,9 @@ AxisNames: TypeAlias = AxisName | Sequence[AxisName]
 
 Specs: TypeAlias = PartitionSpec | Any
 """A pytree of ``PartitionSpec`` (a prefix of the tree it describes)."""
+
+
+def is_box(x: Any) -> bool:
+    """Whether ``x`` is a parameter box the layout core reads: ``nn.Partitioned`` (a block
+    and the axes its dims are split over) or ``nn.LogicallyPartitioned`` (logical names)."""
+    return isinstance(x, nn.Partitioned | nn.LogicallyPartitioned)

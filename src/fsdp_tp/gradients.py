@@ -14,21 +14,27 @@ from ._types import AxisNames, PyTree
 __all__ = ["batch_mean", "batch_total", "global_mean_loss", "global_sum_loss", "sync_gradients"]
 
 
+def _varying_and_invariant(x: jax.Array, names: tuple, checking: bool) -> tuple[tuple, tuple]:
+    """``names`` split into the axes ``x`` varies over and those it is invariant on, where a
+    collective over an axis of the second kind is refused. With checking off nothing is
+    known to be invariant: every axis counts as varying."""
+    if not checking:
+        return names, ()
+    varying = varying_axes(x)
+    return tuple(a for a in names if a in varying), tuple(a for a in names if a not in varying)
+
+
 def _sync_leaf(leaf, axis_names: tuple, checking: bool):
     boxed = isinstance(leaf, nn.Partitioned)
     value, split = (leaf.value, axes_named(leaf.names)) if boxed else (leaf, set())
     # A leaf split over an axis got its mean from the gather's backward pass.
-    axes = [name for name in axis_names if name not in split]
-    if checking:
+    axes, summed = _varying_and_invariant(value, tuple(a for a in axis_names if a not in split), checking)
+    if summed:
         # JAX already psummed the cotangent over every axis the value is
         # invariant on (transpose of the implicit pcast): divide, don't pmean.
-        varying = varying_axes(value)
-        summed = tuple(a for a in axes if a not in varying)
-        axes = [a for a in axes if a in varying]
-        if summed:
-            value = value / axis_size(summed)
+        value = value / axis_size(summed)
     if axes:
-        value = jax.lax.pmean(value, tuple(axes))
+        value = jax.lax.pmean(value, axes)
     return leaf.replace(value=value) if boxed else value
 
 
@@ -79,12 +85,9 @@ def batch_total(x: jax.Array, axis_names: AxisNames) -> jax.Array:
     invariant (each device holds the same value) it is ``size * x``, where a ``psum`` would
     be refused under ``check_vma=True``."""
     names = require_axes(axis_names, "batch_total")
-    if names and checks_vma(names[0]):
-        varying = varying_axes(x)
-        over = tuple(a for a in names if a in varying)
-        x = jax.lax.psum(x, over) if over else x
-        return x * axis_size(tuple(a for a in names if a not in varying))
-    return jax.lax.psum(x, names) if names else x
+    over, same = _varying_and_invariant(x, names, bool(names) and checks_vma(names[0]))
+    x = jax.lax.psum(x, over) if over else x
+    return x * axis_size(same) if same else x
 
 
 def batch_mean(tree: PyTree, axis_names: AxisNames) -> PyTree:
@@ -108,7 +111,7 @@ def batch_mean(tree: PyTree, axis_names: AxisNames) -> PyTree:
     checking = bool(names) and checks_vma(names[0])
 
     def leaf_mean(x):
-        over = tuple(a for a in names if a in varying_axes(x)) if checking else names
+        over, _ = _varying_and_invariant(x, names, checking)
         return jax.lax.pmean(x, over) if over else x
 
     return jax.tree.map(leaf_mean, tree)

@@ -37,7 +37,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ._layout import check_fit
-from ._types import PyTree
+from ._types import PyTree, is_box
 from .errors import RuleError, UnmatchedRuleWarning
 
 __all__ = [
@@ -145,10 +145,6 @@ def unmatched_warning(
     )
 
 
-def _is_box(x) -> bool:
-    return isinstance(x, nn.Partitioned | nn.LogicallyPartitioned)
-
-
 def specs_from_rules(
     tree: PyTree,
     rules: Rules,
@@ -178,7 +174,7 @@ def specs_from_rules(
     def leaf_spec(key_path, leaf):
         path = path_of(key_path)
         names = tuple(leaf.names) if isinstance(leaf, nn.LogicallyPartitioned) else None
-        value = leaf.value if _is_box(leaf) else leaf
+        value = leaf.value if is_box(leaf) else leaf
         spec, index = spec_for(path, value.shape, compiled, mesh.shape, default, names, logical, check=False)
         if index is not None:
             used.add(index)
@@ -186,7 +182,7 @@ def specs_from_rules(
         return spec
 
     checks: list[tuple] = []
-    specs = jax.tree_util.tree_map_with_path(leaf_spec, tree, is_leaf=_is_box)
+    specs = jax.tree_util.tree_map_with_path(leaf_spec, tree, is_leaf=is_box)
     check_fit(checks, mesh.shape, "change the rule")  # every leaf that does not fit, at once
     if warning := unmatched_warning(compiled, used, [c[0] for c in checks], "specs_from_rules"):
         warnings.warn(warning, stacklevel=2)

@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from ._axes import axes_named, require_axes
-from ._gather import read_boxed
+from ._gather import param_boxed
 from ._layout import check_fit, sliced_init
 from ._transform import check_module_class, keep_module_name
 from ._types import AxisName
@@ -127,7 +127,10 @@ def tensor_parallel(
                 return super().param(name, init_fn, *init_args, unbox=unbox, **init_kwargs)
             (axis,) = require_axes(axis_name, caller)
             init_fn, init_args = _full_size_init(init_fn, init_args, rule, path, axis, split_input)
-            boxed = read_boxed(super().param(name, init_fn, *init_args, unbox=False, **init_kwargs))
+            create = super().param
+            boxed = param_boxed(
+                self, name, lambda: create(name, init_fn, *init_args, unbox=False, **init_kwargs)
+            )
             return boxed.value if unbox and isinstance(boxed, nn.Partitioned) else boxed
 
         def __call__(self, *args, **kwargs):

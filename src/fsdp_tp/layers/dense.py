@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from .._axes import require_axes
-from .._gather import read_boxed
+from .._gather import param_boxed
 from .._layout import check_fit, sliced_init
 from ..collectives import copy_to_axis, gather_from_axis, reduce_from_axis
 from ..errors import IndivisibleShapeError
@@ -50,12 +50,7 @@ def split_param(
     )
     check_fit([(_path(module, name), shape, spec)], sizes, "use a smaller mesh axis")
     init = sliced_init(init_fn, lambda _shape, _names: spec)
-    if module.has_variable("params", name):
-        # Read as stored: a transform around the layer may leave the block to be gathered here
-        # (GatheredOnRead), whose leaf flax's shape check in param() would take for the value.
-        boxed = read_boxed(module.get_variable("params", name))
-    else:
-        boxed = module.param(name, init, shape, dtype, unbox=False)
+    boxed = param_boxed(module, name, lambda: module.param(name, init, shape, dtype, unbox=False))
     return boxed.value if isinstance(boxed, nn.Partitioned) else boxed
 
 
