@@ -6,7 +6,8 @@ building blocks live in named submodules: :mod:`fsdp_tp.collectives` (the custom
 collectives), :mod:`fsdp_tp.fsdp` (``shard_params`` / ``gather_params``),
 :mod:`fsdp_tp.precision` (mixed-precision gathers), :mod:`fsdp_tp.partitioning` (specs of
 a state, checks), :mod:`fsdp_tp.rules` (the rule grammar, specs for ``jax.jit``),
-:mod:`fsdp_tp.layers` (every tensor-parallel layer), :mod:`fsdp_tp.mesh`,
+:mod:`fsdp_tp.layers` (every tensor-parallel layer), :mod:`fsdp_tp.tp_rules` (Megatron
+tensor parallelism by rules on a model's submodules), :mod:`fsdp_tp.mesh`,
 :mod:`fsdp_tp.train`, :mod:`fsdp_tp.sharded_init`, :mod:`fsdp_tp.checkpoint`,
 :mod:`fsdp_tp.analysis`, :mod:`fsdp_tp.models`, :mod:`fsdp_tp.errors`.
 ``docs/architecture.md`` maps them.
@@ -24,6 +25,7 @@ from . import partitioning as partitioning
 from . import precision as precision
 from . import rules as rules
 from . import sharded_init as sharded_init
+from . import tp_rules as tp_rules
 from . import train as train
 from .checkpoint import Checkpoints as Checkpoints
 from .fsdp import shard_module_params as shard_module_params

@@ -3,7 +3,8 @@
 :func:`gather` all-gathers every block split over the given axes (a dim's minor axis
 first). Over a batch axis the backward pass reduce-scatters the mean gradient; over any
 other axis (every device there saw the same batch) it keeps this device's slice. With
-``at_read=True`` a block that would come back whole is not gathered yet: it is boxed as
+``at_read=True`` a block the transform gathers whole (or to a tensor-parallel slice) is
+not gathered yet: it is boxed as
 :class:`GatheredOnRead`, and the gather runs where a module reads it (``self.param``
 unboxes it). So a transform over a whole model gathers each parameter inside the call
 of the submodule that owns it, as wrapping every layer does: inside any ``nn.remat`` or
@@ -89,7 +90,10 @@ class GatheredOnRead(struct.PyTreeNode, meta.AxisMetadata):
     precision: MixedPrecision | None = struct.field(pytree_node=False)
 
     def unbox(self) -> Any:
-        return _gather_leaf(self.block, self.axes, self.batch_axes, self.vary, self.precision)
+        value = _gather_leaf(self.block, self.axes, self.batch_axes, self.vary, self.precision)
+        # Still split over a `local` axis (tensor parallelism by rules): the module computes on
+        # this device's slice.
+        return value.value if isinstance(value, nn.Partitioned) else value
 
     def replace_boxed(self, val: Any) -> Any:
         # A value written over the parameter is whole; the transform's store splits it again.
@@ -117,6 +121,7 @@ def gather(
     vary: frozenset = frozenset(),
     precision: MixedPrecision | None = None,
     at_read: bool = False,
+    local: frozenset = frozenset(),
 ) -> PyTree:
     """All-gathers every block split over ``axes`` (a dim's minor axis first); splits over other
     axes stay boxed, a leaf left whole is unboxed. Over an axis in ``batch_axes`` the gradient
@@ -126,12 +131,15 @@ def gather(
     ``check_vma=True`` (see :func:`~fsdp_tp._transform.input_varying`). ``precision``: every
     floating leaf is read rounded to its gather dtype, and the gathers over ``batch_axes``
     move that dtype and reduce-scatter the gradient in its reduce dtype
-    (:class:`~fsdp_tp.precision.MixedPrecision`). ``at_read``: a block that would come back
-    whole is boxed as :class:`GatheredOnRead` and gathered where the module reads it."""
+    (:class:`~fsdp_tp.precision.MixedPrecision`). ``at_read``: every block is boxed as
+    :class:`GatheredOnRead` and gathered where the module reads it, if it is split over no
+    axes but ``axes`` and ``local``: the axes a module computes on slices of (tensor
+    parallelism by rules), read as this device's slice. A block split over another axis
+    is gathered at once, left boxed for a transform inside to gather."""
     axes, batch = frozenset(axes), frozenset(batch_axes)
 
     def leaf_fn(key_path, leaf):
-        if at_read and isinstance(leaf, nn.Partitioned) and axes_named(leaf.names) <= axes:
+        if at_read and isinstance(leaf, nn.Partitioned) and axes_named(leaf.names) <= axes | local:
             path = "/".join(p for p in (module_path(), path_of(key_path).removeprefix("params/")) if p)
             return GatheredOnRead(leaf, path, axes, batch, vary, precision)
         return _gather_leaf(leaf, axes, batch, vary, precision)

@@ -32,6 +32,7 @@ __all__ = [
     "Collective",
     "collective_summary",
     "compiled_memory",
+    "dot_flops",
     "ideal_bytes_per_device",
     "parse_collectives",
     "state_bytes_per_device",
@@ -137,19 +138,22 @@ def _executions(calls: dict, trips: dict, entry: str) -> dict[str, int]:
     return runs
 
 
-def parse_collectives(hlo_text: str) -> list[Collective]:
-    """Every collective in an HLO module's text, with operand bytes, group size and executions.
+@dataclasses.dataclass(frozen=True)
+class _Instruction:
+    computation: str
+    name: str
+    op: str
+    operands: tuple[str, ...]
+    rest: str
 
-    The text of a compiled program (``compile().as_text()``: what runs) or of a lowered one
-    (``lower().as_text(dialect="hlo")``: what the program asks for, before the backend's
-    passes; XLA's CPU backend, for one, upcasts bf16 collectives to f32)."""
+
+def _parse(hlo_text: str):
+    """Instructions, the type of every value, and how often each computation runs."""
     text = re.sub(r"/\*.*?\*/", "", hlo_text)
-    m = re.search(r"num_partitions=(\d+)", text)
-    num_partitions = int(m.group(1)) if m else 1
     shapes: dict[str, str] = {}
     calls: dict[str, list] = collections.defaultdict(list)
     trips: dict[str, int] = {}
-    found: list[tuple] = []
+    found: list[_Instruction] = []
     comp, entry = "", ""
     for line in text.splitlines():
         if header := _HEADER.match(line):
@@ -166,25 +170,63 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
                 calls[comp].append((callee, name if role in ("body", "condition") else None))
         if op == "while" and (t := re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)):
             trips[name] = int(t.group(1))
-        kind = op.removesuffix("-start")
-        if kind in _KINDS:
-            # Operands are %-prefixed in compiled HLO, bare in the lowered (pre-optimization) text.
-            operands = re.findall(r"%?([\w.\-]+)", args.split(")")[0])
-            found.append((kind, name, comp, operands, rest))
-    runs = _executions(calls, trips, entry)
+        # Operands are %-prefixed in compiled HLO, bare in the lowered (pre-optimization) text.
+        operands = tuple(re.findall(r"%?([\w.\-]+)", args.split(")")[0]))
+        found.append(_Instruction(comp, name, op, operands, rest))
+    m = re.search(r"num_partitions=(\d+)", text)
+    return found, shapes, _executions(calls, trips, entry), int(m.group(1)) if m else 1
+
+
+def parse_collectives(hlo_text: str) -> list[Collective]:
+    """Every collective in an HLO module's text, with operand bytes, group size and executions.
+
+    The text of a compiled program (``compile().as_text()``: what runs) or of a lowered one
+    (``lower().as_text(dialect="hlo")``: what the program asks for, before the backend's
+    passes; XLA's CPU backend, for one, upcasts bf16 collectives to f32)."""
+    found, shapes, runs, num_partitions = _parse(hlo_text)
     return [
         Collective(
             kind,
-            name,
-            comp,
-            sum(_type_bytes(shapes.get(o, "")) for o in operands),
-            len(operands),
-            _group_size(rest, num_partitions),
-            runs.get(comp, 0),
-            tuple(shapes.get(o, "") for o in operands),
+            i.name,
+            i.computation,
+            sum(_type_bytes(shapes.get(o, "")) for o in i.operands),
+            len(i.operands),
+            _group_size(i.rest, num_partitions),
+            runs.get(i.computation, 0),
+            tuple(shapes.get(o, "") for o in i.operands),
         )
-        for kind, name, comp, operands, rest in found
+        for i in found
+        if (kind := i.op.removesuffix("-start")) in _KINDS
     ]
+
+
+def dot_flops(hlo_text: str) -> int:
+    """Floating-point operations of every ``dot`` in an HLO module's text, per device and call
+    (2 x result elements x contracted size; ops inside while loops once per known trip).
+    Read the lowered text (``lower().as_text(dialect="hlo")``): a backend may rewrite dots.
+
+    >>> hlo = "\\n".join([
+    ...     "ENTRY %main (x: f32[4,8], w: f32[8,16]) -> f32[4,16] {",
+    ...     "  %x = f32[4,8]{1,0} parameter(0)",
+    ...     "  %w = f32[8,16]{1,0} parameter(1)",
+    ...     "  ROOT %d = f32[4,16]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+    ...     "}"])
+    >>> dot_flops(hlo)
+    1024
+    """
+    found, shapes, runs, _ = _parse(hlo_text)
+    total = 0
+    for i in found:
+        if i.op != "dot":
+            continue
+        (_, out), (_, lhs) = _SHAPE.findall(shapes[i.name])[0], _SHAPE.findall(shapes[i.operands[0]])[0]
+        lhs_dims = [int(d) for d in lhs.split(",") if d]
+        contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", i.rest)
+        size = math.prod(
+            lhs_dims[int(d)] for d in (contracted.group(1) if contracted else "").split(",") if d
+        )
+        total += 2 * math.prod(int(d) for d in out.split(",") if d) * size * runs.get(i.computation, 0)
+    return total
 
 
 def collective_summary(collectives: list[Collective]) -> dict[str, dict[str, float]]:

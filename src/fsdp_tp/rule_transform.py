@@ -10,6 +10,7 @@ are left to those layers.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 from typing import Any
 
@@ -19,6 +20,7 @@ from jax.sharding import PartitionSpec
 
 from ._axes import as_axis_tuple, bound_axis_names, entry_axes
 from ._gather import gather
+from ._local_compute import Seen, compile_tp_rules, local_compute, require_all_matched, with_split
 from ._transform import (
     check_module_class,
     input_varying,
@@ -28,14 +30,16 @@ from ._transform import (
     warn_once,
 )
 from ._types import AxisNames
+from .errors import RuleError
 from .precision import MixedPrecision, checked_policy
 from .rules import REPLICATED, CompiledRule, Rules, compile_rules, spec_for, unmatched_warning
 
 __all__ = ["shard_by_rules"]
 
 
-def _by_rules(rules: tuple[CompiledRule, ...], default: PartitionSpec, logical):
-    """The rules' layout choice; it records which rules matched, to report the others."""
+def _by_rules(rules: tuple[CompiledRule, ...], default: PartitionSpec, logical, seen: Seen):
+    """The rules' layout choice, with the splits of the submodules tp rules name added; it
+    records which rules matched, to report the others."""
     sizes = {axis: jax.lax.axis_size(axis) for axis in bound_axis_names()}
     used: set[int] = set()
     paths: list[str] = []
@@ -45,14 +49,17 @@ def _by_rules(rules: tuple[CompiledRule, ...], default: PartitionSpec, logical):
         spec, index = spec_for(path, shape, rules, sizes, default, logical_names, logical, check=False)
         if index is not None:
             used.add(index)
+        if split := seen.splits.get(path):
+            return with_split(path, spec, len(shape), split)
         return spec
 
     return choose, used, paths
 
 
 def _store_by_rules(params, rules: tuple[CompiledRule, ...], default: PartitionSpec, logical):
-    choose, used, paths = _by_rules(rules, default, logical)
+    choose, used, paths = _by_rules(rules, default, logical, _SEEN.get())
     out = store(params, choose)
+    _SEEN.get().params.extend(paths)
     # No parameters: an apply (nothing is created), where no rule can match anything.
     if paths and (warning := unmatched_warning(rules, used, paths, "shard_by_rules")):
         warn_once((id(rules), tuple(sorted(set(range(len(rules))) - used))), warning)
@@ -74,6 +81,7 @@ def shard_by_rules(
     logical_axis_rules=None,
     batch_axes: AxisNames = ("data", "fsdp"),
     mixed_precision: MixedPrecision | None = None,
+    tp_rules=(),
 ):
     """Wraps a Flax module class so its parameters are stored as ``rules`` lay them out.
 
@@ -89,6 +97,9 @@ def shard_by_rules(
     matched nothing is reported (:class:`~fsdp_tp.errors.UnmatchedRuleWarning`).
     ``mixed_precision``: the dtypes the gathers over ``batch_axes`` and their gradients'
     reduce-scatters move (:class:`~fsdp_tp.precision.MixedPrecision`; default: as stored).
+    ``tp_rules``: ``(pattern, role)`` pairs naming submodules (by path) that compute on their
+    slices over a mesh axis, Megatron-style (:mod:`fsdp_tp.tp_rules`): the role's split is
+    added to the storage rule's layout, and that axis is never gathered.
 
     The parameter tree, names and init are ``target``'s on every mesh.
 
@@ -111,6 +122,8 @@ def shard_by_rules(
     default = PartitionSpec(*default)
     batch = frozenset(as_axis_tuple(batch_axes))
     policy = checked_policy(mixed_precision, "shard_by_rules")
+    tp = compile_tp_rules(tp_rules, "shard_by_rules")
+    _require_separate_axes(tp, compiled, default, batch)
     mapped = map_params(
         target,
         trans_in=lambda params: gather(
@@ -120,6 +133,7 @@ def shard_by_rules(
             input_varying(),
             policy,
             at_read=True,
+            local=frozenset(rule.role.axis for rule in tp),
         ),
         trans_out=lambda params: _store_by_rules(params, compiled, default, _LOGICAL.get()),
     )
@@ -127,19 +141,43 @@ def shard_by_rules(
     class ByRules(mapped):  # type: ignore[valid-type, misc]
         @nn.nowrap
         def __call__(self, *args, **kwargs):
-            token = _LOGICAL.set(
-                logical_axis_rules if logical_axis_rules is not None else nn.get_logical_axis_rules()
+            seen = Seen()
+            tokens = (
+                _LOGICAL.set(
+                    logical_axis_rules if logical_axis_rules is not None else nn.get_logical_axis_rules()
+                ),
+                _SEEN.set(seen),
             )
             try:
                 # The module unboxes its logical params inside shard_map, where a sharding
                 # constraint naming manual axes is an error: let the names map to nothing
                 # there; the transform has read the rules and lays the params out itself.
-                with nn.logical_axis_rules(()):
-                    return super().__call__(*args, **kwargs)
+                with nn.logical_axis_rules(()), local_compute(tp, seen) if tp else contextlib.nullcontext():
+                    out = super().__call__(*args, **kwargs)
+                if tp and seen.params:  # an init: every tp rule must have named a submodule
+                    require_all_matched(tp, seen)
+                return out
             finally:
-                _LOGICAL.reset(token)
+                _SEEN.reset(tokens[1])
+                _LOGICAL.reset(tokens[0])
 
     return keep_module_name(ByRules, target)
 
 
+def _require_separate_axes(tp, rules, default: PartitionSpec, batch: frozenset) -> None:
+    """An axis tp rules compute over is never gathered: no storage rule or batch axis uses it."""
+    storage = _rule_axes(rules, default, ())
+    for rule in tp:
+        axis = rule.role.axis
+        if axis in batch or axis in storage:
+            what = "batch_axes" if axis in batch else "a storage rule (or default)"
+            raise RuleError(
+                f"shard_by_rules: tp rule {rule.pattern!r} computes over mesh axis {axis!r}, which "
+                f"{what} also uses; the tp axis holds slices the module computes on and is never "
+                f"gathered or averaged. Use another axis for storage or batch (e.g. 'fsdp', 'data')."
+            )
+
+
 _LOGICAL: contextvars.ContextVar[Any] = contextvars.ContextVar("fsdp_tp_logical_rules", default=())
+# Set for the duration of each call: what the tp rules' interceptor saw, read by the store.
+_SEEN: contextvars.ContextVar[Seen] = contextvars.ContextVar("fsdp_tp_seen")
