@@ -20,7 +20,7 @@ from fsdp_tp import _gather, rule_transform
 from fsdp_tp.analysis import parse_collectives
 from fsdp_tp.errors import RuleError
 from tests.equivalence import Case, check_equivalence
-from tests.plain_models import PlainLM
+from tests.plain_models import PlainLM, lowered_lm_step
 
 BATCH_AXES = ("data", "fsdp")
 SIZES = dict(vocab=256, d_model=64, heads=4, layers=8)
@@ -41,27 +41,8 @@ def _models(scan: bool, remat: bool, sizes=SIZES):
 
 
 def _lowered_step(model, check_vma: bool = True):
-    mesh = fsdp_tp.make_mesh({"data": 2, "fsdp": 4})
-    tx = optax.adamw(1e-3)
-
-    def init_fn(rng, x):
-        params = model.init(rng, x)["params"]
-        return fsdp_tp.TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=rng)
-
-    tokens = jnp.zeros((BATCH, SEQ), jnp.int32)
-    state, specs = fsdp_tp.init_sharded(
-        init_fn, mesh, (P(), P(BATCH_AXES)), jax.random.key(0), tokens, check_vma=check_vma
-    )
-
-    def step(state, batch):
-        def loss(params):
-            logits = model.apply({"params": params}, batch)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch).mean()
-
-        value, grads = jax.value_and_grad(loss)(state.params)
-        return fsdp_tp.sync_gradients(grads, BATCH_AXES), {"loss": jax.lax.pmean(value, BATCH_AXES)}
-
-    return fsdp_tp.shard_step(step, mesh, specs, P(BATCH_AXES), check_vma=check_vma).lower(state, tokens)
+    mesh, tokens = fsdp_tp.make_mesh({"data": 2, "fsdp": 4}), jnp.zeros((BATCH, SEQ), jnp.int32)
+    return lowered_lm_step(model, mesh, BATCH_AXES, tokens, check_vma)[0]
 
 
 def _temp_bytes(model) -> int:

@@ -29,7 +29,7 @@ from fsdp_tp.analysis import dot_flops, parse_collectives
 from fsdp_tp.errors import IndivisibleShapeError, RuleError
 from fsdp_tp.tp_rules import ColumnParallel, RowParallel, VocabParallel, attention_rules, mlp_rules
 from tests.equivalence import Case, check_equivalence
-from tests.plain_models import PlainLM
+from tests.plain_models import PlainLM, lowered_lm_step
 
 MEGATRON = [
     *attention_rules(),
@@ -134,28 +134,8 @@ SEQ, BATCH = 32, 16
 
 
 def _lowered_step(model, mesh_name: str, check_vma: bool = True):
-    mesh, axes = fsdp_tp.make_mesh(MESHES[mesh_name]), _batch(mesh_name)
-    tx = optax.adamw(1e-3)
-
-    def init_fn(rng, x):
-        params = model.init(rng, x)["params"]
-        return fsdp_tp.TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=rng)
-
-    tokens = jnp.zeros((BATCH, SEQ), jnp.int32)
-    state, specs = fsdp_tp.init_sharded(
-        init_fn, mesh, (P(), P(axes)), jax.random.key(0), tokens, check_vma=check_vma
-    )
-
-    def step(state, batch):
-        def loss(params):
-            return optax.softmax_cross_entropy_with_integer_labels(
-                model.apply({"params": params}, batch), batch
-            )
-
-        value, grads = jax.value_and_grad(lambda p: loss(p).mean())(state.params)
-        return fsdp_tp.sync_gradients(grads, axes), {"loss": jax.lax.pmean(value, axes)}
-
-    return fsdp_tp.shard_step(step, mesh, specs, P(axes), check_vma=check_vma).lower(state, tokens), state
+    mesh, tokens = fsdp_tp.make_mesh(MESHES[mesh_name]), jnp.zeros((BATCH, SEQ), jnp.int32)
+    return lowered_lm_step(model, mesh, _batch(mesh_name), tokens, check_vma)
 
 
 def _activation_collectives(collectives, local_batch: int) -> dict[str, int]:
@@ -257,32 +237,43 @@ def _plain(tp, rules=(), **sizes):
     return fsdp_tp.shard_by_rules(PlainLM, rules, batch_axes=("data",), tp_rules=tp)(**{**SMALL, **sizes})
 
 
-def test_a_rule_naming_a_block_names_its_children():
-    with pytest.raises(
-        RuleError, match=r"matches layer_0, a DecoderBlock \(its parameters: Dense_0, Dense_1, "
-    ):
-        _init(_plain([(r"layer_0$", ColumnParallel())]))
-
-
-def test_a_rule_naming_a_parameter_says_rules_name_modules():
-    with pytest.raises(
-        RuleError, match=r"matches no submodule; it matches parameters .*e.g. 'layer_0/Dense_0\$'"
-    ):
-        _init(_plain([(r"Dense_0/kernel$", ColumnParallel())]))
-
-
-def test_a_rule_matching_nothing_lists_the_submodules():
-    with pytest.raises(
-        RuleError, match=r"'Dens_0\$' -> ColumnParallel matches no submodule.*layer_0/Dense_0 \(Dense\)"
-    ):
-        _init(_plain([(r"Dens_0$", ColumnParallel())]))
-
-
-def test_heads_that_do_not_divide_are_named():
-    with pytest.raises(
-        IndivisibleShapeError, match=r"has num_heads 6, not divisible by mesh axis 'tensor' \(size 4\)"
-    ):
-        _init(_plain(attention_rules(), heads=6, d_model=24))
+@pytest.mark.parametrize(
+    "tp, sizes, error, match",
+    [
+        # a rule on a block, not a layer: its children are named
+        (
+            [(r"layer_0$", ColumnParallel())],
+            {},
+            RuleError,
+            r"matches layer_0, a DecoderBlock \(its parameters: Dense_0, Dense_1, ",
+        ),
+        # a rule on a parameter: rules name modules, and the module's pattern is given
+        (
+            [(r"Dense_0/kernel$", ColumnParallel())],
+            {},
+            RuleError,
+            r"matches no submodule; it matches parameters .*e.g. 'layer_0/Dense_0\$'",
+        ),
+        # a typo: the submodules the role can name are listed
+        (
+            [(r"Dens_0$", ColumnParallel())],
+            {},
+            RuleError,
+            r"'Dens_0\$' -> ColumnParallel matches no submodule.*layer_0/Dense_0 \(Dense\)",
+        ),
+        # heads the axis does not divide
+        (
+            attention_rules(),
+            dict(heads=6, d_model=24),
+            IndivisibleShapeError,
+            r"has num_heads 6, not divisible by mesh axis 'tensor' \(size 4\)",
+        ),
+    ],
+    ids=["block", "parameter", "nothing", "indivisible"],
+)
+def test_a_wrong_tp_rule_is_named_at_init(tp, sizes, error, match):
+    with pytest.raises(error, match=match):
+        _init(_plain(tp, **sizes))
 
 
 def test_a_row_layer_without_a_column_before_it_is_named():

@@ -77,7 +77,7 @@ def _copied(args: tuple, kwargs: dict, axis: str) -> tuple[tuple, dict]:
     return tuple(map(copy, args)), {k: copy(v) for k, v in kwargs.items()}
 
 
-def stored(module: nn.Module, name: str) -> jax.Array:
+def _stored(module: nn.Module, name: str) -> jax.Array:
     """Parameter ``name`` of ``module`` as the module reads it (gathered over FSDP's axes)."""
     return meta.unbox(module.get_variable("params", name))
 
@@ -120,11 +120,9 @@ class ColumnParallel(TPRole):
     """``nn.Dense`` / ``nn.DenseGeneral`` split on the (first) output feature dim.
 
     ``gather_output``: all-gather the features (a model's last layer, whose output the
-    loss reads whole); otherwise the next layer must be :class:`RowParallel`.
-    ``copy_input=False``: the input's gradient is left partial (the caller sums it)."""
+    loss reads whole); otherwise the next layer must be :class:`RowParallel`."""
 
     gather_output: bool = False
-    copy_input: bool = True
     kinds: ClassVar[tuple[type, ...]] = (nn.Dense, nn.DenseGeneral)
 
     def splits(self, module):
@@ -138,8 +136,7 @@ class ColumnParallel(TPRole):
         return {"features": _with_first(module.features, _first(module.features) // size)}
 
     def around(self, method, run, module, args, kwargs):
-        if self.copy_input:
-            args, kwargs = _copied(args, kwargs, self.axis)
+        args, kwargs = _copied(args, kwargs, self.axis)
         out = run(*args, **kwargs)
         return gather_from_axis(out, -_count(module.features), self.axis) if self.gather_output else out
 
@@ -167,7 +164,7 @@ class RowParallel(TPRole):
         out = reduce_from_axis(run(*args, **kwargs), self.axis)
         if not module.use_bias:
             return out
-        bias = stored(module, "bias")
+        bias = _stored(module, "bias")
         dtype = module.dtype or jnp.result_type(out, bias)  # nn.Dense promotes the bias with the product
         return out.astype(dtype) + bias.astype(dtype)
 
