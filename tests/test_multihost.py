@@ -62,8 +62,9 @@ def test_two_processes_train_like_one_and_write_one_checkpoint(tmp_path):
         for i in range(2)
     ]
     outputs = [p.communicate(timeout=600) for p in procs]
-    for p, (_, err) in zip(procs, outputs, strict=True):
+    for p, (out, err) in zip(procs, outputs, strict=True):
         assert p.returncode == 0, err[-3000:]
+        assert "Gloo" not in out and "peer ranks" not in out, out  # gloo's connection lines
     assert "on 8 cpu devices in 2 processes" in outputs[0][0] and "done: loss" in outputs[0][0]
     assert "done: loss" not in outputs[1][0] and not logs[1].exists()  # process 0 speaks for the run
 
@@ -82,3 +83,32 @@ def test_two_processes_train_like_one_and_write_one_checkpoint(tmp_path):
     assert m1 == m2
     for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params), strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=RTOL, atol=1e-7)
+
+
+# Writes to fd 1 as gloo's C++ does (below Python's sys.stdout), between Python's own lines.
+GLOO_LIKE = r"""
+import os, sys
+from fsdp_tp.cli.stdout_filter import drop_stdout_lines, restore_stdout
+if sys.argv[1] == "filtered":
+    drop_stdout_lines()
+print("step 1", flush=True)
+os.write(1, b"[Gloo] Rank 0 is connected to 1 peer ranks. [Gloo] Rank 1 is connected to 1 ")
+os.write(1, b"peer ranks. Expected number of connected peer ranks is : 1\n")
+os.write(1, b"Expected number of connected peer ranks is : 1\n")
+print("step 2", end="", flush=True)
+print(": 124,160 params")
+restore_stdout()
+os._exit(0)  # what console() does after a failed save: no exit handlers
+"""
+
+
+@pytest.mark.parametrize("mode", ["filtered", "negative_control_unfiltered"])
+def test_gloo_lines_are_left_out_of_stdout_and_nothing_else_is(mode):
+    done = subprocess.run([sys.executable, "-c", GLOO_LIKE, mode], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    gloo = [line for line in done.stdout.splitlines() if "peer ranks" in line]
+    assert [line for line in done.stdout.splitlines() if line not in gloo] == [
+        "step 1",
+        "step 2: 124,160 params",
+    ]
+    assert (gloo == []) == (mode == "filtered"), done.stdout

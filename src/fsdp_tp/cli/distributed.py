@@ -18,6 +18,8 @@ import time
 
 import jax
 
+from .stdout_filter import drop_stdout_lines
+
 __all__ = ["DistributedError", "join", "parse_address", "requested"]
 
 ENV = {
@@ -115,9 +117,10 @@ def join(
     every interface, and the service has no authentication): loopback stays loopback. The
     other processes wait up to ``timeout`` seconds for it, then raise ``DistributedError``.
     CPU devices talk over gloo (the default CPU collectives would reject a computation that
-    spans processes).
+    spans processes); the lines gloo prints on connecting are kept out of the output.
     """
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    drop_stdout_lines()
     if auto:
         jax.distributed.initialize(initialization_timeout=timeout)
         return

@@ -41,6 +41,7 @@ from .data import (
 from .distributed import DistributedError
 from .machine import check_mesh_fits, select_devices, uses_accelerator
 from .options import DEFAULT_MESH, DTYPES, parser
+from .stdout_filter import restore_stdout
 from .workdir import check_contents
 
 __all__ = ["console", "main"]
@@ -262,7 +263,7 @@ def console() -> None:
     code = main()
     stuck = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
     if code and stuck:
-        sys.stdout.flush()
+        restore_stdout()  # passes on what the gloo-line filter still holds; flushes stdout
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
