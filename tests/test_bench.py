@@ -82,8 +82,10 @@ def test_the_build_time_section_reports_both_builds_against_depth():
     page reports them; the times themselves are the benchmark's, not asserted here."""
     from fsdp_tp.bench.figures import build_seconds
 
-    build_times = {1: build_seconds(1), 2: build_seconds(2)}
-    assert all(t > 0 for pair in build_times.values() for t in pair)
+    build_times = {1: build_seconds(1, repeats=1), 2: build_seconds(2, repeats=2)}
+    assert all(t > 0 for times in build_times.values() for t in times)
+    library, plain, ratio = build_times[1]
+    assert ratio == library / plain  # one round: its own ratio
     text = markdown({}, {}, {}, {}, ["# Benchmarks"], [], build_times)
     rows = [line for line in text.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
     assert len(rows) == 2 and "÷ fsdp_tp at 1 layers" in text

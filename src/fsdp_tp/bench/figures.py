@@ -196,14 +196,24 @@ def compile_seconds(variant: Variant) -> float:
     return time.perf_counter() - began
 
 
-def build_seconds(layers: int) -> tuple[float, float]:
+def build_seconds(layers: int, repeats: int = 3) -> tuple[float, float, float]:
     """Seconds to build the unrolled GPT-style model of ``layers`` layers, from nothing to a
     compiled first step: fsdp_tp on data=1 x fsdp=4 x tensor=2 (sharded init from the twin,
-    specs, the step compiled), and plain flax on one device (init under jit, step compiled)."""
+    specs, the step compiled), and plain flax on one device (init under jit, step compiled).
+
+    Each of ``repeats`` rounds builds both, one after the other, so the two see the same load;
+    returns the median library time, the median plain flax time and the median of the rounds'
+    ratios. A shared CPU moves single builds a lot (two rounds back to back at 32 layers:
+    ratios 1.58 and 1.31), hence rounds and medians, as for step times.
+    """
     model = gpt(layers, scan_layers=False)
-    began = time.perf_counter()
-    build_variant(WORKLOADS["gpt"], STRATEGIES["fsdp_tp"], "fsdp_tp", model).lowered().compile()
-    library = time.perf_counter() - began
-    began = time.perf_counter()
-    plain_flax_build(WORKLOADS["gpt"], model)
-    return library, time.perf_counter() - began
+    library, plain = [], []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        build_variant(WORKLOADS["gpt"], STRATEGIES["fsdp_tp"], "fsdp_tp", model).lowered().compile()
+        library.append(time.perf_counter() - began)
+        began = time.perf_counter()
+        plain_flax_build(WORKLOADS["gpt"], model)
+        plain.append(time.perf_counter() - began)
+    ratios = [a / b for a, b in zip(library, plain, strict=True)]
+    return median(library), median(plain), median(ratios)

@@ -123,10 +123,10 @@ def run_benchmarks(
             print(f"compile: {layers} layers, scan={scan}: {compile_times[(layers, scan)]:.2f} s", file=out)
     build_times = {}
     for layers in build_depths:
-        build_times[layers] = build_seconds(layers)
+        build_times[layers] = build_seconds(layers, blocks)
         print(
             f"build: {layers} unrolled layers: {build_times[layers][0]:.2f} s (plain flax "
-            f"{build_times[layers][1]:.2f} s)",
+            f"{build_times[layers][1]:.2f} s, ratio {build_times[layers][2]:.2f}; medians of {blocks})",
             file=out,
         )
     out_dir.mkdir(parents=True, exist_ok=True)
