@@ -263,7 +263,7 @@ def console() -> None:
     code = main()
     stuck = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
     if code and stuck:
-        restore_stdout()  # passes on what the gloo-line filter still holds; flushes stdout
+        restore_stdout()  # flushes stdout, and passes on what the gloo-line filter holds
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)

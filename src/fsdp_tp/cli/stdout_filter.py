@@ -98,7 +98,6 @@ class _Pump:
         os.close(read)
 
     def close(self) -> None:
-        sys.stdout.flush()
         os.dup2(self.real, 1)  # closes the pipe's last write end: the copying thread sees its end
         self.thread.join(timeout=10)
 
@@ -117,9 +116,10 @@ def drop_stdout_lines(pieces: tuple[bytes, ...] = GLOO_PIECES) -> None:
 
 
 def restore_stdout() -> None:
-    """fd 1 is the real stdout again, after everything written before is passed on; call it
-    before ``os._exit``, which skips the exit handlers."""
+    """Flushes ``sys.stdout``; fd 1 is the real stdout again, after everything written before
+    is passed on. Call it before ``os._exit``, which skips the exit handlers and flushes nothing."""
     global _active
+    sys.stdout.flush()
     if _active is not None:
         _active.close()
         _active = None
