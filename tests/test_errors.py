@@ -153,9 +153,11 @@ def test_malformed_mesh_text(text):
 
 
 def test_simulating_devices_after_the_backend_started():
+    assert jax.device_count() == 8  # starts the backend, if no earlier test in this worker did
     fsdp_tp.simulate_cpu_devices(8)  # what the backend already has: nothing to do
     with pytest.raises(RuntimeError, match=r"already started with 8 cpu device\(s\).*XLA_FLAGS="):
         fsdp_tp.simulate_cpu_devices(4)
+    assert jax.device_count() == 8  # and the running backend is left as it was (jax 0.11 would not)
 
 
 def test_simulating_devices_in_a_fresh_process():

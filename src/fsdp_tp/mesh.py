@@ -124,17 +124,35 @@ def simulate_cpu_devices(n: int) -> None:
     """
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"simulate_cpu_devices: n must be a positive int, got {n!r}.")
+    if _backend_started():  # ask first: jax 0.11 would take the new count and start afresh
+        _keep_running_backend(n)
+        return
     try:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", n)
-    except RuntimeError as err:
-        current = jax.device_count()
-        if current == n and jax.default_backend() == "cpu":
-            return
-        raise RuntimeError(
-            f"simulate_cpu_devices({n}): the JAX backend already started with {current} "
-            f"{jax.default_backend()} device(s), and the count cannot change in a running process. "
-            f"Call simulate_cpu_devices right after `import jax`, before any array is created, "
-            f"or start Python with XLA_FLAGS=--xla_force_host_platform_device_count={n} "
-            f"JAX_PLATFORMS=cpu."
-        ) from err
+    except RuntimeError as err:  # jax 0.10's own refusal, where _backend_started cannot tell
+        _keep_running_backend(n, err)
+
+
+def _backend_started() -> bool:
+    """Whether a JAX backend runs in this process. jax has no public query for it: jax 0.10
+    refuses ``jax_num_cpu_devices`` once one runs, but jax 0.11 accepts it and later calls
+    see a second backend of the new count, beside the arrays on the first one."""
+    from jax._src import xla_bridge  # private: its one query; absent, the refusal above decides
+
+    started = getattr(xla_bridge, "backends_are_initialized", None)
+    return bool(started is not None and started())
+
+
+def _keep_running_backend(n: int, cause: Exception | None = None) -> None:
+    """Nothing to do if the running backend has ``n`` CPU devices; otherwise the error."""
+    current = jax.device_count()
+    if current == n and jax.default_backend() == "cpu":
+        return
+    raise RuntimeError(
+        f"simulate_cpu_devices({n}): the JAX backend already started with {current} "
+        f"{jax.default_backend()} device(s), and the count cannot change in a running process. "
+        f"Call simulate_cpu_devices right after `import jax`, before any array is created, "
+        f"or start Python with XLA_FLAGS=--xla_force_host_platform_device_count={n} "
+        f"JAX_PLATFORMS=cpu."
+    ) from cause
