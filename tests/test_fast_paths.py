@@ -213,7 +213,8 @@ def test_plan_of_a_realistic_preset_shows_each_remat_policy():
 def test_the_accelerator_benchmark_runs_its_command(tmp_path, capsys):
     """The GPU page's command, at the tiny preset on one CPU device: every column filled,
     MFU left out (no peak for a CPU), and the command that regenerates it printed on the page."""
-    argv = ["bench", "--accelerator", "--presets", "tiny:8", "--vocab-size", "256", "--blocks", "3"]
+    argv = ["bench", "--accelerator", "--presets", "tiny:8", "--vocab-size", "256", "--remat", "none"]
+    argv += ["--blocks", "3"]
     out = io.StringIO()
     assert main([*argv, "--steps", "1", "--out", str(tmp_path)], out=out) == 0, out.getvalue()
     page = (tmp_path / "benchmarks_accelerator.md").read_text()
@@ -226,5 +227,6 @@ def test_the_accelerator_benchmark_runs_its_command(tmp_path, capsys):
     row = next(line for line in page.splitlines() if line.startswith("| tiny"))
     assert row.startswith(f"| tiny ({params / 1e6:,.0f}M params) | 8 x 64 | ") and "| — |" in row
     assert f"fsdp-tp {' '.join(argv[:-2])}" in page
+    assert "remat none, scan_layers False;" in page  # the layers unrolled unless --scan-layers
     assert main(["bench", "--accelerator", "--presets", "huge:8"], out=out) == 2
     assert "--presets item 'huge:8': write PRESET:BATCH" in capsys.readouterr().err

@@ -164,15 +164,20 @@ class Timed(Protocol):
     batch: Any
 
 
-def step_seconds(variants: Sequence[Timed], blocks: int = 3, steps: int = 5) -> dict[str, list[float]]:
-    """Seconds per step of each variant in ``blocks`` interleaved blocks (after a warm-up step).
+def step_seconds(
+    variants: Sequence[Timed], blocks: int = 3, steps: int = 5, copy: bool = True
+) -> dict[str, list[float]]:
+    """Seconds per step of each variant in ``blocks`` interleaved blocks (after two warm-up steps).
 
     Interleaving spreads the machine's noise over all variants alike; compare the
     medians as ratios, and read the spread of the blocks as the noise.
     """
-    states = {v.label: jax.tree.map(lambda a: a.copy(), v.state) for v in variants}
-    for v in variants:  # compile and warm up
-        states[v.label], loss = v.step(states[v.label], v.batch)
+    # A donating step consumes its state: time on copies, unless the caller gives its states
+    # up (``copy=False``: a device that holds one model's state twice over may not hold it four times).
+    states = {v.label: jax.tree.map(lambda a: a.copy(), v.state) if copy else v.state for v in variants}
+    for v in variants:  # compile and warm up: twice, as the first step's output state may be
+        for _ in range(2):  # laid out otherwise than the initial one and compile the step again
+            states[v.label], loss = v.step(states[v.label], v.batch)
         jax.block_until_ready(loss)
     times: dict[str, list[float]] = {v.label: [] for v in variants}
     for _ in range(blocks):

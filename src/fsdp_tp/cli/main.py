@@ -151,7 +151,11 @@ def _accelerator_bench(args, argv: list[str], out) -> int:
         print(f"fsdp-tp: error: {err}", file=sys.stderr)
         return 2
     overrides = dict(
-        vocab_size=args.vocab_size, dtype=DTYPES[args.dtype], attention=args.attention, remat=args.remat
+        vocab_size=args.vocab_size,
+        dtype=DTYPES[args.dtype],
+        attention=args.attention,
+        remat=args.remat,
+        scan_layers=args.scan_layers,
     )
     text = accelerator_section(presets, overrides, args.blocks, args.steps, argv, out)
     print(f"wrote {write_accelerator_page(text, Path(args.out))}", file=out)

@@ -198,6 +198,13 @@ def _bench_flags(bench: argparse.ArgumentParser) -> None:
     acc.add_argument("--vocab-size", type=int, default=32768, help="the presets' vocabulary")
     acc.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="compute dtype")
     _compute_flags(acc, remat_default="dots")
+    acc.add_argument(
+        "--scan-layers",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="nn.scan over the layers (one compiled block, a faster compile); unrolled by default, "
+        "as docs/benchmarks_accelerator.md was measured",
+    )
 
 
 def parser(description: str) -> argparse.ArgumentParser:
