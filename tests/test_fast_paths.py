@@ -102,7 +102,8 @@ def test_flops_per_token_counts_every_weight_but_the_embedding(name):
 
 
 def test_the_fastest_remat_that_fits_is_chosen(monkeypatch):
-    args = ["train", "--remat", "auto", "--batch", "16"]
+    # Long enough sequences that activations, not the weights' temporaries, set the order.
+    args = ["train", "--remat", "auto", "--batch", "32", "--seq-len", "128"]
     settings = _settings(parser("").parse_args(args), {"data": 2, "fsdp": 2, "tensor": 2})
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     needed = {

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -76,3 +78,44 @@ def test_plan_of_a_64_by_8_mesh_runs_without_512_devices():
     text = str(plan)
     assert text.startswith("mesh fsdp=64 x tensor=8 (512 devices)")
     assert "blocks/mlp/wi/kernel" in text and "P(None, 'fsdp', 'tensor')" in text
+
+
+def _plan_and_step_temp(remat: str) -> tuple[int, int, int]:
+    """For ``fsdp-tp train``'s tiny model on 2 x 2 x 2 with sequence parallelism: the plan's
+    activations, its gradient bytes (the parameters') and the compiled step's temporaries."""
+    from fsdp_tp.cli.config import preset
+    from fsdp_tp.cli.fit import plan_of
+    from fsdp_tp.cli.trainer import BATCH as WINDOWS
+    from fsdp_tp.cli.trainer import Settings, step_fn
+    from fsdp_tp.train import shard_step, state_init_fn
+
+    layout = Layout("tensor", "fsdp", sequence_parallel=True, min_weight_size=2**10)
+    settings = Settings(
+        model=dataclasses.replace(preset("tiny"), remat=remat), steps=1, batch=16, microbatches=1,
+        lr=1e-3, warmup=1, seed=0, layout=layout, check_vma=True,
+    )  # fmt: skip
+    mesh = fsdp_tp.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    plan = plan_of(settings, mesh)
+    model, seq_len = settings.model.model(layout), settings.model.seq_len
+    ids = jnp.zeros((settings.batch, seq_len), jnp.int32)
+    state, specs = fsdp_tp.init_sharded(
+        state_init_fn(model, settings.optimizer()), mesh, (P(), WINDOWS), jax.random.key(0), ids
+    )
+    windows = jax.ShapeDtypeStruct(
+        (settings.batch, seq_len + 1), jnp.int32, sharding=jax.sharding.NamedSharding(mesh, WINDOWS)
+    )
+    step = jax.jit(shard_step(step_fn(settings), mesh, specs, WINDOWS))
+    temp = step.lower(state, windows).compile().memory_analysis().temp_size_in_bytes
+    return plan.activation_bytes, plan.param_bytes, temp
+
+
+def test_plan_activations_are_within_10_percent_of_the_compiled_step_for_every_remat_policy():
+    """Issue 15 point 7: the plan (the per-device step compiled on one device, collectives as
+    stand-ins) plus the gradients is within 10 % of the real step's temporaries."""
+    figures = {remat: _plan_and_step_temp(remat) for remat in ("none", "dots", "full")}
+    ratio = {remat: (act + grads) / temp for remat, (act, grads, temp) in figures.items()}
+    assert all(0.9 <= r <= 1.1 for r in ratio.values()), (ratio, figures)
+    # Negative control: the figure tells the policies apart; one policy's plan is far from
+    # another's step (none keeps every block's activations, full one input per block).
+    (none_act, grads, none_temp), (full_act, _, full_temp) = figures["none"], figures["full"]
+    assert (full_act + grads) / none_temp < 0.9 and (none_act + grads) / full_temp > 1.1, figures

@@ -3,6 +3,8 @@
 Nothing is allocated and nothing runs: the init is traced per device under
 ``jax.shard_map`` with ``jax.eval_shape``, so the mesh may be an
 ``AbstractMesh`` far larger than the machine (64 x 8 devices planned on a laptop).
+Given a loss, one device's step is also compiled, not run, for one local device
+(:mod:`fsdp_tp._step_memory`), for the memory its activations and temporaries take.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from ._axes import entry_axes
+from ._step_memory import temp_bytes
 from ._trace import trace_per_device
 from ._types import Specs
 from .rules import path_of
@@ -40,7 +43,10 @@ class Plan:
     param_bytes: int  # per device
     optimizer_bytes: int  # per device
     other_bytes: int  # per device: step counter, rng, ...
-    activation_bytes: int | None = None  # per device, saved for the backward pass (None: not estimated)
+    # Per device: what one step's forward and backward hold beyond the state and the gradients
+    # (the activations kept for the backward pass, recomputation, XLA's temporaries); None
+    # without a loss_fn.
+    activation_bytes: int | None = None
     replicated: tuple[PlanRow, ...] = field(default=())
 
     @property
@@ -68,7 +74,7 @@ class Plan:
             "",
             f"per device: params {self.param_bytes:,} B, optimizer state {self.optimizer_bytes:,} B, "
             f"other {self.other_bytes:,} B, total {self.total_bytes:,} B",
-            f"activations saved for the backward pass, per device: {act}",
+            f"activations and temporaries of one step, per device: {act}",
         ]
         if self.replicated:
             out.append(f"replicated on every device ({len(self.replicated)}):")
@@ -115,8 +121,10 @@ def make_plan(
     ``init_fn(*args)`` builds the state per device, as for
     :func:`~fsdp_tp.init_sharded`; a state with ``.params`` and ``.opt_state``
     (a :class:`~fsdp_tp.TrainState`) is split into parameters and optimizer
-    state. With ``loss_fn(params, batch)`` (per device) the activations that
-    the backward pass keeps are estimated from ``jax.vjp``'s residuals.
+    state. With ``loss_fn(params, batch)`` (a per-device scalar loss), one device's forward
+    and backward are compiled for one local device, each collective replaced by a stand-in
+    of its shapes (:mod:`fsdp_tp._step_memory`): ``activation_bytes`` is XLA's own figure for
+    what the step holds beyond the state and the gradients, on a mesh of any size.
     ``args`` and ``batch`` may be ``jax.ShapeDtypeStruct``s of global shape.
 
     >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -136,21 +144,23 @@ def make_plan(
         )
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"make_plan: loss_fn must be a function (params, batch) -> loss; got {loss_fn!r}.")
+    step: dict = {}
     if loss_fn is None:
         traced = trace_per_device(init_fn, mesh, in_specs, args, check_vma=check_vma)
-        local, specs, residuals = traced.local, traced.specs, None
     else:
-        # One trace: the state, and what jax.vjp keeps of one device's loss for the backward pass.
-        def with_residuals(inner_args, inner_batch):
+        loss: Callable = loss_fn
+
+        def with_step(inner_args, inner_batch):
+            # One trace: the state, and one device's forward and backward on it.
             state = init_fn(*inner_args)
             params = state.params if hasattr(state, "params") else state
-            _, vjp = jax.vjp(lambda p: loss_fn(p, inner_batch), params)
-            return state, jax.tree.leaves(vjp)
+            step["jaxpr"] = jax.make_jaxpr(jax.value_and_grad(loss))(params, inner_batch)
+            return state
 
         traced = trace_per_device(
-            with_residuals, mesh, (in_specs, batch_specs), (args, batch), check_vma=check_vma
+            with_step, mesh, (in_specs, batch_specs), (args, batch), check_vma=check_vma
         )
-        (local, residuals), (specs, _) = traced.local, traced.specs
+    local, specs = traced.local, traced.specs
     mesh_sizes = dict(mesh.shape)
     params, opt = (local.params, local.opt_state) if hasattr(local, "opt_state") else (local, None)
     pspecs, ospecs = (specs.params, specs.opt_state) if hasattr(specs, "opt_state") else (specs, None)
@@ -172,7 +182,7 @@ def make_plan(
     param_bytes = sum(r.bytes_per_device for r in rows)
     optimizer_bytes = sum(_nbytes(s) for _, s, _ in _leaves(opt, ospecs)) if opt is not None else 0
     total = sum(_nbytes(s) for _, s, _ in _leaves(local, specs))
-    activations = None if residuals is None else sum(_nbytes(r) for r in residuals)
+    activations = temp_bytes(step["jaxpr"]) if step else None
     return Plan(
         mesh=mesh_sizes,
         rows=tuple(rows),

@@ -1,9 +1,9 @@
 """Whether a run fits a device: its plan (state, gradients, activations), the memory a device
 has, and the fastest remat policy that fits.
 
-The plan is one abstract trace of the init and of one device's forward pass (``jax.vjp``'s
-residuals are what the backward pass keeps), so it holds on meshes of any size; remat
-changes the residuals, so each policy has its own activation figure.
+The plan is one abstract trace of the init and of one device's step, that step compiled for
+one local device with its collectives as stand-ins (``make_plan``), so it holds on meshes
+of any size; remat changes what the step holds, so each policy has its own activation figure.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from .trainer import BATCH, Settings, window_loss
 __all__ = ["HEADROOM", "check_fits", "choose_remat", "memory_per_device", "mib", "plan_of", "print_plan"]
 
 # --remat auto keeps this fraction of a device's memory for what the plan does not count:
-# XLA's temporaries (the logits and their gradient, fusion buffers) and the allocator's slack.
+# the optimizer update's temporaries, the compiler's differences between the stand-in
+# program and the real one, and the allocator's slack.
 HEADROOM = 0.25
 # Fastest first: recomputing nothing, then only what is not a weight matmul, then everything.
 _FASTEST_FIRST = ("none", "dots", "full")
@@ -98,7 +99,7 @@ def memory_per_device() -> tuple[int, str] | None:
 
 
 def needed_bytes(plan: Plan) -> int:
-    """State, gradients (the parameters' size) and saved activations, per device."""
+    """State, gradients (the parameters' size), activations and temporaries, per device."""
     return plan.total_bytes + plan.param_bytes + (plan.activation_bytes or 0)
 
 
