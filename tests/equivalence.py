@@ -142,19 +142,14 @@ def _run_sharded(case: Case, state, specs, sync: Callable, data, naive: bool = F
     return state
 
 
-def _sharded_steps(case: Case, tx, sync: Callable, data):
-    """Params after a step per batch, from a train state built by ``init_sharded``."""
-
-    # A fresh state per run: donated state is never reused (DESIGN.md, CPU segfaults).
-    state, specs = fsdp_tp.init_sharded(
-        fsdp_tp.state_init_fn(case.model, tx),
-        case.mesh,
-        (P(), P(case.batch_axes)),
-        jax.random.key(case.seed),
-        data[0][0],
-        check_vma=case.check_vma,
-    )
-    return nn.unbox(_run_sharded(case, state, specs, sync, data).params)
+def train_state(case: Case, tx, params, rng):
+    """A train state for ``tx`` on the sharded ``params`` and its specs: ``TrainState.create``
+    under ``jax.jit`` on global arrays, into the specs' shardings, as ``init_sharded`` builds
+    an optimizer state. Compiling it into the shardings lets the step compile once (an eager
+    state's Python step counter and uncommitted arrays would compile it a second time)."""
+    create = lambda p: fsdp_tp.TrainState.create(apply_fn=case.model.apply, params=p, tx=tx, rng=rng)
+    specs = specs_of(jax.eval_shape(create, params), case.mesh)
+    return jax.jit(create, out_shardings=named_shardings(specs, case.mesh))(params), specs
 
 
 def optimizer_mismatches(
@@ -185,14 +180,7 @@ def optimizer_mismatches(
     mismatches = {}
     for name, make in optimizers.items():
         tx = make()
-        # Jitted into the specs' shardings, as init_sharded builds it: the step then
-        # compiles once (an eager state's Python step counter and uncommitted arrays
-        # would compile it a second time, for the state the first step returns).
-        create = lambda p, tx=tx: fsdp_tp.TrainState.create(
-            apply_fn=case.model.apply, params=p, tx=tx, rng=rng
-        )
-        specs = specs_of(jax.eval_shape(create, params), case.mesh)
-        state = jax.jit(create, out_shardings=named_shardings(specs, case.mesh))(params)
+        state, specs = train_state(case, tx, params, rng)
         state = _run_sharded(case, state, specs, fsdp_tp.sync_gradients, data, naive, donate=False)
         if name not in references:
             references[name] = _reference_steps(case, tx, reference_params(), data)
@@ -238,18 +226,25 @@ def check_equivalence(case: Case, sync: Callable = fsdp_tp.sync_gradients, steps
         )
     )
     out, loss, grads = sharded_fb(boxed, x, y)
-    ref_loss, ref_grads = jax.jit(
-        jax.value_and_grad(lambda p: case.reference_loss(case.reference, case.twin_reads(p), x, y))
-    )(ref_params)
-    ref_out = jax.jit(case.reference.apply)({"params": case.twin_reads(ref_params)}, x)
+
+    @jax.jit  # the twin's output, loss and gradients: one program, like the sharded side
+    def twin_forward_backward(params, x, y):
+        loss, grads = jax.value_and_grad(
+            lambda p: case.reference_loss(case.reference, case.twin_reads(p), x, y)
+        )(params)
+        return case.reference.apply({"params": case.twin_reads(params)}, x), loss, grads
+
+    ref_out, ref_loss, ref_grads = twin_forward_backward(ref_params, x, y)
     assert_trees_close(out, ref_out, "output")
     assert_trees_close(loss, ref_loss, "loss")
     assert_trees_close(nn.unbox(grads), ref_grads, "grads")
 
-    # Invariant 5: parameters after k steps of SGD and of AdamW.
+    # Invariant 5: parameters after k steps of SGD and of AdamW, each from a train state built
+    # on the sharded init above (the state's own init path is tested in test_state_specs).
     for name, tx in (("sgd", optax.sgd(0.1)), ("adamw", optax.adamw(1e-2, eps=ADAM_EPS, weight_decay=1e-2))):
+        state, state_specs = train_state(case, tx, boxed, rng)
         assert_trees_close(
-            _sharded_steps(case, tx, sync, data),
+            nn.unbox(_run_sharded(case, state, state_specs, sync, data).params),
             _reference_steps(case, tx, ref_params, data)[0],
             f"{name} params after {steps} steps",
         )
