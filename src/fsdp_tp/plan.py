@@ -45,7 +45,7 @@ class Plan:
     other_bytes: int  # per device: step counter, rng, ...
     # Per device: what one step's forward and backward hold beyond the state and the gradients
     # (the activations kept for the backward pass, recomputation, XLA's temporaries); None
-    # without a loss_fn.
+    # without a loss_fn, or where the backend reports no memory analysis.
     activation_bytes: int | None = None
     replicated: tuple[PlanRow, ...] = field(default=())
 
