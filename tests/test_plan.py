@@ -13,7 +13,12 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 from fsdp_tp.analysis import state_bytes_per_device
+from fsdp_tp.cli.config import preset
+from fsdp_tp.cli.fit import plan_of
+from fsdp_tp.cli.trainer import BATCH as WINDOWS
+from fsdp_tp.cli.trainer import Settings, step_fn
 from fsdp_tp.models import Layout, Transformer
+from fsdp_tp.train import shard_step, state_init_fn
 
 pytestmark = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")
 CONFIG = dict(
@@ -83,12 +88,6 @@ def test_plan_of_a_64_by_8_mesh_runs_without_512_devices():
 def _plan_and_step_temp(remat: str) -> tuple[int, int, int]:
     """For ``fsdp-tp train``'s tiny model on 2 x 2 x 2 with sequence parallelism: the plan's
     activations, its gradient bytes (the parameters') and the compiled step's temporaries."""
-    from fsdp_tp.cli.config import preset
-    from fsdp_tp.cli.fit import plan_of
-    from fsdp_tp.cli.trainer import BATCH as WINDOWS
-    from fsdp_tp.cli.trainer import Settings, step_fn
-    from fsdp_tp.train import shard_step, state_init_fn
-
     layout = Layout("tensor", "fsdp", sequence_parallel=True, min_weight_size=2**10)
     settings = Settings(
         model=dataclasses.replace(preset("tiny"), remat=remat), steps=1, batch=16, microbatches=1,

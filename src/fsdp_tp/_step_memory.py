@@ -92,8 +92,7 @@ def _evaluate(jaxpr: core.Jaxpr, consts, args) -> list:
         if _is_collective(eqn):
             out = _stand_in(eqn, operands)
         elif eqn.primitive.name in _CALLS:
-            body = eqn.params.get("jaxpr") or eqn.params["call_jaxpr"]
-            body = body if isinstance(body, core.ClosedJaxpr) else core.ClosedJaxpr(body, ())
+            body = _closed(eqn.params.get("jaxpr") or eqn.params["call_jaxpr"])
             out = _evaluate(body.jaxpr, body.consts, operands)
             out = out if eqn.primitive.multiple_results else out[0]
         else:
@@ -107,21 +106,25 @@ def _evaluate(jaxpr: core.Jaxpr, consts, args) -> list:
     return [read(v) for v in jaxpr.outvars]
 
 
+def _closed(jaxpr) -> core.ClosedJaxpr:
+    # Remat's and a call's body may be an open Jaxpr (no constants); loops' are closed.
+    return jaxpr if isinstance(jaxpr, core.ClosedJaxpr) else core.ClosedJaxpr(jaxpr, ())
+
+
 def _rewritten(param, eqn) -> Any:
-    """A loop's, a branch's or remat's body with stand-ins, untyped by check_vma; any other
-    parameter as it was."""
+    """A loop's, a branch's or remat's body with stand-ins, untyped by check_vma (closed or
+    open, as it was given); any other parameter as it was."""
     if isinstance(param, tuple) and param and all(isinstance(p, core.ClosedJaxpr) for p in param):
         return tuple(_rewritten(p, eqn) for p in param)
+    if not isinstance(param, (core.Jaxpr, core.ClosedJaxpr)):
+        return param
+    body = _closed(param)
+    new = jax.make_jaxpr(lambda *a: _evaluate(body.jaxpr, body.consts, a))(*map(_struct, body.jaxpr.invars))
     if isinstance(param, core.ClosedJaxpr):
-        return jax.make_jaxpr(lambda *a: _evaluate(param.jaxpr, param.consts, a))(
-            *[_struct(v) for v in param.jaxpr.invars]
+        return new
+    if new.consts:  # an open body must stay open: its primitive has no place for constants
+        raise NotImplementedError(
+            f"fsdp_tp.plan: the body of a {eqn.primitive.name} got {len(new.consts)} constant(s) "
+            "when its collectives were replaced; please report this model."
         )
-    if isinstance(param, core.Jaxpr):
-        closed = jax.make_jaxpr(lambda *a: _evaluate(param, (), a))(*[_struct(v) for v in param.invars])
-        if closed.consts:
-            raise NotImplementedError(
-                f"fsdp_tp.plan: the body of a {eqn.primitive.name} got {len(closed.consts)} constant(s) "
-                "when its collectives were replaced; please report this model."
-            )
-        return closed.jaxpr
-    return param
+    return new.jaxpr

@@ -85,12 +85,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
         default=True,
         help="split activations between TP blocks over the tensor axis",
     )
-    p.add_argument(
-        "--scan-layers",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="nn.scan over the layers (one compiled block); --no-scan-layers unrolls them",
-    )
+    _scan_layers_flag(p, default=True, why="--no-scan-layers unrolls them")
     p.add_argument(
         "--async-tp",
         choices=["off", "unidirectional", "bidirectional"],
@@ -198,12 +193,19 @@ def _bench_flags(bench: argparse.ArgumentParser) -> None:
     acc.add_argument("--vocab-size", type=int, default=32768, help="the presets' vocabulary")
     acc.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="compute dtype")
     _compute_flags(acc, remat_default="dots")
-    acc.add_argument(
+    _scan_layers_flag(
+        acc, default=False, why="unrolled by default, as docs/benchmarks_accelerator.md was measured"
+    )
+
+
+def _scan_layers_flag(p, default: bool, why: str) -> None:
+    """``--scan-layers/--no-scan-layers``: the one flag, whose default differs by command
+    (train and plan scan; the accelerator bench unrolls, as its page was measured)."""
+    p.add_argument(
         "--scan-layers",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="nn.scan over the layers (one compiled block, a faster compile); unrolled by default, "
-        "as docs/benchmarks_accelerator.md was measured",
+        default=default,
+        help=f"nn.scan over the layers (one compiled block, a faster compile); {why}",
     )
 
 
