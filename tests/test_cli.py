@@ -162,9 +162,10 @@ def test_console_script_runs_in_a_fresh_process():
 
 
 def test_a_reader_that_stops_reading_is_not_an_error():
-    """`fsdp-tp plan | head` must not end in a BrokenPipeError traceback (`true` reads nothing)."""
+    """`fsdp-tp plan | head` must not end in a BrokenPipeError traceback (`true` reads nothing
+    and has left before the plan's first line, so any preset's output meets a closed pipe)."""
     done = subprocess.run(
-        ["bash", "-o", "pipefail", "-c", f"{shutil.which('fsdp-tp')} plan --preset base | true"],
+        ["bash", "-o", "pipefail", "-c", f"{shutil.which('fsdp-tp')} plan --remat none | true"],
         capture_output=True,
         text=True,
         timeout=300,
