@@ -6,7 +6,6 @@ import io
 import json
 import shutil
 import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -149,16 +148,6 @@ def test_unknown_preset_exits_2(capsys):
     with pytest.raises(SystemExit) as exit_info:
         run("train", "--preset", "huge")
     assert exit_info.value.code == 2 and "invalid choice: 'huge'" in capsys.readouterr().err
-
-
-def test_console_script_runs_in_a_fresh_process():
-    """What a newcomer types (shortened): its own process, its own 8 simulated devices."""
-    command = shutil.which("fsdp-tp") or sys.executable
-    argv = [command] if command != sys.executable else [command, "-m", "fsdp_tp"]
-    done = subprocess.run([*argv, "train", *SHORT], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "done: loss" in done.stdout
-    assert jax.device_count() == 8  # this process untouched
 
 
 def test_a_reader_that_stops_reading_is_not_an_error():

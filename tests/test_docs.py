@@ -45,7 +45,8 @@ def test_python_blocks_run(page, monkeypatch):
         exec(compile(source, f"{page.name} block {i + 1}", "exec"), module.__dict__)
 
 
-def run_bash(source: str, where: Path, label: str) -> None:
+def run_bash(source: str, where: Path, label: str) -> str:
+    """Runs ``source`` as the reader would, in ``where``; its standard output."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     (where / "examples").symlink_to(ROOT / "examples")  # paths as a reader in the repository types them
     done = subprocess.run(
@@ -57,13 +58,23 @@ def run_bash(source: str, where: Path, label: str) -> None:
         timeout=600,
     )
     assert done.returncode == 0, f"{label}:\n{source}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if blocks(p, "bash")], ids=lambda p: p.name)
-def test_bash_blocks_run(page, tmp_path):
-    for i, source in enumerate(blocks(page, "bash")):
-        (tmp_path / str(i)).mkdir()
-        run_bash(source, tmp_path / str(i), page.name)
+def bash_blocks() -> dict[str, list[str]]:
+    """Each distinct ``bash`` block of the docs, and where it is (``page:n``, its n-th block).
+    A block two pages show alike (the README repeats a tutorial's) runs once: the same
+    commands, the same check."""
+    where: dict[str, list[str]] = {}
+    for page in PAGES:
+        for i, source in enumerate(blocks(page, "bash")):
+            where.setdefault(source, []).append(f"{page.name}:{i + 1}")
+    return where
+
+
+@pytest.mark.parametrize("source", [pytest.param(s, id="+".join(w)) for s, w in bash_blocks().items()])
+def test_bash_blocks_run(source, request, tmp_path):
+    run_bash(source, tmp_path, request.node.callspec.id)
 
 
 def test_the_readme_main_job_runs_as_written(tmp_path):
@@ -72,7 +83,9 @@ def test_the_readme_main_job_runs_as_written(tmp_path):
     command = re.search(r"\*\*Run the main job\*\*.*?\n\n    ([^\n]+)\n", readme, re.S).group(1)
     setup = "python3 -m venv .venv && . .venv/bin/activate && pip install -e . && "
     assert command.startswith(setup), command
-    run_bash(command.removeprefix(setup), tmp_path, "README main job")
+    out = run_bash(command.removeprefix(setup), tmp_path, "README main job")
+    # The console script in a fresh process, with its own 8 simulated devices, to the end.
+    assert "mesh data=2 x fsdp=2 x tensor=2 on 8 cpu devices" in out and "done: loss" in out, out[-2000:]
 
 
 def test_every_public_name_is_in_the_api_reference_with_an_example():
