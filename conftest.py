@@ -35,6 +35,27 @@ def pytest_sessionfinish(session):
         shutil.rmtree(_compilation_cache(), ignore_errors=True)
 
 
+# Modules whose tests share a module-scoped fixture that takes a minute to build (the bench's
+# compiled figures, an 8-step run's checkpoints). Under xdist each of these modules is one unit
+# of work, so the fixture is built once per run, not once on every worker that gets one of its
+# tests; every other test is its own unit, as under --dist load. (xdist's --dist loadgroup
+# would do this by rewriting node ids, which pytest 9.2 no longer honours:
+# pytest-dev/pytest-xdist#1386.)
+SHARED_FIXTURE_MODULES = ("tests/test_bench.py", "tests/test_faults.py")
+assert all((Path(__file__).parent / m).is_file() for m in SHARED_FIXTURE_MODULES), "a renamed module"
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedFixtureModules(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module in SHARED_FIXTURE_MODULES else nodeid
+
+    return SharedFixtureModules(config, log)
+
+
 _common = dict(
     derandomize=True,
     deadline=None,
