@@ -10,6 +10,7 @@ model with every layer wrapped by hand, the edit a user of the per-layer API wou
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -27,14 +28,16 @@ def _same(cls):
 class DecoderBlock(nn.Module):
     d_model: int
     heads: int
+    param_dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, x):
         mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
-        h = nn.LayerNorm()(x)
-        x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads)(h, mask=mask)
-        h = nn.Dense(4 * self.d_model)(nn.LayerNorm()(x))
-        return x + nn.Dense(self.d_model)(nn.gelu(h))
+        at = dict(param_dtype=self.param_dtype)
+        h = nn.LayerNorm(**at)(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads, **at)(h, mask=mask)
+        h = nn.Dense(4 * self.d_model, **at)(nn.LayerNorm(**at)(x))
+        return x + nn.Dense(self.d_model, **at)(nn.gelu(h))
 
 
 class ScannedBlock(nn.Module):
@@ -42,15 +45,18 @@ class ScannedBlock(nn.Module):
 
     d_model: int
     heads: int
+    param_dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, x, _):
-        return DecoderBlock(self.d_model, self.heads)(x), None
+        return DecoderBlock(self.d_model, self.heads, self.param_dtype)(x), None
 
 
 class PlainLM(nn.Module):
     """A decoder-only LM: embed, ``layers`` blocks (a Python loop, or ``nn.scan`` over
-    ``nn.remat`` as memory-minded examples write it), a final norm and the logits."""
+    ``nn.remat`` as memory-minded examples write it), a final norm and the logits.
+    ``param_dtype``: every layer's (float64 computes the same model with rounding far below
+    the tests' tolerances, under ``jax.enable_x64``)."""
 
     vocab: int
     d_model: int
@@ -59,10 +65,12 @@ class PlainLM(nn.Module):
     scan: bool = False
     remat: bool = False
     wrap: Callable = _same
+    param_dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, tokens):
-        x = self.wrap(nn.Embed)(self.vocab, self.d_model)(tokens)
+        at = dict(param_dtype=self.param_dtype)
+        x = self.wrap(nn.Embed)(self.vocab, self.d_model, **at)(tokens)
         if self.scan:
             block = nn.remat(self.wrap(ScannedBlock)) if self.remat else self.wrap(ScannedBlock)
             stack = nn.scan(
@@ -72,13 +80,13 @@ class PlainLM(nn.Module):
                 length=self.layers,
                 metadata_params={nn.PARTITION_NAME: None},
             )
-            x, _ = stack(self.d_model, self.heads, name="layers")(x, None)
+            x, _ = stack(self.d_model, self.heads, self.param_dtype, name="layers")(x, None)
         else:
             block = nn.remat(self.wrap(DecoderBlock)) if self.remat else self.wrap(DecoderBlock)
             for i in range(self.layers):
-                x = block(self.d_model, self.heads, name=f"layer_{i}")(x)
-        x = self.wrap(nn.LayerNorm)(name="norm")(x)
-        return self.wrap(nn.Dense)(self.vocab, name="logits")(x)
+                x = block(self.d_model, self.heads, self.param_dtype, name=f"layer_{i}")(x)
+        x = self.wrap(nn.LayerNorm)(name="norm", **at)(x)
+        return self.wrap(nn.Dense)(self.vocab, name="logits", **at)(x)
 
 
 class ResidualUnit(nn.Module):

@@ -81,12 +81,22 @@ def _next_token_loss(model, params, tokens, targets):
 
 
 SMALL = dict(vocab=32, d_model=16, heads=4, layers=2)
+# The equivalence cases compute in float64 (under jax.enable_x64): they check the algebra of
+# the rules, and in float32 this LM's outputs (up to 3.2) sit at the tolerance's own floor.
+# Measured on an AVX-512 CPU (jax 0.10.2 and 0.11.2 alike), data 2 x fsdp 2 x tensor 2 in
+# nn.scan: the twin is 1.1e-6 from the float64 result, the sharded run 2.2e-6 (its tensor
+# sums add in another order), and one logit of 0.0617, a sum of O(1) terms, is 2.0e-6 from
+# the twin's where rtol 1e-5 + atol 1e-6 allow 1.6e-6 (0.65-1.22 of the bound across the
+# four cases). In float64 rounding is ~1e-15, so the unchanged tolerances see only a
+# wrong collective, bias or split. The same rules in float32: bring_your_own_model.md (losses
+# and parameters after training, at these tolerances).
+EXACT = dict(param_dtype=jnp.float64)
 
 
 def _case(mesh_name: str, scan: bool, check_vma: bool, model=None) -> Case:
     return Case(
-        model or _model(mesh_name, SMALL, scan=scan, remat=scan),
-        PlainLM(**SMALL, scan=scan, remat=scan),
+        model or _model(mesh_name, {**SMALL, **EXACT}, scan=scan, remat=scan),
+        PlainLM(**SMALL, **EXACT, scan=scan, remat=scan),
         fsdp_tp.make_mesh(MESHES[mesh_name]),
         _batch(mesh_name),
         check_vma,
@@ -97,6 +107,11 @@ def _case(mesh_name: str, scan: bool, check_vma: bool, model=None) -> Case:
         loss=_next_token_loss,
         reference_loss=_next_token_loss,
     )
+
+
+def _check_exact(case: Case) -> None:
+    with jax.enable_x64(True):
+        check_equivalence(case)
 
 
 @pytest.mark.parametrize(
@@ -110,8 +125,8 @@ def _case(mesh_name: str, scan: bool, check_vma: bool, model=None) -> Case:
 )
 def test_megatron_by_rules_equals_unsharded(mesh_name, scan, check_vma):
     """Invariants 1-5 (6 across the cases): init bit for bit, outputs, loss, gradients and
-    3 SGD / AdamW steps, in a loop and in nn.scan + nn.remat."""
-    check_equivalence(_case(mesh_name, scan, check_vma))
+    3 SGD / AdamW steps, in a loop and in nn.scan + nn.remat (in float64: see EXACT)."""
+    _check_exact(_case(mesh_name, scan, check_vma))
 
 
 def test_negative_control_a_row_bias_added_on_every_device(monkeypatch):
@@ -119,14 +134,14 @@ def test_negative_control_a_row_bias_added_on_every_device(monkeypatch):
     init's zero bias hides it in the output; its gradient is 5 times the twin's)."""
     monkeypatch.setattr(RowParallel, "local", lambda self, *args: {})
     with pytest.raises(AssertionError, match=r"grads\['layer_0'\]\['Dense_1'\]\['bias'\]"):
-        check_equivalence(_case("data2_tensor4", False, True))
+        _check_exact(_case("data2_tensor4", False, True))
 
 
 def test_negative_control_a_column_input_without_f(monkeypatch):
     """Without Megatron's f (psum of the input's gradient) the layers before get a partial gradient."""
     monkeypatch.setattr(tp_rules, "_copied", lambda args, kwargs, axis: (args, kwargs))
     with pytest.raises(AssertionError, match="grads"):
-        check_equivalence(_case("data2_tensor4", False, False))
+        _check_exact(_case("data2_tensor4", False, False))
 
 
 LM = dict(vocab=256, d_model=64, heads=8, layers=3)
