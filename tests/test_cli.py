@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
+import shlex
 import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -153,8 +154,11 @@ def test_unknown_preset_exits_2(capsys):
 def test_a_reader_that_stops_reading_is_not_an_error():
     """`fsdp-tp plan | head` must not end in a BrokenPipeError traceback (`true` reads nothing
     and has left before the plan's first line, so any preset's output meets a closed pipe)."""
+    # The console script's own entry point (console()), from this interpreter's environment
+    # whether or not that environment is on the PATH.
+    command = f"{shlex.quote(sys.executable)} -m fsdp_tp plan --remat none | true"
     done = subprocess.run(
-        ["bash", "-o", "pipefail", "-c", f"{shutil.which('fsdp-tp')} plan --remat none | true"],
+        ["bash", "-o", "pipefail", "-c", command],
         capture_output=True,
         text=True,
         timeout=300,
