@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -211,3 +212,26 @@ def test_the_twin_is_a_keyword_and_must_build_the_same_state():
         fsdp_tp.init_sharded(
             init_fn, mesh, P(), jax.random.key(0), twin_init_fn=lambda r: {"w": jnp.zeros(()), "b": 1.0}
         )
+
+
+@pytest.mark.parametrize("with_twin", [False, True])
+def test_a_state_of_many_leaves_is_built_by_programs_of_at_most_100_leaves(with_twin):
+    """XLA's compile time grows faster than a program, so the init compiles in parts: 120
+    leaves, 2 programs of 60 leaves; the values are the one-program init's, bit for bit."""
+    mesh = fsdp_tp.make_mesh({"fsdp": 8})
+
+    def init_fn(rng):  # one draw, 120 leaves: the program's size is the leaves', not threefry's
+        values = jax.random.normal(rng, (120, 8))
+        return {f"w{i:03d}": values[i] for i in range(120)}
+
+    def sharded(rng):  # each device's block of each leaf, boxed as split over fsdp
+        block = lambda v: nn.Partitioned(v[jax.lax.axis_index("fsdp")][None], ("fsdp",))
+        return jax.tree.map(block, init_fn(rng))
+
+    run = (sharded, mesh, P(), jax.random.key(0))
+    twin = {"twin_init_fn": init_fn} if with_twin else {}
+    lowered = lower_init(*run, **twin)
+    assert [len(low.out_info) for low in lowered] == [60, 60]
+    state, _ = fsdp_tp.init_sharded(*run, **twin)
+    expected = jax.jit(init_fn)(jax.random.key(0))
+    jax.tree.map(np.testing.assert_array_equal, nn.unbox(state), expected)
