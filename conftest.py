@@ -29,8 +29,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # (2 workers, 2 cores, jax 0.10.2): 943.9 s -> 779.5 s, every test passing, the bit-for-bit
 # init and equivalence tests included. (-O0 is not used: there two programs' init values
 # differed by 1 ulp, FMA contracted differently.) A developer's own XLA_FLAGS choice is kept.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=1".strip()
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_backend_optimization_level" not in _flags:
+    os.environ["XLA_FLAGS"] = f"{_flags} --xla_backend_optimization_level=1".strip()
 
 import jax  # noqa: E402  (after the environment above: jax reads it at import)
 from hypothesis import HealthCheck, settings  # noqa: E402
