@@ -89,3 +89,24 @@ def test_the_build_time_section_reports_both_builds_against_depth():
     text = markdown({}, {}, {}, {}, ["# Benchmarks"], [], build_times)
     rows = [line for line in text.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
     assert len(rows) == 2 and "÷ fsdp_tp at 1 layers" in text
+
+
+def test_the_compile_time_figure_compiles_the_step_for_the_states_real_layouts():
+    """The compile-time figure keeps the state abstract (no init run); its leaves must carry
+    the shardings a real state has, or the step compiles for layouts XLA guesses and cannot
+    reuse the donated state (jax then warns "Some donated buffers were not usable")."""
+    import warnings
+
+    import jax
+    from jax.sharding import NamedSharding
+
+    from fsdp_tp.bench.workloads import gpt
+    from fsdp_tp.partitioning import flat_specs_of
+
+    variant = build_variant(WORKLOADS["gpt"], STRATEGIES["fsdp_tp"], "fsdp_tp", gpt(2, True), abstract=True)
+    leaves = jax.tree.leaves(variant.state)
+    expected = [NamedSharding(variant.mesh, spec) for spec in flat_specs_of(variant.state)]
+    assert [leaf.sharding for leaf in leaves] == expected
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Some donated buffers were not usable")
+        variant.lowered()

@@ -137,6 +137,17 @@ def _twin_step(workload: Workload) -> Callable:
     return step
 
 
+def _placed(state, mesh: Mesh):
+    """An abstract state whose leaves carry their specs' shardings, as a real state's do: the
+    step then compiles for the layouts a run has (an unplaced leaf's layout is XLA's guess)
+    and reuses the donated state's buffers."""
+    placed = [
+        jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
+        for leaf, spec in zip(jax.tree.leaves(state), flat_specs_of(state), strict=True)
+    ]
+    return jax.tree.unflatten(jax.tree.structure(state), placed)
+
+
 def build_variant(
     workload: Workload,
     strategy: Strategy,
@@ -174,6 +185,8 @@ def build_variant(
         specs = specs_of(state)
     else:
         state, specs = init(rng, x)
+    if abstract:
+        state = _placed(state, mesh)
     batch = jax.device_put((x, y), NamedSharding(mesh, batch_spec))
     if implementation == "gspmd" or strategy.name == "single":
         flat = [NamedSharding(mesh, s) for s in flat_specs_of(state)]
