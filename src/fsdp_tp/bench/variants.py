@@ -137,13 +137,18 @@ def _twin_step(workload: Workload) -> Callable:
     return step
 
 
+def _leaf_shardings(state, mesh: Mesh) -> list[NamedSharding]:
+    """The sharding of each array leaf of ``state``, from its spec, in ``jax.tree.leaves`` order."""
+    return [NamedSharding(mesh, spec) for spec in flat_specs_of(state)]
+
+
 def _placed(state, mesh: Mesh):
     """An abstract state whose leaves carry their specs' shardings, as a real state's do: the
     step then compiles for the layouts a run has (an unplaced leaf's layout is XLA's guess)
     and reuses the donated state's buffers."""
     placed = [
-        jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
-        for leaf, spec in zip(jax.tree.leaves(state), flat_specs_of(state), strict=True)
+        jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+        for leaf, sharding in zip(jax.tree.leaves(state), _leaf_shardings(state, mesh), strict=True)
     ]
     return jax.tree.unflatten(jax.tree.structure(state), placed)
 
@@ -189,9 +194,8 @@ def build_variant(
         state = _placed(state, mesh)
     batch = jax.device_put((x, y), NamedSharding(mesh, batch_spec))
     if implementation == "gspmd" or strategy.name == "single":
-        flat = [NamedSharding(mesh, s) for s in flat_specs_of(state)]
         twin_state = jax.eval_shape(state_init_fn(twin, tx), rng, x)
-        shardings = jax.tree.unflatten(jax.tree.structure(twin_state), flat)
+        shardings = jax.tree.unflatten(jax.tree.structure(twin_state), _leaf_shardings(state, mesh))
         state = jax.jit(state_init_fn(twin, tx), out_shardings=shardings)(rng, x)
         jitted = jax.jit(
             _twin_step(workload),
