@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -118,3 +119,27 @@ def test_plan_activations_are_within_10_percent_of_the_compiled_step_for_every_r
     # another's step (none keeps every block's activations, full one input per block).
     (none_act, grads, none_temp), (full_act, _, full_temp) = figures["none"], figures["full"]
     assert (full_act + grads) / none_temp < 0.9 and (none_act + grads) / full_temp > 1.1, figures
+
+
+@pytest.mark.parametrize(
+    "tx",
+    [
+        pytest.param(optax.adafactor(1e-2, min_dim_size_to_factor=32), id="adafactor"),
+        pytest.param(optax.adamw(1e-3), id="adamw"),
+        pytest.param(optax.chain(optax.clip_by_global_norm(1.0), optax.lamb(1e-3)), id="clip+lamb"),
+    ],
+)
+def test_plan_optimizer_bytes_are_the_bytes_the_init_builds(tx):
+    # Issue 32 point 4: the init builds the optimizer state by tx.init on the *global*
+    # parameters; a plan that ran tx.init per device reported Adafactor's factored moments of
+    # a (64, 64) block (520 B here) where the init holds those of the (512, 64) kernel.
+    mesh = fsdp_tp.make_mesh({"fsdp": 8})
+    model = fsdp_tp.shard_module_params(nn.Dense, "fsdp", min_weight_size=0)(64, use_bias=False)
+    init_fn = lambda rng, x: fsdp_tp.TrainState.create(
+        apply_fn=model.apply, params=model.init(rng, x)["params"], tx=tx, rng=rng
+    )
+    args = (jax.random.key(0), jnp.ones((8, 512)))
+    plan = fsdp_tp.make_plan(init_fn, mesh, (P(), P()), *args)
+    state, _ = fsdp_tp.init_sharded(init_fn, mesh, (P(), P()), *args)
+    assert set(state_bytes_per_device(state.opt_state).values()) == {plan.optimizer_bytes}
+    assert set(state_bytes_per_device(state).values()) == {plan.total_bytes}

@@ -49,6 +49,7 @@ from .rules import named_shardings
 
 __all__ = [
     "lower_optimizer_state",
+    "optimizer_layout",
     "per_device_step",
     "refuse_on_shards",
     "with_optimizer_state",
@@ -73,10 +74,17 @@ def without_optimizer_state(fn):
     return stripped
 
 
+def optimizer_layout(tx, params: PyTree, mesh) -> tuple[PyTree, PyTree]:
+    """``(abstract, specs)`` of ``tx.init(params)`` on the global ``params`` (boxed arrays or
+    shape structs): each leaf laid out as ``specs_of(..., mesh)`` says, like its parameter
+    where that fits, else whole. The one answer the init builds and the plan counts."""
+    abstract = jax.eval_shape(tx.init, params)
+    return abstract, specs_of(abstract, mesh)
+
+
 def _init_program(state, mesh):
-    """``tx.init`` of the state's optimizer under ``jax.jit``, each leaf laid out as
-    ``specs_of(..., mesh)`` says: like its parameter where that fits, else whole."""
-    specs = specs_of(jax.eval_shape(state.tx.init, state.params), mesh)
+    """``tx.init`` of the state's optimizer under ``jax.jit``, laid out by :func:`optimizer_layout`."""
+    _, specs = optimizer_layout(state.tx, state.params, mesh)
     return jax.jit(state.tx.init, out_shardings=named_shardings(specs, mesh))
 
 
