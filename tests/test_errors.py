@@ -98,8 +98,9 @@ def test_spec_tree_that_does_not_match_the_state():
     _, sgd_specs = _state(mesh, model, optax.sgd(0.1))
     adam_state, _ = _state(mesh, model, optax.adam(0.1))
     step = fsdp_tp.shard_step(_train_step(model), mesh, sgd_specs, P(("data", "fsdp")))
-    with pytest.raises(SpecTreeMismatchError, match="specs given for the state do not match"):
+    with pytest.raises(SpecTreeMismatchError, match="specs given for the state do not match") as err:
         step(adam_state, jnp.ones((8, 4)))
+    assert "\n" not in str(err.value) and "PyTreeDef" not in str(err.value) and len(str(err.value)) < 400
 
 
 def test_spec_naming_an_axis_not_in_the_mesh():

@@ -8,6 +8,7 @@ import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -186,6 +187,22 @@ def test_a_mesh_that_does_not_fit_the_devices_names_those_that_would():
     ]
 
 
+def test_cpu_devices_without_a_mesh_put_every_device_on_fsdp_and_say_so():
+    """Issue 32: ``--cpu-devices 2`` with no ``--mesh`` was refused for not fitting the default
+    2 x 2 x 2 mesh, whose --mesh the user had not given. In a fresh process, as typed."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    code = "from fsdp_tp.cli import console; console()"
+    argv = ["--cpu-devices", "2", "--steps", "1", "--eval-every", "0"]
+    done = subprocess.run(
+        [sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "no --mesh given: chose fsdp=2, every cpu device on fsdp" in done.stdout, done.stdout
+    assert "mesh data=1 x fsdp=2 x tensor=1 on 2 cpu devices" in done.stdout, done.stdout
+    assert "done: loss" in done.stdout, done.stdout
+
+
 def test_plan_of_a_realistic_preset_shows_each_remat_policy():
     out = io.StringIO()
     assert (
@@ -231,3 +248,15 @@ def test_the_accelerator_benchmark_runs_its_command(tmp_path, capsys):
     assert "remat none, scan_layers False;" in page  # the layers unrolled unless --scan-layers
     assert main(["bench", "--accelerator", "--presets", "huge:8"], out=out) == 2
     assert "--presets item 'huge:8': write PRESET:BATCH" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["train", "plan", "bench"])
+def test_every_help_default_is_printed_once(command, capsys):
+    """Issue 32: ``--help`` printed "(default: the preset's) (default: None)" on several flags."""
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = capsys.readouterr().out
+    flags = re.split(r"\n  (?=-)", text.split("options:", 1)[1])
+    assert "(default: None)" not in " ".join(text.split())
+    twice = [f.split()[0] for f in flags if " ".join(f.split()).count("default") > 1]
+    assert not twice, f"flags whose default is said twice: {twice}"

@@ -53,7 +53,8 @@ def test_two_processes_train_like_one_and_write_one_checkpoint(tmp_path):
                 *RUN,
                 *("--checkpoint-dir", str(two_ckpt), "--log-file", str(logs[i])),
                 *("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)),
-                *("--cpu-devices", "4"),
+                # The one-process run's mesh (without --mesh, --cpu-devices puts all 8 on fsdp).
+                *("--cpu-devices", "4", "--mesh", "data=2,fsdp=2,tensor=2"),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -156,8 +156,24 @@ def test_a_step_that_returns_a_state_is_told_to_return_grads():
         return state.replace(step=state.step + 1), ()
 
     step = fsdp_tp.shard_step(returns_state, case.mesh, specs, P(BATCH_AXES))
-    with pytest.raises(TypeError, match=r"got TrainState.*not a new state"):
+    with pytest.raises(TypeError, match=r"got a TrainState \(at the top: expected .*not a new state") as err:
         step(state, x)
+    # Issue 32: one readable line, never the parameters' whole PyTreeDef (thousands of characters).
+    assert "\n" not in str(err.value) and len(str(err.value)) < 400 and "PyTreeDef" not in str(err.value)
+
+
+def test_a_step_whose_grads_lack_a_parameter_is_told_which():
+    case, state, specs, x = _fsdp_state(True)
+    first = next(iter(state.params))
+
+    def drops_one(state, x):
+        grads = _grads(case, state, x)
+        return {k: v for k, v in grads.items() if k != first}, ()
+
+    step = fsdp_tp.shard_step(drops_one, case.mesh, specs, P(BATCH_AXES))
+    with pytest.raises(TypeError, match=rf"at the top: expected a dict with keys \[.*'{first}'") as err:
+        step(state, x)
+    assert "\n" not in str(err.value) and len(str(err.value)) < 500
 
 
 def _step_collectives(strategy: str, optimizer: str, check_vma: bool, naive: bool = False):

@@ -23,11 +23,11 @@ from flax.core import meta
 
 from ._axes import axes_named, entry_axes, varying_axes
 from ._transform import module_path
+from ._tree import path_of
 from ._types import AxisName, PyTree, is_box
 from .collectives import gather_array_with_mean_grads, gather_from_axis
 from .errors import RuleError
 from .precision import MixedPrecision
-from .rules import path_of
 
 __all__ = ["GatheredOnRead", "gather", "param_boxed"]
 

@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._tree import path_of
 from ._types import PyTree
-from .rules import path_of
 
 __all__ = ["fingerprints", "mismatches"]
 

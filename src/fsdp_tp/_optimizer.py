@@ -43,9 +43,9 @@ from flax.training import train_state
 
 from ._axes import varying_axes
 from ._trace import specs_of
+from ._tree import first_difference, named_shardings
 from ._types import PyTree
 from .errors import OptimizerOnShardsError
-from .rules import named_shardings
 
 __all__ = [
     "lower_optimizer_state",
@@ -135,18 +135,13 @@ def per_device_step(step_fn, model_state: tuple[str, ...] = ()):
                 f"are those of state.params, synced; the optimizer update then runs on global arrays."
             )
         grads = out[0]
-        expected = jax.tree.structure(state.params)
-        if jax.tree.structure(grads) != expected:  # type: ignore[operator]  # PyTreeDef is untyped
-            got = (
-                type(grads).__name__
-                if _is_state(grads)
-                else f"a tree of structure {jax.tree.structure(grads)}"
-            )
+        if where := first_difference(state.params, grads):
+            got = f"a {type(grads).__name__}" if _is_state(grads) else "a tree that differs from it"
             raise TypeError(
                 f"shard_step: step_fn's first output must be the gradients of state.params (same "
-                f"tree, boxes included), got {got}; state.params has structure "
-                f"{expected}. Return (sync_gradients(grads, batch_axes), "
-                f"metrics), not a new state: shard_step applies the optimizer on global arrays."
+                f"tree, boxes included), got {got} ({where}). Return "
+                f"(sync_gradients(grads, batch_axes), metrics), not a new state: shard_step applies "
+                f"the optimizer on global arrays."
             )
         return out
 

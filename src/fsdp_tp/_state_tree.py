@@ -13,9 +13,9 @@ import flax.linen as nn
 import jax
 from flax import serialization
 
+from ._tree import path_of
 from ._types import PyTree
 from .errors import CheckpointMismatchError
-from .rules import path_of
 
 __all__ = ["abstract", "check_saved", "global_tree", "into"]
 

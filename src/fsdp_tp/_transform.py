@@ -31,9 +31,9 @@ from jax.sharding import PartitionSpec
 
 from ._axes import axes_named, bound_axis_names, entry_axes, varying_axes
 from ._layout import block_of, check_fit
+from ._tree import path_of
 from ._types import PyTree, is_box
 from .errors import RuleError
-from .rules import path_of
 
 __all__ = [
     "LayoutChoice",

@@ -16,6 +16,7 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from ._layout import check_fit
 from ._trace import flat_specs_of, specs_of, trace_per_device
+from ._tree import first_difference
 from ._types import PyTree, Specs
 from .errors import SpecTreeMismatchError
 
@@ -63,8 +64,9 @@ def check_specs(tree: PyTree, specs: Specs, mesh: Mesh | AbstractMesh, what: str
     except (ValueError, TypeError):
         raise SpecTreeMismatchError(
             # Not jax's message: it prints the whole tree, arrays included.
-            f"the specs given for the {what} do not match its structure: specs {spec_def}, "
-            f"{what} {jax.tree.structure(tree)}. Derive them from "
+            f"the specs given for the {what} do not match its structure "
+            f"({first_difference(specs, tree, is_leaf=_is_spec, prefix=True)}). "
+            f"Derive them from "
             f"the same function that builds the {what} (fsdp_tp.init_sharded returns them) instead "
             f"of writing them by hand."
         ) from None

@@ -22,8 +22,8 @@ from ._axes import entry_axes
 from ._optimizer import optimizer_layout
 from ._step_memory import temp_bytes
 from ._trace import trace_per_device
+from ._tree import path_of
 from ._types import Specs
-from .rules import path_of
 
 __all__ = ["Plan", "PlanRow", "make_plan"]
 

@@ -34,9 +34,11 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from ._layout import check_fit
+from ._tree import named_shardings as named_shardings
+from ._tree import path_of as path_of
 from ._types import PyTree, is_box
 from .errors import RuleError, UnmatchedRuleWarning
 
@@ -92,11 +94,6 @@ def split_rule(rule, caller: str, expected: str) -> tuple[str, re.Pattern, Any]:
         return rule[0], re.compile(rule[0]), rule[1]
     except re.error as err:
         raise RuleError(f"{caller}: rule pattern {rule[0]!r} is not a regular expression: {err}.") from None
-
-
-def path_of(key_path) -> str:
-    """``"a/b/kernel"`` from a JAX key path (dict keys, attributes, indices)."""
-    return jax.tree_util.keystr(tuple(key_path), simple=True, separator="/")
 
 
 def spec_for(
@@ -187,16 +184,3 @@ def specs_from_rules(
     if warning := unmatched_warning(compiled, used, [c[0] for c in checks], "specs_from_rules"):
         warnings.warn(warning, stacklevel=2)
     return specs
-
-
-def named_shardings(specs: PyTree, mesh) -> PyTree:
-    """``NamedSharding(mesh, spec)`` for every spec: the ``out_shardings`` of ``jax.jit``.
-
-    >>> from jax.sharding import PartitionSpec as P
-    >>> from fsdp_tp import make_mesh
-    >>> named_shardings({"w": P("fsdp")}, make_mesh({"fsdp": 8}))["w"].spec
-    P('fsdp',)
-    """
-    return jax.tree.map(
-        lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
-    )

@@ -18,9 +18,9 @@ from jax.sharding import Mesh, PartitionSpec
 
 from ._axes import require_axes
 from ._optimizer import per_device_step, refuse_on_shards
+from ._tree import named_shardings
 from ._types import AxisNames, PyTree, Specs
 from .partitioning import check_specs
-from .rules import named_shardings
 
 __all__ = ["TrainState", "accumulate_gradients", "fold_rng_over_axis", "shard_step", "state_init_fn"]
 

@@ -2,8 +2,9 @@
 
 Simulated CPU devices when ``--cpu-devices`` is given, when ``JAX_PLATFORMS`` names only
 ``cpu``, or when no accelerator plugin is installed; the accelerators otherwise. Without
-``--mesh``, ``train`` puts every accelerator on ``fsdp``, and simulates the default
-2 x 2 x 2 mesh's 8 devices on CPU. A mesh that does not fit gets the meshes that would:
+``--mesh``, ``train`` puts every accelerator (or the ``--cpu-devices N`` simulated devices) on
+``fsdp``, and otherwise simulates the default 2 x 2 x 2 mesh's 8 devices on CPU. A mesh that
+does not fit gets the meshes that would:
 
 >>> fitting_meshes(8, num_heads=4, num_kv_heads=2, batch=16)
 ['fsdp=8', 'data=2,fsdp=4', 'data=4,fsdp=2', 'data=8', 'fsdp=4,tensor=2']

@@ -201,13 +201,14 @@ def _bench(args, argv: list[str], out) -> int:
 
 def _checked_train(args, out) -> int:
     """``train``: every input checked (flags, paths, data, processes), then devices, then the run.
-    Without ``--mesh`` on accelerators, the devices come first: the mesh is all of them on fsdp."""
+    Without ``--mesh`` on accelerators or with ``--cpu-devices N``, the devices come first: the
+    mesh is all of them on fsdp."""
     import jax
 
     check_paths(args)
     if args.checkpoint_dir:
         check_contents(args.checkpoint_dir, resuming(args), args.overwrite)
-    if args.mesh is None and uses_accelerator(args):
+    if args.mesh is None and (uses_accelerator(args) or args.cpu_devices):
         select_devices(args, None)  # checks the multi-process flags first
         sizes = {"data": 1, "fsdp": jax.device_count(), "tensor": 1}
         args.mesh, args.mesh_chosen = f"fsdp={jax.device_count()}", True

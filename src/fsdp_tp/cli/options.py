@@ -15,7 +15,17 @@ DTYPES = {"f32": "float32", "bf16": "bfloat16"}  # the dtype flags' names -> num
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults shown after each flag's text; the description's line breaks kept."""
+    """Defaults shown after each flag's text, once; the description's line breaks kept.
+
+    A flag whose text already says its default (``default: the preset's``), or whose default
+    is ``None`` (chosen at run time, as its text says), gets no ``(default: None)`` added.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is None:
+            return text
+        return super()._get_help_string(action) or text
 
 
 def _compute_flags(p, remat_default: str) -> None:
@@ -42,8 +52,8 @@ def _compute_flags(p, remat_default: str) -> None:
 def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mesh",
-        help=f"axis sizes over data, fsdp and tensor (default: train on an accelerator puts every "
-        f"device on fsdp; on CPU, and for plan, {DEFAULT_MESH})",
+        help=f"axis sizes over data, fsdp and tensor (default: train on an accelerator or with "
+        f"--cpu-devices N puts every device on fsdp; otherwise on CPU, and for plan, {DEFAULT_MESH})",
     )
     p.add_argument(
         "--preset", default="tiny", choices=sorted(PRESETS), help="model size; the flags below override it"
