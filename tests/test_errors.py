@@ -129,7 +129,10 @@ def test_a_layout_check_lists_every_failing_leaf_with_one_wording_per_mistake():
 
 def test_microbatches_not_dividing_the_batch():
     loss = lambda w, x, rng: ((w * x).mean(), None)
-    with pytest.raises(ValueError, match=r"leading \(per-device batch\) dim 6 .* num_microbatches=4"):
+    with pytest.raises(
+        IndivisibleShapeError,
+        match=r"dim 0 \(the per-device batch\) \(size 6\) .* not divisible by num_microbatches \(size 4\)",
+    ):
         fsdp_tp.accumulate_gradients(loss, jnp.float32(1.0), jnp.ones((6, 2)), 4)
 
 
@@ -165,3 +168,21 @@ def test_simulating_devices_in_a_fresh_process():
     code = "import fsdp_tp, jax; fsdp_tp.simulate_cpu_devices(4); print(jax.device_count())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "4"
+
+
+def test_every_divisibility_error_is_worded_in_one_place():
+    """Issue 32 point 3: an ``IndivisibleShapeError`` is built only by the layout core
+    (``_layout.not_divisible``), so every "does not divide" reads alike: the path, what, its
+    size, the axis or count, its size, and the fix."""
+    import ast
+    from pathlib import Path
+
+    package = Path(fsdp_tp.__file__).parent
+    builders = sorted(
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "IndivisibleShapeError"
+    )
+    assert builders == ["_layout.py"], builders
+

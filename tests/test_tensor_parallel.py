@@ -253,7 +253,7 @@ def test_heads_not_divisible_by_the_axis():
         check_vma=False,
     )
     with pytest.raises(
-        IndivisibleShapeError, match=r"num_heads=6 is not divisible by mesh axis 'tensor' \(size 4\)"
+        IndivisibleShapeError, match=r"num_heads \(size 6\) is not divisible by mesh axis 'tensor' \(size 4\)"
     ):
         jax.eval_shape(init, jnp.ones((2, 3, 8)))
 
@@ -429,10 +429,11 @@ def test_sequence_length_not_divisible_in_sequence_parallel_mode():
         check_vma=False,
     )
     with pytest.raises(
-        IndivisibleShapeError, match=r"embed/embedding: sequence length 6 \(dim 1\) .* 'tensor' \(size 4\)"
+        IndivisibleShapeError,
+        match=r"embed/embedding: the sequence \(dim 1, .*\) \(size 6\) .* 'tensor' \(size 4\)",
     ):
         jax.eval_shape(init, jnp.zeros((2, 6), jnp.int32))
-    with pytest.raises(IndivisibleShapeError, match=r"scatter_to_axis: sequence length 6"):
+    with pytest.raises(IndivisibleShapeError, match=r"scatter_to_axis: the sequence \(dim 1, .*\) \(size 6"):
         jax.shard_map(
             lambda x: fsdp_tp.collectives.scatter_to_axis(x, 1, "tensor"),
             mesh=mesh,
@@ -521,6 +522,7 @@ def test_collective_matmul_mode_and_divisibility_errors():
         init(fsdp_tp.MLPBlock(16, collective_matmul="ring"), (8, 6))
     with pytest.raises(
         IndivisibleShapeError,
-        match=r"wo/kernel: collective_matmul='unidirectional' splits dim 0 of the input \(shape \(6, 4\)\)",
+        match=r"wo/kernel: dim 0 of the input \(collective_matmul='unidirectional' chunks it\) \(size 6\) "
+        r"of shape \(6, 4\) is not divisible by mesh axis 'tensor' \(size 4\)",
     ):
         init(fsdp_tp.MLPBlock(16, collective_matmul="unidirectional"), (6, 6))

@@ -281,7 +281,7 @@ def _plain(tp, rules=(), **sizes):
             attention_rules(),
             dict(heads=6, d_model=24),
             IndivisibleShapeError,
-            r"has num_heads 6, not divisible by mesh axis 'tensor' \(size 4\)",
+            r": num_heads \(size 6\) is not divisible by mesh axis 'tensor' \(size 4\)",
         ),
     ],
     ids=["block", "parameter", "nothing", "indivisible"],

@@ -22,8 +22,8 @@ from flax import struct
 from flax.core import meta
 
 from ._axes import axes_named, entry_axes, varying_axes
-from ._transform import module_path
-from ._tree import path_of
+from ._transform import current_module_path
+from ._tree import module_path, path_of
 from ._types import AxisName, PyTree, is_box
 from .collectives import gather_array_with_mean_grads, gather_from_axis
 from .errors import RuleError
@@ -140,7 +140,7 @@ def gather(
 
     def leaf_fn(key_path, leaf):
         if at_read and isinstance(leaf, nn.Partitioned) and axes_named(leaf.names) <= axes | local:
-            path = "/".join(p for p in (module_path(), path_of(key_path).removeprefix("params/")) if p)
+            path = module_path((current_module_path(),), path_of(key_path).removeprefix("params/"))
             return GatheredOnRead(leaf, path, axes, batch, vary, precision)
         return _gather_leaf(leaf, axes, batch, vary, precision)
 

@@ -34,21 +34,57 @@ from ._axes import entry_axes, local_slice
 from ._types import AxisName
 from .errors import IndivisibleShapeError, SpecError
 
-__all__ = ["block_of", "check_fit", "fit_problems", "indivisible", "sliced_init"]
+__all__ = [
+    "axis_text",
+    "block_of",
+    "check_fit",
+    "fit_problems",
+    "indivisible",
+    "not_divisible",
+    "require_divisible",
+    "sliced_init",
+]
 
 
 def _axes_text(axes: tuple[AxisName, ...]) -> str:
     return f"mesh axis {axes[0]!r}" if len(axes) == 1 else f"mesh axes {axes}"
 
 
+def not_divisible(
+    where: str, what: str, size: int, by: str, parts: int, fix: str, shape: tuple | None = None
+) -> IndivisibleShapeError:
+    """The one wording of "this does not divide", for every check in the library: ``what``
+    (``"dim 1"`` of an array of ``shape``, ``"num_heads"``) of ``size`` by ``by`` (a mesh axis,
+    ``"num_microbatches"``) of ``parts``; ``fix`` says what else to change.
+
+    >>> print(not_divisible("Block_0/attn", "num_heads", 6, "mesh axis 'tensor'", 4, "use a smaller axis"))
+    Block_0/attn: num_heads (size 6) is not divisible by mesh axis 'tensor' (size 4); make it a ...
+    """
+    of_shape = "" if shape is None else f" of shape {tuple(shape)}"
+    return IndivisibleShapeError(
+        f"{where}: {what} (size {size}){of_shape} is not divisible by {by} (size {parts}); make it a "
+        f"multiple of {parts} or {fix}."
+    )
+
+
+def require_divisible(
+    where: str, what: str, size: int, by: str, parts: int, fix: str, shape: tuple | None = None
+) -> None:
+    """Raises :func:`not_divisible`'s error unless ``parts`` divides ``size``."""
+    if parts < 1 or size % parts:
+        raise not_divisible(where, what, size, by, parts, fix, shape)
+
+
+def axis_text(axes: AxisName | tuple) -> str:
+    """``"mesh axis 'tensor'"`` or ``"mesh axes ('fsdp', 'tensor')"``: how errors name axes."""
+    return _axes_text(axes if isinstance(axes, tuple) else (axes,))
+
+
 def indivisible(
     where: str, dim: int, shape: tuple, axes: tuple, parts: int, fix: str
 ) -> IndivisibleShapeError:
-    """The one wording of "this dim does not divide": ``fix`` says what to change."""
-    return IndivisibleShapeError(
-        f"{where}: dim {dim} (size {shape[dim]}) of shape {tuple(shape)} is not divisible by "
-        f"{_axes_text(tuple(axes))} (size {parts}); make it a multiple of {parts} or {fix}."
-    )
+    """:func:`not_divisible` for dim ``dim`` of an array of ``shape``."""
+    return not_divisible(where, f"dim {dim}", shape[dim], axis_text(tuple(axes)), parts, fix, shape)
 
 
 def fit_problems(

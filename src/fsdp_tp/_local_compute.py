@@ -26,8 +26,10 @@ from flax import errors as flax_errors
 from jax.sharding import PartitionSpec
 
 from ._axes import entry_axes, require_axes
+from ._layout import axis_text, require_divisible
+from ._tree import module_path
 from ._types import AxisName
-from .errors import IndivisibleShapeError, RuleError
+from .errors import RuleError
 from .rules import split_rule
 from .tp_rules import TPRole
 
@@ -97,7 +99,7 @@ def _intercept(rules, seen: Seen, next_fun, args, kwargs, context):
     module: nn.Module = context.module
     if id(module) in _LOCAL.get():
         return next_fun(*args, **kwargs)
-    path = "/".join(map(str, module.path))
+    path = module_path(module.path)
     initializing = module.is_initializing()
     if initializing and context.method_name == "__call__":
         seen.modules.setdefault(path, type(module).__name__)
@@ -176,12 +178,14 @@ def _kind_error(role: TPRole, pattern: str, module: nn.Module, path: str) -> Rul
 
 def _require_divisible(role, pattern, module, path, args, kwargs, size) -> None:
     for what, value in role.divides(module, args, kwargs).items():
-        if value % size:
-            raise IndivisibleShapeError(
-                f"tp rule {pattern!r} -> {type(role).__name__}: {path} has {what} {value}, not divisible by "
-                f"mesh axis {role.axis!r} (size {size}); use a {role.axis!r} size that divides {value}, or "
-                f"leave {path} whole (drop it from the rules)."
-            )
+        require_divisible(
+            f"tp rule {pattern!r} -> {type(role).__name__}: {path}",
+            what,
+            value,
+            axis_text(role.axis),
+            size,
+            f"use a {role.axis!r} size that divides {value}, or leave {path} whole (drop it from the rules)",
+        )
 
 
 def with_split(

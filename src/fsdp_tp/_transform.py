@@ -31,17 +31,17 @@ from jax.sharding import PartitionSpec
 
 from ._axes import axes_named, bound_axis_names, entry_axes, varying_axes
 from ._layout import block_of, check_fit
-from ._tree import path_of
+from ._tree import module_path, path_of
 from ._types import PyTree, is_box
 from .errors import RuleError
 
 __all__ = [
     "LayoutChoice",
     "check_module_class",
+    "current_module_path",
     "input_varying",
     "keep_module_name",
     "map_params",
-    "module_path",
     "store",
     "warn_once",
 ]
@@ -83,15 +83,15 @@ def _merge(path: str, names: tuple, spec: PartitionSpec) -> tuple:
 def store(params: PyTree, choose: LayoutChoice, fix: str = "change the rule") -> PyTree:
     """This device's block of every parameter, as ``choose`` lays it out (inside ``shard_map``,
     on full values the same across the axes they are split over). Paths start at the
-    wrapped module's path (:func:`module_path`); every leaf that does not fit is reported
+    wrapped module's path (:func:`current_module_path`); every leaf that does not fit is reported
     at once; ``fix`` ends the divisibility message."""
     sizes = {axis: jax.lax.axis_size(axis) for axis in bound_axis_names()}
-    prefix = module_path()
+    prefix = current_module_path()
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_box)
     plans = []
     for key_path, leaf in leaves:
         inner = path_of(key_path).removeprefix("params/")
-        path = "/".join(p for p in (prefix, inner) if p)
+        path = module_path((prefix,), inner)
         value = leaf.value if is_box(leaf) else leaf
         logical = tuple(leaf.names) if isinstance(leaf, nn.LogicallyPartitioned) else None
         names = tuple(leaf.names) if type(leaf) is nn.Partitioned else (None,) * np.ndim(value)
@@ -131,7 +131,7 @@ def check_module_class(target, who: str) -> None:
 def map_params(target, trans_in: Callable[[PyTree], PyTree], trans_out: Callable[[PyTree], PyTree]):
     """``nn.map_variables`` over ``"params"`` that keeps ``target``'s name and tells the
     transforms, while they run, the axes the call's inputs vary over (:func:`input_varying`)
-    and the module's path (:func:`module_path`)."""
+    and the module's path (:func:`current_module_path`)."""
     mapped = nn.map_variables(
         target, trans_in_fn=trans_in, trans_out_fn=trans_out, mapped_collections="params", mutable=True
     )
@@ -145,7 +145,7 @@ def map_params(target, trans_in: Callable[[PyTree], PyTree], trans_out: Callable
             # params anyway; gather does it on the shards.
             tokens = (
                 _INPUT_VARYING.set(_varying_over_inputs((args, kwargs))),
-                _MODULE_PATH.set("/".join(map(str, self.path))),
+                _MODULE_PATH.set(module_path(self.path)),
             )
             try:
                 return super().__call__(*args, **kwargs)
@@ -167,7 +167,7 @@ def input_varying() -> frozenset:
     return _INPUT_VARYING.get()
 
 
-def module_path() -> str:
+def current_module_path() -> str:
     """Inside a :func:`map_params` transform: the wrapped module's path, ``"a/b"`` (root: ``""``)."""
     return _MODULE_PATH.get()
 

@@ -12,8 +12,8 @@ import functools
 import jax
 
 from ._axes import checks_vma, local_slice, varying_axes
+from ._layout import axis_text, require_divisible
 from ._types import AxisName
-from .errors import IndivisibleShapeError
 
 __all__ = [
     "copy_to_axis",
@@ -181,13 +181,14 @@ def gather_from_axis(x: jax.Array, axis: int, axis_name: AxisName) -> jax.Array:
 
 def require_sequence_divisible(caller: str, length: int, dim: int, axis_name: AxisName) -> None:
     """Sequence parallelism splits dim ``dim`` over ``axis_name``: its length must divide."""
-    size = jax.lax.axis_size(axis_name)
-    if length % size:
-        raise IndivisibleShapeError(
-            f"{caller}: sequence length {length} (dim {dim}) is not divisible by mesh axis {axis_name!r} "
-            f"(size {size}) in sequence-parallel mode; pad the sequence to a multiple of {size} or turn "
-            f"sequence parallelism off."
-        )
+    require_divisible(
+        caller,
+        f"the sequence (dim {dim}, split in sequence-parallel mode)",
+        length,
+        axis_text(axis_name),
+        jax.lax.axis_size(axis_name),
+        "turn sequence parallelism off",
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))

@@ -29,6 +29,7 @@ from ._axes import axes_named, require_axes
 from ._gather import param_boxed
 from ._layout import check_fit, sliced_init
 from ._transform import check_module_class, keep_module_name
+from ._tree import module_path
 from ._types import AxisName
 from .errors import IndivisibleShapeError, RuleError
 from .rules import split_rule
@@ -121,7 +122,7 @@ def tensor_parallel(
 
     class Split(target):  # type: ignore[valid-type, misc]
         def param(self, name, init_fn, *init_args, unbox=True, **init_kwargs):
-            path = "/".join((*map(str, self.path), name))
+            path = module_path(self.path, name)
             rule = next((r for r in compiled if r.regex.search(path)), None)
             if rule is None:
                 return super().param(name, init_fn, *init_args, unbox=unbox, **init_kwargs)
@@ -188,11 +189,11 @@ def _full_size_init(init_fn, init_args, rule: _Rule, path: str, axis: AxisName, 
 
 def _require_all_matched(rules: tuple[_Rule, ...], module: nn.Module) -> None:
     created = list(module.variables.get("params", {}))
-    paths = ["/".join((*map(str, module.path), name)) for name in created]
+    paths = [module_path(module.path, name) for name in created]
     caller = f"tensor_parallel({type(module).__name__})"
     for rule in rules:
         if not any(rule.regex.search(path) for path in paths):
-            where = "/".join(map(str, module.path)) or type(module).__name__
+            where = module_path(module.path) or type(module).__name__
             raise RuleError(
                 f"{caller}: rule {rule.pattern!r} matches no parameter of {where} (its parameters: "
                 f"{', '.join(sorted(set(created))) or 'none'}); fix the pattern or drop the rule."

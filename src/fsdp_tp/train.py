@@ -17,6 +17,7 @@ from flax.training import train_state
 from jax.sharding import Mesh, PartitionSpec
 
 from ._axes import require_axes
+from ._layout import require_divisible
 from ._optimizer import per_device_step, refuse_on_shards
 from ._tree import named_shardings
 from ._types import AxisNames, PyTree, Specs
@@ -97,16 +98,19 @@ def _split_microbatches(batch: PyTree, num_microbatches: int) -> PyTree:
     """Reshapes every leaf ``(B, ...)`` to ``(num_microbatches, B // num_microbatches, ...)``."""
 
     def split(path, leaf):
-        n = leaf.shape[0] if leaf.ndim else None
-        if n is None or n % num_microbatches:
-            raise ValueError(
-                f"accumulate_gradients: batch leaf {jax.tree_util.keystr(path) or '<root>'} has "
-                f"leading (per-device batch) dim {n} in shape {leaf.shape}, which "
-                f"num_microbatches={num_microbatches} does not divide. Choose a microbatch count "
-                f"that divides {n}, or a global batch that is a multiple of "
-                f"{num_microbatches} x the number of batch shards."
-            )
-        return leaf.reshape(num_microbatches, n // num_microbatches, *leaf.shape[1:])
+        where = f"accumulate_gradients: batch leaf {jax.tree_util.keystr(path) or '<root>'}"
+        if not leaf.ndim:
+            raise ValueError(f"{where} is a scalar; every batch leaf needs a leading (batch) dim to split.")
+        require_divisible(
+            where,
+            "dim 0 (the per-device batch)",
+            leaf.shape[0],
+            "num_microbatches",
+            num_microbatches,
+            f"make the global batch a multiple of {num_microbatches} x the number of batch shards",
+            leaf.shape,
+        )
+        return leaf.reshape(num_microbatches, leaf.shape[0] // num_microbatches, *leaf.shape[1:])
 
     return jax.tree_util.tree_map_with_path(split, batch)
 

@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 
 from .._axes import require_axes
+from .._layout import axis_text, require_divisible
+from .._tree import module_path
 from ..collectives import copy_to_axis
-from ..errors import IndivisibleShapeError
 from .dense import ColumnParallelDense, RowParallelDense, apply_chunked, prepare_input, split_param
 
 __all__ = ["ATTENTION_IMPLEMENTATIONS", "AttentionBlock", "attend", "resolved_implementation"]
@@ -157,18 +158,14 @@ class AttentionBlock(nn.Module):
 
     def _check_heads(self, size: int) -> None:
         kv = self.num_kv_heads or self.num_heads
-        if self.num_heads % size:
-            raise IndivisibleShapeError(
-                f"{'/'.join(map(str, self.path)) or 'AttentionBlock'}: num_heads={self.num_heads} is not "
-                f"divisible by mesh axis {self.axis_name!r} (size {size}); use a head count that is a "
-                f"multiple of {size} or a smaller {self.axis_name!r} axis."
-            )
-        if self.num_heads % kv or (kv % size and size % kv):
-            raise IndivisibleShapeError(
-                f"{'/'.join(map(str, self.path)) or 'AttentionBlock'}: num_kv_heads={kv} must divide "
-                f"num_heads={self.num_heads} and either be divisible by or divide mesh axis "
-                f"{self.axis_name!r} (size {size})."
-            )
+        where, axis = module_path(self.path) or "AttentionBlock", axis_text(self.axis_name)
+        fix = f"a smaller {self.axis_name!r} axis"
+        require_divisible(where, "num_heads", self.num_heads, axis, size, fix)
+        require_divisible(where, "num_heads", self.num_heads, "num_kv_heads", kv, "another num_kv_heads")
+        if kv >= size:  # grouped heads: each device holds whole kv groups
+            require_divisible(where, "num_kv_heads", kv, axis, size, fix)
+        else:  # fewer kv heads than devices: each kv head is repeated on whole groups of devices
+            require_divisible(where, f"the size of {axis}", size, "num_kv_heads", kv, fix)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:

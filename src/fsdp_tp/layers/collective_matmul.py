@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from .._layout import axis_text, require_divisible
 from .._types import AxisName
 
 __all__ = ["MODES", "RingChunks", "matmul_reduce_scatter", "require_mode", "ring_all_gather"]
@@ -143,11 +144,9 @@ def matmul_reduce_scatter(
     """
     require_mode(mode, "matmul_reduce_scatter")
     n = jax.lax.axis_size(axis_name)
-    if x.shape[dim] % n:
-        raise ValueError(
-            f"matmul_reduce_scatter: dim {dim} of shape {x.shape} (size {x.shape[dim]}) is not divisible "
-            f"by mesh axis {axis_name!r} (size {n}); pad it to a multiple of {n}."
-        )
+    require_divisible(
+        "matmul_reduce_scatter", f"dim {dim}", x.shape[dim], axis_text(axis_name), n, "pad it", x.shape
+    )
     width = x.shape[dim] // n
 
     def partial_of(columns):

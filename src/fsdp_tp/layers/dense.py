@@ -18,18 +18,14 @@ from jax.sharding import PartitionSpec
 
 from .._axes import require_axes
 from .._gather import param_boxed
-from .._layout import check_fit, sliced_init
+from .._layout import axis_text, check_fit, require_divisible, sliced_init
+from .._tree import module_path
 from ..collectives import copy_to_axis, gather_from_axis, reduce_from_axis
-from ..errors import IndivisibleShapeError
 from .collective_matmul import RingChunks, matmul_reduce_scatter, require_mode, ring_all_gather
 
 __all__ = ["ColumnParallelDense", "RowParallelDense", "apply_chunked", "prepare_input", "split_param"]
 
 _Init = Callable[..., jax.Array]
-
-
-def _path(module: nn.Module, name: str) -> str:
-    return "/".join((*map(str, module.path), name)) if module.path else name
 
 
 def split_param(
@@ -48,7 +44,7 @@ def split_param(
     sizes = (
         {axis: jax.lax.axis_size(axis) for axis in require_axes(axes, type(module).__name__)} if axes else {}
     )
-    check_fit([(_path(module, name), shape, spec)], sizes, "use a smaller mesh axis")
+    check_fit([(module_path(module.path, name), shape, spec)], sizes, "use a smaller mesh axis")
     init = sliced_init(init_fn, lambda _shape, _names: spec)
     boxed = param_boxed(module, name, lambda: module.param(name, init, shape, dtype, unbox=False))
     return boxed.value if isinstance(boxed, nn.Partitioned) else boxed
@@ -228,11 +224,19 @@ class RowParallelDense(_ParallelDense):
         require_mode(mode, type(self).__name__)
         dim = self.sequence_axis if self.sequence_axis is not None else x.ndim - 2
         size = jax.lax.axis_size(self.axis_name)
-        if dim < 0 or x.shape[dim] % size:
-            raise IndivisibleShapeError(
-                f"{_path(self, 'kernel')}: collective_matmul={mode!r} splits dim {dim} "
-                f"of the input (shape {x.shape}) into {size} chunks over {self.axis_name!r}; make that dim "
-                f"a multiple of {size} or pass collective_matmul=None."
+        if dim < 0:
+            raise ValueError(
+                f"{module_path(self.path, 'kernel')}: collective_matmul={mode!r} chunks the dim before "
+                f"the features, but the input has shape {x.shape}; pass collective_matmul=None."
             )
+        require_divisible(
+            module_path(self.path, "kernel"),
+            f"dim {dim} of the input (collective_matmul={mode!r} chunks it)",
+            x.shape[dim],
+            axis_text(self.axis_name),
+            size,
+            "pass collective_matmul=None",
+            x.shape,
+        )
         y = matmul_reduce_scatter(x, kernel, self.axis_name, dim, mode, self.precision)
         return y if self.sequence_axis is not None else gather_from_axis(y, dim, self.axis_name)

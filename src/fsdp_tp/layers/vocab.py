@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._tree import module_path
 from ..collectives import reduce_from_axis, require_sequence_divisible
-from .dense import _path, split_param
+from .dense import split_param
 
 __all__ = ["VocabParallelEmbed", "vocab_parallel_cross_entropy"]
 
@@ -69,7 +70,10 @@ class VocabParallelEmbed(nn.Module):
         if self.sequence_axis is None:
             return reduce_from_axis(partial, self.axis_name)
         require_sequence_divisible(
-            _path(self, "embedding"), ids.shape[self.sequence_axis], self.sequence_axis, self.axis_name
+            module_path(self.path, "embedding"),
+            ids.shape[self.sequence_axis],
+            self.sequence_axis,
+            self.axis_name,
         )
         return jax.lax.psum_scatter(partial, self.axis_name, scatter_dimension=self.sequence_axis, tiled=True)
 
