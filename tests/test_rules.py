@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
@@ -221,3 +221,27 @@ def test_negative_control_gathering_fsdp_without_the_mean_is_caught():
     model = fsdp_tp.shard_by_rules(Stack, [("kernel", P("fsdp"))], batch_axes=())()
     with pytest.raises(AssertionError, match="grads"):
         check_equivalence(Case(model, Stack(), mesh_of(1, 4, 2), BATCH_AXES, False, in_dim=8, out_dim=8))
+
+
+LOGICAL = ["batch", "embed", "heads", "mlp", "vocab", None]
+MESH_AXES = st.sampled_from([None, "data", "fsdp", "tensor", ("fsdp", "tensor"), ("data", "fsdp")])
+
+
+@settings(max_examples=200)
+@given(
+    names=st.lists(st.sampled_from(LOGICAL), min_size=0, max_size=4).filter(
+        lambda ns: len([n for n in ns if n]) == len({n for n in ns if n})
+    ),
+    rules=st.lists(st.tuples(st.sampled_from(LOGICAL[:-1]), MESH_AXES), max_size=6),
+)
+def test_the_cores_logical_names_map_as_flax_maps_them(names, rules):
+    """The core's ``logical_spec`` (no Linen) is flax's ``nn.logical_to_mesh_axes``, so every
+    front end lays out a logically named parameter as Linen would."""
+    assert fsdp_tp.rules.logical_spec(names, rules) == nn.logical_to_mesh_axes(names, rules)
+
+
+def test_logical_spec_negative_control_rule_order_matters():
+    # The first rule for a name wins, and a mesh axis serves one dim: swapping them changes the spec.
+    rules = [("embed", "fsdp"), ("mlp", "fsdp"), ("mlp", "tensor")]
+    assert fsdp_tp.rules.logical_spec(("embed", "mlp"), rules) == P("fsdp", "tensor")
+    assert fsdp_tp.rules.logical_spec(("embed", "mlp"), rules[1:] + rules[:1]) == P(None, "fsdp")

@@ -26,8 +26,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 
-import flax.linen as nn
 import jax
+from flax.core.meta import Partitioned
 from jax.sharding import PartitionSpec
 
 from ._axes import entry_axes, local_slice
@@ -175,12 +175,12 @@ def sliced_init(init_fn: Callable, spec_of: Callable[[tuple, tuple], PartitionSp
 
     def init(key, *args, **kwargs):
         value = init_fn(key, *args, **kwargs)
-        names = tuple(value.names) if isinstance(value, nn.Partitioned) else None
-        value = value.value if isinstance(value, nn.Partitioned) else value
+        names = tuple(value.names) if isinstance(value, Partitioned) else None
+        value = value.value if isinstance(value, Partitioned) else value
         names = names or (None,) * value.ndim
         spec = spec_of(value.shape, names)
         merged = tuple(entry if entry is not None else name for entry, name in zip(spec, names, strict=False))
         merged += names[len(merged) :]
-        return nn.Partitioned(block_of(value, spec), merged)
+        return Partitioned(block_of(value, spec), merged)
 
     return init

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import flax.linen as nn
 import jax
 from flax import serialization
+from flax.core.meta import AxisMetadata
 
 from ._tree import path_of
 from ._types import PyTree
@@ -21,7 +21,7 @@ __all__ = ["abstract", "check_saved", "global_tree", "into"]
 
 
 def _is_box(x: Any) -> bool:
-    return isinstance(x, nn.meta.AxisMetadata)
+    return isinstance(x, AxisMetadata)
 
 
 def _unboxed(tree: PyTree) -> PyTree:

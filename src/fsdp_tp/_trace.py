@@ -1,6 +1,6 @@
 """The one abstract per-device trace that specs, the plan and the sharded init read.
 
-A function that builds a train state (or anything with ``nn.Partitioned`` boxes) is
+A function that builds a train state (or anything with ``Partitioned`` boxes) is
 traced once per device under ``jax.shard_map``, abstractly (``jax.eval_shape``: no
 FLOPs, no memory, any mesh, an ``AbstractMesh`` included). The trace keeps:
 
@@ -27,10 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.core.meta import Partitioned
 from jax.extend.core import ClosedJaxpr
 from jax.sharding import PartitionSpec
 
@@ -41,7 +41,7 @@ __all__ = ["Traced", "flat_specs_of", "specs_of", "trace_per_device"]
 
 
 def specs_of(tree: PyTree, mesh=None) -> PyTree:
-    """``P(*names)`` for each ``nn.Partitioned`` box, ``P()`` for every other leaf.
+    """``P(*names)`` for each ``Partitioned`` box, ``P()`` for every other leaf.
 
     Unlike ``nn.get_partition_spec`` it gives ``P()`` (not ``None``) for Python
     scalars such as a train state's step counter, which shard_map outputs as arrays.
@@ -62,7 +62,7 @@ def specs_of(tree: PyTree, mesh=None) -> PyTree:
     sizes = None if mesh is None else dict(mesh.shape)
 
     def spec(x):
-        if not isinstance(x, nn.Partitioned):
+        if not isinstance(x, Partitioned):
             return PartitionSpec()
         # A box around no array (optax.masked's MaskedNode for a masked-out param) keeps
         # its leafless structure, so the specs flatten like the state.
@@ -75,7 +75,7 @@ def specs_of(tree: PyTree, mesh=None) -> PyTree:
         fits = len(wanted) == len(shape) and not fit_problems("", shape, wanted, sizes)
         return wanted if fits else PartitionSpec()
 
-    return jax.tree.map(spec, tree, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+    return jax.tree.map(spec, tree, is_leaf=lambda x: isinstance(x, Partitioned))
 
 
 def flat_specs_of(tree: PyTree) -> list[PartitionSpec]:
@@ -117,7 +117,7 @@ def trace_per_device(fn: Callable, mesh, in_specs: Specs, args: tuple, *, check_
         jax.shard_map(probe, mesh=mesh, in_specs=in_specs, out_specs=(), check_vma=check_vma), *args
     )
     out = captured["out"]
-    is_box = lambda x: isinstance(x, nn.Partitioned)
+    is_box = lambda x: isinstance(x, Partitioned)
     # A box around no array (optax.masked's MaskedNode) stays leafless, as in the state.
     local = jax.tree.map(lambda x: jax.tree.map(_struct, x.value if is_box(x) else x), out, is_leaf=is_box)
     return Traced(local, specs_of(out), jax.tree.structure(out), captured["jaxpr"])

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import functools
 
-import flax.linen as nn
 import jax
+from flax.core.meta import Partitioned
 
 from ._axes import axes_named, axis_size, checks_vma, require_axes, varying_axes
 from ._types import AxisNames, PyTree
@@ -25,7 +25,7 @@ def _varying_and_invariant(x: jax.Array, names: tuple, checking: bool) -> tuple[
 
 
 def _sync_leaf(leaf, axis_names: tuple, checking: bool):
-    boxed = isinstance(leaf, nn.Partitioned)
+    boxed = isinstance(leaf, Partitioned)
     value, split = (leaf.value, axes_named(leaf.names)) if boxed else (leaf, set())
     # A leaf split over an axis got its mean from the gather's backward pass.
     axes, summed = _varying_and_invariant(value, tuple(a for a in axis_names if a not in split), checking)
@@ -43,7 +43,7 @@ def sync_gradients(grads: PyTree, axis_names: AxisNames) -> PyTree:
 
     Call inside ``jax.shard_map`` on the gradients of the *per-device* loss
     (the mean over this device's batch shard), boxed as the parameters are.
-    A leaf split over an axis (``nn.Partitioned`` names it) is left alone on
+    A leaf split over an axis (``Partitioned`` names it) is left alone on
     that axis: the FSDP gather already reduce-scattered its mean. Otherwise:
 
     - ``check_vma=False``: the leaf holds this device's gradient; it is pmeaned.
@@ -75,7 +75,7 @@ def sync_gradients(grads: PyTree, axis_names: AxisNames) -> PyTree:
     return jax.tree.map(
         functools.partial(_sync_leaf, axis_names=names, checking=checking),
         grads,
-        is_leaf=lambda x: isinstance(x, nn.Partitioned),
+        is_leaf=lambda x: isinstance(x, Partitioned),
     )
 
 

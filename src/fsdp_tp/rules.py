@@ -32,20 +32,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import flax.linen as nn
 import jax
+from flax.core.spmd import get_logical_axis_rules
 from jax.sharding import PartitionSpec
 
 from ._layout import check_fit
 from ._tree import named_shardings as named_shardings
 from ._tree import path_of as path_of
-from ._types import PyTree, is_box
+from ._types import PyTree, is_box, logical_names
 from .errors import RuleError, UnmatchedRuleWarning
 
 __all__ = [
     "REPLICATED",
     "Rules",
     "compile_rules",
+    "logical_spec",
     "named_shardings",
     "path_of",
     "spec_for",
@@ -96,6 +97,38 @@ def split_rule(rule, caller: str, expected: str) -> tuple[str, re.Pattern, Any]:
         raise RuleError(f"{caller}: rule pattern {rule[0]!r} is not a regular expression: {err}.") from None
 
 
+def logical_spec(names: Sequence, logical_axis_rules: Sequence | None = None) -> PartitionSpec:
+    """The spec of an array whose dims carry logical ``names``, by ``(logical, mesh axes)``
+    rules in order of precedence (``None``: the rules active in flax's context): each named
+    dim takes the first rule naming it whose mesh axes no other dim holds; a dim no rule
+    places stays whole. Flax's own semantics (``nn.logical_to_mesh_axes``), in the core so
+    every front end maps its logical names alike (a property test holds them equal).
+
+    >>> logical_spec(("batch", "length", "heads", "features"),
+    ...              [("batch", "X"), ("features", "X"), ("heads", "Y"), ("batch", "Z")])
+    P('X', None, 'Y', None)
+    """
+    rules = get_logical_axis_rules() if logical_axis_rules is None else logical_axis_rules
+    if not isinstance(rules, tuple | list):
+        raise RuleError(f"logical_axis_rules must be a sequence of (logical name, mesh axes), got {rules!r}.")
+    names = tuple(names)
+    repeated = sorted({n for n in names if isinstance(n, str) and names.count(n) > 1})
+    if repeated:
+        raise RuleError(f"logical names {names}: {repeated} name more than one dim; name each dim once.")
+    unset = object()
+    out: list = [unset if isinstance(n, str) else n for n in names]
+
+    def held(entry) -> set:
+        return {a for a in jax.tree.leaves(entry) if a is not None and a is not PartitionSpec.UNCONSTRAINED}
+
+    for logical, mesh_axes in rules:
+        if logical in names and out[names.index(logical)] is unset:
+            taken = set().union(*(held(e) for e in out if e is not unset))
+            if not held(mesh_axes) & taken:
+                out[names.index(logical)] = mesh_axes
+    return PartitionSpec(*(None if e is unset else e for e in out))
+
+
 def spec_for(
     path: str,
     shape: tuple[int, ...],
@@ -120,7 +153,7 @@ def spec_for(
     if index is not None:
         spec = rules[index].spec
     elif logical_names is not None:
-        spec = PartitionSpec(*(nn.logical_to_mesh_axes(logical_names, logical_axis_rules) or ()))
+        spec = logical_spec(logical_names, logical_axis_rules)
     else:
         spec = default
     if check:
@@ -165,12 +198,12 @@ def specs_from_rules(
     {'attn': {'kernel': P(None, 'tensor')}, 'mlp': {'kernel': P('fsdp',)}}
     """
     compiled = compile_rules(rules, "specs_from_rules")
-    logical = logical_axis_rules if logical_axis_rules is not None else nn.get_logical_axis_rules()
+    logical = logical_axis_rules if logical_axis_rules is not None else get_logical_axis_rules()
     used: set[int] = set()
 
     def leaf_spec(key_path, leaf):
         path = path_of(key_path)
-        names = tuple(leaf.names) if isinstance(leaf, nn.LogicallyPartitioned) else None
+        names = logical_names(leaf)
         value = leaf.value if is_box(leaf) else leaf
         spec, index = spec_for(path, value.shape, compiled, mesh.shape, default, names, logical, check=False)
         if index is not None:

@@ -1,0 +1,108 @@
+"""The core does not know Linen (issue 32 point 2): the seam a second front end plugs into.
+
+``import flax`` itself imports ``flax.linen`` (flax's ``__init__``), and so does flax's
+``train_state``; so which modules a process has loaded cannot show what *our* code depends
+on. What is proved here is the property that matters for a second front end: no core
+module, and no fsdp_tp module it imports (transitively), imports ``flax.linen`` or a Linen
+front-end module of this package. Read off the source's import statements (the AST).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import fsdp_tp
+
+PACKAGE = Path(fsdp_tp.__file__).parent
+
+# The framework-free core: layout, rule grammar, collectives, the trace and the sharded-init
+# programs, the optimizer on global arrays, the step, the plan, checkpoints, and what they share.
+CORE = (
+    "_axes",
+    "_integrity",
+    "_layout",
+    "_optimizer",
+    "_state_tree",
+    "_step_memory",
+    "_trace",
+    "_tree",
+    "_types",
+    "analysis",
+    "checkpoint",
+    "collectives",
+    "errors",
+    "gradients",
+    "mesh",
+    "partitioning",
+    "plan",
+    "precision",
+    "rules",
+    "sharded_init",
+    "train",
+)
+
+
+def _module_file(name: str) -> Path:
+    path = PACKAGE.joinpath(*name.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def _imports(name: str) -> tuple[set[str], set[str]]:
+    """``(fsdp_tp modules, other modules)`` that module ``name`` (dotted, inside the package)
+    imports at any level of its source, docstrings excluded."""
+    path = _module_file(name)
+    # The package a relative import starts from: the module's own for an __init__, else its parent's.
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    ours, others = set(), set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                (ours if alias.name.startswith("fsdp_tp") else others).add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                if node.module:
+                    ours.add(".".join([*base, *node.module.split(".")]))
+                else:  # from . import a, b
+                    ours.update(".".join([*base, a.name]) for a in node.names)
+            elif node.module:
+                mod = node.module
+                if mod.startswith("fsdp_tp"):
+                    ours.add(mod.removeprefix("fsdp_tp").strip("."))
+                else:
+                    others.update([mod, *(f"{mod}.{a.name}" for a in node.names)])
+    return {m for m in ours if _module_file(m).exists()}, others
+
+
+def _closure(roots) -> dict[str, set[str]]:
+    """Every fsdp_tp module reachable from ``roots``, with its non-fsdp_tp imports."""
+    seen: dict[str, set[str]] = {}
+    todo = list(roots)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        ours, others = _imports(name)
+        seen[name] = others
+        todo += sorted(ours - seen.keys())
+    return seen
+
+
+def _linen(imports: set[str]) -> list[str]:
+    return sorted(m for m in imports if m == "flax.linen" or m.startswith("flax.linen."))
+
+
+def test_no_core_module_imports_linen_directly_or_through_another():
+    reached = _closure(CORE)
+    assert set(CORE) <= set(reached)
+    offenders = {name: _linen(others) for name, others in reached.items() if _linen(others)}
+    assert not offenders, f"core modules (or modules they import) that import flax.linen: {offenders}"
+
+
+@pytest.mark.parametrize("module", ["_transform", "layers.dense", "tp_rules"])
+def test_negative_control_a_linen_module_is_seen(module):
+    # The same walk finds Linen where it is: it could fail.
+    assert any(_linen(others) for others in _closure([module]).values())
