@@ -1,7 +1,7 @@
 """The reference check every strategy must pass: a sharded run equals the unsharded one.
 
 ``check_equivalence`` runs one model sharded under ``jax.shard_map`` and its
-unsharded twin on the same global batches and asserts DESIGN.md invariants 1-5:
+unsharded twin on the same global batches and asserts docs/design.md invariants 1-5:
 same tree, same init (bit for bit), same outputs and loss, same synced
 gradients, same parameters after k steps of SGD and of AdamW.
 """
@@ -24,7 +24,7 @@ import fsdp_tp
 from fsdp_tp.partitioning import specs_of
 from fsdp_tp.rules import named_shardings
 
-RTOL, ATOL = 1e-5, 1e-6  # f32; never loosen to get a pass (DESIGN.md, STYLE.md habit 9)
+RTOL, ATOL = 1e-5, 1e-6  # f32; never loosen to get a pass (docs/design.md, STYLE.md habit 9)
 # Adam's update lr * g / (|g| + eps) turns on the sign of g when |g| ~ eps: a gradient
 # that cancels to ~1e-7 (seen: 9.1e-8 against a median of 2.7e-2) then moves by a
 # different lr-sized step in two runs whose g differ by rounding (~1e-9). eps = 1e-3

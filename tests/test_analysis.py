@@ -1,4 +1,4 @@
-"""The HLO collective parser on hand-written HLO (DESIGN.md, "Measuring")."""
+"""The HLO collective parser on hand-written HLO (docs/design.md, "Measuring")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""DESIGN.md invariants 1-6 for data parallelism and FSDP, against the unsharded run."""
+"""docs/design.md invariants 1-6 for data parallelism and FSDP, against the unsharded run."""
 
 from __future__ import annotations
 

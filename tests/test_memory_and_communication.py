@@ -1,4 +1,4 @@
-"""DESIGN.md invariants 7 (minimal communication) and 8 (exact memory) for FSDP."""
+"""docs/design.md invariants 7 (minimal communication) and 8 (exact memory) for FSDP."""
 
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def test_fsdp_step_moves_exactly_the_minimum(shape, check_vma):
         + 2 * (n - 1) / n * BIAS_BYTES
     )
     assert wire == pytest.approx(expected, rel=1e-12)
-    if n_data == 1:  # DESIGN.md: W_min = 2(N-1)/N (S_p + R)
+    if n_data == 1:  # docs/design.md: W_min = 2(N-1)/N (S_p + R)
         assert wire == pytest.approx(2 * (n - 1) / n * (KERNEL_BYTES + BIAS_BYTES), rel=1e-12)
 
 

@@ -22,7 +22,7 @@ from tests.test_checkpoints import settings
 
 pytestmark = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")
 RUN = ["train", "--steps", "6", "--eval-every", "3", "--eval-batches", "2", "--checkpoint-every", "3"]
-RTOL = 1e-6  # DESIGN.md: process layouts differ in the last bits
+RTOL = 1e-6  # docs/design.md: process layouts differ in the last bits
 
 
 def free_port() -> int:

@@ -113,7 +113,7 @@ def _next_token_loss(model, params, tokens, targets):
 
 @pytest.mark.parametrize("scan, check_vma", [(True, True), (False, False)])
 def test_gathered_where_read_equals_unsharded(scan, check_vma):
-    """DESIGN.md invariants 1-5 (and 6 across the two cases) for the plain LM sharded from outside,
+    """docs/design.md invariants 1-5 (and 6 across the two cases) for the plain LM sharded from outside,
     its params gathered inside nn.scan and nn.remat."""
     sizes = dict(vocab=32, d_model=16, heads=4, layers=2)
     whole, _ = _models(scan, remat=True, sizes=sizes)

@@ -3,7 +3,7 @@
 ``tests.plain_models.PlainLM`` (plain Flax: ``nn.MultiHeadDotProductAttention``, a
 Dense-Dense MLP, ``nn.Embed``, ``nn.LayerNorm``) with its attention head-parallel, its MLPs
 column- then row-parallel, the embedding vocab-parallel and the logits column-parallel
-(gathered for the loss), named by path from outside. Properties: DESIGN.md invariants 1-5
+(gathered for the loss), named by path from outside. Properties: docs/design.md invariants 1-5
 against the unsharded twin on data 2 x tensor 4 and on data 2 x fsdp 2 x tensor 2 in both
 ``check_vma`` modes; the compiled step holds exactly Megatron's activation collectives and
 no all-gather of a tensor-split weight; the matmuls are 1/4 the size. Negative controls:

@@ -186,7 +186,7 @@ def keep_module_name(mapped, target):
     Flax auto-names submodules ``f"{type(module).__name__}_{i}"`` and derives
     their init rngs from those names; ``nn.map_variables`` returns a class
     named ``Map_variablesDense``, which would change both the parameter paths
-    and the init (DESIGN.md invariants 1 and 2).
+    and the init (docs/design.md invariants 1 and 2).
     """
     if isinstance(mapped, type):
         mapped.__name__ = target.__name__

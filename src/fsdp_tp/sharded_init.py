@@ -53,7 +53,7 @@ def init_sharded(
     global arrays laid out by those specs.
 
     ``twin_init_fn`` (keyword only): the same state built with the unsharded twin
-    of the model (same tree, same init: DESIGN.md invariants 1 and 2). It then runs
+    of the model (same tree, same init: docs/design.md invariants 1 and 2). It then runs
     under ``jax.jit`` with the specs as ``out_shardings``: JAX's partitionable
     threefry draws each block's random bits where it lives, and no device computes
     a parameter in full. The result has ``init_fn``'s tree and boxes.

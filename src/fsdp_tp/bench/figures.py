@@ -1,4 +1,4 @@
-"""The figures of a variant (DESIGN.md, "Measuring"): exact bytes, then ratios of times.
+"""The figures of a variant (docs/design.md, "Measuring"): exact bytes, then ratios of times.
 
 Exact figures come from the state's shards and the compiled program; they do not
 depend on the machine's load. Step and compile times do, so they are reported as
@@ -104,7 +104,7 @@ def minimum_wire_bytes(variant: Variant, library_state) -> float | None:
     """The least a strategy must move per device per step, where a closed form is known.
 
     ``dp``: all-reduce every gradient, 2(N-1)/N · P. ``fsdp``: W_min = 2(N-1)/N · (S_p + R)
-    with 3(N-1)/N on params re-gathered by remat (DESIGN.md). ``tp`` on the classifier and
+    with 3(N-1)/N on params re-gathered by remat (docs/design.md). ``tp`` on the classifier and
     the block: Megatron's one all-reduce per block forward and one backward (none for an
     input that needs no gradient), 2(t-1)/t · activation bytes each.
     """

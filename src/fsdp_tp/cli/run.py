@@ -32,7 +32,7 @@ class NonFiniteStepError(RuntimeError):
     """A step whose loss or update was not finite, under ``--nonfinite stop``."""
 
 
-# (rtol, atol) of sharded vs unsharded: f32 over a whole transformer (DESIGN.md: 1e-4 for
+# (rtol, atol) of sharded vs unsharded: f32 over a whole transformer (docs/design.md: 1e-4 for
 # full blocks); bf16 compute: one bf16 ulp (2^-8) relative. Measured on the default run,
 # 5 steps: f32 2.4e-6 loss / 1.2e-7 params; bf16 2.1e-4 loss / 1.8e-4 params.
 CHECK_TOLERANCE = {"float32": (1e-4, 1e-5), "bfloat16": (4e-3, 4e-4)}
