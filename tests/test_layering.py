@@ -18,8 +18,9 @@ import fsdp_tp
 
 PACKAGE = Path(fsdp_tp.__file__).parent
 
-# The framework-free core: layout, rule grammar, collectives, the trace and the sharded-init
-# programs, the optimizer on global arrays, the step, the plan, checkpoints, and what they share.
+# The framework-free core: layout, rule grammar, collectives, Megatron's pieces (tp), the trace,
+# the sharded-init programs, the optimizer on global arrays, the step, the plan, checkpoints,
+# and what they share.
 CORE = (
     "_axes",
     "_integrity",
@@ -32,6 +33,7 @@ CORE = (
     "_types",
     "analysis",
     "checkpoint",
+    "collective_matmul",
     "collectives",
     "errors",
     "gradients",
@@ -41,6 +43,7 @@ CORE = (
     "precision",
     "rules",
     "sharded_init",
+    "tp",
     "train",
 )
 

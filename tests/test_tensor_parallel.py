@@ -85,9 +85,9 @@ def test_gathered_column_output_equals_dense(mesh, check_vma):
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_negative_control_plain_psum_in_unchecked_mode_is_caught(check_vma, monkeypatch):
     """A row layer that psums with JAX's own transpose: right when checked, T times too large when not."""
-    from fsdp_tp.layers import dense
+    from fsdp_tp import tp  # Megatron's g lives once, in tp.row_reduce: every row layer and role uses it
 
-    monkeypatch.setattr(dense, "reduce_from_axis", lambda x, axis_name: jax.lax.psum(x, axis_name))
+    monkeypatch.setattr(tp, "reduce_from_axis", lambda x, axis_name: jax.lax.psum(x, axis_name))
     case = Case(
         fsdp_tp.MLPBlock(16, 4),
         fsdp_tp.MLPBlock(16, 4, axis_name=None),
@@ -483,7 +483,7 @@ def test_negative_control_ring_turning_the_wrong_way_is_caught(ring, monkeypatch
 
     (Causal attention, not an MLP: the MLP works token by token, so a gather and a
     reduce-scatter that both permute the sequence the same way would cancel.)"""
-    from fsdp_tp.layers import collective_matmul
+    from fsdp_tp import collective_matmul
 
     right = collective_matmul._shift
     monkeypatch.setattr(collective_matmul, "_shift", lambda x, axis, step: right(x, axis, -step))

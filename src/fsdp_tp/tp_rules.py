@@ -37,7 +37,8 @@ import jax
 import jax.numpy as jnp
 from flax.core import meta
 
-from .collectives import copy_to_axis, gather_from_axis, reduce_from_axis
+from .collectives import gather_from_axis
+from .tp import add_bias_once, column_input, row_reduce, vocab_lookup
 
 __all__ = [
     "ColumnParallel",
@@ -71,7 +72,7 @@ def _copied(args: tuple, kwargs: dict, axis: str) -> tuple[tuple, dict]:
         if not (isinstance(x, jax.Array | jax.core.Tracer) and jnp.issubdtype(x.dtype, jnp.floating)):
             return x
         if id(x) not in done:
-            done[id(x)] = copy_to_axis(x, axis)
+            done[id(x)] = column_input(x, axis)
         return done[id(x)]
 
     return tuple(map(copy, args)), {k: copy(v) for k, v in kwargs.items()}
@@ -161,12 +162,9 @@ class RowParallel(TPRole):
         return {"use_bias": False}
 
     def around(self, method, run, module, args, kwargs):
-        out = reduce_from_axis(run(*args, **kwargs), self.axis)
-        if not module.use_bias:
-            return out
-        bias = _stored(module, "bias")
-        dtype = module.dtype or jnp.result_type(out, bias)  # nn.Dense promotes the bias with the product
-        return out.astype(dtype) + bias.astype(dtype)
+        out = row_reduce(run(*args, **kwargs), self.axis)
+        bias = _stored(module, "bias") if module.use_bias else None
+        return add_bias_once(out, bias, self.axis, dtype=module.dtype)
 
 
 @dataclass(frozen=True)
@@ -226,10 +224,7 @@ class VocabParallel(TPRole):
             return gather_from_axis(run(*args, **kwargs), -1, self.axis)
         ids, *rest = args
         rows = module.num_embeddings // jax.lax.axis_size(self.axis)
-        local = ids - jax.lax.axis_index(self.axis) * rows
-        mine = (local >= 0) & (local < rows)
-        found = run(jnp.where(mine, local, 0), *rest, **kwargs)
-        return reduce_from_axis(jnp.where(mine[..., None], found, 0), self.axis)
+        return row_reduce(vocab_lookup(ids, rows, self.axis, lambda i: run(i, *rest, **kwargs)), self.axis)
 
 
 def attention_rules(pattern: str = r"MultiHeadDotProductAttention_\d+$", axis: str = "tensor"):

@@ -12,7 +12,8 @@ from .._axes import require_axes
 from .._layout import axis_text, require_divisible
 from .._tree import module_path
 from ..collectives import copy_to_axis
-from .dense import ColumnParallelDense, RowParallelDense, apply_chunked, prepare_input, split_param
+from ..tp import column_input
+from .dense import ColumnParallelDense, RowParallelDense, apply_chunked, split_param
 
 __all__ = ["ATTENTION_IMPLEMENTATIONS", "AttentionBlock", "attend", "resolved_implementation"]
 
@@ -187,7 +188,7 @@ class AttentionBlock(nn.Module):
             seq = x.ndim - 2 if self.sequence_parallel else None
             # One f (or one all-gather, or one ring) for q, k and v: their input
             # gradients are summed locally, then reduced over the axis once.
-            shared = prepare_input(x, axis, seq, self.collective_matmul)
+            shared = column_input(x, axis, seq, self.collective_matmul)
             q = ColumnParallelDense(self.num_heads * dim, axis_name=axis, name="query", **kw)(shared, True)
             if kv % size == 0:
                 k = ColumnParallelDense(kv * dim, axis_name=axis, name="key", **no_bias)(shared, True)

@@ -20,10 +20,11 @@ from .._axes import require_axes
 from .._gather import param_boxed
 from .._layout import axis_text, check_fit, require_divisible, sliced_init
 from .._tree import module_path
-from ..collectives import copy_to_axis, gather_from_axis, reduce_from_axis
-from .collective_matmul import RingChunks, matmul_reduce_scatter, require_mode, ring_all_gather
+from ..collective_matmul import RingChunks, matmul_reduce_scatter, require_mode
+from ..collectives import gather_from_axis
+from ..tp import add_bias_once, column_input, row_reduce
 
-__all__ = ["ColumnParallelDense", "RowParallelDense", "apply_chunked", "prepare_input", "split_param"]
+__all__ = ["ColumnParallelDense", "RowParallelDense", "apply_chunked", "split_param"]
 
 _Init = Callable[..., jax.Array]
 
@@ -48,21 +49,6 @@ def split_param(
     init = sliced_init(init_fn, lambda _shape, _names: spec)
     boxed = param_boxed(module, name, lambda: module.param(name, init, shape, dtype, unbox=False))
     return boxed.value if isinstance(boxed, nn.Partitioned) else boxed
-
-
-def prepare_input(
-    x: jax.Array, axis_name: str, sequence_axis: int | None, collective_matmul: str | None = None
-) -> jax.Array | RingChunks:
-    """The input of column-parallel layers: Megatron's *f* (identity forward, psum backward),
-    or in sequence-parallel mode the all-gather along ``sequence_axis`` (whose backward
-    reduce-scatters), or with ``collective_matmul`` set the ring that replaces that
-    all-gather (:class:`~fsdp_tp.layers.collective_matmul.RingChunks`).
-    Do it once per input, however many layers read it."""
-    if sequence_axis is None:
-        return copy_to_axis(x, axis_name)
-    if collective_matmul is not None:
-        return ring_all_gather(x, axis_name, sequence_axis, collective_matmul)
-    return jax.lax.all_gather(x, axis_name, axis=sequence_axis, tiled=True)
 
 
 def apply_chunked(x: jax.Array | RingChunks, fn: Callable[[jax.Array], jax.Array]) -> jax.Array:
@@ -107,7 +93,7 @@ class ColumnParallelDense(_ParallelDense):
     ``collective_matmul`` (sequence-parallel mode only; elsewhere the layer has
     no forward collective): the all-gather becomes a ``ppermute`` ring, each
     arriving chunk multiplied at once (see
-    :mod:`~fsdp_tp.layers.collective_matmul`). Same results.
+    :mod:`~fsdp_tp.collective_matmul`). Same results.
 
     >>> import jax, jax.numpy as jnp, flax.linen as nn
     >>> from jax.sharding import PartitionSpec as P
@@ -130,7 +116,7 @@ class ColumnParallelDense(_ParallelDense):
     def __call__(self, x: jax.Array | RingChunks, prepared: bool = False) -> jax.Array:
         require_mode(self.collective_matmul, type(self).__name__)
         if not prepared and not isinstance(x, RingChunks):
-            x = prepare_input(x, self.axis_name, self.sequence_axis, self.collective_matmul)
+            x = column_input(x, self.axis_name, self.sequence_axis, self.collective_matmul)
         kernel = split_param(
             self,
             "kernel",
@@ -203,20 +189,9 @@ class RowParallelDense(_ParallelDense):
         x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
         if self.collective_matmul is not None:
             y = self._ring(x, kernel, self.collective_matmul)
-        elif self.sequence_axis is None:
-            y = reduce_from_axis(_matmul(x, kernel, self.precision), self.axis_name)
         else:
-            y = jax.lax.psum_scatter(
-                _matmul(x, kernel, self.precision),
-                self.axis_name,
-                scatter_dimension=self.sequence_axis,
-                tiled=True,
-            )
-        if bias is not None and self.sequence_axis is not None:
-            # Added on this device's slice of the sequence: the bias gradient
-            # is a partial sum, completed over the axis by f's backward.
-            bias = copy_to_axis(bias, self.axis_name)
-        return y + bias if bias is not None else y
+            y = row_reduce(_matmul(x, kernel, self.precision), self.axis_name, self.sequence_axis)
+        return add_bias_once(y, bias, self.axis_name, self.sequence_axis is not None)
 
     def _ring(self, x: jax.Array, kernel: jax.Array, mode: str) -> jax.Array:
         """The reduction as a reduce-scatter ring fused with the matmul; without sequence

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._tree import module_path
-from ..collectives import reduce_from_axis, require_sequence_divisible
+from ..collectives import require_sequence_divisible
+from ..tp import row_reduce, vocab_lookup
 from .dense import split_param
 
 __all__ = ["VocabParallelEmbed", "vocab_parallel_cross_entropy"]
@@ -63,19 +64,16 @@ class VocabParallelEmbed(nn.Module):
             (self.axis_name, None),
         )
         (table,) = nn.dtypes.promote_dtype(table, dtype=self.dtype, inexact=False)
-        rows = table.shape[0]
-        local = ids - _vocab_slice(rows, self.axis_name)
-        hit = (local >= 0) & (local < rows)
-        partial = jnp.take(table, jnp.where(hit, local, 0), axis=0) * hit[..., None].astype(table.dtype)
+        partial = vocab_lookup(ids, table.shape[0], self.axis_name, lambda i: jnp.take(table, i, axis=0))
         if self.sequence_axis is None:
-            return reduce_from_axis(partial, self.axis_name)
+            return row_reduce(partial, self.axis_name)
         require_sequence_divisible(
             module_path(self.path, "embedding"),
             ids.shape[self.sequence_axis],
             self.sequence_axis,
             self.axis_name,
         )
-        return jax.lax.psum_scatter(partial, self.axis_name, scatter_dimension=self.sequence_axis, tiled=True)
+        return row_reduce(partial, self.axis_name, self.sequence_axis)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from .._layout import axis_text, require_divisible
-from .._types import AxisName
+from ._layout import axis_text, require_divisible
+from ._types import AxisName
 
 __all__ = ["MODES", "RingChunks", "matmul_reduce_scatter", "require_mode", "ring_all_gather"]
 

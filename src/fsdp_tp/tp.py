@@ -1,0 +1,90 @@
+"""Megatron's tensor-parallel pieces, once: what a column, a row and a vocabulary-parallel
+layer do around their local computation. Framework-free (no ``flax.linen``).
+
+Every tensor-parallel path of the library computes through these functions: the layers of
+:mod:`fsdp_tp.layers` (``ColumnParallelDense``, ``RowParallelDense``,
+``VocabParallelEmbed``, the blocks) and the tp-rule roles of :mod:`fsdp_tp.tp_rules`
+(``ColumnParallel``, ``RowParallel``, ``HeadParallel``, ``VocabParallel``) that put them
+around a module the user did not write. A new role composes these; it does not write a
+collective of its own.
+
+- :func:`column_input`: the input of column-parallel layers — Megatron's *f* (identity
+  forward, sum backward), or in sequence-parallel mode the all-gather of the sequence
+  (whose backward reduce-scatters), or its ``ppermute`` ring;
+- :func:`row_reduce`: the partial products of a row-parallel layer summed over the axis
+  (Megatron's *g*), or reduce-scattered along the sequence;
+- :func:`add_bias_once`: a row-parallel layer's bias, whole on every device, added once
+  after the reduction;
+- :func:`vocab_lookup`: the rows of a vocabulary-split table for the ids this device holds,
+  zeros for the rest (summed by :func:`row_reduce`).
+
+>>> import jax, jax.numpy as jnp
+>>> from jax.sharding import PartitionSpec as P
+>>> from fsdp_tp import make_mesh
+>>> mesh = make_mesh({"tensor": 4}, devices=jax.devices()[:4])
+>>> x, w, b = jnp.arange(8.0).reshape(1, 8) / 8, jnp.ones((8, 3)), jnp.arange(3.0)
+>>> def row(x_slice, w_slice):   # each device holds 2 of the 8 input features and rows of w
+...     return add_bias_once(row_reduce(x_slice @ w_slice, "tensor"), b, "tensor")
+>>> out = jax.shard_map(row, mesh=mesh, in_specs=(P(None, "tensor"), P("tensor")), out_specs=P())(x, w)
+>>> bool(jnp.allclose(out, x @ w + b))   # the bias once, not four times
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from ._types import AxisName
+from .collective_matmul import RingChunks, ring_all_gather
+from .collectives import copy_to_axis, reduce_from_axis
+
+__all__ = ["add_bias_once", "column_input", "row_reduce", "vocab_lookup"]
+
+
+def column_input(
+    x: jax.Array, axis_name: AxisName, sequence_axis: int | None = None, collective_matmul: str | None = None
+) -> jax.Array | RingChunks:
+    """The input of column-parallel layers, once however many layers read it: *f*, or the
+    sequence all-gather (``sequence_axis`` set), or its ring (``collective_matmul`` set)."""
+    if sequence_axis is None:
+        return copy_to_axis(x, axis_name)
+    if collective_matmul is not None:
+        return ring_all_gather(x, axis_name, sequence_axis, collective_matmul)
+    return jax.lax.all_gather(x, axis_name, axis=sequence_axis, tiled=True)
+
+
+def row_reduce(partial: jax.Array, axis_name: AxisName, sequence_axis: int | None = None) -> jax.Array:
+    """This device's partial products summed over ``axis_name`` (*g*: identity backward), or
+    reduce-scattered along ``sequence_axis`` so each device leaves with its slice of it."""
+    if sequence_axis is None:
+        return reduce_from_axis(partial, axis_name)
+    return jax.lax.psum_scatter(partial, axis_name, scatter_dimension=sequence_axis, tiled=True)
+
+
+def add_bias_once(
+    y: jax.Array, bias: jax.Array | None, axis_name: AxisName, sequence_parallel: bool = False, dtype=None
+) -> jax.Array:
+    """``y + bias`` after the row reduction, so the bias counts once, in ``dtype`` (default:
+    the promoted type, as ``nn.Dense`` adds it). In sequence-parallel mode ``y`` is a slice
+    of the sequence and the bias's gradient a partial sum: *f* completes it over the axis."""
+    if bias is None:
+        return y
+    if sequence_parallel:
+        bias = copy_to_axis(bias, axis_name)
+    dtype = dtype or jnp.result_type(y, bias)
+    return y.astype(dtype) + bias.astype(dtype)
+
+
+def vocab_lookup(
+    ids: jax.Array, rows: int, axis_name: AxisName, lookup: Callable[[jax.Array], jax.Array]
+) -> jax.Array:
+    """``lookup`` of the ids in this device's ``rows`` of a vocabulary-split table (device
+    ``i`` holds ids ``[i * rows, (i + 1) * rows)``), zeros for the ids it does not hold:
+    this device's part of the embedding, for :func:`row_reduce` to sum."""
+    local = ids - jax.lax.axis_index(axis_name) * rows
+    mine = (local >= 0) & (local < rows)
+    found = lookup(jnp.where(mine, local, 0))
+    return jnp.where(mine[..., None], found, jnp.zeros((), found.dtype))
