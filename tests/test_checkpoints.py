@@ -15,12 +15,12 @@ import pytest
 
 from fsdp_tp.checkpoint import Checkpoints
 from fsdp_tp.cli import main
-from fsdp_tp.cli.config import preset
-from fsdp_tp.cli.trainer import Settings, Trainer
 from fsdp_tp.cli.workdir import saved_steps
 from fsdp_tp.errors import CheckpointMismatchError
 from fsdp_tp.mesh import make_mesh
 from fsdp_tp.models import Layout
+from fsdp_tp.recipe.config import preset
+from fsdp_tp.recipe.trainer import Settings, Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")
 RUN = ["train", "--steps", "12", "--checkpoint-every", "4", "--eval-every", "0", "--log-every", "100"]

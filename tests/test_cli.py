@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from fsdp_tp.cli import main
-from fsdp_tp.cli import trainer as trainer_module
+from fsdp_tp.recipe import trainer as trainer_module
 
 pytestmark = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")
 SHORT = ["--steps", "40", "--log-every", "10"]
@@ -83,7 +83,7 @@ def test_unrolled_layers_train_and_pass_check():
 
 
 def test_bf16_computes_in_bf16_on_f32_parameters():
-    from fsdp_tp.cli.config import preset
+    from fsdp_tp.recipe.config import preset
 
     config = preset("tiny", dtype="bfloat16")
     ids = np.zeros((2, config.seq_len), np.int32)

@@ -21,12 +21,12 @@ from hypothesis import strategies as st
 
 from fsdp_tp import make_mesh
 from fsdp_tp.cli import fit, machine, main
-from fsdp_tp.cli.config import PRESETS
 from fsdp_tp.cli.main import _settings
 from fsdp_tp.cli.options import parser
 from fsdp_tp.layers.attention import attend
 from fsdp_tp.mesh import parse_mesh
 from fsdp_tp.models import Layout, Transformer
+from fsdp_tp.recipe.config import PRESETS
 from tests.equivalence import check_equivalence
 from tests.test_transformer import CONFIG, reference_loss, transformer_case
 

@@ -24,9 +24,9 @@ import pytest
 from fsdp_tp._integrity import fingerprints
 from fsdp_tp.checkpoint import Checkpoints
 from fsdp_tp.cli import main
-from fsdp_tp.cli import trainer as trainer_module
 from fsdp_tp.cli.workdir import saved_steps
 from fsdp_tp.errors import CheckpointCorruptError, CheckpointSaveError
+from fsdp_tp.recipe import trainer as trainer_module
 
 pytestmark = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")
 RUN = [

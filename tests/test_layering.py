@@ -109,3 +109,16 @@ def test_no_core_module_imports_linen_directly_or_through_another():
 def test_negative_control_a_linen_module_is_seen(module):
     # The same walk finds Linen where it is: it could fail.
     assert any(_linen(others) for others in _closure([module]).values())
+
+
+def test_bench_and_the_cli_share_the_recipe_not_each_other():
+    """``bench/`` reads the main job's presets, data, trainer and throughput from ``recipe/``;
+    nothing in ``bench/`` or ``recipe/`` imports ``cli/`` (whose ``main`` only dispatches the
+    ``bench`` command)."""
+    modules = [
+        ".".join(p.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__")
+        for folder in ("bench", "recipe")
+        for p in (PACKAGE / folder).glob("*.py")
+    ]
+    offenders = {m: sorted(o for o in _imports(m)[0] if o.startswith("cli")) for m in modules}
+    assert modules and not any(offenders.values()), offenders

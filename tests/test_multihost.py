@@ -15,9 +15,9 @@ import pytest
 
 from fsdp_tp.checkpoint import Checkpoints
 from fsdp_tp.cli import main
-from fsdp_tp.cli.trainer import Trainer
 from fsdp_tp.cli.workdir import saved_steps
 from fsdp_tp.mesh import make_mesh
+from fsdp_tp.recipe.trainer import Trainer
 from tests.test_checkpoints import settings
 
 pytestmark = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")

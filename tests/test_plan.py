@@ -14,11 +14,11 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 from fsdp_tp.analysis import state_bytes_per_device
-from fsdp_tp.cli.config import preset
 from fsdp_tp.cli.fit import plan_of
-from fsdp_tp.cli.trainer import BATCH as WINDOWS
-from fsdp_tp.cli.trainer import Settings, step_fn
 from fsdp_tp.models import Layout, Transformer
+from fsdp_tp.recipe.config import preset
+from fsdp_tp.recipe.trainer import BATCH as WINDOWS
+from fsdp_tp.recipe.trainer import Settings, step_fn
 from fsdp_tp.train import shard_step, state_init_fn
 
 pytestmark = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")

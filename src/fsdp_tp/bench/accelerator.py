@@ -26,11 +26,11 @@ import numpy as np
 import optax
 
 from ..analysis import compiled_memory
-from ..cli.config import PRESETS, ModelConfig
-from ..cli.throughput import Achieved, peak_tflops
-from ..cli.trainer import BATCH, Settings, Trainer, step_fn
 from ..mesh import make_mesh
 from ..models import Layout
+from ..recipe.config import PRESETS, ModelConfig
+from ..recipe.throughput import Achieved, peak_tflops
+from ..recipe.trainer import BATCH, Settings, Trainer, step_fn
 from ..train import shard_step, state_init_fn
 from .figures import median, step_seconds
 
@@ -152,7 +152,7 @@ def accelerator_section(
             "AdamW after global-norm clipping. The library's step at mesh 1 x 1 x 1 against the plain-flax "
             "twin's, interleaved blocks, medians (min-max of the per-block ratios in brackets). MFU: "
             "6 x weights + attention FLOPs per token (`ModelConfig.flops_per_token`) over the device's "
-            "dense peak in the compute dtype (`fsdp_tp.cli.throughput.PEAK_TFLOPS`; none on CPU). Memory: "
+            "dense peak in the compute dtype (`fsdp_tp.recipe.throughput.PEAK_TFLOPS`; none on CPU). Memory: "
             "the compiled step's argument + output - alias + temp, plain flax's in brackets.",
             "",
             "| model | batch x seq | tokens/s (library) | MFU | library ÷ plain flax step time | memory |",

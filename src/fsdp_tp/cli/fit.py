@@ -18,10 +18,10 @@ from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
 from ..plan import Plan, make_plan
+from ..recipe.throughput import memory_stats
+from ..recipe.trainer import BATCH, Settings, window_loss
 from ..train import state_init_fn
 from .checks import UsageError
-from .throughput import memory_stats
-from .trainer import BATCH, Settings, window_loss
 
 __all__ = ["HEADROOM", "check_fits", "choose_remat", "memory_per_device", "mib", "plan_of", "print_plan"]
 

@@ -27,9 +27,8 @@ from ..errors import (
 from ..mesh import parse_mesh
 from ..models import Layout
 from ..precision import MixedPrecision
-from .checks import UsageError, check_paths, check_ranges, resuming
-from .config import preset
-from .data import (
+from ..recipe.config import preset
+from ..recipe.data import (
     EVAL_FRACTION,
     DataError,
     check_tokens,
@@ -38,6 +37,7 @@ from .data import (
     split_held_out,
     vocab_for,
 )
+from .checks import UsageError, check_paths, check_ranges, resuming
 from .distributed import DistributedError
 from .machine import check_mesh_fits, select_devices, uses_accelerator
 from .options import DEFAULT_MESH, DTYPES, parser
@@ -48,7 +48,7 @@ __all__ = ["console", "main"]
 
 
 def _settings(args, mesh: dict, vocab_size: int | None = None):
-    from .trainer import Settings
+    from ..recipe.trainer import Settings
 
     overrides = {
         k: getattr(args, k)

@@ -6,7 +6,7 @@ import argparse
 
 from ..layers.attention import ATTENTION_IMPLEMENTATIONS
 from ..models.transformer import REMAT_POLICIES
-from .config import PRESETS
+from ..recipe.config import PRESETS
 
 __all__ = ["DEFAULT_MESH", "DTYPES", "parser"]
 

@@ -16,7 +16,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from .trainer import Settings
+from ..recipe.trainer import Settings
 
 __all__ = ["changes", "data_identity", "precision_of", "record"]
 

@@ -15,12 +15,12 @@ import numpy as np
 from ..checkpoint import Checkpoints
 from ..layers.attention import resolved_implementation
 from ..mesh import make_mesh
+from ..recipe.throughput import Achieved, memory_in_use, peak_tflops
+from ..recipe.trainer import Settings, Trainer, compare_with_twin
 from .checks import UsageError, resuming
 from .fit import check_fits, choose_remat, mib, plan_of
 from .output import Output, model_name, run_header
 from .resume import changes, data_identity, precision_of, record
-from .throughput import Achieved, memory_in_use, peak_tflops
-from .trainer import Settings, Trainer, compare_with_twin
 from .workdir import clear, locked
 
 __all__ = ["train"]

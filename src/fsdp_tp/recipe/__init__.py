@@ -1,0 +1,7 @@
+"""The main job's recipe, shared by ``fsdp-tp train`` (:mod:`fsdp_tp.cli`) and
+``fsdp-tp bench`` (:mod:`fsdp_tp.bench`), neither of which imports the other's modules:
+the model presets (``config``), the token data (``data``), the trainer with its sharded
+init, step and twin check (``trainer``), and throughput and memory figures (``throughput``).
+"""
+
+__all__: list[str] = []
