@@ -149,6 +149,19 @@ def test_apply_gradients_on_split_params_under_shard_map_is_refused():
         jax.jit(f)(state, x)
 
 
+@pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")
+@pytest.mark.parametrize("strategy", ["dp", "fsdp", "tp"])
+def test_an_optimizer_state_of_lists_per_parameter_equals_unsharded(strategy):
+    """optax.sm3 keeps a list of accumulators per parameter (one per dim), so its state holds
+    boxes around lists: init_sharded crashed in the spec derivation (issue 34 point 3). Each
+    accumulator is now split like its parameter where it fits, else whole; params and state
+    after 3 steps equal the unsharded run's, both check_vma modes. Not yet fsdp x tp x sp:
+    there one of 128 elements of sm3's update (-0.0198) is 1.25e-6 off after one step (atol
+    1e-6) while SGD's is within tolerance; open until its cause is known."""
+    for check_vma in (True, False):
+        assert optimizer_mismatches(_strategy(strategy, check_vma), {"sm3": lambda: optax.sm3(LR)}) == {}
+
+
 def test_a_step_that_returns_a_state_is_told_to_return_grads():
     case, state, specs, x = _fsdp_state(True)
 

@@ -69,13 +69,25 @@ def specs_of(tree: PyTree, mesh=None) -> PyTree:
         if not jax.tree.leaves(x.value):
             return x
         wanted = x.get_partition_spec()
-        if sizes is None:
-            return wanted
-        shape = tuple(x.value.shape)
-        fits = len(wanted) == len(shape) and not fit_problems("", shape, wanted, sizes)
-        return wanted if fits else PartitionSpec()
+        if _is_array(x.value):
+            return wanted if sizes is None else fitting(wanted, x.value)
+        # A box around a pytree: an optimizer that keeps several arrays per parameter
+        # (optax.sm3: one accumulator per dim) inherits the box around its list. Each array
+        # is split like the parameter where that fits, else whole; the box stays, so the
+        # specs keep the state's structure.
+        return x.replace_boxed(jax.tree.map(lambda v: fitting(wanted, v), x.value))
+
+    def fitting(wanted, value):
+        shape = tuple(np.shape(value))
+        if len(wanted) != len(shape) or fit_problems("", shape, wanted, sizes or {}):
+            return PartitionSpec()
+        return wanted
 
     return jax.tree.map(spec, tree, is_leaf=lambda x: isinstance(x, Partitioned))
+
+
+def _is_array(x) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
 def flat_specs_of(tree: PyTree) -> list[PartitionSpec]:
