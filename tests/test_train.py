@@ -6,6 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -94,3 +95,27 @@ def test_dropout_masks_differ_over_batch_axes_and_match_over_tensor(check_vma):
     np.testing.assert_array_equal(out[:, :, 0], out[:, :, 1])  # same over tensor
     batch_shards = out[:, :, 0].reshape(4, 64)
     assert len({row.tobytes() for row in batch_shards}) == 4  # different over data x fsdp
+
+
+@pytest.mark.parametrize("donate", [True, "negative_control_not_donated"])
+def test_a_donated_state_passed_again_is_refused_in_one_line(donate):
+    """Issue 34 point 4: ``step(s, b); step(s, b)`` segfaulted the interpreter (jaxlib 0.10.2)."""
+    mesh = fsdp_tp.make_mesh({"data": 8})
+
+    def init_fn(rng):
+        params = {"w": jnp.zeros((8,))}
+        return fsdp_tp.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(1.0), rng=rng)
+
+    def step_fn(state, x):
+        grads = jax.grad(lambda p: ((p["w"] - x) ** 2).mean())(state.params)
+        return fsdp_tp.sync_gradients(grads, "data"), ()
+
+    state, specs = fsdp_tp.init_sharded(init_fn, mesh, P(), jax.random.key(0))
+    step = fsdp_tp.shard_step(step_fn, mesh, specs, P("data"), donate_state=donate is True)
+    new_state, _ = step(state, jnp.ones((8, 8)))
+    if donate is True:
+        with pytest.raises(ValueError, match=r"^shard_step: the state passed was donated .* pass the state"):
+            step(state, jnp.ones((8, 8)))
+    else:  # not donated: the old state is still there and steps again
+        step(state, jnp.ones((8, 8)))
+    step(new_state, jnp.ones((8, 8)))  # the state the call returned is what to pass

@@ -161,6 +161,19 @@ def accumulate_gradients(
     return (mean(losses), jax.tree.map(mean, aux)), grads
 
 
+def _refuse_donated(state: PyTree) -> None:
+    """A state this step already consumed (donated) is refused in one line: reading a
+    donated multi-device array can kill the process on CPU instead of raising."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            raise ValueError(
+                f"shard_step: the state passed was donated to an earlier call of this step (its "
+                f"buffer{jax.tree_util.keystr(path)} is deleted); pass the state that call returned "
+                f"(state, metrics = step(state, batch)), or build the step with donate_state=False "
+                f"to keep the old state."
+            )
+
+
 def shard_step(
     step_fn: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]],
     mesh: Mesh,
@@ -231,6 +244,8 @@ def shard_step(
     )
 
     def step(state: PyTree, batch: PyTree) -> tuple[PyTree, PyTree]:
+        if donate_state:
+            _refuse_donated(state)
         try:
             return sharded(state, batch)
         except (ValueError, TypeError) as err:
