@@ -207,3 +207,51 @@ def test_the_api_cases_are_real_modules():
     """Negative control of the type checks above: a module class passes them."""
     assert issubclass(fsdp_tp.shard_module_params(nn.Dense), nn.Module)
     assert jax.device_count() == 8
+
+
+STRINGS_FOR_SEQUENCES = [
+    # (call, error, the one line's start): issue 34 point 7, each was split into characters.
+    (
+        lambda: fsdp_tp.shard_by_rules(nn.Dense, "kernel"),
+        fsdp_tp.errors.RuleError,
+        "shard_by_rules: rules 'kernel' is a string; give a list of (pattern, spec) pairs",
+    ),
+    (
+        lambda: fsdp_tp.shard_by_rules(nn.Dense, [("kernel", P("fsdp"))], default="fsdp"),
+        fsdp_tp.errors.RuleError,
+        "shard_by_rules: default= 'fsdp' is a string, not a spec; write P('fsdp')",
+    ),
+    (
+        lambda: fsdp_tp.shard_by_rules(nn.Dense, [("kernel", "fsdp")]),
+        fsdp_tp.errors.RuleError,
+        "shard_by_rules: rule 'kernel' -> 'fsdp' is a string, not a spec; write P('fsdp')",
+    ),
+    (
+        lambda: fsdp_tp.init_sharded(lambda r: {"w": r}, fsdp_tp.make_mesh({"data": 8}), "data", 1),
+        fsdp_tp.errors.SpecError,
+        "init argument: spec 'data' is a str, not a PartitionSpec; write P('data').",
+    ),
+    (
+        lambda: fsdp_tp.make_mesh({"": 8}),
+        MeshShapeError,
+        "make_mesh: axis names must be non-empty names such as 'data' or 'fsdp'; got ['']",
+    ),
+    (
+        lambda: fsdp_tp.make_mesh({2: 4}),
+        MeshShapeError,
+        "make_mesh: axis names must be non-empty names such as 'data' or 'fsdp'; got [2]",
+    ),
+]
+
+
+@pytest.mark.parametrize(("call", "error", "start"), STRINGS_FOR_SEQUENCES)
+def test_a_string_where_a_sequence_is_expected_is_refused_in_one_line(call, error, start):
+    with pytest.raises(error) as caught:
+        call()
+    assert str(caught.value).startswith(start) and "\n" not in str(caught.value), str(caught.value)
+
+
+def test_negative_control_the_same_calls_with_sequences_work():
+    fsdp_tp.shard_by_rules(nn.Dense, [("kernel", P("fsdp"))], default=P())
+    fsdp_tp.make_mesh({"data": 8})
+    fsdp_tp.init_sharded(lambda r: {"w": r}, fsdp_tp.make_mesh({"data": 8}), P(), 1)

@@ -77,6 +77,12 @@ def make_mesh(
         )
     if axis_sizes is None:
         axis_sizes = {"data": 1, "fsdp": -1, "tensor": 1}
+    bad = [name for name in axis_sizes if not (isinstance(name, str) and name)]
+    if bad:
+        raise MeshShapeError(
+            f"make_mesh: axis names must be non-empty names such as 'data' or 'fsdp'; got {bad} in "
+            f"{dict(axis_sizes)!r}."
+        )
     sizes = _resolve_sizes(axis_sizes, len(devices))
     return jax.make_mesh(
         tuple(sizes.values()),

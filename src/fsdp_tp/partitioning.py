@@ -18,7 +18,7 @@ from ._layout import check_fit
 from ._trace import flat_specs_of, specs_of, trace_per_device
 from ._tree import first_difference
 from ._types import PyTree, Specs
-from .errors import SpecTreeMismatchError
+from .errors import SpecError, SpecTreeMismatchError
 
 __all__ = ["check_specs", "derive_specs", "flat_specs_of", "specs_of"]
 
@@ -59,6 +59,13 @@ def check_specs(tree: PyTree, specs: Specs, mesh: Mesh | AbstractMesh, what: str
     fsdp_tp.errors.IndivisibleShapeError: batch['x']: dim 0 (size 6) of shape (6, 2) is not divisible by ...
     """
     spec_leaves, spec_def = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)
+    for spec_path, leaf in spec_leaves:
+        if not _is_spec(leaf):  # a bare "data" would be read as one axis per character
+            shown = f"P({leaf!r})" if isinstance(leaf, str) else "a PartitionSpec, e.g. P('data')"
+            raise SpecError(
+                f"{what}{jax.tree_util.keystr(tuple(spec_path))}: spec {leaf!r} is a "
+                f"{type(leaf).__name__}, not a PartitionSpec; write {shown}."
+            )
     try:
         subtrees = spec_def.flatten_up_to(tree)  # type: ignore[attr-defined]  # exists, untyped
     except (ValueError, TypeError):

@@ -32,7 +32,7 @@ from ._transform import (
 from ._types import AxisNames
 from .errors import RuleError
 from .precision import MixedPrecision, checked_policy
-from .rules import REPLICATED, CompiledRule, Rules, compile_rules, spec_for, unmatched_warning
+from .rules import REPLICATED, CompiledRule, Rules, as_spec, compile_rules, spec_for, unmatched_warning
 
 __all__ = ["shard_by_rules"]
 
@@ -119,7 +119,7 @@ def shard_by_rules(
     """
     check_module_class(target, "shard_by_rules")
     compiled = compile_rules(rules, "shard_by_rules")
-    default = PartitionSpec(*default)
+    default = as_spec(default, "shard_by_rules", "default=")
     batch = frozenset(as_axis_tuple(batch_axes))
     policy = checked_policy(mixed_precision, "shard_by_rules")
     tp = compile_tp_rules(tp_rules, "shard_by_rules")

@@ -45,6 +45,7 @@ from .errors import RuleError, UnmatchedRuleWarning
 __all__ = [
     "REPLICATED",
     "Rules",
+    "as_spec",
     "compile_rules",
     "logical_spec",
     "named_shardings",
@@ -74,17 +75,39 @@ def compile_rules(rules: Rules, caller: str = "rules") -> tuple[CompiledRule, ..
     ...
     fsdp_tp.errors.RuleError: rules: rule pattern 'ker(nel' is not a regular expression: ...
     """
+    if isinstance(rules, str):
+        raise RuleError(
+            f"{caller}: rules {rules!r} is a string; give a list of (pattern, spec) pairs, e.g. "
+            f"[({rules!r}, P(None, 'fsdp'))]."
+        )
     compiled = []
     for rule in rules:
         pattern, regex, spec = split_rule(
             rule, caller, "(pattern, spec) pair, e.g. ('kernel$', P(None, 'fsdp'))"
         )
-        if not isinstance(spec, PartitionSpec | tuple):
-            raise RuleError(
-                f"{caller}: rule {pattern!r} -> {spec!r}: give a PartitionSpec or a tuple of axis names."
-            )
-        compiled.append(CompiledRule(pattern, regex, PartitionSpec(*spec)))
+        compiled.append(CompiledRule(pattern, regex, as_spec(spec, caller, f"rule {pattern!r} ->")))
     return tuple(compiled)
+
+
+def as_spec(value, caller: str, what: str) -> PartitionSpec:
+    """``value`` as a ``PartitionSpec`` (a spec, or a tuple of per-dim entries). A bare string
+    is refused: it would be read as one axis name per character.
+
+    >>> as_spec(("fsdp", None), "rules", "default=")
+    P('fsdp', None)
+    >>> as_spec("fsdp", "shard_by_rules", "default=")
+    Traceback (most recent call last):
+    ...
+    fsdp_tp.errors.RuleError: shard_by_rules: default= 'fsdp' is a string, not a spec; write P('fsdp') ...
+    """
+    if isinstance(value, str):
+        raise RuleError(
+            f"{caller}: {what} {value!r} is a string, not a spec; write P({value!r}) to split dim 0 "
+            f"over mesh axis {value!r}, or P() to keep the array whole."
+        )
+    if not isinstance(value, PartitionSpec | tuple):
+        raise RuleError(f"{caller}: {what} {value!r}: give a PartitionSpec or a tuple of axis names.")
+    return PartitionSpec(*value)
 
 
 def split_rule(rule, caller: str, expected: str) -> tuple[str, re.Pattern, Any]:
@@ -198,6 +221,7 @@ def specs_from_rules(
     {'attn': {'kernel': P(None, 'tensor')}, 'mlp': {'kernel': P('fsdp',)}}
     """
     compiled = compile_rules(rules, "specs_from_rules")
+    default = as_spec(default, "specs_from_rules", "default=")
     logical = logical_axis_rules if logical_axis_rules is not None else get_logical_axis_rules()
     used: set[int] = set()
 
