@@ -23,7 +23,7 @@ from fsdp_tp import make_mesh
 from fsdp_tp.cli import fit, machine, main
 from fsdp_tp.cli.main import _settings
 from fsdp_tp.cli.options import parser
-from fsdp_tp.layers.attention import attend
+from fsdp_tp.linen.layers.attention import attend
 from fsdp_tp.mesh import parse_mesh
 from fsdp_tp.models import Layout, Transformer
 from fsdp_tp.recipe.config import PRESETS
@@ -52,7 +52,7 @@ def test_xla_attention_equals_the_reference(groups, per_group, seq, causal, seed
 
 def test_auto_attention_is_xla_off_gpu_and_unknown_names_are_refused():
     q = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
-    from fsdp_tp.layers.attention import resolved_implementation
+    from fsdp_tp.linen.layers.attention import resolved_implementation
 
     assert resolved_implementation("auto", q.dtype) == ("cudnn" if jax.default_backend() == "gpu" else "xla")
     assert resolved_implementation("auto", jnp.float32) == "xla"  # cuDNN takes 16-bit inputs only
@@ -170,15 +170,20 @@ def test_every_suggested_mesh_fits(devices, heads, batch):
         assert batch % (sizes["data"] * sizes["fsdp"]) == 0 and heads % sizes["tensor"] == 0
 
 
-def test_a_mesh_that_does_not_fit_the_devices_names_those_that_would():
-    """In a fresh process: 4 simulated devices, the default 2x2x2 mesh asked for."""
+def _console_in_a_fresh_process(argv: list[str]) -> subprocess.CompletedProcess:
+    """``fsdp-tp`` as a user types it: a new process, its own simulated CPU devices."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     code = "from fsdp_tp.cli import console; console()"
-    argv = ["--cpu-devices", "4", "--mesh", "data=2,fsdp=2,tensor=2", "--steps", "1"]
-    done = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True, timeout=300
     )
+
+
+def test_a_mesh_that_does_not_fit_the_devices_names_those_that_would():
+    """In a fresh process: 4 simulated devices, the default 2x2x2 mesh asked for."""
+    argv = ["--cpu-devices", "4", "--mesh", "data=2,fsdp=2,tensor=2", "--steps", "1"]
+    done = _console_in_a_fresh_process(argv)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [
         "fsdp-tp: error: --mesh data=2,fsdp=2,tensor=2 needs 8 devices, but 4 are here; meshes that fit: "
@@ -190,13 +195,7 @@ def test_a_mesh_that_does_not_fit_the_devices_names_those_that_would():
 def test_cpu_devices_without_a_mesh_put_every_device_on_fsdp_and_say_so():
     """Issue 32: ``--cpu-devices 2`` with no ``--mesh`` was refused for not fitting the default
     2 x 2 x 2 mesh, whose --mesh the user had not given. In a fresh process, as typed."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
-    code = "from fsdp_tp.cli import console; console()"
-    argv = ["--cpu-devices", "2", "--steps", "1", "--eval-every", "0"]
-    done = subprocess.run(
-        [sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True, timeout=300
-    )
+    done = _console_in_a_fresh_process(["--cpu-devices", "2", "--steps", "1", "--eval-every", "0"])
     assert done.returncode == 0, done.stderr[-3000:]
     assert "no --mesh given: chose fsdp=2, every cpu device on fsdp" in done.stdout, done.stdout
     assert "mesh data=1 x fsdp=2 x tensor=1 on 2 cpu devices" in done.stdout, done.stdout

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 from fsdp_tp.errors import ReplicatedParameterWarning
-from fsdp_tp.fsdp import _shard_dim
+from fsdp_tp.linen.fsdp import _shard_dim
 
 dims = st.lists(st.integers(1, 48), min_size=0, max_size=4)
 

@@ -100,12 +100,13 @@ def _linen(imports: set[str]) -> list[str]:
 
 def test_no_core_module_imports_linen_directly_or_through_another():
     reached = _closure(CORE)
+    assert not [name for name in reached if name.startswith("linen")], "the core reaches the Linen front end"
     assert set(CORE) <= set(reached)
     offenders = {name: _linen(others) for name, others in reached.items() if _linen(others)}
     assert not offenders, f"core modules (or modules they import) that import flax.linen: {offenders}"
 
 
-@pytest.mark.parametrize("module", ["_transform", "layers.dense", "tp_rules"])
+@pytest.mark.parametrize("module", ["linen._transform", "linen.layers.dense", "linen.tp_rules"])
 def test_negative_control_a_linen_module_is_seen(module):
     # The same walk finds Linen where it is: it could fail.
     assert any(_linen(others) for others in _closure([module]).values())
@@ -122,3 +123,15 @@ def test_bench_and_the_cli_share_the_recipe_not_each_other():
     ]
     offenders = {m: sorted(o for o in _imports(m)[0] if o.startswith("cli")) for m in modules}
     assert modules and not any(offenders.values()), offenders
+
+
+def test_everything_that_imports_linen_lives_in_the_linen_folder_or_uses_it():
+    """The front end is a folder: outside ``linen/`` only the model zoo (``models/``, a GPT
+    written in Linen) and the users of both tiers (``recipe/``, ``bench/``) import flax.linen."""
+    outside = sorted(
+        name
+        for path in PACKAGE.rglob("*.py")
+        for name in [".".join(path.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__")]
+        if not name.startswith(("linen", "models", "recipe", "bench")) and _linen(_imports(name)[1])
+    )
+    assert outside == [], outside

@@ -16,9 +16,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
-from fsdp_tp import _gather, rule_transform
 from fsdp_tp.analysis import parse_collectives
 from fsdp_tp.errors import RuleError
+from fsdp_tp.linen import _gather, rule_transform
 from tests.equivalence import Case, check_equivalence
 from tests.plain_models import PlainLM, lowered_lm_step
 

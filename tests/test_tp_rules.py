@@ -27,7 +27,7 @@ import fsdp_tp
 from fsdp_tp import tp_rules
 from fsdp_tp.analysis import dot_flops, parse_collectives
 from fsdp_tp.errors import IndivisibleShapeError, RuleError
-from fsdp_tp.tp_rules import ColumnParallel, RowParallel, VocabParallel, attention_rules, mlp_rules
+from fsdp_tp.linen.tp_rules import ColumnParallel, RowParallel, VocabParallel, attention_rules, mlp_rules
 from tests.equivalence import Case, check_equivalence
 from tests.plain_models import PlainLM, lowered_lm_step
 

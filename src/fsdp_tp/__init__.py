@@ -1,15 +1,17 @@
-"""fsdp_tp: fully sharded data parallelism and tensor parallelism for Flax linen models.
+"""fsdp_tp: fully sharded data parallelism and tensor parallelism for Flax models.
 
 The front door holds the user's path: a mesh, a transform (or the tensor-parallel
 layers), the sharded init, the step, the gradient sync, checkpoints and the plan. The
-building blocks live in named submodules: :mod:`fsdp_tp.collectives` (the custom-gradient
-collectives), :mod:`fsdp_tp.fsdp` (``shard_params`` / ``gather_params``),
-:mod:`fsdp_tp.precision` (mixed-precision gathers), :mod:`fsdp_tp.partitioning` (specs of
-a state, checks), :mod:`fsdp_tp.rules` (the rule grammar, specs for ``jax.jit``),
-:mod:`fsdp_tp.layers` (every tensor-parallel layer), :mod:`fsdp_tp.tp_rules` (Megatron
-tensor parallelism by rules on a model's submodules), :mod:`fsdp_tp.mesh`,
-:mod:`fsdp_tp.train`, :mod:`fsdp_tp.sharded_init`, :mod:`fsdp_tp.checkpoint`,
-:mod:`fsdp_tp.analysis`, :mod:`fsdp_tp.models`, :mod:`fsdp_tp.errors`.
+building blocks live in named submodules. The core, which imports no Linen:
+:mod:`fsdp_tp.collectives` (the custom-gradient collectives), :mod:`fsdp_tp.tp`
+(Megatron's pieces), :mod:`fsdp_tp.precision` (mixed-precision gathers),
+:mod:`fsdp_tp.partitioning` (specs of a state, checks), :mod:`fsdp_tp.rules` (the rule
+grammar, specs for ``jax.jit``), :mod:`fsdp_tp.mesh`, :mod:`fsdp_tp.train`,
+:mod:`fsdp_tp.sharded_init`, :mod:`fsdp_tp.checkpoint`, :mod:`fsdp_tp.analysis`,
+:mod:`fsdp_tp.errors`. The Linen front end, :mod:`fsdp_tp.linen`: ``fsdp_tp.fsdp``
+(``shard_params`` / ``gather_params``), ``fsdp_tp.layers`` (every tensor-parallel layer)
+and ``fsdp_tp.tp_rules`` (Megatron tensor parallelism by rules on a model's submodules)
+are its modules, reachable from here as before. And :mod:`fsdp_tp.models`.
 ``docs/architecture.md`` maps them.
 """
 
@@ -17,38 +19,40 @@ from . import analysis as analysis
 from . import checkpoint as checkpoint
 from . import collectives as collectives
 from . import errors as errors
-from . import fsdp as fsdp
-from . import layers as layers
+from . import linen as linen
 from . import mesh as mesh
 from . import models as models
 from . import partitioning as partitioning
 from . import precision as precision
 from . import rules as rules
 from . import sharded_init as sharded_init
-from . import tp_rules as tp_rules
+from . import tp as tp
 from . import train as train
 from .checkpoint import Checkpoints as Checkpoints
-from .fsdp import shard_module_params as shard_module_params
 from .gradients import sync_gradients as sync_gradients
-from .layers import AttentionBlock as AttentionBlock
-from .layers import ColumnParallelDense as ColumnParallelDense
-from .layers import MLPBlock as MLPBlock
-from .layers import RowParallelDense as RowParallelDense
-from .layers import VocabParallelEmbed as VocabParallelEmbed
-from .layers import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
+from .linen import fsdp as fsdp  # fsdp_tp.fsdp.gather_params etc., as before the Linen folder
+from .linen import layers as layers
+from .linen import tp_rules as tp_rules
+from .linen.fsdp import shard_module_params as shard_module_params
+from .linen.layers import AttentionBlock as AttentionBlock
+from .linen.layers import ColumnParallelDense as ColumnParallelDense
+from .linen.layers import MLPBlock as MLPBlock
+from .linen.layers import RowParallelDense as RowParallelDense
+from .linen.layers import VocabParallelEmbed as VocabParallelEmbed
+from .linen.layers import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
+from .linen.rule_transform import shard_by_rules as shard_by_rules
+from .linen.tp_transform import tensor_parallel as tensor_parallel
 from .mesh import make_mesh as make_mesh
 from .mesh import simulate_cpu_devices as simulate_cpu_devices
 from .plan import make_plan as make_plan
 from .precision import MixedPrecision as MixedPrecision
-from .rule_transform import shard_by_rules as shard_by_rules
 from .sharded_init import init_sharded as init_sharded
-from .tp_transform import tensor_parallel as tensor_parallel
 from .train import TrainState as TrainState
 from .train import accumulate_gradients as accumulate_gradients
 from .train import shard_step as shard_step
 from .train import state_init_fn as state_init_fn
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AttentionBlock",

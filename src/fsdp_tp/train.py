@@ -165,7 +165,8 @@ def _refuse_donated(state: PyTree) -> None:
     """A state this step already consumed (donated) is refused in one line: reading a
     donated multi-device array can kill the process on CPU instead of raising."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(state):
-        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+        # Called under an outer jit (a caller's guarded step) the leaves are tracers: nothing to check.
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted():
             raise ValueError(
                 f"shard_step: the state passed was donated to an earlier call of this step (its "
                 f"buffer{jax.tree_util.keystr(path)} is deleted); pass the state that call returned "

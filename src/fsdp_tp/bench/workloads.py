@@ -17,7 +17,7 @@ import numpy as np
 import optax
 
 from ..collectives import gather_from_axis, scatter_to_axis
-from ..layers import MLPBlock, vocab_parallel_cross_entropy
+from ..linen.layers import MLPBlock, vocab_parallel_cross_entropy
 from ..models import Layout, Transformer
 from ..models.transformer import DecoderBlock
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..layers.attention import ATTENTION_IMPLEMENTATIONS
+from ..linen.layers.attention import ATTENTION_IMPLEMENTATIONS
 from ..models.transformer import REMAT_POLICIES
 from ..recipe.config import PRESETS
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..checkpoint import Checkpoints
-from ..layers.attention import resolved_implementation
+from ..linen.layers.attention import resolved_implementation
 from ..mesh import make_mesh
 from ..recipe.throughput import Achieved, memory_in_use, peak_tflops
 from ..recipe.trainer import Settings, Trainer, compare_with_twin

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..fsdp import shard_module_params
+from ..linen.fsdp import shard_module_params
 from ..precision import MixedPrecision, checked_policy
 
 __all__ = ["Layout"]

@@ -9,9 +9,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .._transform import keep_module_name
 from ..collectives import copy_to_axis
-from ..layers import AttentionBlock, ColumnParallelDense, MLPBlock, VocabParallelEmbed
+from ..linen._transform import keep_module_name
+from ..linen.layers import AttentionBlock, ColumnParallelDense, MLPBlock, VocabParallelEmbed
 from .layout import Layout
 
 __all__ = ["REMAT_POLICIES", "Transformer"]
@@ -102,7 +102,7 @@ class Transformer(nn.Module):
     ``dtype=jnp.bfloat16`` computes in bf16 on f32 parameters; the logits come
     back in f32 either way, for the loss. ``scan_layers=False`` unrolls the
     layers (parameters ``blocks_0``, ``blocks_1``, ...; compile time grows with depth).
-    ``attention`` picks how attention is computed (:func:`~fsdp_tp.layers.attend`); every
+    ``attention`` picks how attention is computed (:func:`~fsdp_tp.linen.layers.attend`); every
     choice of ``attention`` and ``remat`` computes the same function.
     """
 

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..gradients import sync_gradients
-from ..layers import vocab_parallel_cross_entropy
+from ..linen.layers import vocab_parallel_cross_entropy
 from ..models import Layout
 from ..sharded_init import init_sharded
 from ..train import accumulate_gradients, shard_step, state_init_fn

@@ -4,7 +4,7 @@ The wrapped module computes on this device's slices of its parameters, so a
 ``Dense`` whose kernel is split on the output dim yields this device's slice of
 the features: column-parallel compute with the module's own code. Init stays
 that of the unsplit module, bit for bit: the full parameter is initialized from
-the module's rng and sliced (as in :func:`~fsdp_tp.layers.split_param`).
+the module's rng and sliced (as in :func:`~fsdp_tp.linen.layers.split_param`).
 
 The transform splits parameters only. The collectives around the module are
 the caller's: :func:`~fsdp_tp.collectives.copy_to_axis` on a replicated input (its
@@ -25,14 +25,14 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from ._axes import axes_named, require_axes
+from .._axes import axes_named, require_axes
+from .._layout import check_fit, sliced_init
+from .._tree import module_path
+from .._types import AxisName
+from ..errors import IndivisibleShapeError, RuleError
+from ..rules import split_rule
 from ._gather import param_boxed
-from ._layout import check_fit, sliced_init
 from ._transform import check_module_class, keep_module_name
-from ._tree import module_path
-from ._types import AxisName
-from .errors import IndivisibleShapeError, RuleError
-from .rules import split_rule
 
 __all__ = ["tensor_parallel"]
 

@@ -16,13 +16,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from .._axes import require_axes
+from ..._axes import require_axes
+from ..._layout import axis_text, check_fit, require_divisible, sliced_init
+from ..._tree import module_path
+from ...collective_matmul import RingChunks, matmul_reduce_scatter, require_mode
+from ...collectives import gather_from_axis
+from ...tp import add_bias_once, column_input, row_reduce
 from .._gather import param_boxed
-from .._layout import axis_text, check_fit, require_divisible, sliced_init
-from .._tree import module_path
-from ..collective_matmul import RingChunks, matmul_reduce_scatter, require_mode
-from ..collectives import gather_from_axis
-from ..tp import add_bias_once, column_input, row_reduce
 
 __all__ = ["ColumnParallelDense", "RowParallelDense", "apply_chunked", "split_param"]
 

@@ -18,7 +18,11 @@ import flax.linen as nn
 import jax
 from jax.sharding import PartitionSpec
 
-from ._axes import as_axis_tuple, bound_axis_names, entry_axes
+from .._axes import as_axis_tuple, bound_axis_names, entry_axes
+from .._types import AxisNames
+from ..errors import RuleError
+from ..precision import MixedPrecision, checked_policy
+from ..rules import REPLICATED, CompiledRule, Rules, as_spec, compile_rules, spec_for, unmatched_warning
 from ._gather import gather
 from ._local_compute import Seen, compile_tp_rules, local_compute, require_all_matched, with_split
 from ._transform import (
@@ -29,10 +33,6 @@ from ._transform import (
     store,
     warn_once,
 )
-from ._types import AxisNames
-from .errors import RuleError
-from .precision import MixedPrecision, checked_policy
-from .rules import REPLICATED, CompiledRule, Rules, as_spec, compile_rules, spec_for, unmatched_warning
 
 __all__ = ["shard_by_rules"]
 

@@ -8,11 +8,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .._axes import require_axes
-from .._layout import axis_text, require_divisible
-from .._tree import module_path
-from ..collectives import copy_to_axis
-from ..tp import column_input
+from ..._axes import require_axes
+from ..._layout import axis_text, require_divisible
+from ..._tree import module_path
+from ...collectives import copy_to_axis
+from ...tp import column_input
 from .dense import ColumnParallelDense, RowParallelDense, apply_chunked, split_param
 
 __all__ = ["ATTENTION_IMPLEMENTATIONS", "AttentionBlock", "attend", "resolved_implementation"]

@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._tree import module_path
-from ..collectives import require_sequence_divisible
-from ..tp import row_reduce, vocab_lookup
+from ..._tree import module_path
+from ...collectives import require_sequence_divisible
+from ...tp import row_reduce, vocab_lookup
 from .dense import split_param
 
 __all__ = ["VocabParallelEmbed", "vocab_parallel_cross_entropy"]

@@ -3,7 +3,7 @@
 An ``nn.intercept_methods`` interceptor sees every submodule call of the transformed
 model. At init it lets a named submodule create its full parameters from its own rng
 (so the init is the unsplit model's, bit for bit) and records, per parameter path, the
-dim its role splits, which the transform's :func:`~fsdp_tp._transform.store` adds to the
+dim its role splits, which the transform's :func:`~fsdp_tp.linen._transform.store` adds to the
 rule's layout (:func:`with_split`). At apply it runs a clone of the submodule bound to
 the same scope, with the attributes that make it compute on the local sizes (a
 ``Dense`` with ``features / size``), so flax reads the stored slices as the module's
@@ -25,17 +25,17 @@ import jax
 from flax import errors as flax_errors
 from jax.sharding import PartitionSpec
 
-from ._axes import entry_axes, require_axes
-from ._layout import axis_text, require_divisible
-from ._tree import module_path
-from ._types import AxisName
-from .errors import RuleError
-from .rules import split_rule
+from .._axes import entry_axes, require_axes
+from .._layout import axis_text, require_divisible
+from .._tree import module_path
+from .._types import AxisName
+from ..errors import RuleError
+from ..rules import split_rule
 from .tp_rules import TPRole
 
 __all__ = ["CompiledRole", "Seen", "compile_tp_rules", "local_compute", "require_all_matched", "with_split"]
 
-_ROLES = "ColumnParallel, RowParallel, HeadParallel or VocabParallel from fsdp_tp.tp_rules"
+_ROLES = "ColumnParallel, RowParallel, HeadParallel or VocabParallel from fsdp_tp.linen.tp_rules"
 
 
 @dataclasses.dataclass(frozen=True)

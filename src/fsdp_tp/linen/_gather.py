@@ -21,13 +21,13 @@ import jax
 from flax import struct
 from flax.core import meta
 
-from ._axes import axes_named, entry_axes, varying_axes
+from .._axes import axes_named, entry_axes, varying_axes
+from .._tree import module_path, path_of
+from .._types import AxisName, PyTree, is_box
+from ..collectives import gather_array_with_mean_grads, gather_from_axis
+from ..errors import RuleError
+from ..precision import MixedPrecision
 from ._transform import current_module_path
-from ._tree import module_path, path_of
-from ._types import AxisName, PyTree, is_box
-from .collectives import gather_array_with_mean_grads, gather_from_axis
-from .errors import RuleError
-from .precision import MixedPrecision
 
 __all__ = ["GatheredOnRead", "gather", "param_boxed"]
 
@@ -128,7 +128,7 @@ def gather(
     comes back as the reduce-scattered mean (every device's gradient is a part of the batch
     mean); over any other axis as this device's slice (all devices computed the same one).
     ``vary``: the axes the gathered values will meet device-varying data on, under
-    ``check_vma=True`` (see :func:`~fsdp_tp._transform.input_varying`). ``precision``: every
+    ``check_vma=True`` (see :func:`~fsdp_tp.linen._transform.input_varying`). ``precision``: every
     floating leaf is read rounded to its gather dtype, and the gathers over ``batch_axes``
     move that dtype and reduce-scatter the gradient in its reduce dtype
     (:class:`~fsdp_tp.precision.MixedPrecision`). ``at_read``: every block is boxed as

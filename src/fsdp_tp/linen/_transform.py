@@ -5,7 +5,7 @@ Every "store sharded, gather for compute" strategy of the library is these three
 - :func:`store` keeps this device's block of every parameter, as a per-leaf *layout
   choice* says (FSDP's largest divisible dim, partition rules, ...), checks every leaf
   at once (:mod:`fsdp_tp._layout`) and boxes the blocks as ``nn.Partitioned``;
-- :func:`fsdp_tp._gather.gather` all-gathers the blocks over the given axes for compute,
+- :func:`fsdp_tp.linen._gather.gather` all-gathers the blocks over the given axes for compute,
   at once or where the module reads them; over a batch axis the backward pass
   reduce-scatters the mean gradient, over any other axis (every device there saw the
   same batch) it keeps this device's slice;
@@ -29,11 +29,11 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from ._axes import axes_named, bound_axis_names, entry_axes, varying_axes
-from ._layout import block_of, check_fit
-from ._tree import module_path, path_of
-from ._types import PyTree, is_box
-from .errors import RuleError
+from .._axes import axes_named, bound_axis_names, entry_axes, varying_axes
+from .._layout import block_of, check_fit
+from .._tree import module_path, path_of
+from .._types import PyTree, is_box
+from ..errors import RuleError
 
 __all__ = [
     "LayoutChoice",

@@ -22,7 +22,7 @@ Per attention or Dense-Dense MLP block that is Megatron's minimum: one all-reduc
 :func:`mlp_rules` are the ready sets; pass the rules to :func:`~fsdp_tp.shard_by_rules`
 as ``tp_rules=``, next to its storage rules (FSDP splits another dim).
 
->>> from fsdp_tp.tp_rules import attention_rules, mlp_rules
+>>> from fsdp_tp.linen.tp_rules import attention_rules, mlp_rules
 >>> [(pattern, type(role).__name__) for pattern, role in mlp_rules(r"mlp/up$", r"mlp/down$")]
 [('mlp/up$', 'ColumnParallel'), ('mlp/down$', 'RowParallel')]
 """
@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 from flax.core import meta
 
-from .collectives import gather_from_axis
-from .tp import add_bias_once, column_input, row_reduce, vocab_lookup
+from ..collectives import gather_from_axis
+from ..tp import add_bias_once, column_input, row_reduce, vocab_lookup
 
 __all__ = [
     "ColumnParallel",

@@ -5,7 +5,7 @@ its slice (so the gathered init equals the unsharded init, bit for bit); for
 compute, each slice is all-gathered, and the gradient comes back
 reduce-scattered as the mean over the batch shards. The layout is automatic: the
 largest dim the axis divides. The mechanism is the transform core's
-(:mod:`fsdp_tp._transform`); this module is its FSDP front door.
+(:mod:`fsdp_tp.linen._transform`); this module is its FSDP front door.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from ._axes import axes_named, require_axes
+from .._axes import axes_named, require_axes
+from .._types import AxisName, AxisNames, PyTree
+from ..errors import ReplicatedParameterWarning
+from ..precision import MixedPrecision, checked_policy
 from ._gather import gather
 from ._transform import check_module_class, input_varying, map_params, store, warn_once
-from ._types import AxisName, AxisNames, PyTree
-from .errors import ReplicatedParameterWarning
-from .precision import MixedPrecision, checked_policy
 
 __all__ = ["gather_params", "shard_module_params", "shard_params"]
 
