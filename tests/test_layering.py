@@ -127,11 +127,11 @@ def test_bench_and_the_cli_share_the_recipe_not_each_other():
 
 def test_everything_that_imports_linen_lives_in_the_linen_folder_or_uses_it():
     """The front end is a folder: outside ``linen/`` only the model zoo (``models/``, a GPT
-    written in Linen) and the users of both tiers (``recipe/``, ``bench/``) import flax.linen."""
+    written in Linen) and the benchmark's plain-Flax baselines (``bench/``) import flax.linen."""
     outside = sorted(
         name
         for path in PACKAGE.rglob("*.py")
         for name in [".".join(path.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__")]
-        if not name.startswith(("linen", "models", "recipe", "bench")) and _linen(_imports(name)[1])
+        if not name.startswith(("linen", "models", "bench")) and _linen(_imports(name)[1])
     )
     assert outside == [], outside

@@ -46,10 +46,6 @@ __all__ = [
 ]
 
 
-def _axes_text(axes: tuple[AxisName, ...]) -> str:
-    return f"mesh axis {axes[0]!r}" if len(axes) == 1 else f"mesh axes {axes}"
-
-
 def not_divisible(
     where: str, what: str, size: int, by: str, parts: int, fix: str, shape: tuple | None = None
 ) -> IndivisibleShapeError:
@@ -77,7 +73,8 @@ def require_divisible(
 
 def axis_text(axes: AxisName | tuple) -> str:
     """``"mesh axis 'tensor'"`` or ``"mesh axes ('fsdp', 'tensor')"``: how errors name axes."""
-    return _axes_text(axes if isinstance(axes, tuple) else (axes,))
+    axes = axes if isinstance(axes, tuple) else (axes,)
+    return f"mesh axis {axes[0]!r}" if len(axes) == 1 else f"mesh axes {axes}"
 
 
 def indivisible(

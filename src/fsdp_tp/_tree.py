@@ -48,14 +48,22 @@ def named_shardings(specs: PyTree, mesh) -> PyTree:
     )
 
 
+def _children(x, leaf: bool = False) -> tuple[list[str], list, object] | None:
+    """``x``'s own level: its children's keys, the children and its node; ``None`` where
+    ``x`` is a leaf (or ``leaf`` says to take it as one)."""
+    pairs, node = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x or leaf)
+    if len(pairs) == 1 and pairs[0][1] is x:
+        return None
+    return [path_of(key) for key, _ in pairs], [child for _, child in pairs], node
+
+
 def _node(tree) -> str:
     """One node of a tree in a few words (never its whole structure)."""
     if isinstance(tree, dict):
         return f"a dict with keys {sorted(map(str, tree))}"
     if isinstance(tree, list | tuple) and not hasattr(tree, "_fields"):
         return f"a {type(tree).__name__} of {len(tree)}"
-    flat = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is not tree)[0]
-    return "a leaf" if len(flat) == 1 and flat[0] is tree else f"a {type(tree).__name__}"
+    return "a leaf" if _children(tree) is None else f"a {type(tree).__name__}"
 
 
 def first_difference(expected: PyTree, got: PyTree, is_leaf=None, prefix: bool = False) -> str | None:
@@ -63,24 +71,18 @@ def first_difference(expected: PyTree, got: PyTree, is_leaf=None, prefix: bool =
     ``None`` where they have the same structure. For errors: never a whole ``PyTreeDef``.
     ``prefix=True``: a leaf of ``expected`` stands for any subtree of ``got`` (a spec tree)."""
 
-    def children(x, leaf: bool):
-        """``x``'s children and their node, or ``None`` where ``x`` is a leaf."""
-        flat, node = jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x or leaf)
-        return None if len(flat) == 1 and flat[0] is x else (flat, node)
-
     def walk(a, b, path: tuple) -> str | None:
-        where = repr("/".join(map(str, path))) if path else "the top"
-        kids_a = children(a, is_leaf is not None and is_leaf(a))
+        kids_a = _children(a, is_leaf is not None and is_leaf(a))
         if prefix and kids_a is None:
             return None
-        kids_b = children(b, is_leaf is not None and is_leaf(b))
-        if (kids_a is None) != (kids_b is None) or (kids_a and kids_b and kids_a[1] != kids_b[1]):
-            return f"at {where}: expected {_node(a)}, got {_node(b)}"
-        if kids_a is None or kids_b is None:
+        kids_b = _children(b, is_leaf is not None and is_leaf(b))
+        if kids_a is None and kids_b is None:
             return None
-        keys = [k for k, _ in jax.tree_util.tree_flatten_with_path(a, is_leaf=lambda x: x is not a)[0]]
-        for key, child_a, child_b in zip(keys, kids_a[0], kids_b[0], strict=True):
-            if found := walk(child_a, child_b, (*path, path_of(key))):
+        if kids_a is None or kids_b is None or kids_a[2] != kids_b[2]:
+            where = repr("/".join(path)) if path else "the top"
+            return f"at {where}: expected {_node(a)}, got {_node(b)}"
+        for key, child_a, child_b in zip(kids_a[0], kids_a[1], kids_b[1], strict=True):
+            if found := walk(child_a, child_b, (*path, key)):
                 return found
         return None
 

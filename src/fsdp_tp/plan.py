@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-from flax.core.meta import Partitioned
+from flax.core.meta import Partitioned, unbox
 from jax.sharding import PartitionSpec
 
 from ._axes import entry_axes
@@ -119,8 +119,7 @@ def _optimizer_bytes(state, params, pspecs, mesh: dict[str, int], abstract_mesh)
     is_spec = lambda x: isinstance(x, PartitionSpec)
     boxed = jax.tree.map(lambda s, spec: _global(s, spec, mesh), params, pspecs, is_leaf=is_spec)
     abstract, specs = optimizer_layout(state.tx, boxed, abstract_mesh)
-    unbox = lambda x: x.value if isinstance(x, Partitioned) else x
-    leaves = jax.tree.leaves(jax.tree.map(unbox, abstract, is_leaf=lambda x: isinstance(x, Partitioned)))
+    leaves = jax.tree.leaves(unbox(abstract))
     flat_specs = jax.tree.leaves(specs, is_leaf=is_spec)
     return sum(
         _nbytes(x) // math.prod(_parts(spec, len(x.shape), mesh))

@@ -41,7 +41,7 @@ from ._types import AxisName
 from .collective_matmul import RingChunks, ring_all_gather
 from .collectives import copy_to_axis, reduce_from_axis
 
-__all__ = ["add_bias_once", "column_input", "row_reduce", "vocab_lookup"]
+__all__ = ["add_bias_once", "column_input", "row_reduce", "vocab_lookup", "vocab_start"]
 
 
 def column_input(
@@ -78,13 +78,18 @@ def add_bias_once(
     return y.astype(dtype) + bias.astype(dtype)
 
 
+def vocab_start(rows: int, axis_name: AxisName) -> jax.Array:
+    """The first id this device holds of a vocabulary split in blocks of ``rows``."""
+    return jax.lax.axis_index(axis_name) * rows
+
+
 def vocab_lookup(
     ids: jax.Array, rows: int, axis_name: AxisName, lookup: Callable[[jax.Array], jax.Array]
 ) -> jax.Array:
     """``lookup`` of the ids in this device's ``rows`` of a vocabulary-split table (device
     ``i`` holds ids ``[i * rows, (i + 1) * rows)``), zeros for the ids it does not hold:
     this device's part of the embedding, for :func:`row_reduce` to sum."""
-    local = ids - jax.lax.axis_index(axis_name) * rows
+    local = ids - vocab_start(rows, axis_name)
     mine = (local >= 0) & (local < rows)
     found = lookup(jnp.where(mine, local, 0))
     return jnp.where(mine[..., None], found, jnp.zeros((), found.dtype))

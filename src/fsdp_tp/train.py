@@ -164,9 +164,13 @@ def accumulate_gradients(
 def _refuse_donated(state: PyTree) -> None:
     """A state this step already consumed (donated) is refused in one line: reading a
     donated multi-device array can kill the process on CPU instead of raising."""
+    # Every step pays for this walk, so a leaf's path is found only once one is deleted. Under
+    # an outer jit (a caller's guarded step) the leaves are tracers: nothing to check.
+    deleted = lambda x: isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted()
+    if not any(map(deleted, jax.tree.leaves(state))):
+        return
     for path, leaf in jax.tree_util.tree_leaves_with_path(state):
-        # Called under an outer jit (a caller's guarded step) the leaves are tracers: nothing to check.
-        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted():
+        if deleted(leaf):
             raise ValueError(
                 f"shard_step: the state passed was donated to an earlier call of this step (its "
                 f"buffer{jax.tree_util.keystr(path)} is deleted); pass the state that call returned "

@@ -6,11 +6,11 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax.core.meta import unbox
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -95,7 +95,7 @@ def _guarded(step: Callable) -> Callable:
 
     def guarded(state, windows):
         new, loss = step(state, windows)
-        finite = jnp.isfinite(loss) & _finite(nn.unbox(new.params))
+        finite = jnp.isfinite(loss) & _finite(unbox(new.params))
         kept = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
         return kept, loss, finite
 
@@ -166,7 +166,7 @@ class Trainer:
 
     def params(self) -> dict:
         """The parameters as full numpy arrays (gathered from the devices)."""
-        return jax.tree.map(np.asarray, nn.unbox(self.state.params))
+        return jax.tree.map(np.asarray, unbox(self.state.params))
 
 
 def compare_with_twin(trainer: Trainer, tokens: np.ndarray, steps: int) -> tuple[float, float, list, list]:

@@ -12,14 +12,10 @@ import numpy as np
 
 from ..._tree import module_path
 from ...collectives import require_sequence_divisible
-from ...tp import row_reduce, vocab_lookup
+from ...tp import row_reduce, vocab_lookup, vocab_start
 from .dense import split_param
 
 __all__ = ["VocabParallelEmbed", "vocab_parallel_cross_entropy"]
-
-
-def _vocab_slice(width: int, axis_name) -> jax.Array:
-    return jax.lax.axis_index(axis_name) * width
 
 
 class VocabParallelEmbed(nn.Module):
@@ -83,7 +79,7 @@ def _cross_entropy(logits, labels, axis_name):
 
 def _cross_entropy_fwd(logits, labels, axis_name):
     width = logits.shape[-1]
-    local = labels - _vocab_slice(width, axis_name)
+    local = labels - vocab_start(width, axis_name)
     hit = (local >= 0) & (local < width)
     # Only per-token scalars cross the wire: the max, the sum of exps, the target logit.
     peak = jax.lax.pmax(jax.lax.stop_gradient(logits.max(axis=-1)), axis_name)
