@@ -185,4 +185,3 @@ def test_every_divisibility_error_is_worded_in_one_place():
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "IndivisibleShapeError"
     )
     assert builders == ["_layout.py"], builders
-

@@ -30,6 +30,7 @@ from fsdp_tp.errors import IndivisibleShapeError, RuleError
 from fsdp_tp.linen.tp_rules import ColumnParallel, RowParallel, VocabParallel, attention_rules, mlp_rules
 from tests.equivalence import Case, check_equivalence
 from tests.plain_models import PlainLM, lowered_lm_step
+from tests.test_tensor_parallel import mesh_of
 
 MEGATRON = [
     *attention_rules(),
@@ -260,7 +261,27 @@ def _plain(tp, rules=(), **sizes):
             [(r"layer_0$", ColumnParallel())],
             {},
             RuleError,
-            r"matches layer_0, a DecoderBlock \(its parameters: Dense_0, Dense_1, ",
+            r"matches layer_0, a DecoderBlock; ColumnParallel computes nn.Dense or nn.DenseGeneral or "
+            r"nn.Conv on its slices. Name the submodules a role computes, e.g. \('layer_0/Dense_0\$', "
+            r"ColumnParallel\(\)\); under layer_0: layer_0/MultiHeadDotProductAttention_0 \(HeadParallel\), "
+            r"layer_0/Dense_0 \(ColumnParallel or RowParallel\), "
+            r"layer_0/Dense_1 \(ColumnParallel or RowParallel\)\.",
+        ),
+        # a layer no role computes: said so, never a pattern that is refused in turn (issue 34.5)
+        (
+            [(r"layer_0/LayerNorm_0$", ColumnParallel())],
+            {},
+            RuleError,
+            r"matches layer_0/LayerNorm_0, a LayerNorm, which has no tensor-parallel role and no submodule "
+            r"one computes \(roles compute ColumnParallel: nn.Dense, .*"
+            r"VocabParallel: nn.Embed\). Drop the rule; storage rules can still split its parameters",
+        ),
+        # a layer another role computes: that role is named
+        (
+            [(r"^Embed_0$", ColumnParallel())],
+            {},
+            RuleError,
+            r"matches Embed_0, a Embed, which ColumnParallel does not compute .* give it VocabParallel\(\)",
         ),
         # a rule on a parameter: rules name modules, and the module's pattern is given
         (
@@ -274,7 +295,8 @@ def _plain(tp, rules=(), **sizes):
             [(r"Dens_0$", ColumnParallel())],
             {},
             RuleError,
-            r"'Dens_0\$' -> ColumnParallel matches no submodule.*layer_0/Dense_0 \(Dense\)",
+            r"'Dens_0\$' -> ColumnParallel matches no submodule.*"
+            r"layer_0/Dense_0 \(ColumnParallel or RowParallel\)",
         ),
         # heads the axis does not divide
         (
@@ -284,7 +306,7 @@ def _plain(tp, rules=(), **sizes):
             r": num_heads \(size 6\) is not divisible by mesh axis 'tensor' \(size 4\)",
         ),
     ],
-    ids=["block", "parameter", "nothing", "indivisible"],
+    ids=["block", "no-role", "other-role", "parameter", "nothing", "indivisible"],
 )
 def test_a_wrong_tp_rule_is_named_at_init(tp, sizes, error, match):
     with pytest.raises(error, match=match):
@@ -337,3 +359,35 @@ def test_init_is_the_unsplit_models_bit_for_bit_and_split_as_megatron():
     assert specs["Embed_0"]["embedding"] == P("tensor", "fsdp")
     reference = PlainLM(**SMALL).init(jax.random.key(0), jnp.zeros((8, 8), jnp.int32))["params"]
     jax.tree.map(np.testing.assert_array_equal, nn.unbox(params), reference)
+
+
+class ConvNet(nn.Module):
+    """Two 1-d convolutions with a gelu between: Megatron's MLP with convs (its channels split)."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.gelu(nn.Conv(8, kernel_size=(3,), name="up")(x))
+        return nn.Conv(4, kernel_size=(3,), name="down")(h)
+
+
+CONV_RULES = mlp_rules(r"up$", r"down$")
+
+
+@pytest.mark.parametrize("mesh, check_vma", [((1, 1, 4), True), ((1, 2, 4), False), ((2, 2, 2), True)])
+def test_convolutions_by_rules_equal_unsharded(mesh, check_vma):
+    """nn.Conv takes the column and row roles as nn.Dense does (the channels are its features):
+    invariants 1-5 with FSDP over the kernel's other dims."""
+    storage = [(r"up/kernel$", P(None, "fsdp")), (r"down/kernel$", P(None, None, "fsdp"))]
+    model = fsdp_tp.shard_by_rules(ConvNet, storage, batch_axes=("data", "fsdp"), tp_rules=CONV_RULES)()
+    check_equivalence(Case(model, ConvNet(), mesh_of(*mesh), ("data", "fsdp"), check_vma, 4, 4, seq_len=6))
+
+
+def test_a_grouped_convolution_is_refused_by_name():
+    class Grouped(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Conv(8, kernel_size=(3,), feature_group_count=2)(x)
+
+    model = fsdp_tp.shard_by_rules(Grouped, batch_axes=("data",), tp_rules=[(r"Conv_0$", ColumnParallel())])()
+    with pytest.raises(RuleError, match=r"Conv_0 .*feature_group_count=2.*Leave Conv_0 whole"):
+        _init(model, tokens=jnp.ones((8, 6, 4)))

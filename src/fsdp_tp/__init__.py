@@ -41,7 +41,6 @@ from .linen.layers import RowParallelDense as RowParallelDense
 from .linen.layers import VocabParallelEmbed as VocabParallelEmbed
 from .linen.layers import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from .linen.rule_transform import shard_by_rules as shard_by_rules
-from .linen.tp_transform import tensor_parallel as tensor_parallel
 from .mesh import make_mesh as make_mesh
 from .mesh import simulate_cpu_devices as simulate_cpu_devices
 from .plan import make_plan as make_plan
@@ -73,6 +72,5 @@ __all__ = [
     "simulate_cpu_devices",
     "state_init_fn",
     "sync_gradients",
-    "tensor_parallel",
     "vocab_parallel_cross_entropy",
 ]

@@ -7,9 +7,8 @@ layer dim first). ``pattern`` is a regular expression searched in the path
 (``re.search``: anchor it with ``^``/``$`` to match whole paths); ``spec`` is
 a ``PartitionSpec`` (or tuple) naming, per dim, the mesh axis or axes that
 split it. The first rule that matches wins; unmatched leaves get ``default``. This is
-the library's one rule grammar: ``shard_by_rules``, ``specs_from_rules`` and
-``tensor_parallel``'s ``(pattern, dim)`` rules all search their patterns in the same full
-path.
+the library's one rule grammar: ``shard_by_rules``'s storage rules and tp rules and
+``specs_from_rules`` all search their patterns in the same full path.
 
 Flax's logical annotations are the second source: a leaf boxed by
 ``nn.with_logical_partitioning`` that no rule matches is laid out by

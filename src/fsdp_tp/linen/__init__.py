@@ -4,8 +4,8 @@
 second front end sits beside this folder over the same core.
 
 - :mod:`~fsdp_tp.linen.fsdp` (``shard_module_params``), :mod:`~fsdp_tp.linen.rule_transform`
-  (``shard_by_rules``), :mod:`~fsdp_tp.linen.tp_rules` (the tensor-parallel roles),
-  :mod:`~fsdp_tp.linen.tp_transform` (``tensor_parallel``): the module transforms;
+  (``shard_by_rules``), :mod:`~fsdp_tp.linen.tp_rules` (the tensor-parallel roles): the
+  module transforms;
 - :mod:`~fsdp_tp.linen.layers`: the hand-written tensor-parallel layers and blocks;
 - ``_transform`` (store by a layout), ``_gather`` (gather where a submodule reads),
   ``_local_compute`` (the tp-rule interceptor): their Linen mechanics.

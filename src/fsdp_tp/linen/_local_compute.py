@@ -31,11 +31,12 @@ from .._tree import module_path
 from .._types import AxisName
 from ..errors import RuleError
 from ..rules import split_rule
-from .tp_rules import TPRole
+from .tp_rules import ROLES, TPRole
 
 __all__ = ["CompiledRole", "Seen", "compile_tp_rules", "local_compute", "require_all_matched", "with_split"]
 
-_ROLES = "ColumnParallel, RowParallel, HeadParallel or VocabParallel from fsdp_tp.linen.tp_rules"
+_ROLES = ", ".join(r.__name__ for r in ROLES) + " from fsdp_tp.linen.tp_rules"
+_ROLE_KINDS = "; ".join(f"{r.__name__}: " + ", ".join(f"nn.{k.__name__}" for k in r.kinds) for r in ROLES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +65,7 @@ class Seen:
     roles make (parameter path -> (dim, axis, pattern)), the rules that matched, the
     parameter paths the transform stored; and the local clones of one call."""
 
-    modules: dict[str, str] = dataclasses.field(default_factory=dict)
+    modules: dict[str, type] = dataclasses.field(default_factory=dict)
     params: list[str] = dataclasses.field(default_factory=list)
     splits: dict[str, tuple[int, AxisName, str]] = dataclasses.field(default_factory=dict)
     used: set[int] = dataclasses.field(default_factory=set)
@@ -102,7 +103,7 @@ def _intercept(rules, seen: Seen, next_fun, args, kwargs, context):
     path = module_path(module.path)
     initializing = module.is_initializing()
     if initializing and context.method_name == "__call__":
-        seen.modules.setdefault(path, type(module).__name__)
+        seen.modules.setdefault(path, type(module))
     found = _role_of(path, rules)
     if found is not None and context.method_name == "setup" and not initializing:
         # flax runs a setup-style module's setup (nn.Embed reads its table there) before any
@@ -113,7 +114,7 @@ def _intercept(rules, seen: Seen, next_fun, args, kwargs, context):
     role, pattern, index = found
     if not isinstance(module, role.kinds):
         next_fun(*args, **kwargs)  # to name the module's children in the error
-        raise _kind_error(role, pattern, module, path)
+        raise _kind_error(role, pattern, module, path, seen)
     (axis,) = require_axes(role.axis, f"tp rule {pattern!r}")
     size = jax.lax.axis_size(axis)
     token = _WITHIN.set((path, role.inner()))
@@ -160,20 +161,45 @@ def _runner(local: nn.Module, method: str, role: TPRole, path: str):
     return run
 
 
-def _kind_error(role: TPRole, pattern: str, module: nn.Module, path: str) -> RuleError:
+def _kind_error(role: TPRole, pattern: str, module: nn.Module, path: str, seen: Seen) -> RuleError:
+    """Names what the rule matched and a rule that works: never a pattern that is refused in turn."""
+    name = type(role).__name__
     kinds = " or ".join(f"nn.{k.__name__}" for k in role.kinds)
-    children = sorted(module.variables.get("params", {}))
-    where = f"its parameters: {', '.join(children)}" if children else "it has no parameters"
-    example = (
-        f"('{path}/{children[0]}$', {type(role).__name__}())"
-        if children
-        else f"('...$', {type(role).__name__}())"
-    )
+    what = f"tp rule {pattern!r} -> {name} matches {path or 'the model'}, a {type(module).__name__}"
+    fits = [r.__name__ for r in ROLES if isinstance(module, r.kinds)]
+    if fits:
+        other = " or ".join(f"{f}()" for f in fits)
+        return RuleError(f"{what}, which {name} does not compute ({name} computes {kinds}); give it {other}.")
+    below = _nameable(seen, path)
+    if below:
+        first = (below[0][0], below[0][1][0])  # no submodule takes this role: the first takes another
+        example, role_name = next(((p, name) for p, roles in below if name in roles), first)
+        return RuleError(
+            f"{what}; {name} computes {kinds} on its slices. Name the submodules a role computes, "
+            f"e.g. ('{example}$', {role_name}()); under {path or 'the model'}: {_listed(below)}."
+        )
     return RuleError(
-        f"tp rule {pattern!r} -> {type(role).__name__} matches {path or 'the model'}, a "
-        f"{type(module).__name__} ({where}); {type(role).__name__} computes a {kinds} on its slices. "
-        f"Name the {kinds} submodules themselves and anchor the pattern, e.g. {example}."
+        f"{what}, which has no tensor-parallel role and no submodule one computes (roles compute "
+        f"{_ROLE_KINDS}). Drop the rule; storage rules can still split its parameters."
     )
+
+
+def _nameable(seen: Seen, under: str = "") -> list[tuple[str, list[str]]]:
+    """``(path, roles)`` of the submodules (under ``under``) a role computes, outermost only:
+    the projections inside an attention are its HeadParallel role's."""
+    found: list[tuple[str, list[str]]] = []
+    for path, cls in seen.modules.items():
+        if under and not path.startswith(f"{under}/"):
+            continue
+        roles = [r.__name__ for r in ROLES if issubclass(cls, r.kinds)]
+        if roles and not any(path.startswith(f"{p}/") for p, _ in found):
+            found.append((path, roles))
+    return found
+
+
+def _listed(nameable: list[tuple[str, list[str]]], most: int = 8) -> str:
+    text = ", ".join(f"{p} ({' or '.join(roles)})" for p, roles in nameable[:most])
+    return (text or "none") + (", ..." if len(nameable) > most else "")
 
 
 def _require_divisible(role, pattern, module, path, args, kwargs, size) -> None:
@@ -226,10 +252,7 @@ def require_all_matched(rules: tuple[CompiledRole, ...], seen: Seen) -> None:
             if named
             else "fix the pattern or drop the rule"
         )
-        kinds = {k for role in (r.role for r in rules) for k in type(role).kinds}
-        candidates = [f"{p} ({c})" for p, c in seen.modules.items() if c in {k.__name__ for k in kinds}]
         raise RuleError(
             f"tp rule {rule.pattern!r} -> {type(rule.role).__name__} matches no submodule; {hint}. "
-            f"Submodules a tp rule can name: {', '.join(candidates[:8]) or 'none'}"
-            f"{', ...' if len(candidates) > 8 else ''}."
+            f"Submodules a tp rule can name: {_listed(_nameable(seen))}."
         )

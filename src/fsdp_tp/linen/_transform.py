@@ -14,7 +14,7 @@ Every "store sharded, gather for compute" strategy of the library is these three
   module's path and the axes its inputs vary over.
 
 ``fsdp.shard_module_params`` and ``rule_transform.shard_by_rules`` are thin front doors
-over them; the tensor-parallel layers and ``tensor_parallel`` use the same layout core
+over them; the tensor-parallel layers use the same layout core
 (:func:`fsdp_tp._layout.sliced_init`) to create their blocks.
 """
 

@@ -4,11 +4,12 @@ A rule is ``(pattern, role)``: ``pattern`` is searched (``re.search``) in a subm
 path, as every rule of the library is (:mod:`fsdp_tp.rules`), and ``role`` says how that
 submodule computes on its slices over a mesh axis:
 
-- :class:`ColumnParallel` (``nn.Dense``, ``nn.DenseGeneral``): the kernel split on its
-  (first) output feature dim; the input is the same on every device, the output this
-  device's slice of the features (or gathered, ``gather_output=True``);
-- :class:`RowParallel` (``nn.Dense``, ``nn.DenseGeneral``): the kernel split on its (first)
-  input dim; the input arrives split (a column-parallel layer's output), the partial
+- :class:`ColumnParallel` (``nn.Dense``, ``nn.DenseGeneral``, ``nn.Conv``): the kernel split
+  on its (first) output feature dim (a convolution's output channels); the input is the same
+  on every device, the output this device's slice of the features (or gathered,
+  ``gather_output=True``);
+- :class:`RowParallel` (``nn.Dense``, ``nn.DenseGeneral``, ``nn.Conv``): the kernel split on
+  its (first) input dim; the input arrives split (a column-parallel layer's output), the partial
   products are summed over the axis and the bias added once;
 - :class:`HeadParallel` (``nn.MultiHeadDotProductAttention``): each device computes its
   share of the heads (q/k/v column-parallel on the heads dim, the output projection
@@ -37,10 +38,13 @@ import jax
 import jax.numpy as jnp
 from flax.core import meta
 
+from .._tree import module_path
 from ..collectives import gather_from_axis
+from ..errors import RuleError
 from ..tp import add_bias_once, column_input, row_reduce, vocab_lookup
 
 __all__ = [
+    "ROLES",
     "ColumnParallel",
     "HeadParallel",
     "RowParallel",
@@ -76,6 +80,18 @@ def _copied(args: tuple, kwargs: dict, axis: str) -> tuple[tuple, dict]:
         return done[id(x)]
 
     return tuple(map(copy, args)), {k: copy(v) for k, v in kwargs.items()}
+
+
+def _ungrouped(module: nn.Module) -> None:
+    """A grouped convolution mixes channels within groups only: a channel split would cut
+    across the groups, so it stays whole."""
+    groups = getattr(module, "feature_group_count", 1)
+    if groups != 1:
+        path = module_path(module.path) or type(module).__name__
+        raise RuleError(
+            f"{path} is an nn.Conv with feature_group_count={groups}: splitting its channels over a "
+            f"mesh axis would cut across its groups. Leave {path} whole (drop it from the tp rules)."
+        )
 
 
 def _stored(module: nn.Module, name: str) -> jax.Array:
@@ -118,15 +134,16 @@ class TPRole:
 
 @dataclass(frozen=True)
 class ColumnParallel(TPRole):
-    """``nn.Dense`` / ``nn.DenseGeneral`` split on the (first) output feature dim.
+    """``nn.Dense`` / ``nn.DenseGeneral`` / ``nn.Conv`` split on the (first) output feature dim.
 
     ``gather_output``: all-gather the features (a model's last layer, whose output the
     loss reads whole); otherwise the next layer must be :class:`RowParallel`."""
 
     gather_output: bool = False
-    kinds: ClassVar[tuple[type, ...]] = (nn.Dense, nn.DenseGeneral)
+    kinds: ClassVar[tuple[type, ...]] = (nn.Dense, nn.DenseGeneral, nn.Conv)
 
     def splits(self, module):
+        _ungrouped(module)
         dim = -_count(module.features)
         return {"kernel": dim, "bias": dim}
 
@@ -144,13 +161,14 @@ class ColumnParallel(TPRole):
 
 @dataclass(frozen=True)
 class RowParallel(TPRole):
-    """``nn.Dense`` / ``nn.DenseGeneral`` split on the (first) contracted input dim: the
+    """``nn.Dense`` / ``nn.DenseGeneral`` / ``nn.Conv`` split on the (first) contracted input dim: the
     input arrives split there, the partial products are summed over the axis (Megatron's
     *g*) and the bias, whole on every device, is added once after the sum."""
 
-    kinds: ClassVar[tuple[type, ...]] = (nn.Dense, nn.DenseGeneral)
+    kinds: ClassVar[tuple[type, ...]] = (nn.Dense, nn.DenseGeneral, nn.Conv)
 
     def splits(self, module):
+        _ungrouped(module)
         contracted = _count(getattr(module, "axis", -1))
         return {"kernel": -(contracted + _count(module.features))}
 
@@ -225,6 +243,9 @@ class VocabParallel(TPRole):
         ids, *rest = args
         rows = module.num_embeddings // jax.lax.axis_size(self.axis)
         return row_reduce(vocab_lookup(ids, rows, self.axis, lambda i: run(i, *rest, **kwargs)), self.axis)
+
+
+ROLES: tuple[type[TPRole], ...] = (ColumnParallel, RowParallel, HeadParallel, VocabParallel)
 
 
 def attention_rules(pattern: str = r"MultiHeadDotProductAttention_\d+$", axis: str = "tensor"):
