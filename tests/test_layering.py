@@ -23,6 +23,7 @@ PACKAGE = Path(fsdp_tp.__file__).parent
 # and what they share.
 CORE = (
     "_axes",
+    "_gather",
     "_integrity",
     "_layout",
     "_optimizer",
@@ -104,6 +105,18 @@ def test_no_core_module_imports_linen_directly_or_through_another():
     assert set(CORE) <= set(reached)
     offenders = {name: _linen(others) for name, others in reached.items() if _linen(others)}
     assert not offenders, f"core modules (or modules they import) that import flax.linen: {offenders}"
+
+
+def test_the_two_front_ends_stand_side_by_side_over_the_core():
+    """The NNX front end reaches the core only (no Linen module, no flax.linen import), the
+    Linen front end never reaches it, and the core reaches neither."""
+    nnx_reach = _closure(["nnx"])
+    assert {name for name in nnx_reach if name.startswith("nnx")} >= {"nnx", "nnx._model", "nnx._read"}
+    assert not [n for n in nnx_reach if n.startswith("linen")], "fsdp_tp.nnx reaches the Linen front end"
+    assert not {n: _linen(o) for n, o in nnx_reach.items() if _linen(o)}, "fsdp_tp.nnx imports flax.linen"
+    linen_reach = _closure(["linen"])
+    assert not [n for n in linen_reach if n.startswith("nnx")], "the Linen front end reaches fsdp_tp.nnx"
+    assert not [n for n in _closure(CORE) if n.startswith("nnx")], "the core reaches fsdp_tp.nnx"
 
 
 @pytest.mark.parametrize("module", ["linen._transform", "linen.layers.dense", "linen.tp_rules"])

@@ -21,55 +21,15 @@ import jax
 from flax import struct
 from flax.core import meta
 
-from .._axes import axes_named, entry_axes, varying_axes
+from .._axes import axes_named
+from .._gather import gather_box
 from .._tree import module_path, path_of
 from .._types import AxisName, PyTree, is_box
-from ..collectives import gather_array_with_mean_grads, gather_from_axis
 from ..errors import RuleError
 from ..precision import MixedPrecision
 from ._transform import current_module_path
 
 __all__ = ["GatheredOnRead", "gather", "param_boxed"]
-
-
-def _gather_one(leaf: nn.Partitioned, axis: AxisName, vary: frozenset, mean: bool, precision):
-    names = tuple(leaf.names)
-    dim = next(i for i, entry in enumerate(names) if axis in entry_axes(entry))
-    axes = entry_axes(names[dim])
-    # A dim split over (a, b) holds a contiguous block per (a, b) pair only when b is
-    # gathered first; gathering a first would interleave blocks.
-    if axes[-1] != axis:
-        raise ValueError(
-            f"gather: dim {dim} is split over {axes}; axis {axis!r} can only be gathered after "
-            f"{axes[axes.index(axis) + 1 :]} (the minor axes first)."
-        )
-    rest = axes[:-1]
-    shard = leaf.value
-    if extra := tuple(sorted(vary - varying_axes(shard) - {axis}, key=str)):
-        # Meet the inputs' vma on the shard, before the gather: JAX's transpose of this
-        # pcast then psums the shard-sized gradient after the reduce-scatter, instead of
-        # the full gradient before it.
-        shard = jax.lax.pcast(shard, extra, to="varying")
-    if mean:
-        dtypes = precision.dtypes_for(shard.dtype) if precision is not None else (None, None)
-        value = gather_array_with_mean_grads(shard, dim, axis, *dtypes)
-    else:  # the backward pass slices: nothing is reduced, so nothing to save in precision
-        value = gather_from_axis(shard, dim, axis)
-    new_names = (*names[:dim], rest if len(rest) > 1 else (rest[0] if rest else None), *names[dim + 1 :])
-    return value if all(n is None for n in new_names) else leaf.replace(value=value, names=new_names)
-
-
-def _gather_leaf(leaf, axes: frozenset, batch_axes: frozenset, vary: frozenset, precision):
-    if not isinstance(leaf, nn.Partitioned):
-        return leaf if precision is None else precision.round(leaf)
-    order = [a for entry in leaf.names for a in reversed(entry_axes(entry)) if a in axes]
-    if precision is not None and not batch_axes & set(order):
-        # Not gathered over a batch axis, so no gather rounds it: the model reads every
-        # parameter rounded, on every mesh (whether a dim divides or not).
-        leaf = leaf.replace(value=precision.round(leaf.value))
-    for axis in order:
-        leaf = _gather_one(leaf, axis, vary, axis in batch_axes, precision)
-    return leaf
 
 
 class GatheredOnRead(struct.PyTreeNode, meta.AxisMetadata):
@@ -90,7 +50,7 @@ class GatheredOnRead(struct.PyTreeNode, meta.AxisMetadata):
     precision: MixedPrecision | None = struct.field(pytree_node=False)
 
     def unbox(self) -> Any:
-        value = _gather_leaf(self.block, self.axes, self.batch_axes, self.vary, self.precision)
+        value = gather_box(self.block, self.axes, self.batch_axes, self.vary, self.precision)
         # Still split over a `local` axis (tensor parallelism by rules): the module computes on
         # this device's slice.
         return value.value if isinstance(value, nn.Partitioned) else value
@@ -142,7 +102,7 @@ def gather(
         if at_read and isinstance(leaf, nn.Partitioned) and axes_named(leaf.names) <= axes | local:
             path = module_path((current_module_path(),), path_of(key_path).removeprefix("params/"))
             return GatheredOnRead(leaf, path, axes, batch, vary, precision)
-        return _gather_leaf(leaf, axes, batch, vary, precision)
+        return gather_box(leaf, axes, batch, vary, precision)
 
     return jax.tree_util.tree_map_with_path(leaf_fn, params, is_leaf=is_box)
 

@@ -1,0 +1,218 @@
+"""``shard_by_rules`` for Flax NNX: a model built by the user's constructor, stored by rules,
+gathered where it is read.
+
+The NNX front end is a thin layer over the core. The model's constructor runs once
+abstractly (``nnx.eval_shape``) to learn every parameter's path, shape and sharding
+annotation; the core's rule grammar (:mod:`fsdp_tp.rules`) gives each its spec. The
+per-device init runs the constructor and keeps each device's block
+(:func:`fsdp_tp._layout.block_of`, boxed as flax's ``Partitioned``, which the core reads),
+so ``fsdp_tp.init_sharded`` builds the state; ``merge`` rebuilds the model inside the step
+from the blocks, with Variables that gather on read (:mod:`fsdp_tp.nnx._read`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+from flax.core.meta import Partitioned
+from jax.sharding import PartitionSpec
+
+from .._axes import as_axis_tuple, axes_named, bound_axis_names
+from .._layout import block_of, check_fit
+from .._tree import module_path
+from .._types import AxisNames, is_box
+from ..rules import REPLICATED, Rules, as_spec, compile_rules, logical_spec, spec_for, unmatched_warning
+from ..train import TrainState, fold_rng_over_axis
+from ._read import ReadPlan, on_read
+
+__all__ = ["ShardedModel", "shard_by_rules"]
+
+_CALLER = "fsdp_tp.nnx.shard_by_rules"
+Path = tuple  # a parameter's keys, as nnx.to_flat_state gives them
+
+
+def _text(path: Path) -> str:
+    return module_path(tuple(str(k) for k in path))
+
+
+def _nest(items: Iterable[tuple[Path, Any]]) -> dict:
+    """A pure dict (nested by path keys) from ``(path, leaf)`` pairs."""
+    out: dict = {}
+    for path, leaf in items:
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = leaf
+    return out
+
+
+def _flat(tree: dict) -> dict[Path, Any]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]
+    return {tuple(k.key for k in key_path): leaf for key_path, leaf in leaves}
+
+
+def _split(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """The model's graph, its parameters and every other Variable."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
+    return graphdef, params, rest
+
+
+def _annotation(variable: nnx.Variable, logical_axis_rules) -> PartitionSpec | None:
+    """The spec the model's own annotation gives (``nnx.with_partitioning`` / ``out_sharding``):
+    logical names mapped by ``logical_axis_rules`` (or the Variable's ``sharding_rules``),
+    else the names taken as mesh axes, as flax does."""
+    names = variable.get_metadata("out_sharding", None)
+    if names is None:
+        return None
+    names = tuple(names)
+    rules = (
+        logical_axis_rules
+        if logical_axis_rules is not None
+        else variable.get_metadata("sharding_rules", None)
+    )
+    return logical_spec(names, rules) if rules is not None else PartitionSpec(*names)
+
+
+class ShardedModel:
+    """An NNX model's layout by rules, and the per-device pieces of a sharded run: the
+    state (:meth:`state_init_fn`, for :func:`fsdp_tp.init_sharded`) and the model rebuilt
+    from it inside the step (:meth:`merge`). Made by :func:`shard_by_rules`."""
+
+    def __init__(self, make_model, rules, default, batch_axes, logical_axis_rules):
+        self._make = make_model
+        self._rules = compile_rules(rules, _CALLER)
+        self.batch_axes = as_axis_tuple(batch_axes)
+        with nnx.use_eager_sharding(False):
+            abstract = nnx.eval_shape(lambda: make_model(nnx.Rngs(0)))
+        self.graphdef, params, rest = _split(abstract)
+        self._params = list(nnx.to_flat_state(params))
+        self._rest = list(nnx.to_flat_state(rest))
+        self.specs: dict[Path, PartitionSpec] = {}
+        used: set[int] = set()
+        for path, variable in self._params:
+            shape = variable.get_raw_value().shape
+            names = _annotation(variable, logical_axis_rules)
+            spec, index = spec_for(_text(path), shape, self._rules, {}, default, None, None, check=False)
+            if index is None and names is not None:
+                spec = names
+            if index is not None:
+                used.add(index)
+            self.specs[path] = spec
+        paths = [_text(path) for path, _ in self._params]
+        if warning := unmatched_warning(self._rules, used, paths, _CALLER):
+            warnings.warn(warning, stacklevel=3)
+
+    # -- the state -----------------------------------------------------------------------
+
+    def init(self, rng: jax.Array) -> tuple[dict, dict]:
+        """Per device (under ``jax.shard_map``): ``(params, model_state)`` of the model the
+        constructor builds from ``nnx.Rngs(rng)``, each parameter this device's block of
+        the full value (boxed with its split), so gathered it is the unsharded init."""
+        with nnx.use_eager_sharding(False):
+            model = self._make(nnx.Rngs(rng))
+        _, params, rest = _split(model)
+        values = {path: variable.get_raw_value() for path, variable in nnx.to_flat_state(params)}
+        sizes = {axis: jax.lax.axis_size(axis) for axis in bound_axis_names()}
+        check_fit(((_text(p), values[p].shape, s) for p, s in self.specs.items()), sizes, "change the rule")
+        return _nest((p, self._stored(values[p], self.specs[p])) for p in self.specs), self._model_state(rest)
+
+    @staticmethod
+    def _stored(value, spec: PartitionSpec):
+        if not axes_named(spec):
+            return value
+        names = tuple(spec) + (None,) * (value.ndim - len(spec))
+        return Partitioned(block_of(value, spec), names)
+
+    @staticmethod
+    def _model_state(rest) -> dict:
+        """The model's Variables other than parameters (BatchNorm statistics, rng keys and
+        counts), by type name: what a step updates, never the optimizer."""
+        by_type: dict[str, list] = {}
+        for path, variable in nnx.to_flat_state(rest):
+            by_type.setdefault(type(variable).__name__, []).append((path, variable.get_raw_value()))
+        return {name: _nest(items) for name, items in by_type.items()}
+
+    def state_init_fn(self, tx) -> Callable[[jax.Array], TrainState]:
+        """``init_fn(rng)`` for :func:`fsdp_tp.init_sharded`: a :class:`~fsdp_tp.TrainState` of
+        the blocks, the other Variables as ``model_state``, the optimizer ``tx`` and ``rng``."""
+
+        def init_fn(rng):
+            params, model_state = self.init(rng)
+            return TrainState.create(apply_fn=None, params=params, tx=tx, rng=rng, model_state=model_state)
+
+        return init_fn
+
+    # -- inside the step -----------------------------------------------------------------
+
+    def merge(self, params: dict, model_state: dict | None = None) -> nnx.Module:
+        """Per device: the model, holding this device's blocks, each gathered where the model
+        reads it. Differentiate through it with respect to ``params`` (the gathers
+        reduce-scatter the gradients). Rng keys are folded over the batch axes, so each
+        batch shard draws its own dropout masks."""
+        flat = _flat(params)
+        axes = frozenset(a for spec in self.specs.values() for a in axes_named(spec))
+        batch = frozenset(self.batch_axes)
+        variables = []
+        for path, variable in self._params:
+            leaf = flat[path]
+            if is_box(leaf):
+                plan = ReadPlan(_text(path), tuple(leaf.names), axes, batch)
+                variables.append((path, on_read(variable, leaf.value, plan)))
+            else:
+                variables.append((path, variable.copy(leaf)))
+        state = dict(model_state or {})
+        rest = []
+        for path, variable in self._rest:
+            value = _flat(state.get(type(variable).__name__, {}))[path]
+            if isinstance(variable, nnx.RngKey):
+                value = fold_rng_over_axis(value, self.batch_axes)
+            rest.append((path, variable.copy(value)))
+        return nnx.merge(self.graphdef, nnx.from_flat_state(variables), nnx.from_flat_state(rest))
+
+    def model_state(self, model: nnx.Module) -> dict:
+        """The model's Variables other than parameters, as :meth:`init` lays them out: what a
+        step returns as its third output (after averaging what differs across devices).
+        Rng keys are returned as they were stored (the step's draws advance the counts)."""
+        state = self._model_state(_split(model)[2])
+        if "RngKey" in state:
+            state["RngKey"] = _nest(
+                (p, v.get_raw_value()) for p, v in self._rest if isinstance(v, nnx.RngKey)
+            )
+        return state
+
+
+def shard_by_rules(
+    make_model: Callable[[nnx.Rngs], nnx.Module],
+    rules: Rules = (),
+    *,
+    batch_axes: AxisNames = ("data", "fsdp"),
+    default: PartitionSpec | Sequence = REPLICATED,
+    logical_axis_rules=None,
+) -> ShardedModel:
+    """Lays an NNX model's parameters out by partition rules; every parameter is stored as
+    this device's block and gathered where the model reads it.
+
+    ``make_model(rngs)`` builds the model (``lambda rngs: Model(cfg, rngs=rngs)``). ``rules``:
+    ``(pattern, spec)`` pairs searched in each parameter's path in ``nnx.state(model)``
+    (``"blocks/up/kernel"``), first match wins, as for Linen (:mod:`fsdp_tp.rules`); a
+    parameter no rule matches follows its own annotation (``nnx.with_partitioning`` /
+    ``out_sharding``: mesh axes, or logical names mapped by ``logical_axis_rules``), else
+    ``default``. ``batch_axes``: the mesh axes the batch is split over (a gather over one
+    reduce-scatters the mean gradient).
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from fsdp_tp import init_sharded, make_mesh
+    >>> mesh = make_mesh({"data": 2, "fsdp": 4})
+    >>> sharded = shard_by_rules(lambda rngs: nnx.Linear(8, 16, rngs=rngs), [("kernel$", P("fsdp"))])
+    >>> state, specs = init_sharded(sharded.state_init_fn(optax.sgd(0.1)), mesh, P(), jax.random.key(0))
+    >>> specs.params["kernel"], state.params["kernel"].value.shape
+    (P('fsdp', None), (8, 16))
+    """
+    default = as_spec(default, _CALLER, "default=")
+    return ShardedModel(make_model, rules, default, batch_axes, logical_axis_rules)

@@ -1,0 +1,76 @@
+"""Gather on read for NNX: a parameter Variable that holds this device's block and hands the
+module the gathered value wherever the module reads it.
+
+An NNX module reads a parameter with ``self.kernel[...]`` (or ``.value``, ``get_value()``),
+so the gather belongs in the Variable's ``get_value``, which flax asks us to override in a
+Variable type of our own (its metadata hooks are deprecated). :func:`read_type` makes, per
+Variable type of the model (``nnx.Param`` or a user's subclass), the subclass that does
+it. The gather lands inside the module's call and inside any ``nnx.scan`` / ``nnx.remat``
+of the model: a scan passes each layer's slice of the stacked block, so its gather moves
+one layer's parameter, and a remat re-gathers in the backward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from flax import nnx
+from flax.core.meta import Partitioned
+
+from .._axes import varying_axes
+from .._gather import gather_box
+from .._types import AxisName
+from ..errors import RuleError
+
+__all__ = ["ReadPlan", "on_read", "read_type"]
+
+_PLAN = "fsdp_tp_read"  # the Variable metadata key that holds the ReadPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadPlan:
+    """How a stored block becomes the value the module computes with: ``names`` per dim of
+    the stored parameter (stacked layer dims first), gathered over ``axes``; over
+    ``batch_axes`` the gradient comes back as the reduce-scattered mean. Hashable: NNX keeps
+    Variable metadata in the graph it passes through its transforms."""
+
+    path: str
+    names: tuple
+    axes: frozenset[AxisName]
+    batch_axes: frozenset[AxisName]
+
+    def gather(self, block):
+        names = self.names
+        if (dropped := len(names) - block.ndim) > 0:  # inside nnx.scan / vmap: one layer's slice
+            if any(n is not None for n in names[:dropped]):
+                raise RuleError(
+                    f"{self.path}: its stacked layer dims {tuple(range(dropped))} are split over "
+                    f"{names[:dropped]}, and nnx.scan / nnx.vmap hands each layer its slice of them; "
+                    f"a device's block holds only some layers. Split another dim: give the layer "
+                    f"dims None in the rule, e.g. P(None, {names[dropped - 1]!r})."
+                )
+            names = names[dropped:]
+        # Under check_vma=True a split block varies over its axes; the gathered value then
+        # meets data that varies over the batch axes (gather_box casts the block, not the
+        # full value). Under check_vma=False nothing carries a vma.
+        vary = self.batch_axes if varying_axes(block) else frozenset()
+        return gather_box(Partitioned(block, names), self.axes, self.batch_axes, vary)
+
+
+@functools.cache
+def read_type(variable_type: type[nnx.Variable]) -> type[nnx.Variable]:
+    """The subclass of ``variable_type`` whose ``get_value`` gathers (one per type, so graphs
+    that hold it compare equal from step to step)."""
+
+    def get_value(self, **kwargs):
+        index = kwargs.pop("index", None)
+        value = self.get_metadata(_PLAN).gather(variable_type.get_value(self, **kwargs))
+        return value if index is None or index is Ellipsis else value[index]
+
+    return type(variable_type.__name__, (variable_type,), {"get_value": get_value, "__module__": __name__})
+
+
+def on_read(variable: nnx.Variable, block, plan: ReadPlan) -> nnx.Variable:
+    """A Variable like ``variable`` (its type and metadata) holding ``block``, gathered on read."""
+    return read_type(type(variable)).from_metadata(block, {**variable.get_metadata(), _PLAN: plan})

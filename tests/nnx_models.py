@@ -1,0 +1,105 @@
+"""Flax NNX models written as flax's NNX examples write them, and the adapters that let the
+equivalence checks (tests/equivalence.py) run the same invariants on them as on Linen models.
+
+The checks call ``model.init(rng, x)["params"]`` and ``model.apply({"params": p}, x)``;
+:class:`Sharded` answers for a model laid out by ``fsdp_tp.nnx.shard_by_rules`` (per device,
+under ``jax.shard_map``) and :class:`Twin` for the unsharded model the user's constructor
+builds: the only place where the two front ends differ in the tests.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+import fsdp_tp.nnx
+
+
+class Block(nnx.Module):
+    """A residual Linear-gelu-Linear MLP with a LayerNorm, as flax's NNX examples write one."""
+
+    def __init__(self, d: int, rngs: nnx.Rngs):
+        self.norm = nnx.LayerNorm(d, rngs=rngs)
+        self.up = nnx.Linear(d, 4 * d, rngs=rngs)
+        self.down = nnx.Linear(4 * d, d, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(nnx.gelu(self.up(self.norm(x))))
+
+
+class MLPStack(nnx.Module):
+    """``layers`` blocks between an input and an output projection: a Python loop of blocks
+    (``scan=False``), or one stacked block run by ``nnx.scan`` over ``nnx.remat``, created by
+    ``nnx.vmap`` (the memory-minded way flax documents)."""
+
+    def __init__(self, d_in: int, d: int, d_out: int, layers: int, *, scan: bool, rngs: nnx.Rngs):
+        self.scan = scan
+        self.embed = nnx.Linear(d_in, d, rngs=rngs)
+        if scan:
+
+            @nnx.split_rngs(splits=layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def stack(rngs):
+                return Block(d, rngs)
+
+            self.blocks = stack(rngs)
+        else:
+            self.blocks = nnx.List([Block(d, rngs) for _ in range(layers)])
+        self.head = nnx.Linear(d, d_out, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.embed(x)
+        if self.scan:
+
+            @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+            @nnx.remat
+            def run(block, x):
+                return block(x)
+
+            x = run(self.blocks, x)
+        else:
+            for block in self.blocks:
+                x = block(x)
+        return self.head(x)
+
+
+def _pure(state) -> dict:
+    out: dict = {}
+    for path, variable in nnx.to_flat_state(state):
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = variable.get_raw_value()
+    return out
+
+
+class Twin:
+    """The unsharded model, as the equivalence checks call a Linen module."""
+
+    def __init__(self, make):
+        self.make = make
+        self.graphdef, self.abstract = nnx.split(nnx.eval_shape(lambda: make(nnx.Rngs(0))))
+
+    def init(self, rng, *_inputs):
+        return {"params": _pure(nnx.state(self.make(nnx.Rngs(rng)), nnx.Param))}
+
+    def apply(self, variables, x):
+        flat = dict(jax.tree_util.tree_flatten_with_path(variables["params"])[0])
+        by_path = {tuple(k.key for k in key_path): leaf for key_path, leaf in flat.items()}
+        state = nnx.from_flat_state(
+            [(path, v.copy(by_path[path])) for path, v in nnx.to_flat_state(self.abstract)]
+        )
+        return nnx.merge(self.graphdef, state)(x)
+
+
+class Sharded:
+    """A model laid out by ``fsdp_tp.nnx.shard_by_rules``, per device."""
+
+    def __init__(self, make, rules=(), **kwargs):
+        self.sharded = fsdp_tp.nnx.shard_by_rules(make, rules, **kwargs)
+
+    def init(self, rng, *_inputs):
+        return {"params": self.sharded.init(rng)[0]}
+
+    def apply(self, variables, x):
+        return self.sharded.merge(variables["params"])(x)
