@@ -103,3 +103,17 @@ class Sharded:
 
     def apply(self, variables, x):
         return self.sharded.merge(variables["params"])(x)
+
+
+class NormDropNet(nnx.Module):
+    """Linear, BatchNorm, Dropout, Linear: mutable state (batch statistics, rng counts) that a
+    step updates and returns."""
+
+    def __init__(self, d_in: int, d: int, d_out: int, rngs: nnx.Rngs):
+        self.up = nnx.Linear(d_in, d, rngs=rngs)
+        self.norm = nnx.BatchNorm(d, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.down = nnx.Linear(d, d_out, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(self.drop(self.norm(self.up(x))))

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+import fsdp_tp
+import fsdp_tp.nnx
+from fsdp_tp._types import is_box
 from fsdp_tp.nnx._read import ReadPlan
 from tests.equivalence import Case, check_equivalence
-from tests.nnx_models import MLPStack, Sharded, Twin
+from tests.nnx_models import MLPStack, NormDropNet, Sharded, Twin
 from tests.test_tensor_parallel import mesh_of
 
 
@@ -31,13 +39,153 @@ def test_fsdp_by_rules_equals_unsharded(scan, check_vma):
 def test_negative_control_a_gather_that_slices_the_gradient(monkeypatch):
     """A read whose backward keeps this device's slice over the batch axes (a gather without
     FSDP's mean reduce-scatter): each device's gradient is its own batch shard's, not the mean."""
-    original = ReadPlan.gather
+    original = ReadPlan.read
     monkeypatch.setattr(
         ReadPlan,
-        "gather",
+        "read",
         lambda self, block: original(dataclasses.replace(self, batch_axes=frozenset()), block),
     )
     make = _make(False)
     case = Case(Sharded(make, _rules(False)), Twin(make), mesh_of(2, 4, 1), ("data", "fsdp"), False, 4, 4)
     with pytest.raises(AssertionError, match="grads"):
         check_equivalence(case)
+
+
+def _norm_drop_step(check_vma: bool):
+    """The whole path of a user: state_init_fn -> init_sharded -> shard_step, on a model with
+    BatchNorm statistics and dropout rngs (model_state), data 2 x fsdp 4."""
+    mesh = mesh_of(2, 4, 1)
+    batch = ("data", "fsdp")
+    sharded = fsdp_tp.nnx.shard_by_rules(lambda rngs: NormDropNet(4, 8, 4, rngs), [("kernel$", P("fsdp"))])
+    state, specs = fsdp_tp.init_sharded(
+        sharded.state_init_fn(optax.sgd(0.1)), mesh, P(), jax.random.key(0), check_vma=check_vma
+    )
+
+    def step_fn(state, x):
+        def loss_fn(params):
+            model = sharded.merge(params, state.model_state)
+            loss = jnp.mean(model(x) ** 2)
+            return loss, sharded.model_state(model)
+
+        (loss, model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        # each device's statistics of its shard, averaged (rng keys and counts are the same everywhere)
+        model_state["BatchStat"] = fsdp_tp.gradients.batch_mean(model_state["BatchStat"], batch)
+        return fsdp_tp.sync_gradients(grads, batch), jax.lax.pmean(loss, batch), model_state
+
+    return state, fsdp_tp.shard_step(step_fn, mesh, specs, P(batch), check_vma=check_vma)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_a_step_updates_batch_statistics_and_rng_counts_as_the_twin(check_vma):
+    """BatchNorm's running mean after one step is the twin's (each device's statistics of its
+    batch shard, averaged: the global batch's), and the dropout stream advanced by one draw."""
+    x = jax.random.normal(jax.random.key(1), (16, 4))
+    state, step = _norm_drop_step(check_vma)
+    assert jax.tree.leaves(state.model_state["BatchStat"])  # mean and var, as the model holds them
+    state, _ = step(state, x)
+
+    twin = NormDropNet(4, 8, 4, nnx.Rngs(0))
+    twin(x)  # one training call: its statistics move as the sharded step's did
+    np.testing.assert_allclose(
+        np.asarray(state.model_state["BatchStat"]["norm"]["mean"]),
+        np.asarray(twin.norm.mean[...]),
+        rtol=1e-6,
+        atol=1e-7,
+    )
+    counts = [int(c) for c in jax.tree.leaves(state.model_state["RngCount"])]
+    assert counts == [int(c) for c in jax.tree.leaves(nnx.state(twin, nnx.RngCount))] == [1]
+
+
+def test_each_batch_shard_draws_its_own_dropout_mask():
+    """The same rows on every device: the data shards' dropout masks differ (a key folded over
+    the batch axes), so data parallelism does not repeat one mask N times."""
+    sharded = fsdp_tp.nnx.shard_by_rules(lambda rngs: NormDropNet(4, 8, 4, rngs))
+    params, model_state = jax.jit(sharded.init)(jax.random.key(0))
+    mesh = mesh_of(2, 4, 1)
+    x = jnp.ones((8, 4))  # every device gets these 8 rows
+
+    def masks(params, model_state, x):
+        model = sharded.merge(params, model_state)
+        return model.drop(jnp.ones_like(x))[None]
+
+    out = jax.jit(
+        jax.shard_map(
+            masks, mesh=mesh, in_specs=(P(), P(), P()), out_specs=P(("data", "fsdp")), check_vma=False
+        )
+    )(params, model_state, x)
+    assert len({np.asarray(m).tobytes() for m in out}) == 8
+
+
+class Annotated(nnx.Module):
+    """A kernel annotated as NNX users do (``nnx.with_partitioning``): with mesh axes, or
+    with logical names."""
+
+    def __init__(self, names: tuple, rngs: nnx.Rngs):
+        init = nnx.with_partitioning(nnx.initializers.lecun_normal(), names)
+        self.up = nnx.Linear(4, 8, kernel_init=init, rngs=rngs)
+
+    def __call__(self, x):
+        return nnx.gelu(self.up(x))
+
+
+@pytest.mark.parametrize("eager", [True, False])
+@pytest.mark.parametrize(
+    "names, logical, expected",
+    [
+        ((None, "fsdp"), None, P(None, "fsdp")),
+        (("embed", "mlp"), [("mlp", "fsdp"), ("embed", None)], P(None, "fsdp")),
+    ],
+    ids=["mesh-axes", "logical-names"],
+)
+def test_the_models_own_annotations_lay_it_out_where_no_rule_matches(names, logical, expected, eager):
+    """Mesh-axis annotations are taken as they are, logical names go through logical_axis_rules
+    (flax's semantics), a rule wins over an annotation; the init equals the unsharded one bit
+    for bit whether flax's eager sharding is on or off around the caller."""
+    make = lambda rngs: Annotated(names, rngs)
+    with nnx.use_eager_sharding(eager):
+        sharded = fsdp_tp.nnx.shard_by_rules(make, [("up/bias$", P("fsdp"))], logical_axis_rules=logical)
+        params, specs = fsdp_tp.init_sharded(
+            lambda r: sharded.init(r)[0], mesh_of(2, 4, 1), P(), jax.random.key(0)
+        )
+    assert specs["up"] == {"kernel": expected, "bias": P("fsdp")}
+    with nnx.use_eager_sharding(False):
+        twin = nnx.state(make(nnx.Rngs(0)), nnx.Param)
+    for path, variable in nnx.to_flat_state(twin):
+        leaf = params[path[0]][path[1]]
+        np.testing.assert_array_equal(np.asarray(getattr(leaf, "value", leaf)), np.asarray(variable[...]))
+
+
+def _per_device_bytes(tree) -> int:
+    leaves = jax.tree.leaves(nn_unbox(tree))
+    return sum(
+        leaf.addressable_shards[0].data.nbytes for leaf in leaves if hasattr(leaf, "addressable_shards")
+    )
+
+
+def nn_unbox(tree):
+    return jax.tree.map(lambda x: x.value if is_box(x) else x, tree, is_leaf=is_box)
+
+
+def test_plan_and_checkpoints_take_an_nnx_state_restored_on_another_mesh(tmp_path):
+    """make_plan counts the NNX state's bytes per device exactly as init_sharded lays it out;
+    Checkpoints saves it on data 2 x fsdp 4 and restores it on data 4 x fsdp 2 (another layout of the
+    same global arrays), bit for bit."""
+    make = _make(True)
+    sharded = fsdp_tp.nnx.shard_by_rules(make, _rules(True))
+    init = sharded.state_init_fn(optax.adamw(1e-2))
+    saved_mesh, other_mesh = mesh_of(2, 4, 1), mesh_of(4, 2, 1)
+    state, _ = fsdp_tp.init_sharded(init, saved_mesh, P(), jax.random.key(0))
+    plan = fsdp_tp.make_plan(init, saved_mesh, P(), jax.random.key(0))
+    assert plan.param_bytes == _per_device_bytes(state.params)
+    assert plan.optimizer_bytes == _per_device_bytes(state.opt_state)
+
+    like, _ = fsdp_tp.init_sharded(init, other_mesh, P(), jax.random.key(1))
+    with fsdp_tp.Checkpoints(tmp_path) as checkpoints:
+        checkpoints.save(1, state)
+        checkpoints.wait()
+        restored, _ = checkpoints.restore(like)
+    plain = lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+    for got, want in zip(jax.tree.leaves(nn_unbox(restored)), jax.tree.leaves(nn_unbox(state)), strict=True):
+        np.testing.assert_array_equal(np.asarray(plain(got)), np.asarray(plain(want)))
+    kernel = restored.params["blocks"]["up"]["kernel"]
+    assert kernel.value.sharding.mesh.shape == other_mesh.shape

@@ -26,8 +26,8 @@ from .._layout import block_of, check_fit
 from .._tree import module_path
 from .._types import AxisNames, is_box
 from ..rules import REPLICATED, Rules, as_spec, compile_rules, logical_spec, spec_for, unmatched_warning
-from ..train import TrainState, fold_rng_over_axis
-from ._read import ReadPlan, on_read
+from ..train import TrainState
+from ._read import FoldPlan, ReadPlan, on_read
 
 __all__ = ["ShardedModel", "shard_by_rules"]
 
@@ -169,20 +169,16 @@ class ShardedModel:
         for path, variable in self._rest:
             value = _flat(state.get(type(variable).__name__, {}))[path]
             if isinstance(variable, nnx.RngKey):
-                value = fold_rng_over_axis(value, self.batch_axes)
-            rest.append((path, variable.copy(value)))
+                rest.append((path, on_read(variable, value, FoldPlan(self.batch_axes))))
+            else:
+                rest.append((path, variable.copy(value)))
         return nnx.merge(self.graphdef, nnx.from_flat_state(variables), nnx.from_flat_state(rest))
 
     def model_state(self, model: nnx.Module) -> dict:
         """The model's Variables other than parameters, as :meth:`init` lays them out: what a
         step returns as its third output (after averaging what differs across devices).
-        Rng keys are returned as they were stored (the step's draws advance the counts)."""
-        state = self._model_state(_split(model)[2])
-        if "RngKey" in state:
-            state["RngKey"] = _nest(
-                (p, v.get_raw_value()) for p, v in self._rest if isinstance(v, nnx.RngKey)
-            )
-        return state
+        Rng keys come back as stored (folded only where read); the draws advance the counts."""
+        return self._model_state(_split(model)[2])
 
 
 def shard_by_rules(

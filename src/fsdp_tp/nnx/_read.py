@@ -1,5 +1,6 @@
 """Gather on read for NNX: a parameter Variable that holds this device's block and hands the
-module the gathered value wherever the module reads it.
+module the gathered value wherever the module reads it (and an rng key, folded per batch
+shard).
 
 An NNX module reads a parameter with ``self.kernel[...]`` (or ``.value``, ``get_value()``),
 so the gather belongs in the Variable's ``get_value``, which flax asks us to override in a
@@ -22,8 +23,9 @@ from .._axes import varying_axes
 from .._gather import gather_box
 from .._types import AxisName
 from ..errors import RuleError
+from ..train import fold_rng_over_axis
 
-__all__ = ["ReadPlan", "on_read", "read_type"]
+__all__ = ["FoldPlan", "ReadPlan", "on_read", "read_type"]
 
 _PLAN = "fsdp_tp_read"  # the Variable metadata key that holds the ReadPlan
 
@@ -40,7 +42,7 @@ class ReadPlan:
     axes: frozenset[AxisName]
     batch_axes: frozenset[AxisName]
 
-    def gather(self, block):
+    def read(self, block):
         names = self.names
         if (dropped := len(names) - block.ndim) > 0:  # inside nnx.scan / vmap: one layer's slice
             if any(n is not None for n in names[:dropped]):
@@ -58,6 +60,17 @@ class ReadPlan:
         return gather_box(Partitioned(block, names), self.axes, self.batch_axes, vary)
 
 
+@dataclasses.dataclass(frozen=True)
+class FoldPlan:
+    """An rng key read folded over the batch axes: each batch shard draws its own dropout
+    masks, while the stored key (what the step returns) stays the one the init made."""
+
+    batch_axes: tuple[AxisName, ...]
+
+    def read(self, key):
+        return fold_rng_over_axis(key, self.batch_axes)
+
+
 @functools.cache
 def read_type(variable_type: type[nnx.Variable]) -> type[nnx.Variable]:
     """The subclass of ``variable_type`` whose ``get_value`` gathers (one per type, so graphs
@@ -65,12 +78,12 @@ def read_type(variable_type: type[nnx.Variable]) -> type[nnx.Variable]:
 
     def get_value(self, **kwargs):
         index = kwargs.pop("index", None)
-        value = self.get_metadata(_PLAN).gather(variable_type.get_value(self, **kwargs))
+        value = self.get_metadata(_PLAN).read(variable_type.get_value(self, **kwargs))
         return value if index is None or index is Ellipsis else value[index]
 
     return type(variable_type.__name__, (variable_type,), {"get_value": get_value, "__module__": __name__})
 
 
-def on_read(variable: nnx.Variable, block, plan: ReadPlan) -> nnx.Variable:
-    """A Variable like ``variable`` (its type and metadata) holding ``block``, gathered on read."""
+def on_read(variable: nnx.Variable, block, plan: ReadPlan | FoldPlan) -> nnx.Variable:
+    """A Variable like ``variable`` (its type and metadata) holding ``block``, read through ``plan``."""
     return read_type(type(variable)).from_metadata(block, {**variable.get_metadata(), _PLAN: plan})
