@@ -10,11 +10,11 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from flax.core import meta
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 import fsdp_tp.nnx
-from fsdp_tp._types import is_box
 from fsdp_tp.nnx._read import ReadPlan
 from tests.equivalence import Case, check_equivalence
 from tests.nnx_models import MLPStack, NormDropNet, Sharded, Twin
@@ -156,14 +156,10 @@ def test_the_models_own_annotations_lay_it_out_where_no_rule_matches(names, logi
 
 
 def _per_device_bytes(tree) -> int:
-    leaves = jax.tree.leaves(nn_unbox(tree))
+    leaves = jax.tree.leaves(meta.unbox(tree))
     return sum(
         leaf.addressable_shards[0].data.nbytes for leaf in leaves if hasattr(leaf, "addressable_shards")
     )
-
-
-def nn_unbox(tree):
-    return jax.tree.map(lambda x: x.value if is_box(x) else x, tree, is_leaf=is_box)
 
 
 def test_plan_and_checkpoints_take_an_nnx_state_restored_on_another_mesh(tmp_path):
@@ -185,7 +181,8 @@ def test_plan_and_checkpoints_take_an_nnx_state_restored_on_another_mesh(tmp_pat
         checkpoints.wait()
         restored, _ = checkpoints.restore(like)
     plain = lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
-    for got, want in zip(jax.tree.leaves(nn_unbox(restored)), jax.tree.leaves(nn_unbox(state)), strict=True):
+    got_leaves, want_leaves = jax.tree.leaves(meta.unbox(restored)), jax.tree.leaves(meta.unbox(state))
+    for got, want in zip(got_leaves, want_leaves, strict=True):
         np.testing.assert_array_equal(np.asarray(plain(got)), np.asarray(plain(want)))
     kernel = restored.params["blocks"]["up"]["kernel"]
     assert kernel.value.sharding.mesh.shape == other_mesh.shape

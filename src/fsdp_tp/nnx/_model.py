@@ -102,6 +102,7 @@ class ShardedModel:
             if index is not None:
                 used.add(index)
             self.specs[path] = spec
+        self._axes = frozenset(a for spec in self.specs.values() for a in axes_named(spec))
         paths = [_text(path) for path, _ in self._params]
         if warning := unmatched_warning(self._rules, used, paths, _CALLER):
             warnings.warn(warning, stacklevel=3)
@@ -154,20 +155,19 @@ class ShardedModel:
         reduce-scatter the gradients). Rng keys are folded over the batch axes, so each
         batch shard draws its own dropout masks."""
         flat = _flat(params)
-        axes = frozenset(a for spec in self.specs.values() for a in axes_named(spec))
         batch = frozenset(self.batch_axes)
         variables = []
         for path, variable in self._params:
             leaf = flat[path]
             if is_box(leaf):
-                plan = ReadPlan(_text(path), tuple(leaf.names), axes, batch)
+                plan = ReadPlan(_text(path), tuple(leaf.names), self._axes, batch)
                 variables.append((path, on_read(variable, leaf.value, plan)))
             else:
                 variables.append((path, variable.copy(leaf)))
-        state = dict(model_state or {})
+        stored = {name: _flat(tree) for name, tree in (model_state or {}).items()}
         rest = []
         for path, variable in self._rest:
-            value = _flat(state.get(type(variable).__name__, {}))[path]
+            value = stored[type(variable).__name__][path]
             if isinstance(variable, nnx.RngKey):
                 rest.append((path, on_read(variable, value, FoldPlan(self.batch_axes))))
             else:
