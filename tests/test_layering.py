@@ -29,6 +29,7 @@ CORE = (
     "_optimizer",
     "_state_tree",
     "_step_memory",
+    "_tp_rules",
     "_trace",
     "_tree",
     "_types",
@@ -45,6 +46,7 @@ CORE = (
     "rules",
     "sharded_init",
     "tp",
+    "tp_roles",
     "train",
 )
 

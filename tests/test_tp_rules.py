@@ -24,7 +24,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
-from fsdp_tp import tp_rules
+from fsdp_tp import tp_roles
 from fsdp_tp.analysis import dot_flops, parse_collectives
 from fsdp_tp.errors import IndivisibleShapeError, RuleError
 from fsdp_tp.linen.tp_rules import ColumnParallel, RowParallel, VocabParallel, attention_rules, mlp_rules
@@ -140,7 +140,7 @@ def test_negative_control_a_row_bias_added_on_every_device(monkeypatch):
 
 def test_negative_control_a_column_input_without_f(monkeypatch):
     """Without Megatron's f (psum of the input's gradient) the layers before get a partial gradient."""
-    monkeypatch.setattr(tp_rules, "_copied", lambda args, kwargs, axis: (args, kwargs))
+    monkeypatch.setattr(tp_roles, "_copied", lambda args, kwargs, axis: (args, kwargs))
     with pytest.raises(AssertionError, match="grads"):
         _check_exact(_case("data2_tensor4", False, False))
 

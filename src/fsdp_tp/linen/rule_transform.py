@@ -19,12 +19,13 @@ import jax
 from jax.sharding import PartitionSpec
 
 from .._axes import as_axis_tuple, bound_axis_names, entry_axes
+from .._tp_rules import compile_tp_rules, require_all_matched, with_split
 from .._types import AxisNames
 from ..errors import RuleError
 from ..precision import MixedPrecision, checked_policy
 from ..rules import REPLICATED, CompiledRule, Rules, as_spec, compile_rules, spec_for, unmatched_warning
 from ._gather import gather
-from ._local_compute import Seen, compile_tp_rules, local_compute, require_all_matched, with_split
+from ._local_compute import Seen, local_compute
 from ._transform import (
     check_module_class,
     input_varying,
@@ -33,6 +34,7 @@ from ._transform import (
     store,
     warn_once,
 )
+from .tp_rules import LINEN
 
 __all__ = ["shard_by_rules"]
 
@@ -155,7 +157,7 @@ def shard_by_rules(
                 with nn.logical_axis_rules(()), local_compute(tp, seen) if tp else contextlib.nullcontext():
                     out = super().__call__(*args, **kwargs)
                 if tp and seen.params:  # an init: every tp rule must have named a submodule
-                    require_all_matched(tp, seen)
+                    require_all_matched(tp, seen.used, seen.modules, seen.params, LINEN)
                 return out
             finally:
                 _SEEN.reset(tokens[1])

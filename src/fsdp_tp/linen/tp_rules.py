@@ -1,23 +1,17 @@
-"""Megatron tensor parallelism for a model you cannot edit: rules that name its submodules.
+"""Megatron tensor parallelism for a Linen model you cannot edit: rules that name its submodules.
 
 A rule is ``(pattern, role)``: ``pattern`` is searched (``re.search``) in a submodule's
-path, as every rule of the library is (:mod:`fsdp_tp.rules`), and ``role`` says how that
-submodule computes on its slices over a mesh axis:
+path, as every rule of the library is (:mod:`fsdp_tp.rules`), and ``role`` (one of
+:mod:`fsdp_tp.tp_roles`, the same objects the NNX front end takes) says how that submodule
+computes on its slices over a mesh axis. The Linen layers each role computes (:data:`LINEN`):
 
-- :class:`ColumnParallel` (``nn.Dense``, ``nn.DenseGeneral``, ``nn.Conv``): the kernel split
-  on its (first) output feature dim (a convolution's output channels); the input is the same
-  on every device, the output this device's slice of the features (or gathered,
-  ``gather_output=True``);
-- :class:`RowParallel` (``nn.Dense``, ``nn.DenseGeneral``, ``nn.Conv``): the kernel split on
-  its (first) input dim; the input arrives split (a column-parallel layer's output), the partial
-  products are summed over the axis and the bias added once;
-- :class:`HeadParallel` (``nn.MultiHeadDotProductAttention``): each device computes its
-  share of the heads (q/k/v column-parallel on the heads dim, the output projection
-  row-parallel);
-- :class:`VocabParallel` (``nn.Embed``): the table split on the vocabulary; each device
-  looks up the ids in its range and the rows are summed over the axis (``attend``, tied
-  logits, gathers the vocabulary).
+- :class:`ColumnParallel`, :class:`RowParallel`: ``nn.Dense``, ``nn.DenseGeneral``,
+  ``nn.Conv`` (a convolution's channels are its features);
+- :class:`HeadParallel`: ``nn.MultiHeadDotProductAttention`` (and ``nn.SelfAttention``);
+- :class:`VocabParallel`: ``nn.Embed`` (``attend``, tied logits, gathers the vocabulary).
 
+:func:`layer_of` shows a Linen layer to a role, :func:`local_attributes` writes the role's
+local sizes as the layer's attributes (``features / size``, ``num_heads / size``).
 Per attention or Dense-Dense MLP block that is Megatron's minimum: one all-reduce forward
 (the row sum), one backward (the column input's gradient). :func:`attention_rules` and
 :func:`mlp_rules` are the ready sets; pass the rules to :func:`~fsdp_tp.shard_by_rules`
@@ -30,20 +24,17 @@ as ``tp_rules=``, next to its storage rules (FSDP splits another dim).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import flax.linen as nn
-import jax
-import jax.numpy as jnp
 from flax.core import meta
 
+from .._tp_rules import Kinds
 from .._tree import module_path
-from ..collectives import gather_from_axis
-from ..errors import RuleError
-from ..tp import add_bias_once, column_input, row_reduce, vocab_lookup
+from ..tp_roles import ROLES, ColumnParallel, HeadParallel, Layer, RowParallel, TPRole, VocabParallel
 
 __all__ = [
+    "LINEN",
     "ROLES",
     "ColumnParallel",
     "HeadParallel",
@@ -51,201 +42,60 @@ __all__ = [
     "TPRole",
     "VocabParallel",
     "attention_rules",
+    "layer_of",
+    "local_attributes",
     "mlp_rules",
 ]
 
-
-def _count(dims) -> int:
-    return len(dims) if isinstance(dims, tuple | list) else 1
-
-
-def _first(features):
-    return features[0] if isinstance(features, tuple | list) else features
-
-
-def _with_first(features, value):
-    return (value, *features[1:]) if isinstance(features, tuple | list) else value
+LINEN = Kinds(
+    "nn",
+    {
+        "dense": (nn.Dense, nn.DenseGeneral),
+        "conv": (nn.Conv,),
+        "attention": (nn.MultiHeadDotProductAttention,),
+        "embed": (nn.Embed,),
+    },
+)
 
 
-def _copied(args: tuple, kwargs: dict, axis: str) -> tuple[tuple, dict]:
-    """Megatron's *f* on every floating array input, once per distinct array (self-attention
-    passes one array as q, k and v: one backward all-reduce, not three)."""
-    done: dict[int, Any] = {}
-
-    def copy(x):
-        if not (isinstance(x, jax.Array | jax.core.Tracer) and jnp.issubdtype(x.dtype, jnp.floating)):
-            return x
-        if id(x) not in done:
-            done[id(x)] = column_input(x, axis)
-        return done[id(x)]
-
-    return tuple(map(copy, args)), {k: copy(v) for k, v in kwargs.items()}
+def _dims(value) -> tuple:
+    return tuple(value) if isinstance(value, tuple | list) else (value,)
 
 
-def _ungrouped(module: nn.Module) -> None:
-    """A grouped convolution mixes channels within groups only: a channel split would cut
-    across the groups, so it stays whole."""
-    groups = getattr(module, "feature_group_count", 1)
-    if groups != 1:
-        path = module_path(module.path) or type(module).__name__
-        raise RuleError(
-            f"{path} is an nn.Conv with feature_group_count={groups}: splitting its channels over a "
-            f"mesh axis would cut across its groups. Leave {path} whole (drop it from the tp rules)."
+def layer_of(module: nn.Module, args: tuple, kwargs: dict) -> Layer:
+    """``module`` (a Linen layer of one of :data:`LINEN`'s kinds, called with ``args``) as a role sees it."""
+    kind = LINEN.of(type(module))
+    path = module_path(module.path) or type(module).__name__
+    common: dict[str, Any] = {"kind": kind, "path": path, "dtype": getattr(module, "dtype", None)}
+    if kind in ("dense", "conv"):
+        axis = _dims(getattr(module, "axis", -1))
+        return Layer(
+            **common,
+            features=_dims(module.features),
+            contracted=len(axis),
+            in_size=args[0].shape[axis[0]] if args else None,
+            groups=getattr(module, "feature_group_count", 1),
+            use_bias=module.use_bias,
+            bias=lambda: meta.unbox(module.get_variable("params", "bias")),
         )
+    if kind == "attention":
+        return Layer(**common, num_heads=module.num_heads, num_kv_heads=module.num_heads)
+    return Layer(**common, num_embeddings=module.num_embeddings)
 
 
-def _stored(module: nn.Module, name: str) -> jax.Array:
-    """Parameter ``name`` of ``module`` as the module reads it (gathered over FSDP's axes)."""
-    return meta.unbox(module.get_variable("params", name))
-
-
-@dataclass(frozen=True)
-class TPRole:
-    """How a submodule computes on its slices over mesh axis ``axis``. A role says which
-    of its parameters are split on which dim (:meth:`splits`, dims counted from the end,
-    so a stacked ``nn.scan`` dim in front changes nothing), which attributes make the
-    module compute on the local sizes (:meth:`local`), and the collectives around the
-    call (:meth:`around`)."""
-
-    axis: str = "tensor"
-    kinds: ClassVar[tuple[type, ...]] = ()
-    methods: ClassVar[frozenset[str]] = frozenset({"__call__"})
-
-    def splits(self, module: nn.Module) -> dict[str, int]:
-        """``{parameter path under the module: the dim split over the axis}``."""
-        raise NotImplementedError
-
-    def divides(self, module: nn.Module, args: tuple, kwargs: dict) -> dict[str, int]:
-        """``{what: size}`` that the axis size must divide for the split to work."""
-        raise NotImplementedError
-
-    def local(self, module: nn.Module, args: tuple, kwargs: dict, size: int) -> dict[str, Any]:
-        """The attributes the module computes with on this device's slices."""
-        return {}
-
-    def inner(self) -> dict[str, TPRole]:
-        """Roles of the module's own children (by name), which it creates itself."""
-        return {}
-
-    def around(self, method: str, run, module: nn.Module, args: tuple, kwargs: dict):
-        """The call: ``run(*args, **kwargs)`` is the module on its slices."""
-        raise NotImplementedError
-
-
-@dataclass(frozen=True)
-class ColumnParallel(TPRole):
-    """``nn.Dense`` / ``nn.DenseGeneral`` / ``nn.Conv`` split on the (first) output feature dim.
-
-    ``gather_output``: all-gather the features (a model's last layer, whose output the
-    loss reads whole); otherwise the next layer must be :class:`RowParallel`."""
-
-    gather_output: bool = False
-    kinds: ClassVar[tuple[type, ...]] = (nn.Dense, nn.DenseGeneral, nn.Conv)
-
-    def splits(self, module):
-        _ungrouped(module)
-        dim = -_count(module.features)
-        return {"kernel": dim, "bias": dim}
-
-    def divides(self, module, args, kwargs):
-        return {"features": _first(module.features)}
-
-    def local(self, module, args, kwargs, size):
-        return {"features": _with_first(module.features, _first(module.features) // size)}
-
-    def around(self, method, run, module, args, kwargs):
-        args, kwargs = _copied(args, kwargs, self.axis)
-        out = run(*args, **kwargs)
-        return gather_from_axis(out, -_count(module.features), self.axis) if self.gather_output else out
-
-
-@dataclass(frozen=True)
-class RowParallel(TPRole):
-    """``nn.Dense`` / ``nn.DenseGeneral`` / ``nn.Conv`` split on the (first) contracted input dim: the
-    input arrives split there, the partial products are summed over the axis (Megatron's
-    *g*) and the bias, whole on every device, is added once after the sum."""
-
-    kinds: ClassVar[tuple[type, ...]] = (nn.Dense, nn.DenseGeneral, nn.Conv)
-
-    def splits(self, module):
-        _ungrouped(module)
-        contracted = _count(getattr(module, "axis", -1))
-        return {"kernel": -(contracted + _count(module.features))}
-
-    def divides(self, module, args, kwargs):
-        axis = getattr(module, "axis", -1)
-        return {"input dim": args[0].shape[_first(axis)]}
-
-    def local(self, module, args, kwargs, size):
-        return {"use_bias": False}
-
-    def around(self, method, run, module, args, kwargs):
-        out = row_reduce(run(*args, **kwargs), self.axis)
-        bias = _stored(module, "bias") if module.use_bias else None
-        return add_bias_once(out, bias, self.axis, dtype=module.dtype)
-
-
-@dataclass(frozen=True)
-class HeadParallel(TPRole):
-    """``nn.MultiHeadDotProductAttention`` (and ``nn.SelfAttention``): each device computes
-    ``num_heads / size`` heads; query, key and value are split on the heads dim, the output
-    projection on its heads dim (:class:`RowParallel`), so the block has one all-reduce
-    forward and one backward. Dropout inside attention draws its mask per device's heads:
-    the same distribution as unsharded, not the same mask."""
-
-    kinds: ClassVar[tuple[type, ...]] = (nn.MultiHeadDotProductAttention,)
-
-    def splits(self, module):
-        return {f"{proj}/{name}": -2 for proj in ("query", "key", "value") for name in ("kernel", "bias")}
-
-    def divides(self, module, args, kwargs):
-        return {"num_heads": module.num_heads}
-
-    def local(self, module, args, kwargs, size):
+def local_attributes(module: nn.Module, local: dict[str, Any], args: tuple, kwargs: dict) -> dict[str, Any]:
+    """A role's local sizes (:meth:`~fsdp_tp.tp_roles.TPRole.local`) as ``module``'s attributes."""
+    out = {k: v for k, v in local.items() if k in ("use_bias", "num_embeddings")}
+    if "features" in local:
+        features = local["features"]
+        out["features"] = features if isinstance(module.features, tuple | list) else features[0]
+    if "num_heads" in local:
         inputs_q = args[0] if args else kwargs["inputs_q"]
         qkv = module.qkv_features or inputs_q.shape[-1]
-        return {
-            "num_heads": module.num_heads // size,
-            "qkv_features": qkv // size,
-            "out_features": module.out_features or inputs_q.shape[-1],
-        }
-
-    def inner(self):
-        return {"out": RowParallel(self.axis)}
-
-    def around(self, method, run, module, args, kwargs):
-        args, kwargs = _copied(args, kwargs, self.axis)
-        return run(*args, **kwargs)
-
-
-@dataclass(frozen=True)
-class VocabParallel(TPRole):
-    """``nn.Embed`` with the table split on the vocabulary: each device looks up the ids
-    in its range (zeros for the others) and the rows are summed over the axis. ``attend``
-    (logits tied to the table) computes this device's vocabulary slice and gathers it."""
-
-    kinds: ClassVar[tuple[type, ...]] = (nn.Embed,)
-    methods: ClassVar[frozenset[str]] = frozenset({"__call__", "attend"})
-
-    def splits(self, module):
-        return {"embedding": -2}
-
-    def divides(self, module, args, kwargs):
-        return {"num_embeddings": module.num_embeddings}
-
-    def local(self, module, args, kwargs, size):
-        return {"num_embeddings": module.num_embeddings // size}
-
-    def around(self, method, run, module, args, kwargs):
-        if method == "attend":
-            args, kwargs = _copied(args, kwargs, self.axis)
-            return gather_from_axis(run(*args, **kwargs), -1, self.axis)
-        ids, *rest = args
-        rows = module.num_embeddings // jax.lax.axis_size(self.axis)
-        return row_reduce(vocab_lookup(ids, rows, self.axis, lambda i: run(i, *rest, **kwargs)), self.axis)
-
-
-ROLES: tuple[type[TPRole], ...] = (ColumnParallel, RowParallel, HeadParallel, VocabParallel)
+        out["num_heads"] = local["num_heads"]
+        out["qkv_features"] = qkv * local["num_heads"] // module.num_heads
+        out["out_features"] = module.out_features or inputs_q.shape[-1]
+    return out
 
 
 def attention_rules(pattern: str = r"MultiHeadDotProductAttention_\d+$", axis: str = "tensor"):

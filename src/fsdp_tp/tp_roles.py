@@ -1,0 +1,238 @@
+"""The tensor-parallel roles a tp rule gives a submodule, once for every front end.
+
+A rule is ``(pattern, role)``: ``pattern`` is searched (``re.search``) in a submodule's
+path, as every rule of the library is (:mod:`fsdp_tp.rules`), and ``role`` says how that
+submodule computes on its slices over a mesh axis:
+
+- :class:`ColumnParallel` (a dense layer or a convolution): the kernel split on its (first)
+  output feature dim; the input is the same on every device, the output this device's slice
+  of the features (or gathered, ``gather_output=True``);
+- :class:`RowParallel` (the same kinds): the kernel split on its (first) contracted input
+  dim; the input arrives split (a column-parallel layer's output), the partial products are
+  summed over the axis and the bias added once;
+- :class:`HeadParallel` (multi-head attention): each device computes its share of the heads
+  (query/key/value split on the heads dim, the output projection row-parallel);
+- :class:`VocabParallel` (an embedding): the table split on the vocabulary; each device looks
+  up the ids in its range and the rows are summed over the axis (``attend``, tied logits,
+  gathers the vocabulary).
+
+A role sees the module as a :class:`Layer`, which each front end builds from its own module
+classes (Linen's ``nn.Dense`` and NNX's ``nnx.Linear`` are both the ``"dense"`` kind), and
+computes through :mod:`fsdp_tp.tp`'s pieces. A new role is one :class:`TPRole` subclass here.
+
+>>> role = ColumnParallel()
+>>> role.splits(Layer(kind="dense", path="mlp/up", features=(64,)))
+{'kernel': -1, 'bias': -1}
+>>> RowParallel().splits(Layer(kind="dense", path="mlp/down", features=(16,)))
+{'kernel': -2}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from .collectives import gather_from_axis
+from .errors import RuleError
+from .tp import add_bias_once, column_input, row_reduce, vocab_lookup
+
+__all__ = ["ROLES", "ColumnParallel", "HeadParallel", "Layer", "RowParallel", "TPRole", "VocabParallel"]
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A submodule as a role sees it, whichever front end built it.
+
+    ``kind``: ``"dense"``, ``"conv"``, ``"attention"`` or ``"embed"``. ``features``: the
+    output feature dims; ``contracted``: how many input dims it contracts; ``in_size``: the
+    first contracted dim's size; ``groups``: a convolution's feature groups; ``bias``: reads
+    the stored bias as the module reads it (gathered over FSDP's axes)."""
+
+    kind: str
+    path: str
+    features: tuple[int, ...] = ()
+    contracted: int = 1
+    in_size: int | None = None
+    groups: int = 1
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    num_embeddings: int = 0
+    use_bias: bool = False
+    dtype: Any = None
+    bias: Callable[[], jax.Array] | None = None
+
+
+def _copied(args: tuple, kwargs: dict, axis: str) -> tuple[tuple, dict]:
+    """Megatron's *f* on every floating array input, once per distinct array (self-attention
+    passes one array as q, k and v: one backward all-reduce, not three)."""
+    done: dict[int, Any] = {}
+
+    def copy(x):
+        if not (isinstance(x, jax.Array | jax.core.Tracer) and jnp.issubdtype(x.dtype, jnp.floating)):
+            return x
+        if id(x) not in done:
+            done[id(x)] = column_input(x, axis)
+        return done[id(x)]
+
+    return tuple(map(copy, args)), {k: copy(v) for k, v in kwargs.items()}
+
+
+def _ungrouped(layer: Layer) -> None:
+    """A grouped convolution mixes channels within groups only: a channel split would cut
+    across the groups, so it stays whole."""
+    if layer.groups != 1:
+        raise RuleError(
+            f"{layer.path} is a convolution with feature_group_count={layer.groups}: splitting its "
+            f"channels over a mesh axis would cut across its groups. Leave {layer.path} whole (drop "
+            f"it from the tp rules)."
+        )
+
+
+@dataclass(frozen=True)
+class TPRole:
+    """How a submodule computes on its slices over mesh axis ``axis``: which of its
+    parameters are split on which dim (:meth:`splits`, dims counted from the end, so a
+    stacked scan dim in front changes nothing), the sizes the axis must divide
+    (:meth:`divides`), the local sizes it computes with (:meth:`local`, which the front end
+    writes as the module's attributes), and the collectives around the call (:meth:`around`)."""
+
+    axis: str = "tensor"
+    kinds: ClassVar[tuple[str, ...]] = ()
+    methods: ClassVar[frozenset[str]] = frozenset({"__call__"})
+
+    def splits(self, layer: Layer) -> dict[str, int]:
+        """``{parameter path under the module: the dim split over the axis}``."""
+        raise NotImplementedError
+
+    def divides(self, layer: Layer) -> dict[str, int | None]:
+        """``{what: size}`` that the axis size must divide for the split to work."""
+        raise NotImplementedError
+
+    def local(self, layer: Layer, size: int) -> dict[str, Any]:
+        """The sizes the module computes with on this device's slices (``features``,
+        ``use_bias``, ``num_heads``, ``num_kv_heads``, ``num_embeddings``)."""
+        return {}
+
+    def inner(self) -> dict[str, TPRole]:
+        """Roles of the module's own children (by name), which it creates itself."""
+        return {}
+
+    def around(self, method: str, run, layer: Layer, args: tuple, kwargs: dict):
+        """The call: ``run(*args, **kwargs)`` is the module on its slices."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class ColumnParallel(TPRole):
+    """A dense layer or convolution split on the (first) output feature dim.
+
+    ``gather_output``: all-gather the features (a model's last layer, whose output the
+    loss reads whole); otherwise the next layer must be :class:`RowParallel`."""
+
+    gather_output: bool = False
+    kinds: ClassVar[tuple[str, ...]] = ("dense", "conv")
+
+    def splits(self, layer):
+        _ungrouped(layer)
+        dim = -len(layer.features)
+        return {"kernel": dim, "bias": dim}
+
+    def divides(self, layer):
+        return {"features": layer.features[0]}
+
+    def local(self, layer, size):
+        return {"features": (layer.features[0] // size, *layer.features[1:])}
+
+    def around(self, method, run, layer, args, kwargs):
+        args, kwargs = _copied(args, kwargs, self.axis)
+        out = run(*args, **kwargs)
+        return gather_from_axis(out, -len(layer.features), self.axis) if self.gather_output else out
+
+
+@dataclass(frozen=True)
+class RowParallel(TPRole):
+    """A dense layer or convolution split on the (first) contracted input dim: the input
+    arrives split there, the partial products are summed over the axis (Megatron's *g*)
+    and the bias, whole on every device, is added once after the sum."""
+
+    kinds: ClassVar[tuple[str, ...]] = ("dense", "conv")
+
+    def splits(self, layer):
+        _ungrouped(layer)
+        return {"kernel": -(layer.contracted + len(layer.features))}
+
+    def divides(self, layer):
+        return {"input dim": layer.in_size}
+
+    def local(self, layer, size):
+        return {"use_bias": False}
+
+    def around(self, method, run, layer, args, kwargs):
+        out = row_reduce(run(*args, **kwargs), self.axis)
+        bias = layer.bias() if layer.use_bias and layer.bias is not None else None
+        return add_bias_once(out, bias, self.axis, dtype=layer.dtype)
+
+
+@dataclass(frozen=True)
+class HeadParallel(TPRole):
+    """Multi-head attention: each device computes ``num_heads / size`` heads; query, key and
+    value are split on the heads dim, the output projection on its heads dim
+    (:class:`RowParallel`), so the block has one all-reduce forward and one backward.
+    Dropout inside attention draws its mask per device's heads: the same distribution as
+    unsharded, not the same mask."""
+
+    kinds: ClassVar[tuple[str, ...]] = ("attention",)
+
+    def splits(self, layer):
+        return {f"{proj}/{name}": -2 for proj in ("query", "key", "value") for name in ("kernel", "bias")}
+
+    def divides(self, layer):
+        heads = {"num_heads": layer.num_heads}
+        if layer.num_kv_heads and layer.num_kv_heads != layer.num_heads:
+            heads["num_kv_heads"] = layer.num_kv_heads
+        return heads
+
+    def local(self, layer, size):
+        kv_heads = layer.num_kv_heads or layer.num_heads
+        return {"num_heads": layer.num_heads // size, "num_kv_heads": kv_heads // size}
+
+    def inner(self):
+        return {"out": RowParallel(self.axis)}
+
+    def around(self, method, run, layer, args, kwargs):
+        args, kwargs = _copied(args, kwargs, self.axis)
+        return run(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class VocabParallel(TPRole):
+    """An embedding with the table split on the vocabulary: each device looks up the ids
+    in its range (zeros for the others) and the rows are summed over the axis. ``attend``
+    (logits tied to the table) computes this device's vocabulary slice and gathers it."""
+
+    kinds: ClassVar[tuple[str, ...]] = ("embed",)
+    methods: ClassVar[frozenset[str]] = frozenset({"__call__", "attend"})
+
+    def splits(self, layer):
+        return {"embedding": -2}
+
+    def divides(self, layer):
+        return {"num_embeddings": layer.num_embeddings}
+
+    def local(self, layer, size):
+        return {"num_embeddings": layer.num_embeddings // size}
+
+    def around(self, method, run, layer, args, kwargs):
+        if method == "attend":
+            args, kwargs = _copied(args, kwargs, self.axis)
+            return gather_from_axis(run(*args, **kwargs), -1, self.axis)
+        ids, *rest = args
+        rows = layer.num_embeddings // jax.lax.axis_size(self.axis)
+        return row_reduce(vocab_lookup(ids, rows, self.axis, lambda i: run(i, *rest, **kwargs)), self.axis)
+
+
+ROLES: tuple[type[TPRole], ...] = (ColumnParallel, RowParallel, HeadParallel, VocabParallel)
