@@ -10,6 +10,7 @@ builds: the only place where the two front ends differ in the tests.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 import fsdp_tp.nnx
@@ -117,3 +118,59 @@ class NormDropNet(nnx.Module):
 
     def __call__(self, x):
         return self.down(self.drop(self.norm(self.up(x))))
+
+
+class DecoderBlock(nnx.Module):
+    """Pre-norm attention and a Linear-gelu-Linear MLP, each residual, as flax's NNX LM
+    examples write a block (causal self-attention through ``nnx.MultiHeadAttention``)."""
+
+    def __init__(self, d: int, heads: int, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        at = dict(param_dtype=param_dtype, rngs=rngs)
+        self.ln1 = nnx.LayerNorm(d, **at)
+        self.attn = nnx.MultiHeadAttention(heads, d, decode=False, **at)
+        self.ln2 = nnx.LayerNorm(d, **at)
+        self.up = nnx.Linear(d, 4 * d, **at)
+        self.down = nnx.Linear(4 * d, d, **at)
+
+    def __call__(self, x):
+        mask = nnx.make_causal_mask(x[..., 0])
+        x = x + self.attn(self.ln1(x), mask=mask)
+        return x + self.down(nnx.gelu(self.up(self.ln2(x))))
+
+
+class LM(nnx.Module):
+    """A decoder-only LM: embed, ``layers`` blocks (a Python loop, or one stacked block made by
+    ``nnx.vmap`` and run by ``nnx.scan`` over ``nnx.remat``), a final norm and the logits: the
+    NNX twin of tests/plain_models.PlainLM."""
+
+    def __init__(self, vocab, d, heads, layers, *, scan=False, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.scan = scan
+        at = dict(param_dtype=param_dtype, rngs=rngs)
+        self.embed = nnx.Embed(vocab, d, **at)
+        if scan:
+
+            @nnx.split_rngs(splits=layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def stack(rngs):
+                return DecoderBlock(d, heads, rngs, param_dtype)
+
+            self.blocks = stack(rngs)
+        else:
+            self.blocks = nnx.List([DecoderBlock(d, heads, rngs, param_dtype) for _ in range(layers)])
+        self.norm = nnx.LayerNorm(d, **at)
+        self.logits = nnx.Linear(d, vocab, **at)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        if self.scan:
+
+            @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+            @nnx.remat
+            def run(block, x):
+                return block(x)
+
+            x = run(self.blocks, x)
+        else:
+            for block in self.blocks:
+                x = block(x)
+        return self.logits(self.norm(x))

@@ -14,6 +14,7 @@ device, a column input without Megatron's *f*.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import flax.linen as nn
 import jax
@@ -21,14 +22,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 from fsdp_tp import tp_roles
 from fsdp_tp.analysis import dot_flops, parse_collectives
 from fsdp_tp.errors import IndivisibleShapeError, RuleError
-from fsdp_tp.linen.tp_rules import ColumnParallel, RowParallel, VocabParallel, attention_rules, mlp_rules
+from fsdp_tp.linen.tp_rules import attention_rules, mlp_rules
+from fsdp_tp.tp_roles import ColumnParallel, HeadParallel, RowParallel, VocabParallel
 from tests.equivalence import Case, check_equivalence
+from tests.nnx_models import LM as NNXLM
+from tests.nnx_models import Sharded, Twin
 from tests.plain_models import PlainLM, lowered_lm_step
 from tests.test_tensor_parallel import mesh_of
 
@@ -61,13 +66,50 @@ def _storage_rules(scan: bool, fsdp: bool):
     return [(pattern, P(*spec)) for pattern, spec in [*_IN_BLOCKS[:2], _OUTSIDE[0], _IN_BLOCKS[2]]]
 
 
-def _model(mesh_name: str, sizes: dict, scan: bool = False, remat: bool = False, tp=MEGATRON, rules=None):
+# The same model written in NNX (tests/nnx_models.LM) and its rules, on its own paths: the
+# NNX cases run the same test bodies (api="nnx").
+NNX_MEGATRON = [
+    (r"attn$", HeadParallel()),
+    (r"up$", ColumnParallel()),
+    (r"down$", RowParallel()),
+    (r"^embed$", VocabParallel()),
+    (r"^logits$", ColumnParallel(gather_output=True)),
+]
+APIS = ["linen", "nnx"]
+
+
+def _nnx_rules(scan: bool, fsdp: bool):
+    renamed = [(pattern.replace("Dense_1", "down"), spec) for pattern, spec in _IN_BLOCKS]
+    if not fsdp:
+        return []
+    if scan:
+        blocks = [(r"^blocks/.*" + pattern, P(None, *spec)) for pattern, spec in renamed]
+        return blocks + [(pattern, P(*spec)) for pattern, spec in _OUTSIDE]
+    return [(pattern, P(*spec)) for pattern, spec in [*renamed[:2], _OUTSIDE[0], renamed[2]]]
+
+
+def _nnx_make(sizes: dict, scan: bool):
+    sizes = dict(sizes)
+    dims = sizes.pop("vocab"), sizes.pop("d_model"), sizes.pop("heads"), sizes.pop("layers")
+    return lambda rngs: NNXLM(*dims, scan=scan, rngs=rngs, **sizes)
+
+
+def _model(
+    mesh_name: str, sizes: dict, scan: bool = False, remat: bool = False, tp=None, rules=None, api="linen"
+):
     fsdp = "fsdp" in MESHES[mesh_name]
+    if api == "nnx":
+        return Sharded(
+            _nnx_make(sizes, scan),
+            _nnx_rules(scan, fsdp) if rules is None else rules,
+            batch_axes=_batch(mesh_name),
+            tp_rules=NNX_MEGATRON if tp is None else tp,
+        )
     model = fsdp_tp.shard_by_rules(
         PlainLM,
         _storage_rules(scan, fsdp) if rules is None else rules,
         batch_axes=_batch(mesh_name),
-        tp_rules=tp,
+        tp_rules=MEGATRON if tp is None else tp,
     )
     return model(**sizes, scan=scan, remat=remat)
 
@@ -94,10 +136,13 @@ SMALL = dict(vocab=32, d_model=16, heads=4, layers=2)
 EXACT = dict(param_dtype=jnp.float64)
 
 
-def _case(mesh_name: str, scan: bool, check_vma: bool, model=None) -> Case:
+def _case(mesh_name: str, scan: bool, check_vma: bool, model=None, api="linen") -> Case:
+    with jax.enable_x64(True):  # an NNX model's constructor runs here, and keeps its dtypes
+        twin = Twin(_nnx_make({**SMALL, **EXACT}, scan)) if api == "nnx" else None
+        model = model or _model(mesh_name, {**SMALL, **EXACT}, scan=scan, remat=scan, api=api)
     return Case(
-        model or _model(mesh_name, {**SMALL, **EXACT}, scan=scan, remat=scan),
-        PlainLM(**SMALL, **EXACT, scan=scan, remat=scan),
+        model,
+        twin or PlainLM(**SMALL, **EXACT, scan=scan, remat=scan),
         fsdp_tp.make_mesh(MESHES[mesh_name]),
         _batch(mesh_name),
         check_vma,
@@ -124,25 +169,31 @@ def _check_exact(case: Case) -> None:
         ("data2_fsdp2_tensor2", True, True),
     ],
 )
-def test_megatron_by_rules_equals_unsharded(mesh_name, scan, check_vma):
+@pytest.mark.parametrize("api", APIS)
+def test_megatron_by_rules_equals_unsharded(mesh_name, scan, check_vma, api):
     """Invariants 1-5 (6 across the cases): init bit for bit, outputs, loss, gradients and
-    3 SGD / AdamW steps, in a loop and in nn.scan + nn.remat (in float64: see EXACT)."""
-    _check_exact(_case(mesh_name, scan, check_vma))
+    3 SGD / AdamW steps, in a loop and in scan + remat (in float64: see EXACT), for the Linen
+    model and the same model written in NNX."""
+    _check_exact(_case(mesh_name, scan, check_vma, api=api))
 
 
-def test_negative_control_a_row_bias_added_on_every_device(monkeypatch):
+@pytest.mark.parametrize(
+    "api, bias", [("linen", "['layer_0']['Dense_1']"), ("nnx", "['blocks'][0]['attn']['out']")]
+)
+def test_negative_control_a_row_bias_added_on_every_device(monkeypatch, api, bias):
     """The row layer computing its own bias: each device adds it, the sum holds it 4 times (the
     init's zero bias hides it in the output; its gradient is 5 times the twin's)."""
     monkeypatch.setattr(RowParallel, "local", lambda self, *args: {})
-    with pytest.raises(AssertionError, match=r"grads\['layer_0'\]\['Dense_1'\]\['bias'\]"):
-        _check_exact(_case("data2_tensor4", False, True))
+    with pytest.raises(AssertionError, match=re.escape(f"grads{bias}['bias']")):
+        _check_exact(_case("data2_tensor4", False, True, api=api))
 
 
-def test_negative_control_a_column_input_without_f(monkeypatch):
+@pytest.mark.parametrize("api", APIS)
+def test_negative_control_a_column_input_without_f(monkeypatch, api):
     """Without Megatron's f (psum of the input's gradient) the layers before get a partial gradient."""
     monkeypatch.setattr(tp_roles, "_copied", lambda args, kwargs, axis: (args, kwargs))
     with pytest.raises(AssertionError, match="grads"):
-        _check_exact(_case("data2_tensor4", False, False))
+        _check_exact(_case("data2_tensor4", False, False, api=api))
 
 
 LM = dict(vocab=256, d_model=64, heads=8, layers=3)
@@ -172,8 +223,9 @@ MEGATRON_MINIMUM = {"all-reduce": 4 * LM["layers"] + 2, "all-gather": 1}
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
-def test_the_step_has_megatrons_activation_collectives_and_no_weight_gather(check_vma):
-    lowered, _ = _lowered_step(_model("data2_tensor4", LM), "data2_tensor4", check_vma)
+@pytest.mark.parametrize("api", APIS)
+def test_the_step_has_megatrons_activation_collectives_and_no_weight_gather(check_vma, api):
+    lowered, _ = _lowered_step(_model("data2_tensor4", LM, api=api), "data2_tensor4", check_vma)
     found = parse_collectives(lowered.compile().as_text())
     over_tensor = [c for c in found if c.group_size == 4]
     assert _activation_collectives(over_tensor, BATCH // 2) == MEGATRON_MINIMUM
@@ -184,10 +236,11 @@ def test_the_step_has_megatrons_activation_collectives_and_no_weight_gather(chec
     assert gather.operand_types[0].startswith(f"f32[{BATCH // 2},{SEQ},{LM['vocab'] // 4}]")
 
 
-def test_with_fsdp_weights_are_gathered_over_fsdp_only():
+@pytest.mark.parametrize("api", APIS)
+def test_with_fsdp_weights_are_gathered_over_fsdp_only(api):
     """On data 2 x fsdp 2 x tensor 2: the same activation collectives; the weight all-gathers
     move exactly each FSDP-split parameter's tensor slice, once (no remat), never over tensor."""
-    model = _model("data2_fsdp2_tensor2", LM)
+    model = _model("data2_fsdp2_tensor2", LM, api=api)
     lowered, state = _lowered_step(model, "data2_fsdp2_tensor2", check_vma=False)
     found = parse_collectives(lowered.compile().as_text())
     assert _activation_collectives(found, BATCH // 4) == MEGATRON_MINIMUM
@@ -201,11 +254,12 @@ def test_with_fsdp_weights_are_gathered_over_fsdp_only():
     assert gathered - logits == expected
 
 
-def test_matmuls_are_a_quarter_the_size():
+@pytest.mark.parametrize("api", APIS)
+def test_matmuls_are_a_quarter_the_size(api):
     """Every matmul of the step (forward and backward, attention included) on data 2 x tensor 4
     is 1/4 of the same model's without tp rules: the dot FLOPs, exactly."""
-    plain, _ = _lowered_step(_model("data2_tensor4", LM, tp=()), "data2_tensor4")
-    split, _ = _lowered_step(_model("data2_tensor4", LM), "data2_tensor4")
+    plain, _ = _lowered_step(_model("data2_tensor4", LM, tp=(), api=api), "data2_tensor4")
+    split, _ = _lowered_step(_model("data2_tensor4", LM, api=api), "data2_tensor4")
     assert dot_flops(plain.as_text(dialect="hlo")) == 4 * dot_flops(split.as_text(dialect="hlo"))
 
 
@@ -233,12 +287,30 @@ class TiedLM(nn.Module):
         return embed.attend(nn.LayerNorm()(x))
 
 
-def test_tied_embeddings_and_dense_general_equal_unsharded():
-    rules = [(r"Embed_0$", VocabParallel()), *mlp_rules(r"up$", r"down$")]
-    model = fsdp_tp.shard_by_rules(TiedLM, batch_axes=("data",), tp_rules=rules)()
-    check_equivalence(
-        dataclasses.replace(_case("data2_tensor4", False, True, model=model), reference=TiedLM())
-    )
+class NNXTiedLM(nnx.Module):
+    """TiedLM in NNX: ``nnx.Embed.attend`` and ``nnx.LinearGeneral`` over two groups."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(32, 16, rngs=rngs)
+        self.up = nnx.LinearGeneral(16, (4, 8), rngs=rngs)
+        self.down = nnx.LinearGeneral((4, 8), 16, axis=(-2, -1), rngs=rngs)
+        self.norm = nnx.LayerNorm(16, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        x = x + self.down(nnx.gelu(self.up(x)))
+        return self.embed.attend(self.norm(x))
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_tied_embeddings_and_dense_general_equal_unsharded(api):
+    if api == "nnx":
+        rules = [(r"embed$", VocabParallel()), (r"up$", ColumnParallel()), (r"down$", RowParallel())]
+        model, twin = Sharded(NNXTiedLM, batch_axes=("data",), tp_rules=rules), Twin(NNXTiedLM)
+    else:
+        rules = [(r"Embed_0$", VocabParallel()), *mlp_rules(r"up$", r"down$")]
+        model, twin = fsdp_tp.shard_by_rules(TiedLM, batch_axes=("data",), tp_rules=rules)(), TiedLM()
+    check_equivalence(dataclasses.replace(_case("data2_tensor4", False, True, model=model), reference=twin))
 
 
 def _init(model, mesh_name="data2_tensor4", tokens=None):
@@ -311,6 +383,45 @@ def _plain(tp, rules=(), **sizes):
 def test_a_wrong_tp_rule_is_named_at_init(tp, sizes, error, match):
     with pytest.raises(error, match=match):
         _init(_plain(tp, **sizes))
+
+
+def _nnx_lm(tp, rules=(), heads=4, d_model=16):
+    make = _nnx_make({**SMALL, "heads": heads, "d_model": d_model}, scan=False)
+    return Sharded(make, rules, batch_axes=("data",), tp_rules=tp)
+
+
+@pytest.mark.parametrize(
+    "tp, sizes, match",
+    [
+        (
+            [(r"blocks/0$", ColumnParallel())],
+            {},
+            r"'blocks/0\$' -> ColumnParallel matches blocks/0, a DecoderBlock; ColumnParallel computes "
+            r"nnx.Linear or nnx.LinearGeneral or nnx.Conv on its slices. Name the submodules a role "
+            r"computes, e.g. \('blocks/0/down\$', ColumnParallel\(\)\); under blocks/0: blocks/0/attn "
+            r"\(HeadParallel\), blocks/0/down \(ColumnParallel or RowParallel\), blocks/0/up",
+        ),
+        ([(r"ln1$", RowParallel())], {}, r"a LayerNorm, which has no tensor-parallel role"),
+        ([(r"embed$", ColumnParallel())], {}, r"a Embed, which ColumnParallel does not .*VocabParallel\(\)"),
+        (
+            [(r"up/kernel$", ColumnParallel())],
+            {},
+            r"matches no submodule; it matches parameters .*'blocks/0/up\$'",
+        ),
+    ],
+    ids=["block", "no-role", "other-role", "parameter"],
+)
+def test_a_wrong_tp_rule_on_an_nnx_model_is_named_before_anything_runs(tp, sizes, match):
+    """The rules meet the abstract model at shard_by_rules: the same wordings as Linen's, in
+    NNX's class names, before an init runs."""
+    with pytest.raises(RuleError, match=match):
+        _nnx_lm(tp, **sizes)
+
+
+def test_nnx_heads_the_axis_does_not_divide_are_named_at_init():
+    sharded = _nnx_lm([(r"attn$", HeadParallel())], heads=6, d_model=24).sharded
+    with pytest.raises(IndivisibleShapeError, match=r"blocks/0/attn: num_heads \(size 6\) is not divisible"):
+        fsdp_tp.init_sharded(sharded.init, fsdp_tp.make_mesh(MESHES["data2_tensor4"]), P(), jax.random.key(0))
 
 
 def test_a_row_layer_without_a_column_before_it_is_named():

@@ -56,7 +56,7 @@ class Layer:
     path: str
     features: tuple[int, ...] = ()
     contracted: int = 1
-    in_size: int | None = None
+    in_size: int = 0
     groups: int = 1
     num_heads: int = 0
     num_kv_heads: int = 0
@@ -108,7 +108,7 @@ class TPRole:
         """``{parameter path under the module: the dim split over the axis}``."""
         raise NotImplementedError
 
-    def divides(self, layer: Layer) -> dict[str, int | None]:
+    def divides(self, layer: Layer) -> dict[str, int]:
         """``{what: size}`` that the axis size must divide for the split to work."""
         raise NotImplementedError
 

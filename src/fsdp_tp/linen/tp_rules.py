@@ -73,7 +73,7 @@ def layer_of(module: nn.Module, args: tuple, kwargs: dict) -> Layer:
             **common,
             features=_dims(module.features),
             contracted=len(axis),
-            in_size=args[0].shape[axis[0]] if args else None,
+            in_size=(args[0] if args else kwargs["inputs"]).shape[axis[0]],
             groups=getattr(module, "feature_group_count", 1),
             use_bias=module.use_bias,
             bias=lambda: meta.unbox(module.get_variable("params", "bias")),

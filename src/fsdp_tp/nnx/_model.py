@@ -23,11 +23,13 @@ from jax.sharding import PartitionSpec
 
 from .._axes import as_axis_tuple, axes_named, bound_axis_names
 from .._layout import block_of, check_fit
+from .._tp_rules import compile_tp_rules, with_split
 from .._tree import module_path
 from .._types import AxisNames, is_box
 from ..rules import REPLICATED, Rules, as_spec, compile_rules, logical_spec, spec_for, unmatched_warning
 from ..train import TrainState
 from ._read import FoldPlan, ReadPlan, on_read
+from ._tp import compute_roles, plan_roles
 
 __all__ = ["ShardedModel", "shard_by_rules"]
 
@@ -82,7 +84,7 @@ class ShardedModel:
     state (:meth:`state_init_fn`, for :func:`fsdp_tp.init_sharded`) and the model rebuilt
     from it inside the step (:meth:`merge`). Made by :func:`shard_by_rules`."""
 
-    def __init__(self, make_model, rules, default, batch_axes, logical_axis_rules):
+    def __init__(self, make_model, rules, tp_rules, default, batch_axes, logical_axis_rules):
         self._make = make_model
         self._rules = compile_rules(rules, _CALLER)
         self.batch_axes = as_axis_tuple(batch_axes)
@@ -91,6 +93,8 @@ class ShardedModel:
         self.graphdef, params, rest = _split(abstract)
         self._params = list(nnx.to_flat_state(params))
         self._rest = list(nnx.to_flat_state(rest))
+        paths = [_text(path) for path, _ in self._params]
+        self._roles = plan_roles(abstract, compile_tp_rules(tp_rules, _CALLER), paths)
         self.specs: dict[Path, PartitionSpec] = {}
         used: set[int] = set()
         for path, variable in self._params:
@@ -101,9 +105,10 @@ class ShardedModel:
                 spec = names
             if index is not None:
                 used.add(index)
+            if split := self._roles.splits.get(_text(path)):
+                spec = with_split(_text(path), spec, len(shape), split)
             self.specs[path] = spec
         self._axes = frozenset(a for spec in self.specs.values() for a in axes_named(spec))
-        paths = [_text(path) for path, _ in self._params]
         if warning := unmatched_warning(self._rules, used, paths, _CALLER):
             warnings.warn(warning, stacklevel=3)
 
@@ -117,6 +122,7 @@ class ShardedModel:
             model = self._make(nnx.Rngs(rng))
         _, params, rest = _split(model)
         values = {path: variable.get_raw_value() for path, variable in nnx.to_flat_state(params)}
+        self._roles.check_sizes()
         sizes = {axis: jax.lax.axis_size(axis) for axis in bound_axis_names()}
         check_fit(((_text(p), values[p].shape, s) for p, s in self.specs.items()), sizes, "change the rule")
         return _nest((p, self._stored(values[p], self.specs[p])) for p in self.specs), self._model_state(rest)
@@ -160,7 +166,10 @@ class ShardedModel:
         for path, variable in self._params:
             leaf = flat[path]
             if is_box(leaf):
-                plan = ReadPlan(_text(path), tuple(leaf.names), self._axes, batch)
+                # A role computes on the slice over its axis: that axis is never gathered.
+                split = self._roles.splits.get(_text(path))
+                axes = self._axes - {split[1]} if split else self._axes
+                plan = ReadPlan(_text(path), tuple(leaf.names), axes, batch)
                 variables.append((path, on_read(variable, leaf.value, plan)))
             else:
                 variables.append((path, variable.copy(leaf)))
@@ -172,7 +181,9 @@ class ShardedModel:
                 rest.append((path, on_read(variable, value, FoldPlan(self.batch_axes))))
             else:
                 rest.append((path, variable.copy(value)))
-        return nnx.merge(self.graphdef, nnx.from_flat_state(variables), nnx.from_flat_state(rest))
+        model = nnx.merge(self.graphdef, nnx.from_flat_state(variables), nnx.from_flat_state(rest))
+        compute_roles(model, self._roles)
+        return model
 
     def model_state(self, model: nnx.Module) -> dict:
         """The model's Variables other than parameters, as :meth:`init` lays them out: what a
@@ -185,6 +196,7 @@ def shard_by_rules(
     make_model: Callable[[nnx.Rngs], nnx.Module],
     rules: Rules = (),
     *,
+    tp_rules=(),
     batch_axes: AxisNames = ("data", "fsdp"),
     default: PartitionSpec | Sequence = REPLICATED,
     logical_axis_rules=None,
@@ -211,4 +223,4 @@ def shard_by_rules(
     (P('fsdp', None), (8, 16))
     """
     default = as_spec(default, _CALLER, "default=")
-    return ShardedModel(make_model, rules, default, batch_axes, logical_axis_rules)
+    return ShardedModel(make_model, rules, tp_rules, default, batch_axes, logical_axis_rules)

@@ -57,7 +57,9 @@ class ReadPlan:
         # meets data that varies over the batch axes (gather_box casts the block, not the
         # full value). Under check_vma=False nothing carries a vma.
         vary = self.batch_axes if varying_axes(block) else frozenset()
-        return gather_box(Partitioned(block, names), self.axes, self.batch_axes, vary)
+        value = gather_box(Partitioned(block, names), self.axes, self.batch_axes, vary)
+        # What stays split is a tp role's slice, which the module computes on.
+        return value.value if isinstance(value, Partitioned) else value
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,199 @@
+"""tp rules on an NNX model: the core's roles (:mod:`fsdp_tp.tp_roles`) computing NNX layers on
+their slices.
+
+At :func:`~fsdp_tp.nnx.shard_by_rules` the rules are matched against the module paths of the
+abstract model (:func:`plan_roles`), so a wrong rule is named before anything runs, and each
+role's split joins the parameter's storage spec. Inside the step the model merged from the
+blocks has each named module's class swapped for a subclass whose call runs the role
+(:func:`compute_roles`): the role puts Megatron's collectives around the module's own
+``__call__`` (``attend``), which runs with the local sizes as its attributes for the call
+(``out_features / size``, ``num_heads / size``) and reads the stored slices. A swapped class
+survives ``nnx.split`` / ``nnx.merge``, so the roles run inside the model's ``nnx.scan``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+from flax import nnx
+
+from .._axes import require_axes
+from .._tp_rules import CompiledRole, Kinds, kind_error, require_all_matched, require_divides, role_of
+from .._tree import module_path
+from .._types import AxisName
+from ..errors import RuleError
+from ..tp_roles import Layer, TPRole
+
+__all__ = ["NNX", "RolePlan", "compute_roles", "layer_of", "plan_roles"]
+
+NNX = Kinds(
+    "nnx",
+    {
+        "dense": (nnx.Linear, nnx.LinearGeneral),
+        "conv": (nnx.Conv,),
+        "attention": (nnx.MultiHeadAttention,),
+        "embed": (nnx.Embed,),
+    },
+)
+
+Path = tuple
+
+
+def _text(path: Path) -> str:
+    return module_path(tuple(str(k) for k in path))
+
+
+def _tuple(value) -> tuple:
+    return tuple(value) if isinstance(value, tuple | list) else (value,)
+
+
+def layer_of(module: Any, path: str) -> Layer:
+    """``module`` (an NNX layer of one of :data:`NNX`'s kinds) as a role sees it."""
+    kind = NNX.of(type(module))
+    common: dict[str, Any] = {"kind": kind, "path": path, "dtype": getattr(module, "dtype", None)}
+    if kind in ("dense", "conv"):
+        return Layer(
+            **common,
+            features=_tuple(module.out_features),
+            contracted=len(_tuple(getattr(module, "axis", -1))),
+            in_size=_tuple(module.in_features)[0],
+            groups=getattr(module, "feature_group_count", 1),
+            use_bias=module.use_bias,
+            bias=lambda: module.bias[...],
+        )
+    if kind == "attention":
+        return Layer(**common, num_heads=module.num_heads, num_kv_heads=module.num_kv_heads)
+    return Layer(**common, num_embeddings=module.num_embeddings)
+
+
+def _attributes(module: Any, local: dict[str, Any]) -> list[tuple[nnx.Module, str, Any]]:
+    """A role's local sizes as ``(module, attribute, value)``: what the layer's call reads
+    (``nnx.LinearGeneral`` reshapes its bias to ``out_features``; a row-parallel
+    ``nnx.Linear`` checks ``use_bias`` against its bias, which the role adds after the sum)."""
+    out: list[tuple[nnx.Module, str, Any]] = []
+    if "features" in local:
+        features = local["features"]
+        tuple_valued = isinstance(module.out_features, tuple)  # nnx.LinearGeneral's; Linear's is an int
+        out.append((module, "out_features", features if tuple_valued else features[0]))
+    if local.get("use_bias") is False:
+        out += [(module, "use_bias", False), (module, "bias", None)]
+    if "num_embeddings" in local:
+        out.append((module, "num_embeddings", local["num_embeddings"]))
+    if "num_heads" in local:
+        heads, kv_heads, head_dim = local["num_heads"], local["num_kv_heads"], module.head_dim
+        out += [(module, "num_heads", heads), (module, "num_kv_heads", kv_heads)]
+        out += [(module, "qkv_features", heads * head_dim), (module.query, "out_features", (heads, head_dim))]
+        out += [(getattr(module, p), "out_features", (kv_heads, head_dim)) for p in ("key", "value")]
+    return out
+
+
+@contextlib.contextmanager
+def _set(attributes: list[tuple[nnx.Module, str, Any]]) -> Iterator[None]:
+    """The attributes set for one call, then restored: the module the step holds keeps its
+    own (``nnx.split`` after the call sees the model as built). ``object.__setattr__``: the
+    values are this call's sizes, not state NNX should track."""
+    saved = [(m, name, m.__dict__[name]) for m, name, _ in attributes]
+    try:
+        for m, name, value in attributes:
+            object.__setattr__(m, name, value)
+        yield
+    finally:
+        for m, name, value in reversed(saved):
+            object.__setattr__(m, name, value)
+
+
+@functools.cache
+def _computed(cls: type, role: TPRole, path: str) -> type:
+    """The subclass of ``cls`` whose methods run ``role`` (one per class, role and path, so
+    graphs that hold it compare equal from step to step)."""
+
+    def method(name: str):
+        original = getattr(cls, name)
+
+        def run_role(self, *args, **kwargs):
+            layer = layer_of(self, path)
+            attributes = _attributes(self, role.local(layer, jax.lax.axis_size(role.axis)))
+
+            def run(*args, **kwargs):
+                with _set(attributes):
+                    try:
+                        return original(self, *args, **kwargs)
+                    except TypeError as err:
+                        raise _slice_error(path, role, err) from None
+
+            return role.around(name, run, layer, args, kwargs)
+
+        return run_role
+
+    namespace = {name: method(name) for name in role.methods if hasattr(cls, name)}
+    return type(cls.__name__, (cls,), {**namespace, "__module__": cls.__module__})
+
+
+def _slice_error(path: str, role: TPRole, err: Exception) -> RuleError:
+    return RuleError(
+        f"{path} ({type(role).__name__}) cannot compute on its slices: {err}. A RowParallel layer "
+        f"takes the split features a ColumnParallel (or HeadParallel) layer returns; its input "
+        f"arrived with other sizes. Make the layer before it ColumnParallel, or this one ColumnParallel."
+    )
+
+
+class RolePlan:
+    """The roles the tp rules give an NNX model's submodules, read off the abstract model:
+    ``roles`` (module path -> (role, pattern, layer)), ``splits`` (parameter path -> (dim,
+    axis, pattern)). A rule that names a module no role computes, or nothing, is refused."""
+
+    def __init__(self, model: nnx.Module, rules: tuple[CompiledRole, ...], params: list[str]):
+        modules = sorted(
+            ((path, node) for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Module) and path),
+            key=lambda item: len(item[0]),
+        )
+        types = {_text(path): type(node) for path, node in modules}
+        self.roles: dict[Path, tuple[TPRole, str, Layer]] = {}
+        self.splits: dict[str, tuple[int, AxisName, str]] = {}
+        used: set[int] = set()
+        for path, node in modules:
+            text = _text(path)
+            if path in self.roles or any(path[: len(p)] == p for p in self.roles):
+                continue  # a child of a module a role computes: its role (if any) is the role's
+            if (found := role_of(text, rules)) is None:
+                continue
+            role, pattern, index = found
+            if NNX.of(type(node)) not in role.kinds:
+                raise kind_error(role, pattern, type(node), text, types, NNX)
+            used.add(index)
+            self._give(path, node, role, pattern, params)
+        require_all_matched(rules, used, types, params, NNX)
+
+    def _give(self, path: Path, node: nnx.Module, role: TPRole, pattern: str, params: list[str]) -> None:
+        text = _text(path)
+        layer = layer_of(node, text)
+        self.roles[path] = (role, pattern, layer)
+        for name, dim in role.splits(layer).items():
+            if f"{text}/{name}" in params:  # a layer without a bias has no bias to split
+                self.splits[f"{text}/{name}"] = (dim, role.axis, pattern)
+        for name, inner in role.inner().items():
+            self._give((*path, name), getattr(node, name), inner, f"{text} (inside)", params)
+
+    def check_sizes(self) -> None:
+        """Per device: every role's axis is a mesh axis whose size divides what it splits."""
+        for role, pattern, layer in self.roles.values():
+            (axis,) = require_axes(role.axis, f"tp rule {pattern!r}")
+            require_divides(role, pattern, layer, jax.lax.axis_size(axis))
+
+
+def plan_roles(model: nnx.Module, rules: tuple[CompiledRole, ...], params: list[str]) -> RolePlan:
+    """The roles ``rules`` give ``model``'s submodules (``params``: its parameter paths)."""
+    return RolePlan(model, rules, params)
+
+
+def compute_roles(model: nnx.Module, plan: RolePlan) -> None:
+    """Each module a role computes runs it from now on (its class swapped, in place)."""
+    for path, node in nnx.iter_graph(model):
+        if path in plan.roles:
+            role, _, layer = plan.roles[path]
+            computed = _computed(type(node), role, layer.path)  # type: ignore[arg-type]
+            object.__setattr__(node, "__class__", computed)
