@@ -140,11 +140,13 @@ class DecoderBlock(nnx.Module):
 
 class LM(nnx.Module):
     """A decoder-only LM: embed, ``layers`` blocks (a Python loop, or one stacked block made by
-    ``nnx.vmap`` and run by ``nnx.scan`` over ``nnx.remat``), a final norm and the logits: the
-    NNX twin of tests/plain_models.PlainLM."""
+    ``nnx.vmap`` and run by ``nnx.scan``, over ``nnx.remat`` unless ``remat=False``), a final
+    norm and the logits: the NNX twin of tests/plain_models.PlainLM."""
 
-    def __init__(self, vocab, d, heads, layers, *, scan=False, param_dtype=jnp.float32, rngs: nnx.Rngs):
-        self.scan = scan
+    def __init__(
+        self, vocab, d, heads, layers, *, scan=False, remat=True, param_dtype=jnp.float32, rngs: nnx.Rngs
+    ):
+        self.scan, self.remat = scan, remat
         at = dict(param_dtype=param_dtype, rngs=rngs)
         self.embed = nnx.Embed(vocab, d, **at)
         if scan:
@@ -164,12 +166,11 @@ class LM(nnx.Module):
         x = self.embed(tokens)
         if self.scan:
 
-            @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
-            @nnx.remat
-            def run(block, x):
+            def body(block, x):
                 return block(x)
 
-            x = run(self.blocks, x)
+            step = nnx.remat(body) if self.remat else body
+            x = nnx.scan(step, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(self.blocks, x)
         else:
             for block in self.blocks:
                 x = block(x)
