@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 from fsdp_tp import tp_roles
-from fsdp_tp.analysis import dot_flops, parse_collectives
+from fsdp_tp.analysis import collective_summary, dot_flops, parse_collectives, state_bytes_per_device
 from fsdp_tp.errors import IndivisibleShapeError, RuleError
 from fsdp_tp.linen.tp_rules import attention_rules, mlp_rules
 from fsdp_tp.tp_roles import ColumnParallel, HeadParallel, RowParallel, VocabParallel
@@ -236,22 +236,30 @@ def test_the_step_has_megatrons_activation_collectives_and_no_weight_gather(chec
     assert gather.operand_types[0].startswith(f"f32[{BATCH // 2},{SEQ},{LM['vocab'] // 4}]")
 
 
-@pytest.mark.parametrize("api", APIS)
-def test_with_fsdp_weights_are_gathered_over_fsdp_only(api):
-    """On data 2 x fsdp 2 x tensor 2: the same activation collectives; the weight all-gathers
-    move exactly each FSDP-split parameter's tensor slice, once (no remat), never over tensor."""
-    model = _model("data2_fsdp2_tensor2", LM, api=api)
-    lowered, state = _lowered_step(model, "data2_fsdp2_tensor2", check_vma=False)
-    found = parse_collectives(lowered.compile().as_text())
-    assert _activation_collectives(found, BATCH // 4) == MEGATRON_MINIMUM
-    gathered = sum(c.operand_bytes * c.group_size * c.executions for c in found if c.kind == "all-gather")
-    logits = (BATCH // 4) * SEQ * LM["vocab"] * 4
-    expected = 0
-    for leaf in jax.tree.leaves(state.params):
-        spec = leaf.sharding.spec
-        if "fsdp" in spec:
-            expected += leaf.nbytes // (2 if "tensor" in spec else 1)
-    assert gathered - logits == expected
+def test_with_fsdp_weights_are_gathered_over_fsdp_only_and_nnx_moves_the_linen_bytes():
+    """On data 2 x fsdp 2 x tensor 2, for each front end: the same activation collectives; the
+    weight all-gathers move exactly each FSDP-split parameter's tensor slice, once (no remat),
+    never over tensor (W_min). And the model written in NNX holds and moves exactly the Linen
+    model's bytes: state per device, and every collective kind's count and wire bytes."""
+    held, moved = {}, {}
+    for api in APIS:
+        lowered, state = _lowered_step(
+            _model("data2_fsdp2_tensor2", LM, api=api), "data2_fsdp2_tensor2", False
+        )
+        found = parse_collectives(lowered.compile().as_text())
+        assert _activation_collectives(found, BATCH // 4) == MEGATRON_MINIMUM
+        gathered = sum(c.operand_bytes * c.group_size * c.executions for c in found if c.kind == "all-gather")
+        logits = (BATCH // 4) * SEQ * LM["vocab"] * 4
+        expected = 0
+        for leaf in jax.tree.leaves(state.params):
+            spec = leaf.sharding.spec
+            if "fsdp" in spec:
+                expected += leaf.nbytes // (2 if "tensor" in spec else 1)
+        assert gathered - logits == expected, api
+        held[api] = sorted(state_bytes_per_device(state).values())
+        moved[api] = collective_summary(found)
+    assert held["nnx"] == held["linen"]
+    assert moved["nnx"] == moved["linen"]
 
 
 @pytest.mark.parametrize("api", APIS)
