@@ -53,6 +53,13 @@ FLAGS = [
         ["--mesh", "data=2,fsdp=2,tensor=1", "--cpu-devices", "8"],
         "needs 4 devices, but 8 are here; meshes that fit: fsdp=8, data=2,fsdp=4",
     ),
+    # before any device is made (issue 34 point 10: 100000 grew by 55 MiB/s, silent)
+    (
+        ["--cpu-devices", "100000"],
+        "--cpu-devices 100000, all on fsdp, cannot split --batch 16 (every device takes an equal "
+        "share): give --cpu-devices one of [1, 2, 4, 8, 16] per process",
+    ),
+    (["--mesh", "data=2,fsdp=2,tensor=1", "--cpu-devices", "100000"], "needs 4 devices, but 100000 are here"),
     (["--check", "-3"], "--check -3 is out of range: expected an integer >= 0"),
     (["--steps", "0"], "--steps 0 is out of range: expected an integer >= 1 (train steps)"),
     (["--warmup", "-1"], "--warmup -1 is out of range: expected an integer >= 0"),

@@ -20,7 +20,14 @@ from .checks import UsageError
 from .distributed import join, requested
 from .options import DEFAULT_MESH
 
-__all__ = ["fitting_meshes", "select_devices", "uses_accelerator"]
+__all__ = [
+    "check_cpu_devices",
+    "check_mesh_fits",
+    "fitting_meshes",
+    "requested_cpu_devices",
+    "select_devices",
+    "uses_accelerator",
+]
 
 _PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "libtpu")
 
@@ -77,6 +84,30 @@ def fitting_meshes(
             sizes = {"data": data, "fsdp": shards // data, "tensor": tensor}
             found.append(",".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "fsdp=1")
     return found[:limit]
+
+
+def requested_cpu_devices(args) -> int | None:
+    """The devices ``--cpu-devices N`` will make over every process, known before any exists
+    (each costs memory and threads); ``None`` without the flag or with ``--distributed``."""
+    per_process = getattr(args, "cpu_devices", None)
+    processes = requested(args.coordinator, args.num_processes, args.process_id, args.distributed)
+    return per_process * processes if per_process and processes >= 1 else None
+
+
+def check_cpu_devices(args) -> None:
+    """``--cpu-devices N`` with the mesh chosen from the devices (all on fsdp, a batch axis):
+    the devices over every process must divide ``--batch``. Raises ``UsageError``."""
+    total = requested_cpu_devices(args)
+    if total is None or args.batch % total == 0:
+        return
+    processes = total // args.cpu_devices
+    across = f" x {processes} processes = {total} devices" if processes > 1 else ""
+    fits = [n for n in range(1, args.batch + 1) if args.batch % (n * processes) == 0]
+    raise UsageError(
+        f"--cpu-devices {args.cpu_devices}{across}, all on fsdp, cannot split --batch {args.batch} "
+        f"(every device takes an equal share): give --cpu-devices one of {fits} per process, "
+        f"or a --batch that is a multiple of {total}."
+    )
 
 
 def check_mesh_fits(sizes: dict, devices: int, settings) -> None:

@@ -39,7 +39,13 @@ from ..recipe.data import (
 )
 from .checks import UsageError, check_paths, check_ranges, resuming
 from .distributed import DistributedError
-from .machine import check_mesh_fits, select_devices, uses_accelerator
+from .machine import (
+    check_cpu_devices,
+    check_mesh_fits,
+    requested_cpu_devices,
+    select_devices,
+    uses_accelerator,
+)
 from .options import DEFAULT_MESH, DTYPES, parser
 from .stdout_filter import restore_stdout
 from .workdir import check_contents
@@ -209,6 +215,7 @@ def _checked_train(args, out) -> int:
     if args.checkpoint_dir:
         check_contents(args.checkpoint_dir, resuming(args), args.overwrite)
     if args.mesh is None and (uses_accelerator(args) or args.cpu_devices):
+        check_cpu_devices(args)
         select_devices(args, None)  # checks the multi-process flags first
         sizes = {"data": 1, "fsdp": jax.device_count(), "tensor": 1}
         args.mesh, args.mesh_chosen = f"fsdp={jax.device_count()}", True
@@ -216,6 +223,8 @@ def _checked_train(args, out) -> int:
     else:
         sizes = _mesh(args.mesh or DEFAULT_MESH)
         train_tokens, eval_tokens, settings = _tokens(args, sizes)
+        if (total := requested_cpu_devices(args)) is not None:
+            check_mesh_fits(sizes, total, settings)  # before the devices are made
         select_devices(args, sizes)
     check_mesh_fits(sizes, jax.device_count(), settings)
     from .run import train
