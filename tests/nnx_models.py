@@ -93,6 +93,11 @@ class Twin:
         return nnx.merge(self.graphdef, state)(x)
 
 
+def lm_maker(vocab, d_model, heads, layers, **options):
+    """``make(rngs)`` for :class:`LM`, from the sizes tests/plain_models.PlainLM takes."""
+    return lambda rngs: LM(vocab, d_model, heads, layers, rngs=rngs, **options)
+
+
 class Sharded:
     """A model laid out by ``fsdp_tp.nnx.shard_by_rules``, per device."""
 

@@ -32,8 +32,7 @@ from fsdp_tp.errors import IndivisibleShapeError, RuleError
 from fsdp_tp.linen.tp_rules import attention_rules, mlp_rules
 from fsdp_tp.tp_roles import ColumnParallel, HeadParallel, RowParallel, VocabParallel
 from tests.equivalence import Case, check_equivalence
-from tests.nnx_models import LM as NNXLM
-from tests.nnx_models import Sharded, Twin
+from tests.nnx_models import Sharded, Twin, lm_maker
 from tests.plain_models import PlainLM, lowered_lm_step
 from tests.test_tensor_parallel import mesh_of
 
@@ -57,13 +56,18 @@ MESHES = {
 }
 
 
-def _storage_rules(scan: bool, fsdp: bool):
+def _storage_rules(scan: bool, fsdp: bool, api: str = "linen"):
+    """The FSDP rules on the Linen LM's paths, or on the NNX LM's (its stack is ``blocks``, its
+    MLP's second layer ``down``)."""
     if not fsdp:
         return []
+    stack, in_blocks = "^layers/", _IN_BLOCKS
+    if api == "nnx":
+        stack, in_blocks = "^blocks/", [(p.replace("Dense_1", "down"), spec) for p, spec in _IN_BLOCKS]
     if scan:  # the stacked layer dim comes first
-        blocks = [(r"^layers/.*" + pattern, P(None, *spec)) for pattern, spec in _IN_BLOCKS]
+        blocks = [(stack + ".*" + pattern, P(None, *spec)) for pattern, spec in in_blocks]
         return blocks + [(pattern, P(*spec)) for pattern, spec in _OUTSIDE]
-    return [(pattern, P(*spec)) for pattern, spec in [*_IN_BLOCKS[:2], _OUTSIDE[0], _IN_BLOCKS[2]]]
+    return [(pattern, P(*spec)) for pattern, spec in [*in_blocks[:2], _OUTSIDE[0], in_blocks[2]]]
 
 
 # The same model written in NNX (tests/nnx_models.LM) and its rules, on its own paths: the
@@ -78,30 +82,14 @@ NNX_MEGATRON = [
 APIS = ["linen", "nnx"]
 
 
-def _nnx_rules(scan: bool, fsdp: bool):
-    renamed = [(pattern.replace("Dense_1", "down"), spec) for pattern, spec in _IN_BLOCKS]
-    if not fsdp:
-        return []
-    if scan:
-        blocks = [(r"^blocks/.*" + pattern, P(None, *spec)) for pattern, spec in renamed]
-        return blocks + [(pattern, P(*spec)) for pattern, spec in _OUTSIDE]
-    return [(pattern, P(*spec)) for pattern, spec in [*renamed[:2], _OUTSIDE[0], renamed[2]]]
-
-
-def _nnx_make(sizes: dict, scan: bool):
-    sizes = dict(sizes)
-    dims = sizes.pop("vocab"), sizes.pop("d_model"), sizes.pop("heads"), sizes.pop("layers")
-    return lambda rngs: NNXLM(*dims, scan=scan, rngs=rngs, **sizes)
-
-
 def _model(
     mesh_name: str, sizes: dict, scan: bool = False, remat: bool = False, tp=None, rules=None, api="linen"
 ):
     fsdp = "fsdp" in MESHES[mesh_name]
     if api == "nnx":
         return Sharded(
-            _nnx_make(sizes, scan),
-            _nnx_rules(scan, fsdp) if rules is None else rules,
+            lm_maker(**sizes, scan=scan),
+            _storage_rules(scan, fsdp, api) if rules is None else rules,
             batch_axes=_batch(mesh_name),
             tp_rules=NNX_MEGATRON if tp is None else tp,
         )
@@ -138,7 +126,7 @@ EXACT = dict(param_dtype=jnp.float64)
 
 def _case(mesh_name: str, scan: bool, check_vma: bool, model=None, api="linen") -> Case:
     with jax.enable_x64(True):  # an NNX model's constructor runs here, and keeps its dtypes
-        twin = Twin(_nnx_make({**SMALL, **EXACT}, scan)) if api == "nnx" else None
+        twin = Twin(lm_maker(**SMALL, **EXACT, scan=scan)) if api == "nnx" else None
         model = model or _model(mesh_name, {**SMALL, **EXACT}, scan=scan, remat=scan, api=api)
     return Case(
         model,
@@ -394,7 +382,7 @@ def test_a_wrong_tp_rule_is_named_at_init(tp, sizes, error, match):
 
 
 def _nnx_lm(tp, rules=(), heads=4, d_model=16):
-    make = _nnx_make({**SMALL, "heads": heads, "d_model": d_model}, scan=False)
+    make = lm_maker(**{**SMALL, "heads": heads, "d_model": d_model})
     return Sharded(make, rules, batch_axes=("data",), tp_rules=tp)
 
 

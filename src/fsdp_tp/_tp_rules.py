@@ -24,10 +24,12 @@ __all__ = [
     "CompiledRole",
     "Kinds",
     "compile_tp_rules",
+    "dims",
     "kind_error",
     "require_all_matched",
     "require_divides",
     "role_of",
+    "slice_error",
     "with_split",
 ]
 
@@ -72,6 +74,20 @@ def compile_tp_rules(rules: Sequence, caller: str) -> tuple[CompiledRole, ...]:
             raise RuleError(f"{caller}: tp rule {pattern!r} -> {role!r}: give a role, one of {_ROLES}.")
         compiled.append(CompiledRole(pattern, regex, role))
     return tuple(compiled)
+
+
+def dims(value) -> tuple:
+    """A layer attribute that is one size or a sequence of them, as a tuple."""
+    return tuple(value) if isinstance(value, tuple | list) else (value,)
+
+
+def slice_error(path: str, role: TPRole, err: Exception) -> RuleError:
+    """A module a role computes met inputs of other sizes than its slices (a row layer fed whole)."""
+    return RuleError(
+        f"{path} ({type(role).__name__}) cannot compute on its slices: {err}. A RowParallel layer "
+        f"takes the split features a ColumnParallel (or HeadParallel) layer returns; its input "
+        f"arrived with other sizes. Make the layer before it ColumnParallel, or this one ColumnParallel."
+    )
 
 
 def role_of(path: str, rules: tuple[CompiledRole, ...]) -> tuple[TPRole, str, int] | None:

@@ -24,10 +24,9 @@ import jax
 from flax import errors as flax_errors
 
 from .._axes import require_axes
-from .._tp_rules import CompiledRole, kind_error, require_divides, role_of
+from .._tp_rules import CompiledRole, kind_error, require_divides, role_of, slice_error
 from .._tree import module_path
 from .._types import AxisName
-from ..errors import RuleError
 from ..tp_roles import TPRole
 from .tp_rules import LINEN, layer_of, local_attributes
 
@@ -122,12 +121,7 @@ def _runner(local: nn.Module, method: str, role: TPRole, path: str):
         try:
             return getattr(local, method)(*args, **kwargs)
         except flax_errors.ScopeParamShapeError as err:
-            raise RuleError(
-                f"{path} ({type(role).__name__}) cannot compute on its slices: {err}. A RowParallel layer "
-                f"takes the split features a ColumnParallel (or HeadParallel) layer returns; its input "
-                f"arrived with other sizes. Make the layer before it ColumnParallel, or this one "
-                f"ColumnParallel."
-            ) from None
+            raise slice_error(path, role, err) from None
         finally:
             _LOCAL.reset(token)
 

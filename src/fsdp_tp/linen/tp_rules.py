@@ -29,7 +29,7 @@ from typing import Any
 import flax.linen as nn
 from flax.core import meta
 
-from .._tp_rules import Kinds
+from .._tp_rules import Kinds, dims
 from .._tree import module_path
 from ..tp_roles import ROLES, ColumnParallel, HeadParallel, Layer, RowParallel, TPRole, VocabParallel
 
@@ -58,20 +58,16 @@ LINEN = Kinds(
 )
 
 
-def _dims(value) -> tuple:
-    return tuple(value) if isinstance(value, tuple | list) else (value,)
-
-
 def layer_of(module: nn.Module, args: tuple, kwargs: dict) -> Layer:
     """``module`` (a Linen layer of one of :data:`LINEN`'s kinds, called with ``args``) as a role sees it."""
     kind = LINEN.of(type(module))
     path = module_path(module.path) or type(module).__name__
     common: dict[str, Any] = {"kind": kind, "path": path, "dtype": getattr(module, "dtype", None)}
     if kind in ("dense", "conv"):
-        axis = _dims(getattr(module, "axis", -1))
+        axis = dims(getattr(module, "axis", -1))
         return Layer(
             **common,
-            features=_dims(module.features),
+            features=dims(module.features),
             contracted=len(axis),
             in_size=(args[0] if args else kwargs["inputs"]).shape[axis[0]],
             groups=getattr(module, "feature_group_count", 1),

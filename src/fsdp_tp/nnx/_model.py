@@ -24,21 +24,16 @@ from jax.sharding import PartitionSpec
 from .._axes import as_axis_tuple, axes_named, bound_axis_names
 from .._layout import block_of, check_fit
 from .._tp_rules import compile_tp_rules, with_split
-from .._tree import module_path
 from .._types import AxisNames, is_box
 from ..rules import REPLICATED, Rules, as_spec, compile_rules, logical_spec, spec_for, unmatched_warning
 from ..train import TrainState
 from ._read import FoldPlan, ReadPlan, on_read
-from ._tp import compute_roles, plan_roles
+from ._tp import RolePlan, compute_roles, path_text
 
 __all__ = ["ShardedModel", "shard_by_rules"]
 
 _CALLER = "fsdp_tp.nnx.shard_by_rules"
 Path = tuple  # a parameter's keys, as nnx.to_flat_state gives them
-
-
-def _text(path: Path) -> str:
-    return module_path(tuple(str(k) for k in path))
 
 
 def _nest(items: Iterable[tuple[Path, Any]]) -> dict:
@@ -93,22 +88,27 @@ class ShardedModel:
         self.graphdef, params, rest = _split(abstract)
         self._params = list(nnx.to_flat_state(params))
         self._rest = list(nnx.to_flat_state(rest))
-        paths = [_text(path) for path, _ in self._params]
-        self._roles = plan_roles(abstract, compile_tp_rules(tp_rules, _CALLER), paths)
+        paths = [path_text(path) for path, _ in self._params]
+        self._roles = RolePlan(abstract, compile_tp_rules(tp_rules, _CALLER), paths)
         self.specs: dict[Path, PartitionSpec] = {}
         used: set[int] = set()
         for path, variable in self._params:
             shape = variable.get_raw_value().shape
             names = _annotation(variable, logical_axis_rules)
-            spec, index = spec_for(_text(path), shape, self._rules, {}, default, None, None, check=False)
+            spec, index = spec_for(path_text(path), shape, self._rules, {}, default, None, None, check=False)
             if index is None and names is not None:
                 spec = names
             if index is not None:
                 used.add(index)
-            if split := self._roles.splits.get(_text(path)):
-                spec = with_split(_text(path), spec, len(shape), split)
+            if split := self._roles.splits.get(path_text(path)):
+                spec = with_split(path_text(path), spec, len(shape), split)
             self.specs[path] = spec
-        self._axes = frozenset(a for spec in self.specs.values() for a in axes_named(spec))
+        axes = frozenset(a for spec in self.specs.values() for a in axes_named(spec))
+        # What each parameter is gathered over: a role computes on the slice over its axis.
+        self._gathered = {
+            path: axes - {split[1]} if (split := self._roles.splits.get(path_text(path))) else axes
+            for path in self.specs
+        }
         if warning := unmatched_warning(self._rules, used, paths, _CALLER):
             warnings.warn(warning, stacklevel=3)
 
@@ -124,7 +124,8 @@ class ShardedModel:
         values = {path: variable.get_raw_value() for path, variable in nnx.to_flat_state(params)}
         self._roles.check_sizes()
         sizes = {axis: jax.lax.axis_size(axis) for axis in bound_axis_names()}
-        check_fit(((_text(p), values[p].shape, s) for p, s in self.specs.items()), sizes, "change the rule")
+        shapes = ((path_text(p), values[p].shape, s) for p, s in self.specs.items())
+        check_fit(shapes, sizes, "change the rule")
         return _nest((p, self._stored(values[p], self.specs[p])) for p in self.specs), self._model_state(rest)
 
     @staticmethod
@@ -166,10 +167,7 @@ class ShardedModel:
         for path, variable in self._params:
             leaf = flat[path]
             if is_box(leaf):
-                # A role computes on the slice over its axis: that axis is never gathered.
-                split = self._roles.splits.get(_text(path))
-                axes = self._axes - {split[1]} if split else self._axes
-                plan = ReadPlan(_text(path), tuple(leaf.names), axes, batch)
+                plan = ReadPlan(path_text(path), tuple(leaf.names), self._gathered[path], batch)
                 variables.append((path, on_read(variable, leaf.value, plan)))
             else:
                 variables.append((path, variable.copy(leaf)))

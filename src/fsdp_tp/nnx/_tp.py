@@ -22,13 +22,21 @@ import jax
 from flax import nnx
 
 from .._axes import require_axes
-from .._tp_rules import CompiledRole, Kinds, kind_error, require_all_matched, require_divides, role_of
+from .._tp_rules import (
+    CompiledRole,
+    Kinds,
+    dims,
+    kind_error,
+    require_all_matched,
+    require_divides,
+    role_of,
+    slice_error,
+)
 from .._tree import module_path
 from .._types import AxisName
-from ..errors import RuleError
 from ..tp_roles import Layer, TPRole
 
-__all__ = ["NNX", "RolePlan", "compute_roles", "layer_of", "plan_roles"]
+__all__ = ["NNX", "RolePlan", "compute_roles", "layer_of", "path_text"]
 
 NNX = Kinds(
     "nnx",
@@ -43,12 +51,9 @@ NNX = Kinds(
 Path = tuple
 
 
-def _text(path: Path) -> str:
+def path_text(path: Path) -> str:
+    """A path of ``nnx.state`` / ``nnx.iter_graph`` keys as the rules see it: ``blocks/0/up``."""
     return module_path(tuple(str(k) for k in path))
-
-
-def _tuple(value) -> tuple:
-    return tuple(value) if isinstance(value, tuple | list) else (value,)
 
 
 def layer_of(module: Any, path: str) -> Layer:
@@ -58,9 +63,9 @@ def layer_of(module: Any, path: str) -> Layer:
     if kind in ("dense", "conv"):
         return Layer(
             **common,
-            features=_tuple(module.out_features),
-            contracted=len(_tuple(getattr(module, "axis", -1))),
-            in_size=_tuple(module.in_features)[0],
+            features=dims(module.out_features),
+            contracted=len(dims(getattr(module, "axis", -1))),
+            in_size=dims(module.in_features)[0],
             groups=getattr(module, "feature_group_count", 1),
             use_bias=module.use_bias,
             bias=lambda: module.bias[...],
@@ -123,7 +128,7 @@ def _computed(cls: type, role: TPRole, path: str) -> type:
                     try:
                         return original(self, *args, **kwargs)
                     except TypeError as err:
-                        raise _slice_error(path, role, err) from None
+                        raise slice_error(path, role, err) from None
 
             return role.around(name, run, layer, args, kwargs)
 
@@ -131,14 +136,6 @@ def _computed(cls: type, role: TPRole, path: str) -> type:
 
     namespace = {name: method(name) for name in role.methods if hasattr(cls, name)}
     return type(cls.__name__, (cls,), {**namespace, "__module__": cls.__module__})
-
-
-def _slice_error(path: str, role: TPRole, err: Exception) -> RuleError:
-    return RuleError(
-        f"{path} ({type(role).__name__}) cannot compute on its slices: {err}. A RowParallel layer "
-        f"takes the split features a ColumnParallel (or HeadParallel) layer returns; its input "
-        f"arrived with other sizes. Make the layer before it ColumnParallel, or this one ColumnParallel."
-    )
 
 
 class RolePlan:
@@ -151,13 +148,13 @@ class RolePlan:
             ((path, node) for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Module) and path),
             key=lambda item: len(item[0]),
         )
-        types = {_text(path): type(node) for path, node in modules}
+        types = {path_text(path): type(node) for path, node in modules}
         self.roles: dict[Path, tuple[TPRole, str, Layer]] = {}
         self.splits: dict[str, tuple[int, AxisName, str]] = {}
         used: set[int] = set()
         for path, node in modules:
-            text = _text(path)
-            if path in self.roles or any(path[: len(p)] == p for p in self.roles):
+            text = path_text(path)
+            if any(path[: len(p)] == p for p in self.roles):
                 continue  # a child of a module a role computes: its role (if any) is the role's
             if (found := role_of(text, rules)) is None:
                 continue
@@ -169,7 +166,7 @@ class RolePlan:
         require_all_matched(rules, used, types, params, NNX)
 
     def _give(self, path: Path, node: nnx.Module, role: TPRole, pattern: str, params: list[str]) -> None:
-        text = _text(path)
+        text = path_text(path)
         layer = layer_of(node, text)
         self.roles[path] = (role, pattern, layer)
         for name, dim in role.splits(layer).items():
@@ -183,11 +180,6 @@ class RolePlan:
         for role, pattern, layer in self.roles.values():
             (axis,) = require_axes(role.axis, f"tp rule {pattern!r}")
             require_divides(role, pattern, layer, jax.lax.axis_size(axis))
-
-
-def plan_roles(model: nnx.Module, rules: tuple[CompiledRole, ...], params: list[str]) -> RolePlan:
-    """The roles ``rules`` give ``model``'s submodules (``params``: its parameter paths)."""
-    return RolePlan(model, rules, params)
 
 
 def compute_roles(model: nnx.Module, plan: RolePlan) -> None:
