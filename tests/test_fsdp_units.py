@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
+from fsdp_tp._layout import fsdp_dim
 from fsdp_tp.errors import ReplicatedParameterWarning
-from fsdp_tp.linen.fsdp import _shard_dim
 
 dims = st.lists(st.integers(1, 48), min_size=0, max_size=4)
 
@@ -23,7 +23,7 @@ dims = st.lists(st.integers(1, 48), min_size=0, max_size=4)
 @given(shape=dims, size=st.sampled_from([1, 2, 3, 4, 8]), data=st.data())
 def test_shard_dim_is_the_largest_unsplit_divisible_dim(shape, size, data):
     names = tuple(data.draw(st.sampled_from([None, "tensor"])) for _ in shape)
-    dim = _shard_dim(tuple(shape), names, size)
+    dim = fsdp_dim(tuple(shape), names, size)
     ok = [i for i, n in enumerate(shape) if names[i] is None and n % size == 0]
     if not ok:
         assert dim is None

@@ -39,6 +39,7 @@ __all__ = [
     "block_of",
     "check_fit",
     "fit_problems",
+    "fsdp_dim",
     "indivisible",
     "not_divisible",
     "require_divisible",
@@ -140,6 +141,20 @@ def check_fit(
     if problems:
         lines = "\n".join(f"  {p}" for p in problems)
         raise type(problems[0])(f"{len(problems)} arrays do not fit their specs:\n{lines}")
+
+
+def fsdp_dim(shape: tuple[int, ...], names: tuple, axis_size: int) -> int | None:
+    """The dim FSDP splits when no rule says: the largest one that is unsplit (``names[i]`` is
+    ``None``) and divisible by ``axis_size``; ties go to the later dim. Both front ends lay out
+    a model by it (Linen's ``shard_module_params``, the NNX GPT's storage rules).
+
+    >>> fsdp_dim((512, 2048), (None, None), 8), fsdp_dim((512, 2048), (None, "tensor"), 8)
+    (1, 0)
+    """
+    candidates = [
+        i for i, (n, name) in enumerate(zip(shape, names, strict=True)) if name is None and n % axis_size == 0
+    ]
+    return max(candidates, key=lambda i: (shape[i], i), default=None)
 
 
 def block_of(value: jax.Array, spec: PartitionSpec) -> jax.Array:

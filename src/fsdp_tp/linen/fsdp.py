@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from .._axes import axes_named, require_axes
+from .._layout import fsdp_dim
 from .._types import AxisName, AxisNames, PyTree
 from ..errors import ReplicatedParameterWarning
 from ..precision import MixedPrecision, checked_policy
@@ -24,21 +25,13 @@ from ._transform import check_module_class, input_varying, map_params, store, wa
 __all__ = ["gather_params", "shard_module_params", "shard_params"]
 
 
-def _shard_dim(shape: tuple[int, ...], names: tuple, axis_size: int) -> int | None:
-    """The dim to split: the largest one that is unsplit and divisible; ties go to the later dim."""
-    candidates = [
-        i for i, (n, name) in enumerate(zip(shape, names, strict=True)) if name is None and n % axis_size == 0
-    ]
-    return max(candidates, key=lambda i: (shape[i], i), default=None)
-
-
 def _largest_dim(axis_name: AxisName, axis_size: int, min_weight_size: int):
     """FSDP's layout choice: split the largest divisible dim of every leaf over ``min_weight_size``."""
 
     def choose(path: str, shape: tuple, names: tuple, _logical) -> PartitionSpec | None:
         if axis_name in axes_named(names) or int(np.prod(shape)) <= min_weight_size:
             return None
-        dim = _shard_dim(shape, names, axis_size)
+        dim = fsdp_dim(shape, names, axis_size)
         if dim is None:
             warn_once(
                 (path, shape, axis_name, axis_size),
