@@ -60,6 +60,21 @@ FLAGS = [
         "share): give --cpu-devices one of [1, 2, 4, 8, 16] per process",
     ),
     (["--mesh", "data=2,fsdp=2,tensor=1", "--cpu-devices", "100000"], "needs 4 devices, but 100000 are here"),
+    # --api nnx: what the NNX GPT's rules do not do
+    (
+        ["--api", "nnx", "--sequence-parallel"],
+        "--api nnx does not take --sequence-parallel: the NNX GPT has tensor parallelism by rules "
+        "without sequence parallelism, rings or mixed-precision gathers; drop it, or use --api linen",
+    ),
+    (
+        ["--api", "nnx", "--no-sequence-parallel", "--async-tp", "bidirectional", "--gather-dtype", "bf16"],
+        "--api nnx does not take --async-tp bidirectional, --gather-dtype bf16: ",
+    ),
+    (
+        ["--api", "nnx", "--mesh", "data=1,fsdp=2,tensor=4"],
+        "--api nnx splits whole key/value heads over tensor, but the model's 2 (--kv-heads) are not "
+        "divisible by tensor=4; use a tensor size that divides 2, or --api linen",
+    ),
     (["--check", "-3"], "--check -3 is out of range: expected an integer >= 0"),
     (["--steps", "0"], "--steps 0 is out of range: expected an integer >= 1 (train steps)"),
     (["--warmup", "-1"], "--warmup -1 is out of range: expected an integer >= 0"),

@@ -231,8 +231,8 @@ def test_a_failing_save_ends_the_run_in_seconds_with_one_line(tmp_path, how):
 def _poisoned(when):
     """The CLI's step, with nan gradients and loss where ``when(state, windows)`` holds."""
 
-    def step_fn(settings):
-        real = _real_step_fn(settings)
+    def step_fn(settings, logits_fn):
+        real = _real_step_fn(settings, logits_fn)
 
         def step(state, windows):
             grads, loss = real(state, windows)

@@ -104,7 +104,8 @@ def _plan_and_step_temp(remat: str) -> tuple[int, int, int]:
     windows = jax.ShapeDtypeStruct(
         (settings.batch, seq_len + 1), jnp.int32, sharding=jax.sharding.NamedSharding(mesh, WINDOWS)
     )
-    step = jax.jit(shard_step(step_fn(settings), mesh, specs, WINDOWS))
+    logits = lambda params, ids: model.apply({"params": params}, ids)
+    step = jax.jit(shard_step(step_fn(settings, logits), mesh, specs, WINDOWS))
     temp = step.lower(state, windows).compile().memory_analysis().temp_size_in_bytes
     return plan.activation_bytes, plan.param_bytes, temp
 

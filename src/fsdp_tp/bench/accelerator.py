@@ -95,7 +95,8 @@ def measure(config: ModelConfig, name: str, batch: int, blocks: int, steps: int)
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
     settings = Settings(config, 1000, batch, 1, 1e-4, 10, 0, Layout("tensor", "fsdp"), check_vma=True)
     trainer = Trainer(settings, mesh)
-    library: Any = shard_step(step_fn(settings), mesh, trainer.specs, BATCH)  # a jit: .lower
+    step = step_fn(settings, trainer.model.logits)
+    library: Any = shard_step(step, mesh, trainer.specs, BATCH)  # a jit: .lower
     rng = np.random.default_rng(0)
     windows = rng.integers(0, config.vocab_size, (batch, config.seq_len + 1), dtype=np.int32)
     windows = jax.device_put(windows, jax.sharding.NamedSharding(mesh, BATCH))

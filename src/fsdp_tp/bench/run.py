@@ -16,6 +16,7 @@ from typing import TextIO
 import jax
 
 from .figures import Figures, build_seconds, compile_seconds, exact_figures, median, step_seconds
+from .nnx_rows import nnx_costs, nnx_section
 from .optimizer import optimizer_costs, optimizer_section
 from .report import headline, markdown, replace_headline, spread
 from .variants import IMPLEMENTATIONS, STRATEGIES, Strategy, Variant, build_variant
@@ -113,6 +114,8 @@ def run_benchmarks(
     overhead = overhead_at_one_device(blocks, steps)
     costs = optimizer_costs(blocks, steps)
     print("optimizer: per device vs global arrays measured", file=out, flush=True)
+    nnx = nnx_costs(blocks, steps)
+    print("nnx: the GPT in NNX vs in Linen measured", file=out, flush=True)
     compile_times = {}
     for layers in depths:
         for scan in (True, False) if layers <= max_unrolled else (True,):
@@ -137,7 +140,7 @@ def run_benchmarks(
         paths = plot_all(results, times, compile_times, out_dir)
     titles = {name: WORKLOADS[name].title for name in workloads}
     text = markdown(results, titles, times, compile_times, _header(argv), paths, build_times)
-    text += _overhead_section(overhead) + optimizer_section(costs)
+    text += _overhead_section(overhead) + optimizer_section(costs) + nnx_section(nnx)
     (out_dir / "benchmarks.md").write_text(text)
     if readme is not None and "gpt" in results:
         replace_headline(readme, headline(results, times))

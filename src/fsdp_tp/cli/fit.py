@@ -19,8 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..plan import Plan, make_plan
 from ..recipe.throughput import memory_stats
-from ..recipe.trainer import BATCH, Settings, window_loss
-from ..train import state_init_fn
+from ..recipe.trainer import BATCH, Settings, sharded_gpt, window_loss
 from .checks import UsageError
 
 __all__ = ["HEADROOM", "check_fits", "choose_remat", "memory_per_device", "mib", "plan_of", "print_plan"]
@@ -37,19 +36,19 @@ def plan_of(settings: Settings, mesh) -> Plan:
     """What each device of ``mesh`` (or an ``AbstractMesh``) holds: parameters, optimizer state,
     and the activations one step keeps for its backward pass."""
     config = settings.model
-    model = config.model(settings.layout)
+    model = sharded_gpt(settings, dict(mesh.shape), settings.optimizer())
     ids = jax.ShapeDtypeStruct((settings.batch, config.seq_len), np.int32)
     # One microbatch's activations are alive at a time (accumulate_gradients).
     rows = settings.batch // settings.microbatches
     windows = jax.ShapeDtypeStruct((rows, config.seq_len + 1), np.int32)
     return make_plan(
-        state_init_fn(model, settings.optimizer()),
+        model.init_fn,
         mesh,
         (P(), BATCH),
         jax.random.key(0),
         ids,
         check_vma=settings.check_vma,
-        loss_fn=lambda params, batch: window_loss(model.apply, params, batch),
+        loss_fn=lambda params, batch: window_loss(model.logits, params, batch),
         batch=windows,
         batch_specs=BATCH,
     )

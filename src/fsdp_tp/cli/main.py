@@ -87,6 +87,8 @@ def _settings(args, mesh: dict, vocab_size: int | None = None):
             f"--kv-heads {config.num_kv_heads} does not divide --heads {config.num_heads}; "
             f"each key/value head serves a whole group of query heads."
         )
+    if args.api == "nnx":
+        _check_nnx(args, config, mesh.get("tensor", 1))
     return Settings(
         model=config,
         steps=getattr(args, "steps", 1),
@@ -98,7 +100,7 @@ def _settings(args, mesh: dict, vocab_size: int | None = None):
         layout=Layout(
             tensor="tensor",
             fsdp="fsdp",
-            sequence_parallel=args.sequence_parallel,
+            sequence_parallel=_sequence_parallel(args),
             collective_matmul=None if args.async_tp == "off" else args.async_tp,
             min_weight_size=args.min_weight_size,
             mixed_precision=_mixed_precision(args),
@@ -106,7 +108,38 @@ def _settings(args, mesh: dict, vocab_size: int | None = None):
         check_vma=args.check_vma,
         optimizer_name=getattr(args, "optimizer", "adamw"),
         clip_norm=clip_norm,
+        api=args.api,
     )
+
+
+def _sequence_parallel(args) -> bool:
+    """``--sequence-parallel``, or its default: on for Linen, off for NNX (which has none)."""
+    return args.api == "linen" if args.sequence_parallel is None else args.sequence_parallel
+
+
+def _check_nnx(args, config, tensor: int) -> None:
+    """``--api nnx``: what the NNX GPT's rules do not do, refused before anything starts. Its
+    key/value projections are column-parallel, so the tensor axis must divide their heads
+    (Linen's layers also serve fewer kv heads than devices, repeating them)."""
+    refused = [
+        ("--sequence-parallel", args.sequence_parallel),
+        (f"--async-tp {args.async_tp}", args.async_tp != "off"),
+        (f"--gather-dtype {args.gather_dtype}", args.gather_dtype != "f32"),
+        (f"--reduce-dtype {args.reduce_dtype}", args.reduce_dtype != "f32"),
+    ]
+    given = [flag for flag, on in refused if on]
+    if given:
+        raise UsageError(
+            f"--api nnx does not take {', '.join(given)}: the NNX GPT has tensor parallelism by rules "
+            f"without sequence parallelism, rings or mixed-precision gathers; drop "
+            f"{'it' if len(given) == 1 else 'them'}, or use --api linen."
+        )
+    if config.num_kv_heads % tensor:
+        raise UsageError(
+            f"--api nnx splits whole key/value heads over tensor, but the model's {config.num_kv_heads} "
+            f"(--kv-heads) are not divisible by tensor={tensor}; use a tensor size that divides "
+            f"{config.num_kv_heads}, or --api linen."
+        )
 
 
 def _mixed_precision(args) -> MixedPrecision | None:

@@ -56,6 +56,13 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
         f"--cpu-devices N puts every device on fsdp; otherwise on CPU, and for plan, {DEFAULT_MESH})",
     )
     p.add_argument(
+        "--api",
+        choices=["linen", "nnx"],
+        default="linen",
+        help="the Flax API the GPT is written in: linen (tensor parallelism by the library's layers) "
+        "or nnx (by tp rules on nnx.Linear and nnx.Embed); from the same seed both train the same numbers",
+    )
+    p.add_argument(
         "--preset", default="tiny", choices=sorted(PRESETS), help="model size; the flags below override it"
     )
     p.add_argument("--d-model", type=int, help="model width (default: the preset's)")
@@ -92,8 +99,8 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sequence-parallel",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="split activations between TP blocks over the tensor axis",
+        help="split activations between TP blocks over the tensor axis (default: on for --api "
+        "linen; --api nnx has none)",
     )
     _scan_layers_flag(p, default=True, why="--no-scan-layers unrolls them")
     p.add_argument(

@@ -34,6 +34,7 @@ def data_identity(tokens: np.ndarray, name: str) -> dict:
 def record(settings: Settings, data: dict) -> dict:
     """The checkpoint's ``meta``: what ``changes`` compares on resume."""
     return {
+        "api": settings.api,
         "seed": settings.seed,
         "batch": settings.batch,
         "data": data,

@@ -41,6 +41,7 @@ CHECK_TOLERANCE = {"float32": (1e-4, 1e-5), "bfloat16": (4e-3, 4e-4)}
 def _summary(settings: Settings, sizes: dict, plan, name: str) -> str:
     params = sum(math.prod(r.shape) for r in plan.rows)
     processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    name += " (NNX)" if settings.api == "nnx" else ""
     return (
         f"mesh {' x '.join(f'{k}={v}' for k, v in sizes.items())} on {jax.device_count()} "
         f"{jax.default_backend()} devices{processes}; model {name}, vocab {settings.model.vocab_size} "

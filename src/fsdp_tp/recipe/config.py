@@ -49,9 +49,10 @@ class ModelConfig:
     def model(self, layout: Layout | None = None) -> Transformer:
         """The model split as ``layout`` says; without one, the plain flax twin, the reference
         the sharded one must equal."""
-        return Transformer(**self._sizes(), layout=layout or Layout())
+        return Transformer(**self.model_sizes(), layout=layout or Layout())
 
-    def _sizes(self) -> dict:
+    def model_sizes(self) -> dict:
+        """The model's fields (every one but ``seq_len``), as both APIs' GPTs take them."""
         fields = dataclasses.asdict(self)
         del fields["seq_len"]
         fields["dtype"] = jnp.dtype(self.dtype)

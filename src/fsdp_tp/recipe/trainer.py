@@ -22,10 +22,22 @@ from ..train import accumulate_gradients, shard_step, state_init_fn
 from .config import ModelConfig
 from .data import batch_at, windows_at
 
-__all__ = ["BATCH_AXES", "OPTIMIZERS", "Settings", "Trainer", "compare_with_twin", "step_fn", "window_loss"]
+__all__ = [
+    "APIS",
+    "BATCH_AXES",
+    "OPTIMIZERS",
+    "Settings",
+    "ShardedGPT",
+    "Trainer",
+    "compare_with_twin",
+    "sharded_gpt",
+    "step_fn",
+    "window_loss",
+]
 
 BATCH_AXES = ("data", "fsdp")
 BATCH = P(BATCH_AXES)
+APIS = ("linen", "nnx")  # --api: the Flax API the GPT is written in
 
 # --optimizer: each takes the learning-rate schedule.
 OPTIMIZERS: dict[str, Callable[[optax.Schedule], optax.GradientTransformation]] = {
@@ -50,6 +62,7 @@ class Settings:
     check_vma: bool
     optimizer_name: str = "adamw"  # a key of OPTIMIZERS
     clip_norm: float = 1.0  # clip the gradient's global norm to this (0: no clipping)
+    api: str = "linen"  # one of APIS: the GPT in Linen (the layout's layers) or NNX (by rules)
 
     def optimizer(self) -> optax.GradientTransformation:
         """The optimizer on a warmup-cosine schedule, after global-norm clipping. Both run
@@ -61,18 +74,45 @@ class Settings:
         return optax.chain(optax.clip_by_global_norm(self.clip_norm), tx) if self.clip_norm else tx
 
 
-def window_loss(apply_fn: Callable, params, windows: jax.Array) -> jax.Array:
-    """Mean next-token loss of this device's windows ``(rows, seq_len + 1)``."""
-    logits = apply_fn({"params": params}, windows[:, :-1])
+@dataclass(frozen=True)
+class ShardedGPT:
+    """The GPT of one API on one mesh: ``init_fn(rng, ids)`` builds a device's state (for
+    ``init_sharded``, specs ``(P(), BATCH)``), ``logits(params, ids)`` is a device's forward
+    (logits split on the vocabulary over ``tensor``), ``twin_init_fn`` the unsharded state."""
+
+    init_fn: Callable
+    logits: Callable
+    twin_init_fn: Callable | None
+
+
+def sharded_gpt(settings: Settings, sizes: dict, tx: optax.GradientTransformation) -> ShardedGPT:
+    """The GPT ``settings`` describe on a mesh of axis ``sizes``: Linen's split by its layout,
+    or NNX's by rules (:mod:`fsdp_tp.recipe.nnx_gpt`), from the same init."""
+    config = settings.model
+    if settings.api == "nnx":
+        from .nnx_gpt import sharded_gpt as sharded_nnx_gpt
+
+        sharded = sharded_nnx_gpt(config, sizes, settings.layout.min_weight_size, BATCH_AXES)
+        init = sharded.state_init_fn(tx)
+        return ShardedGPT(lambda rng, _ids: init(rng), lambda p, ids: sharded.merge(p)(ids), None)
+    model = config.model(settings.layout)
+    logits = lambda p, ids: model.apply({"params": p}, ids)
+    return ShardedGPT(state_init_fn(model, tx), logits, state_init_fn(config.model(), tx))
+
+
+def window_loss(logits_fn: Callable, params, windows: jax.Array) -> jax.Array:
+    """Mean next-token loss of this device's windows ``(rows, seq_len + 1)``;
+    ``logits_fn(params, ids)`` is :attr:`ShardedGPT.logits`."""
+    logits = logits_fn(params, windows[:, :-1])
     return vocab_parallel_cross_entropy(logits, windows[:, 1:]).mean()
 
 
-def step_fn(settings: Settings) -> Callable:
+def step_fn(settings: Settings, logits_fn: Callable) -> Callable:
     """The per-device step for ``shard_step``: this device's windows -> synced gradients, loss."""
 
     def step(state, windows):
         def loss_fn(params, microbatch, _rng):
-            return window_loss(state.apply_fn, params, microbatch), None
+            return window_loss(logits_fn, params, microbatch), None
 
         (loss, _), grads = accumulate_gradients(loss_fn, state.params, windows, settings.microbatches)
         return sync_gradients(grads, BATCH_AXES), jax.lax.pmean(loss, BATCH_AXES)
@@ -102,8 +142,8 @@ def _guarded(step: Callable) -> Callable:
     return guarded
 
 
-def _eval_fn(state, windows):
-    return jax.lax.pmean(window_loss(state.apply_fn, state.params, windows), BATCH_AXES)
+def _eval_fn(logits_fn: Callable) -> Callable:
+    return lambda state, windows: jax.lax.pmean(window_loss(logits_fn, state.params, windows), BATCH_AXES)
 
 
 class Trainer:
@@ -112,24 +152,29 @@ class Trainer:
     def __init__(self, settings: Settings, mesh):
         self.settings, self.mesh = settings, mesh
         config = settings.model
-        self.model = config.model(settings.layout)
-        self.twin = config.model()
+        self.twin = config.model()  # the Linen twin: both APIs start from its init and equal it
         self.tx = settings.optimizer()
+        self.model = sharded_gpt(settings, dict(mesh.shape), self.tx)
         example = np.zeros((settings.batch, config.seq_len), np.int32)
         self.state, self.specs = init_sharded(
-            state_init_fn(self.model, self.tx),
+            self.model.init_fn,
             mesh,
             (P(), BATCH),
             jax.random.key(settings.seed),
             example,
-            twin_init_fn=state_init_fn(self.twin, self.tx),
+            twin_init_fn=self.model.twin_init_fn,
             check_vma=settings.check_vma,
         )
-        step = shard_step(step_fn(settings), mesh, self.specs, BATCH, check_vma=settings.check_vma)
+        step = step_fn(settings, self.model.logits)
+        step = shard_step(step, mesh, self.specs, BATCH, check_vma=settings.check_vma)
         self.step = jax.jit(_guarded(step), donate_argnums=0)
         self._eval = jax.jit(
             jax.shard_map(
-                _eval_fn, mesh=mesh, in_specs=(self.specs, BATCH), out_specs=P(), check_vma=settings.check_vma
+                _eval_fn(self.model.logits),
+                mesh=mesh,
+                in_specs=(self.specs, BATCH),
+                out_specs=P(),
+                check_vma=settings.check_vma,
             )
         )
         self._batch_sharding = NamedSharding(mesh, BATCH)
@@ -199,7 +244,7 @@ def compare_with_twin(trainer: Trainer, tokens: np.ndarray, steps: int) -> tuple
     loss_diff = max(abs(a - b) for a, b in zip(losses, twin_losses, strict=True))
     sharded, twin = trainer.params(), jax.tree.map(np.asarray, state.params)
     param_diff = max(
-        float(np.max(np.abs(a - b)))
+        float(np.max(np.abs(a.reshape(b.shape) - b)))  # NNX's attention kernels: (d, h, k) as (d, h * k)
         for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(twin), strict=True)
     )
     return loss_diff, param_diff, losses, twin_losses

@@ -1,0 +1,199 @@
+"""The library's GPT written in Flax NNX, as flax's NNX examples write a model, and the rules
+that lay it out: ``fsdp-tp train --api nnx``.
+
+:class:`NNXTransformer` computes the function of :class:`~fsdp_tp.models.Transformer`'s plain
+twin and holds its parameter tree (paths, dtypes, and shapes but the attention kernels', whose
+``heads * dim`` features ``nnx.MultiHeadAttention`` keeps as two dims): ``embed``, ``blocks``
+(stacked by ``nnx.vmap`` and run by ``nnx.scan``, or ``blocks_0``, ``blocks_1``, ... in a loop),
+``norm_final``, ``head``. That is what lets a run start from the Linen model's init
+(:func:`fsdp_tp.recipe.nnx_gpt.nnx_maker`) and be checked against the Linen twin.
+
+It is split by rules only: :data:`TP_RULES` are Megatron's roles on its layers (the core's
+:mod:`fsdp_tp.tp_roles`), and :func:`storage_rules` puts FSDP where Linen's
+``shard_module_params`` puts it, so both APIs hold the same bytes on every device.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from .._layout import fsdp_dim
+from ..linen.layers.attention import attend
+from ..tp_roles import ColumnParallel, HeadParallel, RowParallel, VocabParallel
+from .transformer import REMAT_POLICIES
+
+__all__ = ["TP_RULES", "NNXTransformer", "storage_rules"]
+
+# Megatron on the GPT's layers, by module path (each matches inside the scanned stack too):
+# heads split over tensor (q/k/v column-parallel after one f, out row-parallel), the MLP
+# column then row, the embedding split on the vocabulary, the head column-parallel with its
+# logits left split on the vocabulary for the vocab-parallel loss.
+TP_RULES = (
+    (r"/attn$", HeadParallel()),
+    (r"mlp/wi$", ColumnParallel()),
+    (r"mlp/wo$", RowParallel()),
+    (r"^embed$", VocabParallel()),
+    (r"^head$", ColumnParallel()),
+)
+# The dim of each parameter that TP_RULES split over tensor, counted from the end (so the
+# scanned stack's layer dim does not move it): the heads of q/k/v and out, a column layer's
+# features, a row layer's contracted input dim, the embedding's vocabulary rows.
+_TENSOR_DIMS = {
+    ("query", "kernel"): -2,
+    ("key", "kernel"): -2,
+    ("value", "kernel"): -2,
+    ("out", "kernel"): -3,
+    ("wi", "kernel"): -1,
+    ("wi", "bias"): -1,
+    ("head", "kernel"): -1,
+    ("wo", "kernel"): -2,
+    ("embed", "embedding"): -2,
+}
+
+
+def _attention(d_model, num_heads, head_dim, num_kv_heads, *, dtype, attention, rngs):
+    """Causal (grouped-query) self-attention, no biases: ``nnx.MultiHeadAttention``, computed by
+    :func:`~fsdp_tp.linen.layers.attend` (``attention`` picks the implementation, as for Linen).
+    Its kernels hold Linen's ``(d, heads * dim)`` as ``(d, heads, dim)``."""
+
+    def attention_fn(query, key, value, **_):  # causal always; the mask and dropout are unused
+        return attend(query, key, value, True, attention)
+
+    return nnx.MultiHeadAttention(
+        num_heads,
+        d_model,
+        num_heads * head_dim,
+        num_kv_heads=num_kv_heads,
+        use_bias=False,
+        attention_fn=attention_fn,
+        decode=False,
+        dtype=dtype,
+        rngs=rngs,
+    )
+
+
+class MLP(nnx.Module):
+    """``wi`` → gelu → ``wo``, with biases."""
+
+    def __init__(self, d_model, hidden, *, dtype, rngs):
+        self.wi = nnx.Linear(d_model, hidden, dtype=dtype, rngs=rngs)
+        self.wo = nnx.Linear(hidden, d_model, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.wo(nnx.gelu(self.wi(x)))
+
+
+class DecoderBlock(nnx.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, d_model, num_heads, head_dim, num_kv_heads, mlp_hidden, *, dtype, attention, rngs):
+        self.norm_attn = nnx.LayerNorm(d_model, dtype=dtype, rngs=rngs)
+        self.attn = _attention(
+            d_model, num_heads, head_dim, num_kv_heads, dtype=dtype, attention=attention, rngs=rngs
+        )
+        self.norm_mlp = nnx.LayerNorm(d_model, dtype=dtype, rngs=rngs)
+        self.mlp = MLP(d_model, mlp_hidden, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        x = x + self.attn(self.norm_attn(x))
+        return x + self.mlp(self.norm_mlp(x))
+
+
+class NNXTransformer(nnx.Module):
+    """Token ids ``(batch, seq)`` -> f32 logits ``(batch, seq, vocab)``: the NNX twin of
+    :class:`~fsdp_tp.models.Transformer` (the same fields but ``layout``; tensor
+    parallelism comes from :data:`TP_RULES`, not from the model).
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> model = NNXTransformer(64, 32, 2, 4, 8, 2, 64, rngs=nnx.Rngs(0))
+    >>> model(jnp.zeros((2, 5), jnp.int32)).shape, model.blocks.attn.key.kernel.shape
+    ((2, 5, 64), (2, 32, 2, 8))
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        num_layers: int,
+        num_heads: int,
+        head_dim: int,
+        num_kv_heads: int,
+        mlp_hidden: int,
+        *,
+        dtype: Any = None,
+        scan_layers: bool = True,
+        attention: str = "reference",
+        remat: str = "full",
+        rngs: nnx.Rngs,
+    ):
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"NNXTransformer: remat={remat!r} is not one of {sorted(REMAT_POLICIES)}.")
+        self.num_layers, self.scan_layers, self.remat = num_layers, scan_layers, remat
+        self.embed = nnx.Embed(vocab_size, d_model, dtype=dtype, rngs=rngs)
+        sizes = (d_model, num_heads, head_dim, num_kv_heads, mlp_hidden)
+        block = functools.partial(DecoderBlock, *sizes, dtype=dtype, attention=attention)
+        if scan_layers:  # one block's parameters stacked on a leading layer dim, as nn.scan stacks them
+
+            @nnx.split_rngs(splits=num_layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def stack(rngs):
+                return block(rngs=rngs)
+
+            self.blocks = stack(rngs)
+        else:  # named as Linen names unrolled blocks, so both trees are the same
+            for i in range(num_layers):
+                setattr(self, f"blocks_{i}", block(rngs=rngs))
+        self.norm_final = nnx.LayerNorm(d_model, dtype=dtype, rngs=rngs)
+        self.head = nnx.Linear(d_model, vocab_size, use_bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        x = self.embed(ids)
+        run = lambda block, x: block(x)
+        if self.remat != "none":
+            run = nnx.remat(run, policy=REMAT_POLICIES[self.remat])
+        if self.scan_layers:
+            x = nnx.scan(run, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(self.blocks, x)
+        else:
+            for i in range(self.num_layers):
+                x = run(getattr(self, f"blocks_{i}"), x)
+        return self.head(self.norm_final(x)).astype(jnp.float32)
+
+
+def storage_rules(model: nnx.Module, sizes: Mapping[str, int], min_weight_size: int) -> list[tuple]:
+    """One anchored storage rule per parameter of ``model`` (abstract is enough): FSDP over
+    ``fsdp`` on the dim Linen's ``shard_module_params`` picks (the largest dim that tensor
+    parallelism leaves whole and the axis divides, in each layer's local shape, for
+    parameters of more than ``min_weight_size`` local elements), nothing else. The tensor
+    split is the roles' (:data:`TP_RULES`); it joins these specs in ``shard_by_rules``.
+
+    >>> from flax import nnx
+    >>> model = nnx.eval_shape(lambda: NNXTransformer(64, 32, 2, 4, 8, 2, 64, rngs=nnx.Rngs(0)))
+    >>> rules = dict(storage_rules(model, {"fsdp": 4, "tensor": 2}, 0))
+    >>> rules["^blocks/mlp/wi/kernel$"], rules["^head/kernel$"]
+    (P(None, 'fsdp', None), P('fsdp', None))
+    """
+    fsdp, tensor = sizes.get("fsdp", 1), sizes.get("tensor", 1)
+    rules = []
+    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        shape = tuple(variable.get_raw_value().shape)
+        stacked = int(path[0] == "blocks")  # the scanned stack's layer dim, never split
+        local: list[int] = list(shape[stacked:])
+        names: list[str | None] = [None] * len(local)
+        if (dim := _TENSOR_DIMS.get((str(path[-2]), str(path[-1])))) is not None:
+            local[dim] //= tensor
+            names[dim] = "tensor"
+        split = fsdp_dim(tuple(local), tuple(names), fsdp) if np.prod(local) > min_weight_size else None
+        spec = [None] * stacked + ["fsdp" if i == split else None for i in range(len(local))]
+        text = "/".join(str(key) for key in path)
+        rules.append((f"^{re.escape(text)}$", PartitionSpec(*spec)))
+    return rules

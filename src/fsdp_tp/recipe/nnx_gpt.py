@@ -1,0 +1,62 @@
+"""``fsdp-tp train --api nnx``: the GPT written in NNX, started from the Linen GPT's init and
+laid out by rules, so that both APIs train the same numbers from the same seed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import jax.numpy as jnp
+from flax import nnx
+
+from ..models.nnx_transformer import TP_RULES, NNXTransformer, storage_rules
+from ..nnx import ShardedModel, shard_by_rules
+from .config import ModelConfig
+
+__all__ = ["nnx_maker", "sharded_gpt"]
+
+
+def nnx_maker(config: ModelConfig) -> Callable[[nnx.Rngs], NNXTransformer]:
+    """``make(rngs)`` for :func:`fsdp_tp.nnx.shard_by_rules`: the NNX GPT of ``config``, its
+    parameters the Linen twin's init from the rng stream's key.
+
+    NNX draws its initializers from streams that Linen does not (``rngs.params()`` folds a
+    count into the key), so the model's own init would differ from Linen's for the same seed.
+    Linen's ``init`` takes the key itself; ``nnx.Rngs(key)``'s stream holds that key, and the
+    two models hold the same parameter tree, so each value is carried over by its path (the
+    attention kernels reshaped: Linen's ``(d, heads * dim)`` is ``(d, heads, dim)`` here).
+
+    >>> import jax
+    >>> from flax import nnx
+    >>> from fsdp_tp.recipe.config import preset
+    >>> config = preset("tiny", num_layers=1)
+    >>> nnx_params = nnx.state(nnx_maker(config)(nnx.Rngs(jax.random.key(3))), nnx.Param)
+    >>> linen = config.model().init(jax.random.key(3), jax.numpy.zeros((1, 8), int))["params"]
+    >>> bool((nnx_params["head"]["kernel"][...] == linen["head"]["kernel"]).all())
+    True
+    """
+    twin = config.model()
+    sizes = config.model_sizes()
+
+    def make(rngs: nnx.Rngs) -> NNXTransformer:
+        model = NNXTransformer(**sizes, rngs=rngs)
+        linen = twin.init(rngs.default.key[...], jnp.zeros((1, config.seq_len), jnp.int32))["params"]
+        for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+            value = linen
+            for key in path:
+                value = value[key]
+            variable.set_value(value.reshape(variable.get_raw_value().shape))  # (d, h * k) -> (d, h, k)
+        return model
+
+    return make
+
+
+def sharded_gpt(
+    config: ModelConfig, sizes: Mapping[str, int], min_weight_size: int, batch_axes: tuple
+) -> ShardedModel:
+    """The NNX GPT of ``config`` laid out on a mesh of ``sizes``: Megatron TP by
+    :data:`~fsdp_tp.models.nnx_transformer.TP_RULES` over ``tensor``, FSDP over ``fsdp`` where
+    the Linen GPT has it (:func:`~fsdp_tp.models.nnx_transformer.storage_rules`)."""
+    make = nnx_maker(config)
+    abstract = nnx.eval_shape(lambda: NNXTransformer(**config.model_sizes(), rngs=nnx.Rngs(0)))
+    rules = storage_rules(abstract, sizes, min_weight_size)
+    return shard_by_rules(make, rules, tp_rules=TP_RULES, batch_axes=batch_axes)

@@ -1,0 +1,122 @@
+"""``fsdp-tp train --api nnx`` (issue 33 point 8): the GPT written in NNX starts from the Linen
+GPT's init, computes its function, holds its bytes on every device, moves its collectives,
+and trains its losses from the same seed."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from fsdp_tp.bench.nnx_rows import build, nnx_section
+from fsdp_tp.cli import main
+from fsdp_tp.models.nnx_transformer import NNXTransformer
+from fsdp_tp.recipe import nnx_gpt
+from fsdp_tp.recipe.config import preset
+
+pytestmark = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")
+
+# From the same init, the two APIs' steps sum the same products in other orders (the roles'
+# psums vs Linen's layers, other fusions), so losses agree to f32 rounding: measured at most
+# 1.1e-7 relative over 30 steps of the default run; 1e-5 leaves room for other CPUs and XLAs.
+LOSS_RTOL = 1e-5
+
+
+@pytest.mark.parametrize("scan", [True, False], ids=["scan", "loop"])
+def test_the_nnx_gpt_starts_from_the_linen_init_and_computes_its_function(scan):
+    config = preset("tiny", num_layers=3, scan_layers=scan)  # 4 heads over 2 kv heads
+    ids = jax.random.randint(jax.random.key(1), (2, config.seq_len), 0, config.vocab_size)
+    twin = config.model()
+    params = twin.init(jax.random.key(7), ids)["params"]
+    model = nnx_gpt.nnx_maker(config)(nnx.Rngs(jax.random.key(7)))
+    carried = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    flat = lambda tree: {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+    ours, theirs = flat(carried), flat(params)
+    assert ours.keys() == theirs.keys()  # the same paths
+    for path, value in ours.items():
+        np.testing.assert_array_equal(value.reshape(theirs[path].shape), theirs[path], err_msg=path)
+    np.testing.assert_allclose(model(ids), twin.apply({"params": params}, ids), rtol=1e-6, atol=1e-6)
+    # negative control: NNX's own init (its rng streams are not Linen's) is another model
+    own = NNXTransformer(**config.model_sizes(), rngs=nnx.Rngs(jax.random.key(7)))
+    assert not np.allclose(own.head.kernel[...], params["head"]["kernel"])
+
+
+def _built(api: str, sizes: dict, min_weight_size: int):
+    """The bench's figures of the CLI's tiny GPT (Linen without sequence parallelism, which
+    NNX does not have) on ``sizes``: state bytes per device, the compiled step's collectives."""
+    return build(api, sizes, preset("tiny"), 16, min_weight_size)
+
+
+CASES = [({"data": 2, "fsdp": 2, "tensor": 2}, 2**10), ({"data": 1, "fsdp": 4, "tensor": 2}, 0)]
+
+
+@pytest.mark.parametrize("sizes, min_weight_size", CASES, ids=["2x2x2", "fsdp4xtensor2-all"])
+def test_the_nnx_gpt_holds_the_linen_bytes_and_moves_the_linen_collectives(sizes, min_weight_size):
+    """State bytes on every device, and every collective's count and wire bytes, exactly the
+    Linen GPT's: FSDP where Linen puts it, Megatron's activation collectives (one f for q, k
+    and v, as Linen's attention block)."""
+    linen, ours = (_built(api, sizes, min_weight_size) for api in ("linen", "nnx"))
+    assert ours.state_bytes == linen.state_bytes
+    assert ours.collectives == linen.collectives
+    assert "nnx | " + f"{max(ours.state_bytes.values()):,}" in nnx_section([("m", linen, ours, [1.0], [1.0])])
+
+
+def test_negative_control_without_the_fsdp_rules_the_bytes_differ(monkeypatch):
+    monkeypatch.setattr(nnx_gpt, "storage_rules", lambda model, sizes, min_weight_size: [])
+    sizes, min_weight_size = CASES[0]
+    linen, ours = (_built(api, sizes, min_weight_size) for api in ("linen", "nnx"))
+    assert max(ours.state_bytes.values()) > max(linen.state_bytes.values())
+    assert ours.collectives.get("all-gather") != linen.collectives.get("all-gather")
+    assert "| NO |" in nnx_section([("m", linen, ours, [1.0], [1.0])])
+
+
+def _losses(tmp_path, *flags) -> tuple[list[float], str]:
+    log = tmp_path / f"{len(list(tmp_path.iterdir()))}.jsonl"
+    out = io.StringIO()
+    code = main(["train", "--steps", "30", "--log-file", str(log), *flags], out=out)
+    assert code == 0, out.getvalue()
+    return [r["loss"] for r in map(json.loads, log.read_text().splitlines()) if "loss" in r], out.getvalue()
+
+
+def test_train_api_nnx_trains_the_linen_losses_from_the_same_seed(tmp_path):
+    """The default run (Linen, sequence parallel) and the same run with --api nnx and --check:
+    the same 30 losses to f32 rounding, and the NNX run equals the unsharded Linen twin."""
+    linen, _ = _losses(tmp_path)
+    ours, out = _losses(tmp_path, "--api", "nnx", "--check", "2")
+    assert "model tiny (NNX)" in out and "check: 2 steps sharded vs unsharded" in out and "-> ok" in out
+    assert len(ours) == len(linen) == 30
+    np.testing.assert_allclose(ours, linen, rtol=LOSS_RTOL, atol=0)
+
+
+def test_negative_control_nnx_s_own_init_trains_other_losses(tmp_path, monkeypatch):
+    """Without carrying Linen's init the first loss already differs beyond the tolerance."""
+    own = lambda config: lambda rngs: NNXTransformer(**config.model_sizes(), rngs=rngs)
+    linen, _ = _losses(tmp_path, "--steps", "1")
+    monkeypatch.setattr(nnx_gpt, "nnx_maker", own)
+    ours, _ = _losses(tmp_path, "--steps", "1", "--api", "nnx")
+    assert abs(ours[0] - linen[0]) > LOSS_RTOL * linen[0]
+
+
+def test_plan_api_nnx_counts_the_linen_bytes():
+    def per_device(*flags):
+        out = io.StringIO()
+        assert main(["plan", "--no-sequence-parallel", *flags], out=out) == 0
+        return next(line for line in out.getvalue().splitlines() if line.startswith("per device:"))
+
+    assert per_device("--api", "nnx") == per_device()
+
+
+def test_a_resume_across_apis_is_named():
+    from fsdp_tp.cli.main import _settings
+    from fsdp_tp.cli.options import parser
+    from fsdp_tp.cli.resume import changes, record
+
+    def recorded(*flags):
+        args = parser("").parse_args(["train", "--no-sequence-parallel", *flags])
+        return record(_settings(args, {"data": 2, "fsdp": 2, "tensor": 2}), {"name": "bytes"})
+
+    assert changes(recorded(), recorded("--api", "nnx")) == ["api: linen -> nnx"]
