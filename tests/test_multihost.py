@@ -86,6 +86,46 @@ def test_two_processes_train_like_one_and_write_one_checkpoint(tmp_path):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=RTOL, atol=1e-7)
 
 
+@pytest.mark.parametrize(
+    "changed, said",
+    [
+        (["--lr", "0.01"], "process 1 has --lr 0.01, process 0 has --lr 0.003"),
+        (["--steps", "30"], "process 1 has --steps 30, process 0 has --steps 6"),
+        (
+            ["--mesh", "data=1,fsdp=4,tensor=2"],
+            "process 1 has --mesh data=1,fsdp=4,tensor=2, process 0 has --mesh data=2,fsdp=2,tensor=2",
+        ),
+    ],
+    ids=["lr", "steps", "mesh"],
+)
+def test_a_process_started_with_another_setting_ends_every_process_naming_it(changed, said):
+    """Issue 34 point 1: one flag changed on process 1 only trained another model (--lr) or hung
+    (--steps, --mesh). Every process now exits 2 with one line naming the flag and both values;
+    the two-process run above (the same flags) is the negative control."""
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                *command(),
+                *("train", "--steps", "6", "--eval-every", "0", "--mesh", "data=2,fsdp=2,tensor=2"),
+                *("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)),
+                *("--cpu-devices", "4", "--coordinator-timeout", "60"),
+                *(changed if i == 1 else []),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == 2, (p.returncode, err[-3000:])
+        errors = [line for line in err.splitlines() if line.startswith("fsdp-tp: error:")]
+        assert len(errors) == 1 and said in errors[0], err[-3000:]
+        assert "Traceback" not in err and "step 1/" not in out, err[-3000:]
+
+
 # Writes to fd 1 as gloo's C++ does (below Python's sys.stdout), between Python's own lines.
 GLOO_LIKE = r"""
 import os, sys

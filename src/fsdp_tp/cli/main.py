@@ -37,6 +37,7 @@ from ..recipe.data import (
     split_held_out,
     vocab_for,
 )
+from .agreement import check_agreement, run_settings
 from .checks import UsageError, check_paths, check_ranges, resuming
 from .distributed import DistributedError
 from .machine import (
@@ -259,6 +260,11 @@ def _checked_train(args, out) -> int:
         if (total := requested_cpu_devices(args)) is not None:
             check_mesh_fits(sizes, total, settings)  # before the devices are made
         select_devices(args, sizes)
+    from .resume import data_identity, data_name
+
+    # Before the mesh check and any device work: a process started otherwise would hang there.
+    same = run_settings(args, data_identity(train_tokens, data_name(args)))
+    check_agreement(same, args.coordinator_timeout)
     check_mesh_fits(sizes, jax.device_count(), settings)
     from .run import train
 

@@ -13,14 +13,20 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 
 from ..recipe.trainer import Settings
 
-__all__ = ["changes", "data_identity", "precision_of", "record"]
+__all__ = ["changes", "data_identity", "data_name", "precision_of", "record"]
 
 _SAMPLES = 4096  # tokens read to fingerprint a (possibly huge, memory-mapped) token file
+
+
+def data_name(args) -> str:
+    """What the run's data is called in its record: the file's name, or the embedded corpus."""
+    return Path(args.data).name if args.data else "embedded corpus"
 
 
 def data_identity(tokens: np.ndarray, name: str) -> dict:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import sys
 from contextlib import ExitStack
-from pathlib import Path
 from typing import TextIO
 
 import jax
@@ -20,7 +19,7 @@ from ..recipe.trainer import Settings, Trainer, compare_with_twin
 from .checks import UsageError, resuming
 from .fit import check_fits, choose_remat, mib, plan_of
 from .output import Output, model_name, run_header
-from .resume import changes, data_identity, precision_of, record
+from .resume import changes, data_identity, data_name, precision_of, record
 from .workdir import clear, locked
 
 __all__ = ["train"]
@@ -124,13 +123,9 @@ def train(
             checkpoints = Checkpoints(args.checkpoint_dir, keep=args.keep, every=args.checkpoint_every)
             stack.enter_context(checkpoints)  # closing waits for the last save and verifies it
         trainer = Trainer(settings, mesh)
-        meta = record(settings, data_identity(tokens, _data_name(args)))
+        meta = record(settings, data_identity(tokens, data_name(args)))
         code = _train(trainer, args, tokens, eval_tokens, output, out, checkpoints, meta)
     return code
-
-
-def _data_name(args) -> str:
-    return Path(args.data).name if args.data else "embedded corpus"
 
 
 def _train(
