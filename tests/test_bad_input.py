@@ -77,6 +77,13 @@ FLAGS = [
     ),
     (["--check", "-3"], "--check -3 is out of range: expected an integer >= 0"),
     (["--steps", "0"], "--steps 0 is out of range: expected an integer >= 1 (train steps)"),
+    # issue 34 points 9 and 13: silent, or the wrong advice
+    (["--heads", "3"], "--kv-heads 2 (the tiny preset's) does not divide --heads 3; "),
+    (
+        ["--warmup", "1000000", "--steps", "3"],
+        "--warmup 1000000 does not end before --steps 3: every step would train at most 2e-06 of --lr",
+    ),
+    (["--steps", str(10**23)], f"--steps {10**23} is out of range: expected an integer <= 2147483647"),
     (["--warmup", "-1"], "--warmup -1 is out of range: expected an integer >= 0"),
     (["--seed", "-1"], "--seed -1 is out of range: expected an integer >= 0"),
     (["--log-every", "0"], "--log-every 0 is out of range: expected an integer >= 1"),
@@ -167,6 +174,33 @@ def test_a_directory_of_checkpoints_needs_resume_or_overwrite(tmp_path, capsys):
     assert "already holds checkpoints (steps 100); pass --resume" in capsys.readouterr().err
     assert run("train", "--steps", "1", "--checkpoint-dir", str(ckpt), "--resume", "--overwrite") == 2
     assert "--resume and --overwrite contradict each other" in capsys.readouterr().err
+
+
+def test_resume_from_a_step_the_directory_lacks_is_refused(tmp_path, capsys):
+    """Issue 34 point 9: on an empty directory it trained from scratch, beside steps 10/20/30
+    it ended in a FileNotFoundError traceback (point 8)."""
+    code = main(["train", "--steps", "1", "--checkpoint-dir", str(tmp_path), "--resume-from", "5"])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"fsdp-tp: error: --resume-from 5: --checkpoint-dir {tmp_path} has no checkpoint 5 (it holds "
+        f"none); pass one of them, --resume for the newest, or drop --resume-from to start over."
+    )
+    for step in (10, 20, 30):
+        (tmp_path / str(step)).mkdir()
+    assert main(["train", "--steps", "1", "--checkpoint-dir", str(tmp_path), "--resume-from", "99"]) == 2
+    assert "(its checkpoints are steps 10, 20, 30)" in capsys.readouterr().err
+
+
+def test_the_help_s_examples_run(capsys):
+    """Issue 34 point 13: --help showed a plan command without --batch, which exits 2."""
+    import importlib
+    import shlex
+
+    text = importlib.import_module("fsdp_tp.cli.main").__doc__ or ""
+    examples = [line.strip() for line in text.splitlines() if line.strip().startswith("fsdp-tp plan")]
+    assert examples
+    for line in examples:
+        assert main(shlex.split(line.split("#")[0])[1:], out=io.StringIO()) == 0, line
 
 
 def test_a_directory_in_use_is_refused(tmp_path, capsys):

@@ -107,6 +107,7 @@ def test_token_file_fits_the_vocabulary(tmp_path):
 def test_check_passes_on_the_default_mesh_with_async_tp():
     code, out = run("train", "--steps", "1", "--check", "3", "--async-tp", "bidirectional")
     assert code == 0 and "check: 3 steps" in out and "-> ok" in out, out
+    assert "(ran in" in out and "compiled by --check)" in out  # not "compiled and ran in 0.0s"
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "adafactor", "lamb", "lion", "sgd"])

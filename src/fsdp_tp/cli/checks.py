@@ -51,6 +51,12 @@ MINIMUM = {
     "process_id": (0, "this process's index"),
     "coordinator_timeout": (1, "seconds to wait for the coordinator"),
 }
+# dest: (largest value, why). optax and the train state count steps in int32.
+MAXIMUM = {
+    "steps": (2**31 - 1, "optax counts steps in int32"),
+    "warmup": (2**31 - 1, "optax counts steps in int32"),
+    "resume_from": (2**31 - 1, "a checkpoint's step is an int32 count"),
+}
 # dest: (smallest value, whether it may equal it, what it is). Refuses nan and inf too.
 FLOAT_MINIMUM = {
     "lr": (0.0, False, "a learning rate"),
@@ -75,6 +81,10 @@ def check_ranges(args) -> None:
             raise UsageError(
                 f"{_flag(dest)} {value} is out of range: expected an integer >= {low} ({meaning})."
             )
+    for dest, (high, why) in MAXIMUM.items():
+        value = getattr(args, dest, None)
+        if value is not None and value > high:
+            raise UsageError(f"{_flag(dest)} {value} is out of range: expected an integer <= {high} ({why}).")
     for dest, (bound, inclusive, meaning) in FLOAT_MINIMUM.items():
         number = getattr(args, dest, None)
         if number is None:

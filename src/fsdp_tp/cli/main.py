@@ -3,7 +3,7 @@
     fsdp-tp train                        # 8 simulated CPU devices, mesh 2x2x2, embedded data
     fsdp-tp train --check 3              # and first compare 3 steps with the unsharded twin
     fsdp-tp train --checkpoint-dir ckpt --resume   # save every 100 steps; continue the newest
-    fsdp-tp plan --preset base --mesh data=8,fsdp=64,tensor=8
+    fsdp-tp plan --preset base --mesh data=8,fsdp=64,tensor=8 --batch 512
     fsdp-tp bench                        # every strategy vs the baselines -> docs/benchmarks.md
 
 Bad input exits with status 2 and one line saying what to change.
@@ -47,7 +47,7 @@ from .machine import (
     select_devices,
     uses_accelerator,
 )
-from .options import DEFAULT_MESH, DTYPES, parser
+from .options import DEFAULT_MESH, DEFAULT_WARMUP, DTYPES, parser
 from .stdout_filter import restore_stdout
 from .workdir import check_contents
 
@@ -84,10 +84,14 @@ def _settings(args, mesh: dict, vocab_size: int | None = None):
         )
     clip_norm = getattr(args, "clip_norm", 0.0)
     if config.num_heads % config.num_kv_heads:
+        given = f" (the {args.preset} preset's)"
+        kv = f"--kv-heads {config.num_kv_heads}" + ("" if args.num_kv_heads else given)
+        heads = f"--heads {config.num_heads}" + ("" if args.num_heads else given)
         raise UsageError(
-            f"--kv-heads {config.num_kv_heads} does not divide --heads {config.num_heads}; "
-            f"each key/value head serves a whole group of query heads."
+            f"{kv} does not divide {heads}; each key/value head serves a whole group of query heads: "
+            f"pass --kv-heads with a divisor of {config.num_heads}."
         )
+    _check_schedule(args)
     if args.api == "nnx":
         _check_nnx(args, config, mesh.get("tensor", 1))
     return Settings(
@@ -96,7 +100,7 @@ def _settings(args, mesh: dict, vocab_size: int | None = None):
         batch=args.batch,
         microbatches=microbatches,
         lr=getattr(args, "lr", 0.0),
-        warmup=getattr(args, "warmup", 0),
+        warmup=DEFAULT_WARMUP if getattr(args, "warmup", None) is None else args.warmup,
         seed=getattr(args, "seed", 0),
         layout=Layout(
             tensor="tensor",
@@ -111,6 +115,19 @@ def _settings(args, mesh: dict, vocab_size: int | None = None):
         clip_norm=clip_norm,
         api=args.api,
     )
+
+
+def _check_schedule(args) -> None:
+    """A warmup given that does not end before the last step trains at a fraction of ``--lr``
+    (1000000 over 3 steps: about 2e-6 of it), without a word. The default's 20 steps stay:
+    short demonstration runs warm up through all their steps, as they always have."""
+    steps, warmup = getattr(args, "steps", None), getattr(args, "warmup", None)
+    if steps is not None and warmup is not None and warmup >= steps:
+        raise UsageError(
+            f"--warmup {warmup} does not end before --steps {steps}: every step would train at most "
+            f"{(steps - 1) / warmup:.2g} of --lr {args.lr:g}; pass --warmup below {steps} "
+            f"(or 0), or more --steps."
+        )
 
 
 def _sequence_parallel(args) -> bool:
@@ -247,7 +264,7 @@ def _checked_train(args, out) -> int:
 
     check_paths(args)
     if args.checkpoint_dir:
-        check_contents(args.checkpoint_dir, resuming(args), args.overwrite)
+        check_contents(args.checkpoint_dir, resuming(args), args.overwrite, args.resume_from)
     if args.mesh is None and (uses_accelerator(args) or args.cpu_devices):
         check_cpu_devices(args)
         select_devices(args, None)  # checks the multi-process flags first

@@ -8,9 +8,10 @@ from ..linen.layers.attention import ATTENTION_IMPLEMENTATIONS
 from ..models.transformer import REMAT_POLICIES
 from ..recipe.config import PRESETS
 
-__all__ = ["DEFAULT_MESH", "DTYPES", "parser"]
+__all__ = ["DEFAULT_MESH", "DEFAULT_WARMUP", "DTYPES", "parser"]
 
 DEFAULT_MESH = "data=2,fsdp=2,tensor=2"
+DEFAULT_WARMUP = 20  # --warmup's default; shorter runs warm up through all their steps
 DTYPES = {"f32": "float32", "bf16": "bfloat16"}  # the dtype flags' names -> numpy's
 
 
@@ -121,7 +122,11 @@ def _train_flags(train: argparse.ArgumentParser) -> None:
     train.add_argument("--steps", type=int, default=300, help="train steps (the schedule's length)")
     train.add_argument("--microbatches", type=int, default=1, help="gradient accumulation steps per batch")
     train.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then cosine)")
-    train.add_argument("--warmup", type=int, default=20, help="warmup steps")
+    train.add_argument(
+        "--warmup",
+        type=int,
+        help=f"warmup steps (default: {DEFAULT_WARMUP}; given, it must end before --steps)",
+    )
     train.add_argument(
         "--optimizer",
         choices=["adamw", "adafactor", "lamb", "lion", "sgd"],

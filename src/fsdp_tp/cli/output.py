@@ -21,7 +21,7 @@ from typing import TextIO
 
 import jax
 
-__all__ = ["Output", "model_name", "run_header"]
+__all__ = ["Output", "duration", "model_name", "run_header"]
 
 _SIZES = ("d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_hidden", "seq_len")
 
@@ -58,6 +58,21 @@ def run_header(settings, args, start: int) -> dict:
     }
 
 
+def duration(seconds: float) -> str:
+    """A time to wait, in the unit a reader wants.
+
+    >>> duration(42.4), duration(1500), duration(7 * 3600), duration(3e7)
+    ('42s', '25min', '7.0h', '347 days')
+    """
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f}min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f}h"
+    return f"{seconds / 86400:,.0f} days"
+
+
 class Output:
     """Progress and logs, written by process 0 only (every process trains; one speaks)."""
 
@@ -85,16 +100,19 @@ class Output:
         counted: int,
         tokens_per_step: int,
         extra: str = "",
+        compiled_before: bool = False,
     ) -> None:
         """The progress line after 0-based ``step``; the first step shows its compile time instead
-        of a rate (it has none yet). ``extra``: what else the step achieved (TFLOP/s, memory)."""
+        of a rate (it has none yet), or says it was compiled before (``--check`` ran the step).
+        ``extra``: what else the step achieved (TFLOP/s, memory)."""
         bar = "#" * (20 * (step + 1) // steps)
         head = f"[{bar:<20}] step {step + 1}/{steps} loss {loss:.4f}"
         if not counted:
-            self.say(f"{head} (compiled and ran in {seconds:.1f}s)")
+            done = "ran in {:.1f}s, compiled by --check" if compiled_before else "compiled and ran in {:.1f}s"
+            self.say(f"{head} ({done.format(seconds)})")
             return
         rate, eta = tokens_per_step * counted / timed, (steps - step - 1) * timed / counted
-        self.say(f"{head} {rate:,.0f} tokens/s{f', {extra}' if extra else ''} eta {eta:.0f}s")
+        self.say(f"{head} {rate:,.0f} tokens/s{f', {extra}' if extra else ''} eta {duration(eta)}")
 
     def close(self) -> None:
         if self.log:

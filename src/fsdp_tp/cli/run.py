@@ -213,7 +213,8 @@ def _loop(trainer, tokens, eval_tokens, start: int, args, output: Output, checkp
             checkpoints.check()  # a background save that failed ends the run now, not at the next save
             checkpoints.save(step + 1, trainer.state, meta, force=step + 1 == steps)
         if step % args.log_every == 0 or step == steps - 1:
-            output.progress(step, steps, loss, seconds, timed, counted, tokens_per_step, achieved)
+            checked = bool(args.check) and step == start  # --check compiled the step before
+            output.progress(step, steps, loss, seconds, timed, counted, tokens_per_step, achieved, checked)
         if eval_tokens is not None and ((step + 1) % args.eval_every == 0 or step == steps - 1):
             eval_loss = trainer.evaluate(eval_tokens, args.eval_batches)
             output.record(step=step + 1, eval_loss=eval_loss)

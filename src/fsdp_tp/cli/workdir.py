@@ -38,9 +38,17 @@ def saved_steps(directory: str | Path) -> list[int]:
     return sorted(int(p.name) for p in path.iterdir() if p.is_dir() and p.name.isdigit())
 
 
-def check_contents(directory: str, resume: bool, overwrite: bool) -> None:
-    """Refuses a directory of checkpoints unless the run resumes from them or overwrites them."""
+def check_contents(directory: str, resume: bool, overwrite: bool, resume_from: int | None = None) -> None:
+    """Refuses a directory of checkpoints unless the run resumes from them or overwrites them,
+    and ``--resume-from`` a step the directory does not hold (it would have trained from
+    scratch, or ended in a traceback)."""
     steps = saved_steps(directory)
+    if resume_from is not None and resume_from not in steps:
+        held = f"its checkpoints are steps {', '.join(map(str, steps))}" if steps else "it holds none"
+        raise UsageError(
+            f"--resume-from {resume_from}: --checkpoint-dir {directory} has no checkpoint {resume_from} "
+            f"({held}); pass one of them, --resume for the newest, or drop --resume-from to start over."
+        )
     if steps and not (resume or overwrite):
         shown = ", ".join(map(str, steps[-5:]))
         raise UsageError(
