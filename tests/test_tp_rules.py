@@ -36,9 +36,11 @@ from tests.nnx_models import Sharded, Twin, lm_maker
 from tests.plain_models import PlainLM, lowered_lm_step
 from tests.test_tensor_parallel import mesh_of
 
+# The MLP's two layers in the blocks (scanned: layers/...; a loop: layer_0/..., layer_1/...).
+MLP = mlp_rules(r"layers?(_\d+)?/Dense_0$", r"layers?(_\d+)?/Dense_1$")
 MEGATRON = [
     *attention_rules(),
-    *mlp_rules(),
+    *MLP,
     (r"^Embed_0$", VocabParallel()),
     (r"^logits$", ColumnParallel(gather_output=True)),
 ]
@@ -439,7 +441,7 @@ def test_a_storage_rule_on_the_split_dim_gets_the_fix():
         RuleError,
         match=r"layer_0/Dense_0/kernel: the storage rule gives P\(None, 'fsdp'\).*e\.g\. P\('fsdp', None\)",
     ):
-        model = fsdp_tp.shard_by_rules(PlainLM, [("kernel$", P(None, "fsdp"))], tp_rules=mlp_rules())(**SMALL)
+        model = fsdp_tp.shard_by_rules(PlainLM, [("kernel$", P(None, "fsdp"))], tp_rules=MLP)(**SMALL)
         _init(model, "data2_fsdp2_tensor2")
 
 
@@ -453,7 +455,13 @@ def test_a_storage_rule_on_the_split_dim_gets_the_fix():
 )
 def test_conflicting_or_malformed_tp_rules_are_refused_at_once(kwargs, match):
     with pytest.raises(RuleError, match=match):
-        fsdp_tp.shard_by_rules(PlainLM, **{"tp_rules": mlp_rules(), **kwargs})
+        fsdp_tp.shard_by_rules(PlainLM, **{"tp_rules": MLP, **kwargs})
+
+
+def test_mlp_rules_need_the_mlp_named():
+    """Issue 34 point 6: the defaults Dense_0$ / Dense_1$ matched every such layer of a model."""
+    with pytest.raises(TypeError, match=r"name the MLP's two layers by path, e.g. mlp_rules\(r'mlp/Dense_0\$'"):
+        mlp_rules()
 
 
 def test_init_is_the_unsplit_models_bit_for_bit_and_split_as_megatron():

@@ -103,11 +103,20 @@ def attention_rules(pattern: str = r"MultiHeadDotProductAttention_\d+$", axis: s
     return [(pattern, HeadParallel(axis))]
 
 
-def mlp_rules(up: str = r"Dense_0$", down: str = r"Dense_1$", axis: str = "tensor"):
+def mlp_rules(up: str | None = None, down: str | None = None, axis: str = "tensor"):
     """The ready rule set for a Dense-Dense MLP: ``up`` column-parallel, ``down`` row-parallel
-    (the activation between them is elementwise, so it runs on the feature slices).
+    (the activation between them is elementwise, so it runs on the feature slices). Name the
+    MLP's two layers by path: a pattern as wide as ``Dense_0$`` would also split every other
+    ``Dense_0`` of the model (a projection, a head), which is not followed by its row layer.
 
-    >>> [type(role).__name__ for _, role in mlp_rules()]
+    >>> [type(role).__name__ for _, role in mlp_rules(r"mlp/Dense_0$", r"mlp/Dense_1$")]
     ['ColumnParallel', 'RowParallel']
     """
+    if up is None or down is None:
+        raise TypeError(
+            f"mlp_rules(up={up!r}, down={down!r}): name the MLP's two layers by path, e.g. "
+            f"mlp_rules(r'mlp/Dense_0$', r'mlp/Dense_1$') or, for blocks named layer_0, layer_1, "
+            f"mlp_rules(r'layer_\\d+/Dense_0$', r'layer_\\d+/Dense_1$'); 'Dense_0$' alone would match "
+            f"every Dense_0 of the model."
+        )
     return [(up, ColumnParallel(axis)), (down, RowParallel(axis))]
