@@ -36,8 +36,9 @@ from tests.nnx_models import Sharded, Twin, lm_maker
 from tests.plain_models import PlainLM, lowered_lm_step
 from tests.test_tensor_parallel import mesh_of
 
-# The MLP's two layers in the blocks (scanned: layers/...; a loop: layer_0/..., layer_1/...).
-MLP = mlp_rules(r"layers?(_\d+)?/Dense_0$", r"layers?(_\d+)?/Dense_1$")
+# The MLP's two layers in the blocks (a loop: layer_0/..., layer_1/...; scanned:
+# layers/DecoderBlock_0/...).
+MLP = mlp_rules(r"(layer_\d+|DecoderBlock_0)/Dense_0$", r"(layer_\d+|DecoderBlock_0)/Dense_1$")
 MEGATRON = [
     *attention_rules(),
     *MLP,
@@ -460,7 +461,7 @@ def test_conflicting_or_malformed_tp_rules_are_refused_at_once(kwargs, match):
 
 def test_mlp_rules_need_the_mlp_named():
     """Issue 34 point 6: the defaults Dense_0$ / Dense_1$ matched every such layer of a model."""
-    with pytest.raises(TypeError, match=r"name the MLP's two layers by path, e.g. mlp_rules\(r'mlp/Dense_0\$'"):
+    with pytest.raises(TypeError, match=r"name the MLP's two layers by path, e\.g\. mlp_rules\(r'mlp/"):
         mlp_rules()
 
 
