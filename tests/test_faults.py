@@ -75,6 +75,19 @@ def _delete_metadata(checkpoint: Path) -> None:
     (checkpoint / "state" / "_METADATA").unlink()
 
 
+def _edit_meta(field: str, value):
+    """Issue 34 point 12: meta/metadata was outside the fingerprints; its "step" edited from 30
+    to 35 resumed step 30's state as step 35."""
+
+    def edit(checkpoint: Path) -> None:
+        path = checkpoint / "meta" / "metadata"
+        meta = json.loads(path.read_text())
+        meta[field] = value
+        path.write_text(json.dumps(meta))
+
+    return edit
+
+
 @pytest.fixture(scope="module")
 def good(tmp_path_factory) -> tuple[Path, Path]:
     """Checkpoints 2, 4, 6, 8 of an 8-step run, and its log."""
@@ -84,7 +97,11 @@ def good(tmp_path_factory) -> tuple[Path, Path]:
     return root / "ckpt", log
 
 
-@pytest.mark.parametrize("damage", [_flip, _truncate, _delete_metadata], ids=["flip", "truncate", "metadata"])
+@pytest.mark.parametrize(
+    "damage",
+    [_flip, _truncate, _delete_metadata, _edit_meta("step", 9), _edit_meta("seed", 1)],
+    ids=["flip", "truncate", "metadata", "meta-step", "meta-seed"],
+)
 def test_a_damaged_newest_checkpoint_is_skipped_and_moved_aside(good, damage, tmp_path):
     source, whole_log = good
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
@@ -145,12 +162,19 @@ def test_a_save_that_does_not_read_back_keeps_the_older_checkpoints(tmp_path):
     with pytest.raises(CheckpointSaveError, match=r"checkpoint .*2 was written but does not read back"):
         checkpoints.close()
     assert saved_steps(tmp_path) == [1] and (tmp_path / "corrupt-2").is_dir()
-    shutil.copytree(tmp_path / "corrupt-2", tmp_path / "3")  # the bad one, put back under a step
+    shutil.copytree(tmp_path / "corrupt-2", tmp_path / "2")  # the bad one, put back under its step
     with Checkpoints(tmp_path) as again:
         assert again.restore(state, step=1)[1]["step"] == 1
         with pytest.raises(CheckpointCorruptError, match=r"1 array\(s\) differ from the fingerprints"):
-            again.restore(state, step=3)
-        assert again.restore(state)[1]["skipped"].keys() == {3}  # the newest that verifies: 1
+            again.restore(state, step=2)
+        assert again.restore(state)[1]["skipped"].keys() == {2}  # the newest that verifies: 1
+    # Under another step's name its meta names the step it was saved as (issue 34 point 12).
+    shutil.move(tmp_path / "corrupt-2", tmp_path / "3")
+    with (
+        Checkpoints(tmp_path) as again,
+        pytest.raises(CheckpointCorruptError, match="says step 2, but it is checkpoint 3"),
+    ):
+        again.restore(state, step=3)
 
 
 # --- a save that fails: its own process, since orbax leaves threads waiting in the process ---

@@ -23,6 +23,9 @@ cryptographic hash.
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,7 +33,7 @@ import numpy as np
 from ._tree import path_of
 from ._types import PyTree
 
-__all__ = ["fingerprints", "mismatches"]
+__all__ = ["fingerprints", "meta_digest", "mismatches"]
 
 
 def _words(x: jax.Array) -> jax.Array:
@@ -67,3 +70,15 @@ def fingerprints(tree: PyTree) -> dict[str, str]:
 def mismatches(saved: dict[str, str], restored: dict[str, str]) -> list[str]:
     """The leaves whose fingerprints differ or that one side lacks, sorted."""
     return sorted(k for k in saved.keys() | restored.keys() if saved.get(k) != restored.get(k))
+
+
+def meta_digest(meta: dict) -> str:
+    """A digest of a checkpoint's JSON meta (its step, what the run recorded, the arrays'
+    fingerprints), as it reads back from disk: an edit of any field changes it.
+
+    >>> saved = meta_digest({"step": 30})
+    >>> saved == meta_digest({"step": 30}), saved == meta_digest({"step": 35})
+    (True, False)
+    """
+    text = json.dumps(json.loads(json.dumps(meta)), sort_keys=True)  # as JSON gives it back
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -10,9 +10,10 @@ Saves are asynchronous (training goes on while the bytes are written) and atomic
 writes into a temporary directory and renames it when complete, so a process killed in
 the middle of a save leaves the previous checkpoint as the newest restorable one.
 
-Each checkpoint records a fingerprint of every array (``_integrity``), and a restore
-recomputes them from what it read: a checkpoint with flipped or truncated bytes or lost
-metadata is never handed back. ``restore()`` falls back to the newest checkpoint that
+Each checkpoint records a fingerprint of every array (``_integrity``) and a digest of its
+meta (the step, the run's record, the fingerprints), and a restore recomputes them from what
+it read: a checkpoint with flipped or truncated bytes, lost metadata, or an edited meta (or
+one renamed to another step) is never handed back. ``restore()`` falls back to the newest checkpoint that
 verifies and moves the bad ones aside (``corrupt-<step>``); old checkpoints are deleted
 only once ``keep`` newer ones have been read back and verified.
 
@@ -31,7 +32,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
-from ._integrity import fingerprints, mismatches
+from ._integrity import fingerprints, meta_digest, mismatches
 from ._state_tree import abstract, check_saved, global_tree, into
 from ._types import PyTree
 from .errors import CheckpointCorruptError, CheckpointSaveError
@@ -39,7 +40,26 @@ from .errors import CheckpointCorruptError, CheckpointSaveError
 __all__ = ["Checkpoints", "global_tree"]
 
 _FINGERPRINTS = "fingerprints"  # the meta key that holds them
+_DIGEST = "digest"  # the meta key that holds the digest of the rest of the meta
 _FILESYSTEM_ERRORS = (errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EIO)
+
+
+def _sealed(meta: dict) -> dict:
+    """The meta with a digest of itself: a resume reads the step and the run's record from it."""
+    return {**meta, _DIGEST: meta_digest(meta)}
+
+
+def _unsealed(meta: dict, step: int) -> dict:
+    """The meta read back, checked against its digest and against the checkpoint's own step
+    (an edited ``"step"`` would resume another step's state under its number)."""
+    digest = meta.pop(_DIGEST, None)  # checkpoints of versions before the digest have none
+    if digest is not None and digest != meta_digest(meta):
+        raise CheckpointCorruptError("its meta/metadata differs from the digest saved with it (edited?)")
+    if meta.get("step", step) != step:
+        raise CheckpointCorruptError(
+            f"its meta/metadata says step {meta['step']}, but it is checkpoint {step}"
+        )
+    return meta
 
 
 def _cause(err: BaseException) -> str:
@@ -134,7 +154,9 @@ class Checkpoints:
         tree = global_tree(state)
         items = ocp.args.Composite(
             state=ocp.args.StandardSave(tree),
-            meta=ocp.args.JsonSave({**(meta or {}), "step": step, _FINGERPRINTS: fingerprints(tree)}),
+            meta=ocp.args.JsonSave(
+                _sealed({**(meta or {}), "step": step, _FINGERPRINTS: fingerprints(tree)})
+            ),
         )
         try:
             # force: orbax would also save the first step of a fresh directory; we decide here.
@@ -220,7 +242,7 @@ class Checkpoints:
             )
         except Exception as err:
             raise CheckpointCorruptError(f"its arrays do not read ({_cause(err)})") from err
-        meta = dict(restored["meta"])
+        meta = _unsealed(dict(restored["meta"]), step)
         recorded = meta.pop(_FINGERPRINTS, None)
         if recorded is None:
             raise CheckpointCorruptError("it records no fingerprints, so its bytes cannot be verified")
