@@ -4,6 +4,7 @@ anything starts or is written (issue 16): the message names what was passed and 
 from __future__ import annotations
 
 import io
+import os
 
 import flax.linen as nn
 import jax
@@ -78,6 +79,10 @@ FLAGS = [
     (["--check", "-3"], "--check -3 is out of range: expected an integer >= 0"),
     (["--steps", "0"], "--steps 0 is out of range: expected an integer >= 1 (train steps)"),
     # issue 34 points 9 and 13: silent, or the wrong advice
+    (
+        ["--vocab-size", "100000000000"],
+        "--vocab-size 100000000000 is out of range: expected an integer <= 2147483648",
+    ),
     (["--heads", "3"], "--kv-heads 2 (the tiny preset's) does not divide --heads 3; "),
     (
         ["--warmup", "1000000", "--steps", "3"],
@@ -149,6 +154,18 @@ def test_bad_token_files_exit_2_naming_the_file_and_the_fix(tmp_path, capsys):
     odd = tmp_path / "odd.bin"
     odd.write_bytes(b"\x01" * 1001)
     cases.append((str(odd), "1001 bytes is not a whole number of uint16 tokens"))
+    # issue 34 points 8 and 13: an empty .npy raised a traceback; a directory, a FIFO or
+    # /dev/null was "no such file"
+    cases.append((_npy(tmp_path / "empty.npy", np.zeros(0, np.int32)), "holds no tokens (an empty array)"))
+    wide = _npy(tmp_path / "wide.npy", (ids + 2**32).astype(np.uint64))
+    cases.append((wide, f"holds token {2**32 + 199}; the model reads ids as int32, at most 2147483647"))
+    cases.append(
+        (str(tmp_path), "is a directory; pass a text file, a .npy or a uint16 .bin token file in it")
+    )
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    cases.append((str(fifo), "not a regular file (a pipe or a device); save the data to a text file"))
+    cases.append(("/dev/null", "not a regular file (a pipe or a device)"))
     for path, message in cases:
         extra = ["--vocab-size", "256"] if "big" in path else []
         assert run("train", "--steps", "1", "--data", path, *extra) == 2, path
@@ -189,6 +206,21 @@ def test_resume_from_a_step_the_directory_lacks_is_refused(tmp_path, capsys):
         (tmp_path / str(step)).mkdir()
     assert main(["train", "--steps", "1", "--checkpoint-dir", str(tmp_path), "--resume-from", "99"]) == 2
     assert "(its checkpoints are steps 10, 20, 30)" in capsys.readouterr().err
+
+
+def test_a_bad_environment_variable_or_bench_flag_is_one_line(monkeypatch, capsys):
+    """Issue 34 point 8: JAX_NUM_PROCESSES=abc and bench --depths x,y ended in ValueError tracebacks."""
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "abc")
+    assert main(["train", "--steps", "1"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "fsdp-tp: error: JAX_NUM_PROCESSES='abc' is not a whole number; set it to the number of processes."
+    )
+    monkeypatch.delenv("JAX_NUM_PROCESSES")
+    for flag in ("--depths", "--build-depths"):
+        assert main(["bench", flag, "x,y", "--no-plots"]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"fsdp-tp: error: {flag} 'x,y': give layer counts >= 1, comma-separated (e.g. 2,8,32)."
+        )
 
 
 def test_the_help_s_examples_run(capsys):

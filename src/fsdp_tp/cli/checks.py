@@ -56,6 +56,7 @@ MAXIMUM = {
     "steps": (2**31 - 1, "optax counts steps in int32"),
     "warmup": (2**31 - 1, "optax counts steps in int32"),
     "resume_from": (2**31 - 1, "a checkpoint's step is an int32 count"),
+    "vocab_size": (2**31, "token ids are int32"),
 }
 # dest: (smallest value, whether it may equal it, what it is). Refuses nan and inf too.
 FLOAT_MINIMUM = {

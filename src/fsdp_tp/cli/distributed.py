@@ -39,8 +39,15 @@ def _options(coordinator: str | None, num_processes: int | None, process_id: int
     for key, var in ENV.items():
         if given[key] is None and os.environ.get(var):
             value = os.environ[var]
+            if key != "coordinator" and not value.strip().isdigit():
+                raise DistributedError(
+                    f"{var}={value!r} is not a whole number; set it to the {_MEANING[key]}."
+                )
             given[key] = value if key == "coordinator" else int(value)
     return given
+
+
+_MEANING = {"num_processes": "number of processes", "process_id": "process's index, 0 .. processes - 1"}
 
 
 def parse_address(text: str) -> tuple[str, int]:

@@ -239,6 +239,14 @@ def _bench(args, argv: list[str], out) -> int:
     from ..bench.run import run_benchmarks
 
     readme = Path(args.readme) if args.readme and Path(args.readme).is_file() else None
+    given = {"--depths": args.depths, "--build-depths": args.build_depths}
+    for flag, text in given.items():
+        if not all(d.strip().isdigit() and int(d) > 0 for d in text.split(",") if d):
+            print(
+                f"fsdp-tp: error: {flag} {text!r}: give layer counts >= 1, comma-separated (e.g. 2,8,32).",
+                file=sys.stderr,
+            )
+            return 2
     depths = [int(d) for d in args.depths.split(",") if d]
     run_benchmarks(
         argv,

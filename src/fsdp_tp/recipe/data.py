@@ -58,8 +58,13 @@ def load_tokens(path: str | None) -> np.ndarray:
     if path is None:
         return embedded_corpus()
     file = Path(path)
-    if not file.is_file():
-        raise DataError(f"--data {path}: no such file; pass a text file, a .npy or a uint16 .bin token file.")
+    kinds = "a text file, a .npy or a uint16 .bin token file"
+    if not file.exists():
+        raise DataError(f"--data {path}: no such file; pass {kinds}.")
+    if file.is_dir():
+        raise DataError(f"--data {path}: is a directory; pass {kinds} in it.")
+    if not file.is_file():  # a pipe or a device: read once, never memory-mapped or read again
+        raise DataError(f"--data {path}: not a regular file (a pipe or a device); save the data to {kinds}.")
     if file.stat().st_size == 0:
         raise DataError(f"--data {path}: the file is empty.")
     if file.suffix == ".npy":
@@ -85,6 +90,8 @@ def load_tokens(path: str | None) -> np.ndarray:
         tokens = np.frombuffer(file.read_bytes(), dtype=np.uint8)
     if tokens.ndim != 1:
         raise DataError(f"--data {path}: tokens must be a flat array, got shape {tokens.shape}.")
+    if tokens.size == 0:
+        raise DataError(f"--data {path}: holds no tokens (an empty array).")
     return tokens
 
 
@@ -98,10 +105,18 @@ def check_tokens(tokens: np.ndarray, seq_len: int, what: str = "the data") -> No
         )
 
 
+MAX_TOKEN = 2**31 - 1  # token ids are int32 in the step
+
+
 def check_vocab(low: int, top: int, vocab: int, what: str = "the data") -> None:
     """Raises ``DataError`` when the token ids ``low .. top`` are not all in the vocabulary."""
     if low < 0:
         raise DataError(f"{what} holds token {low}; token ids must be >= 0.")
+    if top > MAX_TOKEN:
+        raise DataError(
+            f"{what} holds token {top}; the model reads ids as int32, at most {MAX_TOKEN}: map the "
+            f"ids to 0 .. vocabulary - 1 first."
+        )
     if top >= vocab:
         raise DataError(
             f"{what} holds token {top}, outside the model's vocabulary of {vocab}; "
