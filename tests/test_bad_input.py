@@ -274,6 +274,14 @@ def test_a_restore_into_another_dtype_is_refused_not_cast(tmp_path):
             checkpoints.restore({"w": jnp.zeros(4, jnp.bfloat16)})
 
 
+def test_a_restore_into_a_tree_without_a_saved_leaf_is_a_mismatch_not_corruption(tmp_path):
+    """Issue 34 point 13: a model lacking a saved key was told its checkpoint was corrupt."""
+    with Checkpoints(tmp_path) as checkpoints:
+        checkpoints.save(1, {"w": jnp.ones(4), "extra": jnp.ones(2)})
+        with pytest.raises(CheckpointMismatchError, match=r"extra: saved, but the model has no such leaf"):
+            checkpoints.restore({"w": jnp.zeros(4)})
+
+
 def test_a_spec_tree_mismatch_names_structures_not_array_values():
     tree = {"w": jnp.arange(1000.0), "b": jnp.arange(1000.0)}
     with pytest.raises(SpecTreeMismatchError) as info:

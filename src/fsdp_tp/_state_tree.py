@@ -79,6 +79,12 @@ def check_saved(saved: PyTree, expected: PyTree, where: str) -> None:
             problems.append(f"{name}: saved shape {tuple(got.shape)}, the model expects {tuple(want.shape)}")
         elif getattr(got, "dtype", want.dtype) != want.dtype:
             problems.append(f"{name}: saved dtype {got.dtype}, the model expects {want.dtype}")
+    expected_paths = {path for path, _ in jax.tree_util.tree_flatten_with_path(expected)[0]}
+    problems += [
+        f"{path_of(path)}: saved, but the model has no such leaf"
+        for path in saved_leaves
+        if path not in expected_paths
+    ]
     if problems:
         raise CheckpointMismatchError(
             f"checkpoint {where} was written by a different model:\n  "
