@@ -380,3 +380,50 @@ def test_a_process_without_its_coordinator_gives_up_with_one_line():
     assert done.returncode == 2 and time.monotonic() - began < 60, done.stderr[-2000:]
     assert f"could not reach the coordinator at 127.0.0.1:{port} within 3 s" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+# --- asked to stop: SIGINT and SIGTERM ---
+
+
+@pytest.mark.parametrize("name, code", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_signal_stops_between_steps_with_one_line_naming_the_checkpoint(tmp_path, name, code):
+    """Issue 34 point 13: SIGINT printed a KeyboardInterrupt traceback and SIGTERM nothing. Now
+    the run ends after the step under way (its checkpoint waited for and verified), with one
+    line naming the step and the checkpoint --resume continues from, and the shell's code."""
+    import signal
+
+    from tests.test_multihost import command
+
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    argv = [
+        "train",
+        "--steps",
+        "100000",
+        "--checkpoint-every",
+        "5",
+        "--eval-every",
+        "0",
+        "--log-every",
+        "1000",
+    ]
+    process = subprocess.Popen(
+        [*command(), *argv, "--checkpoint-dir", str(ckpt), "--log-file", str(log)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    began = time.monotonic()
+    while not (log.exists() and any('"step": 7' in line for line in log.read_text().splitlines())):
+        assert process.poll() is None and time.monotonic() - began < 300, process.communicate()
+        time.sleep(0.2)
+    process.send_signal(getattr(signal, name))
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == code, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    reached = max(r["step"] for r in map(json.loads, log.read_text().splitlines()) if "loss" in r)
+    newest = max(saved_steps(ckpt))
+    assert err.strip().splitlines()[-1] == (
+        f"fsdp-tp: stopped by {name} after step {reached} of 100000; last checkpoint "
+        f"{ckpt / str(newest)}; --resume continues from it."
+    )
+    assert newest == reached // 5 * 5

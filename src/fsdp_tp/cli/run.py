@@ -20,6 +20,7 @@ from .checks import UsageError, resuming
 from .fit import check_fits, choose_remat, mib, plan_of
 from .output import Output, model_name, run_header
 from .resume import changes, data_identity, data_name, precision_of, record
+from .stopping import Stopped, Stopping, stop_on_signals
 from .workdir import clear, locked
 
 __all__ = ["train"]
@@ -143,11 +144,16 @@ def _train(
     output = Output(out, args.log_file)  # nothing is written before the inputs are known good
     output.record(**run_header(settings, args, start))
     try:
-        first, last, rate = _loop(trainer, train_tokens, eval_tokens, start, args, output, checkpoints, meta)
+        with stop_on_signals() as stopping:
+            first, last, rate = _loop(
+                trainer, train_tokens, eval_tokens, start, args, output, checkpoints, meta, stopping
+            )
     except NonFiniteStepError as err:
         output.record(event="stopped", reason=str(err))
         print(f"fsdp-tp: error: {err}", file=sys.stderr)
         return 1
+    except Stopped as stop:
+        return _stopped(stop, trainer, checkpoints, output)
     finally:
         output.close()
     saved = ""
@@ -156,6 +162,23 @@ def _train(
         saved = f"; last checkpoint {checkpoints.path(checkpoints.latest() or 0)}"
     output.say(f"done: loss {first:.4f} -> {last:.4f}, {rate:,.0f} tokens/s{saved}")
     return 0
+
+
+def _stopped(stop: Stopped, trainer: Trainer, checkpoints, output: Output) -> int:
+    """SIGINT / SIGTERM: one line with the step reached and what ``--resume`` continues from."""
+    reached = f"after step {trainer.completed} of {trainer.settings.steps}"
+    output.record(event="stopped", reason=f"{stop.signal} {reached}")
+    kept = "no checkpoint (pass --checkpoint-dir to keep them)"
+    if checkpoints:
+        checkpoints.wait()  # a save under way is finished and verified, not lost
+        newest = checkpoints.latest()
+        kept = (
+            f"last checkpoint {checkpoints.path(newest)}; --resume continues from it"
+            if newest is not None
+            else f"no checkpoint in {checkpoints.directory} yet"
+        )
+    print(f"fsdp-tp: stopped by {stop.signal} {reached}; {kept}.", file=sys.stderr)
+    return stop.exit_code
 
 
 def _nonfinite(step: int, loss: float, args, skipped_in_a_row: int, output: Output) -> None:
@@ -190,7 +213,17 @@ def _achieved(settings: Settings, rate: float | None, peak: float | None) -> tup
     return fields, ", ".join(texts)
 
 
-def _loop(trainer, tokens, eval_tokens, start: int, args, output: Output, checkpoints, meta: dict) -> tuple:
+def _loop(
+    trainer,
+    tokens,
+    eval_tokens,
+    start: int,
+    args,
+    output: Output,
+    checkpoints,
+    meta: dict,
+    stopping: Stopping,
+) -> tuple:
     settings = trainer.settings
     steps, tokens_per_step = settings.steps, settings.batch * settings.model.seq_len
     peak = _peak(settings, args)
@@ -219,4 +252,5 @@ def _loop(trainer, tokens, eval_tokens, start: int, args, output: Output, checkp
             eval_loss = trainer.evaluate(eval_tokens, args.eval_batches)
             output.record(step=step + 1, eval_loss=eval_loss)
             output.say(f"eval at step {step + 1}: held-out loss {eval_loss:.4f}")
+        stopping.check()  # SIGINT / SIGTERM: between two steps, after this one's checkpoint
     return first, last, tokens_per_step * counted / max(timed, 1e-9)

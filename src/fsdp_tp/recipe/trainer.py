@@ -178,6 +178,7 @@ class Trainer:
             )
         )
         self._batch_sharding = NamedSharding(mesh, BATCH)
+        self.completed = 0  # steps the state has taken (run() counts them)
 
     def windows(self, tokens: np.ndarray, step: int) -> jax.Array:
         """Step ``step``'s global batch of windows, each process reading only the rows its
@@ -195,12 +196,15 @@ class Trainer:
 
     def run(self, tokens: np.ndarray, start: int, stop: int) -> Iterator[tuple[int, float, float, bool]]:
         """Trains steps ``start .. stop - 1``; yields ``(step, loss, seconds, finite)`` after
-        each. A step whose loss or update is not finite leaves the state as it was."""
+        each. A step whose loss or update is not finite leaves the state as it was.
+        ``completed``: the steps the state has taken so far."""
+        self.completed = start
         for step in range(start, stop):
             windows = self.windows(tokens, step)
             began = time.perf_counter()
             self.state, loss, finite = self.step(self.state, windows)
             loss = float(loss)  # waits for the step
+            self.completed = step + 1
             yield step, loss, time.perf_counter() - began, bool(finite)
 
     def evaluate(self, tokens: np.ndarray, batches: int) -> float:
