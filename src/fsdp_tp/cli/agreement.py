@@ -20,9 +20,10 @@ from .checks import UsageError
 __all__ = ["check_agreement", "differences", "run_settings"]
 
 # Flags a process may set for itself: its index, where its own log would go (only process 0
-# writes one), how often it would print, how long it waits for the others; and --data, whose
+# writes one), how often it would print, whether it shows the libraries' logs, how long it
+# waits for the others; and --data, whose
 # path may differ between machines: the data's identity is compared instead.
-PER_PROCESS = frozenset({"process_id", "log_file", "log_every", "coordinator_timeout", "data"})
+PER_PROCESS = frozenset({"process_id", "log_file", "log_every", "verbose", "coordinator_timeout", "data"})
 
 
 def _version(name: str) -> str | None:

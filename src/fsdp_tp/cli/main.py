@@ -291,9 +291,11 @@ def _checked_train(args, out) -> int:
     same = run_settings(args, data_identity(train_tokens, data_name(args)))
     check_agreement(same, args.coordinator_timeout)
     check_mesh_fits(sizes, jax.device_count(), settings)
+    from .output import library_logs
     from .run import train
 
-    return train(settings, sizes, args, train_tokens, eval_tokens, out)
+    with library_logs(args.verbose):
+        return train(settings, sizes, args, train_tokens, eval_tokens, out)
 
 
 def main(argv: list[str] | None = None, out=sys.stdout) -> int:

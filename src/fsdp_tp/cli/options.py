@@ -150,6 +150,11 @@ def _train_flags(train: argparse.ArgumentParser) -> None:
     train.add_argument("--log-file", help="append JSON lines: a run header, then step, loss, tokens/s")
     train.add_argument("--log-every", type=int, default=25, help="steps between progress lines")
     train.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also show the libraries' own logs (orbax's, through absl) on stderr",
+    )
+    train.add_argument(
         "--peak-tflops",
         type=float,
         help="a device's peak TFLOP/s in the compute dtype, for MFU (default: from a table of "

@@ -13,15 +13,18 @@ run (a resume included) starts with a header record, so appended runs stay apart
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from importlib import metadata
 from typing import TextIO
 
 import jax
 
-__all__ = ["Output", "duration", "model_name", "run_header"]
+__all__ = ["Output", "duration", "library_logs", "model_name", "run_header"]
 
 _SIZES = ("d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_hidden", "seq_len")
 
@@ -56,6 +59,21 @@ def run_header(settings, args, start: int) -> dict:
         "processes": jax.process_count(),
         "versions": _versions(),
     }
+
+
+@contextmanager
+def library_logs(verbose: bool) -> Iterator[None]:
+    """orbax logs through absl, whose records reach the terminal through Python's logging
+    (a failed save printed 200 lines of ``ERROR:absl`` tracebacks before the run's one line).
+    Within it they are kept off the terminal, unless ``verbose`` (``--verbose``) asks for them."""
+    logger = logging.getLogger("absl")
+    kept = logger.propagate, list(logger.handlers)
+    if not verbose:
+        logger.propagate, logger.handlers = False, [logging.NullHandler()]
+    try:
+        yield
+    finally:
+        logger.propagate, logger.handlers = kept
 
 
 def duration(seconds: float) -> str:
