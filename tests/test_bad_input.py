@@ -223,6 +223,17 @@ def test_a_bad_environment_variable_or_bench_flag_is_one_line(monkeypatch, capsy
         )
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
+def test_a_log_file_that_stops_taking_lines_ends_the_run_in_one_line(capsys):
+    """Issue 34 point 8: --log-file /dev/full (and a log disk that fills) ended in an OSError
+    traceback after all steps. The first line that cannot be written stops the run, exit 1."""
+    assert main(["train", "--steps", "2", "--eval-every", "0", "--log-file", "/dev/full"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "fsdp-tp: error: could not write --log-file /dev/full (No space left on device); the run "
+        "stopped. Free space or pass another --log-file, then --resume."
+    )
+
+
 def test_the_help_s_examples_run(capsys):
     """Issue 34 point 13: --help showed a plan command without --batch, which exits 2."""
     import importlib

@@ -48,6 +48,7 @@ from .machine import (
     uses_accelerator,
 )
 from .options import DEFAULT_MESH, DEFAULT_WARMUP, DTYPES, parser
+from .output import LogWriteError
 from .stdout_filter import restore_stdout
 from .workdir import check_contents
 
@@ -327,7 +328,7 @@ def main(argv: list[str] | None = None, out=sys.stdout) -> int:
     ) as err:
         print(f"fsdp-tp: error: {err}", file=sys.stderr)
         return 2
-    except CheckpointSaveError as err:
+    except (CheckpointSaveError, LogWriteError) as err:
         print(f"fsdp-tp: error: {err}", file=sys.stderr)
         return 1
     except BrokenPipeError:

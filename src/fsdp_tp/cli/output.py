@@ -24,7 +24,7 @@ from typing import TextIO
 
 import jax
 
-__all__ = ["Output", "duration", "library_logs", "model_name", "run_header"]
+__all__ = ["LogWriteError", "Output", "duration", "library_logs", "model_name", "run_header"]
 
 _SIZES = ("d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_hidden", "seq_len")
 
@@ -59,6 +59,10 @@ def run_header(settings, args, start: int) -> dict:
         "processes": jax.process_count(),
         "versions": _versions(),
     }
+
+
+class LogWriteError(RuntimeError):
+    """The log file stopped taking lines (a full disk, /dev/full)."""
 
 
 @contextmanager
@@ -98,15 +102,31 @@ class Output:
         self.primary = jax.process_index() == 0
         self.out = out
         self.log = open(log_file, "a") if log_file and self.primary else None
+        self.log_file = log_file
 
     def say(self, text: str) -> None:
         if self.primary:
             print(text, file=self.out, flush=True)
 
     def record(self, **fields) -> None:
-        if self.log:
+        """One JSON line in the log file, written through (a full disk fails this record, not
+        the end of the run)."""
+        if not self.log:
+            return
+        try:
             self.log.write(json.dumps({"time": round(time.time(), 3), **fields}) + "\n")
             self.log.flush()
+        except OSError as err:
+            log, self.log = self.log, None
+            try:
+                log.close()
+            except OSError:
+                pass  # what it could not write, it cannot flush on closing either
+            where = f" at step {fields['step']}" if "step" in fields else ""
+            raise LogWriteError(
+                f"could not write --log-file {self.log_file}{where} ({err.strerror or err}); the run "
+                f"stopped. Free space or pass another --log-file, then --resume."
+            ) from err
 
     def progress(
         self,

@@ -86,8 +86,8 @@ def load_tokens(path: str | None) -> np.ndarray:
                 f"(2 bytes each); the file is truncated or not a nanoGPT-style .bin."
             )
         tokens = np.memmap(file, dtype=np.uint16, mode="r")
-    else:
-        tokens = np.frombuffer(file.read_bytes(), dtype=np.uint8)
+    else:  # text: its bytes are the tokens, memory-mapped (a 40 GB file is not read into memory)
+        tokens = np.memmap(file, dtype=np.uint8, mode="r")
     if tokens.ndim != 1:
         raise DataError(f"--data {path}: tokens must be a flat array, got shape {tokens.shape}.")
     if tokens.size == 0:
