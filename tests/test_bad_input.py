@@ -73,8 +73,8 @@ FLAGS = [
     ),
     (
         ["--api", "nnx", "--mesh", "data=1,fsdp=2,tensor=4"],
-        "--api nnx splits whole key/value heads over tensor, but the model's 2 (--kv-heads) are not "
-        "divisible by tensor=4; use a tensor size that divides 2, or --api linen",
+        "--api nnx splits whole key/value heads over tensor, but the model's 2 key/value heads "
+        "(--kv-heads) are not divisible by tensor=4; use a tensor size that divides 2, or --api linen",
     ),
     (["--check", "-3"], "--check -3 is out of range: expected an integer >= 0"),
     (["--steps", "0"], "--steps 0 is out of range: expected an integer >= 1 (train steps)"),

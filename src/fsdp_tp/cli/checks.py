@@ -17,7 +17,15 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["UsageError", "check_paths", "check_ranges", "resuming", "writable_file"]
+__all__ = [
+    "UsageError",
+    "check_nnx",
+    "check_paths",
+    "check_ranges",
+    "check_schedule",
+    "resuming",
+    "writable_file",
+]
 
 
 class UsageError(ValueError):
@@ -155,3 +163,41 @@ def check_paths(args) -> None:
             "resume keeps the checkpoints, overwrite deletes them."
         )
     _probe_directory(_existing_ancestor(path), "--checkpoint-dir")
+
+
+def check_schedule(args) -> None:
+    """A warmup given that does not end before the last step trains at a fraction of ``--lr``
+    (1000000 over 3 steps: about 2e-6 of it), without a word. The default's 20 steps stay:
+    short demonstration runs warm up through all their steps, as they always have."""
+    steps, warmup = getattr(args, "steps", None), getattr(args, "warmup", None)
+    if steps is not None and warmup is not None and warmup >= steps:
+        raise UsageError(
+            f"--warmup {warmup} does not end before --steps {steps}: every step would train at most "
+            f"{(steps - 1) / warmup:.2g} of --lr {args.lr:g}; pass --warmup below {steps} "
+            f"(or 0), or more --steps."
+        )
+
+
+def check_nnx(args, config, tensor: int) -> None:
+    """``--api nnx``: what the NNX GPT's rules do not do, refused before anything starts. Its
+    key/value projections are column-parallel, so the tensor axis must divide their heads
+    (Linen's layers also serve fewer kv heads than devices, repeating them)."""
+    refused = [
+        ("--sequence-parallel", args.sequence_parallel),
+        (f"--async-tp {args.async_tp}", args.async_tp != "off"),
+        (f"--gather-dtype {args.gather_dtype}", args.gather_dtype != "f32"),
+        (f"--reduce-dtype {args.reduce_dtype}", args.reduce_dtype != "f32"),
+    ]
+    given = [flag for flag, on in refused if on]
+    if given:
+        raise UsageError(
+            f"--api nnx does not take {', '.join(given)}: the NNX GPT has tensor parallelism by rules "
+            f"without sequence parallelism, rings or mixed-precision gathers; drop "
+            f"{'it' if len(given) == 1 else 'them'}, or use --api linen."
+        )
+    if config.num_kv_heads % tensor:
+        raise UsageError(
+            f"--api nnx splits whole key/value heads over tensor, but the model's {config.num_kv_heads} "
+            f"key/value heads (--kv-heads) are not divisible by tensor={tensor}; use a tensor size "
+            f"that divides {config.num_kv_heads}, or --api linen."
+        )

@@ -38,7 +38,7 @@ from ..recipe.data import (
     vocab_for,
 )
 from .agreement import check_agreement, run_settings
-from .checks import UsageError, check_paths, check_ranges, resuming
+from .checks import UsageError, check_nnx, check_paths, check_ranges, check_schedule, resuming
 from .distributed import DistributedError
 from .machine import (
     check_cpu_devices,
@@ -92,9 +92,9 @@ def _settings(args, mesh: dict, vocab_size: int | None = None):
             f"{kv} does not divide {heads}; each key/value head serves a whole group of query heads: "
             f"pass --kv-heads with a divisor of {config.num_heads}."
         )
-    _check_schedule(args)
+    check_schedule(args)
     if args.api == "nnx":
-        _check_nnx(args, config, mesh.get("tensor", 1))
+        check_nnx(args, config, mesh.get("tensor", 1))
     return Settings(
         model=config,
         steps=getattr(args, "steps", 1),
@@ -118,47 +118,9 @@ def _settings(args, mesh: dict, vocab_size: int | None = None):
     )
 
 
-def _check_schedule(args) -> None:
-    """A warmup given that does not end before the last step trains at a fraction of ``--lr``
-    (1000000 over 3 steps: about 2e-6 of it), without a word. The default's 20 steps stay:
-    short demonstration runs warm up through all their steps, as they always have."""
-    steps, warmup = getattr(args, "steps", None), getattr(args, "warmup", None)
-    if steps is not None and warmup is not None and warmup >= steps:
-        raise UsageError(
-            f"--warmup {warmup} does not end before --steps {steps}: every step would train at most "
-            f"{(steps - 1) / warmup:.2g} of --lr {args.lr:g}; pass --warmup below {steps} "
-            f"(or 0), or more --steps."
-        )
-
-
 def _sequence_parallel(args) -> bool:
     """``--sequence-parallel``, or its default: on for Linen, off for NNX (which has none)."""
     return args.api == "linen" if args.sequence_parallel is None else args.sequence_parallel
-
-
-def _check_nnx(args, config, tensor: int) -> None:
-    """``--api nnx``: what the NNX GPT's rules do not do, refused before anything starts. Its
-    key/value projections are column-parallel, so the tensor axis must divide their heads
-    (Linen's layers also serve fewer kv heads than devices, repeating them)."""
-    refused = [
-        ("--sequence-parallel", args.sequence_parallel),
-        (f"--async-tp {args.async_tp}", args.async_tp != "off"),
-        (f"--gather-dtype {args.gather_dtype}", args.gather_dtype != "f32"),
-        (f"--reduce-dtype {args.reduce_dtype}", args.reduce_dtype != "f32"),
-    ]
-    given = [flag for flag, on in refused if on]
-    if given:
-        raise UsageError(
-            f"--api nnx does not take {', '.join(given)}: the NNX GPT has tensor parallelism by rules "
-            f"without sequence parallelism, rings or mixed-precision gathers; drop "
-            f"{'it' if len(given) == 1 else 'them'}, or use --api linen."
-        )
-    if config.num_kv_heads % tensor:
-        raise UsageError(
-            f"--api nnx splits whole key/value heads over tensor, but the model's {config.num_kv_heads} "
-            f"(--kv-heads) are not divisible by tensor={tensor}; use a tensor size that divides "
-            f"{config.num_kv_heads}, or --api linen."
-        )
 
 
 def _mixed_precision(args) -> MixedPrecision | None:
