@@ -98,6 +98,19 @@ def test_negative_control_a_row_layer_without_its_sum(monkeypatch):
         _check_fsdp_tp((2, 2, 2), scan=True, check_vma=False, layers=2, widths=(8, 8, 4))
 
 
+def test_a_rule_that_splits_a_scanned_stack_s_layer_dim_is_named():
+    """An nnx.vmap stack's layer dim carries no mark; nnx.scan fails on it with jax's
+    "different leading axis sizes". The error names the rules' first-dim splits and the fix."""
+    make = _make(scan=True)  # 2 stacked layers, split over fsdp 2
+    sharded = Sharded(make, [("kernel$", P("fsdp"))])
+    case = Case(sharded, Twin(make), mesh_of(4, 2, 1), ("data", "fsdp"), True, 4, 4)
+    named = (
+        r"Rules split the first dim of blocks/down/kernel, blocks/up/kernel, .*start those specs with None"
+    )
+    with pytest.raises(fsdp_tp.errors.RuleError, match=named):
+        check_equivalence(case)
+
+
 def test_negative_control_a_gather_that_slices_the_gradient(monkeypatch):
     """A read whose backward keeps this device's slice over the batch axes (a gather without
     FSDP's mean reduce-scatter): each device's gradient is its own batch shard's, not the mean."""

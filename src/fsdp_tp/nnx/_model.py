@@ -25,6 +25,7 @@ from .._axes import as_axis_tuple, axes_named, bound_axis_names
 from .._layout import block_of, check_fit
 from .._tp_rules import compile_tp_rules, with_split
 from .._types import AxisNames, is_box
+from ..errors import RuleError
 from ..rules import REPLICATED, Rules, as_spec, compile_rules, logical_spec, spec_for, unmatched_warning
 from ..train import TrainState
 from ._read import FoldPlan, ReadPlan, on_read
@@ -109,6 +110,11 @@ class ShardedModel:
             path: axes - {split[1]} if (split := self._roles.splits.get(path_text(path))) else axes
             for path in self.specs
         }
+        # Parameters whose first dim a rule splits: if one is an nnx.vmap stack's layer dim,
+        # nnx.scan fails on it, and the error should say which rule did it.
+        self._first_split = tuple(
+            path_text(p) for p, spec in self.specs.items() if len(spec) and axes_named(spec[:1])
+        )
         if warning := unmatched_warning(self._rules, used, paths, _CALLER):
             warnings.warn(warning, stacklevel=3)
 
@@ -181,6 +187,8 @@ class ShardedModel:
                 rest.append((path, variable.copy(value)))
         model = nnx.merge(self.graphdef, nnx.from_flat_state(variables), nnx.from_flat_state(rest))
         compute_roles(model, self._roles)
+        if self._first_split:
+            object.__setattr__(model, "__class__", _scan_errors_named(type(model), self._first_split))
         return model
 
     def model_state(self, model: nnx.Module) -> dict:
@@ -188,6 +196,34 @@ class ShardedModel:
         step returns as its third output (after averaging what differs across devices).
         Rng keys come back as stored (folded only where read); the draws advance the counts."""
         return self._model_state(_split(model)[2])
+
+
+_NAMED: dict[tuple, type] = {}
+
+
+def _scan_errors_named(cls: type, first_split: tuple[str, ...]) -> type:
+    """``cls`` whose ``__call__`` turns jax's "different leading axis sizes" from an
+    ``nnx.scan`` over the model's stack into a ``RuleError`` naming the parameters whose first
+    dim a rule splits (an ``nnx.vmap`` stack's layer dim carries no mark a rule could be
+    checked against before the scan runs)."""
+    key = (cls, first_split)
+    if key not in _NAMED:
+
+        def __call__(self, *args, **kwargs):
+            try:
+                return cls.__call__(self, *args, **kwargs)
+            except ValueError as err:
+                if "different leading axis sizes" not in str(err):
+                    raise
+                raise RuleError(
+                    f"{_CALLER}: nnx.scan got a stack whose parameters split their layer dim ({err}). "
+                    f"Rules split the first dim of {', '.join(first_split)}: an nnx.vmap stack's layer "
+                    f"dim must stay whole (the scan hands each layer its slice); start those specs "
+                    f"with None, e.g. P(None, 'fsdp')."
+                ) from None
+
+        _NAMED[key] = type(cls.__name__, (cls,), {"__call__": __call__})
+    return _NAMED[key]
 
 
 def shard_by_rules(
