@@ -3,6 +3,7 @@ anything starts or is written (issue 16): the message names what was passed and 
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import os
 
@@ -216,6 +217,14 @@ def test_a_bad_environment_variable_or_bench_flag_is_one_line(monkeypatch, capsy
         "fsdp-tp: error: JAX_NUM_PROCESSES='abc' is not a whole number; set it to the number of processes."
     )
     monkeypatch.delenv("JAX_NUM_PROCESSES")
+    if importlib.util.find_spec("libtpu") is None:  # issue 34 point 9: trained on CPU without a word
+        monkeypatch.setenv("JAX_PLATFORMS", "tpu")
+        assert main(["train", "--steps", "1"]) == 2
+        assert (
+            "JAX_PLATFORMS=tpu asks for tpu, but no tpu plugin (libtpu) is installed here"
+            in capsys.readouterr().err
+        )
+        monkeypatch.delenv("JAX_PLATFORMS")
     for flag in ("--depths", "--build-depths"):
         assert main(["bench", flag, "x,y", "--no-plots"]) == 2
         assert capsys.readouterr().err.strip() == (

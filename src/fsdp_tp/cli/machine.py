@@ -23,6 +23,7 @@ from .options import DEFAULT_MESH
 __all__ = [
     "check_cpu_devices",
     "check_mesh_fits",
+    "check_platforms",
     "fitting_meshes",
     "requested_cpu_devices",
     "select_devices",
@@ -30,6 +31,29 @@ __all__ = [
 ]
 
 _PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "libtpu")
+
+
+# JAX_PLATFORMS names -> the plugins that provide them (any one will do).
+_PROVIDERS = {
+    "tpu": ("libtpu",),
+    "cuda": ("jax_cuda12_plugin", "jax_cuda13_plugin"),
+    "gpu": ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin"),
+    "rocm": ("jax_rocm60_plugin",),
+}
+
+
+def check_platforms() -> None:
+    """Refuses ``JAX_PLATFORMS`` naming an accelerator whose plugin is not installed: the run
+    would otherwise train on simulated CPU devices without a word."""
+    platforms = [p.strip() for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    for platform in platforms:
+        plugins = _PROVIDERS.get(platform.lower())
+        if plugins and not any(importlib.util.find_spec(m) for m in plugins):
+            raise UsageError(
+                f"JAX_PLATFORMS={os.environ['JAX_PLATFORMS']} asks for {platform}, but no {platform} "
+                f"plugin ({' or '.join(plugins)}) is installed here; install jax for it, or unset "
+                f"JAX_PLATFORMS (or set it to cpu) to train on simulated CPU devices."
+            )
 
 
 def uses_accelerator(args) -> bool:

@@ -43,6 +43,7 @@ from .distributed import DistributedError
 from .machine import (
     check_cpu_devices,
     check_mesh_fits,
+    check_platforms,
     requested_cpu_devices,
     select_devices,
     uses_accelerator,
@@ -234,6 +235,7 @@ def _checked_train(args, out) -> int:
     import jax
 
     check_paths(args)
+    check_platforms()
     if args.checkpoint_dir:
         check_contents(args.checkpoint_dir, resuming(args), args.overwrite, args.resume_from)
     if args.mesh is None and (uses_accelerator(args) or args.cpu_devices):
