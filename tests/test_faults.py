@@ -177,6 +177,20 @@ def test_a_save_that_does_not_read_back_keeps_the_older_checkpoints(tmp_path):
         again.restore(state, step=3)
 
 
+def test_a_checkpoint_directory_removed_during_the_run_is_one_line(tmp_path):
+    """Issue 34 point 8: a directory deleted mid-run ended in a raw FileNotFoundError (the
+    unreadable checkpoint could not be set aside)."""
+    directory = tmp_path / "ckpt"
+    checkpoints = Checkpoints(directory, keep=1)
+    checkpoints.save(1, {"w": jnp.ones(8)})
+    checkpoints.wait()
+    shutil.rmtree(directory)
+    with pytest.raises(
+        CheckpointSaveError, match=r"1 was written but is gone: .* was deleted or moved during the run"
+    ):
+        checkpoints.save(2, {"w": jnp.ones(8)})
+
+
 # --- a save that fails: its own process, since orbax leaves threads waiting in the process ---
 
 FAILING_SAVE = textwrap.dedent(

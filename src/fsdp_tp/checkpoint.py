@@ -264,6 +264,12 @@ class Checkpoints:
             try:
                 self._read(step, target)
             except CheckpointCorruptError as err:
+                if not self.path(step).is_dir():  # nothing to set aside: someone removed it
+                    raise CheckpointSaveError(
+                        f"checkpoint {self.path(step)} was written but is gone: {self.directory} was "
+                        f"deleted or moved during the run. Point --checkpoint-dir at a directory "
+                        f"that stays, then --resume from what is left."
+                    ) from err
                 moved = self._quarantine(step)
                 raise CheckpointSaveError(
                     f"checkpoint {self.path(step)} was written but does not read back: {err}; "
