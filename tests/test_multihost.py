@@ -40,21 +40,19 @@ def command() -> list[str]:
     return [script] if script else [sys.executable, "-m", "fsdp_tp"]
 
 
-def test_two_processes_train_like_one_and_write_one_checkpoint(tmp_path):
-    one_log, one_ckpt = tmp_path / "one.jsonl", tmp_path / "one"
-    assert main([*RUN, "--log-file", str(one_log), "--checkpoint-dir", str(one_ckpt)], out=io.StringIO()) == 0
+MESH = "data=2,fsdp=2,tensor=2"
 
-    two_ckpt, port = tmp_path / "two", free_port()
-    logs = [tmp_path / f"two-{i}.jsonl" for i in range(2)]
+
+def two_processes(argv, port: int, timeout: int) -> tuple[list, list[tuple[str, str]]]:
+    """``fsdp-tp`` as processes 0 and 1 of one run, 4 CPU devices each; ``argv(i)`` gives
+    process i's own flags. Returns the processes and their ``(stdout, stderr)``."""
     procs = [
         subprocess.Popen(
             [
                 *command(),
-                *RUN,
-                *("--checkpoint-dir", str(two_ckpt), "--log-file", str(logs[i])),
+                *argv(i),
                 *("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)),
-                # The one-process run's mesh (without --mesh, --cpu-devices puts all 8 on fsdp).
-                *("--cpu-devices", "4", "--mesh", "data=2,fsdp=2,tensor=2"),
+                *("--cpu-devices", "4"),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -62,7 +60,18 @@ def test_two_processes_train_like_one_and_write_one_checkpoint(tmp_path):
         )
         for i in range(2)
     ]
-    outputs = [p.communicate(timeout=600) for p in procs]
+    return procs, [p.communicate(timeout=timeout) for p in procs]
+
+
+def test_two_processes_train_like_one_and_write_one_checkpoint(tmp_path):
+    one_log, one_ckpt = tmp_path / "one.jsonl", tmp_path / "one"
+    assert main([*RUN, "--log-file", str(one_log), "--checkpoint-dir", str(one_ckpt)], out=io.StringIO()) == 0
+
+    two_ckpt, port = tmp_path / "two", free_port()
+    logs = [tmp_path / f"two-{i}.jsonl" for i in range(2)]
+    # The one-process run's mesh (without --mesh, --cpu-devices puts all 8 on fsdp).
+    argv = lambda i: [*RUN, "--checkpoint-dir", str(two_ckpt), "--log-file", str(logs[i]), "--mesh", MESH]
+    procs, outputs = two_processes(argv, port, timeout=600)
     for p, (out, err) in zip(procs, outputs, strict=True):
         assert p.returncode == 0, err[-3000:]
         assert "Gloo" not in out and "peer ranks" not in out, out  # gloo's connection lines
@@ -102,23 +111,8 @@ def test_a_process_started_with_another_setting_ends_every_process_naming_it(cha
     """Issue 34 point 1: one flag changed on process 1 only trained another model (--lr) or hung
     (--steps, --mesh). Every process now exits 2 with one line naming the flag and both values;
     the two-process run above (the same flags) is the negative control."""
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [
-                *command(),
-                *("train", "--steps", "6", "--eval-every", "0", "--mesh", "data=2,fsdp=2,tensor=2"),
-                *("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)),
-                *("--cpu-devices", "4", "--coordinator-timeout", "60"),
-                *(changed if i == 1 else []),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    outputs = [p.communicate(timeout=120) for p in procs]
+    run = ["train", "--steps", "6", "--eval-every", "0", "--mesh", MESH, "--coordinator-timeout", "60"]
+    procs, outputs = two_processes(lambda i: [*run, *(changed if i == 1 else [])], free_port(), timeout=120)
     for p, (out, err) in zip(procs, outputs, strict=True):
         assert p.returncode == 2, (p.returncode, err[-3000:])
         errors = [line for line in err.splitlines() if line.startswith("fsdp-tp: error:")]
