@@ -397,7 +397,52 @@ def test_a_process_without_its_coordinator_gives_up_with_one_line():
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("where", ["port-in-use", "not-this-machine"])
+def test_process_0_refuses_a_coordinator_it_cannot_listen_on(where):
+    """Issue 34 points 2 and 8: a second process 0 on a port in use took the first one's place,
+    and both aborted (after 2 s and 300 s); a host that is not this machine's ended in a
+    traceback. Now process 0 exits 2 with one line before joining."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        host = "127.0.0.1" if where == "port-in-use" else "192.0.2.1"  # TEST-NET-1: nobody's
+        argv = ["--coordinator", f"{host}:{port}", "--num-processes", "2", "--process-id", "0"]
+        done = subprocess.run(
+            [sys.executable, "-m", "fsdp_tp", "train", "--cpu-devices", "4", *argv],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    said = {
+        "port-in-use": "something on this machine listens there already",
+        "not-this-machine": "HOST must be an address of its own machine",
+    }[where]
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-2000:]
+    assert done.stderr.startswith(f"fsdp-tp: error: --coordinator {host}:{port}: process 0 cannot listen")
+    assert said in done.stderr
+
+
 # --- asked to stop: SIGINT and SIGTERM ---
+
+
+def test_a_signal_delivered_twice_at_once_stops_between_steps():
+    """A scheduler signals every process of a job, and a supervised child's parent passes its own
+    on: the copy within a second is the same request. A second signal later stops at once."""
+    import signal
+
+    from fsdp_tp.cli.stopping import COPY_WITHIN, Stopped, Stopping
+
+    stopping = Stopping()
+    stopping.note(signal.SIGTERM, None)
+    stopping.note(signal.SIGTERM, None)  # the copy: noted, not raised
+    with pytest.raises(Stopped):
+        stopping.check()
+    stopping.at -= COPY_WITHIN  # a second later: asked again
+    with pytest.raises(Stopped):
+        stopping.note(signal.SIGTERM, None)
+    with pytest.raises(Stopped):  # another signal at once: not a copy
+        stopping.note(signal.SIGINT, None)
 
 
 @pytest.mark.parametrize("name, code", [("SIGTERM", 143), ("SIGINT", 130)])

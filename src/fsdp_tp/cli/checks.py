@@ -58,6 +58,7 @@ MINIMUM = {
     "num_processes": (1, "processes"),
     "process_id": (0, "this process's index"),
     "coordinator_timeout": (1, "seconds to wait for the coordinator"),
+    "peer_timeout": (1, "seconds without a heartbeat"),
 }
 # dest: (largest value, why). optax and the train state count steps in int32.
 MAXIMUM = {

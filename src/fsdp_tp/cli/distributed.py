@@ -12,15 +12,17 @@ Under SLURM or Open MPI, ``--distributed`` alone lets JAX read the cluster's var
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import time
+from dataclasses import dataclass
 
 import jax
 
 from .stdout_filter import drop_stdout_lines
 
-__all__ = ["DistributedError", "join", "parse_address", "requested"]
+__all__ = ["DistributedError", "Process", "join", "parse_address", "requested", "this_process"]
 
 ENV = {
     "coordinator": "JAX_COORDINATOR_ADDRESS",
@@ -111,34 +113,90 @@ def requested(coordinator: str | None, num_processes: int | None, process_id: in
     return options["num_processes"]
 
 
+@dataclass(frozen=True)
+class Process:
+    """This process's index and the run's process count; ``None`` where the cluster decides."""
+
+    process: int | None
+    processes: int | None
+
+
+def this_process(
+    coordinator: str | None, num_processes: int | None, process_id: int | None, auto: bool
+) -> Process:
+    """Which process of how many the flags (or environment) make this one: ``Process(0, 1)``
+    alone. Raises ``DistributedError`` as :func:`requested` does.
+
+    >>> this_process("127.0.0.1:9911", 2, 1, False)
+    Process(process=1, processes=2)
+    """
+    if auto:
+        return Process(None, None)
+    processes = requested(coordinator, num_processes, process_id, auto)
+    if processes == 1:
+        return Process(0, 1)
+    return Process(_options(coordinator, num_processes, process_id)["process_id"], processes)
+
+
+def _check_listenable(host: str, port: int) -> None:
+    """Process 0 is about to serve the coordinator on ``host:port``: refuses an address this
+    machine does not have, and a port another program listens on (a second process 0, whose
+    service would take the first's place, each then aborting after minutes)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds it
+            probe.bind((host, port))
+    except OSError as err:
+        address = _bind_address(host, port)
+        if err.errno == errno.EADDRINUSE:
+            why = (
+                "something on this machine listens there already: another run's process 0, or this "
+                "run's if two processes got --process-id 0; pick a free port, or give each process "
+                "its own --process-id."
+            )
+        else:
+            why = (
+                f"process 0 serves the coordinator, so HOST must be an address of its own machine "
+                f"({err.strerror or err}); start process 0 on {host}, or name this machine's address."
+            )
+        raise DistributedError(f"--coordinator {address}: process 0 cannot listen there: {why}") from None
+
+
 def join(
     coordinator: str | None,
     num_processes: int | None,
     process_id: int | None,
     auto: bool,
     timeout: int = 300,
+    peer_timeout: int = 100,
 ) -> None:
     """``jax.distributed.initialize`` with the flags (or environment); call before any JAX work.
 
     Process 0's coordination service listens on the coordinator's host only (JAX's default is
     every interface, and the service has no authentication): loopback stays loopback. The
     other processes wait up to ``timeout`` seconds for it, then raise ``DistributedError``.
+    A process that sends no heartbeat for ``peer_timeout`` seconds is taken for lost, and the
+    service ends the others (``supervise.py`` says so in one line).
     CPU devices talk over gloo (the default CPU collectives would reject a computation that
     spans processes); the lines gloo prints on connecting are kept out of the output.
     """
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     drop_stdout_lines()
     if auto:
-        jax.distributed.initialize(initialization_timeout=timeout)
+        jax.distributed.initialize(initialization_timeout=timeout, heartbeat_timeout_seconds=peer_timeout)
         return
     options = _options(coordinator, num_processes, process_id)
     host, port = parse_address(options["coordinator"])
-    if options["process_id"] != 0:
+    if options["process_id"] == 0:
+        _check_listenable(host, port)
+    else:
         _wait_for(host, port, timeout)
     jax.distributed.initialize(
         options["coordinator"],
         options["num_processes"],
         options["process_id"],
         initialization_timeout=timeout,
+        heartbeat_timeout_seconds=peer_timeout,
         coordinator_bind_address=_bind_address(host, port) if options["process_id"] == 0 else None,
     )

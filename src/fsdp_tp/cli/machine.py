@@ -78,7 +78,12 @@ def select_devices(args, sizes: dict | None) -> None:
         simulate_cpu_devices(args.cpu_devices or max(total // max(processes, 1), 1))
     if processes != 1:
         join(
-            args.coordinator, args.num_processes, args.process_id, args.distributed, args.coordinator_timeout
+            args.coordinator,
+            args.num_processes,
+            args.process_id,
+            args.distributed,
+            args.coordinator_timeout,
+            args.peer_timeout,
         )
 
 

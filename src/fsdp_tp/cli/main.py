@@ -16,6 +16,7 @@ import sys
 import threading
 
 import numpy as np
+from jax.errors import JaxRuntimeError
 
 from ..errors import (
     CheckpointCorruptError,
@@ -51,6 +52,7 @@ from .machine import (
 from .options import DEFAULT_MESH, DEFAULT_WARMUP, DTYPES, parser
 from .output import LogWriteError
 from .stdout_filter import restore_stdout
+from .supervise import adopt, supervisable, supervise, wait_for_verdict
 from .workdir import check_contents
 
 __all__ = ["console", "main"]
@@ -263,13 +265,23 @@ def _checked_train(args, out) -> int:
         return train(settings, sizes, args, train_tokens, eval_tokens, out)
 
 
+def _with_command(argv: list[str]) -> list[str]:
+    """``train`` is the default command: ``fsdp-tp --steps 3`` is ``fsdp-tp train --steps 3``."""
+    argv = list(argv)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv = ["train", *argv]
+    return argv
+
+
+def _parse(argv: list[str]):
+    return parser(__doc__).parse_args(argv)
+
+
 def main(argv: list[str] | None = None, out=sys.stdout) -> int:
     """Runs ``fsdp-tp`` with ``argv``; returns the exit status: 0, 1 when the run failed (a save,
     a non-finite step, ``--check``), 2 for bad input (one line on stderr, nothing started)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
-        argv = ["train", *argv]
-    args = parser(__doc__).parse_args(argv)
+    argv = _with_command(sys.argv[1:] if argv is None else argv)
+    args = _parse(argv)
     if args.command == "bench":
         return _bench(args, argv[1:], out)
     try:
@@ -295,6 +307,9 @@ def main(argv: list[str] | None = None, out=sys.stdout) -> int:
     except (CheckpointSaveError, LogWriteError) as err:
         print(f"fsdp-tp: error: {err}", file=sys.stderr)
         return 1
+    except JaxRuntimeError as err:
+        wait_for_verdict(err, getattr(args, "peer_timeout", 0))
+        raise
     except BrokenPipeError:
         # The reader stopped reading (`fsdp-tp plan | head`): not an error. Point stdout at
         # /dev/null so the interpreter's last flush does not raise it again.
@@ -304,8 +319,14 @@ def main(argv: list[str] | None = None, out=sys.stdout) -> int:
 
 def console() -> None:
     """The ``fsdp-tp`` executable: ``main``, then exit even if a failed save left orbax threads
-    waiting for signals that will never come (they would hold the interpreter for 20 minutes)."""
-    code = main()
+    waiting for signals that will never come (they would hold the interpreter for 20 minutes).
+    A multi-process run trains in a child process that a parent watches (``supervise.py``)."""
+    if adopt():
+        code = main()
+    elif (args := supervisable(argv := _with_command(sys.argv[1:]), _parse)) is not None:
+        sys.exit(supervise(argv, args))
+    else:
+        code = main()
     stuck = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
     if code and stuck:
         restore_stdout()  # flushes stdout, and passes on what the gloo-line filter holds

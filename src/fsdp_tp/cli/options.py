@@ -8,9 +8,10 @@ from ..linen.layers.attention import ATTENTION_IMPLEMENTATIONS
 from ..models.transformer import REMAT_POLICIES
 from ..recipe.config import PRESETS
 
-__all__ = ["DEFAULT_MESH", "DEFAULT_WARMUP", "DTYPES", "parser"]
+__all__ = ["DEFAULT_MESH", "DEFAULT_WARMUP", "DTYPES", "PEER_TIMEOUT", "parser"]
 
 DEFAULT_MESH = "data=2,fsdp=2,tensor=2"
+PEER_TIMEOUT = 30  # s; heartbeats come from a thread of their own, so compiling never delays them
 DEFAULT_WARMUP = 20  # --warmup's default; shorter runs warm up through all their steps
 DTYPES = {"f32": "float32", "bf16": "bfloat16"}  # the dtype flags' names -> numpy's
 
@@ -192,6 +193,13 @@ def _train_flags(train: argparse.ArgumentParser) -> None:
     hosts.add_argument("--process-id", type=int, help="this process's index, 0 .. num-processes - 1")
     hosts.add_argument(
         "--coordinator-timeout", type=int, default=300, help="seconds to wait for the other processes"
+    )
+    hosts.add_argument(
+        "--peer-timeout",
+        type=int,
+        default=PEER_TIMEOUT,
+        help="seconds without a heartbeat after which a process is taken for lost: every other one "
+        "then stops, with one line naming it and the checkpoint to --resume from",
     )
     hosts.add_argument(
         "--distributed", action="store_true", help="let JAX detect the cluster (SLURM, Open MPI)"

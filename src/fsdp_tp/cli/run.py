@@ -20,7 +20,7 @@ from .checks import UsageError, resuming
 from .fit import check_fits, choose_remat, mib, plan_of
 from .output import Output, model_name, run_header
 from .resume import changes, data_identity, data_name, precision_of, record
-from .stopping import Stopped, Stopping, stop_on_signals
+from .stopping import AgreedStopping, Stopped, Stopping, stop_on_signals
 from .workdir import clear, locked
 
 __all__ = ["train"]
@@ -144,7 +144,7 @@ def _train(
     output = Output(out, args.log_file)  # nothing is written before the inputs are known good
     output.record(**run_header(settings, args, start))
     try:
-        with stop_on_signals() as stopping:
+        with stop_on_signals(*_coordination()) as stopping:
             first, last, rate = _loop(
                 trainer, train_tokens, eval_tokens, start, args, output, checkpoints, meta, stopping
             )
@@ -164,10 +164,19 @@ def _train(
     return 0
 
 
+def _coordination() -> tuple:
+    """The coordination service's client and this process's index in a multi-process run;
+    nothing alone."""
+    from jax._src import distributed  # the service's client: jax has no public handle
+
+    client = distributed.global_state.client
+    return (client, jax.process_index()) if client is not None and jax.process_count() > 1 else ()
+
+
 def _stopped(stop: Stopped, trainer: Trainer, checkpoints, output: Output) -> int:
     """SIGINT / SIGTERM: one line with the step reached and what ``--resume`` continues from."""
     reached = f"after step {trainer.completed} of {trainer.settings.steps}"
-    output.record(event="stopped", reason=f"{stop.signal} {reached}")
+    output.record(event="stopped", reason=f"{stop.cause} {reached}")
     kept = "no checkpoint (pass --checkpoint-dir to keep them)"
     if checkpoints:
         checkpoints.wait()  # a save under way is finished and verified, not lost
@@ -177,7 +186,7 @@ def _stopped(stop: Stopped, trainer: Trainer, checkpoints, output: Output) -> in
             if newest is not None
             else f"no checkpoint in {checkpoints.directory} yet"
         )
-    print(f"fsdp-tp: stopped by {stop.signal} {reached}; {kept}.", file=sys.stderr)
+    print(f"fsdp-tp: stopped by {stop.cause} {reached}; {kept}.", file=sys.stderr)
     return stop.exit_code
 
 
@@ -222,7 +231,7 @@ def _loop(
     output: Output,
     checkpoints,
     meta: dict,
-    stopping: Stopping,
+    stopping: Stopping | AgreedStopping,
 ) -> tuple:
     settings = trainer.settings
     steps, tokens_per_step = settings.steps, settings.batch * settings.model.seq_len
@@ -252,5 +261,5 @@ def _loop(
             eval_loss = trainer.evaluate(eval_tokens, args.eval_batches)
             output.record(step=step + 1, eval_loss=eval_loss)
             output.say(f"eval at step {step + 1}: held-out loss {eval_loss:.4f}")
-        stopping.check()  # SIGINT / SIGTERM: between two steps, after this one's checkpoint
+        stopping.check(step + 1)  # SIGINT / SIGTERM: between two steps, after this one's checkpoint
     return first, last, tokens_per_step * counted / max(timed, 1e-9)
