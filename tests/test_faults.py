@@ -423,6 +423,47 @@ def test_process_0_refuses_a_coordinator_it_cannot_listen_on(where):
     assert said in done.stderr
 
 
+# --- the data changed under a run ---
+
+
+def test_a_token_file_truncated_during_a_run_ends_it_with_one_line(tmp_path):
+    """Issue 34 point 8: truncating the .bin a run reads killed it with SIGBUS and no word (the
+    memory map's pages were gone). Every batch now checks the file first: exit 1, one line."""
+    from tests.test_multihost import command
+
+    data, log = tmp_path / "tokens.bin", tmp_path / "log.jsonl"
+    np.random.default_rng(0).integers(0, 200, size=400_000, dtype=np.uint16).tofile(data)
+    process = subprocess.Popen(
+        [
+            *command(),
+            "train",
+            "--steps",
+            "100000",
+            "--eval-every",
+            "0",
+            "--data",
+            str(data),
+            "--log-file",
+            str(log),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    began = time.monotonic()
+    while not (log.exists() and '"step": 3' in log.read_text()):
+        assert process.poll() is None and time.monotonic() - began < 300, process.communicate()
+        time.sleep(0.2)
+    with open(data, "r+b") as file:
+        file.truncate(4096)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 1, (process.returncode, err[-3000:])
+    assert err.strip() == (
+        f"fsdp-tp: error: --data {data} was changed while the run read it (800,000 bytes when "
+        "opened, 4,096 now); give a run a file nobody writes: write new data to another file."
+    )
+
+
 # --- asked to stop: SIGINT and SIGTERM ---
 
 

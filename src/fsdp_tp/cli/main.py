@@ -31,6 +31,7 @@ from ..precision import MixedPrecision
 from ..recipe.config import preset
 from ..recipe.data import (
     EVAL_FRACTION,
+    DataChangedError,
     DataError,
     check_tokens,
     check_vocab,
@@ -293,6 +294,9 @@ def main(argv: list[str] | None = None, out=sys.stdout) -> int:
             print_plan(_settings(args, sizes), sizes, out)
             return 0
         return _checked_train(args, out)
+    except (CheckpointSaveError, LogWriteError, DataChangedError) as err:
+        print(f"fsdp-tp: error: {err}", file=sys.stderr)
+        return 1
     except (
         MeshShapeError,
         IndivisibleShapeError,
@@ -304,9 +308,6 @@ def main(argv: list[str] | None = None, out=sys.stdout) -> int:
     ) as err:
         print(f"fsdp-tp: error: {err}", file=sys.stderr)
         return 2
-    except (CheckpointSaveError, LogWriteError) as err:
-        print(f"fsdp-tp: error: {err}", file=sys.stderr)
-        return 1
     except JaxRuntimeError as err:
         wait_for_verdict(err, getattr(args, "peer_timeout", 0))
         raise
@@ -320,15 +321,18 @@ def main(argv: list[str] | None = None, out=sys.stdout) -> int:
 def console() -> None:
     """The ``fsdp-tp`` executable: ``main``, then exit even if a failed save left orbax threads
     waiting for signals that will never come (they would hold the interpreter for 20 minutes).
-    A multi-process run trains in a child process that a parent watches (``supervise.py``)."""
-    if adopt():
+    A multi-process run trains in a child process that a parent watches (``supervise.py``);
+    such a child that failed leaves at once too: JAX's clean shutdown would wait at a barrier
+    the other processes, stuck in the next step's collectives, never reach. Gone, it is a lost
+    process: they stop within --peer-timeout, naming it."""
+    if supervised := adopt():
         code = main()
     elif (args := supervisable(argv := _with_command(sys.argv[1:]), _parse)) is not None:
         sys.exit(supervise(argv, args))
     else:
         code = main()
     stuck = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
-    if code and stuck:
+    if (code and stuck) or (supervised and code in (1, 2)):
         restore_stdout()  # flushes stdout, and passes on what the gloo-line filter holds
         sys.stderr.flush()
         os._exit(code)

@@ -55,10 +55,12 @@ def supervisable(argv: list[str], parse) -> object | None:
     try:
         with redirect_stderr(io.StringIO()), redirect_stdout(io.StringIO()):
             args = parse(argv)
+        if args.command != "train":
+            return None
         who = this_process(args.coordinator, args.num_processes, args.process_id, args.distributed)
     except (SystemExit, DistributedError):
         return None
-    return args if args.command == "train" and who.processes != 1 else None
+    return args if who.processes != 1 else None
 
 
 def _identity(args) -> Identity:

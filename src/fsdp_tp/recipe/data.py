@@ -8,12 +8,14 @@ resumed at step ``s`` sees the same batches as one that never stopped.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 
 __all__ = [
     "EVAL_FRACTION",
+    "DataChangedError",
     "DataError",
     "batch_at",
     "check_tokens",
@@ -31,6 +33,40 @@ EVAL_FRACTION = 0.05  # the tail of the tokens held out when --eval-every is on
 
 class DataError(ValueError):
     """A data file that is missing, empty, or too short for one batch."""
+
+
+class DataChangedError(DataError):
+    """The memory-mapped data file was truncated or rewritten in place while a run read it."""
+
+
+# Each memory-mapped file's (inode, size, mtime) when it was opened. Reading a mapping whose file
+# was truncated in place kills the process with SIGBUS, and Python cannot catch that: every
+# batch first checks the file is as it was. A file replaced (renamed over) or deleted is not
+# a change to the mapping, which keeps reading the old inode.
+_OPENED: dict[str, tuple[int, int, int]] = {}
+
+
+def _stamp(path: str) -> tuple[int, int, int]:
+    st = os.stat(path)
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _check_unchanged(tokens: np.ndarray) -> None:
+    """Raises ``DataChangedError`` if the file ``tokens`` map was changed in place since it was
+    opened (a truncation would otherwise end the process with SIGBUS at the next read)."""
+    name = getattr(tokens, "filename", None)
+    if name is None or name not in _OPENED:
+        return
+    try:
+        now = _stamp(name)
+    except FileNotFoundError:
+        return  # deleted: the mapping still holds the data
+    inode, size, _ = was = _OPENED[name]
+    if now[0] == inode and now != was:
+        raise DataChangedError(
+            f"--data {name} was changed while the run read it ({size:,} bytes when opened, "
+            f"{now[1]:,} now); give a run a file nobody writes: write new data to another file."
+        )
 
 
 _SUBJECTS = ["the cat", "a dog", "my friend", "the old man", "a small bird", "the teacher", "her brother"]
@@ -90,6 +126,7 @@ def load_tokens(path: str | None) -> np.ndarray:
         tokens = np.memmap(file, dtype=np.uint8, mode="r")
     if tokens.ndim != 1:
         raise DataError(f"--data {path}: tokens must be a flat array, got shape {tokens.shape}.")
+    _OPENED[tokens.filename] = _stamp(tokens.filename)
     if tokens.size == 0:
         raise DataError(f"--data {path}: holds no tokens (an empty array).")
     return tokens
@@ -144,6 +181,7 @@ def windows_at(
     The window starts depend only on ``(seed, step)``, so every process, mesh and resumed
     run agrees on the batch; only the requested rows are read from the (memory-mapped) file.
     """
+    _check_unchanged(tokens)
     starts = np.random.default_rng([seed, step]).integers(0, len(tokens) - seq_len - 1, size=batch)
     return np.stack([np.asarray(tokens[s : s + seq_len + 1], dtype=np.int32) for s in starts[rows]])
 
