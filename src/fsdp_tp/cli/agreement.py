@@ -16,6 +16,7 @@ from importlib import metadata
 import jax
 
 from .checks import UsageError
+from .distributed import coordination_client
 
 __all__ = ["check_agreement", "differences", "run_settings"]
 
@@ -68,10 +69,8 @@ def check_agreement(settings: dict[str, str], timeout_s: int) -> None:
     Process 0 publishes its settings; each process publishes what it found different; all
     read every verdict, then meet at a barrier, so none ends while another still reads.
     """
-    from jax._src import distributed  # the coordination service's client: no public handle
-
-    client = distributed.global_state.client
-    if client is None or jax.process_count() == 1:
+    client = coordination_client()
+    if client is None:
         return
     me, timeout_ms = jax.process_index(), timeout_s * 1000
     if me == 0:

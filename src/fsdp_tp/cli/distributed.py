@@ -22,7 +22,15 @@ import jax
 
 from .stdout_filter import drop_stdout_lines
 
-__all__ = ["DistributedError", "Process", "join", "parse_address", "requested", "this_process"]
+__all__ = [
+    "DistributedError",
+    "Process",
+    "coordination_client",
+    "join",
+    "parse_address",
+    "requested",
+    "this_process",
+]
 
 ENV = {
     "coordinator": "JAX_COORDINATOR_ADDRESS",
@@ -200,3 +208,12 @@ def join(
         heartbeat_timeout_seconds=peer_timeout,
         coordinator_bind_address=_bind_address(host, port) if options["process_id"] == 0 else None,
     )
+
+
+def coordination_client():
+    """The coordination service's client (its key-value store and barriers) in a multi-process
+    run; ``None`` alone. JAX has no public handle for it."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    return client if client is not None and jax.process_count() > 1 else None

@@ -17,6 +17,7 @@ from ..mesh import make_mesh
 from ..recipe.throughput import Achieved, memory_in_use, peak_tflops
 from ..recipe.trainer import Settings, Trainer, compare_with_twin
 from .checks import UsageError, resuming
+from .distributed import coordination_client
 from .fit import check_fits, choose_remat, mib, plan_of
 from .output import Output, model_name, run_header
 from .resume import changes, data_identity, data_name, precision_of, record
@@ -144,7 +145,7 @@ def _train(
     output = Output(out, args.log_file)  # nothing is written before the inputs are known good
     output.record(**run_header(settings, args, start))
     try:
-        with stop_on_signals(*_coordination()) as stopping:
+        with stop_on_signals(coordination_client(), jax.process_index()) as stopping:
             first, last, rate = _loop(
                 trainer, train_tokens, eval_tokens, start, args, output, checkpoints, meta, stopping
             )
@@ -162,15 +163,6 @@ def _train(
         saved = f"; last checkpoint {checkpoints.path(checkpoints.latest() or 0)}"
     output.say(f"done: loss {first:.4f} -> {last:.4f}, {rate:,.0f} tokens/s{saved}")
     return 0
-
-
-def _coordination() -> tuple:
-    """The coordination service's client and this process's index in a multi-process run;
-    nothing alone."""
-    from jax._src import distributed  # the service's client: jax has no public handle
-
-    client = distributed.global_state.client
-    return (client, jax.process_index()) if client is not None and jax.process_count() > 1 else ()
 
 
 def _stopped(stop: Stopped, trainer: Trainer, checkpoints, output: Output) -> int:
