@@ -15,7 +15,7 @@ import pytest
 
 from fsdp_tp.cli.verdict import Identity, verdict
 from fsdp_tp.cli.workdir import saved_steps
-from tests.test_multihost import MESH, command, free_port
+from tests.test_multihost import MESH, free_port, start_two_processes
 
 # What jaxlib 0.10.2's coordination service wrote on the survivors here (cut to the words read).
 PROCESS_1_LOST = (
@@ -68,6 +68,14 @@ def test_the_native_log_is_read_as_one_line(code, native, who, ended):
         assert got.line.endswith(RESUME)
 
 
+def _until_a_checkpoint(procs: list, ckpt: Path) -> None:
+    """Waits while both processes train until the run has saved a checkpoint."""
+    began = time.monotonic()
+    while not saved_steps(ckpt):
+        assert all(p.poll() is None for p in procs) and time.monotonic() - began < 300
+        time.sleep(0.2)
+
+
 def _children(pid: int) -> list[int]:
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
@@ -79,25 +87,10 @@ def test_a_lost_process_ends_the_others_with_one_line_naming_it_and_the_checkpoi
     past the wait below) with exit 1 and one line; the killed one's parent names its signal."""
     ckpt, port = tmp_path / "ckpt", free_port()
     argv = ["train", "--steps", "100000", "--checkpoint-every", "2", "--eval-every", "0", "--mesh", MESH]
-    procs = [
-        subprocess.Popen(
-            [
-                *command(),
-                *argv,
-                *("--checkpoint-dir", str(ckpt), "--peer-timeout", "5", "--cpu-devices", "4"),
-                *("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
+    flags = ["--checkpoint-dir", str(ckpt), "--peer-timeout", "5"]
+    procs = start_two_processes(lambda i: [*argv, *flags], port, stdout=subprocess.DEVNULL)
     try:
-        began = time.monotonic()
-        while not saved_steps(ckpt):
-            assert all(p.poll() is None for p in procs) and time.monotonic() - began < 300
-            time.sleep(0.2)
+        _until_a_checkpoint(procs, ckpt)
         (child,) = _children(procs[lost].pid)
         subprocess.run(["kill", "-9", str(child)], check=True)
         errs = [p.communicate(timeout=60)[1] for p in procs]
@@ -130,25 +123,10 @@ def test_a_signal_to_one_process_stops_every_process_after_the_same_step(tmp_pat
     stops after the same step, names it and the same checkpoint, and exits 143."""
     ckpt, log, port = tmp_path / "ckpt", tmp_path / "log.jsonl", free_port()
     argv = ["train", "--steps", "100000", "--checkpoint-every", "2", "--eval-every", "0", "--mesh", MESH]
-    procs = [
-        subprocess.Popen(
-            [
-                *command(),
-                *argv,
-                *("--checkpoint-dir", str(ckpt), "--log-file", str(log), "--cpu-devices", "4"),
-                *("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
+    flags = ["--checkpoint-dir", str(ckpt), "--log-file", str(log)]
+    procs = start_two_processes(lambda i: [*argv, *flags], port, stdout=subprocess.DEVNULL)
     try:
-        began = time.monotonic()
-        while not saved_steps(ckpt):
-            assert all(p.poll() is None for p in procs) and time.monotonic() - began < 300
-            time.sleep(0.2)
+        _until_a_checkpoint(procs, ckpt)
         procs[1].send_signal(signal.SIGTERM)  # the parent: it passes the signal on
         errs = [p.communicate(timeout=120)[1] for p in procs]
     finally:

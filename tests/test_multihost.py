@@ -43,10 +43,10 @@ def command() -> list[str]:
 MESH = "data=2,fsdp=2,tensor=2"
 
 
-def two_processes(argv, port: int, timeout: int) -> tuple[list, list[tuple[str, str]]]:
-    """``fsdp-tp`` as processes 0 and 1 of one run, 4 CPU devices each; ``argv(i)`` gives
-    process i's own flags. Returns the processes and their ``(stdout, stderr)``."""
-    procs = [
+def start_two_processes(argv, port: int, stdout=subprocess.PIPE) -> list:
+    """``fsdp-tp`` started as processes 0 and 1 of one run, 4 CPU devices each; ``argv(i)``
+    gives process i's own flags. Their stderr is piped (text)."""
+    return [
         subprocess.Popen(
             [
                 *command(),
@@ -54,12 +54,17 @@ def two_processes(argv, port: int, timeout: int) -> tuple[list, list[tuple[str, 
                 *("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)),
                 *("--cpu-devices", "4"),
             ],
-            stdout=subprocess.PIPE,
+            stdout=stdout,
             stderr=subprocess.PIPE,
             text=True,
         )
         for i in range(2)
     ]
+
+
+def two_processes(argv, port: int, timeout: int) -> tuple[list, list[tuple[str, str]]]:
+    """:func:`start_two_processes`, run to their end: the processes and their ``(stdout, stderr)``."""
+    procs = start_two_processes(argv, port)
     return procs, [p.communicate(timeout=timeout) for p in procs]
 
 
