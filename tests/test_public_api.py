@@ -48,4 +48,19 @@ def test_the_front_door_is_the_users_path_and_shadows_no_submodule():
 def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     command = re.search(r"\*\*Run the tests\*\*.*?\n\n    ([^\n]+)\n", readme, re.S).group(1)
-    assert command in (ROOT / ".ci" / "run").read_text()
+    script = (ROOT / ".ci" / "run").read_text()
+    assert runs_in_order(command, script), (command, script)
+    # negative controls: a command changed, or two swapped, is not the README's command
+    parts = command.split(" && ")
+    assert not runs_in_order(" && ".join([*parts[:-1], "python -m pytest -x"]), script)
+    assert not runs_in_order(" && ".join([parts[1], parts[0], *parts[2:]]), script)
+
+
+def runs_in_order(command: str, script: str) -> bool:
+    """Whether `script` runs the `a && b && c` list `command` as consecutive lines a, b, c.
+
+    CI writes one command a line because `set -e` does not stop inside an `&&` list.
+    """
+    lines = [line.strip() for line in script.splitlines()]
+    parts = command.split(" && ")
+    return any(lines[i : i + len(parts)] == parts for i in range(len(lines)))
