@@ -205,7 +205,7 @@ FAILING_SAVE = textwrap.dedent(
             self.wait()  # the earlier saves complete; the disk fails after them
             if os.environ["HOW"] == "raise":
                 import orbax.checkpoint as ocp
-                def full(*a, **k):
+                async def full(*a, **k):  # as orbax's own: a coroutine that raises when awaited
                     raise OSError(28, "No space left on device")
                 ocp.StandardCheckpointHandler.async_save = full
             else:
