@@ -7,6 +7,7 @@ import argparse
 from ..linen.layers.attention import ATTENTION_IMPLEMENTATIONS
 from ..models.transformer import REMAT_POLICIES
 from ..recipe.config import PRESETS
+from ..recipe.trainer import APIS
 
 __all__ = ["DEFAULT_MESH", "DEFAULT_WARMUP", "DTYPES", "PEER_TIMEOUT", "parser"]
 
@@ -59,7 +60,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--api",
-        choices=["linen", "nnx"],
+        choices=APIS,
         default="linen",
         help="the Flax API the GPT is written in: linen (tensor parallelism by the library's layers) "
         "or nnx (by tp rules on nnx.Linear and nnx.Embed); from the same seed both train the same numbers",
