@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -99,7 +100,7 @@ def test_token_file_fits_the_vocabulary(tmp_path):
     path = tmp_path / "train.bin"
     tokens.tofile(path)
     code, out = run("train", "--steps", "2", "--data", str(path), "--eval-every", "0")
-    assert code == 0, out
+    assert code == 0 and re.search(r"done: loss .*, [1-9][\d,]* tokens/s", out), out  # step 2 timed
     code, _ = run("plan", "--vocab-size", "1024")
     assert code == 0
 
@@ -108,6 +109,7 @@ def test_check_passes_on_the_default_mesh_with_async_tp():
     code, out = run("train", "--steps", "1", "--check", "3", "--async-tp", "bidirectional")
     assert code == 0 and "check: 3 steps" in out and "-> ok" in out, out
     assert "(ran in" in out and "compiled by --check)" in out  # not "compiled and ran in 0.0s"
+    assert "(one step, which compiled: no tokens/s)" in out and " 0 tokens/s" not in out, out
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "adafactor", "lamb", "lion", "sgd"])

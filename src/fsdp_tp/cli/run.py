@@ -161,7 +161,9 @@ def _train(
     if checkpoints:
         checkpoints.wait()
         saved = f"; last checkpoint {checkpoints.path(checkpoints.latest() or 0)}"
-    output.say(f"done: loss {first:.4f} -> {last:.4f}, {rate:,.0f} tokens/s{saved}")
+    # A run of one step (or one left to a resume) timed nothing: that step compiled.
+    speed = f", {rate:,.0f} tokens/s" if rate is not None else " (one step, which compiled: no tokens/s)"
+    output.say(f"done: loss {first:.4f} -> {last:.4f}{speed}{saved}")
     return 0
 
 
@@ -254,4 +256,4 @@ def _loop(
             output.record(step=step + 1, eval_loss=eval_loss)
             output.say(f"eval at step {step + 1}: held-out loss {eval_loss:.4f}")
         stopping.check(step + 1)  # SIGINT / SIGTERM: between two steps, after this one's checkpoint
-    return first, last, tokens_per_step * counted / max(timed, 1e-9)
+    return first, last, tokens_per_step * counted / timed if counted else None
