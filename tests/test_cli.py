@@ -63,13 +63,13 @@ def test_bf16_gathers_pass_check_at_the_f32_tolerance():
 
 
 def test_a_resume_that_changes_the_gather_dtypes_is_named():
-    from fsdp_tp.cli.main import _settings
     from fsdp_tp.cli.options import parser
     from fsdp_tp.cli.resume import changes, record
+    from fsdp_tp.cli.settings import settings_of
 
     def recorded(*flags):
         args = parser("").parse_args(["train", *flags])
-        return record(_settings(args, {"data": 2, "fsdp": 2, "tensor": 2}), {"name": "bytes"})
+        return record(settings_of(args, {"data": 2, "fsdp": 2, "tensor": 2}), {"name": "bytes"})
 
     assert changes(recorded(), recorded()) == []
     assert changes(recorded(), recorded("--gather-dtype", "bf16", "--reduce-dtype", "bf16")) == [

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 from fsdp_tp import make_mesh
 from fsdp_tp.cli import fit, machine, main
-from fsdp_tp.cli.main import _settings
 from fsdp_tp.cli.options import parser
+from fsdp_tp.cli.settings import settings_of
 from fsdp_tp.linen.layers.attention import attend
 from fsdp_tp.mesh import parse_mesh
 from fsdp_tp.models import Layout, Transformer
@@ -105,7 +105,7 @@ def test_flops_per_token_counts_every_weight_but_the_embedding(name):
 def test_the_fastest_remat_that_fits_is_chosen(monkeypatch):
     # Long enough sequences that activations, not the weights' temporaries, set the order.
     args = ["train", "--remat", "auto", "--batch", "32", "--seq-len", "128"]
-    settings = _settings(parser("").parse_args(args), {"data": 2, "fsdp": 2, "tensor": 2})
+    settings = settings_of(parser("").parse_args(args), {"data": 2, "fsdp": 2, "tensor": 2})
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     needed = {
         p: fit.needed_bytes(fit.plan_of(fit._with_remat(settings, p), mesh)) for p in ("none", "dots", "full")

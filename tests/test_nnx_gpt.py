@@ -111,12 +111,12 @@ def test_plan_api_nnx_counts_the_linen_bytes():
 
 
 def test_a_resume_across_apis_is_named():
-    from fsdp_tp.cli.main import _settings
     from fsdp_tp.cli.options import parser
     from fsdp_tp.cli.resume import changes, record
+    from fsdp_tp.cli.settings import settings_of
 
     def recorded(*flags):
         args = parser("").parse_args(["train", "--no-sequence-parallel", *flags])
-        return record(_settings(args, {"data": 2, "fsdp": 2, "tensor": 2}), {"name": "bytes"})
+        return record(settings_of(args, {"data": 2, "fsdp": 2, "tensor": 2}), {"name": "bytes"})
 
     assert changes(recorded(), recorded("--api", "nnx")) == ["api: linen -> nnx"]

@@ -1,0 +1,80 @@
+"""``fsdp-tp bench``: its flags checked, then the CPU benchmark or the accelerator's."""
+
+from __future__ import annotations
+
+import sys
+
+from .machine import uses_accelerator
+from .options import DTYPES
+
+__all__ = ["bench"]
+
+
+def _accelerator_bench(args, argv: list[str], out) -> int:
+    from pathlib import Path
+
+    from ..bench.accelerator import accelerator_section, parse_presets, write_accelerator_page
+
+    try:
+        presets = parse_presets(args.presets)
+    except ValueError as err:
+        print(f"fsdp-tp: error: {err}", file=sys.stderr)
+        return 2
+    overrides = dict(
+        vocab_size=args.vocab_size,
+        dtype=DTYPES[args.dtype],
+        attention=args.attention,
+        remat=args.remat,
+        scan_layers=args.scan_layers,
+    )
+    text = accelerator_section(presets, overrides, args.blocks, args.steps, argv, out)
+    print(f"wrote {write_accelerator_page(text, Path(args.out))}", file=out)
+    return 0
+
+
+def bench(args, argv: list[str], out) -> int:
+    """``fsdp-tp bench``: every strategy against the baselines on 8 simulated CPU devices, or
+    with ``--accelerator`` the model on this machine's accelerators; its page written. Bad
+    ``--workloads``, ``--blocks``, ``--steps`` or depths: one line, status 2."""
+    from pathlib import Path
+
+    from ..mesh import simulate_cpu_devices
+
+    workloads, known = args.workloads.split(","), {"mlp", "block", "gpt"}
+    if not set(workloads) <= known or args.blocks < 3 or args.steps < 1:
+        print(
+            f"fsdp-tp: error: --workloads {args.workloads!r} must name some of {sorted(known)}, "
+            f"--blocks at least 3 (a median of blocks), --steps at least 1.",
+            file=sys.stderr,
+        )
+        return 2
+    if not uses_accelerator(args):
+        simulate_cpu_devices(8)
+    if args.accelerator:
+        return _accelerator_bench(args, argv, out)
+    from ..bench.run import run_benchmarks
+
+    readme = Path(args.readme) if args.readme and Path(args.readme).is_file() else None
+    given = {"--depths": args.depths, "--build-depths": args.build_depths}
+    for flag, text in given.items():
+        if not all(d.strip().isdigit() and int(d) > 0 for d in text.split(",") if d):
+            print(
+                f"fsdp-tp: error: {flag} {text!r}: give layer counts >= 1, comma-separated (e.g. 2,8,32).",
+                file=sys.stderr,
+            )
+            return 2
+    depths = [int(d) for d in args.depths.split(",") if d]
+    run_benchmarks(
+        argv,
+        Path(args.out),
+        workloads,
+        args.blocks,
+        args.steps,
+        depths,
+        args.plots,
+        readme,
+        out,
+        args.max_unrolled,
+        tuple(int(d) for d in args.build_depths.split(",") if d),
+    )
+    return 0

@@ -1,0 +1,134 @@
+"""The run's settings from ``fsdp-tp``'s flags: the mesh sizes, the model and schedule, and
+the token files they must fit, every mismatch refused (exit 2) before anything starts."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import MeshShapeError
+from ..mesh import parse_mesh
+from ..models import Layout
+from ..precision import MixedPrecision
+from ..recipe.config import preset
+from ..recipe.data import EVAL_FRACTION, check_tokens, check_vocab, load_tokens, split_held_out, vocab_for
+from ..recipe.trainer import Settings
+from .checks import UsageError, check_nnx, check_schedule
+from .options import DEFAULT_MESH, DEFAULT_WARMUP, DTYPES
+
+__all__ = ["mesh_sizes", "settings_of", "tokens_and_settings"]
+
+
+def settings_of(args, mesh: dict, vocab_size: int | None = None) -> Settings:
+    """The run's ``Settings`` from the parsed flags on a mesh of ``mesh`` sizes; a batch,
+    microbatch count or head count that does not fit raises ``UsageError`` naming the fix.
+
+    >>> from fsdp_tp.cli.options import parser
+    >>> args = parser("").parse_args(["train", "--steps", "5"])
+    >>> settings_of(args, {"data": 2, "fsdp": 2, "tensor": 2}).steps
+    5
+    """
+    overrides = {
+        k: getattr(args, k)
+        for k in ("d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_hidden", "seq_len")
+    }
+    config = preset(
+        args.preset,
+        **overrides,
+        vocab_size=args.vocab_size or vocab_size,
+        dtype=DTYPES[args.dtype],
+        scan_layers=args.scan_layers,
+        attention=args.attention,
+        remat=args.remat,
+    )
+    shards = mesh.get("data", 1) * mesh.get("fsdp", 1)
+    if args.batch % shards:
+        raise UsageError(
+            f"--batch {args.batch} is not divisible by the batch shards data x fsdp = {shards}; "
+            f"use a multiple of {shards}."
+        )
+    microbatches = getattr(args, "microbatches", 1)
+    if (args.batch // shards) % microbatches:
+        raise UsageError(
+            f"--microbatches {microbatches} does not divide the per-device batch {args.batch // shards} "
+            f"(--batch {args.batch} / {shards} shards); choose a divisor of it."
+        )
+    clip_norm = getattr(args, "clip_norm", 0.0)
+    if config.num_heads % config.num_kv_heads:
+        given = f" (the {args.preset} preset's)"
+        kv = f"--kv-heads {config.num_kv_heads}" + ("" if args.num_kv_heads else given)
+        heads = f"--heads {config.num_heads}" + ("" if args.num_heads else given)
+        raise UsageError(
+            f"{kv} does not divide {heads}; each key/value head serves a whole group of query heads: "
+            f"pass --kv-heads with a divisor of {config.num_heads}."
+        )
+    check_schedule(args)
+    if args.api == "nnx":
+        check_nnx(args, config, mesh.get("tensor", 1))
+    return Settings(
+        model=config,
+        steps=getattr(args, "steps", 1),
+        batch=args.batch,
+        microbatches=microbatches,
+        lr=getattr(args, "lr", 0.0),
+        warmup=DEFAULT_WARMUP if getattr(args, "warmup", None) is None else args.warmup,
+        seed=getattr(args, "seed", 0),
+        layout=Layout(
+            tensor="tensor",
+            fsdp="fsdp",
+            sequence_parallel=_sequence_parallel(args),
+            collective_matmul=None if args.async_tp == "off" else args.async_tp,
+            min_weight_size=args.min_weight_size,
+            mixed_precision=_mixed_precision(args),
+        ),
+        check_vma=args.check_vma,
+        optimizer_name=getattr(args, "optimizer", "adamw"),
+        clip_norm=clip_norm,
+        api=args.api,
+    )
+
+
+def _sequence_parallel(args) -> bool:
+    """``--sequence-parallel``, or its default: on for Linen, off for NNX (which has none)."""
+    return args.api == "linen" if args.sequence_parallel is None else args.sequence_parallel
+
+
+def _mixed_precision(args) -> MixedPrecision | None:
+    """``--gather-dtype`` / ``--reduce-dtype``: a policy where either is narrower than f32."""
+    if args.gather_dtype == args.reduce_dtype == "f32":
+        return None
+    return MixedPrecision(DTYPES[args.gather_dtype], DTYPES[args.reduce_dtype])
+
+
+def mesh_sizes(text: str) -> dict:
+    """``--mesh`` as sizes over data, fsdp and tensor (1 where not named).
+
+    >>> mesh_sizes("fsdp=4,tensor=2")
+    {'data': 1, 'fsdp': 4, 'tensor': 2}
+    """
+    sizes = parse_mesh(text)
+    unknown = set(sizes) - {"data", "fsdp", "tensor"}
+    if unknown:
+        raise MeshShapeError(f"--mesh {text!r}: unknown axes {sorted(unknown)}; use data, fsdp and tensor.")
+    bad = {axis: size for axis, size in sizes.items() if size < 1}
+    if bad:
+        raise MeshShapeError(f"--mesh {text!r}: axis sizes must be >= 1, got {bad}; e.g. {DEFAULT_MESH}.")
+    return {axis: sizes.get(axis, 1) for axis in ("data", "fsdp", "tensor")}
+
+
+def tokens_and_settings(args, mesh: dict):
+    """The train and held-out tokens (``None`` without ``--eval-every``) and the settings that
+    fit them, checked before anything starts or is written."""
+    tokens = load_tokens(args.data)
+    low, top = int(np.min(tokens)), int(np.max(tokens))  # one pass each over a (memory-mapped) file
+    # A token file's ids may exceed the bytes' 256: fit the vocabulary unless it was given.
+    settings = settings_of(args, mesh, None if tokens.dtype == np.uint8 else vocab_for(top))
+    name = args.data or "the embedded corpus"
+    check_vocab(low, top, settings.model.vocab_size, name)
+    if not args.eval_every:
+        check_tokens(tokens, settings.model.seq_len, name)
+        train, held_out = tokens, None
+    else:
+        train, held_out = split_held_out(tokens, EVAL_FRACTION)
+        check_tokens(train, settings.model.seq_len, f"{name} (train part)")
+        check_tokens(held_out, settings.model.seq_len, f"{name} (held-out part for --eval-every)")
+    return train, held_out, settings
