@@ -330,6 +330,16 @@ def test_skip_goes_on_past_nonfinite_steps(tmp_path, monkeypatch):
     assert np.isfinite([r["loss"] for r in records if r.get("finite", True)]).all()
 
 
+def test_a_run_whose_every_step_was_skipped_fails_in_one_line(tmp_path, monkeypatch, capsys):
+    """Issue 42: ``--lr 1e308 --nonfinite skip`` skipped every step and exited 0 with
+    'done: loss nan -> nan'."""
+    monkeypatch.setattr(trainer_module, "step_fn", _poisoned(lambda state, windows: True))
+    code, _ = run(*RUN, "--nonfinite", "skip", "--steps", "3")
+    err = capsys.readouterr().err
+    assert code == 1 and "none of the 3 steps was finite" in err and "nothing was trained" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
 # --- the coordinator ---
 
 

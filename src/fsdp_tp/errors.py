@@ -12,6 +12,7 @@ fsdp_tp.errors.MeshShapeError: make_mesh: axis sizes {'data': 3, 'fsdp': 2} mult
 from __future__ import annotations
 
 __all__ = [
+    "BatchAxesError",
     "CheckpointCorruptError",
     "CheckpointMismatchError",
     "CheckpointSaveError",
@@ -29,6 +30,11 @@ __all__ = [
 
 class UnboundAxisNameError(NameError):
     """A mesh axis name that the enclosing ``jax.shard_map`` does not bind."""
+
+
+class BatchAxesError(ValueError):
+    """``batch_axes`` (a transform's, or a gradient sync's) that are not the axes the step
+    splits its batch over: gradients would be averaged over the wrong devices, silently."""
 
 
 class MeshShapeError(ValueError):

@@ -9,6 +9,7 @@ import jax
 from flax.core.meta import Partitioned
 
 from ._axes import axes_named, axis_size, checks_vma, require_axes, varying_axes
+from ._batch import require_step_batch
 from ._types import AxisNames, PyTree
 
 __all__ = ["batch_mean", "batch_total", "global_mean_loss", "global_sum_loss", "sync_gradients"]
@@ -71,7 +72,13 @@ def sync_gradients(grads: PyTree, axis_names: AxisNames) -> PyTree:
     3.5
     """
     names = require_axes(axis_names, "sync_gradients")
-    checking = checks_vma(names[0]) if names else False
+    if not names:
+        raise ValueError(
+            "sync_gradients: axis_names is empty, so nothing would be averaged; pass the mesh axes "
+            "the batch is split over, e.g. ('data', 'fsdp'), or skip the call when the batch is not split."
+        )
+    require_step_batch(names, "sync_gradients", "axis_names")
+    checking = checks_vma(names[0])
     return jax.tree.map(
         functools.partial(_sync_leaf, axis_names=names, checking=checking),
         grads,

@@ -27,7 +27,11 @@ DEFAULT_AXIS_NAMES = ("data", "fsdp", "tensor")
 def _resolve_sizes(axis_sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
     """Fills in the one axis given as ``-1`` and checks the sizes multiply to ``num_devices``."""
     sizes = dict(axis_sizes)
-    bad = {name: size for name, size in sizes.items() if not isinstance(size, int) or size == 0 or size < -1}
+    bad = {
+        name: size
+        for name, size in sizes.items()
+        if isinstance(size, bool) or not isinstance(size, int) or size == 0 or size < -1
+    }
     if bad:
         raise MeshShapeError(f"make_mesh: axis sizes must be positive integers (or -1 once), got {bad}.")
     free = [name for name, size in sizes.items() if size == -1]

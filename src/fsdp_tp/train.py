@@ -17,6 +17,7 @@ from flax.training import train_state
 from jax.sharding import Mesh, PartitionSpec
 
 from ._axes import require_axes
+from ._batch import batch_axes_of, batch_split_over
 from ._layout import require_divisible
 from ._optimizer import per_device_step, refuse_on_shards
 from ._tree import named_shardings
@@ -229,8 +230,17 @@ def shard_step(
         )
     model_state = getattr(state_specs, "model_state", None) or {}
     updated = (model_state,) if jax.tree.leaves(model_state) else ()
+    inner = per_device_step(step_fn, tuple(model_state) if updated else ())
+    split = batch_axes_of(batch_specs)
+
+    def per_device_fn(state, batch):
+        # Told while tracing, so transforms, the sync and dropout average over (and draw for)
+        # the axes this batch is split over, or say that they were told others.
+        with batch_split_over(split):
+            return inner(state, batch)
+
     per_device = jax.shard_map(
-        per_device_step(step_fn, tuple(model_state) if updated else ()),
+        per_device_fn,
         mesh=mesh,
         in_specs=(state_specs, batch_specs),
         out_specs=(state_specs.params, metrics_specs, *updated),

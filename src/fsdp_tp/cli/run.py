@@ -256,4 +256,9 @@ def _loop(
             output.record(step=step + 1, eval_loss=eval_loss)
             output.say(f"eval at step {step + 1}: held-out loss {eval_loss:.4f}")
         stopping.check(step + 1)  # SIGINT / SIGTERM: between two steps, after this one's checkpoint
+    if math.isnan(first) and in_a_row:  # fewer than MAX_SKIPPED steps, every one skipped
+        raise NonFiniteStepError(
+            f"none of the {in_a_row} steps was finite (each was skipped under --nonfinite skip), so "
+            f"nothing was trained; lower --lr (it is {args.lr}) or keep --clip-norm on."
+        )
     return first, last, tokens_per_step * counted / timed if counted else None

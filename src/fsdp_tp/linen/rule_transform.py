@@ -18,7 +18,8 @@ import flax.linen as nn
 import jax
 from jax.sharding import PartitionSpec
 
-from .._axes import as_axis_tuple, bound_axis_names, entry_axes
+from .._axes import bound_axis_names, entry_axes
+from .._batch import DEFAULT_BATCH_AXES, checked_batch_axes, resolve_batch_axes
 from .._tp_rules import compile_tp_rules, require_all_matched, with_split
 from .._types import AxisNames
 from ..errors import RuleError
@@ -81,7 +82,7 @@ def shard_by_rules(
     rules: Rules = (),
     default: PartitionSpec = REPLICATED,
     logical_axis_rules=None,
-    batch_axes: AxisNames = ("data", "fsdp"),
+    batch_axes: AxisNames | None = None,
     mixed_precision: MixedPrecision | None = None,
     tp_rules=(),
 ):
@@ -94,8 +95,10 @@ def shard_by_rules(
     ``nn.logical_axis_rules``). ``batch_axes``: the axes the batch is split
     over; a gather over one of them averages the gradient over it (FSDP), a
     gather over any other axis (``tensor``: every device there sees the same
-    batch) slices it. Paths start at the wrapped module's own path,
-    so wrapping the top-level model gives full paths, and then a rule that
+    batch) slices it. Left out, they are the step's (:func:`~fsdp_tp.shard_step`'s
+    ``batch_specs``), else those of ``("data", "fsdp")`` the mesh has; given, they must be
+    the step's (a :class:`~fsdp_tp.errors.BatchAxesError` says when they are not). Paths
+    start at the wrapped module's own path, so wrapping the top-level model gives full paths, and then a rule that
     matched nothing is reported (:class:`~fsdp_tp.errors.UnmatchedRuleWarning`).
     ``mixed_precision``: the dtypes the gathers over ``batch_axes`` and their gradients'
     reduce-scatters move (:class:`~fsdp_tp.precision.MixedPrecision`; default: as stored).
@@ -122,16 +125,16 @@ def shard_by_rules(
     check_module_class(target, "shard_by_rules")
     compiled = compile_rules(rules, "shard_by_rules")
     default = as_spec(default, "shard_by_rules", "default=")
-    batch = frozenset(as_axis_tuple(batch_axes))
+    batch_names = checked_batch_axes(batch_axes, "shard_by_rules")
     policy = checked_policy(mixed_precision, "shard_by_rules")
     tp = compile_tp_rules(tp_rules, "shard_by_rules")
-    _require_separate_axes(tp, compiled, default, batch)
+    _require_separate_axes(tp, compiled, default, frozenset(batch_names or DEFAULT_BATCH_AXES))
     mapped = map_params(
         target,
         trans_in=lambda params: gather(
             params,
             _rule_axes(compiled, default, _LOGICAL.get()),
-            batch,
+            resolve_batch_axes(batch_names, "shard_by_rules"),
             input_varying(),
             policy,
             at_read=True,

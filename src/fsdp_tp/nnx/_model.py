@@ -21,7 +21,8 @@ from flax import nnx
 from flax.core.meta import Partitioned
 from jax.sharding import PartitionSpec
 
-from .._axes import as_axis_tuple, axes_named, bound_axis_names
+from .._axes import axes_named, bound_axis_names
+from .._batch import checked_batch_axes, resolve_batch_axes
 from .._layout import block_of, check_fit
 from .._tp_rules import compile_tp_rules, with_split
 from .._types import AxisNames, is_box
@@ -83,7 +84,7 @@ class ShardedModel:
     def __init__(self, make_model, rules, tp_rules, default, batch_axes, logical_axis_rules):
         self._make = make_model
         self._rules = compile_rules(rules, _CALLER)
-        self.batch_axes = as_axis_tuple(batch_axes)
+        self.batch_axes = checked_batch_axes(batch_axes, _CALLER)
         with nnx.use_eager_sharding(False):
             abstract = nnx.eval_shape(lambda: make_model(nnx.Rngs(0)))
         self.graphdef, params, rest = _split(abstract)
@@ -168,7 +169,8 @@ class ShardedModel:
         reduce-scatter the gradients). Rng keys are folded over the batch axes, so each
         batch shard draws its own dropout masks."""
         flat = _flat(params)
-        batch = frozenset(self.batch_axes)
+        batch_axes = resolve_batch_axes(self.batch_axes, _CALLER)
+        batch = frozenset(batch_axes)
         variables = []
         for path, variable in self._params:
             leaf = flat[path]
@@ -182,7 +184,7 @@ class ShardedModel:
         for path, variable in self._rest:
             value = stored[type(variable).__name__][path]
             if isinstance(variable, nnx.RngKey):
-                rest.append((path, on_read(variable, value, FoldPlan(self.batch_axes))))
+                rest.append((path, on_read(variable, value, FoldPlan(batch_axes))))
             else:
                 rest.append((path, variable.copy(value)))
         model = nnx.merge(self.graphdef, nnx.from_flat_state(variables), nnx.from_flat_state(rest))
@@ -231,7 +233,7 @@ def shard_by_rules(
     rules: Rules = (),
     *,
     tp_rules=(),
-    batch_axes: AxisNames = ("data", "fsdp"),
+    batch_axes: AxisNames | None = None,
     default: PartitionSpec | Sequence = REPLICATED,
     logical_axis_rules=None,
 ) -> ShardedModel:
@@ -244,7 +246,9 @@ def shard_by_rules(
     parameter no rule matches follows its own annotation (``nnx.with_partitioning`` /
     ``out_sharding``: mesh axes, or logical names mapped by ``logical_axis_rules``), else
     ``default``. ``batch_axes``: the mesh axes the batch is split over (a gather over one
-    reduce-scatters the mean gradient).
+    reduce-scatters the mean gradient); left out, the step's (:func:`~fsdp_tp.shard_step`'s
+    ``batch_specs``), else those of ``("data", "fsdp")`` the mesh has; given, they must be the
+    step's (a :class:`~fsdp_tp.errors.BatchAxesError` says when they are not).
 
     >>> import jax, jax.numpy as jnp, optax
     >>> from flax import nnx
