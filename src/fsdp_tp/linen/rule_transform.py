@@ -98,8 +98,8 @@ def shard_by_rules(
     batch) slices it. Left out, they are the step's (:func:`~fsdp_tp.shard_step`'s
     ``batch_specs``), else those of ``("data", "fsdp")`` the mesh has; given, they must be
     the step's (a :class:`~fsdp_tp.errors.BatchAxesError` says when they are not). Paths
-    start at the wrapped module's own path, so wrapping the top-level model gives full paths, and then a rule that
-    matched nothing is reported (:class:`~fsdp_tp.errors.UnmatchedRuleWarning`).
+    start at the wrapped module's own path, so wrapping the top-level model gives full
+    paths, and then a rule that matched nothing is reported (:class:`~fsdp_tp.errors.UnmatchedRuleWarning`).
     ``mixed_precision``: the dtypes the gathers over ``batch_axes`` and their gradients'
     reduce-scatters move (:class:`~fsdp_tp.precision.MixedPrecision`; default: as stored).
     ``tp_rules``: ``(pattern, role)`` pairs naming submodules (by path) that compute on their
