@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from .collectives import gather_from_axis
+from .dropout import split_after, splitting
 from .errors import RuleError
 from .tp import add_bias_once, column_input, row_reduce, vocab_lookup
 
@@ -150,7 +151,11 @@ class ColumnParallel(TPRole):
     def around(self, method, run, layer, args, kwargs):
         args, kwargs = _copied(args, kwargs, self.axis)
         out = run(*args, **kwargs)
-        return gather_from_axis(out, -len(layer.features), self.axis) if self.gather_output else out
+        if self.gather_output:
+            split_after({})
+            return gather_from_axis(out, -len(layer.features), self.axis)
+        split_after({-len(layer.features): self.axis})  # dropout until the row layer: its slice
+        return out
 
 
 @dataclass(frozen=True)
@@ -173,6 +178,7 @@ class RowParallel(TPRole):
 
     def around(self, method, run, layer, args, kwargs):
         out = row_reduce(run(*args, **kwargs), self.axis)
+        split_after({})  # summed: the same on every device of the axis
         bias = layer.bias() if layer.use_bias and layer.bias is not None else None
         return add_bias_once(out, bias, self.axis, dtype=layer.dtype)
 
@@ -182,8 +188,8 @@ class HeadParallel(TPRole):
     """Multi-head attention: each device computes ``num_heads / size`` heads; query, key and
     value are split on the heads dim, the output projection on its heads dim
     (:class:`RowParallel`), so the block has one all-reduce forward and one backward.
-    Dropout inside attention draws its mask per device's heads: the same distribution as
-    unsharded, not the same mask."""
+    Inside, activations are split on the heads (the attention weights' dim -3), which is
+    where a dropout mask is drawn by heads (:mod:`fsdp_tp.dropout`)."""
 
     kinds: ClassVar[tuple[str, ...]] = ("attention",)
 
@@ -205,7 +211,10 @@ class HeadParallel(TPRole):
 
     def around(self, method, run, layer, args, kwargs):
         args, kwargs = _copied(args, kwargs, self.axis)
-        return run(*args, **kwargs)
+        with splitting({-3: self.axis}):  # (..., heads, queries, keys) weights
+            out = run(*args, **kwargs)
+        split_after({})
+        return out
 
 
 @dataclass(frozen=True)
@@ -227,6 +236,7 @@ class VocabParallel(TPRole):
         return {"num_embeddings": layer.num_embeddings // size}
 
     def around(self, method, run, layer, args, kwargs):
+        split_after({})  # the rows are summed, the logits gathered: whole either way
         if method == "attend":
             args, kwargs = _copied(args, kwargs, self.axis)
             return gather_from_axis(run(*args, **kwargs), -1, self.axis)

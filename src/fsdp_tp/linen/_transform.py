@@ -30,10 +30,12 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from .._axes import axes_named, bound_axis_names, entry_axes, varying_axes
+from .._batch import resolve_batch_axes
 from .._layout import block_of, check_fit
 from .._tree import module_path, path_of
 from .._types import PyTree, is_box
 from ..errors import RuleError
+from ._dropout import exact_dropout
 
 __all__ = [
     "LayoutChoice",
@@ -128,10 +130,21 @@ def check_module_class(target, who: str) -> None:
     )
 
 
-def map_params(target, trans_in: Callable[[PyTree], PyTree], trans_out: Callable[[PyTree], PyTree]):
+def _default_batch_axes() -> tuple:
+    return resolve_batch_axes(None, "the transform")
+
+
+def map_params(
+    target,
+    trans_in: Callable[[PyTree], PyTree],
+    trans_out: Callable[[PyTree], PyTree],
+    batch_axes: Callable[[], tuple] = _default_batch_axes,
+):
     """``nn.map_variables`` over ``"params"`` that keeps ``target``'s name and tells the
     transforms, while they run, the axes the call's inputs vary over (:func:`input_varying`)
-    and the module's path (:func:`current_module_path`)."""
+    and the module's path (:func:`current_module_path`). Its ``nn.Dropout`` draws this
+    device's block of the unsharded mask, dim 0 split over ``batch_axes()``
+    (:mod:`fsdp_tp.linen._dropout`)."""
     mapped = nn.map_variables(
         target, trans_in_fn=trans_in, trans_out_fn=trans_out, mapped_collections="params", mutable=True
     )
@@ -148,7 +161,8 @@ def map_params(target, trans_in: Callable[[PyTree], PyTree], trans_out: Callable
                 _MODULE_PATH.set(module_path(self.path)),
             )
             try:
-                return super().__call__(*args, **kwargs)
+                with exact_dropout(batch_axes):
+                    return super().__call__(*args, **kwargs)
             finally:
                 _MODULE_PATH.reset(tokens[1])
                 _INPUT_VARYING.reset(tokens[0])

@@ -141,6 +141,7 @@ def shard_by_rules(
             local=frozenset(rule.role.axis for rule in tp),
         ),
         trans_out=lambda params: _store_by_rules(params, compiled, default, _LOGICAL.get()),
+        batch_axes=lambda: resolve_batch_axes(batch_names, "shard_by_rules"),
     )
 
     class ByRules(mapped):  # type: ignore[valid-type, misc]

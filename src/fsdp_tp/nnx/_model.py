@@ -27,8 +27,10 @@ from .._layout import block_of, check_fit
 from .._tp_rules import compile_tp_rules, with_split
 from .._types import AxisNames, is_box
 from ..errors import RuleError
+from ..dropout import split_after
 from ..rules import REPLICATED, Rules, as_spec, compile_rules, logical_spec, spec_for, unmatched_warning
 from ..train import TrainState
+from ._dropout import exact_dropouts
 from ._read import FoldPlan, ReadPlan, on_read
 from ._tp import RolePlan, compute_roles, path_text
 
@@ -166,8 +168,9 @@ class ShardedModel:
     def merge(self, params: dict, model_state: dict | None = None) -> nnx.Module:
         """Per device: the model, holding this device's blocks, each gathered where the model
         reads it. Differentiate through it with respect to ``params`` (the gathers
-        reduce-scatter the gradients). Rng keys are folded over the batch axes, so each
-        batch shard draws its own dropout masks."""
+        reduce-scatter the gradients). Its ``nnx.Dropout`` draws this device's block of the
+        unsharded mask (:mod:`fsdp_tp.nnx._dropout`); other reads of an rng key are folded
+        over the batch axes, so each batch shard draws its own values."""
         flat = _flat(params)
         batch_axes = resolve_batch_axes(self.batch_axes, _CALLER)
         batch = frozenset(batch_axes)
@@ -189,6 +192,8 @@ class ShardedModel:
                 rest.append((path, variable.copy(value)))
         model = nnx.merge(self.graphdef, nnx.from_flat_state(variables), nnx.from_flat_state(rest))
         compute_roles(model, self._roles)
+        exact_dropouts(model, batch_axes, path_text)
+        split_after({})  # the model starts whole, whatever an earlier trace's roles left
         if self._first_split:
             object.__setattr__(model, "__class__", _scan_errors_named(type(model), self._first_split))
         return model

@@ -13,8 +13,11 @@ one layer's parameter, and a remat re-gathers in the backward pass.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
+from collections.abc import Iterator
 
 from flax import nnx
 from flax.core.meta import Partitioned
@@ -25,7 +28,7 @@ from .._types import AxisName
 from ..errors import RuleError
 from ..train import fold_rng_over_axis
 
-__all__ = ["FoldPlan", "ReadPlan", "on_read", "read_type"]
+__all__ = ["FoldPlan", "ReadPlan", "on_read", "read_type", "unfolded"]
 
 _PLAN = "fsdp_tp_read"  # the Variable metadata key that holds the ReadPlan
 
@@ -62,15 +65,30 @@ class ReadPlan:
         return value.value if isinstance(value, Partitioned) else value
 
 
+_UNFOLDED: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_tp_unfolded", default=False)
+
+
+@contextlib.contextmanager
+def unfolded() -> Iterator[None]:
+    """Within: rng keys are read as stored (an exact dropout draws its block of the unsharded
+    mask from the unsharded key, :mod:`fsdp_tp.nnx._dropout`)."""
+    token = _UNFOLDED.set(True)
+    try:
+        yield
+    finally:
+        _UNFOLDED.reset(token)
+
+
 @dataclasses.dataclass(frozen=True)
 class FoldPlan:
-    """An rng key read folded over the batch axes: each batch shard draws its own dropout
-    masks, while the stored key (what the step returns) stays the one the init made."""
+    """An rng key read folded over the batch axes: each batch shard draws its own random
+    values where a module draws them itself, while the stored key (what the step returns)
+    stays the one the init made. ``nnx.Dropout`` reads it :func:`unfolded`."""
 
     batch_axes: tuple[AxisName, ...]
 
     def read(self, key):
-        return fold_rng_over_axis(key, self.batch_axes)
+        return key if _UNFOLDED.get() else fold_rng_over_axis(key, self.batch_axes)
 
 
 @functools.cache

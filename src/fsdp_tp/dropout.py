@@ -1,0 +1,191 @@
+"""Dropout with the unsharded model's mask, bit for bit, on every device's block.
+
+An activation inside a sharded step is a block of the unsharded one: dim 0 split over the
+batch axes, and inside a tensor-parallel region a feature or head dim split over ``tensor``.
+``jax.random.bernoulli(key, p, local_shape)`` on that block draws a mask that is no block of
+the unsharded mask: with the key folded over the batch axes every tensor rank draws the same
+mask for its own hidden units (units ``j`` and ``j + H/4`` always drop together), and without
+the fold every batch shard repeats one mask.
+
+JAX's threefry is counter based (``jax_threefry_partitionable``, on by default): element
+``i`` of ``random_bits(key, shape)`` is ``threefry_2x32(key, i)`` for its flat index ``i`` in
+``shape``. So a device draws exactly its block of the unsharded mask (:func:`keep_mask`) by
+hashing the global flat indices of its block, then turning bits into a uniform and a keep
+the way ``jax.random.bernoulli`` does. Which dims are split over which axes
+(:func:`activation_split`): dim 0 over the step's batch axes, and the dims the tensor-parallel
+roles say their outputs split (:func:`split_after`, :func:`splitting`); under
+``check_vma=True`` an activation that varies over an axis no dim accounts for is refused.
+
+>>> import jax, jax.numpy as jnp
+>>> from jax.sharding import PartitionSpec as P
+>>> from fsdp_tp import make_mesh
+>>> mesh = make_mesh({"data": 2, "tensor": 4})
+>>> key = jax.random.key(0)
+>>> blocks = jax.shard_map(lambda: keep_mask(key, 0.5, (4, 2), ("data", "tensor")), mesh=mesh,
+...                        in_specs=(), out_specs=P("data", "tensor"))()
+>>> bool((blocks == jax.random.bernoulli(key, 0.5, (8, 8))).all())   # the unsharded mask
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.random import threefry_2x32
+
+from ._axes import axis_size, bound_axis_names, checks_vma, entry_axes, varying_axes
+from ._types import AxisName
+
+__all__ = ["activation_split", "dropout", "keep_mask", "split_after", "splitting"]
+
+Split = tuple  # per dim: None, an axis, or a tuple of axes (major first), as box names are
+_U32 = jnp.uint32
+
+# Dims (counted from the end) of the activations a tensor-parallel role left split, and the
+# axis: set after a column layer, cleared by a row layer's sum. A model call starts whole.
+_REGION: contextvars.ContextVar[dict[int, AxisName]] = contextvars.ContextVar("fsdp_tp_region", default={})
+
+
+def split_after(dims: dict[int, AxisName]) -> None:
+    """From here on (until a role says otherwise) activations are split on ``dims`` (counted
+    from the end) over their axes: a column layer's output features; ``{}`` after a sum."""
+    _REGION.set(dict(dims))
+
+
+@contextlib.contextmanager
+def splitting(dims: dict[int, AxisName] | None = None) -> Iterator[None]:
+    """Within: activations are split on ``dims`` (a head-parallel attention's heads); after, as
+    before. ``splitting()`` starts a model call whole, whatever an earlier trace left."""
+    token = _REGION.set(dict(dims or {}))
+    try:
+        yield
+    finally:
+        _REGION.reset(token)
+
+
+def activation_split(x: jax.Array, batch_axes: Sequence[AxisName], where: str) -> Split:
+    """How ``x``, an activation inside ``jax.shard_map``, is split: dim 0 over ``batch_axes``,
+    and the dims the tensor-parallel roles left split. Under ``check_vma=True`` the batch axes
+    ``x`` does not vary over are left out (a value the batch does not reach, drawn the same on
+    every device, as unsharded), and an axis ``x`` varies over that no dim accounts for is an
+    error naming ``where``: its mask cannot be placed."""
+    names: list = [()] * x.ndim
+    bound = bound_axis_names()
+    checking = bool(bound) and checks_vma(bound[0])
+    varying = varying_axes(x) if checking else None
+    if x.ndim:
+        names[0] = tuple(a for a in batch_axes if varying is None or a in varying)
+    for dim, axis in _REGION.get().items():
+        if -x.ndim <= dim < 0 and (varying is None or axis in varying):
+            names[dim] = (*names[dim], axis)
+    if varying is not None and (lost := varying - {a for entry in names for a in entry}):
+        raise ValueError(
+            f"{where}: dropout on an activation of shape {x.shape} that varies over "
+            f"{sorted(lost, key=str)}, but no dim is known to be split over it (dim 0 over the batch "
+            f"axes {tuple(batch_axes)}, and the dims tensor-parallel roles split: "
+            f"{_REGION.get() or 'none here'}); its mask would repeat across those devices. Apply the "
+            f"dropout before the activation is split, or where a role's output is."
+        )
+    return tuple(entry[0] if len(entry) == 1 else (entry or None) for entry in names)
+
+
+def _mul_wide(a: jax.Array, b: int) -> tuple[jax.Array, jax.Array]:
+    """``a * b`` as (high, low) 32-bit words, for uint32 ``a`` and a Python int ``b < 2**32``:
+    16-bit limbs, so no product overflows (jax has no uint64 without ``jax_enable_x64``)."""
+    a_lo, a_hi = a & 0xFFFF, a >> 16
+    b_lo, b_hi = b & 0xFFFF, b >> 16
+    lo_lo, lo_hi, hi_lo = a_lo * _U32(b_lo), a_lo * _U32(b_hi), a_hi * _U32(b_lo)
+    mid = (lo_lo >> 16) + (lo_hi & 0xFFFF) + (hi_lo & 0xFFFF)
+    low = (lo_lo & 0xFFFF) | (mid << 16)
+    high = a_hi * _U32(b_hi) + (lo_hi >> 16) + (hi_lo >> 16) + (mid >> 16)
+    return high, low
+
+
+def _add_wide(x: tuple, y: tuple) -> tuple[jax.Array, jax.Array]:
+    low = x[1] + y[1]
+    return x[0] + y[0] + (low < x[1]).astype(_U32), low
+
+
+def wide_index(coords: Sequence[jax.Array], sizes: Sequence[int]) -> tuple[jax.Array, jax.Array]:
+    """The row-major flat index of uint32 coordinates ``coords`` in an array of ``sizes``, as
+    (high, low) uint32 words, exact up to ``2**64`` elements."""
+    total = (jnp.zeros_like(coords[0]), jnp.zeros_like(coords[0]))
+    stride = math.prod(sizes)
+    for coord, size in zip(coords, sizes, strict=True):
+        stride //= size
+        high, low = _mul_wide(coord, stride & 0xFFFFFFFF)
+        total = _add_wide(total, (high + coord * _U32(stride >> 32), low))
+    return total
+
+
+def flat_index(shape: tuple[int, ...], split: Split) -> tuple[jax.Array, jax.Array]:
+    """Inside ``jax.shard_map``: for each element of this device's block (``shape``, split as
+    ``split`` says), its flat index in the global array, as (high, low) uint32 words: the
+    counters ``jax.random`` hashes for that element (``iota_2x32_shape``)."""
+    split = tuple(split) + (None,) * (len(shape) - len(split))
+    coords, sizes = [], []
+    for dim, (n, s) in enumerate(zip(shape, split, strict=True)):
+        coord = jax.lax.broadcasted_iota(_U32, shape, dim)
+        if axes := entry_axes(s):
+            index = jnp.zeros((), _U32)
+            for axis in axes:  # the block's position along the axes, major first
+                index = index * _U32(jax.lax.axis_size(axis)) + jax.lax.axis_index(axis).astype(_U32)
+            coord = coord + index * _U32(n)
+        coords.append(coord)
+        sizes.append(n * axis_size(axes) if axes else n)
+    return wide_index(coords, sizes)
+
+
+def _key_data(key: jax.Array, where: str) -> jax.Array:
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    impl = str(jax.random.key_impl(key)) if typed else "threefry2x32"
+    if impl != "threefry2x32" or not jax.config.jax_threefry_partitionable:
+        raise ValueError(
+            f"{where}: a device draws its block of the unsharded dropout mask from threefry's "
+            f"counters, which needs a threefry2x32 key (got {impl}) and jax_threefry_partitionable "
+            f"on (it is {bool(jax.config.jax_threefry_partitionable)}); use jax.random.key(seed) "
+            f"and leave jax_threefry_partitionable at its default."
+        )
+    return jax.random.key_data(key) if typed else key
+
+
+def keep_mask(key: jax.Array, keep_prob: float, shape: tuple[int, ...], split: Split, where: str = "dropout"):
+    """This device's block (``shape``, split over mesh axes as ``split`` says, box-name style)
+    of ``jax.random.bernoulli(key, keep_prob, global_shape)``, bit for bit."""
+    data = _key_data(key, where)
+    high, low = flat_index(tuple(shape), split)
+    if not high.size:
+        return jnp.zeros(shape, bool)
+    counts = jnp.concatenate([high.ravel(), low.ravel()])  # threefry_2x32 hashes (first half, second half)
+    hashed = threefry_2x32((data[0], data[1]), counts)
+    bits = (hashed[: high.size] ^ hashed[high.size :]).reshape(shape)
+    # jax.random.uniform: 23 random mantissa bits under exponent 0, minus 1; then `< p`.
+    one = np.array(1.0, np.float32).view(np.uint32)
+    floats = jax.lax.bitcast_convert_type((bits >> 9) | _U32(one), jnp.float32) - jnp.float32(1.0)
+    return jax.lax.max(jnp.float32(0.0), floats) < jnp.float32(keep_prob)
+
+
+def dropout(
+    inputs: jax.Array,
+    rate: float,
+    key: jax.Array,
+    broadcast_dims: Sequence[int],
+    split: Split,
+    where: str = "dropout",
+) -> jax.Array:
+    """Flax's dropout (``nn.Dropout``, ``nnx.Dropout``: keep with probability ``1 - rate``,
+    scale by ``1 / (1 - rate)``, one mask along ``broadcast_dims``) on this device's block of
+    the activation, with this device's block of the unsharded mask."""
+    keep_prob = 1.0 - rate
+    shape = list(inputs.shape)
+    split = list(tuple(split) + (None,) * (inputs.ndim - len(split)))
+    for dim in broadcast_dims:
+        shape[dim], split[dim] = 1, None  # one mask entry for the whole dim: not split
+    mask = jnp.broadcast_to(keep_mask(key, keep_prob, tuple(shape), tuple(split), where), inputs.shape)
+    return jax.lax.select(mask, inputs / keep_prob, jnp.zeros_like(inputs))

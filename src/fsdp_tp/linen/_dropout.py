@@ -1,0 +1,64 @@
+"""``nn.Dropout`` inside a transformed Linen model draws this device's block of the unsharded
+model's mask (:mod:`fsdp_tp.dropout`), bit for bit, from the key the unsharded model would use.
+
+The transforms (:func:`~fsdp_tp.linen._transform.map_params`) run the model under
+:func:`exact_dropout`: an ``nn.intercept_methods`` interceptor answers every ``nn.Dropout``
+call the way flax does (``deterministic``, ``rate`` 0 or 1, the rng from ``rng=`` or
+``make_rng``), with the mask drawn for this device's block: dim 0 over the batch axes, and
+the dims a tensor-parallel role left split. Pass the model the key the unsharded model gets
+(``rngs={"dropout": rng}``); a key folded over the batch axes per shard
+(:func:`~fsdp_tp.train.fold_rng_over_axis`) still gives every device its own independent
+mask, but not the unsharded one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+
+import flax.linen as nn
+
+from .._tree import module_path
+from .._types import AxisName
+from ..dropout import activation_split, dropout, splitting
+
+__all__ = ["exact_dropout"]
+
+_ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_tp_exact_dropout", default=False)
+_SIGNATURE = inspect.signature(nn.Dropout.__call__)
+
+
+@contextlib.contextmanager
+def exact_dropout(batch_axes: Callable[[], tuple[AxisName, ...]]) -> Iterator[None]:
+    """Within (a transformed model's call): every ``nn.Dropout`` draws this device's block of
+    the unsharded mask; ``batch_axes()`` gives the axes dim 0 is split over. A model call
+    starts with no tensor-parallel split (an outer transform's call already did)."""
+    if _ACTIVE.get():
+        yield
+        return
+    token = _ACTIVE.set(True)
+    try:
+        with splitting(), nn.intercept_methods(functools.partial(_intercept, batch_axes)):
+            yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _intercept(batch_axes, next_fun, args, kwargs, context):
+    module = context.module
+    if not isinstance(module, nn.Dropout) or context.method_name != "__call__":
+        return next_fun(*args, **kwargs)
+    bound = _SIGNATURE.bind(module, *args, **kwargs)
+    bound.apply_defaults()
+    inputs, rng = bound.arguments["inputs"], bound.arguments["rng"]
+    deterministic = nn.merge_param("deterministic", module.deterministic, bound.arguments["deterministic"])
+    if module.rate == 0.0 or module.rate == 1.0 or deterministic:
+        return next_fun(*args, **kwargs)  # no mask is drawn
+    if rng is None:
+        rng = module.make_rng(module.rng_collection)
+    where = f"nn.Dropout at {module_path(module.path) or 'the model'}"
+    split = activation_split(inputs, batch_axes(), where)
+    return dropout(inputs, module.rate, rng, module.broadcast_dims, split, where)

@@ -1,0 +1,59 @@
+"""``nnx.Dropout`` in a merged model draws this device's block of the unsharded model's mask
+(:mod:`fsdp_tp.dropout`), bit for bit, with model-held rngs and with rngs passed at call time.
+
+:meth:`~fsdp_tp.nnx.ShardedModel.merge` swaps each ``nnx.Dropout``'s class for a subclass
+(:func:`exact_dropouts`) whose call takes its key as flax's does (``rngs=`` at call time, else
+the module's own stream) and draws the mask for this device's block: dim 0 over the batch
+axes, and the dims a tensor-parallel role left split. A model-held stream is read unfolded
+here (:func:`~fsdp_tp.nnx._read.unfolded`): the key is the unsharded model's, and each device
+draws its block of that key's mask. Everywhere else a model-held key is still read folded over
+the batch axes, so a module's own draws differ per batch shard.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from flax import nnx
+
+from .._types import AxisName
+from ..dropout import activation_split, dropout
+from ._read import unfolded
+
+__all__ = ["exact_dropouts"]
+
+
+@functools.cache
+def _exact(cls: type, batch_axes: tuple[AxisName, ...], path: str) -> type:
+    """The subclass of ``cls`` (``nnx.Dropout`` or a user's subclass) that draws exactly (one
+    per class, axes and path, so graphs that hold it compare equal from step to step)."""
+    original = cls.__call__
+    where = f"nnx.Dropout at {path or 'the model'}"
+
+    def __call__(self, inputs, *, deterministic=None, rngs=None):
+        off = self.deterministic if deterministic is None else deterministic
+        stream = self.rngs if rngs is None else rngs
+        if off is None or off or self.rate in (0.0, 1.0) or stream is None:
+            return original(self, inputs, deterministic=deterministic, rngs=rngs)  # flax's answer
+        with unfolded():
+            if isinstance(stream, nnx.Rngs):
+                key = stream[self.rng_collection]()
+            elif isinstance(stream, nnx.RngStream):
+                key = stream()
+            elif isinstance(stream, jax.Array):
+                key = stream
+            else:
+                return original(self, inputs, deterministic=deterministic, rngs=rngs)  # its TypeError
+        split = activation_split(inputs, batch_axes, where)
+        return dropout(inputs, self.rate, key, self.broadcast_dims, split, where)
+
+    namespace = {"__call__": __call__, "__module__": cls.__module__, "_fsdp_tp_exact": True}
+    return type(cls.__name__, (cls,), namespace)
+
+
+def exact_dropouts(model: nnx.Module, batch_axes: tuple[AxisName, ...], path_text) -> None:
+    """Every ``nnx.Dropout`` of ``model`` draws its block of the unsharded mask from now on."""
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Dropout) and not getattr(node, "_fsdp_tp_exact", False):
+            object.__setattr__(node, "__class__", _exact(type(node), tuple(batch_axes), path_text(path)))

@@ -1,0 +1,193 @@
+"""Issue 42 point 2: dropout under every strategy draws the unsharded model's mask, bit for
+bit — Linen and NNX, model-held and call-time rngs, both check_vma modes.
+
+Before, a tensor rank drew the same mask for its own slice of the hidden units as every other
+rank (units j, j + H/4, ... always dropped together), and a key left unfolded repeated one mask
+over the batch shards. The core (:mod:`fsdp_tp.dropout`) draws each device's block of the
+global mask from threefry's counters; the models below put dropout in the column-parallel
+region (split over tensor), after the row layer's sum (the same on every tensor rank), and
+broadcast along the sequence."""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
+
+import fsdp_tp
+import fsdp_tp.nnx
+from fsdp_tp.dropout import keep_mask, wide_index
+from tests.equivalence import ATOL, RTOL
+
+MESHES = {"data x tensor": {"data": 2, "tensor": 4}, "data x fsdp x tensor": {"data": 2, "fsdp": 2, "tensor": 2}}
+KEY = jax.random.key(7)
+X = jax.random.normal(jax.random.key(1), (8, 6, 8))
+Y = jax.random.normal(jax.random.key(2), (8, 6, 8))
+
+
+# --- the core: a device's block of the global mask -----------------------------------------
+
+
+@given(
+    sizes=st.sampled_from([{"data": 2, "fsdp": 2, "tensor": 2}, {"data": 2, "tensor": 4}, {"fsdp": 8}]),
+    shape=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+    picks=st.lists(st.integers(0, 3), min_size=4, max_size=4),
+    keep=st.sampled_from([0.1, 0.5, 0.9]),
+    check_vma=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_each_device_draws_its_block_of_the_unsharded_mask(sizes, shape, picks, keep, check_vma, seed):
+    """Any split of any shape's dims over the mesh axes (each axis on one dim at most, in any
+    order): the blocks assembled are ``jax.random.bernoulli(key, keep, global_shape)``."""
+    axes = list(sizes)
+    split: list = [() for _ in shape]
+    for axis, pick in zip(axes, picks, strict=False):
+        if pick < len(shape):
+            split[pick] = (*split[pick], axis)
+    names = tuple(s[0] if len(s) == 1 else (s or None) for s in split)
+    key = jax.random.key(seed)
+    mesh = fsdp_tp.make_mesh(sizes)
+    blocks = jax.shard_map(
+        lambda: keep_mask(key, keep, tuple(shape), names), mesh=mesh, in_specs=(), out_specs=P(*names),
+        check_vma=check_vma,
+    )()
+    np.testing.assert_array_equal(blocks, jax.random.bernoulli(key, keep, blocks.shape))
+
+
+@given(sizes=st.lists(st.integers(1, 2**20), min_size=1, max_size=4), data=st.data())
+def test_flat_indices_are_exact_past_two_to_the_32(sizes, data):
+    """The 64-bit flat index in two 32-bit words, for arrays far beyond 2**32 elements (a
+    (512, 2048, 16384) activation has 1.7e10): checked against Python's integers."""
+    coords = [data.draw(st.integers(0, n - 1)) for n in sizes]
+    high, low = wide_index([jnp.uint32(c) for c in coords], sizes)
+    flat = sum(c * math.prod(sizes[i + 1 :]) for i, c in enumerate(coords))
+    assert (int(high) << 32) | int(low) == flat
+
+
+def test_negative_control_a_key_folded_over_the_batch_draws_no_block_of_the_mask():
+    """What the docs said to do: fold the key over the batch axes and draw the local shape.
+    The tensor ranks then agree on every entry of their different hidden units."""
+    mesh = fsdp_tp.make_mesh(MESHES["data x tensor"])
+
+    def folded(key):
+        key = fsdp_tp.train.fold_rng_over_axis(key, "data")
+        return jax.lax.pcast(jax.random.bernoulli(key, 0.5, (4, 16)), "tensor", to="varying")
+
+    blocks = jax.shard_map(folded, mesh=mesh, in_specs=P(), out_specs=P("data", "tensor"))(KEY)
+    assert not (blocks == jax.random.bernoulli(KEY, 0.5, blocks.shape)).all()
+    quarters = np.split(np.asarray(blocks), 4, axis=1)
+    assert all((q == quarters[0]).all() for q in quarters)  # units j, j + H/4, ... drop together
+
+
+# --- the models: Linen and NNX, dropout in and out of a tensor-parallel region --------------
+
+
+class LinenDropMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dropout(0.5, deterministic=False, name="hidden_drop")(nn.gelu(nn.Dense(32, name="up")(x)))
+        y = nn.Dropout(0.3, deterministic=False, name="out_drop")(nn.Dense(8, name="down")(h))
+        return x + nn.Dropout(0.25, broadcast_dims=(1,), deterministic=False, name="seq_drop")(y)
+
+
+class NNXDropMLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.up = nnx.Linear(8, 32, rngs=rngs)
+        self.down = nnx.Linear(32, 8, rngs=rngs)
+        self.hidden_drop = nnx.Dropout(0.5, rngs=rngs)
+        self.out_drop = nnx.Dropout(0.3, rngs=rngs)
+        self.seq_drop = nnx.Dropout(0.25, broadcast_dims=(1,), rngs=rngs)
+
+    def __call__(self, x, rngs=None):
+        h = self.hidden_drop(nnx.gelu(self.up(x)), rngs=rngs)
+        y = self.out_drop(self.down(h), rngs=rngs)
+        return x + self.seq_drop(y, rngs=rngs)
+
+
+STORAGE = [("up/kernel", P("fsdp")), ("down/kernel", P(None, "fsdp"))]
+
+
+def _linen(sizes: dict):
+    """``(init(rng) -> (params, rest), forward(params, rest, x, key) per device, and the
+    unsharded forward(params, x, key))``."""
+    tp = [("up$", fsdp_tp.tp_rules.ColumnParallel()), ("down$", fsdp_tp.tp_rules.RowParallel())]
+    model = fsdp_tp.shard_by_rules(LinenDropMLP, STORAGE if "fsdp" in sizes else (), tp_rules=tp)()
+    init = lambda rng: (model.init({"params": rng, "dropout": rng}, X[:2])["params"], {})
+    forward = lambda params, rest, x, key: model.apply({"params": params}, x, rngs={"dropout": key})
+    twin = lambda params, x, key: LinenDropMLP().apply({"params": params}, x, rngs={"dropout": key})
+    return init, forward, twin
+
+
+def _nnx(sizes: dict, call_time: bool):
+    tp = [("up$", fsdp_tp.nnx.ColumnParallel()), ("down$", fsdp_tp.nnx.RowParallel())]
+    sharded = fsdp_tp.nnx.shard_by_rules(NNXDropMLP, STORAGE if "fsdp" in sizes else (), tp_rules=tp)
+    rngs = (lambda key: nnx.Rngs(dropout=key)) if call_time else (lambda key: None)
+
+    def forward(params, model_state, x, key):
+        return sharded.merge(params, model_state)(x, rngs=rngs(key))
+
+    def twin(params, x, key):  # the twin's init, rng keys included, is the sharded init's
+        model = NNXDropMLP(nnx.Rngs(jax.random.key(0)))
+        nnx.update(model, nnx.State(params))
+        return model(x, rngs=rngs(key))
+
+    return sharded.init, forward, twin
+
+
+def _outputs_and_grads(sizes: dict, api: str, check_vma: bool):
+    """The sharded forward and synced gradients of the mean squared error, and the twin's."""
+    mesh = fsdp_tp.make_mesh(sizes)
+    batch = tuple(a for a in ("data", "fsdp") if a in sizes)
+    init, forward, twin = _linen(sizes) if api == "linen" else _nnx(sizes, call_time=api == "nnx call-time")
+    (params, rest), (specs, rest_specs) = fsdp_tp.init_sharded(init, mesh, P(), jax.random.key(0))
+
+    def per_device(params, rest, x, y, key):
+        loss = lambda p: jnp.mean((forward(p, rest, x, key) - y) ** 2)
+        return forward(params, rest, x, key), fsdp_tp.sync_gradients(jax.grad(loss)(params), batch)
+
+    sharded = jax.jit(
+        jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=(specs, rest_specs, P(batch), P(batch), P()),
+            out_specs=(P(batch), specs),
+            check_vma=check_vma,
+        )
+    )
+    out, grads = sharded(params, rest, X, Y, KEY)
+    whole = jax.tree.map(np.asarray, nn.unbox(params))
+    twin_grads = jax.grad(lambda p: jnp.mean((twin(p, X, KEY) - Y) ** 2))(whole)
+    return (out, nn.unbox(grads)), (twin(whole, X, KEY), twin_grads)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("api", ["linen", "nnx", "nnx call-time"])
+def test_dropout_is_the_unsharded_models_under_fsdp_and_tp(api, mesh, check_vma):
+    """The outputs drop exactly the unsharded model's entries, and the outputs and gradients
+    equal its."""
+    (out, grads), (twin_out, twin_grads) = _outputs_and_grads(MESHES[mesh], api, check_vma)
+    np.testing.assert_array_equal(np.asarray(out) == np.asarray(X), np.asarray(twin_out) == np.asarray(X))
+    np.testing.assert_allclose(out, twin_out, rtol=RTOL, atol=ATOL)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL), grads, twin_grads)
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_negative_control_flax_s_own_dropout_on_blocks_is_not_the_unsharded_models(api, monkeypatch):
+    """With the exact draw patched out (flax's Dropout on each device's block, from the key as
+    given), the same check fails: the masks are not the unsharded model's."""
+    from fsdp_tp.linen import _dropout as linen_dropout
+    from fsdp_tp.nnx import _model as nnx_model
+
+    monkeypatch.setattr(linen_dropout, "_intercept", lambda _, next_fun, args, kwargs, context: next_fun(*args, **kwargs))
+    monkeypatch.setattr(nnx_model, "exact_dropouts", lambda *args: None)
+    with pytest.raises(AssertionError):
+        test_dropout_is_the_unsharded_models_under_fsdp_and_tp(api, "data x tensor", check_vma=False)
