@@ -27,7 +27,10 @@ import fsdp_tp.nnx
 from fsdp_tp.dropout import keep_mask, wide_index
 from tests.equivalence import ATOL, RTOL
 
-MESHES = {"data x tensor": {"data": 2, "tensor": 4}, "data x fsdp x tensor": {"data": 2, "fsdp": 2, "tensor": 2}}
+MESHES = {
+    "data x tensor": {"data": 2, "tensor": 4},
+    "data x fsdp x tensor": {"data": 2, "fsdp": 2, "tensor": 2},
+}
 KEY = jax.random.key(7)
 X = jax.random.normal(jax.random.key(1), (8, 6, 8))
 Y = jax.random.normal(jax.random.key(2), (8, 6, 8))
@@ -56,7 +59,10 @@ def test_each_device_draws_its_block_of_the_unsharded_mask(sizes, shape, picks, 
     key = jax.random.key(seed)
     mesh = fsdp_tp.make_mesh(sizes)
     blocks = jax.shard_map(
-        lambda: keep_mask(key, keep, tuple(shape), names), mesh=mesh, in_specs=(), out_specs=P(*names),
+        lambda: keep_mask(key, keep, tuple(shape), names),
+        mesh=mesh,
+        in_specs=(),
+        out_specs=P(*names),
         check_vma=check_vma,
     )()
     np.testing.assert_array_equal(blocks, jax.random.bernoulli(key, keep, blocks.shape))
@@ -187,7 +193,113 @@ def test_negative_control_flax_s_own_dropout_on_blocks_is_not_the_unsharded_mode
     from fsdp_tp.linen import _dropout as linen_dropout
     from fsdp_tp.nnx import _model as nnx_model
 
-    monkeypatch.setattr(linen_dropout, "_intercept", lambda _, next_fun, args, kwargs, context: next_fun(*args, **kwargs))
+    untouched = lambda _, next_fun, args, kwargs, context: next_fun(*args, **kwargs)
+    monkeypatch.setattr(linen_dropout, "_intercept", untouched)
     monkeypatch.setattr(nnx_model, "exact_dropouts", lambda *args: None)
     with pytest.raises(AssertionError):
         test_dropout_is_the_unsharded_models_under_fsdp_and_tp(api, "data x tensor", check_vma=False)
+
+
+# --- attention dropout: a mask of its own per block -----------------------------------------
+
+SEEN: dict = {}
+
+
+def _probe(dot_product_attention):
+    """An attention function that is flax's, and records (per device) the mask flax draws
+    inside it: the same key, shape and probability."""
+
+    def attention(query, key, value, mask=None, dropout_rng=None, dropout_rate=0.0, deterministic=False, **_):
+        weights = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights)
+        device = jnp.stack([jax.lax.axis_index(a) for a in ("data", "tensor")])
+        jax.debug.callback(lambda d, k: SEEN.__setitem__(tuple(d.tolist()), np.asarray(k)), device, keep)
+        return dot_product_attention(
+            query,
+            key,
+            value,
+            mask=mask,
+            dropout_rng=dropout_rng,
+            dropout_rate=dropout_rate,
+            broadcast_dropout=False,
+            deterministic=deterministic,
+        )
+
+    return attention
+
+
+class LinenAttention(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        attend = nn.MultiHeadDotProductAttention(
+            num_heads=4,
+            qkv_features=16,
+            dropout_rate=0.5,
+            broadcast_dropout=False,
+            deterministic=False,
+            attention_fn=_probe(nn.dot_product_attention),
+            name="attn",
+        )
+        return attend(x)
+
+
+class NNXAttention(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.attn = nnx.MultiHeadAttention(
+            num_heads=4,
+            in_features=8,
+            qkv_features=16,
+            dropout_rate=0.5,
+            broadcast_dropout=False,
+            deterministic=False,
+            attention_fn=_probe(nnx.dot_product_attention),
+            decode=False,
+            rngs=rngs,
+        )
+
+    def __call__(self, x):
+        return self.attn(x)
+
+
+def _attention_masks(api: str, tp: bool) -> dict:
+    """Each device's attention dropout mask, on data 2 x tensor 4 (head-parallel, or every
+    tensor rank computing all heads)."""
+    mesh = fsdp_tp.make_mesh({"data": 2, "tensor": 4})
+    if api == "linen":
+        rules = [("attn$", fsdp_tp.tp_rules.HeadParallel())] if tp else []
+        model = fsdp_tp.shard_by_rules(LinenAttention, tp_rules=rules)()
+        init = lambda rng: (model.init({"params": rng, "dropout": rng}, X[:2])["params"], {})
+        forward = lambda params, rest, x: model.apply({"params": params}, x, rngs={"dropout": KEY})
+    else:
+        rules = [("attn$", fsdp_tp.nnx.HeadParallel())] if tp else []
+        sharded = fsdp_tp.nnx.shard_by_rules(NNXAttention, tp_rules=rules)
+        init, forward = sharded.init, lambda params, rest, x: sharded.merge(params, rest)(x)
+    (params, rest), (specs, rest_specs) = fsdp_tp.init_sharded(init, mesh, P(), jax.random.key(0))
+    SEEN.clear()
+    out = jax.shard_map(
+        forward, mesh=mesh, in_specs=(specs, rest_specs, P("data")), out_specs=P("data"), check_vma=False
+    )(params, rest, X)
+    jax.block_until_ready(out)
+    jax.effects_barrier()
+    return dict(SEEN)
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+@pytest.mark.parametrize("tp", [True, False], ids=["head-parallel", "whole heads"])
+def test_each_block_of_the_attention_weights_draws_its_own_mask(api, tp):
+    """flax draws the attention's mask inside its attention function, so it is not the
+    unsharded mask (fsdp_tp.dropout.folded_attention says why); but no two blocks repeat one:
+    head-parallel ranks draw for their own heads, batch shards for their own rows; without
+    head parallelism the tensor ranks, which compute the same heads, agree."""
+    masks = _attention_masks(api, tp)
+    assert len(masks) == 8
+    distinct = {m.tobytes() for m in masks.values()}
+    assert len(distinct) == (8 if tp else 2)
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_negative_control_an_attention_rng_left_unfolded_repeats_a_mask_across_heads(api, monkeypatch):
+    monkeypatch.setattr(fsdp_tp.dropout, "fold_over_block", lambda rng, *args: rng)
+    monkeypatch.setattr(fsdp_tp.linen._dropout, "fold_over_block", lambda rng, *args: rng)
+    with pytest.raises(AssertionError):
+        test_each_block_of_the_attention_weights_draws_its_own_mask(api, tp=True)

@@ -23,6 +23,7 @@ PACKAGE = Path(fsdp_tp.__file__).parent
 # and what they share.
 CORE = (
     "_axes",
+    "_batch",
     "_gather",
     "_integrity",
     "_layout",
@@ -37,6 +38,7 @@ CORE = (
     "checkpoint",
     "collective_matmul",
     "collectives",
+    "dropout",
     "errors",
     "gradients",
     "mesh",

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -42,27 +43,38 @@ from jax.extend.random import threefry_2x32
 from ._axes import axis_size, bound_axis_names, checks_vma, entry_axes, varying_axes
 from ._types import AxisName
 
-__all__ = ["activation_split", "dropout", "keep_mask", "split_after", "splitting"]
+__all__ = [
+    "activation_split",
+    "dropout",
+    "fold_over_block",
+    "folded_attention",
+    "keep_mask",
+    "split_after",
+    "splitting",
+    "wide_index",
+]
 
 Split = tuple  # per dim: None, an axis, or a tuple of axes (major first), as box names are
 _U32 = jnp.uint32
 
 # Dims (counted from the end) of the activations a tensor-parallel role left split, and the
 # axis: set after a column layer, cleared by a row layer's sum. A model call starts whole.
-_REGION: contextvars.ContextVar[dict[int, AxisName]] = contextvars.ContextVar("fsdp_tp_region", default={})
+_REGION: contextvars.ContextVar[tuple[tuple[int, AxisName], ...]] = contextvars.ContextVar(
+    "fsdp_tp_region", default=()
+)
 
 
 def split_after(dims: dict[int, AxisName]) -> None:
     """From here on (until a role says otherwise) activations are split on ``dims`` (counted
     from the end) over their axes: a column layer's output features; ``{}`` after a sum."""
-    _REGION.set(dict(dims))
+    _REGION.set(tuple(dims.items()))
 
 
 @contextlib.contextmanager
 def splitting(dims: dict[int, AxisName] | None = None) -> Iterator[None]:
     """Within: activations are split on ``dims`` (a head-parallel attention's heads); after, as
     before. ``splitting()`` starts a model call whole, whatever an earlier trace left."""
-    token = _REGION.set(dict(dims or {}))
+    token = _REGION.set(tuple((dims or {}).items()))
     try:
         yield
     finally:
@@ -81,7 +93,7 @@ def activation_split(x: jax.Array, batch_axes: Sequence[AxisName], where: str) -
     varying = varying_axes(x) if checking else None
     if x.ndim:
         names[0] = tuple(a for a in batch_axes if varying is None or a in varying)
-    for dim, axis in _REGION.get().items():
+    for dim, axis in _REGION.get():
         if -x.ndim <= dim < 0 and (varying is None or axis in varying):
             names[dim] = (*names[dim], axis)
     if varying is not None and (lost := varying - {a for entry in names for a in entry}):
@@ -89,7 +101,7 @@ def activation_split(x: jax.Array, batch_axes: Sequence[AxisName], where: str) -
             f"{where}: dropout on an activation of shape {x.shape} that varies over "
             f"{sorted(lost, key=str)}, but no dim is known to be split over it (dim 0 over the batch "
             f"axes {tuple(batch_axes)}, and the dims tensor-parallel roles split: "
-            f"{_REGION.get() or 'none here'}); its mask would repeat across those devices. Apply the "
+            f"{dict(_REGION.get()) or 'none here'}); its mask would repeat across those devices. Apply the "
             f"dropout before the activation is split, or where a role's output is."
         )
     return tuple(entry[0] if len(entry) == 1 else (entry or None) for entry in names)
@@ -145,11 +157,12 @@ def flat_index(shape: tuple[int, ...], split: Split) -> tuple[jax.Array, jax.Arr
 def _key_data(key: jax.Array, where: str) -> jax.Array:
     typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
     impl = str(jax.random.key_impl(key)) if typed else "threefry2x32"
-    if impl != "threefry2x32" or not jax.config.jax_threefry_partitionable:
+    partitionable = bool(getattr(jax.config, "jax_threefry_partitionable"))  # noqa: B009 (untyped)
+    if impl != "threefry2x32" or not partitionable:
         raise ValueError(
             f"{where}: a device draws its block of the unsharded dropout mask from threefry's "
             f"counters, which needs a threefry2x32 key (got {impl}) and jax_threefry_partitionable "
-            f"on (it is {bool(jax.config.jax_threefry_partitionable)}); use jax.random.key(seed) "
+            f"on (it is {partitionable}); use jax.random.key(seed) "
             f"and leave jax_threefry_partitionable at its default."
         )
     return jax.random.key_data(key) if typed else key
@@ -184,8 +197,37 @@ def dropout(
     the activation, with this device's block of the unsharded mask."""
     keep_prob = 1.0 - rate
     shape = list(inputs.shape)
-    split = list(tuple(split) + (None,) * (inputs.ndim - len(split)))
+    names = list(tuple(split) + (None,) * (inputs.ndim - len(split)))
     for dim in broadcast_dims:
-        shape[dim], split[dim] = 1, None  # one mask entry for the whole dim: not split
-    mask = jnp.broadcast_to(keep_mask(key, keep_prob, tuple(shape), tuple(split), where), inputs.shape)
+        shape[dim], names[dim] = 1, None  # one mask entry for the whole dim: not split
+    mask = jnp.broadcast_to(keep_mask(key, keep_prob, tuple(shape), tuple(names), where), inputs.shape)
     return jax.lax.select(mask, inputs / keep_prob, jnp.zeros_like(inputs))
+
+
+def fold_over_block(rng: jax.Array, x: jax.Array, batch_axes: Sequence[AxisName], where: str) -> jax.Array:
+    """``rng`` folded over every axis ``x``'s block is split over (:func:`activation_split`):
+    a different key on each block, the same where the blocks are the same."""
+    split = activation_split(x, tuple(batch_axes), where)
+    for axis in dict.fromkeys(a for entry in split for a in entry_axes(entry)):
+        rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
+    return rng
+
+
+def folded_attention(attention_fn: Callable, batch_axes: Sequence[AxisName], where: str) -> Callable:
+    """``attention_fn`` (flax's ``attention_fn=``) whose ``dropout_rng`` is folded over every axis
+    the attention's block is split over (the batch axes, and the heads' axis inside a
+    head-parallel attention, :func:`fold_over_block`): each block draws its own mask.
+
+    Why not the unsharded mask: flax draws it inside its attention function, on the block's
+    own shape, between the softmax and the product with the values; drawing the unsharded
+    model's block there would mean replacing that function. Folding gives every block an
+    independent mask, as the unsharded model's blocks are: the same distribution."""
+
+    @functools.wraps(attention_fn)
+    def attention(query, key, value, *args, dropout_rng=None, **kwargs):
+        if dropout_rng is not None:
+            dropout_rng = fold_over_block(dropout_rng, query, batch_axes, where)
+        return attention_fn(query, key, value, *args, dropout_rng=dropout_rng, **kwargs)
+
+    attention._fsdp_tp_folded = True  # type: ignore[attr-defined]
+    return attention

@@ -23,7 +23,7 @@ import flax.linen as nn
 
 from .._tree import module_path
 from .._types import AxisName
-from ..dropout import activation_split, dropout, splitting
+from ..dropout import activation_split, dropout, fold_over_block, splitting
 
 __all__ = ["exact_dropout"]
 
@@ -49,7 +49,11 @@ def exact_dropout(batch_axes: Callable[[], tuple[AxisName, ...]]) -> Iterator[No
 
 def _intercept(batch_axes, next_fun, args, kwargs, context):
     module = context.module
-    if not isinstance(module, nn.Dropout) or context.method_name != "__call__":
+    if context.method_name != "__call__":
+        return next_fun(*args, **kwargs)
+    if isinstance(module, nn.MultiHeadDotProductAttention):
+        return _attention(batch_axes, module, next_fun, args, kwargs)
+    if not isinstance(module, nn.Dropout):
         return next_fun(*args, **kwargs)
     bound = _SIGNATURE.bind(module, *args, **kwargs)
     bound.apply_defaults()
@@ -62,3 +66,18 @@ def _intercept(batch_axes, next_fun, args, kwargs, context):
     where = f"nn.Dropout at {module_path(module.path) or 'the model'}"
     split = activation_split(inputs, batch_axes(), where)
     return dropout(inputs, module.rate, rng, module.broadcast_dims, split, where)
+
+
+def _attention(batch_axes, module: nn.MultiHeadDotProductAttention, next_fun, args, kwargs):
+    """An attention's dropout rng, folded over the axes its block is split over
+    (:func:`fsdp_tp.dropout.folded_attention` says why not the unsharded mask): drawn as flax
+    draws it (``make_rng``, once per call that drops), then passed as ``dropout_rng``."""
+    bound = inspect.signature(type(module).__call__).bind(module, *args, **kwargs)
+    given = bound.arguments.get("deterministic")
+    if module.dropout_rate == 0.0 or bound.arguments.get("dropout_rng") is not None:
+        return next_fun(*args, **kwargs)
+    if nn.merge_param("deterministic", module.deterministic, given) or module.is_initializing():
+        return next_fun(*args, **kwargs)
+    where = f"{type(module).__name__} at {module_path(module.path) or 'the model'}"
+    rng = fold_over_block(module.make_rng("dropout"), args[0], batch_axes(), where)
+    return next_fun(*args, **{**kwargs, "dropout_rng": rng})

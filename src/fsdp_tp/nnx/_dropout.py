@@ -18,7 +18,7 @@ import jax
 from flax import nnx
 
 from .._types import AxisName
-from ..dropout import activation_split, dropout
+from ..dropout import activation_split, dropout, folded_attention
 from ._read import unfolded
 
 __all__ = ["exact_dropouts"]
@@ -52,8 +52,33 @@ def _exact(cls: type, batch_axes: tuple[AxisName, ...], path: str) -> type:
     return type(cls.__name__, (cls,), namespace)
 
 
+@functools.cache
+def _folding(cls: type, batch_axes: tuple[AxisName, ...], path: str) -> type:
+    """The subclass of ``cls`` (an ``nnx.MultiHeadAttention``, maybe a role's) whose attention
+    function, for each call, folds its dropout rng over the axes the block is split over
+    (:func:`fsdp_tp.dropout.folded_attention`)."""
+    original = cls.__call__
+    where = f"{cls.__name__} at {path or 'the model'}"
+
+    def __call__(self, *args, **kwargs):
+        own = self.__dict__["attention_fn"]
+        object.__setattr__(self, "attention_fn", folded_attention(own, batch_axes, where))
+        try:
+            return original(self, *args, **kwargs)
+        finally:  # the model the step holds keeps its own attention function
+            object.__setattr__(self, "attention_fn", own)
+
+    namespace = {"__call__": __call__, "__module__": cls.__module__, "_fsdp_tp_exact": True}
+    return type(cls.__name__, (cls,), namespace)
+
+
 def exact_dropouts(model: nnx.Module, batch_axes: tuple[AxisName, ...], path_text) -> None:
-    """Every ``nnx.Dropout`` of ``model`` draws its block of the unsharded mask from now on."""
+    """Every ``nnx.Dropout`` of ``model`` draws its block of the unsharded mask from now on, and
+    every ``nnx.MultiHeadAttention`` that drops draws a mask of its own per block."""
     for path, node in nnx.iter_graph(model):
-        if isinstance(node, nnx.Dropout) and not getattr(node, "_fsdp_tp_exact", False):
+        if getattr(node, "_fsdp_tp_exact", False):
+            continue
+        if isinstance(node, nnx.Dropout):
             object.__setattr__(node, "__class__", _exact(type(node), tuple(batch_axes), path_text(path)))
+        elif isinstance(node, nnx.MultiHeadAttention) and node.dropout_rate > 0:
+            object.__setattr__(node, "__class__", _folding(type(node), tuple(batch_axes), path_text(path)))

@@ -26,8 +26,8 @@ from .._batch import checked_batch_axes, resolve_batch_axes
 from .._layout import block_of, check_fit
 from .._tp_rules import compile_tp_rules, with_split
 from .._types import AxisNames, is_box
-from ..errors import RuleError
 from ..dropout import split_after
+from ..errors import RuleError
 from ..rules import REPLICATED, Rules, as_spec, compile_rules, logical_spec, spec_for, unmatched_warning
 from ..train import TrainState
 from ._dropout import exact_dropouts
