@@ -77,8 +77,11 @@ def state_init_fn(model, tx) -> Callable[..., TrainState]:
 def fold_rng_over_axis(rng: jax.Array, axis_name: AxisNames) -> jax.Array:
     """A different key on each device along ``axis_name`` (or several), the same along the others.
 
-    Use it for dropout over the batch axes: shards of the batch get different
-    masks, while devices that hold the same examples (``tensor``) agree.
+    Use it for a model's own random draws per example (noise, sampling) over the batch axes:
+    shards of the batch draw differently, while devices that hold the same examples
+    (``tensor``) agree. Not needed for dropout inside a transformed model: there each device
+    draws its block of the unsharded mask from the unsharded key (:mod:`fsdp_tp.dropout`);
+    a key folded here still gives every block an independent mask, but not the unsharded one.
 
     >>> import jax
     >>> from jax.sharding import PartitionSpec as P
