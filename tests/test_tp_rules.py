@@ -440,7 +440,8 @@ def test_a_row_layer_without_a_column_before_it_is_named():
 def test_a_storage_rule_on_the_split_dim_gets_the_fix():
     with pytest.raises(
         RuleError,
-        match=r"layer_0/Dense_0/kernel: the storage rule gives P\(None, 'fsdp'\).*e\.g\. P\('fsdp', None\)",
+        match=r"layer_0/Dense_0/kernel: storage rule 'kernel\$' gives P\(None, 'fsdp'\).*"
+        r"Store it as P\('fsdp', None\)",
     ):
         model = fsdp_tp.shard_by_rules(PlainLM, [("kernel$", P(None, "fsdp"))], tp_rules=MLP)(**SMALL)
         _init(model, "data2_fsdp2_tensor2")
@@ -449,8 +450,10 @@ def test_a_storage_rule_on_the_split_dim_gets_the_fix():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(rules=[("kernel$", P("tensor"))]), r"computes over mesh axis 'tensor', which a storage rule"),
-        (dict(batch_axes=("data", "tensor")), r"which batch_axes also uses"),
+        (
+            dict(batch_axes=("data", "tensor")),
+            r"computes over mesh axis 'tensor', which batch_axes also names",
+        ),
         (dict(tp_rules=[("Dense_0$", "column")]), r"tp rule 'Dense_0\$' -> 'column': give a role"),
     ],
 )

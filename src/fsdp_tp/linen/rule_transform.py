@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec
 
 from .._axes import bound_axis_names, entry_axes
 from .._batch import DEFAULT_BATCH_AXES, checked_batch_axes, resolve_batch_axes
-from .._tp_rules import compile_tp_rules, require_all_matched, with_split
+from .._tp_rules import compile_tp_rules, require_all_matched, require_no_tp_axis, spec_source, with_split
 from .._types import AxisNames
 from ..errors import RuleError
 from ..precision import MixedPrecision, checked_policy
@@ -40,7 +40,7 @@ from .tp_rules import LINEN
 __all__ = ["shard_by_rules"]
 
 
-def _by_rules(rules: tuple[CompiledRule, ...], default: PartitionSpec, logical, seen: Seen):
+def _by_rules(rules: tuple[CompiledRule, ...], default: PartitionSpec, logical, seen: Seen, tp_axes):
     """The rules' layout choice, with the splits of the submodules tp rules name added; it
     records which rules matched, to report the others."""
     sizes = {axis: jax.lax.axis_size(axis) for axis in bound_axis_names()}
@@ -52,15 +52,17 @@ def _by_rules(rules: tuple[CompiledRule, ...], default: PartitionSpec, logical, 
         spec, index = spec_for(path, shape, rules, sizes, default, logical_names, logical, check=False)
         if index is not None:
             used.add(index)
+        source = spec_source(index, rules, logical_names is not None)
         if split := seen.splits.get(path):
-            return with_split(path, spec, len(shape), split)
+            return with_split(path, spec, len(shape), split, source)
+        require_no_tp_axis(path, spec, tp_axes, source)
         return spec
 
     return choose, used, paths
 
 
-def _store_by_rules(params, rules: tuple[CompiledRule, ...], default: PartitionSpec, logical):
-    choose, used, paths = _by_rules(rules, default, logical, _SEEN.get())
+def _store_by_rules(params, rules: tuple[CompiledRule, ...], default: PartitionSpec, logical, tp_axes):
+    choose, used, paths = _by_rules(rules, default, logical, _SEEN.get(), tp_axes)
     out = store(params, choose)
     _SEEN.get().params.extend(paths)
     # No parameters: an apply (nothing is created), where no rule can match anything.
@@ -128,19 +130,20 @@ def shard_by_rules(
     batch_names = checked_batch_axes(batch_axes, "shard_by_rules")
     policy = checked_policy(mixed_precision, "shard_by_rules")
     tp = compile_tp_rules(tp_rules, "shard_by_rules")
-    _require_separate_axes(tp, compiled, default, frozenset(batch_names or DEFAULT_BATCH_AXES))
+    _require_separate_axes(tp, frozenset(batch_names or DEFAULT_BATCH_AXES))
+    tp_axes = frozenset(rule.role.axis for rule in tp)
     mapped = map_params(
         target,
         trans_in=lambda params: gather(
             params,
-            _rule_axes(compiled, default, _LOGICAL.get()),
+            _rule_axes(compiled, default, _LOGICAL.get()) - tp_axes,  # a role's axis stays split
             resolve_batch_axes(batch_names, "shard_by_rules"),
             input_varying(),
             policy,
             at_read=True,
-            local=frozenset(rule.role.axis for rule in tp),
+            local=tp_axes,
         ),
-        trans_out=lambda params: _store_by_rules(params, compiled, default, _LOGICAL.get()),
+        trans_out=lambda params: _store_by_rules(params, compiled, default, _LOGICAL.get(), tp_axes),
         batch_axes=lambda: resolve_batch_axes(batch_names, "shard_by_rules"),
     )
 
@@ -170,17 +173,16 @@ def shard_by_rules(
     return keep_module_name(ByRules, target)
 
 
-def _require_separate_axes(tp, rules, default: PartitionSpec, batch: frozenset) -> None:
-    """An axis tp rules compute over is never gathered: no storage rule or batch axis uses it."""
-    storage = _rule_axes(rules, default, ())
+def _require_separate_axes(tp, batch: frozenset) -> None:
+    """An axis tp rules compute over holds slices the modules compute on: no batch axis. (A
+    storage rule may name it only on the dim a role splits, where it agrees: ``with_split``.)"""
     for rule in tp:
         axis = rule.role.axis
-        if axis in batch or axis in storage:
-            what = "batch_axes" if axis in batch else "a storage rule (or default)"
+        if axis in batch:
             raise RuleError(
                 f"shard_by_rules: tp rule {rule.pattern!r} computes over mesh axis {axis!r}, which "
-                f"{what} also uses; the tp axis holds slices the module computes on and is never "
-                f"gathered or averaged. Use another axis for storage or batch (e.g. 'fsdp', 'data')."
+                f"batch_axes also names; the tp axis holds slices the module computes on and is never "
+                f"averaged. Split the batch over other axes (e.g. 'data', 'fsdp')."
             )
 
 

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec
 from .._axes import axes_named, bound_axis_names
 from .._batch import checked_batch_axes, resolve_batch_axes
 from .._layout import block_of, check_fit
-from .._tp_rules import compile_tp_rules, with_split
+from .._tp_rules import compile_tp_rules, spec_source, with_split
 from .._types import AxisNames, is_box
 from ..dropout import split_after
 from ..errors import RuleError
@@ -104,8 +104,9 @@ class ShardedModel:
                 spec = names
             if index is not None:
                 used.add(index)
-            if split := self._roles.splits.get(path_text(path)):
-                spec = with_split(path_text(path), spec, len(shape), split)
+            source = spec_source(index, self._rules, names is not None)
+            if split := self._roles.splits.get(path_text(path)):  # (others are gathered over any axis)
+                spec = with_split(path_text(path), spec, len(shape), split, source)
             self.specs[path] = spec
         axes = frozenset(a for spec in self.specs.values() for a in axes_named(spec))
         # What each parameter is gathered over: a role computes on the slice over its axis.
