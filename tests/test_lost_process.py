@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_tp.cli.verdict import Identity, verdict
+from fsdp_tp.cli.verdict import DELIBERATE, Identity, verdict
 from fsdp_tp.cli.workdir import saved_steps
 from tests.test_multihost import MESH, free_port, start_two_processes
 
@@ -57,8 +57,21 @@ RESUME = "the last checkpoint is ck/20: start every process again with --resume 
         # service did not cause (the parent shows the native log then).
         (143, PROCESS_1_LOST, WHO, (143, None)),
         (-6, OTHER_ABORT, WHO, (-6, None)),
+        # Issue 46 point 4: a process that printed why it ends (the settings differ), then was
+        # aborted because process 0 had left first, is not a lost coordinator (the row
+        # "coordinator-lost" above is the same log without the child's word: the control).
+        (-6, f"\n{DELIBERATE} 2\n" + PROCESS_0_LOST, Identity(1, 2, 30), (2, None)),
     ],
-    ids=["peer-lost", "coordinator-lost", "same-id", "not-joined", "killed", "own-exit", "other-abort"],
+    ids=[
+        "peer-lost",
+        "coordinator-lost",
+        "same-id",
+        "not-joined",
+        "killed",
+        "own-exit",
+        "other-abort",
+        "said-why-then-aborted",
+    ],
 )
 def test_the_native_log_is_read_as_one_line(code, native, who, ended):
     got = verdict(code, native, who, "ck", [10, 20])

@@ -7,7 +7,10 @@ import importlib.util
 import inspect
 import pkgutil
 import re
+import subprocess
+import sys
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -42,7 +45,21 @@ def test_the_front_door_is_the_users_path_and_shadows_no_submodule():
     for info in pkgutil.walk_packages(fsdp_tp.__path__, "fsdp_tp."):
         if info.name == "fsdp_tp.__main__":  # `python -m fsdp_tp`: running it is the command
             continue
-        assert isinstance(getattr(importlib.import_module(info.name), "__all__", None), list), info.name
+        with warnings.catch_warnings():  # fsdp_tp.tp_rules: 0.1's import path, deprecated
+            warnings.simplefilter("ignore", DeprecationWarning)
+            assert isinstance(getattr(importlib.import_module(info.name), "__all__", None), list), info.name
+
+
+def test_the_0_1_import_path_of_tp_rules_works_with_a_warning_naming_the_new_one():
+    """Issue 46 point 3: ``from fsdp_tp.tp_rules import mlp_rules`` raised ModuleNotFoundError
+    in 0.2.0. A fresh process, so the import really runs."""
+    source = "from fsdp_tp.tp_rules import mlp_rules, ColumnParallel; print(mlp_rules.__module__)"
+    done = subprocess.run(
+        [sys.executable, "-W", "always::DeprecationWarning", "-c", source], capture_output=True, text=True
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "fsdp_tp.linen.tp_rules", done.stderr
+    assert "DeprecationWarning: fsdp_tp.tp_rules moved to fsdp_tp.linen.tp_rules" in done.stderr
+    assert "goes in 0.3.0" in done.stderr
 
 
 def test_ci_runs_the_readme_test_command():

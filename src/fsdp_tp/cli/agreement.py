@@ -17,8 +17,9 @@ import jax
 
 from .checks import UsageError
 from .distributed import coordination_client
+from .supervise import ended_deliberately
 
-__all__ = ["check_agreement", "differences", "run_settings"]
+__all__ = ["DisagreementError", "check_agreement", "differences", "run_settings"]
 
 # Flags a process may set for itself: its index, where its own log would go (only process 0
 # writes one), how often it would print, whether it shows the libraries' logs, how long it
@@ -62,12 +63,36 @@ def differences(reference: dict[str, str], mine: dict[str, str], process: int) -
     ]
 
 
+class DisagreementError(UsageError):
+    """The processes were started with other settings. Raised on every process; each, once
+    it has said so (:meth:`leave`), tells the others, and process 0, which runs the
+    coordination service, leaves last: a process still printing its line when the service
+    went away was aborted by it, and read as a lost coordinator."""
+
+    def __init__(self, message: str, client, me: int, processes: int, timeout_ms: int):
+        super().__init__(message)
+        self._client, self._me, self._processes, self._timeout_ms = client, me, processes, timeout_ms
+
+    def leave(self) -> None:
+        """After this process printed its line."""
+        ended_deliberately(2)  # for a supervising parent: whatever native code says next
+        if self._me:
+            self._client.key_value_set(f"fsdp_tp/left/{self._me}", "1")
+            return
+        for process in range(1, self._processes):
+            try:
+                self._client.blocking_key_value_get(f"fsdp_tp/left/{process}", self._timeout_ms)
+            except Exception:  # a process that died meanwhile: nothing to wait for
+                return
+
+
 def check_agreement(settings: dict[str, str], timeout_s: int) -> None:
     """Raises ``UsageError`` on every process when any process's ``settings`` differ from
     process 0's; returns on every process otherwise. A single process returns at once.
 
     Process 0 publishes its settings; each process publishes what it found different; all
-    read every verdict, then meet at a barrier, so none ends while another still reads.
+    read every verdict, then meet at a barrier, so none ends while another still reads; the
+    caller prints the error, then calls its :meth:`DisagreementError.leave`.
     """
     client = coordination_client()
     if client is None:
@@ -82,8 +107,12 @@ def check_agreement(settings: dict[str, str], timeout_s: int) -> None:
         found += json.loads(client.blocking_key_value_get(f"fsdp_tp/verdict/{process}", timeout_ms))
     client.wait_at_barrier("fsdp_tp/compared", timeout_ms)
     if found:
-        raise UsageError(
+        raise DisagreementError(
             "the processes of this run were started with other settings: "
             + "; ".join(found)
-            + ". Start every process with the same flags and data (only --process-id differs)."
+            + ". Start every process with the same flags and data (only --process-id differs).",
+            client,
+            me,
+            jax.process_count(),
+            timeout_ms,
         )

@@ -25,7 +25,7 @@ from ..errors import (
     MeshShapeError,
 )
 from ..recipe.data import DataChangedError, DataError
-from .agreement import check_agreement, run_settings
+from .agreement import DisagreementError, check_agreement, run_settings
 from .bench_command import bench
 from .checks import UsageError, check_paths, check_ranges, resuming
 from .distributed import DistributedError
@@ -123,6 +123,8 @@ def main(argv: list[str] | None = None, out=sys.stdout) -> int:
         CheckpointCorruptError,
     ) as err:
         print(f"fsdp-tp: error: {err}", file=sys.stderr)
+        if isinstance(err, DisagreementError):
+            err.leave()
         return 2
     except JaxRuntimeError as err:
         wait_for_verdict(err, getattr(args, "peer_timeout", 0))

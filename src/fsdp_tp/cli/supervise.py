@@ -34,10 +34,10 @@ import time
 from contextlib import redirect_stderr, redirect_stdout
 
 from .distributed import DistributedError, this_process
-from .verdict import Identity, verdict
+from .verdict import DELIBERATE, Identity, verdict
 from .workdir import saved_steps
 
-__all__ = ["CHILD", "adopt", "supervisable", "supervise", "wait_for_verdict"]
+__all__ = ["CHILD", "adopt", "ended_deliberately", "supervisable", "supervise", "wait_for_verdict"]
 
 CHILD = "FSDP_TP_NATIVE_STDERR"  # set in the child: the pipe its native stderr goes to
 _KEPT = 256 * 1024  # the native log's last bytes, read when the child ends
@@ -136,6 +136,14 @@ def adopt() -> bool:
     sys.stderr = open(terminal, "w", buffering=1, errors="backslashreplace")
     threading.Thread(target=_orphaned, args=(os.getppid(),), daemon=True).start()
     return True
+
+
+def ended_deliberately(code: int) -> None:
+    """In a supervised child that has printed why it ends with ``code``: says so in the native
+    log, so the parent returns ``code`` even if the coordination service, going away first,
+    aborts this process before it exits (:func:`verdict.verdict`)."""
+    if _adopted:
+        os.write(2, f"\n{DELIBERATE} {code}\n".encode())
 
 
 def wait_for_verdict(error: Exception, peer_timeout: int) -> None:

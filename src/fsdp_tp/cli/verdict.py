@@ -20,7 +20,11 @@ import re
 import signal
 from dataclasses import dataclass
 
-__all__ = ["Ended", "Identity", "lost_processes", "verdict"]
+__all__ = ["DELIBERATE", "Ended", "Identity", "lost_processes", "verdict"]
+
+DELIBERATE = "fsdp-tp: this process printed why it ends, with exit status"
+"""What a supervised child writes to its native log once it has said why it ends."""
+_DELIBERATE = re.compile(re.escape(DELIBERATE) + r" (\d+)")
 
 # The coordination service's words, from XLA's coordination_service*.cc and client.h.
 _UNHEALTHY = re.compile(r"unhealthy \(stopped sending heartbeats\):\s*((?:\d+\s*)+)")
@@ -86,6 +90,8 @@ def verdict(code: int, native: str, who: Identity, checkpoint_dir: str | None, s
     pattern explains (the caller shows the native log then)."""
     if code in (0, 2, 130, 143):
         return Ended(code)
+    if said := _DELIBERATE.search(native):  # it said why; whatever aborted it afterwards
+        return Ended(int(said.group(1)))
     resume = _resume(checkpoint_dir, steps)
     if _SAME_ID in native:
         ids = f" (0 .. {who.processes - 1})" if who.processes else ""
