@@ -303,3 +303,47 @@ def test_negative_control_an_attention_rng_left_unfolded_repeats_a_mask_across_h
     monkeypatch.setattr(fsdp_tp.linen._dropout, "fold_over_block", lambda rng, *args: rng)
     with pytest.raises(AssertionError):
         test_each_block_of_the_attention_weights_draws_its_own_mask(api, tp=True)
+
+
+class SequenceParallelDrop(nn.Module):
+    """Dropout on the residual stream between sequence-parallel blocks, where each tensor rank
+    holds a slice of the sequence (``axis_name=None``: the unsharded twin)."""
+
+    axis_name: str | None = "tensor"
+
+    @nn.compact
+    def __call__(self, x):
+        y = fsdp_tp.MLPBlock(32, axis_name=self.axis_name, sequence_parallel=self.axis_name is not None)(x)
+        return x + nn.Dropout(0.5, deterministic=False)(y)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_dropout_on_sequence_slices_is_the_unsharded_models(check_vma):
+    mesh = fsdp_tp.make_mesh({"data": 2, "tensor": 4})
+    x = jax.random.normal(jax.random.key(3), (4, 8, 8))
+    model = fsdp_tp.shard_by_rules(SequenceParallelDrop)()
+    init = lambda r, x: model.init({"params": r, "dropout": r}, x)["params"]
+    params, specs = fsdp_tp.init_sharded(init, mesh, (P(), P("data", "tensor")), jax.random.key(0), x)
+    out = jax.jit(
+        jax.shard_map(
+            lambda p, x: model.apply({"params": p}, x, rngs={"dropout": KEY}),
+            mesh=mesh,
+            in_specs=(specs, P("data", "tensor")),
+            out_specs=P("data", "tensor"),
+            check_vma=check_vma,
+        )
+    )(params, x)
+    twin = SequenceParallelDrop(axis_name=None).apply({"params": nn.unbox(params)}, x, rngs={"dropout": KEY})
+    np.testing.assert_array_equal(np.asarray(out) == np.asarray(x), np.asarray(twin) == np.asarray(x))
+    np.testing.assert_allclose(out, twin, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_negative_control_sequence_slices_not_marked(check_vma, monkeypatch):
+    """With the layers not saying what they split, the residual stream varies over 'tensor'
+    where no dim accounts for it: refused (the init traces the model with checking on, so the
+    unchecked step's model is refused there too), where the mask would repeat over ranks."""
+    monkeypatch.setattr(fsdp_tp.tp, "split_after", lambda dims: None)
+    monkeypatch.setattr(fsdp_tp.linen.layers.dense, "split_after", lambda dims: None)
+    with pytest.raises(ValueError, match="no dim is known to be split over it"):
+        test_dropout_on_sequence_slices_is_the_unsharded_models(check_vma)

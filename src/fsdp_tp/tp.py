@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from ._types import AxisName
 from .collective_matmul import RingChunks, ring_all_gather
 from .collectives import copy_to_axis, reduce_from_axis
+from .dropout import split_after
 
 __all__ = ["add_bias_once", "column_input", "row_reduce", "vocab_lookup", "vocab_start"]
 
@@ -58,9 +59,12 @@ def column_input(
 
 def row_reduce(partial: jax.Array, axis_name: AxisName, sequence_axis: int | None = None) -> jax.Array:
     """This device's partial products summed over ``axis_name`` (*g*: identity backward), or
-    reduce-scattered along ``sequence_axis`` so each device leaves with its slice of it."""
+    reduce-scattered along ``sequence_axis`` so each device leaves with its slice of it (where
+    dropout draws its mask by sequence slice: :mod:`fsdp_tp.dropout`)."""
     if sequence_axis is None:
+        split_after({})  # summed: the same on every device of the axis
         return reduce_from_axis(partial, axis_name)
+    split_after({sequence_axis - partial.ndim: axis_name})
     return jax.lax.psum_scatter(partial, axis_name, scatter_dimension=sequence_axis, tiled=True)
 
 

@@ -177,8 +177,7 @@ class RowParallel(TPRole):
         return {"use_bias": False}
 
     def around(self, method, run, layer, args, kwargs):
-        out = row_reduce(run(*args, **kwargs), self.axis)
-        split_after({})  # summed: the same on every device of the axis
+        out = row_reduce(run(*args, **kwargs), self.axis)  # (whole from here on, for dropout)
         bias = layer.bias() if layer.use_bias and layer.bias is not None else None
         return add_bias_once(out, bias, self.axis, dtype=layer.dtype)
 

@@ -21,6 +21,7 @@ from ..._layout import axis_text, check_fit, require_divisible, sliced_init
 from ..._tree import module_path
 from ...collective_matmul import RingChunks, matmul_reduce_scatter, require_mode
 from ...collectives import gather_from_axis
+from ...dropout import split_after
 from ...tp import add_bias_once, column_input, row_reduce
 from .._gather import param_boxed
 
@@ -137,7 +138,11 @@ class ColumnParallelDense(_ParallelDense):
             return y if b is None else y + b
 
         y = apply_chunked(x, dense)
-        return gather_from_axis(y, y.ndim - 1, self.axis_name) if self.gather_output else y
+        if self.gather_output:
+            split_after({})
+            return gather_from_axis(y, y.ndim - 1, self.axis_name)
+        split_after({-1: self.axis_name})  # dropout until the row layer draws by these features
+        return y
 
 
 class RowParallelDense(_ParallelDense):
@@ -189,6 +194,8 @@ class RowParallelDense(_ParallelDense):
         x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
         if self.collective_matmul is not None:
             y = self._ring(x, kernel, self.collective_matmul)
+            seq = {self.sequence_axis - y.ndim: self.axis_name} if self.sequence_axis is not None else {}
+            split_after(seq)  # as row_reduce says for dropout
         else:
             y = row_reduce(_matmul(x, kernel, self.precision), self.axis_name, self.sequence_axis)
         return add_bias_once(y, bias, self.axis_name, self.sequence_axis is not None)
