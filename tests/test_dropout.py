@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from hypothesis import given
@@ -347,3 +348,44 @@ def test_negative_control_sequence_slices_not_marked(check_vma, monkeypatch):
     monkeypatch.setattr(fsdp_tp.linen.layers.dense, "split_after", lambda dims: None)
     with pytest.raises(ValueError, match="no dim is known to be split over it"):
         test_dropout_on_sequence_slices_is_the_unsharded_models(check_vma)
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx call-time"])
+def test_sgd_steps_with_dropout_are_the_unsharded_models(api):
+    """Three SGD steps through shard_step, a new dropout key each step (the step's rng folded
+    with the step number): the losses and parameters are the unsharded run's."""
+    sizes = MESHES["data x fsdp x tensor"]
+    mesh = fsdp_tp.make_mesh(sizes)
+    init, forward, twin = _linen(sizes) if api == "linen" else _nnx(sizes, call_time=True)
+    tx = optax.sgd(0.1)
+
+    def init_fn(rng):
+        params, rest = init(rng)
+        return fsdp_tp.TrainState.create(apply_fn=None, params=params, tx=tx, rng=rng, model_state=rest)
+
+    state, specs = fsdp_tp.init_sharded(init_fn, mesh, P(), jax.random.key(0))
+
+    def step_fn(state, batch):
+        x, y = batch
+        key = jax.random.fold_in(state.rng, state.step)
+        loss = lambda p: jnp.mean((forward(p, state.model_state, x, key) - y) ** 2)
+        value, grads = jax.value_and_grad(loss)(state.params)
+        synced = fsdp_tp.sync_gradients(grads, ("data", "fsdp")), jax.lax.pmean(value, ("data", "fsdp"))
+        # NNX: the model's own rng counts are state; call-time rngs leave them as they were
+        return (*synced, state.model_state) if jax.tree.leaves(state.model_state) else synced
+
+    batch = P(("data", "fsdp"))
+    step = fsdp_tp.shard_step(step_fn, mesh, specs, (batch, batch))
+    whole = jax.tree.map(np.asarray, nn.unbox(state.params))
+    losses, twin_losses = [], []
+    for i in range(3):
+        state, loss = step(state, (X, Y))
+        key = jax.random.fold_in(jax.random.key(0), i)
+        value, grads = jax.value_and_grad(lambda p, key=key: jnp.mean((twin(p, X, key) - Y) ** 2))(whole)
+        whole = jax.tree.map(lambda p, g: p - 0.1 * g, whole, grads)
+        losses.append(float(loss))
+        twin_losses.append(float(value))
+    np.testing.assert_allclose(losses, twin_losses, rtol=RTOL)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL), nn.unbox(state.params), whole
+    )
