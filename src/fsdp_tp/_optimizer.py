@@ -48,6 +48,7 @@ from ._types import PyTree
 from .errors import OptimizerOnShardsError
 
 __all__ = [
+    "checked_tx",
     "lower_optimizer_state",
     "optimizer_layout",
     "per_device_step",
@@ -72,6 +73,23 @@ def without_optimizer_state(fn):
         return jax.tree.map(drop, fn(*args), is_leaf=_is_state)
 
     return stripped
+
+
+def checked_tx(tx, caller: str):
+    """``tx`` if it is an optax transformation (``init`` and ``update``), else a TypeError that
+    names what was passed; an ``nnx.Optimizer`` is told to pass the transformation it wraps."""
+    if callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None)):
+        return tx
+    if type(tx).__module__.startswith("flax.nnx"):  # nnx.Optimizer (or a subclass): model and tx
+        raise TypeError(
+            f"{caller}: got an nnx.Optimizer; pass the optax transformation it wraps "
+            f"(optimizer.tx, e.g. optax.adamw(1e-3)): the sharded step applies it to the global "
+            f"parameters and keeps its state in TrainState.opt_state, as nnx.Optimizer does."
+        )
+    raise TypeError(
+        f"{caller}: tx must be an optax transformation (with init and update), e.g. optax.adamw(1e-3); "
+        f"got {type(tx).__name__}."
+    )
 
 
 def optimizer_layout(tx, params: PyTree, mesh) -> tuple[PyTree, PyTree]:

@@ -29,6 +29,7 @@ __all__ = [
     "require_all_matched",
     "require_divides",
     "require_no_tp_axis",
+    "require_own_parameters",
     "role_of",
     "slice_error",
     "spec_source",
@@ -67,6 +68,13 @@ class Kinds:
 
 def compile_tp_rules(rules: Sequence, caller: str) -> tuple[CompiledRole, ...]:
     """Checks ``(pattern, role)`` pairs; a :class:`~fsdp_tp.errors.RuleError` names a bad one."""
+    one = isinstance(rules, tuple | list) and len(rules) == 2 and isinstance(rules[1], TPRole)
+    if isinstance(rules, str) or one:
+        example = f"[{rules!r}]" if one else f"[({rules!r}, ColumnParallel())]"
+        raise RuleError(
+            f"{caller}: tp_rules={rules!r} is {'one pair' if one else 'a string'}; give a list of "
+            f"(pattern, role) pairs, e.g. tp_rules={example}."
+        )
     compiled = []
     for rule in rules:
         pattern, regex, role = split_rule(
@@ -153,6 +161,21 @@ def require_divides(role: TPRole, pattern: str, layer: Layer, size: int) -> None
             size,
             f"use a {role.axis!r} size that divides {value}, or leave {layer.path} whole "
             f"(drop it from the rules)",
+        )
+
+
+def require_own_parameters(role: TPRole, pattern: str, layer: Layer, cls: type, names: Sequence[str]) -> None:
+    """A dense or conv layer whose parameters are more than its kernel and bias (a LoRA layer's
+    ``lora_a`` / ``lora_b``) computes with parameters the role does not split: refused at the
+    rule, not at the first step."""
+    if layer.kind not in ("dense", "conv"):
+        return
+    if extra := [n for n in names if n.rpartition("/")[2] not in ("kernel", "bias")]:
+        raise RuleError(
+            f"tp rule {pattern!r} -> {type(role).__name__} matches {layer.path}, a {cls.__name__} that "
+            f"also computes with {', '.join(extra)}, which {type(role).__name__} does not split (it "
+            f"splits a dense layer's kernel and bias). Leave {layer.path} whole: drop the rule (storage "
+            f"rules can still split its parameters)."
         )
 
 

@@ -33,7 +33,7 @@ import contextlib
 import contextvars
 import functools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -64,14 +64,14 @@ _REGION: contextvars.ContextVar[tuple[tuple[int, AxisName], ...]] = contextvars.
 )
 
 
-def split_after(dims: dict[int, AxisName]) -> None:
+def split_after(dims: Mapping[int, AxisName]) -> None:
     """From here on (until a role says otherwise) activations are split on ``dims`` (counted
     from the end) over their axes: a column layer's output features; ``{}`` after a sum."""
     _REGION.set(tuple(dims.items()))
 
 
 @contextlib.contextmanager
-def splitting(dims: dict[int, AxisName] | None = None) -> Iterator[None]:
+def splitting(dims: Mapping[int, AxisName] | None = None) -> Iterator[None]:
     """Within: activations are split on ``dims`` (a head-parallel attention's heads); after, as
     before. ``splitting()`` starts a model call whole, whatever an earlier trace left."""
     token = _REGION.set(tuple((dims or {}).items()))

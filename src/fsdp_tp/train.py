@@ -19,7 +19,7 @@ from jax.sharding import Mesh, PartitionSpec
 from ._axes import require_axes
 from ._batch import batch_axes_of, batch_split_over
 from ._layout import require_divisible
-from ._optimizer import per_device_step, refuse_on_shards
+from ._optimizer import checked_tx, per_device_step, refuse_on_shards
 from ._tree import named_shardings
 from ._types import AxisNames, PyTree, Specs
 from .partitioning import check_specs
@@ -65,6 +65,8 @@ def state_init_fn(model, tx) -> Callable[..., TrainState]:
     >>> state.params["scale"].shape, state.model_state["batch_stats"]["mean"].shape, int(state.step)
     ((2,), (2,), 0)
     """
+
+    checked_tx(tx, "state_init_fn")
 
     def init_fn(rng, *inputs):
         variables = dict(model.init(rng, *inputs))

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec
 from .._axes import axes_named, bound_axis_names
 from .._batch import checked_batch_axes, resolve_batch_axes
 from .._layout import block_of, check_fit
+from .._optimizer import checked_tx
 from .._tp_rules import compile_tp_rules, spec_source, with_split
 from .._types import AxisNames, is_box
 from ..dropout import split_after
@@ -84,11 +85,12 @@ class ShardedModel:
     from it inside the step (:meth:`merge`). Made by :func:`shard_by_rules`."""
 
     def __init__(self, make_model, rules, tp_rules, default, batch_axes, logical_axis_rules):
+        _require_constructor(make_model)
         self._make = make_model
         self._rules = compile_rules(rules, _CALLER)
         self.batch_axes = checked_batch_axes(batch_axes, _CALLER)
         with nnx.use_eager_sharding(False):
-            abstract = nnx.eval_shape(lambda: make_model(nnx.Rngs(0)))
+            abstract = nnx.eval_shape(lambda: _built(make_model))
         self.graphdef, params, rest = _split(abstract)
         self._params = list(nnx.to_flat_state(params))
         self._rest = list(nnx.to_flat_state(rest))
@@ -129,7 +131,7 @@ class ShardedModel:
         constructor builds from ``nnx.Rngs(rng)``, each parameter this device's block of
         the full value (boxed with its split), so gathered it is the unsharded init."""
         with nnx.use_eager_sharding(False):
-            model = self._make(nnx.Rngs(rng))
+            model = _built(self._make, rng)
         _, params, rest = _split(model)
         values = {path: variable.get_raw_value() for path, variable in nnx.to_flat_state(params)}
         self._roles.check_sizes()
@@ -158,6 +160,8 @@ class ShardedModel:
         """``init_fn(rng)`` for :func:`fsdp_tp.init_sharded`: a :class:`~fsdp_tp.TrainState` of
         the blocks, the other Variables as ``model_state``, the optimizer ``tx`` and ``rng``."""
 
+        checked_tx(tx, f"{_CALLER}(...).state_init_fn")
+
         def init_fn(rng):
             params, model_state = self.init(rng)
             return TrainState.create(apply_fn=None, params=params, tx=tx, rng=rng, model_state=model_state)
@@ -172,6 +176,13 @@ class ShardedModel:
         reduce-scatter the gradients). Its ``nnx.Dropout`` draws this device's block of the
         unsharded mask (:mod:`fsdp_tp.nnx._dropout`); other reads of an rng key are folded
         over the batch axes, so each batch shard draws its own values."""
+        if not bound_axis_names():
+            raise ValueError(
+                f"{_CALLER}(...).merge: called outside jax.shard_map; merge builds one device's model "
+                f"from its blocks inside the step. Outside it, read the global parameters into an "
+                f"unsharded model: nnx.update(model, nnx.State(jax.tree.map(lambda b: b.value, "
+                f"params, is_leaf=lambda b: hasattr(b, 'names'))))."
+            )
         flat = _flat(params)
         batch_axes = resolve_batch_axes(self.batch_axes, _CALLER)
         batch = frozenset(batch_axes)
@@ -184,6 +195,12 @@ class ShardedModel:
             else:
                 variables.append((path, variable.copy(leaf)))
         stored = {name: _flat(tree) for name, tree in (model_state or {}).items()}
+        if missing := sorted({type(v).__name__ for _, v in self._rest} - set(stored)):
+            raise ValueError(
+                f"{_CALLER}(...).merge: the model holds {', '.join(missing)} Variables, and "
+                f"model_state has {sorted(stored) or 'none'}; pass the state's: "
+                f"merge(state.params, state.model_state)."
+            )
         rest = []
         for path, variable in self._rest:
             value = stored[type(variable).__name__][path]
@@ -204,6 +221,36 @@ class ShardedModel:
         step returns as its third output (after averaging what differs across devices).
         Rng keys come back as stored (folded only where read); the draws advance the counts."""
         return self._model_state(_split(model)[2])
+
+
+def _require_constructor(make_model) -> None:
+    """``make_model`` builds an NNX model from ``nnx.Rngs``; a built model, or a Linen module,
+    is named with what to pass instead."""
+    if isinstance(make_model, nnx.Module):
+        name = type(make_model).__name__
+        raise TypeError(
+            f"{_CALLER}: got a built {name}; pass its constructor, e.g. lambda rngs: {name}(..., "
+            f"rngs=rngs): each device builds its block of every parameter from the rng, so the init "
+            f"is the unsharded one."
+        )
+    cls = make_model if isinstance(make_model, type) else type(make_model)
+    if any(c.__module__.startswith("flax.linen") for c in cls.__mro__):
+        raise TypeError(
+            f"{_CALLER}: got the Linen module {cls.__name__}; this is the NNX front end. For a Linen "
+            f"model use fsdp_tp.shard_by_rules({cls.__name__}, rules) (the same rules and roles)."
+        )
+    if not callable(make_model):
+        raise TypeError(f"{_CALLER}: make_model must build the model from nnx.Rngs; got {make_model!r}.")
+
+
+def _built(make_model, rng=0) -> nnx.Module:
+    model = make_model(nnx.Rngs(rng))
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            f"{_CALLER}: make_model(nnx.Rngs(...)) returned a {type(model).__name__}, not an nnx.Module; "
+            f"pass a constructor of the model, e.g. lambda rngs: Model(..., rngs=rngs)."
+        )
+    return model
 
 
 _NAMED: dict[tuple, type] = {}

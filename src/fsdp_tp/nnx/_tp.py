@@ -29,6 +29,7 @@ from .._tp_rules import (
     kind_error,
     require_all_matched,
     require_divides,
+    require_own_parameters,
     role_of,
     slice_error,
 )
@@ -168,6 +169,8 @@ class RolePlan:
     def _give(self, path: Path, node: nnx.Module, role: TPRole, pattern: str, params: list[str]) -> None:
         text = path_text(path)
         layer = layer_of(node, text)
+        own = [p[len(text) + 1 :] for p in params if p.startswith(text + "/")]
+        require_own_parameters(role, pattern, layer, type(node), own)
         self.roles[path] = (role, pattern, layer)
         for name, dim in role.splits(layer).items():
             if f"{text}/{name}" in params:  # a layer without a bias has no bias to split
