@@ -121,6 +121,8 @@ FLAGS = [
     (["--log-file", "/nonexistent/dir/log.jsonl"], "directory /nonexistent/dir does not exist"),
     (["--log-file", "/"], "--log-file / is a directory; pass a file path"),
     (["--checkpoint-dir", "/etc/hostname"], "--checkpoint-dir /etc/hostname is a file; pass a directory"),
+    # Issue 46 point 5: 68 lines ending in "cuDNN is not detected"
+    (["--attention", "cudnn"], "--attention cudnn is cuDNN's flash attention, which needs an NVIDIA GPU"),
 ]
 
 
@@ -225,6 +227,16 @@ def test_a_bad_environment_variable_or_bench_flag_is_one_line(monkeypatch, capsy
             in capsys.readouterr().err
         )
         monkeypatch.delenv("JAX_PLATFORMS")
+    # Issue 46 point 5: --accelerator on a CPU machine ended in a 101.8 GB out-of-memory traceback,
+    # and --out was checked after the benchmark had run (600 s).
+    for flags, words in [
+        (["--accelerator"], "bench --accelerator measures the presets on this machine's GPU or TPU, and JAX"),
+        (["--out", "/proc/nope"], "--out /proc/nope: cannot write there (it would be made in /proc"),
+        (["--out", "/etc/hostname"], "--out /etc/hostname is a file; pass a directory."),
+    ]:
+        assert main(["bench", *flags, "--no-plots"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"fsdp-tp: error: {words}") and err.count("\n") == 1, err
     for flag in ("--depths", "--build-depths"):
         assert main(["bench", flag, "x,y", "--no-plots"]) == 2
         assert capsys.readouterr().err.strip() == (

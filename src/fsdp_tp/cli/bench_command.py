@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from .checks import UsageError, check_attention, writable_directory
 from .machine import uses_accelerator
 from .options import DTYPES
 
@@ -32,6 +33,19 @@ def _accelerator_bench(args, argv: list[str], out) -> int:
     return 0
 
 
+def _check_machine_flags(args) -> None:
+    """Where the pages go, and what --accelerator needs of this machine."""
+    writable_directory(args.out, "--out")
+    if args.accelerator and not uses_accelerator(args):
+        raise UsageError(
+            "bench --accelerator measures the presets on this machine's GPU or TPU, and JAX sees none "
+            "here (no CUDA or TPU plugin, or JAX_PLATFORMS=cpu): run fsdp-tp bench without "
+            "--accelerator for the CPU benchmark."
+        )
+    if args.accelerator:
+        check_attention(args.attention, args.dtype, True)
+
+
 def bench(args, argv: list[str], out) -> int:
     """``fsdp-tp bench``: every strategy against the baselines on 8 simulated CPU devices, or
     with ``--accelerator`` the model on this machine's accelerators; its page written. Bad
@@ -40,6 +54,11 @@ def bench(args, argv: list[str], out) -> int:
 
     from ..mesh import simulate_cpu_devices
 
+    try:  # every flag before any work: a bench run takes minutes
+        _check_machine_flags(args)
+    except UsageError as err:
+        print(f"fsdp-tp: error: {err}", file=sys.stderr)
+        return 2
     workloads, known = args.workloads.split(","), {"mlp", "block", "gpt"}
     if not set(workloads) <= known or args.blocks < 3 or args.steps < 1:
         print(

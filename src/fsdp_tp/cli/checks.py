@@ -19,11 +19,13 @@ from pathlib import Path
 
 __all__ = [
     "UsageError",
+    "check_attention",
     "check_nnx",
     "check_paths",
     "check_ranges",
     "check_schedule",
     "resuming",
+    "writable_directory",
     "writable_file",
 ]
 
@@ -141,6 +143,35 @@ def writable_file(path: str, flag: str) -> None:
     _probe_directory(file.parent, flag)
 
 
+def writable_directory(directory: str, flag: str) -> None:
+    """Raises unless ``directory`` is, or can be made, a directory files can be written in."""
+    path = Path(directory).absolute()
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{flag} {directory} is a file; pass a directory.")
+    ancestor = _existing_ancestor(path)
+    try:
+        _probe_directory(ancestor, flag)
+    except UsageError as err:
+        where = "" if ancestor == path else f" (it would be made in {ancestor}, where nothing can be)"
+        raise UsageError(f"{flag} {directory}: cannot write there{where}; pass a writable path.") from err
+
+
+def check_attention(attention: str, dtype: str, accelerated: bool) -> None:
+    """``--attention cudnn`` is cuDNN's flash attention: an NVIDIA GPU and a 16-bit dtype."""
+    if attention != "cudnn":
+        return
+    if not accelerated:
+        raise UsageError(
+            "--attention cudnn is cuDNN's flash attention, which needs an NVIDIA GPU; this run is on "
+            "CPU devices: pass --attention auto (cuDNN where it runs, XLA's elsewhere) or xla."
+        )
+    if dtype != "bf16":
+        raise UsageError(
+            f"--attention cudnn computes in 16 bits; --dtype is {dtype}: pass --dtype bf16, or "
+            f"--attention auto (XLA's attention for {dtype})."
+        )
+
+
 def resuming(args) -> bool:
     """Whether the run continues from a checkpoint (``--resume`` or ``--resume-from``)."""
     return bool(args.resume or args.resume_from is not None)
@@ -155,15 +186,12 @@ def check_paths(args) -> None:
         if resuming(args):
             raise UsageError("--resume needs --checkpoint-dir DIR: the directory to resume from.")
         return
-    path = Path(directory).absolute()
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"--checkpoint-dir {directory} is a file; pass a directory.")
     if resuming(args) and args.overwrite:
         raise UsageError(
             "--resume and --overwrite contradict each other: "
             "resume keeps the checkpoints, overwrite deletes them."
         )
-    _probe_directory(_existing_ancestor(path), "--checkpoint-dir")
+    writable_directory(directory, "--checkpoint-dir")
 
 
 def check_schedule(args) -> None:

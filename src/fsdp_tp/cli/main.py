@@ -27,7 +27,7 @@ from ..errors import (
 from ..recipe.data import DataChangedError, DataError
 from .agreement import DisagreementError, check_agreement, run_settings
 from .bench_command import bench
-from .checks import UsageError, check_paths, check_ranges, resuming
+from .checks import UsageError, check_attention, check_paths, check_ranges, resuming
 from .distributed import DistributedError
 from .machine import (
     check_cpu_devices,
@@ -55,6 +55,7 @@ def _checked_train(args, out) -> int:
 
     check_paths(args)
     check_platforms()
+    check_attention(args.attention, args.dtype, uses_accelerator(args))
     if args.checkpoint_dir:
         check_contents(args.checkpoint_dir, resuming(args), args.overwrite, args.resume_from)
     if args.mesh is None and (uses_accelerator(args) or args.cpu_devices):
