@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 import io
 import os
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
@@ -123,6 +125,11 @@ FLAGS = [
     (["--checkpoint-dir", "/etc/hostname"], "--checkpoint-dir /etc/hostname is a file; pass a directory"),
     # Issue 46 point 5: 68 lines ending in "cuDNN is not detected"
     (["--attention", "cudnn"], "--attention cudnn is cuDNN's flash attention, which needs an NVIDIA GPU"),
+    # Issue 46 point 5: SIGABRT after 88 s and 1,075 lines (XLA's CPU collectives' rendezvous)
+    (
+        ["--cpu-devices", "512", "--batch", "512"],
+        "--cpu-devices 512 is out of range: expected an integer <= 256",
+    ),
 ]
 
 
@@ -242,6 +249,23 @@ def test_a_bad_environment_variable_or_bench_flag_is_one_line(monkeypatch, capsy
         assert capsys.readouterr().err.strip() == (
             f"fsdp-tp: error: {flag} 'x,y': give layer counts >= 1, comma-separated (e.g. 2,8,32)."
         )
+
+
+def test_distributed_without_a_cluster_is_one_line(tmp_path):
+    """Issue 46 point 5: a ValueError traceback ('coordinator_address should be defined.'). In a
+    process of its own: joining sets process-wide JAX configuration."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "OMPI", "JAX_COORDINATOR"))}
+    done = subprocess.run(
+        [sys.executable, "-m", "fsdp_tp", "train", "--distributed", "--steps", "1"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("fsdp-tp: error: --distributed found no cluster to join"), done.stderr
+    assert done.stderr.count("\n") == 1 and "--coordinator HOST:PORT --num-processes N" in done.stderr
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")

@@ -78,6 +78,25 @@ def test_a_resume_that_changes_the_gather_dtypes_is_named():
     ]
 
 
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_a_checkpoint_of_the_other_api_is_named_by_the_flag(tmp_path, api, capsys):
+    """Issue 46 point 5: a Linen checkpoint resumed with --api nnx printed 14 lines of shapes and
+    never named --api, though the checkpoint records it. (Negative control: the same --api
+    resumes.)"""
+    ckpt = str(tmp_path / "ckpt")
+    assert run("train", "--steps", "1", "--checkpoint-dir", ckpt, "--eval-every", "0")[0] == 0
+    resume = ("--steps", "2", "--checkpoint-dir", ckpt, "--resume", "--allow-changes", "--eval-every", "0")
+    code, _ = run("train", *resume, "--api", api)
+    err = capsys.readouterr().err
+    if api == "linen":
+        assert code == 0, err
+        return
+    assert code == 2 and err.count("\n") == 1, err
+    assert (
+        "was written with --api linen, and this run is --api nnx" in err and "Resume with --api linen" in err
+    )
+
+
 def test_unrolled_layers_train_and_pass_check():
     code, out = run("train", "--steps", "3", "--no-scan-layers", "--layers", "3", "--check", "2")
     assert code == 0 and "-> ok" in out, out

@@ -225,6 +225,15 @@ class Checkpoints:
             )
         raise FileNotFoundError(f"no complete checkpoint in {self.directory}.")
 
+    def meta(self, step: int) -> dict:
+        """The meta saved with checkpoint ``step``, checked against its digest, without its
+        arrays: what a run that cannot restore them reads to say why (another model, another
+        ``--api``)."""
+        restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        meta = _unsealed(dict(restored["meta"]), step)
+        meta.pop(_FINGERPRINTS, None)
+        return meta
+
     def _read(self, step: int, target: PyTree) -> tuple[PyTree, dict]:
         """Checkpoint ``step``'s global arrays and meta, verified against its fingerprints."""
         where = str(self.path(step))

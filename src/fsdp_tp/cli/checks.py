@@ -68,6 +68,13 @@ MAXIMUM = {
     "warmup": (2**31 - 1, "optax counts steps in int32"),
     "resume_from": (2**31 - 1, "a checkpoint's step is an int32 count"),
     "vocab_size": (2**31, "token ids are int32"),
+    # XLA's CPU collectives meet every device's thread at a rendezvous and abort the process when
+    # they do not all arrive in time: seen with 512 devices on 2 cores (SIGABRT after 73-88 s, 1,143
+    # lines), not with 256. A larger mesh is what `fsdp-tp plan` is for (no devices).
+    "cpu_devices": (
+        256,
+        "XLA's CPU collectives abort past that many simulated devices; fsdp-tp plan takes any mesh",
+    ),
 }
 # dest: (smallest value, whether it may equal it, what it is). Refuses nan and inf too.
 FLOAT_MINIMUM = {

@@ -192,7 +192,14 @@ def join(
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     drop_stdout_lines()
     if auto:
-        jax.distributed.initialize(initialization_timeout=timeout, heartbeat_timeout_seconds=peer_timeout)
+        try:
+            jax.distributed.initialize(initialization_timeout=timeout, heartbeat_timeout_seconds=peer_timeout)
+        except ValueError as err:  # no cluster JAX knows: 'coordinator_address should be defined.'
+            raise DistributedError(
+                f"--distributed found no cluster to join ({err}): JAX reads SLURM's, Open MPI's or a "
+                f"Cloud TPU's variables, and none is set here. Run on the cluster's nodes, or name the "
+                f"run yourself: --coordinator HOST:PORT --num-processes N --process-id I."
+            ) from None
         return
     options = _options(coordinator, num_processes, process_id)
     host, port = parse_address(options["coordinator"])

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..checkpoint import Checkpoints
+from ..errors import CheckpointMismatchError
 from ..linen.layers.attention import resolved_implementation
 from ..mesh import make_mesh
 from ..recipe.throughput import Achieved, memory_in_use, peak_tflops
@@ -76,10 +77,32 @@ def _check(trainer: Trainer, tokens: np.ndarray, steps: int, dtype: str, say) ->
     return ok
 
 
+def _other_api(checkpoints: Checkpoints, step: int | None, now: dict) -> None:
+    """A checkpoint whose arrays do not fit this model, written with another ``--api``, is
+    named by the flag (its trees differ: a list of shapes would not say why)."""
+    step = checkpoints.latest() if step is None else step
+    if step is None:
+        return
+    try:
+        recorded = checkpoints.meta(step).get("api")
+    except Exception:  # unreadable meta: the mismatch's own message stands
+        return
+    if recorded is not None and recorded != now.get("api"):
+        raise UsageError(
+            f"checkpoint {checkpoints.path(step)} was written with --api {recorded}, and this run is "
+            f"--api {now.get('api')}: the two APIs' models are different trees. Resume with --api "
+            f"{recorded}, or start a new --checkpoint-dir."
+        )
+
+
 def _resume(trainer: Trainer, checkpoints: Checkpoints, args, now: dict, say) -> int:
     """Loads the newest checkpoint that verifies (or ``--resume-from``'s) into the trainer,
     resharding it onto this mesh; refuses one written with other data or schedule. Its step."""
-    state, meta = checkpoints.restore(trainer.state, args.resume_from)
+    try:
+        state, meta = checkpoints.restore(trainer.state, args.resume_from)
+    except CheckpointMismatchError:
+        _other_api(checkpoints, args.resume_from, now)  # the likeliest cause, named as a flag
+        raise
     for step, why in meta.get("skipped", {}).items():
         say(f"skipped checkpoint {checkpoints.path(step)}: {why}")
     changed = changes(meta, now)
