@@ -59,11 +59,12 @@ FLAGS = [
     ),
     # before any device is made (issue 34 point 10: 100000 grew by 55 MiB/s, silent)
     (
-        ["--cpu-devices", "100000"],
-        "--cpu-devices 100000, all on fsdp, cannot split --batch 16 (every device takes an equal "
+        ["--cpu-devices", "200"],
+        "--cpu-devices 200, all on fsdp, cannot split --batch 16 (every device takes an equal "
         "share): give --cpu-devices one of [1, 2, 4, 8, 16] per process",
     ),
-    (["--mesh", "data=2,fsdp=2,tensor=1", "--cpu-devices", "100000"], "needs 4 devices, but 100000 are here"),
+    (["--mesh", "data=2,fsdp=2,tensor=1", "--cpu-devices", "200"], "needs 4 devices, but 200 are here"),
+    (["--cpu-devices", "100000"], "--cpu-devices 100000 is out of range: expected an integer <= 256"),
     # --api nnx: what the NNX GPT's rules do not do
     (
         ["--api", "nnx", "--sequence-parallel"],
