@@ -40,37 +40,27 @@ def test_python_blocks_run(page, tmp_path):
     machine runs them: one CPU device until the page makes more (a page that forgot
     ``simulate_cpu_devices`` failed for users and passed here, in the suite's 8 devices)."""
     script = tmp_path / f"{page.stem}.py"
-    script.write_text(
-        "\n".join(f"# {page.name} block {i + 1}\n{b}" for i, b in enumerate(blocks(page, "python")))
-    )
-    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    parts = (f"# {page.name} block {i + 1}\n{b}" for i, b in enumerate(blocks(page, "python")))
+    script.write_text("\n".join(parts))
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES",)}
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, f"{page.name}:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    run_as_reader([sys.executable, str(script)], tmp_path, page.name, env)
+
+
+def run_as_reader(argv: list[str], where: Path, label: str, env: dict | None = None) -> str:
+    """Runs ``argv`` in ``where`` as the reader would (this environment's ``fsdp-tp`` on the
+    PATH, ``examples/`` where a reader in the repository finds it); its standard output."""
+    env = dict(os.environ if env is None else env)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    (where / "examples").symlink_to(ROOT / "examples")  # paths as a reader in the repository types them
+    done = subprocess.run(argv, cwd=where, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{label}:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    return done.stdout
 
 
 def run_bash(source: str, where: Path, label: str) -> str:
-    """Runs ``source`` as the reader would, in ``where``; its standard output."""
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    (where / "examples").symlink_to(ROOT / "examples")  # paths as a reader in the repository types them
-    done = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", source],
-        cwd=where,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, f"{label}:\n{source}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
-    return done.stdout
+    """Runs ``source`` in a shell as the reader would, in ``where``; its standard output."""
+    return run_as_reader(["bash", "-euo", "pipefail", "-c", source], where, f"{label}:\n{source}")
 
 
 def bash_blocks() -> dict[str, list[str]]:
