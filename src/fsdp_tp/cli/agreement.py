@@ -76,14 +76,14 @@ class DisagreementError(UsageError):
     def leave(self) -> None:
         """After this process printed its line."""
         ended_deliberately(2)  # for a supervising parent: whatever native code says next
-        if self._me:
-            self._client.key_value_set(f"fsdp_tp/left/{self._me}", "1")
-            return
-        for process in range(1, self._processes):
-            try:
-                self._client.blocking_key_value_get(f"fsdp_tp/left/{process}", self._timeout_ms)
-            except Exception:  # a process that died meanwhile: nothing to wait for
+        try:
+            if self._me:
+                self._client.key_value_set(f"fsdp_tp/left/{self._me}", "1")
                 return
+            for process in range(1, self._processes):
+                self._client.blocking_key_value_get(f"fsdp_tp/left/{process}", self._timeout_ms)
+        except Exception:  # the service or a process gone meanwhile: this one has said its line
+            return
 
 
 def check_agreement(settings: dict[str, str], timeout_s: int) -> None:
