@@ -40,13 +40,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.random import threefry_2x32
 
-from ._axes import axis_size, bound_axis_names, checks_vma, entry_axes, varying_axes
-from ._types import AxisName
+from ._axes import axis_size, bound_axis_names, checks_vma, entry_axes, require_axes, varying_axes
+from ._types import AxisName, AxisNames
 
 __all__ = [
     "activation_split",
     "dropout",
     "fold_over_block",
+    "fold_rng_over_axis",
     "folded_attention",
     "keep_mask",
     "split_after",
@@ -204,13 +205,35 @@ def dropout(
     return jax.lax.select(mask, inputs / keep_prob, jnp.zeros_like(inputs))
 
 
+def fold_rng_over_axis(rng: jax.Array, axis_name: AxisNames) -> jax.Array:
+    """A different key on each device along ``axis_name`` (or several), the same along the others.
+
+    Use it for a model's own random draws per example (noise, sampling) over the batch axes:
+    shards of the batch draw differently, while devices that hold the same examples
+    (``tensor``) agree. Not needed for dropout inside a transformed model: there each device
+    draws its block of the unsharded mask from the unsharded key (:mod:`fsdp_tp.dropout`);
+    a key folded here still gives every block an independent mask, but not the unsharded one.
+
+    >>> import jax
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from fsdp_tp import make_mesh
+    >>> mesh = make_mesh({"data": 4, "tensor": 2})
+    >>> keys = jax.shard_map(lambda k: jax.random.key_data(fold_rng_over_axis(k, "data"))[None],
+    ...                      mesh=mesh, in_specs=P(), out_specs=P(("data", "tensor")),
+    ...                      check_vma=False)(jax.random.key(0))
+    >>> len({tuple(k) for k in keys.tolist()})  # 4 data shards, each key shared by 2 tensor devices
+    4
+    """
+    for name in require_axes(axis_name, "fold_rng_over_axis"):
+        rng = jax.random.fold_in(rng, jax.lax.axis_index(name))
+    return rng
+
+
 def fold_over_block(rng: jax.Array, x: jax.Array, batch_axes: Sequence[AxisName], where: str) -> jax.Array:
     """``rng`` folded over every axis ``x``'s block is split over (:func:`activation_split`):
     a different key on each block, the same where the blocks are the same."""
     split = activation_split(x, tuple(batch_axes), where)
-    for axis in dict.fromkeys(a for entry in split for a in entry_axes(entry)):
-        rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
-    return rng
+    return fold_rng_over_axis(rng, tuple(dict.fromkeys(a for entry in split for a in entry_axes(entry))))
 
 
 def folded_attention(attention_fn: Callable, batch_axes: Sequence[AxisName], where: str) -> Callable:

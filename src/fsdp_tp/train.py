@@ -16,12 +16,12 @@ from flax import struct
 from flax.training import train_state
 from jax.sharding import Mesh, PartitionSpec
 
-from ._axes import require_axes
 from ._batch import batch_axes_of, batch_split_over
 from ._layout import require_divisible
 from ._optimizer import checked_tx, per_device_step, refuse_on_shards
 from ._tree import named_shardings
-from ._types import AxisNames, PyTree, Specs
+from ._types import PyTree, Specs
+from .dropout import fold_rng_over_axis as fold_rng_over_axis  # public here since 0.1
 from .partitioning import check_specs
 
 __all__ = ["TrainState", "accumulate_gradients", "fold_rng_over_axis", "shard_step", "state_init_fn"]
@@ -74,30 +74,6 @@ def state_init_fn(model, tx) -> Callable[..., TrainState]:
         return TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=rng, model_state=variables)
 
     return init_fn
-
-
-def fold_rng_over_axis(rng: jax.Array, axis_name: AxisNames) -> jax.Array:
-    """A different key on each device along ``axis_name`` (or several), the same along the others.
-
-    Use it for a model's own random draws per example (noise, sampling) over the batch axes:
-    shards of the batch draw differently, while devices that hold the same examples
-    (``tensor``) agree. Not needed for dropout inside a transformed model: there each device
-    draws its block of the unsharded mask from the unsharded key (:mod:`fsdp_tp.dropout`);
-    a key folded here still gives every block an independent mask, but not the unsharded one.
-
-    >>> import jax
-    >>> from jax.sharding import PartitionSpec as P
-    >>> from fsdp_tp import make_mesh
-    >>> mesh = make_mesh({"data": 4, "tensor": 2})
-    >>> keys = jax.shard_map(lambda k: jax.random.key_data(fold_rng_over_axis(k, "data"))[None],
-    ...                      mesh=mesh, in_specs=P(), out_specs=P(("data", "tensor")),
-    ...                      check_vma=False)(jax.random.key(0))
-    >>> len({tuple(k) for k in keys.tolist()})  # 4 data shards, each key shared by 2 tensor devices
-    4
-    """
-    for name in require_axes(axis_name, "fold_rng_over_axis"):
-        rng = jax.random.fold_in(rng, jax.lax.axis_index(name))
-    return rng
 
 
 def _split_microbatches(batch: PyTree, num_microbatches: int) -> PyTree:

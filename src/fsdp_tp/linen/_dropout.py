@@ -79,5 +79,5 @@ def _attention(batch_axes, module: nn.MultiHeadDotProductAttention, next_fun, ar
     if nn.merge_param("deterministic", module.deterministic, given) or module.is_initializing():
         return next_fun(*args, **kwargs)
     where = f"{type(module).__name__} at {module_path(module.path) or 'the model'}"
-    rng = fold_over_block(module.make_rng("dropout"), args[0], batch_axes(), where)
+    rng = fold_over_block(module.make_rng("dropout"), bound.arguments["inputs_q"], batch_axes(), where)
     return next_fun(*args, **{**kwargs, "dropout_rng": rng})
