@@ -4,8 +4,10 @@ says so; the coordinator listens where it was told."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
+import logging
 import os
 import shutil
 import socket
@@ -14,6 +16,7 @@ import sys
 import tempfile
 import textwrap
 import time
+import types
 from pathlib import Path
 
 import jax
@@ -24,6 +27,7 @@ import pytest
 from fsdp_tp._integrity import fingerprints
 from fsdp_tp.checkpoint import Checkpoints
 from fsdp_tp.cli import main
+from fsdp_tp.cli.output import library_logs
 from fsdp_tp.cli.workdir import saved_steps
 from fsdp_tp.errors import CheckpointCorruptError, CheckpointSaveError
 from fsdp_tp.recipe import trainer as trainer_module
@@ -208,6 +212,12 @@ FAILING_SAVE = textwrap.dedent(
                 async def full(*a, **k):  # as orbax's own: a coroutine that raises when awaited
                     raise OSError(28, "No space left on device")
                 ocp.StandardCheckpointHandler.async_save = full
+            elif os.environ["HOW"] == "file-size-limit":
+                # A real filesystem refusal, in the middle of tensorstore's concurrent writes:
+                # no file may grow past 64 KB (the log stays under it), and EFBIG, not SIGXFSZ.
+                import resource, signal
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+                resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
             else:
                 subprocess.run(os.environ["HOW"], shell=True, check=True)
         return save(self, step, *args, **kwargs)
@@ -241,11 +251,11 @@ def _read_only(directory: Path) -> str | None:
     return command.format(directory) if works else None
 
 
-@pytest.mark.parametrize("how", ["read-only", "raise"])
+@pytest.mark.parametrize("how", ["read-only", "raise", "file-size-limit"])
 def test_a_failing_save_ends_the_run_in_seconds_with_one_line(tmp_path, how):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    command = "raise" if how == "raise" else _read_only(ckpt)
+    command = how if how != "read-only" else _read_only(ckpt)
     if command is None:
         pytest.skip("no way to make a directory read-only for root here (no chmod effect, no mount)")
     try:
@@ -256,12 +266,58 @@ def test_a_failing_save_ends_the_run_in_seconds_with_one_line(tmp_path, how):
         assert done.returncode == 1, done.stderr[-3000:]
         assert len(errors) == 1 and str(ckpt) in errors[0], done.stderr[-3000:]
         assert done.stderr.strip() == errors[0], done.stderr[-3000:]  # no orbax/absl logs (issue 34.11)
-        assert ("Read-only file system" if how == "read-only" else "No space left on device") in errors[0]
+        cause = {"read-only": "Read-only file system", "file-size-limit": "File too large"}
+        assert cause.get(how, "No space left on device") in errors[0]
         assert seconds < 120 and "done: loss" not in done.stdout
         assert saved_steps(ckpt) == [2]  # the good checkpoint stays
     finally:
         subprocess.run(["umount", str(ckpt)], capture_output=True)
         subprocess.run(["chmod", "-R", "u+w", str(ckpt)], capture_output=True)
+
+
+def test_only_the_echoes_of_a_failed_saves_abandoned_writes_are_kept_off_the_terminal(monkeypatch):
+    """The filter behind the one line above: asyncio's closed-loop error from a tensorstore
+    thread and orbax's unretrieved task are dropped; every other unraisable error and asyncio
+    record still reaches the terminal (the negative controls), and ``--verbose`` keeps all."""
+    seen: list = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    monkeypatch.setattr(logging.getLogger("asyncio"), "filters", [])  # it stays for the process
+    loop = asyncio.new_event_loop()
+    loop.close()
+    try:
+        loop.call_soon_threadsafe(print)  # what a tensorstore thread does after orbax's loop closed
+    except RuntimeError as err:
+        closed = err
+
+    def unraisable(err):
+        return types.SimpleNamespace(exc_type=type(err), exc_value=err, exc_traceback=err.__traceback__)
+
+    try:
+        raise RuntimeError("Event loop is closed")  # the same words from elsewhere
+    except RuntimeError as err:
+        elsewhere = err
+
+    def task(coro_file):  # an orbax write's task names its coroutine's file
+        message = f"Task exception was never retrieved\nfuture: <Task finished coro=<save() {coro_file}>>"
+        return logging.LogRecord("asyncio", logging.ERROR, "", 0, message, None, None)
+
+    def gathering(raised_in):  # asyncio.gather's future names no file: the error's frames do
+        try:
+            exec(compile("raise ValueError('File too large')", raised_in, "exec"))
+        except ValueError as err:
+            info = (ValueError, err, err.__traceback__)
+        message = "_GatheringFuture exception was never retrieved\nfuture: <_GatheringFuture finished>"
+        return logging.LogRecord("asyncio", logging.ERROR, "", 0, message, None, info)
+
+    for verbose in (True, False):
+        seen.clear()
+        with library_logs(verbose):
+            for err in (closed, elsewhere):
+                sys.unraisablehook(unraisable(err))
+            records = [make(f) for make in (task, gathering) for f in ("orbax/x.py", "mine.py")]
+            kept = [logging.getLogger("asyncio").filter(record) for record in records]
+        assert [u.exc_value for u in seen] == ([closed, elsewhere] if verbose else [elsewhere])
+        assert kept == ([True] * 4 if verbose else [False, True, False, True])
 
 
 # --- non-finite steps ---

@@ -41,7 +41,15 @@ __all__ = ["Checkpoints", "global_tree"]
 
 _FINGERPRINTS = "fingerprints"  # the meta key that holds them
 _DIGEST = "digest"  # the meta key that holds the digest of the rest of the meta
-_FILESYSTEM_ERRORS = (errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EIO)
+_FILESYSTEM_ERRORS = (
+    errno.EROFS,
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EFBIG,
+    errno.EACCES,
+    errno.EPERM,
+    errno.EIO,
+)
 
 
 def _sealed(meta: dict) -> dict:

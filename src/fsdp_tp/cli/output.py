@@ -69,15 +69,66 @@ class LogWriteError(RuntimeError):
 def library_logs(verbose: bool) -> Iterator[None]:
     """orbax logs through absl, whose records reach the terminal through Python's logging
     (a failed save printed 200 lines of ``ERROR:absl`` tracebacks before the run's one line).
-    Within it they are kept off the terminal, unless ``verbose`` (``--verbose``) asks for them."""
+    Within it they are kept off the terminal, unless ``verbose`` (``--verbose``) asks for them,
+    and so are the echoes of a failed save's abandoned writes (``_quiet_abandoned_writes``)."""
     logger = logging.getLogger("absl")
     kept = logger.propagate, list(logger.handlers)
     if not verbose:
         logger.propagate, logger.handlers = False, [logging.NullHandler()]
+        _quiet_abandoned_writes()
     try:
         yield
     finally:
         logger.propagate, logger.handlers = kept
+
+
+def _not_an_abandoned_task(record: logging.LogRecord) -> bool:
+    """Keeps every record but asyncio's "Task (or _GatheringFuture) exception was never
+    retrieved" for an orbax write (its coroutine's file, or the error's frames, in orbax)."""
+    text = record.getMessage()
+    if "exception was never retrieved" not in text.partition("\n")[0]:
+        return True
+    frame = record.exc_info[2] if record.exc_info else None
+    files = []
+    while frame is not None:
+        files.append(frame.tb_frame.f_code.co_filename)
+        frame = frame.tb_next
+    return not any("orbax" in where for where in (text, *files))
+
+
+def _loop_closed(unraisable) -> bool:
+    frame = unraisable.exc_traceback
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    return (
+        isinstance(unraisable.exc_value, RuntimeError)
+        and str(unraisable.exc_value) == "Event loop is closed"
+        and frame is not None
+        and frame.tb_frame.f_code.co_name == "_check_closed"
+    )
+
+
+def _quiet_abandoned_writes() -> None:
+    """When one write of a save fails, orbax's ``asyncio.gather`` raises and its event loop
+    closes while tensorstore still finishes the other writes: each then prints a traceback,
+    ``RuntimeError: Event loop is closed`` from a tensorstore thread (through
+    ``sys.unraisablehook``) or asyncio's "Task exception was never retrieved" (a full disk
+    printed 210 such lines around the run's one line). The run has already reported the save's
+    failure, so exactly these are dropped; any other unraisable error is still printed. It
+    stays for the process: the writes end after the run has returned."""
+    asyncio_logger = logging.getLogger("asyncio")
+    if _not_an_abandoned_task not in asyncio_logger.filters:
+        asyncio_logger.addFilter(_not_an_abandoned_task)
+    hook = sys.unraisablehook
+    if getattr(hook, "drops_closed_loops", False):
+        return
+
+    def drop_closed_loops(unraisable) -> None:
+        if not _loop_closed(unraisable):
+            hook(unraisable)
+
+    drop_closed_loops.drops_closed_loops = True  # type: ignore[attr-defined]
+    sys.unraisablehook = drop_closed_loops
 
 
 def duration(seconds: float) -> str:
