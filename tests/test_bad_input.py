@@ -235,10 +235,15 @@ def test_a_bad_environment_variable_or_bench_flag_is_one_line(monkeypatch, capsy
             in capsys.readouterr().err
         )
         monkeypatch.delenv("JAX_PLATFORMS")
-    # Issue 46 point 5: --out was checked after the benchmark had run (600 s), and --attention
-    # cudnn on a CPU machine failed inside cuDNN.
+    # Issue 46 point 5: --out was checked after the benchmark had run (600 s), --attention cudnn
+    # on a CPU machine failed inside cuDNN, and presets a device cannot hold (the defaults on a
+    # CPU machine) ended in the allocator's traceback (a batch no machine holds, here).
     for flags, words in [
         (["--accelerator", "--attention", "cudnn"], "--attention cudnn is cuDNN's flash attention, which"),
+        (
+            ["--accelerator", "--attention", "xla", "--presets", "125m:4096"],
+            "--presets 125m:4096 needs at least",
+        ),
         (["--out", "/proc/nope"], "--out /proc/nope: cannot write there (it would be made in /proc"),
         (["--out", "/etc/hostname"], "--out /etc/hostname is a file; pass a directory."),
     ]:

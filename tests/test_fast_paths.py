@@ -113,9 +113,9 @@ def test_the_fastest_remat_that_fits_is_chosen(monkeypatch):
     assert needed["none"] > needed["dots"] > needed["full"]  # the order the choice relies on
     for policy in ("none", "dots", "full"):
         room = math.ceil(needed[policy] / (1 - fit.HEADROOM))
-        monkeypatch.setattr(fit, "memory_per_device", lambda room=room: (room, "test"))
+        monkeypatch.setattr(fit, "memory_per_device", lambda sharing=None, room=room: (room, "test"))
         assert fit.choose_remat(settings, mesh)[0].model.remat == policy
-    monkeypatch.setattr(fit, "memory_per_device", lambda: (needed["full"] - 1, "test"))
+    monkeypatch.setattr(fit, "memory_per_device", lambda sharing=None: (needed["full"] - 1, "test"))
     with pytest.raises(fit.UsageError, match=r"more than the .* available"):
         fit.check_fits(fit.choose_remat(settings, mesh)[1])
 

@@ -8,8 +8,9 @@ compiled step's memory (argument + output - alias + temp). Writes
 ``benchmarks_accelerator.md``.
 
 On an H100 the issue's command is
-``fsdp-tp bench --accelerator --presets 125m:32,1b:16 --dtype bf16``; it runs anywhere
-(on CPU without MFU, which needs a peak).
+``fsdp-tp bench --accelerator --presets 125m:32,1b:16 --dtype bf16``; it runs anywhere a
+preset fits one device (on CPU without MFU, which needs a peak): ``fsdp-tp bench`` first
+checks each preset's plan against the device's memory (``bench_settings``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,14 @@ from ..recipe.trainer import BATCH, Settings, Trainer, step_fn
 from ..train import shard_step, state_init_fn
 from .figures import median, step_seconds
 
-__all__ = ["Measured", "accelerator_section", "measure", "parse_presets", "write_accelerator_page"]
+__all__ = [
+    "Measured",
+    "accelerator_section",
+    "bench_settings",
+    "measure",
+    "parse_presets",
+    "write_accelerator_page",
+]
 
 
 @dataclass
@@ -90,10 +98,15 @@ def _plain_step(config: ModelConfig, tx: optax.GradientTransformation):
     return jax.jit(step, donate_argnums=0), state_init_fn(twin, tx)
 
 
+def bench_settings(config: ModelConfig, batch: int) -> Settings:
+    """The run each preset is measured as (its plan is what ``fsdp-tp bench`` checks first)."""
+    return Settings(config, 1000, batch, 1, 1e-4, 10, 0, Layout("tensor", "fsdp"), check_vma=True)
+
+
 def measure(config: ModelConfig, name: str, batch: int, blocks: int, steps: int) -> Measured:
     """The library's step and the plain-flax twin's on one device, interleaved."""
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
-    settings = Settings(config, 1000, batch, 1, 1e-4, 10, 0, Layout("tensor", "fsdp"), check_vma=True)
+    settings = bench_settings(config, batch)
     trainer = Trainer(settings, mesh)
     step = step_fn(settings, trainer.model.logits)
     library: Any = shard_step(step, mesh, trainer.specs, BATCH)  # a jit: .lower

@@ -11,16 +11,27 @@ from .options import DTYPES
 __all__ = ["bench"]
 
 
+def _check_presets_fit(presets: list[tuple[str, int]], overrides: dict) -> None:
+    """Each preset's plan (one abstract trace, no device work) against one device's memory:
+    on a CPU machine the default presets need 100 GB and ended in an allocator's traceback."""
+    import dataclasses
+
+    from ..bench.accelerator import bench_settings
+    from ..recipe.config import PRESETS
+    from .fit import abstract_mesh, check_fits, plan_of
+
+    for name, batch in presets:
+        settings = bench_settings(dataclasses.replace(PRESETS[name], **overrides), batch)
+        plan = plan_of(settings, abstract_mesh({"data": 1, "fsdp": 1, "tensor": 1}))
+        fix = "measure smaller presets or batches (e.g. --presets tiny:8), or with --remat full"
+        check_fits(plan, f"--presets {name}:{batch}", twin=True, sharing=1, fix=fix)
+
+
 def _accelerator_bench(args, argv: list[str], out) -> int:
     from pathlib import Path
 
     from ..bench.accelerator import accelerator_section, parse_presets, write_accelerator_page
 
-    try:
-        presets = parse_presets(args.presets)
-    except ValueError as err:
-        print(f"fsdp-tp: error: {err}", file=sys.stderr)
-        return 2
     overrides = dict(
         vocab_size=args.vocab_size,
         dtype=DTYPES[args.dtype],
@@ -28,6 +39,12 @@ def _accelerator_bench(args, argv: list[str], out) -> int:
         remat=args.remat,
         scan_layers=args.scan_layers,
     )
+    try:
+        presets = parse_presets(args.presets)
+        _check_presets_fit(presets, overrides)
+    except (ValueError, UsageError) as err:
+        print(f"fsdp-tp: error: {err}", file=sys.stderr)
+        return 2
     text = accelerator_section(presets, overrides, args.blocks, args.steps, argv, out)
     print(f"wrote {write_accelerator_page(text, Path(args.out))}", file=out)
     return 0

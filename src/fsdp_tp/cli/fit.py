@@ -22,7 +22,16 @@ from ..recipe.throughput import memory_stats
 from ..recipe.trainer import BATCH, Settings, sharded_gpt, window_loss
 from .checks import UsageError
 
-__all__ = ["HEADROOM", "check_fits", "choose_remat", "memory_per_device", "mib", "plan_of", "print_plan"]
+__all__ = [
+    "HEADROOM",
+    "abstract_mesh",
+    "check_fits",
+    "choose_remat",
+    "memory_per_device",
+    "mib",
+    "plan_of",
+    "print_plan",
+]
 
 # --remat auto keeps this fraction of a device's memory for what the plan does not count:
 # the optimizer update's temporaries, the compiler's differences between the stand-in
@@ -54,7 +63,7 @@ def plan_of(settings: Settings, mesh) -> Plan:
     )
 
 
-def _abstract_mesh(sizes: dict) -> AbstractMesh:
+def abstract_mesh(sizes: dict) -> AbstractMesh:
     return AbstractMesh(tuple(sizes.values()), tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
 
 
@@ -62,7 +71,7 @@ def print_plan(settings: Settings, sizes: dict, out: TextIO) -> None:
     """The plan on an abstract mesh of ``sizes``: no devices needed, any size. Under
     ``--remat auto`` the table is ``full``'s, and each policy's activations follow it (which
     one ``train`` takes depends on the device's memory)."""
-    mesh = _abstract_mesh(sizes)
+    mesh = abstract_mesh(sizes)
     if settings.model.remat != "auto":
         print(plan_of(settings, mesh), file=out)
         return
@@ -81,19 +90,21 @@ def mib(n: int) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
 
-def memory_per_device() -> tuple[int, str] | None:
+def memory_per_device(sharing: int | None = None) -> tuple[int, str] | None:
     """Bytes one device may use, and where the figure comes from; ``None`` where nobody says.
 
     Accelerators report ``bytes_limit``; the CPU backend reports nothing, but its simulated
-    devices share the host's memory, so each gets the host's RAM over the local device count.
+    devices share the host's memory, so each gets the host's RAM over ``sharing`` devices (the
+    local device count unless given: the accelerator bench uses one).
     """
     device = jax.local_devices()[0]
     stats = memory_stats()
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"]), f"{device.device_kind} memory"
     if device.platform == "cpu":
+        sharing = sharing or jax.local_device_count()
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return ram // jax.local_device_count(), f"host RAM / {jax.local_device_count()} devices"
+        return ram // sharing, "host RAM" + (f" / {sharing} devices" if sharing > 1 else "")
     return None
 
 
@@ -102,17 +113,25 @@ def needed_bytes(plan: Plan) -> int:
     return plan.total_bytes + plan.param_bytes + (plan.activation_bytes or 0)
 
 
-def check_fits(plan: Plan) -> None:
+_FIX = "use a smaller model or batch, --remat full, more --microbatches or more devices"
+
+
+def check_fits(
+    plan: Plan, what: str = "the run", twin: bool = False, sharing: int | None = None, fix: str = _FIX
+) -> None:
     """Refuses a run whose state, gradients and saved activations exceed a device's memory
-    (before the init would allocate them and the kernel or the allocator kill the process)."""
-    limit = memory_per_device()
-    needed = needed_bytes(plan)
+    (before the init would allocate them and the kernel or the allocator kill the process).
+    ``twin``: a second state of the same size is alive beside it (the accelerator bench's
+    plain-flax step); ``sharing``: see ``memory_per_device``; ``fix``: the flags that help."""
+    limit = memory_per_device(sharing)
+    needed = needed_bytes(plan) + (plan.total_bytes if twin else 0)
     activations = f" + activations {mib(plan.activation_bytes)}" if plan.activation_bytes else ""
+    state = f"state {mib(plan.total_bytes)}" + (" x 2 (the library's and plain flax's)" if twin else "")
     if limit is not None and needed > limit[0]:
         raise UsageError(
-            f"the run needs at least {mib(needed)} per device (state {mib(plan.total_bytes)} + gradients "
+            f"{what} needs at least {mib(needed)} per device ({state} + gradients "
             f"{mib(plan.param_bytes)}{activations}), more than the {mib(limit[0])} available "
-            f"({limit[1]}); use a smaller model or batch, --remat full, more --microbatches or more devices."
+            f"({limit[1]}); {fix}."
         )
 
 
