@@ -15,7 +15,11 @@ from fsdp_tp.analysis import (
     parse_collectives,
     state_bytes_per_device,
 )
+from fsdp_tp.nnx import _read
 from tests.models import MLP
+from tests.nnx_models import Sharded
+from tests.plain_models import lowered_lm_step
+from tests.test_tp_rules import NNXTiedLM, TiedLM
 
 BATCH_AXES = ("data", "fsdp")
 # in 32 -> 64 -> 64 -> 16: every kernel (>= 1024 elements) is sharded, every bias (<= 64) is not.
@@ -126,3 +130,49 @@ def test_negative_control_full_gradient_all_reduce_is_caught():
     found = parse_collectives(f.lower(params, x).compile().as_text())
     all_reduced = sum(c.operand_bytes * c.executions for c in found if c.kind == "all-reduce")
     assert all_reduced == KERNEL_BYTES + BIAS_BYTES != BIAS_BYTES
+
+
+TIED_RULES = [("embedding$", P("fsdp")), ("up/kernel$", P("fsdp")), ("down/kernel$", P(None, None, "fsdp"))]
+
+
+def _tied_step_collectives(api: str):
+    mesh, tokens = fsdp_tp.make_mesh({"fsdp": 8}), jax.numpy.zeros((8, 8), jax.numpy.int32)
+    if api == "nnx":
+        model = Sharded(NNXTiedLM, TIED_RULES, batch_axes=("fsdp",))
+    else:
+        model = fsdp_tp.shard_by_rules(TiedLM, TIED_RULES, batch_axes=("fsdp",))()
+    lowered, state = lowered_lm_step(model, mesh, ("fsdp",), tokens)
+    split = [leaf for leaf in jax.tree.leaves(state.params) if "fsdp" in leaf.sharding.spec]
+    return parse_collectives(lowered.compile().as_text()), split
+
+
+def _scattered(found) -> tuple[int, int]:
+    """Reduce-scatter operands and the bytes they reduce (each operand a whole gradient)."""
+    scatters = [c for c in found if c.kind == "reduce-scatter"]
+    return sum(c.operands * c.executions for c in scatters), sum(
+        c.operand_bytes * c.executions for c in scatters
+    )
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_a_parameter_read_twice_is_reduce_scattered_once(api):
+    """A tied embedding (read by the lookup and by the logits) is gathered once per step and its
+    gradient reduce-scattered once: one reduce-scatter per FSDP-split parameter, each moving
+    that parameter's gradient (W_min), on both front ends."""
+    found, split = _tied_step_collectives(api)
+    assert _scattered(found) == (len(split), sum(leaf.nbytes for leaf in split))
+    gathers = [c for c in found if c.kind == "all-gather"]
+    assert sum(c.operand_bytes * c.group_size * c.executions for c in gathers) == sum(
+        leaf.nbytes for leaf in split
+    )
+
+
+def test_negative_control_a_gather_per_read_reduce_scatters_the_tied_embedding_twice(monkeypatch):
+    """NNX before its read was cached: each read gathered, so the tied embedding's gradient was
+    reduce-scattered twice (once per read), which the test above must catch."""
+    monkeypatch.setattr(
+        _read, "read_once", lambda variable, block: variable.get_metadata(_read._PLAN).read(block)
+    )
+    found, split = _tied_step_collectives("nnx")
+    embedding = next(leaf for leaf in split if leaf.ndim == 2).nbytes
+    assert _scattered(found) == (len(split) + 1, sum(leaf.nbytes for leaf in split) + embedding)

@@ -8,7 +8,9 @@ Variable type of our own (its metadata hooks are deprecated). :func:`read_type` 
 Variable type of the model (``nnx.Param`` or a user's subclass), the subclass that does
 it. The gather lands inside the module's call and inside any ``nnx.scan`` / ``nnx.remat``
 of the model: a scan passes each layer's slice of the stacked block, so its gather moves
-one layer's parameter, and a remat re-gathers in the backward pass.
+one layer's parameter, and a remat re-gathers in the backward pass. A parameter read twice
+in one trace (a tied embedding: the lookup, then the logits) is gathered once, so its
+gradient is reduce-scattered once (:func:`read_once`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import contextvars
 import dataclasses
 import functools
 from collections.abc import Iterator
+from typing import Any
 
+import jax.extend
 from flax import nnx
 from flax.core.meta import Partitioned
 
@@ -28,9 +32,10 @@ from .._types import AxisName
 from ..errors import RuleError
 from ..train import fold_rng_over_axis
 
-__all__ = ["FoldPlan", "ReadPlan", "on_read", "read_type", "unfolded"]
+__all__ = ["FoldPlan", "ReadPlan", "on_read", "read_once", "read_type", "unfolded"]
 
 _PLAN = "fsdp_tp_read"  # the Variable metadata key that holds the ReadPlan
+_GATHERED = "_fsdp_tp_gathered"  # the read type's slot: (block, plan, trace, gathered value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,17 +96,41 @@ class FoldPlan:
         return key if _UNFOLDED.get() else fold_rng_over_axis(key, self.batch_axes)
 
 
+def read_once(variable: nnx.Variable, block) -> Any:
+    """``block`` read through ``variable``'s plan, gathered once per trace: a second read of the
+    same block in the same trace (``jax.extend.core.get_opaque_trace_state``, what NNX checks
+    Variables with) hands back the first read's value. Two gathers of one parameter would
+    reduce-scatter its gradient twice (the sum of the two halves, each its own collective:
+    14 reduce-scatters for 13 parameters with tied logits). A read inside another trace (a
+    remat, a scan, a ``jax.checkpoint`` around part of a module) gathers there, as FSDP must."""
+    plan = variable.get_metadata(_PLAN)
+    if not isinstance(plan, ReadPlan):  # an rng key: folding it is cheap and moves nothing
+        return plan.read(block)
+    trace = jax.extend.core.get_opaque_trace_state(convention="nnx")
+    try:
+        cached_block, cached_plan, cached_trace, value = object.__getattribute__(variable, _GATHERED)
+        if cached_block is block and cached_plan is plan and cached_trace == trace:
+            return value
+    except AttributeError:  # never read yet (the slot is empty)
+        pass
+    value = plan.read(block)
+    object.__setattr__(variable, _GATHERED, (block, plan, trace, value))
+    return value
+
+
 @functools.cache
 def read_type(variable_type: type[nnx.Variable]) -> type[nnx.Variable]:
     """The subclass of ``variable_type`` whose ``get_value`` gathers (one per type, so graphs
-    that hold it compare equal from step to step)."""
+    that hold it compare equal from step to step). Its one slot holds the last gather
+    (:func:`read_once`): it lives as long as the Variable the step's ``merge`` made."""
 
     def get_value(self, **kwargs):
         index = kwargs.pop("index", None)
-        value = self.get_metadata(_PLAN).read(variable_type.get_value(self, **kwargs))
+        value = read_once(self, variable_type.get_value(self, **kwargs))
         return value if index is None or index is Ellipsis else value[index]
 
-    return type(variable_type.__name__, (variable_type,), {"get_value": get_value, "__module__": __name__})
+    namespace = {"get_value": get_value, "__module__": __name__, "__slots__": (_GATHERED,)}
+    return type(variable_type.__name__, (variable_type,), namespace)
 
 
 def on_read(variable: nnx.Variable, block, plan: ReadPlan | FoldPlan) -> nnx.Variable:
