@@ -228,13 +228,14 @@ def test_a_bad_environment_variable_or_bench_flag_is_one_line(monkeypatch, capsy
     )
     monkeypatch.delenv("JAX_NUM_PROCESSES")
     if importlib.util.find_spec("libtpu") is None:  # issue 34 point 9: trained on CPU without a word
-        monkeypatch.setenv("JAX_PLATFORMS", "tpu")
-        assert main(["train", "--steps", "1"]) == 2
-        assert (
-            "JAX_PLATFORMS=tpu asks for tpu, but no tpu plugin (libtpu) is installed here"
-            in capsys.readouterr().err
-        )
-        monkeypatch.delenv("JAX_PLATFORMS")
+        # Restored after (not deleted: on a GPU machine the bench below would take the GPU).
+        with monkeypatch.context() as tpu:
+            tpu.setenv("JAX_PLATFORMS", "tpu")
+            assert main(["train", "--steps", "1"]) == 2
+            assert (
+                "JAX_PLATFORMS=tpu asks for tpu, but no tpu plugin (libtpu) is installed here"
+                in capsys.readouterr().err
+            )
     # Issue 46 point 5: --out was checked after the benchmark had run (600 s), --attention cudnn
     # on a CPU machine failed inside cuDNN, and presets a device cannot hold (the defaults on a
     # CPU machine) ended in the allocator's traceback (a batch no machine holds, here).
