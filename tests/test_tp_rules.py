@@ -13,6 +13,7 @@ device, a column input without Megatron's *f*.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 
@@ -310,6 +311,87 @@ def test_tied_embeddings_and_dense_general_equal_unsharded(api):
         rules = [(r"Embed_0$", VocabParallel()), *mlp_rules(r"up$", r"down$")]
         model, twin = fsdp_tp.shard_by_rules(TiedLM, batch_axes=("data",), tp_rules=rules)(), TiedLM()
     check_equivalence(dataclasses.replace(_case("data2_tensor4", False, True, model=model), reference=twin))
+
+
+class GatedLM(nn.Module):
+    """Llama's MLP, ``down(silu(gate(h)) * up(h))``, in two pre-norm blocks, with tied logits."""
+
+    layers: int = 2
+
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(32, 16)
+        x = embed(tokens)
+        for i in range(self.layers):
+            h = nn.LayerNorm(name=f"norm_{i}")(x)
+            gated = nn.silu(nn.Dense(32, name=f"gate_{i}")(h)) * nn.Dense(32, name=f"up_{i}")(h)
+            x = x + nn.Dense(16, name=f"down_{i}")(gated)
+        return embed.attend(nn.LayerNorm(name="final")(x))
+
+
+class NNXGatedLM(nnx.Module):
+    """GatedLM in NNX."""
+
+    def __init__(self, rngs: nnx.Rngs, layers: int = 2):
+        self.embed = nnx.Embed(32, 16, rngs=rngs)
+        self.norms = nnx.List([nnx.LayerNorm(16, rngs=rngs) for _ in range(layers)])
+        self.gates = nnx.List([nnx.Linear(16, 32, rngs=rngs) for _ in range(layers)])
+        self.ups = nnx.List([nnx.Linear(16, 32, rngs=rngs) for _ in range(layers)])
+        self.downs = nnx.List([nnx.Linear(32, 16, rngs=rngs) for _ in range(layers)])
+        self.final = nnx.LayerNorm(16, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for norm, gate, up, down in zip(self.norms, self.gates, self.ups, self.downs, strict=True):
+            h = norm(x)
+            x = x + down(nnx.silu(gate(h)) * up(h))
+        return self.embed.attend(self.final(x))
+
+
+GATED_RULES = {
+    "linen": [
+        (r"Embed_0$", VocabParallel()),
+        (r"(gate|up)_\d$", ColumnParallel()),
+        (r"down_\d$", RowParallel()),
+    ],
+    "nnx": [
+        (r"embed$", VocabParallel()),
+        (r"(gates|ups)/\d$", ColumnParallel()),
+        (r"downs/\d$", RowParallel()),
+    ],
+}
+
+
+def _gated(api: str):
+    if api == "nnx":
+        return Sharded(NNXGatedLM, batch_axes=("data",), tp_rules=GATED_RULES["nnx"]), Twin(NNXGatedLM)
+    return fsdp_tp.shard_by_rules(GatedLM, batch_axes=("data",), tp_rules=GATED_RULES["linen"])(), GatedLM()
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_a_gated_mlp_equals_unsharded_with_one_all_reduce_each_way(api):
+    """gate and up read the same activation: one Megatron *f* for both, so per MLP one
+    all-reduce forward (down's sum) and one backward (the input's gradient), as an ungated
+    MLP; plus the vocabulary-parallel embedding's sum and the tied logits' input gradient."""
+    model, twin = _gated(api)
+    check_equivalence(dataclasses.replace(_case("data2_tensor4", False, True, model=model), reference=twin))
+    lowered, _ = lowered_lm_step(
+        model, fsdp_tp.make_mesh(MESHES["data2_tensor4"]), ("data",), jnp.zeros((8, 8), jnp.int32)
+    )
+    over_tensor = [c for c in parse_collectives(lowered.compile().as_text()) if c.group_size == 4]
+    assert sum(c.operands * c.executions for c in over_tensor if c.kind == "all-reduce") == 2 * 2 + 2
+
+
+def test_negative_control_an_f_per_column_layer_all_reduces_the_gated_input_twice(monkeypatch):
+    """Without the shared *f* (each column layer its own, as before issue 44), the backward pass
+    all-reduces the MLP input's gradient once for gate and once for up."""
+    monkeypatch.setattr(fsdp_tp.train, "shared_column_inputs", contextlib.nullcontext)
+    model, _ = _gated("linen")
+    lowered, _ = lowered_lm_step(
+        model, fsdp_tp.make_mesh(MESHES["data2_tensor4"]), ("data",), jnp.zeros((8, 8), jnp.int32)
+    )
+    over_tensor = [c for c in parse_collectives(lowered.compile().as_text()) if c.group_size == 4]
+    assert sum(c.operands * c.executions for c in over_tensor if c.kind == "all-reduce") == 3 * 2 + 2
 
 
 def _init(model, mesh_name="data2_tensor4", tokens=None):

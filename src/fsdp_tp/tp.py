@@ -10,7 +10,8 @@ collective of its own.
 
 - :func:`column_input`: the input of column-parallel layers — Megatron's *f* (identity
   forward, sum backward), or in sequence-parallel mode the all-gather of the sequence
-  (whose backward reduce-scatters), or its ``ppermute`` ring;
+  (whose backward reduce-scatters), or its ``ppermute`` ring; once per activation within
+  :func:`shared_column_inputs` (a gated MLP's gate and up: one backward all-reduce);
 - :func:`row_reduce`: the partial products of a row-parallel layer summed over the axis
   (Megatron's *g*), or reduce-scattered along the sequence;
 - :func:`add_bias_once`: a row-parallel layer's bias, whole on every device, added once
@@ -32,9 +33,12 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 
 from ._types import AxisName
@@ -42,14 +46,52 @@ from .collective_matmul import RingChunks, ring_all_gather
 from .collectives import copy_to_axis, reduce_from_axis
 from .dropout import split_after
 
-__all__ = ["add_bias_once", "column_input", "row_reduce", "vocab_lookup", "vocab_start"]
+__all__ = [
+    "add_bias_once",
+    "column_input",
+    "row_reduce",
+    "shared_column_inputs",
+    "vocab_lookup",
+    "vocab_start",
+]
+
+# {(id, axis, sequence axis, ring): (activation, trace, its column input)} while a step traces.
+_SHARED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fsdp_tp_column_inputs", default=None)
+
+
+@contextlib.contextmanager
+def shared_column_inputs() -> Iterator[None]:
+    """Within (``shard_step`` traces every step in it), column-parallel layers that read the
+    same activation in the same trace share its :func:`column_input`: their input gradients
+    are summed before the one backward all-reduce (or reduce-scatter). A gated MLP's gate and
+    up, or attention's separate q and kv projections, pay one, as Megatron's block does; each
+    its own would all-reduce a gradient per layer (8 where a 2-layer gated model needs 6)."""
+    token = _SHARED.set({})
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
 
 
 def column_input(
     x: jax.Array, axis_name: AxisName, sequence_axis: int | None = None, collective_matmul: str | None = None
 ) -> jax.Array | RingChunks:
-    """The input of column-parallel layers, once however many layers read it: *f*, or the
-    sequence all-gather (``sequence_axis`` set), or its ring (``collective_matmul`` set)."""
+    """The input of column-parallel layers, once however many layers read it (within
+    :func:`shared_column_inputs`): *f*, or the sequence all-gather (``sequence_axis`` set),
+    or its ring (``collective_matmul`` set)."""
+    shared = _SHARED.get()
+    if shared is None:
+        return _column_input(x, axis_name, sequence_axis, collective_matmul)
+    key = (id(x), axis_name, sequence_axis, collective_matmul)
+    # Another trace (a remat, a scan body) cannot use this one's value: it computes its own.
+    trace = jax.extend.core.get_opaque_trace_state(convention="fsdp_tp")
+    if (hit := shared.get(key)) is not None and hit[0] is x and hit[1] == trace:
+        return hit[2]
+    shared[key] = (x, trace, _column_input(x, axis_name, sequence_axis, collective_matmul))
+    return shared[key][2]
+
+
+def _column_input(x, axis_name, sequence_axis, collective_matmul):
     if sequence_axis is None:
         return copy_to_axis(x, axis_name)
     if collective_matmul is not None:

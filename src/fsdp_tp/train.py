@@ -23,6 +23,7 @@ from ._tree import named_shardings
 from ._types import PyTree, Specs
 from .dropout import fold_rng_over_axis as fold_rng_over_axis  # public here since 0.1
 from .partitioning import check_specs
+from .tp import shared_column_inputs
 
 __all__ = ["TrainState", "accumulate_gradients", "fold_rng_over_axis", "shard_step", "state_init_fn"]
 
@@ -216,8 +217,9 @@ def shard_step(
 
     def per_device_fn(state, batch):
         # Told while tracing, so transforms, the sync and dropout average over (and draw for)
-        # the axes this batch is split over, or say that they were told others.
-        with batch_split_over(split):
+        # the axes this batch is split over, or say that they were told others;
+        # and column-parallel layers that read one activation share its *f*.
+        with batch_split_over(split), shared_column_inputs():
             return inner(state, batch)
 
     per_device = jax.shard_map(
