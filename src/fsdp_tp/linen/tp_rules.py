@@ -12,8 +12,9 @@ computes on its slices over a mesh axis. The Linen layers each role computes (:d
 
 :func:`layer_of` shows a Linen layer to a role, :func:`local_attributes` writes the role's
 local sizes as the layer's attributes (``features / size``, ``num_heads / size``).
-Per attention or Dense-Dense MLP block that is Megatron's minimum: one all-reduce forward
-(the row sum), one backward (the column input's gradient). :func:`attention_rules` and
+Per attention or MLP block that is Megatron's minimum: one all-reduce forward (the row
+sum), one backward (the column input's gradient; a gated MLP's gate and up share it inside
+``shard_step``, :func:`fsdp_tp.tp.shared_column_inputs`). :func:`attention_rules` and
 :func:`mlp_rules` are the ready sets; pass the rules to :func:`~fsdp_tp.shard_by_rules`
 as ``tp_rules=``, next to its storage rules (FSDP splits another dim).
 
