@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
 
 import flax.linen as nn
@@ -516,6 +517,60 @@ def test_a_row_layer_without_a_column_before_it_is_named():
         out_specs=P("data"),
     )
     with pytest.raises(RuleError, match=r"layer_0/Dense_1 \(RowParallel\) cannot compute on its slices"):
+        apply(params, jnp.zeros((8, 8), jnp.int32))
+
+
+class NNXUpDown(nnx.Module):
+    """An embedding, then ``up`` and ``down`` (``up_type``: a Linear of the user's)."""
+
+    def __init__(self, rngs: nnx.Rngs, up_type: type = nnx.Linear):
+        self.embed = nnx.Embed(32, 16, rngs=rngs)
+        self.up = up_type(16, 32, rngs=rngs)
+        self.down = nnx.Linear(32, 16, rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.down(self.up(self.embed(tokens)))
+
+
+class Float16Only(nnx.Linear):
+    """A user's layer that refuses what it does not support, with its own TypeError."""
+
+    def __call__(self, x):
+        if x.dtype != jnp.float16:
+            raise TypeError(f"Float16Only takes float16 inputs, got {x.dtype}")
+        return super().__call__(x)
+
+
+@pytest.mark.parametrize(
+    "up_type, tp, error, match",
+    [
+        (
+            nnx.Linear,
+            [(r"down$", RowParallel())],
+            RuleError,
+            r"down \(RowParallel\) cannot compute on its slices",
+        ),
+        # A column layer's own TypeError is the user's to read, not a row layer's advice.
+        (
+            Float16Only,
+            [(r"up$", ColumnParallel()), (r"down$", RowParallel())],
+            TypeError,
+            r"^Float16Only takes",
+        ),
+    ],
+    ids=["row-fed-whole", "own-type-error"],
+)
+def test_nnx_a_layer_that_cannot_compute_says_why(up_type, tp, error, match):
+    model = Sharded(functools.partial(NNXUpDown, up_type=up_type), batch_axes=("data",), tp_rules=tp)
+    params, specs = _init(model)
+    mesh = fsdp_tp.make_mesh(MESHES["data2_tensor4"])
+    apply = jax.shard_map(
+        lambda p, x: model.apply({"params": p}, x),
+        mesh=mesh,
+        in_specs=(specs, P("data")),
+        out_specs=P("data"),
+    )
+    with pytest.raises(error, match=match):
         apply(params, jnp.zeros((8, 8), jnp.int32))
 
 

@@ -35,7 +35,7 @@ from .._tp_rules import (
 )
 from .._tree import module_path
 from .._types import AxisName
-from ..tp_roles import Layer, TPRole
+from ..tp_roles import Layer, RowParallel, TPRole
 
 __all__ = ["NNX", "RolePlan", "compute_roles", "layer_of", "path_text"]
 
@@ -129,6 +129,10 @@ def _computed(cls: type, role: TPRole, path: str) -> type:
                     try:
                         return original(self, *args, **kwargs)
                     except TypeError as err:
+                        # Only a row layer's input arrives split (a layer's own TypeError is its
+                        # own; a column layer's input is whole).
+                        if not isinstance(role, RowParallel):
+                            raise
                         raise slice_error(path, role, err) from None
 
             return role.around(name, run, layer, args, kwargs)
