@@ -363,6 +363,14 @@ GATED_RULES = {
 }
 
 
+def _all_reduces_over_tensor(model) -> int:
+    """All-reduce operands over `tensor` (size 4) in one step of ``model`` on data 2 x tensor 4."""
+    mesh = fsdp_tp.make_mesh(MESHES["data2_tensor4"])
+    lowered, _ = lowered_lm_step(model, mesh, ("data",), jnp.zeros((8, 8), jnp.int32))
+    found = parse_collectives(lowered.compile().as_text())
+    return sum(c.operands * c.executions for c in found if c.kind == "all-reduce" and c.group_size == 4)
+
+
 def _gated(api: str):
     if api == "nnx":
         return Sharded(NNXGatedLM, batch_axes=("data",), tp_rules=GATED_RULES["nnx"]), Twin(NNXGatedLM)
@@ -376,11 +384,7 @@ def test_a_gated_mlp_equals_unsharded_with_one_all_reduce_each_way(api):
     MLP; plus the vocabulary-parallel embedding's sum and the tied logits' input gradient."""
     model, twin = _gated(api)
     check_equivalence(dataclasses.replace(_case("data2_tensor4", False, True, model=model), reference=twin))
-    lowered, _ = lowered_lm_step(
-        model, fsdp_tp.make_mesh(MESHES["data2_tensor4"]), ("data",), jnp.zeros((8, 8), jnp.int32)
-    )
-    over_tensor = [c for c in parse_collectives(lowered.compile().as_text()) if c.group_size == 4]
-    assert sum(c.operands * c.executions for c in over_tensor if c.kind == "all-reduce") == 2 * 2 + 2
+    assert _all_reduces_over_tensor(model) == 2 * 2 + 2
 
 
 def test_negative_control_an_f_per_column_layer_all_reduces_the_gated_input_twice(monkeypatch):
@@ -388,11 +392,7 @@ def test_negative_control_an_f_per_column_layer_all_reduces_the_gated_input_twic
     all-reduces the MLP input's gradient once for gate and once for up."""
     monkeypatch.setattr(fsdp_tp.train, "shared_column_inputs", contextlib.nullcontext)
     model, _ = _gated("linen")
-    lowered, _ = lowered_lm_step(
-        model, fsdp_tp.make_mesh(MESHES["data2_tensor4"]), ("data",), jnp.zeros((8, 8), jnp.int32)
-    )
-    over_tensor = [c for c in parse_collectives(lowered.compile().as_text()) if c.group_size == 4]
-    assert sum(c.operands * c.executions for c in over_tensor if c.kind == "all-reduce") == 3 * 2 + 2
+    assert _all_reduces_over_tensor(model) == 3 * 2 + 2
 
 
 def _init(model, mesh_name="data2_tensor4", tokens=None):
@@ -506,20 +506,6 @@ def test_nnx_heads_the_axis_does_not_divide_are_named_at_init():
         fsdp_tp.init_sharded(sharded.init, fsdp_tp.make_mesh(MESHES["data2_tensor4"]), P(), jax.random.key(0))
 
 
-def test_a_row_layer_without_a_column_before_it_is_named():
-    model = _plain([(r"Dense_1$", RowParallel())])
-    params, specs = _init(model)
-    mesh = fsdp_tp.make_mesh(MESHES["data2_tensor4"])
-    apply = jax.shard_map(
-        lambda p, x: model.apply({"params": p}, x),
-        mesh=mesh,
-        in_specs=(specs, P("data")),
-        out_specs=P("data"),
-    )
-    with pytest.raises(RuleError, match=r"layer_0/Dense_1 \(RowParallel\) cannot compute on its slices"):
-        apply(params, jnp.zeros((8, 8), jnp.int32))
-
-
 class NNXUpDown(nnx.Module):
     """An embedding, then ``up`` and ``down`` (``up_type``: a Linear of the user's)."""
 
@@ -541,27 +527,34 @@ class Float16Only(nnx.Linear):
         return super().__call__(x)
 
 
+def _nnx_up_down(up_type, tp):
+    return Sharded(functools.partial(NNXUpDown, up_type=up_type), batch_axes=("data",), tp_rules=tp)
+
+
 @pytest.mark.parametrize(
-    "up_type, tp, error, match",
+    "make, error, match",
     [
         (
-            nnx.Linear,
-            [(r"down$", RowParallel())],
+            lambda: _plain([(r"Dense_1$", RowParallel())]),
+            RuleError,
+            r"layer_0/Dense_1 \(RowParallel\) cannot compute on its slices",
+        ),
+        (
+            lambda: _nnx_up_down(nnx.Linear, [(r"down$", RowParallel())]),
             RuleError,
             r"down \(RowParallel\) cannot compute on its slices",
         ),
         # A column layer's own TypeError is the user's to read, not a row layer's advice.
         (
-            Float16Only,
-            [(r"up$", ColumnParallel()), (r"down$", RowParallel())],
+            lambda: _nnx_up_down(Float16Only, [(r"up$", ColumnParallel()), (r"down$", RowParallel())]),
             TypeError,
             r"^Float16Only takes",
         ),
     ],
-    ids=["row-fed-whole", "own-type-error"],
+    ids=["linen-row-fed-whole", "nnx-row-fed-whole", "nnx-own-type-error"],
 )
-def test_nnx_a_layer_that_cannot_compute_says_why(up_type, tp, error, match):
-    model = Sharded(functools.partial(NNXUpDown, up_type=up_type), batch_axes=("data",), tp_rules=tp)
+def test_a_layer_that_cannot_compute_says_why(make, error, match):
+    model = make()
     params, specs = _init(model)
     mesh = fsdp_tp.make_mesh(MESHES["data2_tensor4"])
     apply = jax.shard_map(

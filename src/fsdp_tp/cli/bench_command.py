@@ -21,11 +21,11 @@ def _check_presets_fit(presets: list[tuple[str, int]], overrides: dict) -> None:
     from ..recipe.config import PRESETS
     from .fit import abstract_mesh, check_fits, plan_of
 
+    one_device = abstract_mesh({"data": 1, "fsdp": 1, "tensor": 1})
+    fix = "measure smaller presets or batches (e.g. --presets tiny:8), or with --remat full"
     for name, batch in presets:
         settings = bench_settings(dataclasses.replace(PRESETS[name], **overrides), batch)
-        plan = plan_of(settings, abstract_mesh({"data": 1, "fsdp": 1, "tensor": 1}))
-        fix = "measure smaller presets or batches (e.g. --presets tiny:8), or with --remat full"
-        check_fits(plan, f"--presets {name}:{batch}", twin=True, sharing=1, fix=fix)
+        check_fits(plan_of(settings, one_device), f"--presets {name}:{batch}", twin=True, sharing=1, fix=fix)
 
 
 def _accelerator_bench(args, argv: list[str], out) -> int:
