@@ -416,8 +416,9 @@ def _plain(tp, rules=(), **sizes):
             {},
             RuleError,
             r"matches layer_0, a DecoderBlock; ColumnParallel computes nn.Dense or nn.DenseGeneral or "
-            r"nn.Conv on its slices. Name the submodules a role computes, e.g. \('layer_0/Dense_0\$', "
-            r"ColumnParallel\(\)\); under layer_0: layer_0/MultiHeadDotProductAttention_0 \(HeadParallel\), "
+            r"nn.Conv or nn.Einsum on its slices. Name the submodules a role computes, e.g. "
+            r"\('layer_0/Dense_0\$', ColumnParallel\(\)\); under layer_0: "
+            r"layer_0/MultiHeadDotProductAttention_0 \(HeadParallel\), "
             r"layer_0/Dense_0 \(ColumnParallel or RowParallel\), "
             r"layer_0/Dense_1 \(ColumnParallel or RowParallel\)\.",
         ),
@@ -479,8 +480,8 @@ def _nnx_lm(tp, rules=(), heads=4, d_model=16):
             [(r"blocks/0$", ColumnParallel())],
             {},
             r"'blocks/0\$' -> ColumnParallel matches blocks/0, a DecoderBlock; ColumnParallel computes "
-            r"nnx.Linear or nnx.LinearGeneral or nnx.Conv on its slices. Name the submodules a role "
-            r"computes, e.g. \('blocks/0/down\$', ColumnParallel\(\)\); under blocks/0: blocks/0/attn "
+            r"nnx.Linear or nnx.LinearGeneral or nnx.Conv or nnx.Einsum on its slices. Name the submodules "
+            r"a role computes, e.g. \('blocks/0/down\$', ColumnParallel\(\)\); under blocks/0: blocks/0/attn "
             r"\(HeadParallel\), blocks/0/down \(ColumnParallel or RowParallel\), blocks/0/up",
         ),
         ([(r"ln1$", RowParallel())], {}, r"a LayerNorm, which has no tensor-parallel role"),

@@ -168,7 +168,7 @@ def require_own_parameters(role: TPRole, pattern: str, layer: Layer, cls: type, 
     """A dense or conv layer whose parameters are more than its kernel and bias (a LoRA layer's
     ``lora_a`` / ``lora_b``) computes with parameters the role does not split: refused at the
     rule, not at the first step."""
-    if layer.kind not in ("dense", "conv"):
+    if layer.kind not in ("dense", "conv", "einsum"):
         return
     if extra := [n for n in names if n.rpartition("/")[2] not in ("kernel", "bias")]:
         raise RuleError(

@@ -4,12 +4,14 @@ A rule is ``(pattern, role)``: ``pattern`` is searched (``re.search``) in a subm
 path, as every rule of the library is (:mod:`fsdp_tp.rules`), and ``role`` says how that
 submodule computes on its slices over a mesh axis:
 
-- :class:`ColumnParallel` (a dense layer or a convolution): the kernel split on its (first)
-  output feature dim; the input is the same on every device, the output this device's slice
-  of the features (or gathered, ``gather_output=True``);
+- :class:`ColumnParallel` (a dense layer, a convolution or an einsum): the kernel split on
+  its (first) output feature dim (an einsum's: a kernel letter of the output, ``letter=``);
+  the input is the same on every device, the output this device's slice of the features (or
+  gathered, ``gather_output=True``);
 - :class:`RowParallel` (the same kinds): the kernel split on its (first) contracted input
-  dim; the input arrives split (a column-parallel layer's output), the partial products are
-  summed over the axis and the bias added once;
+  dim (an einsum's: a kernel letter of the inputs only); the input arrives split (a
+  column-parallel layer's output), the partial products are summed over the axis and the
+  bias added once;
 - :class:`HeadParallel` (multi-head attention): each device computes its share of the heads
   (query/key/value split on the heads dim, the output projection row-parallel);
 - :class:`VocabParallel` (an embedding): the table split on the vocabulary; each device looks
@@ -17,7 +19,8 @@ submodule computes on its slices over a mesh axis:
   gathers the vocabulary).
 
 A role sees the module as a :class:`Layer`, which each front end builds from its own module
-classes (Linen's ``nn.Dense`` and NNX's ``nnx.Linear`` are both the ``"dense"`` kind), and
+classes (Linen's ``nn.Dense`` and NNX's ``nnx.Linear`` are both the ``"dense"`` kind, their
+``Einsum`` the ``"einsum"`` kind, whose equation says what it produces and contracts), and
 computes through :mod:`fsdp_tp.tp`'s pieces. A new role is one :class:`TPRole` subclass here.
 
 >>> role = ColumnParallel()
@@ -25,6 +28,9 @@ computes through :mod:`fsdp_tp.tp`'s pieces. A new role is one :class:`TPRole` s
 {'kernel': -1, 'bias': -1}
 >>> RowParallel().splits(Layer(kind="dense", path="mlp/down", features=(16,)))
 {'kernel': -2}
+>>> q = Layer(kind="einsum", path="attn/q", equation="BTD,NDH->BTNH", kernel_shape=(8, 64, 16))
+>>> ColumnParallel().splits(q), ColumnParallel().local(q, 4)
+({'kernel': -3, 'bias': -2}, {'kernel_shape': (2, 64, 16)})
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
+from ._einsum import Equation, shrunk, split_letter
 from .collectives import gather_from_axis
 from .dropout import split_after, splitting
 from .errors import RuleError
@@ -48,10 +55,11 @@ __all__ = ["ROLES", "ColumnParallel", "HeadParallel", "Layer", "RowParallel", "T
 class Layer:
     """A submodule as a role sees it, whichever front end built it.
 
-    ``kind``: ``"dense"``, ``"conv"``, ``"attention"`` or ``"embed"``. ``features``: the
-    output feature dims; ``contracted``: how many input dims it contracts; ``in_size``: the
-    first contracted dim's size; ``groups``: a convolution's feature groups; ``bias``: reads
-    the stored bias as the module reads it (gathered over FSDP's axes)."""
+    ``kind``: ``"dense"``, ``"conv"``, ``"einsum"``, ``"attention"`` or ``"embed"``.
+    ``features``: the output feature dims; ``contracted``: how many input dims it contracts;
+    ``in_size``: the first contracted dim's size; ``groups``: a convolution's feature groups;
+    ``equation`` and ``kernel_shape``: an einsum's; ``bias``: reads the stored bias as the
+    module reads it (gathered over FSDP's axes)."""
 
     kind: str
     path: str
@@ -63,6 +71,8 @@ class Layer:
     num_kv_heads: int = 0
     num_embeddings: int = 0
     use_bias: bool = False
+    equation: str = ""
+    kernel_shape: tuple[int, ...] = ()
     dtype: Any = None
     bias: Callable[[], jax.Array] | None = None
 
@@ -127,58 +137,97 @@ class TPRole:
         raise NotImplementedError
 
 
+def _einsum(layer: Layer, role: TPRole, letter: str | None, what: str) -> tuple[Equation, str, int]:
+    """An einsum layer's equation, the letter ``role`` splits and its kernel dim (``""`` and
+    0 for another kind, which takes no ``letter``)."""
+    return split_letter(layer.kind, layer.equation, layer.path, type(role).__name__, letter, what)
+
+
 @dataclass(frozen=True)
 class ColumnParallel(TPRole):
-    """A dense layer or convolution split on the (first) output feature dim.
+    """A dense layer, convolution or einsum split on the (first) output feature dim.
 
     ``gather_output``: all-gather the features (a model's last layer, whose output the
-    loss reads whole); otherwise the next layer must be :class:`RowParallel`."""
+    loss reads whole); otherwise the next layer must be :class:`RowParallel`. ``letter``
+    (an einsum's): the kernel letter to split, one the output has and the inputs do not
+    (default: the kernel's first such letter, e.g. the heads of ``'BTD,NDH->BTNH'``)."""
 
     gather_output: bool = False
-    kinds: ClassVar[tuple[str, ...]] = ("dense", "conv")
+    letter: str | None = None
+    kinds: ClassVar[tuple[str, ...]] = ("dense", "conv", "einsum")
 
     def splits(self, layer):
+        eq, letter, dim = _einsum(layer, self, self.letter, "produced")
+        if letter:
+            bias = eq.bias_letters
+            return {"kernel": dim - len(eq.kernel), "bias": bias.index(letter) - len(bias)}
         _ungrouped(layer)
         dim = -len(layer.features)
         return {"kernel": dim, "bias": dim}
 
     def divides(self, layer):
+        eq, letter, dim = _einsum(layer, self, self.letter, "produced")
+        if letter:
+            return {f"kernel dim {letter!r} of {eq.text!r}": layer.kernel_shape[dim]}
         return {"features": layer.features[0]}
 
     def local(self, layer, size):
+        _, letter, dim = _einsum(layer, self, self.letter, "produced")
+        if letter:
+            return {"kernel_shape": shrunk(layer.kernel_shape, dim, size)}
         return {"features": (layer.features[0] // size, *layer.features[1:])}
 
     def around(self, method, run, layer, args, kwargs):
         args, kwargs = _copied(args, kwargs, self.axis)
         out = run(*args, **kwargs)
+        eq, letter, _ = _einsum(layer, self, self.letter, "produced")
+        dim = eq.dim_of(letter, eq.output, out.ndim) if letter else -len(layer.features)
         if self.gather_output:
             split_after({})
-            return gather_from_axis(out, -len(layer.features), self.axis)
-        split_after({-len(layer.features): self.axis})  # dropout until the row layer: its slice
+            return gather_from_axis(out, dim, self.axis)
+        split_after({dim: self.axis})  # dropout until the row layer: its slice
         return out
 
 
 @dataclass(frozen=True)
 class RowParallel(TPRole):
-    """A dense layer or convolution split on the (first) contracted input dim: the input
-    arrives split there, the partial products are summed over the axis (Megatron's *g*)
-    and the bias, whole on every device, is added once after the sum."""
+    """A dense layer, convolution or einsum split on the (first) contracted input dim: the
+    input arrives split there, the partial products are summed over the axis (Megatron's
+    *g*) and the bias, whole on every device, is added once after the sum. ``letter`` (an
+    einsum's): the kernel letter to split, one the inputs have and the output does not
+    (default: the kernel's first such letter, e.g. the heads of ``'BTNH,NHD->BTD'``)."""
 
-    kinds: ClassVar[tuple[str, ...]] = ("dense", "conv")
+    letter: str | None = None
+    kinds: ClassVar[tuple[str, ...]] = ("dense", "conv", "einsum")
 
     def splits(self, layer):
+        _, letter, dim = _einsum(layer, self, self.letter, "contracted")
+        if letter:
+            return {"kernel": dim - len(layer.kernel_shape)}
         _ungrouped(layer)
         return {"kernel": -(layer.contracted + len(layer.features))}
 
     def divides(self, layer):
+        eq, letter, dim = _einsum(layer, self, self.letter, "contracted")
+        if letter:
+            return {f"kernel dim {letter!r} of {eq.text!r}": layer.kernel_shape[dim]}
         return {"input dim": layer.in_size}
 
     def local(self, layer, size):
+        _, letter, dim = _einsum(layer, self, self.letter, "contracted")
+        if letter:
+            return {"kernel_shape": shrunk(layer.kernel_shape, dim, size), "use_bias": False}
         return {"use_bias": False}
 
     def around(self, method, run, layer, args, kwargs):
+        eq, letter, dim = _einsum(layer, self, self.letter, "contracted")
+        if letter:
+            x = args[0] if args else kwargs["inputs"]
+            eq.require_slice(letter, x.shape, layer.kernel_shape[dim] // jax.lax.axis_size(self.axis))
         out = row_reduce(run(*args, **kwargs), self.axis)  # (whole from here on, for dropout)
         bias = layer.bias() if layer.use_bias and layer.bias is not None else None
+        if bias is not None and letter:
+            bias = bias.reshape(eq.bias_shape(layer.kernel_shape, out.ndim))
         return add_bias_once(out, bias, self.axis, dtype=layer.dtype)
 
 

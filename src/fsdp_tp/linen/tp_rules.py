@@ -6,7 +6,8 @@ path, as every rule of the library is (:mod:`fsdp_tp.rules`), and ``role`` (one 
 computes on its slices over a mesh axis. The Linen layers each role computes (:data:`LINEN`):
 
 - :class:`ColumnParallel`, :class:`RowParallel`: ``nn.Dense``, ``nn.DenseGeneral``,
-  ``nn.Conv`` (a convolution's channels are its features);
+  ``nn.Conv`` (a convolution's channels are its features), ``nn.Einsum`` (a kernel letter
+  of the output, or of the inputs only);
 - :class:`HeadParallel`: ``nn.MultiHeadDotProductAttention`` (and ``nn.SelfAttention``);
 - :class:`VocabParallel`: ``nn.Embed`` (``attend``, tied logits, gathers the vocabulary).
 
@@ -53,6 +54,7 @@ LINEN = Kinds(
     {
         "dense": (nn.Dense, nn.DenseGeneral),
         "conv": (nn.Conv,),
+        "einsum": (nn.Einsum,),
         "attention": (nn.MultiHeadDotProductAttention,),
         "embed": (nn.Embed,),
     },
@@ -75,6 +77,15 @@ def layer_of(module: nn.Module, args: tuple, kwargs: dict) -> Layer:
             use_bias=module.use_bias,
             bias=lambda: meta.unbox(module.get_variable("params", "bias")),
         )
+    if kind == "einsum":  # the equation is the module's or, when it has none, the call's
+        equation = module.einsum_str or (args[1] if len(args) > 1 else kwargs.get("einsum_str"))
+        return Layer(
+            **common,
+            equation=equation or "",
+            kernel_shape=tuple(module.shape),
+            use_bias=module.use_bias,
+            bias=lambda: meta.unbox(module.get_variable("params", "bias")),
+        )
     if kind == "attention":
         return Layer(**common, num_heads=module.num_heads, num_kv_heads=module.num_heads)
     return Layer(**common, num_embeddings=module.num_embeddings)
@@ -83,6 +94,8 @@ def layer_of(module: nn.Module, args: tuple, kwargs: dict) -> Layer:
 def local_attributes(module: nn.Module, local: dict[str, Any], args: tuple, kwargs: dict) -> dict[str, Any]:
     """A role's local sizes (:meth:`~fsdp_tp.tp_roles.TPRole.local`) as ``module``'s attributes."""
     out = {k: v for k, v in local.items() if k in ("use_bias", "num_embeddings")}
+    if "kernel_shape" in local:
+        out["shape"] = local["kernel_shape"]
     if "features" in local:
         features = local["features"]
         out["features"] = features if isinstance(module.features, tuple | list) else features[0]

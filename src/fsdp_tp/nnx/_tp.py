@@ -44,6 +44,7 @@ NNX = Kinds(
     {
         "dense": (nnx.Linear, nnx.LinearGeneral),
         "conv": (nnx.Conv,),
+        "einsum": (nnx.Einsum,),
         "attention": (nnx.MultiHeadAttention,),
         "embed": (nnx.Embed,),
     },
@@ -71,6 +72,14 @@ def layer_of(module: Any, path: str) -> Layer:
             use_bias=module.use_bias,
             bias=lambda: module.bias[...],
         )
+    if kind == "einsum":
+        return Layer(
+            **common,
+            equation=module.einsum_str or "",
+            kernel_shape=tuple(module.kernel_shape),
+            use_bias=module.bias is not None,
+            bias=lambda: module.bias[...],
+        )
     if kind == "attention":
         return Layer(**common, num_heads=module.num_heads, num_kv_heads=module.num_kv_heads)
     return Layer(**common, num_embeddings=module.num_embeddings)
@@ -85,8 +94,11 @@ def _attributes(module: Any, local: dict[str, Any]) -> list[tuple[nnx.Module, st
         features = local["features"]
         tuple_valued = isinstance(module.out_features, tuple)  # nnx.LinearGeneral's; Linear's is an int
         out.append((module, "out_features", features if tuple_valued else features[0]))
+    if "kernel_shape" in local:  # nnx.Einsum reshapes its bias by it
+        out.append((module, "kernel_shape", local["kernel_shape"]))
     if local.get("use_bias") is False:
-        out += [(module, "use_bias", False), (module, "bias", None)]
+        out += [(module, "use_bias", False)] if "use_bias" in module.__dict__ else []
+        out.append((module, "bias", None))
     if "num_embeddings" in local:
         out.append((module, "num_embeddings", local["num_embeddings"]))
     if "num_heads" in local:

@@ -1,0 +1,151 @@
+"""An einsum layer's equation as a tensor-parallel role reads it: which kernel dims a layer
+produces and which it contracts, framework-free.
+
+An einsum layer (``nn.Einsum``, ``nnx.Einsum``) computes ``einsum("<inputs>,<kernel>-><output>",
+x, kernel)``. A kernel letter that appears in the output and not in the inputs is *produced*
+(a feature or a heads dim: a column-parallel layer splits it, and its output is split there);
+one that appears in the inputs and not in the output is *contracted* (a row-parallel layer
+splits it: its input arrives split there and the partial sums are reduced once). The bias,
+when there is one, has the kernel's letters in the order the output has them.
+
+>>> eq = Equation.parse("BTD,NDH->BTNH", "attn/q")
+>>> eq.produced, eq.contracted
+('NH', 'D')
+>>> eq.kernel_dim("N"), eq.bias_letters
+(0, 'NH')
+>>> Equation.parse("BTNH,NHD->BTD", "attn/out").contracted
+'NH'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .errors import RuleError
+
+__all__ = ["Equation", "shrunk", "split_letter"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Equation:
+    """``inputs,kernel->output`` of the layer at ``path`` (spaces dropped; ``...`` kept in
+    the inputs and the output, where it stands for the batch-like dims)."""
+
+    inputs: str
+    kernel: str
+    output: str
+    path: str
+
+    @classmethod
+    def parse(cls, equation: str, path: str) -> Equation:
+        """The equation checked: explicit (``->``), two operands, a kernel of distinct letters."""
+        text = equation.replace(" ", "")
+        operands, arrow, output = text.partition("->")
+        parts = operands.split(",")
+        if not arrow or len(parts) != 2:
+            raise RuleError(
+                f"{path} is an einsum layer with equation {equation!r}: a tp role reads an explicit "
+                f"two-operand equation 'inputs,kernel->output' (e.g. 'BTD,DF->BTF')."
+            )
+        inputs, kernel = parts
+        if "." in kernel or len(set(kernel)) != len(kernel):
+            raise RuleError(
+                f"{path} is an einsum layer with equation {equation!r}: its kernel {kernel!r} must name "
+                f"each dim with its own letter (no '...', no repeated letter) for a tp role to split one."
+            )
+        return cls(inputs, kernel, output, path)
+
+    @property
+    def text(self) -> str:
+        return f"{self.inputs},{self.kernel}->{self.output}"
+
+    @property
+    def produced(self) -> str:
+        """Kernel letters in the output and not the inputs, in the kernel's order."""
+        return "".join(c for c in self.kernel if c in self.output and c not in self.inputs)
+
+    @property
+    def contracted(self) -> str:
+        """Kernel letters in the inputs and not the output, in the kernel's order."""
+        return "".join(c for c in self.kernel if c in self.inputs and c not in self.output)
+
+    @property
+    def bias_letters(self) -> str:
+        """The bias's dims: the kernel's letters in the output's order."""
+        return "".join(c for c in self.output if c in self.kernel)
+
+    def kernel_dim(self, letter: str) -> int:
+        return self.kernel.index(letter)
+
+    def choose(self, letter: str | None, role: str, what: str) -> str:
+        """The letter a role splits: ``letter`` when given, else the first of the kernel's
+        ``what`` (``"produced"`` or ``"contracted"``) letters; an error names the equation,
+        the letter and the ones that work."""
+        options = getattr(self, what)
+        if letter is None and options:
+            return options[0]
+        if letter is not None and len(letter) == 1 and letter in options:
+            return letter
+        verb = "splits an output dim" if what == "produced" else "splits a contracted dim"
+        where = "in the output and not the inputs"
+        if what == "contracted":
+            where = "in the inputs and not the output"
+        given = f"letter {letter!r} is not one of them" if letter is not None else "it has none"
+        fix = (
+            f"give {role}(letter=...) one of {', '.join(repr(c) for c in options)}"
+            if options
+            else f"give it {'RowParallel' if what == 'produced' else 'ColumnParallel'}(), or drop the rule"
+        )
+        raise RuleError(
+            f"{self.path}: {role} {verb} of an einsum's kernel: a letter of the kernel {self.kernel!r} "
+            f"{where} of {self.text!r}; {given}. Fix: {fix}."
+        )
+
+    def dim_of(self, letter: str, operand: str, ndim: int) -> int:
+        """Where ``letter`` is in an array of ``ndim`` dims written ``operand`` (the inputs or
+        the output, whose ``...`` stands for the dims not named), counted from the end."""
+        before, _, after = operand.partition("...")
+        if letter in after:
+            return after.index(letter) - len(after)
+        return before.index(letter) - ndim
+
+    def bias_shape(self, kernel_shape: tuple[int, ...], ndim: int) -> tuple[int, ...]:
+        """The bias (shape :attr:`bias_letters`) as it broadcasts over an output of ``ndim`` dims."""
+        sizes = dict(zip(self.kernel, kernel_shape, strict=True))
+        before, dots, after = self.output.partition("...")
+        middle = ndim - len(before) - len(after) if dots else 0
+        return tuple(sizes.get(c, 1) for c in before) + (1,) * middle + tuple(sizes.get(c, 1) for c in after)
+
+    def require_slice(self, letter: str, shape: tuple[int, ...], want: int) -> None:
+        """A row-parallel einsum's input of ``shape`` holds ``want`` (this device's slice) on
+        ``letter``; an input that arrived whole is named."""
+        at = self.dim_of(letter, self.inputs, len(shape))
+        if shape[at] != want:
+            raise RuleError(
+                f"{self.path} (RowParallel) cannot compute on its slices: its input {shape} has "
+                f"{shape[at]} on dim {at % len(shape)} (letter {letter!r} of {self.text!r}), where this "
+                f"device's slice is {want}. A RowParallel layer takes the split features a ColumnParallel "
+                f"layer returns; its input arrived whole. Make the layer before it ColumnParallel, or this "
+                f"one ColumnParallel."
+            )
+
+
+def split_letter(kind: str, equation: str, path: str, role: str, letter: str | None, what: str):
+    """``(equation, letter, kernel dim)`` a ``role`` splits on an einsum layer (``what``:
+    ``"produced"`` for a column role, ``"contracted"`` for a row role); for another kind of
+    layer ``letter`` must be None and the answer is ``(an empty equation, "", 0)``."""
+    if kind != "einsum":
+        if letter is not None:
+            raise RuleError(
+                f"{path}: {role}(letter={letter!r}) names an einsum's dim, but {path} is a {kind} "
+                f"layer, whose split is its features; drop letter=."
+            )
+        return Equation("", "", "", path), "", 0
+    eq = Equation.parse(equation, path)
+    chosen = eq.choose(letter, role, what)
+    return eq, chosen, eq.kernel_dim(chosen)
+
+
+def shrunk(shape: tuple[int, ...], dim: int, size: int) -> tuple[int, ...]:
+    """``shape`` with dim ``dim`` divided by ``size``: a kernel's local shape."""
+    return tuple(n // size if i == dim else n for i, n in enumerate(shape))

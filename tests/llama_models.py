@@ -1,0 +1,182 @@
+"""A model written the way Gemma and Llama are, in Linen and in NNX, for issue 44's proof.
+
+Einsum projections (``nn.Einsum`` / ``nnx.Einsum``): a query einsum and a separate key/value
+einsum with fewer kv heads (grouped-query attention, Gemma's stacked ``CDKH`` kernel), RoPE,
+an output einsum; a gated MLP ``down(silu(gate(x)) * up(x))`` of einsums; RMSNorm; logits
+tied to the embedding. The attention computes from its inputs' shapes (never from a head
+count attribute), as a model must for its projections to run on slices of the heads.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from fsdp_tp.tp_roles import ColumnParallel, RowParallel, VocabParallel
+
+__all__ = ["LINEN_RULES", "NNX_RULES", "LlamaLM", "NNXLlamaLM", "attention"]
+
+SIZES = dict(vocab=32, d=16, heads=4, kv_heads=2, head_dim=4, hidden=32, layers=2)
+
+# The Megatron plan, one rule per projection (identical paths in both front ends):
+# heads split over `tensor` (the kv einsum on its kv heads 'K', not its stacked 'C'), the
+# output and down einsums row-parallel, the embedding (and so the tied logits) by vocabulary.
+RULES = [
+    (r"embed$", VocabParallel()),
+    (r"attn/q$", ColumnParallel()),
+    (r"attn/kv$", ColumnParallel(letter="K")),
+    (r"attn/out$", RowParallel()),
+    (r"mlp/(gate|up)$", ColumnParallel()),
+    (r"mlp/down$", RowParallel()),
+]
+LINEN_RULES = NNX_RULES = RULES
+
+
+def rope(x: jax.Array, positions: jax.Array) -> jax.Array:
+    """Rotary position embedding on ``x`` (..., seq, heads, head_dim)."""
+    half = x.shape[-1] // 2
+    freq = 1.0 / (10_000 ** (jnp.arange(half, dtype=x.dtype) / half))
+    angle = positions[:, None, None] * freq
+    sin, cos = jnp.sin(angle), jnp.cos(angle)
+    first, second = x[..., :half], x[..., half:]
+    return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal grouped-query attention: ``q`` (B, T, N, H), ``k``/``v`` (B, S, K, H), N a
+    multiple of K (query head n reads kv head n // (N / K)); every size from the shapes."""
+    b, t, n, h = q.shape
+    kv = k.shape[-2]
+    positions = jnp.arange(t, dtype=q.dtype)
+    q, k = rope(q, positions), rope(k, positions)
+    q = q.reshape(b, t, kv, n // kv, h) / jnp.sqrt(h).astype(q.dtype)
+    logits = jnp.einsum("BTKGH,BSKH->BKGTS", q, k)
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    weights = jax.nn.softmax(jnp.where(causal, logits, jnp.finfo(logits.dtype).min), axis=-1)
+    return jnp.einsum("BKGTS,BSKH->BTKGH", weights, v).reshape(b, t, n, h)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * (1 + scale)
+
+
+class LinenAttention(nn.Module):
+    heads: int
+    kv_heads: int
+    head_dim: int
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        d, at = x.shape[-1], dict(param_dtype=self.param_dtype)
+        q = nn.Einsum((d, self.heads, self.head_dim), "BTD,DNH->BTNH", use_bias=False, name="q", **at)(x)
+        kv = nn.Einsum((2, d, self.kv_heads, self.head_dim), "BSD,CDKH->CBSKH", name="kv", **at)(x)
+        out = attention(q, kv[0], kv[1])
+        return nn.Einsum((self.heads, self.head_dim, d), "BTNH,NHD->BTD", name="out", **at)(out)
+
+
+class LinenMLP(nn.Module):
+    hidden: int
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        d, at = x.shape[-1], dict(param_dtype=self.param_dtype, use_bias=False)
+        gate = nn.Einsum((d, self.hidden), "BTD,DF->BTF", name="gate", **at)(x)
+        up = nn.Einsum((d, self.hidden), "BTD,DF->BTF", name="up", **at)(x)
+        return nn.Einsum((self.hidden, d), "BTF,FD->BTD", name="down", **at)(nn.silu(gate) * up)
+
+
+class LinenBlock(nn.Module):
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        d, at = x.shape[-1], dict(param_dtype=self.param_dtype)
+        norm = self.param("attn_norm", nn.initializers.zeros, (d,), self.param_dtype)
+        x = x + LinenAttention(self.heads, self.kv_heads, self.head_dim, name="attn", **at)(rms_norm(x, norm))
+        norm = self.param("mlp_norm", nn.initializers.zeros, (d,), self.param_dtype)
+        return x + LinenMLP(self.hidden, name="mlp", **at)(rms_norm(x, norm))
+
+
+class LlamaLM(nn.Module):
+    """The Linen model: pre-RMSNorm blocks of GQA einsum attention and a gated einsum MLP."""
+
+    vocab: int = SIZES["vocab"]
+    d: int = SIZES["d"]
+    heads: int = SIZES["heads"]
+    kv_heads: int = SIZES["kv_heads"]
+    head_dim: int = SIZES["head_dim"]
+    hidden: int = SIZES["hidden"]
+    layers: int = SIZES["layers"]
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens):
+        at = dict(param_dtype=self.param_dtype)
+        embed = nn.Embed(self.vocab, self.d, name="embed", **at)
+        x = embed(tokens)
+        for i in range(self.layers):
+            x = LinenBlock(self.heads, self.kv_heads, self.head_dim, self.hidden, name=f"block_{i}", **at)(x)
+        final = self.param("final_norm", nn.initializers.zeros, (self.d,), self.param_dtype)
+        return embed.attend(rms_norm(x, final))
+
+
+class NNXAttention(nnx.Module):
+    def __init__(self, d, heads, kv_heads, head_dim, *, rngs, param_dtype=jnp.float32):
+        at = dict(param_dtype=param_dtype, rngs=rngs)
+        self.q = nnx.Einsum("BTD,DNH->BTNH", (d, heads, head_dim), **at)
+        self.kv = nnx.Einsum("BSD,CDKH->CBSKH", (2, d, kv_heads, head_dim), (2, kv_heads, head_dim), **at)
+        self.out = nnx.Einsum("BTNH,NHD->BTD", (heads, head_dim, d), (d,), **at)
+
+    def __call__(self, x):
+        kv = self.kv(x)
+        return self.out(attention(self.q(x), kv[0], kv[1]))
+
+
+class NNXMLP(nnx.Module):
+    def __init__(self, d, hidden, *, rngs, param_dtype=jnp.float32):
+        at = dict(param_dtype=param_dtype, rngs=rngs)
+        self.gate = nnx.Einsum("BTD,DF->BTF", (d, hidden), **at)
+        self.up = nnx.Einsum("BTD,DF->BTF", (d, hidden), **at)
+        self.down = nnx.Einsum("BTF,FD->BTD", (hidden, d), **at)
+
+    def __call__(self, x):
+        return self.down(nnx.silu(self.gate(x)) * self.up(x))
+
+
+class NNXBlock(nnx.Module):
+    def __init__(self, d, heads, kv_heads, head_dim, hidden, *, rngs, param_dtype=jnp.float32):
+        self.attn_norm = nnx.Param(jnp.zeros((d,), param_dtype))
+        self.attn = NNXAttention(d, heads, kv_heads, head_dim, rngs=rngs, param_dtype=param_dtype)
+        self.mlp_norm = nnx.Param(jnp.zeros((d,), param_dtype))
+        self.mlp = NNXMLP(d, hidden, rngs=rngs, param_dtype=param_dtype)
+
+    def __call__(self, x):
+        x = x + self.attn(rms_norm(x, self.attn_norm[...]))
+        return x + self.mlp(rms_norm(x, self.mlp_norm[...]))
+
+
+class NNXLlamaLM(nnx.Module):
+    """The NNX model (its bias placement differs from the Linen one's: each front end's
+    Einsum takes a bias its own way)."""
+
+    def __init__(self, rngs: nnx.Rngs, param_dtype=jnp.float32, **sizes):
+        s = {**SIZES, **sizes}
+        self.embed = nnx.Embed(s["vocab"], s["d"], param_dtype=param_dtype, rngs=rngs)
+        sizes = (s["d"], s["heads"], s["kv_heads"], s["head_dim"], s["hidden"])
+        blocks = [NNXBlock(*sizes, rngs=rngs, param_dtype=param_dtype) for _ in range(s["layers"])]
+        self.blocks = nnx.List(blocks)
+        self.final_norm = nnx.Param(jnp.zeros((s["d"],), param_dtype))
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.embed.attend(rms_norm(x, self.final_norm[...]))

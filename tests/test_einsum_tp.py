@@ -1,0 +1,310 @@
+"""Issue 44: Megatron tensor parallelism for a model written the way Gemma and Llama are.
+
+``tests.llama_models`` (einsum q and kv projections with grouped-query attention and RoPE,
+an output einsum, a gated einsum MLP, RMSNorm, logits tied to the embedding), in Linen and in
+NNX, with one rule per projection (``llama_models.RULES``). Properties: docs/design.md
+invariants 1-5 against the unsharded model on data 2 x fsdp 2 x tensor 2 and on data 2 x
+tensor 2 in both ``check_vma`` modes; the step's all-reduce operands over ``tensor`` are
+Megatron's minimum, ``4 x layers + 2``; no weight is all-gathered over ``tensor``. An einsum a
+role cannot split is named with its equation and letter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from hypothesis import given
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
+
+import fsdp_tp
+from fsdp_tp import tp_roles
+from fsdp_tp.analysis import dot_flops, parse_collectives
+from fsdp_tp.errors import IndivisibleShapeError, RuleError
+from fsdp_tp.tp_roles import ColumnParallel, RowParallel
+from tests import test_tp_rules
+from tests.equivalence import Case, assert_trees_close, check_equivalence
+from tests.llama_models import RULES, SIZES, LlamaLM, NNXLlamaLM
+from tests.nnx_models import Sharded, Twin
+from tests.plain_models import lowered_lm_step
+
+APIS = ["linen", "nnx"]
+MESHES = {
+    "data2_fsdp2_tensor2": {"data": 2, "fsdp": 2, "tensor": 2},
+    "data4_tensor2": {"data": 4, "tensor": 2},
+    "fsdp4_tensor2": {"fsdp": 4, "tensor": 2},
+    "fsdp2_tensor4": {"fsdp": 2, "tensor": 4},
+}
+BATCH, SEQ = 8, 8
+EXACT = dict(param_dtype=jnp.float64)
+# FSDP on the dim each einsum's tp split leaves whole (the kernel's model dim 'D').
+FSDP_RULES = [
+    (r"attn/q/kernel$", P("fsdp")),
+    (r"attn/kv/kernel$", P(None, "fsdp")),
+    (r"attn/out/kernel$", P(None, None, "fsdp")),
+    (r"mlp/(gate|up)/kernel$", P("fsdp")),
+    (r"mlp/down/kernel$", P(None, "fsdp")),
+    (r"embedding$", P(None, "fsdp")),
+]
+
+
+def _batch(mesh_name: str) -> tuple[str, ...]:
+    return tuple(axis for axis in MESHES[mesh_name] if axis != "tensor")
+
+
+def _models(api: str, mesh_name: str, tp=RULES, **options):
+    storage = FSDP_RULES if "fsdp" in MESHES[mesh_name] else []
+    batch = _batch(mesh_name)
+    if api == "nnx":
+        make = functools.partial(NNXLlamaLM, **options)
+        return Sharded(make, storage, batch_axes=batch, tp_rules=tp), Twin(make)
+    model = fsdp_tp.shard_by_rules(LlamaLM, storage, batch_axes=batch, tp_rules=tp)
+    return model(**options), LlamaLM(**options)
+
+
+def _case(api: str, mesh_name: str, check_vma: bool) -> Case:
+    with jax.enable_x64(True):  # an NNX model's constructor runs here, and keeps its dtypes
+        model, twin = _models(api, mesh_name, **EXACT)
+    loss = test_tp_rules._next_token_loss
+    mesh = fsdp_tp.make_mesh(MESHES[mesh_name])
+    batch = _batch(mesh_name)
+    tokens = dict(seq_len=SEQ, vocab=SIZES["vocab"])
+    return Case(model, twin, mesh, batch, check_vma, 0, 0, **tokens, loss=loss, reference_loss=loss)
+
+
+@pytest.mark.parametrize("mesh_name, check_vma", [("data2_fsdp2_tensor2", True), ("data4_tensor2", False)])
+@pytest.mark.parametrize("api", APIS)
+def test_einsum_attention_and_gated_mlp_equal_unsharded(api, mesh_name, check_vma):
+    with jax.enable_x64(True):  # (float64: see tests/test_tp_rules.EXACT)
+        check_equivalence(_case(api, mesh_name, check_vma))
+
+
+def _step(api: str, tp=RULES, mesh_name: str = "fsdp4_tensor2"):
+    """One lowered AdamW step of the model and its initial state."""
+    model, _ = _models(api, mesh_name, tp=tp)
+    mesh = fsdp_tp.make_mesh(MESHES[mesh_name])
+    return lowered_lm_step(model, mesh, _batch(mesh_name), jnp.zeros((BATCH, SEQ), jnp.int32))
+
+
+def _operands(collectives, kind: str, group: int) -> int:
+    return sum(c.operands * c.executions for c in collectives if c.kind == kind and c.group_size == group)
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_megatrons_all_reduces_fsdp_at_the_minimum_and_half_the_matmuls(api):
+    """On fsdp 4 x tensor 2 (the axes told apart by their sizes): over `tensor`, per block one
+    all-reduce forward and one backward for the attention (q and kv share the input's *f*) and
+    for the gated MLP (gate and up share it), plus the embedding's sum and the tied logits'
+    input gradient: 4 x layers + 2; the only gather over `tensor` is the logits'. Over `fsdp`,
+    each FSDP-split parameter is gathered once (its tensor slice: W_min) and its gradient
+    reduce-scattered once, the tied embedding included. Every matmul is half the size."""
+    lowered, state = _step(api)
+    found = parse_collectives(lowered.compile().as_text())
+    assert _operands(found, "all-reduce", 2) == 4 * SIZES["layers"] + 2
+    (logits,) = [c for c in found if c.kind == "all-gather" and c.group_size == 2]
+    assert logits.operands == 1
+    assert logits.operand_types[0].startswith(f"f32[{BATCH // 4},{SEQ},{SIZES['vocab'] // 2}]")
+    split = [leaf for leaf in jax.tree.leaves(state.params) if "fsdp" in leaf.sharding.spec]
+    w_min = sum(leaf.nbytes // (2 if "tensor" in leaf.sharding.spec else 1) for leaf in split)
+    gathers = [c for c in found if c.kind == "all-gather" and c.group_size == 4]
+    assert sum(c.operand_bytes * c.group_size * c.executions for c in gathers) == w_min
+    assert _operands(found, "reduce-scatter", 4) == len(split) == 6 * SIZES["layers"] + 1  # 6 kernels a block
+    plain, _ = _step(api, tp=())
+    assert dot_flops(plain.as_text(dialect="hlo")) == 2 * dot_flops(lowered.as_text(dialect="hlo"))
+
+
+@pytest.mark.parametrize(
+    "api, bias", [("linen", "['block_0']['attn']['out']"), ("nnx", "['blocks'][0]['attn']['out']")]
+)
+def test_negative_control_a_row_einsum_adding_its_own_bias(monkeypatch, api, bias):
+    """The output einsum keeping its bias on its slices: every device adds it before the sum
+    (its gradient is 3 times the twin's on tensor 2)."""
+    local = RowParallel.local
+    keeping_bias = lambda self, *a: {k: v for k, v in local(self, *a).items() if k != "use_bias"}
+    monkeypatch.setattr(RowParallel, "local", keeping_bias)
+    with pytest.raises(AssertionError, match=re.escape(f"grads{bias}['bias']")), jax.enable_x64(True):
+        check_equivalence(_case(api, "data4_tensor2", False))
+
+
+def test_negative_control_query_heads_split_and_kv_heads_whole():
+    """Without the kv rule every device holds both kv heads while its query heads are half of
+    them: the attention, computing from shapes, pairs query heads with the wrong kv heads. (The
+    library cannot see this pairing; llama_models.RULES splits q and kv together.)"""
+    rules = [rule for rule in RULES if rule[0] != r"attn/kv$"]
+    with jax.enable_x64(True):
+        case = _case("linen", "data4_tensor2", False)
+        model, _ = _models("linen", "data4_tensor2", tp=rules, **EXACT)
+        with pytest.raises(AssertionError, match="output"):
+            check_equivalence(dataclasses.replace(case, model=model))
+
+
+def test_negative_control_an_f_per_projection_all_reduces_shared_inputs_twice(monkeypatch):
+    """Without the shared *f*, q and kv (and gate and up) each all-reduce their input's gradient."""
+    monkeypatch.setattr(fsdp_tp.train, "shared_column_inputs", contextlib.nullcontext)
+    lowered, _ = _step("nnx")
+    found = parse_collectives(lowered.compile().as_text())
+    assert _operands(found, "all-reduce", 2) == 6 * SIZES["layers"] + 2
+
+
+def _without(pattern: str, *extra):
+    return [rule for rule in RULES if rule[0] != pattern] + list(extra)
+
+
+@pytest.mark.parametrize(
+    "tp, error, match",
+    [
+        (
+            _without(r"attn/q$", (r"attn/q$", ColumnParallel(letter="D"))),
+            RuleError,
+            r"attn/q: ColumnParallel splits an output dim of an einsum's kernel: a letter of the kernel "
+            r"'DNH' in the output and not the inputs of 'BTD,DNH->BTNH'; letter 'D' is not one of them\. "
+            r"Fix: give ColumnParallel\(letter=\.\.\.\) one of 'N', 'H'",
+        ),
+        (
+            _without(r"attn/out$", (r"attn/out$", RowParallel(letter="D"))),
+            RuleError,
+            r"attn/out: RowParallel splits a contracted dim .* of 'BTNH,NHD->BTD'; letter 'D' is not one "
+            r"of them\. Fix: give RowParallel\(letter=\.\.\.\) one of 'N', 'H'",
+        ),
+        (
+            [(r"embed$", ColumnParallel(letter="V"))],
+            RuleError,
+            r"matches embed, a Embed, which ColumnParallel does not compute",
+        ),
+        (
+            _without(r"mlp/(gate|up)$"),
+            RuleError,
+            r"mlp/down \(RowParallel\) cannot compute on its slices: its input \(2, 8, 32\) has 32 on "
+            r"dim 2 \(letter 'F' of 'BTF,FD->BTD'\), where this device's slice is 16\. .* Make the layer "
+            r"before it ColumnParallel",
+        ),
+    ],
+    ids=["column-on-a-contracted-letter", "row-on-an-output-letter", "letter-on-an-embed", "row-fed-whole"],
+)
+@pytest.mark.parametrize("api", APIS)
+def test_an_einsum_a_role_cannot_split_is_named_with_its_equation(api, tp, error, match):
+    """Each refusal names the layer, the equation, the letter and a fix, in both front ends."""
+    with pytest.raises(error, match=match):
+        _step(api, tp=tp)
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_kv_heads_the_axis_does_not_divide_are_named(api):
+    """2 kv heads on tensor 4: the kv einsum's letter 'K' is named, with the sizes."""
+    match = r"attn/kv: kernel dim 'K' of 'BSD,CDKH->CBSKH' \(size 2\) is not divisible by mesh axis 'tensor'"
+    with pytest.raises(IndivisibleShapeError, match=match):
+        _step(api, mesh_name="fsdp2_tensor4")
+
+
+@st.composite
+def einsum_pairs(draw):
+    """A column einsum then a row einsum that contracts what the column one produced, with
+    letters in any order, a batch written ``B`` or ``...``, biases or not; the letter split
+    over `tensor` (size 4) is one the column einsum produces."""
+    batch = draw(st.sampled_from(["B", "..."]))
+    contracted = draw(st.sampled_from(["c", "cd"]))
+    produced = draw(st.sampled_from(["p", "pq"]))
+    out = draw(st.sampled_from(["o", "or"]))
+    split = draw(st.sampled_from(produced))
+    size = {c: (4 if c == split else draw(st.sampled_from([2, 3]))) for c in contracted + produced + out}
+    perm = lambda s: "".join(draw(st.permutations(s)))
+    column_kernel, middle, row_kernel = perm(contracted + produced), perm(produced), perm(produced + out)
+    column = f"{batch}{perm(contracted)},{column_kernel}->{batch}{middle}"
+    row = f"{batch}{middle},{row_kernel}->{batch}{perm(out)}"
+    biases = (draw(st.booleans()), draw(st.booleans()))
+    x_shape = (8, *(size[c] for c in column.split(",")[0].lstrip("B.")))
+    return column, row, split, size, biases, x_shape
+
+
+def _pair(api, column, row, size, biases):
+    """The two einsums with a tanh between, in ``api``'s front end; biases drawn, not zero."""
+    shapes = [tuple(size[c] for c in eq.split(",")[1].partition("-")[0]) for eq in (column, row)]
+    bias_shapes = [tuple(size[c] for c in eq.split("->")[1] if c in size) for eq in (column, row)]
+    normal = jax.nn.initializers.normal(1.0)
+    if api == "nnx":
+
+        class Pair(nnx.Module):
+            def __init__(self, rngs):
+                at = dict(bias_init=normal, rngs=rngs)
+                self.col = nnx.Einsum(column, shapes[0], bias_shapes[0] if biases[0] else None, **at)
+                self.row = nnx.Einsum(row, shapes[1], bias_shapes[1] if biases[1] else None, **at)
+
+            def __call__(self, x):
+                return self.row(jnp.tanh(self.col(x)))
+
+        return Pair
+
+    class LinenPair(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Einsum(shapes[0], column, use_bias=biases[0], bias_init=normal, name="col")(x)
+            return nn.Einsum(shapes[1], row, use_bias=biases[1], bias_init=normal, name="row")(jnp.tanh(h))
+
+    return LinenPair
+
+
+@given(pair=einsum_pairs(), check_vma=st.booleans())
+@pytest.mark.parametrize("api", APIS)
+def test_any_column_then_row_einsum_pair_equals_unsharded(api, pair, check_vma):
+    """Outputs and synced gradients of the pair split on the drawn letter, on data 2 x tensor 4,
+    equal the unsharded pair's (float64: only a wrong split, sum or bias can differ)."""
+    _check_pair(api, pair, check_vma)
+
+
+def test_negative_control_a_row_einsum_without_its_sum(monkeypatch):
+    """The pair check sees a row einsum whose partial products are not summed (with
+    ``check_vma=True`` shard_map itself refuses the output, which varies over `tensor`)."""
+    monkeypatch.setattr(tp_roles, "row_reduce", lambda partial, axis: partial)
+    size = dict(c=2, p=4, o=3)
+    with pytest.raises(AssertionError, match="output"):
+        _check_pair("nnx", ("Bc,cp->Bp", "Bp,po->Bo", "p", size, (True, True), (8, 2)), check_vma=False)
+
+
+def _check_pair(api, pair, check_vma: bool):
+    column, row, split, size, biases, x_shape = pair
+    rules = [(r"col$", ColumnParallel(letter=split)), (r"row$", RowParallel(letter=split))]
+    cls = _pair(api, column, row, size, biases)
+    with jax.enable_x64(True):
+        if api == "nnx":
+            model, twin = Sharded(cls, batch_axes=("data",), tp_rules=rules), Twin(cls)
+        else:
+            model, twin = fsdp_tp.shard_by_rules(cls, batch_axes=("data",), tp_rules=rules)(), cls()
+        mesh = fsdp_tp.make_mesh({"data": 2, "tensor": 4})
+        x = jax.random.normal(jax.random.key(1), x_shape, jnp.float64)
+        params, specs = fsdp_tp.init_sharded(
+            lambda r, x: model.init(r, x)["params"],
+            mesh,
+            (P(), P("data")),
+            jax.random.key(0),
+            x,
+            check_vma=check_vma,
+        )
+
+        def loss(model, params, x):
+            out = model.apply({"params": params}, x)
+            return jnp.mean(out * jnp.cos(out)), out
+
+        def per_device(params, x):
+            (_, out), grads = jax.value_and_grad(functools.partial(loss, model), has_aux=True)(params, x)
+            return out, fsdp_tp.sync_gradients(grads, ("data",))
+
+        step = jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=(specs, P("data")),
+            out_specs=(P("data"), specs),
+            check_vma=check_vma,
+        )
+        out, grads = jax.jit(step)(params, x)
+        whole = nn.unbox(params)
+        (_, want), want_grads = jax.value_and_grad(functools.partial(loss, twin), has_aux=True)(whole, x)
+        assert_trees_close(out, want, "output")
+        assert_trees_close(nn.unbox(grads), want_grads, "grads")
