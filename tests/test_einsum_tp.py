@@ -26,10 +26,11 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
+import fsdp_tp._einsum
 from fsdp_tp import tp_roles
 from fsdp_tp.analysis import dot_flops, parse_collectives
 from fsdp_tp.errors import IndivisibleShapeError, RuleError
-from fsdp_tp.tp_roles import ColumnParallel, RowParallel
+from fsdp_tp.tp_roles import ColumnParallel, RowParallel, register_einsum
 from tests import test_tp_rules
 from tests.equivalence import Case, assert_trees_close, check_equivalence
 from tests.llama_models import RULES, SIZES, LlamaLM, NNXLlamaLM
@@ -271,7 +272,12 @@ def test_negative_control_a_row_einsum_without_its_sum(monkeypatch):
 def _check_pair(api, pair, check_vma: bool):
     column, row, split, size, biases, x_shape = pair
     rules = [(r"col$", ColumnParallel(letter=split)), (r"row$", RowParallel(letter=split))]
-    cls = _pair(api, column, row, size, biases)
+    _check_split(api, _pair(api, column, row, size, biases), rules, x_shape, check_vma)
+
+
+def _check_split(api, cls, rules, x_shape, check_vma: bool):
+    """``cls`` (a constructor taking ``rngs`` in NNX, a module class in Linen) split by ``rules``
+    on data 2 x tensor 4: its outputs and synced gradients are the unsharded model's."""
     with jax.enable_x64(True):
         if api == "nnx":
             model, twin = Sharded(cls, batch_axes=("data",), tp_rules=rules), Twin(cls)
@@ -308,3 +314,67 @@ def _check_pair(api, pair, check_vma: bool):
         (_, want), want_grads = jax.value_and_grad(functools.partial(loss, twin), has_aux=True)(whole, x)
         assert_trees_close(out, want, "output")
         assert_trees_close(nn.unbox(grads), want_grads, "grads")
+
+
+class MyDense(nn.Module):
+    """A Linen layer the library has never seen: its kernel `w`, its size `features`."""
+
+    features: int
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.normal(1.0), (x.shape[-1], self.features), jnp.float64)
+        return x @ w
+
+
+class MyLinear(nnx.Module):
+    """An NNX layer the library has never seen: it computes from its parameter's shape."""
+
+    def __init__(self, d_in: int, d_out: int, rngs: nnx.Rngs):
+        self.w = nnx.Param(nnx.initializers.normal(1.0)(rngs.params(), (d_in, d_out), jnp.float64))
+
+    def __call__(self, x):
+        return x @ self.w[...]
+
+
+register_einsum(MyDense, "...i,io->...o", kernel="w", sizes={"features": "o"})
+register_einsum(MyLinear, "...i,io->...o", kernel="w")
+
+
+def _own_mlp(api):
+    if api == "nnx":
+
+        class OwnMLP(nnx.Module):
+            def __init__(self, rngs):
+                self.up, self.down = MyLinear(6, 16, rngs), MyLinear(16, 5, rngs)
+
+            def __call__(self, x):
+                return self.down(jnp.tanh(self.up(x)))
+
+        return OwnMLP
+
+    class LinenOwnMLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return MyDense(5, name="down")(jnp.tanh(MyDense(16, name="up")(x)))
+
+    return LinenOwnMLP
+
+
+OWN_RULES = [(r"up$", ColumnParallel()), (r"down$", RowParallel())]
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("api", APIS)
+def test_a_registered_module_of_your_own_takes_column_and_row_roles(api, check_vma):
+    """register_einsum tells the roles what a class the library has never seen computes; its
+    MLP split column then row equals the unsharded one."""
+    _check_split(api, _own_mlp(api), OWN_RULES, (8, 3, 6), check_vma)
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_negative_control_an_unregistered_module_is_refused_by_name(api, monkeypatch):
+    """Without the registration the same rules are refused, naming register_einsum."""
+    monkeypatch.setattr(fsdp_tp._einsum, "_REGISTERED", {})
+    with pytest.raises(RuleError, match=r"which has no tensor-parallel role .*register_einsum\(My"):
+        _check_split(api, _own_mlp(api), OWN_RULES, (8, 3, 6), True)

@@ -429,7 +429,9 @@ def _plain(tp, rules=(), **sizes):
             RuleError,
             r"matches layer_0/LayerNorm_0, a LayerNorm, which has no tensor-parallel role and no submodule "
             r"one computes \(roles compute ColumnParallel: nn.Dense, .*"
-            r"VocabParallel: nn.Embed\). Drop the rule; storage rules can still split its parameters",
+            r"VocabParallel: nn.Embed\). If it computes an einsum of its input and one kernel parameter, "
+            r"tell the roles so: fsdp_tp.tp_roles.register_einsum\(LayerNorm, equation, kernel=\.\.\., "
+            r"sizes=\.\.\.\); else drop the rule",
         ),
         # a layer another role computes: that role is named
         (

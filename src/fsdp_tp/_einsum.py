@@ -20,10 +20,11 @@ when there is one, has the kernel's letters in the order the output has them.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 from .errors import RuleError
 
-__all__ = ["Equation", "shrunk", "split_letter"]
+__all__ = ["Computes", "Equation", "computes_of", "register_einsum", "shrunk", "split_letter"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +110,10 @@ class Equation:
             return after.index(letter) - len(after)
         return before.index(letter) - ndim
 
-    def bias_shape(self, kernel_shape: tuple[int, ...], ndim: int) -> tuple[int, ...]:
-        """The bias (shape :attr:`bias_letters`) as it broadcasts over an output of ``ndim`` dims."""
-        sizes = dict(zip(self.kernel, kernel_shape, strict=True))
+    def bias_shape(self, shape: tuple[int, ...], ndim: int) -> tuple[int, ...]:
+        """The bias (``shape``, one size per :attr:`bias_letters`) as it broadcasts over an
+        output of ``ndim`` dims."""
+        sizes = dict(zip(self.bias_letters, shape, strict=True))
         before, dots, after = self.output.partition("...")
         middle = ndim - len(before) - len(after) if dots else 0
         return tuple(sizes.get(c, 1) for c in before) + (1,) * middle + tuple(sizes.get(c, 1) for c in after)
@@ -149,3 +151,52 @@ def split_letter(kind: str, equation: str, path: str, role: str, letter: str | N
 def shrunk(shape: tuple[int, ...], dim: int, size: int) -> tuple[int, ...]:
     """``shape`` with dim ``dim`` divided by ``size``: a kernel's local shape."""
     return tuple(n // size if i == dim else n for i, n in enumerate(shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class Computes:
+    """What a module class the library has never seen computes, as :func:`register_einsum`
+    was told: ``equation`` (inputs, its kernel parameter, output), the kernel parameter's
+    name, and ``sizes``: the module's attributes that hold a kernel letter's size (which a
+    role sets to this device's size for the call)."""
+
+    equation: str
+    kernel: str = "kernel"
+    sizes: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+_REGISTERED: dict[type, Computes] = {}
+
+
+def register_einsum(
+    cls: type, equation: str, *, kernel: str = "kernel", sizes: Mapping[str, str] | None = None
+) -> type:
+    """Tells the tensor-parallel roles that ``cls`` (a Linen or NNX module class, and its
+    subclasses) computes ``einsum(equation, inputs, <its parameter kernel>)``: a
+    ``ColumnParallel`` or ``RowParallel`` rule on it then splits the kernel by the equation's
+    letters, as it splits an ``nn.Einsum``. ``sizes`` maps each attribute the module builds
+    its kernel's shape from (or reads in its call) to the letter it is the size of: for the
+    call the role sets it to this device's size. A module whose call adds a bias or reads
+    another parameter is refused by a row rule (the bias would be added on every device):
+    register a module whose only parameter is the kernel. Returns ``cls``.
+
+    >>> class MyDense:
+    ...     pass
+    >>> _ = register_einsum(MyDense, "...i,io->...o", kernel="w", sizes={"features": "o"})
+    >>> computes_of(MyDense).kernel
+    'w'
+    """
+    given = sizes or {}
+    eq = Equation.parse(equation, cls.__name__)
+    if bad := {attr: letter for attr, letter in given.items() if letter not in eq.kernel}:
+        raise RuleError(
+            f"register_einsum({cls.__name__}, {equation!r}): sizes={bad!r} name letters the kernel "
+            f"{eq.kernel!r} does not have; map each attribute to a letter of {eq.kernel!r}."
+        )
+    _REGISTERED[cls] = Computes(eq.text, kernel, dict(given))
+    return cls
+
+
+def computes_of(cls: type) -> Computes | None:
+    """What ``cls`` (or the nearest registered class it derives from) was registered as."""
+    return next((_REGISTERED[c] for c in cls.__mro__ if c in _REGISTERED), None)

@@ -14,6 +14,7 @@ from typing import Any
 from jax.sharding import PartitionSpec
 
 from ._axes import axes_named, entry_axes
+from ._einsum import computes_of
 from ._layout import axis_text, require_divisible
 from ._types import AxisName
 from .errors import RuleError
@@ -55,6 +56,8 @@ class Kinds:
     classes: Mapping[str, tuple[type, ...]]
 
     def of(self, cls: type) -> str | None:
+        if computes_of(cls) is not None:  # a class of the user's, registered
+            return "einsum"
         return next((kind for kind, types in self.classes.items() if issubclass(cls, types)), None)
 
     def spelled(self, kinds: Sequence[str], sep: str = " or ") -> str:
@@ -128,7 +131,9 @@ def kind_error(role: TPRole, pattern: str, cls: type, path: str, modules: Mappin
     every = "; ".join(f"{r.__name__}: {kinds.spelled(r.kinds, ', ')}" for r in ROLES)
     return RuleError(
         f"{what}, which has no tensor-parallel role and no submodule one computes (roles compute "
-        f"{every}). Drop the rule; storage rules can still split its parameters."
+        f"{every}). If it computes an einsum of its input and one kernel parameter, tell the roles so: "
+        f"fsdp_tp.tp_roles.register_einsum({cls.__name__}, equation, kernel=..., sizes=...); else drop "
+        f"the rule (storage rules can still split its parameters)."
     )
 
 
@@ -170,11 +175,11 @@ def require_own_parameters(role: TPRole, pattern: str, layer: Layer, cls: type, 
     rule, not at the first step."""
     if layer.kind not in ("dense", "conv", "einsum"):
         return
-    if extra := [n for n in names if n.rpartition("/")[2] not in ("kernel", "bias")]:
+    if extra := [n for n in names if n.rpartition("/")[2] not in layer.parameters]:
         raise RuleError(
             f"tp rule {pattern!r} -> {type(role).__name__} matches {layer.path}, a {cls.__name__} that "
             f"also computes with {', '.join(extra)}, which {type(role).__name__} does not split (it "
-            f"splits a dense layer's kernel and bias). Leave {layer.path} whole: drop the rule (storage "
+            f"splits {' and '.join(layer.parameters)}). Leave {layer.path} whole: drop the rule (storage "
             f"rules can still split its parameters)."
         )
 

@@ -21,7 +21,9 @@ submodule computes on its slices over a mesh axis:
 A role sees the module as a :class:`Layer`, which each front end builds from its own module
 classes (Linen's ``nn.Dense`` and NNX's ``nnx.Linear`` are both the ``"dense"`` kind, their
 ``Einsum`` the ``"einsum"`` kind, whose equation says what it produces and contracts), and
-computes through :mod:`fsdp_tp.tp`'s pieces. A new role is one :class:`TPRole` subclass here.
+computes through :mod:`fsdp_tp.tp`'s pieces. A new role is one :class:`TPRole` subclass here;
+a module class of your own takes the column and row roles once :func:`register_einsum` says
+what it computes.
 
 >>> role = ColumnParallel()
 >>> role.splits(Layer(kind="dense", path="mlp/up", features=(64,)))
@@ -42,13 +44,22 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from ._einsum import Equation, shrunk, split_letter
+from ._einsum import Equation, register_einsum, shrunk, split_letter
 from .collectives import gather_from_axis
 from .dropout import split_after, splitting
 from .errors import RuleError
 from .tp import add_bias_once, column_input, row_reduce, vocab_lookup
 
-__all__ = ["ROLES", "ColumnParallel", "HeadParallel", "Layer", "RowParallel", "TPRole", "VocabParallel"]
+__all__ = [
+    "ROLES",
+    "ColumnParallel",
+    "HeadParallel",
+    "Layer",
+    "RowParallel",
+    "TPRole",
+    "VocabParallel",
+    "register_einsum",
+]
 
 
 @dataclass(frozen=True)
@@ -58,8 +69,10 @@ class Layer:
     ``kind``: ``"dense"``, ``"conv"``, ``"einsum"``, ``"attention"`` or ``"embed"``.
     ``features``: the output feature dims; ``contracted``: how many input dims it contracts;
     ``in_size``: the first contracted dim's size; ``groups``: a convolution's feature groups;
-    ``equation`` and ``kernel_shape``: an einsum's; ``bias``: reads the stored bias as the
-    module reads it (gathered over FSDP's axes)."""
+    ``equation`` and ``kernel_shape``: an einsum's (0 for a size the module does not hold);
+    ``parameters``: the names a role may split, the kernel first (a module registered with
+    :func:`~fsdp_tp._einsum.register_einsum`: its kernel only); ``bias``: reads the stored
+    bias as the module reads it (gathered over FSDP's axes)."""
 
     kind: str
     path: str
@@ -73,6 +86,7 @@ class Layer:
     use_bias: bool = False
     equation: str = ""
     kernel_shape: tuple[int, ...] = ()
+    parameters: tuple[str, ...] = ("kernel", "bias")
     dtype: Any = None
     bias: Callable[[], jax.Array] | None = None
 
@@ -159,14 +173,21 @@ class ColumnParallel(TPRole):
     def splits(self, layer):
         eq, letter, dim = _einsum(layer, self, self.letter, "produced")
         if letter:
-            bias = eq.bias_letters
-            return {"kernel": dim - len(eq.kernel), "bias": bias.index(letter) - len(bias)}
+            kernel, *bias = layer.parameters
+            splits = {kernel: dim - len(eq.kernel)}
+            return splits | {name: eq.bias_letters.index(letter) - len(eq.bias_letters) for name in bias}
         _ungrouped(layer)
         dim = -len(layer.features)
         return {"kernel": dim, "bias": dim}
 
     def divides(self, layer):
         eq, letter, dim = _einsum(layer, self, self.letter, "produced")
+        if letter and not layer.kernel_shape[dim]:
+            raise RuleError(
+                f"{layer.path}: ColumnParallel splits letter {letter!r} of {eq.text!r}, whose size the "
+                f"module does not hold in an attribute it was registered with; register it with "
+                f"sizes={{'<the attribute>': {letter!r}}}."
+            )
         if letter:
             return {f"kernel dim {letter!r} of {eq.text!r}": layer.kernel_shape[dim]}
         return {"features": layer.features[0]}
@@ -201,9 +222,9 @@ class RowParallel(TPRole):
     kinds: ClassVar[tuple[str, ...]] = ("dense", "conv", "einsum")
 
     def splits(self, layer):
-        _, letter, dim = _einsum(layer, self, self.letter, "contracted")
+        eq, letter, dim = _einsum(layer, self, self.letter, "contracted")
         if letter:
-            return {"kernel": dim - len(layer.kernel_shape)}
+            return {layer.parameters[0]: dim - len(eq.kernel)}
         _ungrouped(layer)
         return {"kernel": -(layer.contracted + len(layer.features))}
 
@@ -215,19 +236,20 @@ class RowParallel(TPRole):
 
     def local(self, layer, size):
         _, letter, dim = _einsum(layer, self, self.letter, "contracted")
+        drop_bias = {"use_bias": False} if "bias" in layer.parameters else {}  # added after the sum
         if letter:
-            return {"kernel_shape": shrunk(layer.kernel_shape, dim, size), "use_bias": False}
-        return {"use_bias": False}
+            return {"kernel_shape": shrunk(layer.kernel_shape, dim, size), **drop_bias}
+        return drop_bias
 
     def around(self, method, run, layer, args, kwargs):
         eq, letter, dim = _einsum(layer, self, self.letter, "contracted")
-        if letter:
+        if letter and layer.kernel_shape[dim]:  # (a size the module holds)
             x = args[0] if args else kwargs["inputs"]
             eq.require_slice(letter, x.shape, layer.kernel_shape[dim] // jax.lax.axis_size(self.axis))
         out = row_reduce(run(*args, **kwargs), self.axis)  # (whole from here on, for dropout)
         bias = layer.bias() if layer.use_bias and layer.bias is not None else None
         if bias is not None and letter:
-            bias = bias.reshape(eq.bias_shape(layer.kernel_shape, out.ndim))
+            bias = bias.reshape(eq.bias_shape(bias.shape, out.ndim))
         return add_bias_once(out, bias, self.axis, dtype=layer.dtype)
 
 

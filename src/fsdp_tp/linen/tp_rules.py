@@ -31,6 +31,7 @@ from typing import Any
 import flax.linen as nn
 from flax.core import meta
 
+from .._einsum import Equation, computes_of
 from .._tp_rules import Kinds, dims
 from .._tree import module_path
 from ..tp_roles import ROLES, ColumnParallel, HeadParallel, Layer, RowParallel, TPRole, VocabParallel
@@ -77,6 +78,11 @@ def layer_of(module: nn.Module, args: tuple, kwargs: dict) -> Layer:
             use_bias=module.use_bias,
             bias=lambda: meta.unbox(module.get_variable("params", "bias")),
         )
+    if (own := computes_of(type(module))) is not None:  # a class of the user's: its sizes held
+        held = {letter: getattr(module, attr) for attr, letter in own.sizes.items()}
+        letters = Equation.parse(own.equation, path).kernel
+        shape = tuple(held.get(c, 0) for c in letters)
+        return Layer(**common, equation=own.equation, kernel_shape=shape, parameters=(own.kernel,))
     if kind == "einsum":  # the equation is the module's or, when it has none, the call's
         equation = module.einsum_str or (args[1] if len(args) > 1 else kwargs.get("einsum_str"))
         return Layer(
@@ -94,7 +100,10 @@ def layer_of(module: nn.Module, args: tuple, kwargs: dict) -> Layer:
 def local_attributes(module: nn.Module, local: dict[str, Any], args: tuple, kwargs: dict) -> dict[str, Any]:
     """A role's local sizes (:meth:`~fsdp_tp.tp_roles.TPRole.local`) as ``module``'s attributes."""
     out = {k: v for k, v in local.items() if k in ("use_bias", "num_embeddings")}
-    if "kernel_shape" in local:
+    if "kernel_shape" in local and (own := computes_of(type(module))) is not None:
+        letters = Equation.parse(own.equation, type(module).__name__).kernel
+        out |= {attr: local["kernel_shape"][letters.index(letter)] for attr, letter in own.sizes.items()}
+    elif "kernel_shape" in local:
         out["shape"] = local["kernel_shape"]
     if "features" in local:
         features = local["features"]

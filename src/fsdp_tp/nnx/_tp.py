@@ -22,6 +22,7 @@ import jax
 from flax import nnx
 
 from .._axes import require_axes
+from .._einsum import Equation, computes_of
 from .._tp_rules import (
     CompiledRole,
     Kinds,
@@ -58,10 +59,15 @@ def path_text(path: Path) -> str:
     return module_path(tuple(str(k) for k in path))
 
 
-def layer_of(module: Any, path: str) -> Layer:
-    """``module`` (an NNX layer of one of :data:`NNX`'s kinds) as a role sees it."""
+def layer_of(module: Any, path: str, kernel_shape: tuple[int, ...] = ()) -> Layer:
+    """``module`` (an NNX layer of one of :data:`NNX`'s kinds, or a class registered with
+    ``register_einsum``) as a role sees it. ``kernel_shape``: a registered module's, as the
+    abstract model holds it (in the step its parameter is this device's block)."""
     kind = NNX.of(type(module))
     common: dict[str, Any] = {"kind": kind, "path": path, "dtype": getattr(module, "dtype", None)}
+    if (own := computes_of(type(module))) is not None:
+        shape = kernel_shape or tuple(getattr(module, own.kernel).shape)
+        return Layer(**common, equation=own.equation, kernel_shape=shape, parameters=(own.kernel,))
     if kind in ("dense", "conv"):
         return Layer(
             **common,
@@ -94,8 +100,8 @@ def _attributes(module: Any, local: dict[str, Any]) -> list[tuple[nnx.Module, st
         features = local["features"]
         tuple_valued = isinstance(module.out_features, tuple)  # nnx.LinearGeneral's; Linear's is an int
         out.append((module, "out_features", features if tuple_valued else features[0]))
-    if "kernel_shape" in local:  # nnx.Einsum reshapes its bias by it
-        out.append((module, "kernel_shape", local["kernel_shape"]))
+    if "kernel_shape" in local:  # nnx.Einsum reshapes its bias by it; a registered class: its sizes
+        out += _kernel_attributes(module, local["kernel_shape"])
     if local.get("use_bias") is False:
         out += [(module, "use_bias", False)] if "use_bias" in module.__dict__ else []
         out.append((module, "bias", None))
@@ -107,6 +113,13 @@ def _attributes(module: Any, local: dict[str, Any]) -> list[tuple[nnx.Module, st
         out += [(module, "qkv_features", heads * head_dim), (module.query, "out_features", (heads, head_dim))]
         out += [(getattr(module, p), "out_features", (kv_heads, head_dim)) for p in ("key", "value")]
     return out
+
+
+def _kernel_attributes(module: Any, shape: tuple[int, ...]) -> list[tuple[nnx.Module, str, Any]]:
+    if (own := computes_of(type(module))) is None:
+        return [(module, "kernel_shape", shape)]
+    letters = Equation.parse(own.equation, type(module).__name__).kernel
+    return [(module, attr, shape[letters.index(letter)]) for attr, letter in own.sizes.items()]
 
 
 @contextlib.contextmanager
@@ -125,15 +138,15 @@ def _set(attributes: list[tuple[nnx.Module, str, Any]]) -> Iterator[None]:
 
 
 @functools.cache
-def _computed(cls: type, role: TPRole, path: str) -> type:
-    """The subclass of ``cls`` whose methods run ``role`` (one per class, role and path, so
-    graphs that hold it compare equal from step to step)."""
+def _computed(cls: type, role: TPRole, path: str, kernel_shape: tuple[int, ...]) -> type:
+    """The subclass of ``cls`` whose methods run ``role`` (one per class, role, path and
+    kernel shape, so graphs that hold it compare equal from step to step)."""
 
     def method(name: str):
         original = getattr(cls, name)
 
         def run_role(self, *args, **kwargs):
-            layer = layer_of(self, path)
+            layer = layer_of(self, path, kernel_shape)
             attributes = _attributes(self, role.local(layer, jax.lax.axis_size(role.axis)))
 
             def run(*args, **kwargs):
@@ -206,5 +219,5 @@ def compute_roles(model: nnx.Module, plan: RolePlan) -> None:
     for path, node in nnx.iter_graph(model):
         if path in plan.roles:
             role, _, layer = plan.roles[path]
-            computed = _computed(type(node), role, layer.path)  # type: ignore[arg-type]
+            computed = _computed(type(node), role, layer.path, layer.kernel_shape)  # type: ignore[arg-type]
             object.__setattr__(node, "__class__", computed)
