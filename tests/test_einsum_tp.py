@@ -385,3 +385,27 @@ def test_negative_control_an_unregistered_module_is_refused_by_name(api, monkeyp
     monkeypatch.setattr(fsdp_tp._einsum, "_REGISTERED", {})
     with pytest.raises(RuleError, match=r"which has no tensor-parallel role .*register_einsum\(My"):
         _check_split(api, _own_mlp(api), OWN_RULES, (8, 3, 6), True)
+
+
+class MyBiasedDense(nn.Module):
+    """A registered Linen layer that also makes a bias, which a row role would add per device."""
+
+    features: int
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.normal(1.0), (x.shape[-1], self.features))
+        return x @ w + self.param("b", nn.initializers.normal(1.0), (self.features,))
+
+
+register_einsum(MyBiasedDense, "...i,io->...o", kernel="w", sizes={"features": "o"})
+
+
+def test_a_registered_module_with_more_than_its_kernel_is_refused_at_init():
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return MyBiasedDense(5, name="down")(jnp.tanh(MyDense(16, name="up")(x)))
+
+    with pytest.raises(RuleError, match=r"matches down, a MyBiasedDense that also computes with b, which "):
+        _check_split("linen", Net, OWN_RULES, (8, 3, 6), True)

@@ -176,9 +176,9 @@ def register_einsum(
     ``ColumnParallel`` or ``RowParallel`` rule on it then splits the kernel by the equation's
     letters, as it splits an ``nn.Einsum``. ``sizes`` maps each attribute the module builds
     its kernel's shape from (or reads in its call) to the letter it is the size of: for the
-    call the role sets it to this device's size. A module whose call adds a bias or reads
-    another parameter is refused by a row rule (the bias would be added on every device):
-    register a module whose only parameter is the kernel. Returns ``cls``.
+    call the role sets it to this device's size. Register a module whose only parameter is
+    the kernel: a rule on one that makes others (a bias a row layer would add on every
+    device) is refused at init. Returns ``cls``.
 
     >>> class MyDense:
     ...     pass

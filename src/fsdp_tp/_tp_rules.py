@@ -170,9 +170,9 @@ def require_divides(role: TPRole, pattern: str, layer: Layer, size: int) -> None
 
 
 def require_own_parameters(role: TPRole, pattern: str, layer: Layer, cls: type, names: Sequence[str]) -> None:
-    """A dense or conv layer whose parameters are more than its kernel and bias (a LoRA layer's
-    ``lora_a`` / ``lora_b``) computes with parameters the role does not split: refused at the
-    rule, not at the first step."""
+    """A dense, conv or einsum layer whose parameters are more than the role splits (a LoRA
+    layer's ``lora_a`` / ``lora_b``; a registered class's bias) computes with parameters the
+    role does not split: refused at the rule or the init, not at the first step."""
     if layer.kind not in ("dense", "conv", "einsum"):
         return
     if extra := [n for n in names if n.rpartition("/")[2] not in layer.parameters]:

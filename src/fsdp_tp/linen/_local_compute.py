@@ -24,7 +24,14 @@ import jax
 from flax import errors as flax_errors
 
 from .._axes import require_axes
-from .._tp_rules import CompiledRole, kind_error, require_divides, role_of, slice_error
+from .._tp_rules import (
+    CompiledRole,
+    kind_error,
+    require_divides,
+    require_own_parameters,
+    role_of,
+    slice_error,
+)
 from .._tree import module_path
 from .._types import AxisName
 from ..tp_roles import TPRole
@@ -97,7 +104,12 @@ def _intercept(rules, seen: Seen, next_fun, args, kwargs, context):
             require_divides(role, pattern, layer, size)
             for name, dim in role.splits(layer).items():
                 seen.splits[f"{path}/{name}"] = (dim, axis, pattern)
-            return next_fun(*args, **kwargs)
+            out = next_fun(*args, **kwargs)
+            # (a layer that made parameters the role does not split is refused, as NNX's is)
+            require_own_parameters(
+                role, pattern, layer, type(module), list(module.variables.get("params", {}))
+            )
+            return out
         layer = layer_of(module, args, kwargs)
         local = _clone(seen, module, local_attributes(module, role.local(layer, size), args, kwargs))
         run = _runner(local, context.method_name, role, path)
