@@ -206,8 +206,11 @@ def test_an_einsum_a_role_cannot_split_is_named_with_its_equation(api, tp, error
 
 @pytest.mark.parametrize("api", APIS)
 def test_kv_heads_the_axis_does_not_divide_are_named(api):
-    """2 kv heads on tensor 4: the kv einsum's letter 'K' is named, with the sizes."""
-    match = r"attn/kv: kernel dim 'K' of 'BSD,CDKH->CBSKH' \(size 2\) is not divisible by mesh axis 'tensor'"
+    """2 kv heads on tensor 4: the kv einsum's letter 'K' is named, with the sizes and the fix."""
+    match = (
+        r"attn/kv: kernel dim 'K' of 'BSD,CDKH->CBSKH' \(size 2\) is not divisible by mesh axis 'tensor' "
+        r"\(size 4\); .*or keep its kernel whole with each device's block of the letter: replicated=True"
+    )
     with pytest.raises(IndivisibleShapeError, match=match):
         _step(api, mesh_name="fsdp2_tensor4")
 
@@ -409,3 +412,36 @@ def test_a_registered_module_with_more_than_its_kernel_is_refused_at_init():
 
     with pytest.raises(RuleError, match=r"matches down, a MyBiasedDense that also computes with b, which "):
         _check_split("linen", Net, OWN_RULES, (8, 3, 6), True)
+
+
+REPLICATED_KV = _without(r"attn/kv$", (r"attn/kv$", ColumnParallel(letter="K", replicated=True)))
+
+
+@pytest.mark.parametrize("api, check_vma", [("linen", True), ("nnx", False)])
+def test_fewer_kv_heads_than_devices_each_device_keeps_the_kv_head_its_queries_read(api, check_vma):
+    """2 kv heads on tensor 4 (4 query heads): the kv kernel stays whole over `tensor`, each
+    device computes both kv heads and keeps head t * 2 // 4, the one its query head reads;
+    equal to unsharded (invariants 1-5)."""
+    with jax.enable_x64(True):
+        model, twin = _models(api, "data2_tensor4", tp=REPLICATED_KV, **EXACT)
+        case = dataclasses.replace(_case(api, "data2_tensor4", check_vma), model=model, reference=twin)
+        check_equivalence(case)
+
+
+def test_replicated_kv_heads_cost_one_all_reduce_more_per_block():
+    """Per block one more all-reduce backward over `tensor` (the kv output's cotangent) than
+    Megatron's split; no weight moves over `tensor`."""
+    lowered, _ = _step("nnx", tp=REPLICATED_KV, mesh_name="fsdp2_tensor4")
+    found = parse_collectives(lowered.compile().as_text())
+    assert _operands(found, "all-reduce", 4) == 5 * SIZES["layers"] + 2
+    assert [c.operands for c in found if c.kind == "all-gather" and c.group_size == 4] == [1]  # the logits
+
+
+def test_negative_control_replicated_kv_heads_all_at_one_index():
+    """Every device keeping kv head 0 pairs half the query heads with the wrong kv head."""
+    with jax.enable_x64(True), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tp_roles, "_first_kept", lambda axis, n, size: 0)
+        model, twin = _models("linen", "data2_tensor4", tp=REPLICATED_KV, **EXACT)
+        case = dataclasses.replace(_case("linen", "data2_tensor4", False), model=model, reference=twin)
+        with pytest.raises(AssertionError, match="output"):
+            check_equivalence(case)

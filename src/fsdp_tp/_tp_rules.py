@@ -19,7 +19,7 @@ from ._layout import axis_text, require_divisible
 from ._types import AxisName
 from .errors import RuleError
 from .rules import split_rule
-from .tp_roles import ROLES, Layer, TPRole
+from .tp_roles import ROLES, ColumnParallel, Layer, TPRole
 
 __all__ = [
     "CompiledRole",
@@ -158,6 +158,9 @@ def _listed(nameable: list[tuple[str, list[str]]], most: int = 8) -> str:
 def require_divides(role: TPRole, pattern: str, layer: Layer, size: int) -> None:
     """The axis size divides every size the role splits; else the one wording of the package."""
     for what, value in role.divides(layer).items():
+        # An einsum's letter the axis is larger than (kv heads) can be kept whole, a block each.
+        kept = layer.kind == "einsum" and isinstance(role, ColumnParallel) and size % value == 0
+        whole = ", or keep its kernel whole with each device's block of the letter: replicated=True"
         require_divisible(
             f"tp rule {pattern!r} -> {type(role).__name__}: {layer.path}",
             what,
@@ -165,7 +168,7 @@ def require_divides(role: TPRole, pattern: str, layer: Layer, size: int) -> None
             axis_text(role.axis),
             size,
             f"use a {role.axis!r} size that divides {value}, or leave {layer.path} whole "
-            f"(drop it from the rules)",
+            f"(drop it from the rules)" + (whole if kept else ""),
         )
 
 

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from ._einsum import Equation, register_einsum, shrunk, split_letter
-from .collectives import gather_from_axis
+from .collectives import copy_to_axis, gather_from_axis
 from .dropout import split_after, splitting
 from .errors import RuleError
 from .tp import add_bias_once, column_input, row_reduce, vocab_lookup
@@ -164,14 +164,23 @@ class ColumnParallel(TPRole):
     ``gather_output``: all-gather the features (a model's last layer, whose output the
     loss reads whole); otherwise the next layer must be :class:`RowParallel`. ``letter``
     (an einsum's): the kernel letter to split, one the output has and the inputs do not
-    (default: the kernel's first such letter, e.g. the heads of ``'BTD,NDH->BTNH'``)."""
+    (default: the kernel's first such letter, e.g. the heads of ``'BTD,NDH->BTNH'``).
+    ``replicated`` (an einsum's): the kernel stays whole over the axis; each device computes
+    every ``letter`` and keeps its block, ``size / axis`` of them, or the one its position
+    needs when the axis is larger (grouped-query attention with fewer kv heads than devices:
+    device t's query heads read kv head ``t * K // axis``). One more all-reduce backward (the
+    output's cotangent) than a split."""
 
     gather_output: bool = False
     letter: str | None = None
+    replicated: bool = False
     kinds: ClassVar[tuple[str, ...]] = ("dense", "conv", "einsum")
 
     def splits(self, layer):
         eq, letter, dim = _einsum(layer, self, self.letter, "produced")
+        if self.replicated:
+            _replicable(layer, letter, self.gather_output)
+            return {}
         if letter:
             kernel, *bias = layer.parameters
             splits = {kernel: dim - len(eq.kernel)}
@@ -182,6 +191,8 @@ class ColumnParallel(TPRole):
 
     def divides(self, layer):
         eq, letter, dim = _einsum(layer, self, self.letter, "produced")
+        if self.replicated:
+            return {}  # (the axis size and the letter's: one divides the other, checked per call)
         if letter and not layer.kernel_shape[dim]:
             raise RuleError(
                 f"{layer.path}: ColumnParallel splits letter {letter!r} of {eq.text!r}, whose size the "
@@ -194,11 +205,15 @@ class ColumnParallel(TPRole):
 
     def local(self, layer, size):
         _, letter, dim = _einsum(layer, self, self.letter, "produced")
+        if self.replicated:
+            return {}  # it computes every `letter`, with the whole kernel
         if letter:
             return {"kernel_shape": shrunk(layer.kernel_shape, dim, size)}
         return {"features": (layer.features[0] // size, *layer.features[1:])}
 
     def around(self, method, run, layer, args, kwargs):
+        if self.replicated:
+            return self._replicated(run(*args, **kwargs), layer)
         args, kwargs = _copied(args, kwargs, self.axis)
         out = run(*args, **kwargs)
         eq, letter, _ = _einsum(layer, self, self.letter, "produced")
@@ -208,6 +223,40 @@ class ColumnParallel(TPRole):
             return gather_from_axis(out, dim, self.axis)
         split_after({dim: self.axis})  # dropout until the row layer: its slice
         return out
+
+    def _replicated(self, out: jax.Array, layer: Layer) -> jax.Array:
+        """Every ``letter`` computed from the whole kernel and the input as it is (so the
+        input's gradient from here is whole, not a share for *f* to sum); *f* on the output
+        (its cotangent, zeros outside each device's block, summed over the axis: the kernel's
+        and the input's gradients are whole on every device); this device's block kept."""
+        eq, letter, dim = _einsum(layer, self, self.letter, "produced")
+        n, size = layer.kernel_shape[dim], jax.lax.axis_size(self.axis)
+        if n % size and size % n:
+            raise RuleError(
+                f"{layer.path}: ColumnParallel(replicated=True) keeps this device's block of letter "
+                f"{letter!r} of {eq.text!r} (size {n}) on mesh axis {self.axis!r} (size {size}): one "
+                f"must divide the other. Use a {self.axis!r} size that divides {n} or that {n} divides."
+            )
+        at = eq.dim_of(letter, eq.output, out.ndim)
+        start = _first_kept(self.axis, n, size)
+        out = jax.lax.dynamic_slice_in_dim(copy_to_axis(out, self.axis), start, max(1, n // size), at)
+        split_after({})  # (blocks shared by devices: no mask region; the proof models draw none here)
+        return out
+
+
+def _first_kept(axis: str, n: int, size: int) -> jax.Array:
+    """The first of ``n`` blocks device t on an axis of ``size`` keeps: ``t * n // size``, the
+    kv head its query heads (the t-th ``1 / size`` of them) read."""
+    return jax.lax.axis_index(axis) * n // size
+
+
+def _replicable(layer: Layer, letter: str, gather_output: bool) -> None:
+    if not letter or gather_output:
+        raise RuleError(
+            f"{layer.path}: ColumnParallel(replicated=True) keeps each device's block of an einsum's "
+            f"output letter (kv heads fewer than the axis size); it takes an einsum layer and no "
+            f"gather_output. Drop replicated=True."
+        )
 
 
 @dataclass(frozen=True)
