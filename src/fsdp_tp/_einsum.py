@@ -164,6 +164,11 @@ class Computes:
     kernel: str = "kernel"
     sizes: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
+    def attributes(self, kernel_shape: tuple[int, ...]) -> dict[str, int]:
+        """The ``sizes`` attributes' values for a kernel of ``kernel_shape`` (a role's local one)."""
+        letters = Equation.parse(self.equation, self.kernel).kernel
+        return {attr: kernel_shape[letters.index(letter)] for attr, letter in self.sizes.items()}
+
 
 _REGISTERED: dict[type, Computes] = {}
 

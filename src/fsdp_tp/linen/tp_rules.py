@@ -101,8 +101,7 @@ def local_attributes(module: nn.Module, local: dict[str, Any], args: tuple, kwar
     """A role's local sizes (:meth:`~fsdp_tp.tp_roles.TPRole.local`) as ``module``'s attributes."""
     out = {k: v for k, v in local.items() if k in ("use_bias", "num_embeddings")}
     if "kernel_shape" in local and (own := computes_of(type(module))) is not None:
-        letters = Equation.parse(own.equation, type(module).__name__).kernel
-        out |= {attr: local["kernel_shape"][letters.index(letter)] for attr, letter in own.sizes.items()}
+        out |= own.attributes(local["kernel_shape"])
     elif "kernel_shape" in local:
         out["shape"] = local["kernel_shape"]
     if "features" in local:

@@ -22,7 +22,7 @@ import jax
 from flax import nnx
 
 from .._axes import require_axes
-from .._einsum import Equation, computes_of
+from .._einsum import computes_of
 from .._tp_rules import (
     CompiledRole,
     Kinds,
@@ -118,8 +118,7 @@ def _attributes(module: Any, local: dict[str, Any]) -> list[tuple[nnx.Module, st
 def _kernel_attributes(module: Any, shape: tuple[int, ...]) -> list[tuple[nnx.Module, str, Any]]:
     if (own := computes_of(type(module))) is None:
         return [(module, "kernel_shape", shape)]
-    letters = Equation.parse(own.equation, type(module).__name__).kernel
-    return [(module, attr, shape[letters.index(letter)]) for attr, letter in own.sizes.items()]
+    return [(module, attr, size) for attr, size in own.attributes(shape).items()]
 
 
 @contextlib.contextmanager
