@@ -2,7 +2,8 @@
 equivalence checks (tests/equivalence.py) run the same invariants on them as on Linen models.
 
 The checks call ``model.init(rng, x)["params"]`` and ``model.apply({"params": p}, x)``;
-:class:`Sharded` answers for a model laid out by ``fsdp_tp.nnx.shard_by_rules`` (per device,
+:class:`fsdp_tp.bench.llama_rows.NNXSharded` answers for a model laid out by
+``fsdp_tp.nnx.shard_by_rules`` (per device,
 under ``jax.shard_map``) and :class:`Twin` for the unsharded model the user's constructor
 builds: the only place where the two front ends differ in the tests.
 """
@@ -12,8 +13,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
-import fsdp_tp.nnx
 
 
 class Block(nnx.Module):
@@ -96,19 +95,6 @@ class Twin:
 def lm_maker(vocab, d_model, heads, layers, **options):
     """``make(rngs)`` for :class:`LM`, from the sizes tests/plain_models.PlainLM takes."""
     return lambda rngs: LM(vocab, d_model, heads, layers, rngs=rngs, **options)
-
-
-class Sharded:
-    """A model laid out by ``fsdp_tp.nnx.shard_by_rules``, per device."""
-
-    def __init__(self, make, rules=(), **kwargs):
-        self.sharded = fsdp_tp.nnx.shard_by_rules(make, rules, **kwargs)
-
-    def init(self, rng, *_inputs):
-        return {"params": self.sharded.init(rng)[0]}
-
-    def apply(self, variables, x):
-        return self.sharded.merge(variables["params"])(x)
 
 
 class NormDropNet(nnx.Module):

@@ -4,7 +4,8 @@ attention from ``nn.MultiHeadDotProductAttention``, MLPs of ``nn.Dense``, ``nn.E
 
 ``wrap`` (identity by default) exists only for the comparison the tests make: the same
 model with every layer wrapped by hand, the edit a user of the per-layer API would make.
-:func:`lowered_lm_step` is the train step the tests measure such a model by.
+The train step the tests measure such a model by is the benchmark's,
+:func:`fsdp_tp.bench.llama_rows.lowered_lm_step`.
 """
 
 from __future__ import annotations
@@ -13,12 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
-import optax
-from jax.sharding import PartitionSpec as P
-
-import fsdp_tp
 
 
 def _same(cls):
@@ -122,28 +118,3 @@ class PlainResNet(nn.Module):
         for _ in range(self.units):
             x = ResidualUnit(self.channels, self.train, self.axis_name)(x)
         return nn.Dense(self.classes)(x.mean(axis=(1, 2)))
-
-
-def lowered_lm_step(model, mesh, batch_axes: tuple, tokens, check_vma: bool = True):
-    """One AdamW step of the sharded LM ``model`` (next-token loss on ``tokens`` themselves),
-    lowered, and the initial state: what the tests read compiled memory and HLO from."""
-    tx = optax.adamw(1e-3)
-
-    def init_fn(rng, x):
-        params = model.init(rng, x)["params"]
-        return fsdp_tp.TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=rng)
-
-    state, specs = fsdp_tp.init_sharded(
-        init_fn, mesh, (P(), P(batch_axes)), jax.random.key(0), tokens, check_vma=check_vma
-    )
-
-    def step(state, batch):
-        def loss(params):
-            logits = model.apply({"params": params}, batch)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch).mean()
-
-        value, grads = jax.value_and_grad(loss)(state.params)
-        return fsdp_tp.sync_gradients(grads, batch_axes), {"loss": jax.lax.pmean(value, batch_axes)}
-
-    step_fn = fsdp_tp.shard_step(step, mesh, specs, P(batch_axes), check_vma=check_vma)
-    return step_fn.lower(state, tokens), state

@@ -1,8 +1,8 @@
 """Issue 44: Megatron tensor parallelism for a model written the way Gemma and Llama are.
 
-``tests.llama_models`` (einsum q and kv projections with grouped-query attention and RoPE,
+:mod:`fsdp_tp.models.llama` (einsum q and kv projections with grouped-query attention and RoPE,
 an output einsum, a gated einsum MLP, RMSNorm, logits tied to the embedding), in Linen and in
-NNX, with one rule per projection (``llama_models.RULES``). Properties: docs/design.md
+NNX, with one rule per projection (``fsdp_tp.models.llama.RULES``). Properties: docs/design.md
 invariants 1-5 against the unsharded model on data 2 x fsdp 2 x tensor 2 (``check_vma`` on)
 and on data 2 x tensor 4 (8 query heads, 4 kv heads; off); the step's all-reduce operands
 over ``tensor`` are Megatron's minimum, ``4 x layers + 2``, no weight is all-gathered over
@@ -32,14 +32,14 @@ from jax.sharding import PartitionSpec as P
 import fsdp_tp
 import fsdp_tp._einsum
 from fsdp_tp import tp_roles
-from fsdp_tp.analysis import dot_flops, parse_collectives
+from fsdp_tp.bench.llama_rows import NNXSharded as Sharded
+from fsdp_tp.bench.llama_rows import llama_section, lowered_lm_step, measure
 from fsdp_tp.errors import IndivisibleShapeError, RuleError
+from fsdp_tp.models.llama import FSDP_RULES, RULES, SIZES, LlamaLM, NNXLlamaLM
 from fsdp_tp.tp_roles import ColumnParallel, RowParallel, register_einsum
 from tests import test_tp_rules
 from tests.equivalence import Case, assert_trees_close, check_equivalence
-from tests.llama_models import RULES, SIZES, LlamaLM, NNXLlamaLM
-from tests.nnx_models import Sharded, Twin
-from tests.plain_models import lowered_lm_step
+from tests.nnx_models import Twin
 
 APIS = ["linen", "nnx"]
 MESHES = {
@@ -51,15 +51,6 @@ MESHES = {
 }
 BATCH, SEQ = 8, 8
 EXACT = dict(param_dtype=jnp.float64)
-# FSDP on the dim each einsum's tp split leaves whole (the kernel's model dim 'D').
-FSDP_RULES = [
-    (r"attn/q/kernel$", P("fsdp")),
-    (r"attn/kv/kernel$", P(None, "fsdp")),
-    (r"attn/out/kernel$", P(None, None, "fsdp")),
-    (r"mlp/(gate|up)/kernel$", P("fsdp")),
-    (r"mlp/down/kernel$", P(None, "fsdp")),
-    (r"embedding$", P(None, "fsdp")),
-]
 
 
 def _batch(mesh_name: str) -> tuple[str, ...]:
@@ -102,31 +93,32 @@ def _step(api: str, tp=RULES, mesh_name: str = "fsdp4_tensor2"):
     return lowered_lm_step(model, mesh, _batch(mesh_name), jnp.zeros((BATCH, SEQ), jnp.int32))
 
 
-def _operands(collectives, kind: str, group: int) -> int:
-    return sum(c.operands * c.executions for c in collectives if c.kind == kind and c.group_size == group)
+TINY = dict(sizes=SIZES, batch=BATCH, seq=SEQ)  # the benchmark's figures of the small model
 
 
 @pytest.mark.parametrize("api", APIS)
 def test_megatrons_all_reduces_fsdp_at_the_minimum_and_half_the_matmuls(api):
-    """On fsdp 4 x tensor 2 (the axes told apart by their sizes): over `tensor`, per block one
-    all-reduce forward and one backward for the attention (q and kv share the input's *f*) and
-    for the gated MLP (gate and up share it), plus the embedding's sum and the tied logits'
-    input gradient: 4 x layers + 2; the only gather over `tensor` is the logits'. Over `fsdp`,
-    each FSDP-split parameter is gathered once (its tensor slice: W_min) and its gradient
-    reduce-scattered once, the tied embedding included. Every matmul is half the size."""
-    lowered, state = _step(api)
-    found = parse_collectives(lowered.compile().as_text())
-    assert _operands(found, "all-reduce", 2) == 4 * SIZES["layers"] + 2
-    (logits,) = [c for c in found if c.kind == "all-gather" and c.group_size == 2]
-    assert logits.operands == 1
+    """On fsdp 4 x tensor 2 (the axes told apart by their sizes), the benchmark's figures: over
+    `tensor`, per block one all-reduce forward and one backward for the attention (q and kv
+    share the input's *f*) and for the gated MLP (gate and up share it), plus the embedding's
+    sum and the tied logits' input gradient: 4 x layers + 2; the only gather over `tensor` is
+    the logits'. Over `fsdp`, each FSDP-split parameter is gathered once (its tensor slice:
+    W_min) and its gradient reduce-scattered once, the tied embedding included. Every matmul
+    is half the size of the model's whole on each device (the storage plan's)."""
+    megatron = measure(api, "fsdp4_tensor2", "megatron", **TINY)
+    assert megatron.tensor_all_reduces == 4 * SIZES["layers"] + 2
+    (logits,) = [c for c in megatron.collectives if c.kind == "all-gather" and c.group_size == 2]
+    assert logits.operands == megatron.tensor_all_gathers == 1
     assert logits.operand_types[0].startswith(f"f32[{BATCH // 4},{SEQ},{SIZES['vocab'] // 2}]")
-    split = [leaf for leaf in jax.tree.leaves(state.params) if "fsdp" in leaf.sharding.spec]
-    w_min = sum(leaf.nbytes // (2 if "tensor" in leaf.sharding.spec else 1) for leaf in split)
-    gathers = [c for c in found if c.kind == "all-gather" and c.group_size == 4]
-    assert sum(c.operand_bytes * c.group_size * c.executions for c in gathers) == w_min
-    assert _operands(found, "reduce-scatter", 4) == len(split) == 6 * SIZES["layers"] + 1  # 6 kernels a block
-    plain, _ = _step(api, tp=())
-    assert dot_flops(plain.as_text(dialect="hlo")) == 2 * dot_flops(lowered.as_text(dialect="hlo"))
+    assert megatron.fsdp_gathered == megatron.w_min
+    assert megatron.reduce_scatters == megatron.fsdp_split == 6 * SIZES["layers"] + 1  # 6 kernels a block
+    storage = measure(api, "fsdp4_tensor2", "storage", **TINY)
+    assert storage.flops == 2 * megatron.flops
+    assert storage.tensor_all_reduces == 0 and storage.tensor_all_gathers > 0  # weights move instead
+    section = llama_section([(megatron, [1.0]), (storage, [2.0])])
+    figures = "10 (10) | 1 | 1.000 | 13 / 13 | 0.500"  # all-reduces (minimum), gathers, W_min, RS, FLOPs
+    assert f"| fsdp4_tensor2 | {api} | megatron | {megatron.state_bytes:,} | {figures} |" in section
+    assert "| 2.000 |" in section  # the storage step's time over Megatron's
 
 
 @pytest.mark.parametrize(
@@ -145,7 +137,7 @@ def test_negative_control_a_row_einsum_adding_its_own_bias(monkeypatch, api, bia
 def test_negative_control_query_heads_split_and_kv_heads_whole():
     """Without the kv rule every device holds both kv heads while its query heads are half of
     them: the attention, computing from shapes, pairs query heads with the wrong kv heads. (The
-    library cannot see this pairing; llama_models.RULES splits q and kv together.)"""
+    library cannot see this pairing; fsdp_tp.models.llama.RULES splits q and kv together.)"""
     rules = [rule for rule in RULES if rule[0] != r"attn/kv$"]
     with jax.enable_x64(True):
         case = _case("linen", "data4_tensor2", False)
@@ -157,9 +149,7 @@ def test_negative_control_query_heads_split_and_kv_heads_whole():
 def test_negative_control_an_f_per_projection_all_reduces_shared_inputs_twice(monkeypatch):
     """Without the shared *f*, q and kv (and gate and up) each all-reduce their input's gradient."""
     monkeypatch.setattr(fsdp_tp.train, "shared_column_inputs", contextlib.nullcontext)
-    lowered, _ = _step("nnx")
-    found = parse_collectives(lowered.compile().as_text())
-    assert _operands(found, "all-reduce", 2) == 6 * SIZES["layers"] + 2
+    assert measure("nnx", "fsdp4_tensor2", "megatron", **TINY).tensor_all_reduces == 6 * SIZES["layers"] + 2
 
 
 def _without(pattern: str, *extra):
@@ -430,11 +420,11 @@ def test_fewer_kv_heads_than_devices_each_device_keeps_the_kv_head_its_queries_r
 
 def test_replicated_kv_heads_cost_one_all_reduce_more_per_block():
     """Per block one more all-reduce backward over `tensor` (the kv output's cotangent) than
-    Megatron's split; no weight moves over `tensor`."""
-    lowered, _ = _step("nnx", tp=REPLICATED_KV, mesh_name="fsdp2_tensor4")
-    found = parse_collectives(lowered.compile().as_text())
-    assert _operands(found, "all-reduce", 4) == 5 * SIZES["layers"] + 2
-    assert [c.operands for c in found if c.kind == "all-gather" and c.group_size == 4] == [1]  # the logits
+    Megatron's split; no weight moves over `tensor` (the benchmark's plan for 2 kv heads on
+    tensor 4)."""
+    replicated = measure("nnx", "fsdp2_tensor4", "megatron", **TINY)
+    assert replicated.tensor_all_reduces == 5 * SIZES["layers"] + 2
+    assert replicated.tensor_all_gathers == 1  # the logits
 
 
 def test_negative_control_replicated_kv_heads_all_at_one_index():

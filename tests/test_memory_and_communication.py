@@ -15,10 +15,10 @@ from fsdp_tp.analysis import (
     parse_collectives,
     state_bytes_per_device,
 )
+from fsdp_tp.bench.llama_rows import NNXSharded as Sharded
+from fsdp_tp.bench.llama_rows import lowered_lm_step
 from fsdp_tp.nnx import _read
 from tests.models import MLP
-from tests.nnx_models import Sharded
-from tests.plain_models import lowered_lm_step
 from tests.test_tp_rules import NNXTiedLM, TiedLM
 
 BATCH_AXES = ("data", "fsdp")

@@ -17,9 +17,10 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 import fsdp_tp.nnx
+from fsdp_tp.bench.llama_rows import NNXSharded as Sharded
 from fsdp_tp.nnx._read import ReadPlan
 from tests.equivalence import Case, check_equivalence
-from tests.nnx_models import MLPStack, NormDropNet, Sharded, Twin
+from tests.nnx_models import MLPStack, NormDropNet, Twin
 from tests.test_tensor_parallel import mesh_of
 
 

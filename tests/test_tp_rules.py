@@ -30,12 +30,14 @@ from jax.sharding import PartitionSpec as P
 import fsdp_tp
 from fsdp_tp import tp_roles
 from fsdp_tp.analysis import collective_summary, dot_flops, parse_collectives, state_bytes_per_device
+from fsdp_tp.bench.llama_rows import NNXSharded as Sharded
+from fsdp_tp.bench.llama_rows import lowered_lm_step
 from fsdp_tp.errors import IndivisibleShapeError, RuleError
 from fsdp_tp.linen.tp_rules import attention_rules, mlp_rules
 from fsdp_tp.tp_roles import ColumnParallel, HeadParallel, RowParallel, VocabParallel
 from tests.equivalence import Case, check_equivalence
-from tests.nnx_models import Sharded, Twin, lm_maker
-from tests.plain_models import PlainLM, lowered_lm_step
+from tests.nnx_models import Twin, lm_maker
+from tests.plain_models import PlainLM
 from tests.test_tensor_parallel import mesh_of
 
 # The MLP's two layers in the blocks (a loop: layer_0/..., layer_1/...; scanned:

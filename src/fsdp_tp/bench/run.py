@@ -16,6 +16,7 @@ from typing import TextIO
 import jax
 
 from .figures import Figures, build_seconds, compile_seconds, exact_figures, median, step_seconds
+from .llama_rows import llama_costs, llama_section
 from .nnx_rows import nnx_costs, nnx_section
 from .optimizer import optimizer_costs, optimizer_section
 from .report import headline, markdown, replace_headline, spread
@@ -116,6 +117,8 @@ def run_benchmarks(
     print("optimizer: per device vs global arrays measured", file=out, flush=True)
     nnx = nnx_costs(blocks, steps)
     print("nnx: the GPT in NNX vs in Linen measured", file=out, flush=True)
+    llama = llama_costs(blocks, steps)
+    print("llama: Megatron by tp rules vs storage splits measured", file=out, flush=True)
     compile_times = {}
     for layers in depths:
         for scan in (True, False) if layers <= max_unrolled else (True,):
@@ -140,7 +143,7 @@ def run_benchmarks(
         paths = plot_all(results, times, compile_times, out_dir)
     titles = {name: WORKLOADS[name].title for name in workloads}
     text = markdown(results, titles, times, compile_times, _header(argv), paths, build_times)
-    text += _overhead_section(overhead) + optimizer_section(costs) + nnx_section(nnx)
+    text += _overhead_section(overhead) + optimizer_section(costs) + nnx_section(nnx) + llama_section(llama)
     (out_dir / "benchmarks.md").write_text(text)
     if readme is not None and "gpt" in results:
         replace_headline(readme, headline(results, times))

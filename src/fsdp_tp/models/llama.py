@@ -1,10 +1,20 @@
-"""A model written the way Gemma and Llama are, in Linen and in NNX, for issue 44's proof.
+"""A language model written the way Gemma and Llama are, in Linen and in NNX, and its
+Megatron plan as tp rules: the proof model of einsum tensor parallelism and the benchmark's.
 
 Einsum projections (``nn.Einsum`` / ``nnx.Einsum``): a query einsum and a separate key/value
 einsum with fewer kv heads (grouped-query attention, Gemma's stacked ``CDKH`` kernel), RoPE,
 an output einsum; a gated MLP ``down(silu(gate(x)) * up(x))`` of einsums; RMSNorm; logits
 tied to the embedding. The attention computes from its inputs' shapes (never from a head
 count attribute), as a model must for its projections to run on slices of the heads.
+Both front ends' models have the same parameter paths, so :data:`RULES` names both.
+
+>>> import jax, jax.numpy as jnp
+>>> model = LlamaLM()
+>>> params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+>>> params["block_0"]["attn"]["kv"]["kernel"].shape  # (C: k and v, D, K: kv heads, H)
+(2, 16, 2, 4)
+>>> model.apply({"params": params}, jnp.zeros((1, 8), jnp.int32)).shape  # tied logits
+(1, 8, 32)
 """
 
 from __future__ import annotations
@@ -13,10 +23,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from fsdp_tp.tp_roles import ColumnParallel, RowParallel, VocabParallel
 
-__all__ = ["LINEN_RULES", "NNX_RULES", "LlamaLM", "NNXLlamaLM", "attention"]
+__all__ = ["FSDP_RULES", "RULES", "SIZES", "LlamaLM", "NNXLlamaLM", "attention"]
 
 SIZES = dict(vocab=32, d=16, heads=4, kv_heads=2, head_dim=4, hidden=32, layers=2)
 
@@ -31,7 +42,16 @@ RULES = [
     (r"mlp/(gate|up)$", ColumnParallel()),
     (r"mlp/down$", RowParallel()),
 ]
-LINEN_RULES = NNX_RULES = RULES
+# FSDP on the dim each kernel's tp split leaves whole (its model dim 'D'), the embedding's
+# on its model dim too: the tied embedding is split on its vocabulary over `tensor`.
+FSDP_RULES = [
+    (r"attn/q/kernel$", P("fsdp")),
+    (r"attn/kv/kernel$", P(None, "fsdp")),
+    (r"attn/out/kernel$", P(None, None, "fsdp")),
+    (r"mlp/(gate|up)/kernel$", P("fsdp")),
+    (r"mlp/down/kernel$", P(None, "fsdp")),
+    (r"embedding$", P(None, "fsdp")),
+]
 
 
 def rope(x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -70,11 +90,13 @@ class LinenAttention(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        d, at = x.shape[-1], dict(param_dtype=self.param_dtype)
-        q = nn.Einsum((d, self.heads, self.head_dim), "BTD,DNH->BTNH", use_bias=False, name="q", **at)(x)
-        kv = nn.Einsum((2, d, self.kv_heads, self.head_dim), "BSD,CDKH->CBSKH", name="kv", **at)(x)
+        d, dtype = x.shape[-1], self.param_dtype
+        q = nn.Einsum((d, self.heads, self.head_dim), "BTD,DNH->BTNH", False, param_dtype=dtype, name="q")(x)
+        kv = nn.Einsum((2, d, self.kv_heads, self.head_dim), "BSD,CDKH->CBSKH", param_dtype=dtype, name="kv")(
+            x
+        )
         out = attention(q, kv[0], kv[1])
-        return nn.Einsum((self.heads, self.head_dim, d), "BTNH,NHD->BTD", name="out", **at)(out)
+        return nn.Einsum((self.heads, self.head_dim, d), "BTNH,NHD->BTD", param_dtype=dtype, name="out")(out)
 
 
 class LinenMLP(nn.Module):
@@ -83,10 +105,12 @@ class LinenMLP(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        d, at = x.shape[-1], dict(param_dtype=self.param_dtype, use_bias=False)
-        gate = nn.Einsum((d, self.hidden), "BTD,DF->BTF", name="gate", **at)(x)
-        up = nn.Einsum((d, self.hidden), "BTD,DF->BTF", name="up", **at)(x)
-        return nn.Einsum((self.hidden, d), "BTF,FD->BTD", name="down", **at)(nn.silu(gate) * up)
+        d, dtype = x.shape[-1], self.param_dtype
+        gate = nn.Einsum((d, self.hidden), "BTD,DF->BTF", False, param_dtype=dtype, name="gate")(x)
+        up = nn.Einsum((d, self.hidden), "BTD,DF->BTF", False, param_dtype=dtype, name="up")(x)
+        return nn.Einsum((self.hidden, d), "BTF,FD->BTD", False, param_dtype=dtype, name="down")(
+            nn.silu(gate) * up
+        )
 
 
 class LinenBlock(nn.Module):
@@ -98,11 +122,11 @@ class LinenBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        d, at = x.shape[-1], dict(param_dtype=self.param_dtype)
-        norm = self.param("attn_norm", nn.initializers.zeros, (d,), self.param_dtype)
-        x = x + LinenAttention(self.heads, self.kv_heads, self.head_dim, name="attn", **at)(rms_norm(x, norm))
-        norm = self.param("mlp_norm", nn.initializers.zeros, (d,), self.param_dtype)
-        return x + LinenMLP(self.hidden, name="mlp", **at)(rms_norm(x, norm))
+        d, dtype = x.shape[-1], self.param_dtype
+        attn = LinenAttention(self.heads, self.kv_heads, self.head_dim, dtype, name="attn")
+        x = x + attn(rms_norm(x, self.param("attn_norm", nn.initializers.zeros, (d,), dtype)))
+        mlp = LinenMLP(self.hidden, dtype, name="mlp")
+        return x + mlp(rms_norm(x, self.param("mlp_norm", nn.initializers.zeros, (d,), dtype)))
 
 
 class LlamaLM(nn.Module):
@@ -119,21 +143,23 @@ class LlamaLM(nn.Module):
 
     @nn.compact
     def __call__(self, tokens):
-        at = dict(param_dtype=self.param_dtype)
-        embed = nn.Embed(self.vocab, self.d, name="embed", **at)
+        sizes, dtype = (self.heads, self.kv_heads, self.head_dim, self.hidden), self.param_dtype
+        embed = nn.Embed(self.vocab, self.d, param_dtype=dtype, name="embed")
         x = embed(tokens)
         for i in range(self.layers):
-            x = LinenBlock(self.heads, self.kv_heads, self.head_dim, self.hidden, name=f"block_{i}", **at)(x)
+            x = LinenBlock(*sizes, dtype, name=f"block_{i}")(x)
         final = self.param("final_norm", nn.initializers.zeros, (self.d,), self.param_dtype)
         return embed.attend(rms_norm(x, final))
 
 
 class NNXAttention(nnx.Module):
     def __init__(self, d, heads, kv_heads, head_dim, *, rngs, param_dtype=jnp.float32):
-        at = dict(param_dtype=param_dtype, rngs=rngs)
-        self.q = nnx.Einsum("BTD,DNH->BTNH", (d, heads, head_dim), **at)
-        self.kv = nnx.Einsum("BSD,CDKH->CBSKH", (2, d, kv_heads, head_dim), (2, kv_heads, head_dim), **at)
-        self.out = nnx.Einsum("BTNH,NHD->BTD", (heads, head_dim, d), (d,), **at)
+        kv_shape = (2, d, kv_heads, head_dim)
+        self.q = nnx.Einsum("BTD,DNH->BTNH", (d, heads, head_dim), param_dtype=param_dtype, rngs=rngs)
+        self.kv = nnx.Einsum(
+            "BSD,CDKH->CBSKH", kv_shape, kv_shape[:1] + kv_shape[2:], param_dtype=param_dtype, rngs=rngs
+        )
+        self.out = nnx.Einsum("BTNH,NHD->BTD", (heads, head_dim, d), (d,), param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x):
         kv = self.kv(x)
@@ -142,10 +168,9 @@ class NNXAttention(nnx.Module):
 
 class NNXMLP(nnx.Module):
     def __init__(self, d, hidden, *, rngs, param_dtype=jnp.float32):
-        at = dict(param_dtype=param_dtype, rngs=rngs)
-        self.gate = nnx.Einsum("BTD,DF->BTF", (d, hidden), **at)
-        self.up = nnx.Einsum("BTD,DF->BTF", (d, hidden), **at)
-        self.down = nnx.Einsum("BTF,FD->BTD", (hidden, d), **at)
+        self.gate = nnx.Einsum("BTD,DF->BTF", (d, hidden), param_dtype=param_dtype, rngs=rngs)
+        self.up = nnx.Einsum("BTD,DF->BTF", (d, hidden), param_dtype=param_dtype, rngs=rngs)
+        self.down = nnx.Einsum("BTF,FD->BTD", (hidden, d), param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x):
         return self.down(nnx.silu(self.gate(x)) * self.up(x))
@@ -170,8 +195,8 @@ class NNXLlamaLM(nnx.Module):
     def __init__(self, rngs: nnx.Rngs, param_dtype=jnp.float32, **sizes):
         s = {**SIZES, **sizes}
         self.embed = nnx.Embed(s["vocab"], s["d"], param_dtype=param_dtype, rngs=rngs)
-        sizes = (s["d"], s["heads"], s["kv_heads"], s["head_dim"], s["hidden"])
-        blocks = [NNXBlock(*sizes, rngs=rngs, param_dtype=param_dtype) for _ in range(s["layers"])]
+        block = (s["d"], s["heads"], s["kv_heads"], s["head_dim"], s["hidden"])
+        blocks = [NNXBlock(*block, rngs=rngs, param_dtype=param_dtype) for _ in range(s["layers"])]
         self.blocks = nnx.List(blocks)
         self.final_norm = nnx.Param(jnp.zeros((s["d"],), param_dtype))
 

@@ -1,0 +1,244 @@
+"""The Gemma/Llama-style model (:mod:`fsdp_tp.models.llama`: einsum attention with grouped kv
+heads and RoPE, a gated einsum MLP, tied logits) under Megatron's tp rules against the same
+model with the tensor axis splitting storage only, in Linen and in NNX.
+
+Per mesh, API and plan: state bytes on the fullest device, the compiled step's all-reduce and
+all-gather operands over ``tensor`` against Megatron's minimum, the FSDP gathers' bytes over
+W_min, reduce-scatters per FSDP-split parameter, per-device matmul FLOPs, and step time as a
+ratio in one run. The meshes give ``fsdp`` and ``tensor`` different sizes, so the compiled
+program's group sizes tell the two axes apart.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from .. import nnx as fsdp_nnx
+from ..analysis import Collective, dot_flops, parse_collectives, state_bytes_per_device
+from ..gradients import sync_gradients
+from ..linen.rule_transform import shard_by_rules
+from ..mesh import make_mesh
+from ..models.llama import FSDP_RULES, RULES, LlamaLM, NNXLlamaLM
+from ..sharded_init import init_sharded
+from ..tp_roles import ColumnParallel
+from ..train import TrainState, shard_step
+from .figures import median, step_seconds
+from .report import spread
+
+__all__ = [
+    "MESHES",
+    "SIZES",
+    "Measured",
+    "NNXSharded",
+    "llama_costs",
+    "llama_section",
+    "lowered_lm_step",
+    "measure",
+]
+
+MESHES = {"fsdp4_tensor2": {"fsdp": 4, "tensor": 2}, "fsdp2_tensor4": {"fsdp": 2, "tensor": 4}}
+SIZES = dict(vocab=256, d=256, heads=8, kv_heads=2, head_dim=32, hidden=768, layers=4)
+BATCH, SEQ = 16, 64
+PLANS = ("megatron", "storage")
+
+# The dim of each parameter Megatron's roles split over `tensor` (the kv kernel's 'K', or
+# its head dim 'H' where `tensor` does not divide the kv heads).
+_TENSOR_DIM = {
+    r"attn/q/kernel$": 1,
+    r"attn/kv/kernel$": 2,
+    r"attn/out/kernel$": 0,
+    r"mlp/(gate|up)/kernel$": 1,
+    r"mlp/down/kernel$": 0,
+    r"embedding$": 0,
+}
+
+
+def _with_tensor(spec: P, dim: int) -> P:
+    entries = list(spec) + [None] * (dim + 1 - len(spec))
+    entries[dim] = "tensor"
+    return P(*entries)
+
+
+def plan_rules(plan: str, tensor: int, kv_heads: int) -> tuple[list, list]:
+    """``(storage rules, tp rules)`` of a plan. ``"megatron"``: FSDP storage
+    (:data:`~fsdp_tp.models.llama.FSDP_RULES`) and :data:`~fsdp_tp.models.llama.RULES` (the kv
+    heads kept whole, each device keeping those its query heads read, where ``tensor`` does not
+    divide them). ``"storage"``: no tp rules; the tensor axis splits each parameter where
+    Megatron would, so its weights are gathered for use and every tensor device computes the
+    whole model.
+
+    >>> storage, tp = plan_rules("storage", 4, 2)
+    >>> tuple(dict(storage)[r"attn/kv/kernel$"]), tp   # 2 kv heads: tensor 4 splits the head dim
+    ((None, 'fsdp', None, 'tensor'), [])
+    """
+    split_kv = kv_heads % tensor == 0
+    if plan == "megatron":
+        kv = (r"attn/kv$", ColumnParallel(letter="K", replicated=not split_kv))
+        return FSDP_RULES, [kv if pattern == kv[0] else (pattern, role) for pattern, role in RULES]
+    dims = {**_TENSOR_DIM, r"attn/kv/kernel$": 2 if split_kv else 3}
+    return [(pattern, _with_tensor(spec, dims[pattern])) for pattern, spec in FSDP_RULES], []
+
+
+class NNXSharded:
+    """An NNX model laid out by :func:`fsdp_tp.nnx.shard_by_rules`, with Linen's ``init`` /
+    ``apply`` (per device), so one step serves both front ends."""
+
+    def __init__(self, make, rules=(), **kwargs):
+        self.sharded = fsdp_nnx.shard_by_rules(make, rules, **kwargs)
+
+    def init(self, rng, *_inputs):
+        return {"params": self.sharded.init(rng)[0]}
+
+    def apply(self, variables, x):
+        return self.sharded.merge(variables["params"])(x)
+
+
+def lowered_lm_step(model, mesh, batch_axes: tuple, tokens, check_vma: bool = True):
+    """One AdamW step of the sharded LM ``model`` (cross-entropy of its logits against
+    ``tokens`` themselves), lowered, and the initial state."""
+    tx = optax.adamw(1e-3)
+
+    def init_fn(rng, x):
+        params = model.init(rng, x)["params"]
+        return TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=rng)
+
+    state, specs = init_sharded(
+        init_fn, mesh, (P(), P(batch_axes)), jax.random.key(0), tokens, check_vma=check_vma
+    )
+
+    def step(state, batch):
+        def loss(params):
+            logits = model.apply({"params": params}, batch)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch).mean()
+
+        value, grads = jax.value_and_grad(loss)(state.params)
+        return sync_gradients(grads, batch_axes), {"loss": jax.lax.pmean(value, batch_axes)}
+
+    step_fn = shard_step(step, mesh, specs, P(batch_axes), check_vma=check_vma)
+    # jitted (donating the state) as shard_step's own: one program, typed as a jit
+    return jax.jit(step_fn, donate_argnums=0).lower(state, tokens), state
+
+
+@dataclass
+class Measured:
+    """One API and plan on one mesh: its compiled step, state and exact figures."""
+
+    label: str
+    step: Any  # the compiled step, (state, tokens) -> (state, metrics), what is timed
+    state: Any
+    batch: Any
+    state_bytes: int  # on the fullest device
+    tensor_all_reduces: int  # operands over `tensor`
+    megatron_all_reduces: int  # Megatron's minimum for this model and mesh
+    tensor_all_gathers: int
+    fsdp_gathered: int  # bytes the FSDP all-gathers bring to each device
+    w_min: int  # bytes of the FSDP-split parameters' tensor slices: what FSDP must gather
+    reduce_scatters: int  # operands over `fsdp`
+    fsdp_split: int  # parameters FSDP splits
+    flops: int  # matmul FLOPs per device
+    collectives: list[Collective]  # of the compiled step
+
+
+def _operands(found: list[Collective], kind: str, group: int) -> int:
+    return sum(c.operands * c.executions for c in found if c.kind == kind and c.group_size == group)
+
+
+def measure(
+    api: str, mesh_name: str, plan: str, sizes: dict = SIZES, batch: int = BATCH, seq: int = SEQ
+) -> Measured:
+    """The model of ``sizes`` in ``api`` under ``plan`` on ``MESHES[mesh_name]``: its AdamW step
+    compiled once (what is timed is what is read) and its figures."""
+    axes = MESHES[mesh_name]
+    storage, tp = plan_rules(plan, axes["tensor"], sizes["kv_heads"])
+    if api == "nnx":
+        model = NNXSharded(functools.partial(NNXLlamaLM, **sizes), storage, batch_axes=("fsdp",), tp_rules=tp)
+    else:
+        model = shard_by_rules(LlamaLM, storage, batch_axes=("fsdp",), tp_rules=tp)(**sizes)
+    mesh = make_mesh(axes)
+    tokens = jax.random.randint(jax.random.key(1), (batch, seq), 0, sizes["vocab"], jnp.int32)
+    lowered, state = lowered_lm_step(model, mesh, ("fsdp",), tokens)
+    compiled = lowered.compile()
+    found = parse_collectives(compiled.as_text() or "")
+    split = [leaf for leaf in jax.tree.leaves(state.params) if "fsdp" in leaf.sharding.spec]
+    fsdp, tensor = axes["fsdp"], axes["tensor"]
+    gathers = [c for c in found if c.kind == "all-gather" and c.group_size == fsdp]
+    return Measured(
+        f"{mesh_name}/{api}/{plan}",
+        compiled,
+        state,
+        tokens,
+        max(state_bytes_per_device(state).values()),
+        _operands(found, "all-reduce", tensor),
+        # per block one forward and one backward for the attention and for the MLP, one more
+        # backward for kv heads kept whole; the embedding's sum and the tied logits' gradient
+        (4 if sizes["kv_heads"] % tensor == 0 else 5) * sizes["layers"] + 2,
+        _operands(found, "all-gather", tensor),
+        sum(c.operand_bytes * c.group_size * c.executions for c in gathers),
+        sum(leaf.nbytes // (tensor if "tensor" in leaf.sharding.spec else 1) for leaf in split),
+        _operands(found, "reduce-scatter", fsdp),
+        len(split),
+        dot_flops(lowered.as_text(dialect="hlo")),
+        found,
+    )
+
+
+Costs = list[tuple[Measured, list[float]]]
+
+
+def llama_costs(blocks: int, steps: int) -> Costs:
+    """Every mesh, API and plan measured, each mesh's four steps timed interleaved."""
+    out: Costs = []
+    for mesh_name in MESHES:
+        built = [measure(api, mesh_name, plan) for api in ("linen", "nnx") for plan in PLANS]
+        times = step_seconds(built, blocks, steps)
+        out += [(m, times[m.label]) for m in built]
+    return out
+
+
+def _row(m: Measured, storage: Measured, times: list[float], megatron_times: list[float]) -> str:
+    mesh_name, api, plan = m.label.split("/")
+    minimum = f" ({m.megatron_all_reduces})" if plan == "megatron" else ""
+    # The storage plan gathers its weights over both axes, so its FSDP bytes measure no W_min.
+    fsdp = f"{m.fsdp_gathered / m.w_min:.3f}" if plan == "megatron" else "—"
+    return (
+        f"| {mesh_name} | {api} | {plan} | {m.state_bytes:,} | {m.tensor_all_reduces}{minimum} | "
+        f"{m.tensor_all_gathers} | {fsdp} | {m.reduce_scatters} / {m.fsdp_split} | "
+        f"{m.flops / storage.flops:.3f} | {spread(times)} | {median(times) / median(megatron_times):.3f} |"
+    )
+
+
+def llama_section(costs: Costs) -> str:
+    """The benchmark page's section for :func:`llama_costs`."""
+    by_label = {m.label: (m, times) for m, times in costs}
+    rows = []
+    for m, times in costs:
+        mesh_api = m.label.rsplit("/", 1)[0]
+        storage, megatron_times = by_label[f"{mesh_api}/storage"][0], by_label[f"{mesh_api}/megatron"][1]
+        rows.append(_row(m, storage, times, megatron_times))
+    s = SIZES
+    return (
+        "\n### A Gemma/Llama-style model: Megatron by tp rules against storage splits\n\n"
+        f"`fsdp_tp.models.llama`: {s['layers']} layers, d {s['d']}, {s['heads']} query heads over "
+        f"{s['kv_heads']} kv heads (einsum projections, RoPE), a gated einsum MLP of {s['hidden']}, "
+        f"RMSNorm, logits tied to a {s['vocab']}-word embedding; batch {BATCH} over `fsdp`, "
+        f"sequence {SEQ}, AdamW. *megatron*: `models.llama.RULES` (on tensor 4 the 2 kv heads are "
+        'kept whole: `ColumnParallel(letter="K", replicated=True)`); *storage*: no tp rules, the '
+        "tensor axis splits each parameter where Megatron would, so weights are gathered over it "
+        "and every tensor device computes the whole model. Per device: all-reduce operands over "
+        "`tensor` (in brackets Megatron's minimum: 4 x layers + 2, one more per block for kept-whole "
+        "kv heads), all-gather operands over `tensor` (Megatron's one: the tied logits), FSDP "
+        "gather bytes ÷ W_min, reduce-scatter operands over `fsdp` / FSDP-split parameters (the "
+        "tied embedding's gradient once), matmul FLOPs ÷ the storage plan's, and step time, each "
+        "mesh's four steps interleaved:\n\n"
+        "| mesh | API | plan | state B/device | all-reduces over tensor | all-gathers over tensor "
+        "| FSDP gather ÷ W_min | reduce-scatters / FSDP params | matmul FLOPs ÷ storage "
+        "| step ms median (min-max) | ÷ megatron |\n"
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n" + "\n".join(rows) + "\n"
+    )
