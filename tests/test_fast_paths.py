@@ -20,10 +20,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fsdp_tp import make_mesh
+from fsdp_tp.attention import attend
 from fsdp_tp.cli import fit, machine, main
 from fsdp_tp.cli.options import parser
 from fsdp_tp.cli.settings import settings_of
-from fsdp_tp.linen.layers.attention import attend
 from fsdp_tp.mesh import parse_mesh
 from fsdp_tp.models import Layout, Transformer
 from fsdp_tp.recipe.config import PRESETS

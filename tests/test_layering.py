@@ -36,6 +36,7 @@ CORE = (
     "_tree",
     "_types",
     "analysis",
+    "attention",
     "checkpoint",
     "collective_matmul",
     "collectives",
@@ -122,6 +123,21 @@ def test_the_two_front_ends_stand_side_by_side_over_the_core():
     linen_reach = _closure(["linen"])
     assert not [n for n in linen_reach if n.startswith("nnx")], "the Linen front end reaches fsdp_tp.nnx"
     assert not [n for n in _closure(CORE) if n.startswith("nnx")], "the core reaches fsdp_tp.nnx"
+
+
+# Outside linen/ and the core, modules that need no Linen: the NNX GPT (it attends with the
+# core's attention and remats by the shared policies). Before these lived in the core, it
+# reached the Linen layers through `attend` and the Linen GPT through `REMAT_POLICIES`.
+NEED_NO_LINEN = ("models.nnx_transformer", "models.remat")
+
+
+@pytest.mark.parametrize("module", NEED_NO_LINEN)
+def test_framework_free_pieces_do_not_live_in_the_linen_front_end(module):
+    """Attention, the vocabulary-parallel loss and the remat policies are core: a module that
+    needs no Linen reaches neither the Linen front end nor flax.linen through them."""
+    reached = _closure([module])
+    assert not [name for name in reached if name.startswith("linen")], f"{module} reaches the Linen front end"
+    assert not {n: _linen(o) for n, o in reached.items() if _linen(o)}, module
 
 
 @pytest.mark.parametrize("module", ["linen._transform", "linen.layers.dense", "linen.tp_rules"])

@@ -39,13 +39,13 @@ from .linen.layers import ColumnParallelDense as ColumnParallelDense
 from .linen.layers import MLPBlock as MLPBlock
 from .linen.layers import RowParallelDense as RowParallelDense
 from .linen.layers import VocabParallelEmbed as VocabParallelEmbed
-from .linen.layers import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from .linen.rule_transform import shard_by_rules as shard_by_rules
 from .mesh import make_mesh as make_mesh
 from .mesh import simulate_cpu_devices as simulate_cpu_devices
 from .plan import make_plan as make_plan
 from .precision import MixedPrecision as MixedPrecision
 from .sharded_init import init_sharded as init_sharded
+from .tp import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from .train import TrainState as TrainState
 from .train import accumulate_gradients as accumulate_gradients
 from .train import shard_step as shard_step

@@ -17,9 +17,10 @@ import numpy as np
 import optax
 
 from ..collectives import gather_from_axis, scatter_to_axis
-from ..linen.layers import MLPBlock, vocab_parallel_cross_entropy
+from ..linen.layers import MLPBlock
 from ..models import Layout, Transformer
 from ..models.transformer import DecoderBlock
+from ..tp import vocab_parallel_cross_entropy
 
 __all__ = ["WORKLOADS", "Workload", "bench_layout"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..linen.layers.attention import ATTENTION_IMPLEMENTATIONS
-from ..models.transformer import REMAT_POLICIES
+from ..attention import ATTENTION_IMPLEMENTATIONS
+from ..models.remat import REMAT_POLICIES
 from ..recipe.config import PRESETS
 from ..recipe.trainer import APIS
 

@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..attention import resolved_implementation
 from ..checkpoint import Checkpoints
 from ..errors import CheckpointMismatchError
-from ..linen.layers.attention import resolved_implementation
 from ..mesh import make_mesh
 from ..recipe.throughput import Achieved, memory_in_use, peak_tflops
 from ..recipe.trainer import Settings, Trainer, compare_with_twin

@@ -27,9 +27,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from .._layout import fsdp_dim
-from ..linen.layers.attention import attend
+from ..attention import attend
 from ..tp_roles import ColumnParallel, HeadParallel, RowParallel, VocabParallel
-from .transformer import REMAT_POLICIES
+from .remat import REMAT_POLICIES
 
 __all__ = ["TP_RULES", "NNXTransformer", "storage_rules"]
 

@@ -13,17 +13,9 @@ from ..collectives import copy_to_axis
 from ..linen._transform import keep_module_name
 from ..linen.layers import AttentionBlock, ColumnParallelDense, MLPBlock, VocabParallelEmbed
 from .layout import Layout
+from .remat import REMAT_POLICIES
 
 __all__ = ["REMAT_POLICIES", "Transformer"]
-
-# What a decoder block keeps for the backward pass: ``full`` keeps only its input and
-# recomputes the rest (and re-gathers its FSDP shards), ``dots`` also keeps the results of
-# its weight matmuls (no batch dims: not the attention scores), ``none`` keeps everything.
-REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "none": None,
-}
 
 
 def _rematted(block, policy: str):

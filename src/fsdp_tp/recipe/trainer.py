@@ -15,9 +15,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..gradients import sync_gradients
-from ..linen.layers import vocab_parallel_cross_entropy
 from ..models import Layout
 from ..sharded_init import init_sharded
+from ..tp import vocab_parallel_cross_entropy
 from ..train import accumulate_gradients, shard_step, state_init_fn
 from .config import ModelConfig
 from .data import batch_at, windows_at

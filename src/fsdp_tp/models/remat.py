@@ -1,0 +1,21 @@
+"""The decoder blocks' rematerialization policies, by the name ``--remat`` takes; framework-free,
+so the Linen and the NNX GPT read one table.
+
+>>> sorted(REMAT_POLICIES)
+['dots', 'full', 'none']
+"""
+
+from __future__ import annotations
+
+import jax
+
+__all__ = ["REMAT_POLICIES"]
+
+# What a decoder block keeps for the backward pass: ``full`` keeps only its input and
+# recomputes the rest (and re-gathers its FSDP shards), ``dots`` also keeps the results of
+# its weight matmuls (no batch dims: not the attention scores), ``none`` keeps everything.
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "none": None,
+}
