@@ -1,4 +1,4 @@
-"""The HLO collective parser on hand-written HLO (docs/design.md, "Measuring")."""
+"""The HLO collective parser on hand-written HLO (docs/design.md, "How we measure")."""
 
 from __future__ import annotations
 

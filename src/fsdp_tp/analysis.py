@@ -1,6 +1,6 @@
 """Exact measurements: state bytes per device, compiled memory, collective bytes from HLO.
 
-The collective figures use the ring model of ``docs/design.md`` ("Measuring"): per
+The collective figures use the ring model of ``docs/design.md`` ("How we measure"): per
 device and per execution, an all-gather moves result*(S-1)/S bytes, a
 reduce-scatter operand*(S-1)/S, an all-reduce 2*operand*(S-1)/S, an all-to-all
 operand*(S-1)/S and a collective-permute its operand; ops inside while loops

@@ -1,4 +1,4 @@
-"""The figures of a variant (docs/design.md, "Measuring"): exact bytes, then ratios of times.
+"""The figures of a variant (docs/design.md, "How we measure"): exact bytes, then ratios of times.
 
 Exact figures come from the state's shards and the compiled program; they do not
 depend on the machine's load. Step and compile times do, so they are reported as

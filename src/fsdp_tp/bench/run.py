@@ -74,7 +74,7 @@ def _header(argv: list[str]) -> list[str]:
         f"Ran {when} on {machine}, jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} "
         f"devices; global batch 64, AdamW. Bytes are per device and exact (state: the arrays' shards; "
         f"memory: `memory_analysis()`; wire: the compiled HLO's collectives, ring model, docs/design.md "
-        f'"Measuring"). Times are medians of interleaved blocks (min-max in brackets), noisy on a '
+        f'"How we measure"). Times are medians of interleaved blocks (min-max in brackets), noisy on a '
         f'shared CPU; read them as ratios. "minimum": dp 2(N-1)/N·P; fsdp W_min = 2(N-1)/N·(S_p+R), '
         f"3(N-1)/N on params re-gathered by remat; tp on the classifier and the block: Megatron's "
         f'all-reduces of the activations; — where no closed form is given. "full-grad all-reduces": '

@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec
 
 from .._layout import fsdp_dim
 from ..attention import attend
+from ..nnx import tp_splits
 from ..tp_roles import ColumnParallel, HeadParallel, RowParallel, VocabParallel
 from .remat import REMAT_POLICIES
 
@@ -44,20 +45,6 @@ TP_RULES = (
     (r"^embed$", VocabParallel()),
     (r"^head$", ColumnParallel()),
 )
-# The dim of each parameter that TP_RULES split over tensor, counted from the end (so the
-# scanned stack's layer dim does not move it): the heads of q/k/v and out, a column layer's
-# features, a row layer's contracted input dim, the embedding's vocabulary rows.
-_TENSOR_DIMS = {
-    ("query", "kernel"): -2,
-    ("key", "kernel"): -2,
-    ("value", "kernel"): -2,
-    ("out", "kernel"): -3,
-    ("wi", "kernel"): -1,
-    ("wi", "bias"): -1,
-    ("head", "kernel"): -1,
-    ("wo", "kernel"): -2,
-    ("embed", "embedding"): -2,
-}
 
 
 def _attention(d_model, num_heads, head_dim, num_kv_heads, *, dtype, attention, rngs):
@@ -174,7 +161,8 @@ def storage_rules(model: nnx.Module, sizes: Mapping[str, int], min_weight_size: 
     ``fsdp`` on the dim Linen's ``shard_module_params`` picks (the largest dim that tensor
     parallelism leaves whole and the axis divides, in each layer's local shape, for
     parameters of more than ``min_weight_size`` local elements), nothing else. The tensor
-    split is the roles' (:data:`TP_RULES`); it joins these specs in ``shard_by_rules``.
+    split is the roles' (:data:`TP_RULES`, read by :func:`fsdp_tp.nnx.tp_splits`: no table
+    repeats them); it joins these specs in ``shard_by_rules``.
 
     >>> from flax import nnx
     >>> model = nnx.eval_shape(lambda: NNXTransformer(64, 32, 2, 4, 8, 2, 64, rngs=nnx.Rngs(0)))
@@ -182,18 +170,19 @@ def storage_rules(model: nnx.Module, sizes: Mapping[str, int], min_weight_size: 
     >>> rules["^blocks/mlp/wi/kernel$"], rules["^head/kernel$"]
     (P(None, 'fsdp', None), P('fsdp', None))
     """
-    fsdp, tensor = sizes.get("fsdp", 1), sizes.get("tensor", 1)
+    fsdp, splits = sizes.get("fsdp", 1), tp_splits(model, TP_RULES)
     rules = []
     for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         shape = tuple(variable.get_raw_value().shape)
         stacked = int(path[0] == "blocks")  # the scanned stack's layer dim, never split
         local: list[int] = list(shape[stacked:])
         names: list[str | None] = [None] * len(local)
-        if (dim := _TENSOR_DIMS.get((str(path[-2]), str(path[-1])))) is not None:
-            local[dim] //= tensor
-            names[dim] = "tensor"
-        split = fsdp_dim(tuple(local), tuple(names), fsdp) if np.prod(local) > min_weight_size else None
-        spec = [None] * stacked + ["fsdp" if i == split else None for i in range(len(local))]
         text = "/".join(str(key) for key in path)
+        if (split := splits.get(text)) is not None:  # (dim from the end, axis): the role's
+            dim, axis = split[0], str(split[1])
+            local[dim] //= sizes.get(axis, 1)
+            names[dim] = axis
+        chosen = fsdp_dim(tuple(local), tuple(names), fsdp) if np.prod(local) > min_weight_size else None
+        spec = [None] * stacked + ["fsdp" if i == chosen else None for i in range(len(local))]
         rules.append((f"^{re.escape(text)}$", PartitionSpec(*spec)))
     return rules

@@ -8,10 +8,20 @@ returns a :class:`ShardedModel`: pass its ``state_init_fn(tx)`` to
 :func:`fsdp_tp.init_sharded`, and inside the step function given to
 :func:`fsdp_tp.shard_step` rebuild the model with ``merge(state.params, state.model_state)``
 and differentiate with respect to the params, as a Linen step does with ``model.apply``.
+:func:`tp_splits` says where the roles split each parameter, for storage rules to agree with.
 Nothing here imports ``flax.linen``, and the core imports nothing from here.
 """
 
 from ..tp_roles import ColumnParallel, HeadParallel, RowParallel, VocabParallel
 from ._model import ShardedModel, shard_by_rules
+from ._tp import tp_splits
 
-__all__ = ["ColumnParallel", "HeadParallel", "RowParallel", "ShardedModel", "VocabParallel", "shard_by_rules"]
+__all__ = [
+    "ColumnParallel",
+    "HeadParallel",
+    "RowParallel",
+    "ShardedModel",
+    "VocabParallel",
+    "shard_by_rules",
+    "tp_splits",
+]

@@ -26,6 +26,7 @@ from .._einsum import computes_of
 from .._tp_rules import (
     CompiledRole,
     Kinds,
+    compile_tp_rules,
     dims,
     kind_error,
     require_all_matched,
@@ -38,7 +39,7 @@ from .._tree import module_path
 from .._types import AxisName
 from ..tp_roles import Layer, RowParallel, TPRole
 
-__all__ = ["NNX", "RolePlan", "compute_roles", "layer_of", "path_text"]
+__all__ = ["NNX", "RolePlan", "compute_roles", "layer_of", "path_text", "tp_splits"]
 
 NNX = Kinds(
     "nnx",
@@ -211,6 +212,26 @@ class RolePlan:
         for role, pattern, layer in self.roles.values():
             (axis,) = require_axes(role.axis, f"tp rule {pattern!r}")
             require_divides(role, pattern, layer, jax.lax.axis_size(axis))
+
+
+def tp_splits(model: nnx.Module, tp_rules) -> dict[str, tuple[int, AxisName]]:
+    """Where the roles of ``tp_rules`` split each parameter of ``model`` (abstract is enough):
+    ``{parameter path: (dim counted from the end, mesh axis)}``, what :func:`shard_by_rules`
+    adds to each storage spec. Storage rules that must leave those dims alone (FSDP on the
+    largest dim tensor parallelism leaves whole, say) read it, so no table repeats the roles.
+
+    >>> from flax import nnx
+    >>> from fsdp_tp.tp_roles import ColumnParallel, RowParallel
+    >>> class MLP(nnx.Module):
+    ...     def __init__(self, rngs):
+    ...         self.up, self.down = nnx.Linear(4, 8, rngs=rngs), nnx.Linear(8, 4, rngs=rngs)
+    >>> model = nnx.eval_shape(lambda: MLP(nnx.Rngs(0)))
+    >>> tp_splits(model, [("up$", ColumnParallel()), ("down$", RowParallel())])
+    {'down/kernel': (-2, 'tensor'), 'up/kernel': (-1, 'tensor'), 'up/bias': (-1, 'tensor')}
+    """
+    params = [path_text(path) for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+    plan = RolePlan(model, compile_tp_rules(tp_rules, "fsdp_tp.nnx.tp_splits"), params)
+    return {path: (dim, axis) for path, (dim, axis, _) in plan.splits.items()}
 
 
 def compute_roles(model: nnx.Module, plan: RolePlan) -> None:
