@@ -49,7 +49,7 @@ TP_RULES = (
 
 def _attention(d_model, num_heads, head_dim, num_kv_heads, *, dtype, attention, rngs):
     """Causal (grouped-query) self-attention, no biases: ``nnx.MultiHeadAttention``, computed by
-    :func:`~fsdp_tp.linen.layers.attend` (``attention`` picks the implementation, as for Linen).
+    :func:`~fsdp_tp.attention.attend` (``attention`` picks the implementation, as for Linen).
     Its kernels hold Linen's ``(d, heads * dim)`` as ``(d, heads, dim)``."""
 
     def attention_fn(query, key, value, **_):  # causal always; the mask and dropout are unused

@@ -94,7 +94,7 @@ class Transformer(nn.Module):
     ``dtype=jnp.bfloat16`` computes in bf16 on f32 parameters; the logits come
     back in f32 either way, for the loss. ``scan_layers=False`` unrolls the
     layers (parameters ``blocks_0``, ``blocks_1``, ...; compile time grows with depth).
-    ``attention`` picks how attention is computed (:func:`~fsdp_tp.linen.layers.attend`); every
+    ``attention`` picks how attention is computed (:func:`~fsdp_tp.attention.attend`); every
     choice of ``attention`` and ``remat`` computes the same function.
     """
 

@@ -28,8 +28,8 @@ class ModelConfig:
     vocab_size: int = 256
     dtype: str = "float32"  # the computation's; parameters and optimizer state stay f32
     scan_layers: bool = True  # False: blocks_0, blocks_1, ... unrolled (another parameter tree)
-    attention: str = "reference"  # fsdp_tp.linen.layers.ATTENTION_IMPLEMENTATIONS
-    remat: str = "full"  # fsdp_tp.models.REMAT_POLICIES
+    attention: str = "reference"  # fsdp_tp.attention.ATTENTION_IMPLEMENTATIONS
+    remat: str = "full"  # fsdp_tp.models.remat.REMAT_POLICIES
 
     def flops_per_token(self) -> int:
         """Model FLOPs of one trained token (forward and backward, recomputation not counted):
