@@ -344,8 +344,8 @@ def test_negative_control_sequence_slices_not_marked(check_vma, monkeypatch):
     """With the layers not saying what they split, the residual stream varies over 'tensor'
     where no dim accounts for it: refused (the init traces the model with checking on, so the
     unchecked step's model is refused there too), where the mask would repeat over ranks."""
-    monkeypatch.setattr(fsdp_tp.tp, "split_after", lambda dims: None)
-    monkeypatch.setattr(fsdp_tp.linen.layers.dense, "split_after", lambda dims: None)
+    monkeypatch.setattr(fsdp_tp.tp, "split_after", lambda *args, **kwargs: None)
+    monkeypatch.setattr(fsdp_tp.linen.layers.dense, "split_after", lambda *args, **kwargs: None)
     with pytest.raises(ValueError, match="no dim is known to be split over it"):
         test_dropout_on_sequence_slices_is_the_unsharded_models(check_vma)
 
@@ -389,3 +389,93 @@ def test_sgd_steps_with_dropout_are_the_unsharded_models(api):
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL), nn.unbox(state.params), whole
     )
+
+
+# --- dropout inside attention written as einsums: the unsharded mask, or refused -------------
+
+
+def _einsum_attention(drop: str, heads: int = 8):
+    """q column-parallel (8 heads on tensor 4: 2 a device), the weights and their output
+    computed by the model's own einsums, then the row-parallel output; dropout on the
+    attention weights or on their output (q's shape, which the roles know)."""
+
+    def attend(q, dropout):
+        weights = jax.nn.softmax(jnp.einsum("BTNH,BSNH->BNTS", q, q), axis=-1)
+        weights = dropout(weights) if drop == "weights" else weights
+        out = jnp.einsum("BNTS,BSNH->BTNH", weights, q)
+        return dropout(out) if drop == "output" else out
+
+    class Linen(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            q = nn.Einsum((8, heads, 4), "BTD,DNH->BTNH", use_bias=False, name="q")(x)
+            out = attend(q, nn.Dropout(0.5, deterministic=False, name="drop"))
+            return nn.Einsum((heads, 4, 8), "BTNH,NHD->BTD", use_bias=False, name="out")(out)
+
+    class NNX(nnx.Module):
+        def __init__(self, rngs):
+            self.q = nnx.Einsum("BTD,DNH->BTNH", (8, heads, 4), rngs=rngs)
+            self.out = nnx.Einsum("BTNH,NHD->BTD", (heads, 4, 8), rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x, rngs=None):
+            return self.out(attend(self.q(x), lambda a: self.drop(a, rngs=rngs)))
+
+    return Linen, NNX
+
+
+EINSUM_TP = [("q$", fsdp_tp.tp_roles.ColumnParallel()), ("out$", fsdp_tp.tp_roles.RowParallel())]
+
+
+def _einsum_attention_outputs(api: str, drop: str, check_vma: bool):
+    linen, nnx_model = _einsum_attention(drop)
+    mesh = fsdp_tp.make_mesh(MESHES["data x tensor"])
+    if api == "linen":
+        model = fsdp_tp.shard_by_rules(linen, (), batch_axes=("data",), tp_rules=EINSUM_TP)()
+        init = lambda rng: (model.init({"params": rng, "dropout": rng}, X[:2])["params"], {})
+        forward = lambda p, rest, x: model.apply({"params": p}, x, rngs={"dropout": KEY})
+        twin = lambda p: linen().apply({"params": p}, X, rngs={"dropout": KEY})
+    else:
+        sharded = fsdp_tp.nnx.shard_by_rules(nnx_model, (), batch_axes=("data",), tp_rules=EINSUM_TP)
+        init, rngs = sharded.init, lambda: nnx.Rngs(dropout=KEY)
+        forward = lambda p, rest, x: sharded.merge(p, rest)(x, rngs=rngs())
+
+        def twin(p):
+            model = nnx_model(nnx.Rngs(jax.random.key(0)))
+            nnx.update(model, nnx.State(p))
+            return model(X, rngs=rngs())
+
+    (params, rest), (specs, rest_specs) = fsdp_tp.init_sharded(init, mesh, P(), jax.random.key(0))
+    out = jax.jit(
+        jax.shard_map(
+            forward,
+            mesh=mesh,
+            in_specs=(specs, rest_specs, P("data")),
+            out_specs=P("data"),
+            check_vma=check_vma,
+        )
+    )(params, rest, X)
+    return out, twin(jax.tree.map(np.asarray, nn.unbox(params)))
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_dropout_in_einsum_attention_is_the_unsharded_models_or_refused(api, check_vma):
+    """On the attention's output (q's shape: the split the q projection's role recorded) the
+    unsharded model's mask; on the weights the model's einsums computed, whose split dims no
+    role knows, refused in both check_vma modes, naming the dropout and the shapes."""
+    out, twin = _einsum_attention_outputs(api, "output", check_vma)
+    np.testing.assert_allclose(out, twin, rtol=RTOL, atol=ATOL)
+    with pytest.raises(
+        ValueError, match=r"at drop.*: dropout on an activation of local shape \(4, 2, 6, 6\) "
+    ):
+        _einsum_attention_outputs(api, "weights", check_vma)
+
+
+def test_negative_control_a_split_not_tied_to_its_shape_draws_a_wrong_mask_silently(monkeypatch):
+    """With the roles' splits applied to every shape (as before), dropout on the weights runs
+    and marks their query dim as split: not the unsharded model's numbers, and no error."""
+    split_after = fsdp_tp.dropout.split_after
+    monkeypatch.setattr(fsdp_tp.tp_roles, "split_after", lambda dims, *_, **__: split_after(dims))
+    out, twin = _einsum_attention_outputs("linen", "weights", check_vma=False)
+    assert not np.allclose(out, twin, rtol=RTOL, atol=ATOL)

@@ -111,8 +111,9 @@ def row_reduce(partial: jax.Array, axis_name: AxisName, sequence_axis: int | Non
     if sequence_axis is None:
         split_after({})  # summed: the same on every device of the axis
         return reduce_from_axis(partial, axis_name)
-    split_after({sequence_axis - partial.ndim: axis_name})
-    return jax.lax.psum_scatter(partial, axis_name, scatter_dimension=sequence_axis, tiled=True)
+    out = jax.lax.psum_scatter(partial, axis_name, scatter_dimension=sequence_axis, tiled=True)
+    split_after({sequence_axis - partial.ndim: axis_name}, out.shape)
+    return out
 
 
 def add_bias_once(

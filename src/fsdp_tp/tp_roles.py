@@ -46,7 +46,7 @@ import jax.numpy as jnp
 
 from ._einsum import Equation, register_einsum, shrunk, split_letter
 from .collectives import copy_to_axis, gather_from_axis
-from .dropout import split_after, splitting
+from .dropout import split_after, splitting, unplaceable_after
 from .errors import RuleError
 from .tp import add_bias_once, column_input, row_reduce, vocab_lookup
 
@@ -221,7 +221,7 @@ class ColumnParallel(TPRole):
         if self.gather_output:
             split_after({})
             return gather_from_axis(out, dim, self.axis)
-        split_after({dim: self.axis})  # dropout until the row layer: its slice
+        split_after({dim: self.axis}, out.shape, add=True)  # dropout until the row layer: its slice
         return out
 
     def _replicated(self, out: jax.Array, layer: Layer) -> jax.Array:
@@ -240,7 +240,10 @@ class ColumnParallel(TPRole):
         at = eq.dim_of(letter, eq.output, out.ndim)
         start = _first_kept(self.axis, n, size)
         out = jax.lax.dynamic_slice_in_dim(copy_to_axis(out, self.axis), start, max(1, n // size), at)
-        split_after({})  # (blocks shared by devices: no mask region; the proof models draw none here)
+        if n >= size:  # each device its own block: a split
+            split_after({at: self.axis}, out.shape, add=True)
+        else:  # blocks shared by neighbours: no mask of the unsharded model's is drawn on them
+            unplaceable_after(out.shape)
         return out
 
 

@@ -141,7 +141,7 @@ class ColumnParallelDense(_ParallelDense):
         if self.gather_output:
             split_after({})
             return gather_from_axis(y, y.ndim - 1, self.axis_name)
-        split_after({-1: self.axis_name})  # dropout until the row layer draws by these features
+        split_after({-1: self.axis_name}, y.shape, add=True)  # dropout until the row layer: by these features
         return y
 
 
@@ -195,7 +195,7 @@ class RowParallelDense(_ParallelDense):
         if self.collective_matmul is not None:
             y = self._ring(x, kernel, self.collective_matmul)
             seq = {self.sequence_axis - y.ndim: self.axis_name} if self.sequence_axis is not None else {}
-            split_after(seq)  # as row_reduce says for dropout
+            split_after(seq, y.shape)  # as row_reduce says for dropout
         else:
             y = row_reduce(_matmul(x, kernel, self.precision), self.axis_name, self.sequence_axis)
         return add_bias_once(y, bias, self.axis_name, self.sequence_axis is not None)
