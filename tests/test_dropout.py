@@ -479,3 +479,23 @@ def test_negative_control_a_split_not_tied_to_its_shape_draws_a_wrong_mask_silen
     monkeypatch.setattr(fsdp_tp.tp_roles, "split_after", lambda dims, *_, **__: split_after(dims))
     out, twin = _einsum_attention_outputs("linen", "weights", check_vma=False)
     assert not np.allclose(out, twin, rtol=RTOL, atol=ATOL)
+
+
+def test_the_region_places_each_shape_by_its_own_split_and_refuses_the_rest():
+    """The core's record: q's and kv's splits stand side by side, each for its own shape; a
+    block no split describes (kv heads kept whole on more devices than heads) is refused, as
+    is a shape no role recorded; the row's sum clears the region."""
+    from fsdp_tp.dropout import activation_split, split_after, splitting, unplaceable_after
+
+    with splitting():
+        split_after({-2: "tensor"}, (2, 6, 2, 4), add=True)  # q: (B, T, N/t, H)
+        split_after({-3: "tensor"}, (2, 2, 6, 4, 4), add=True)  # kv: (C, B, S, K/t, H)
+        unplaceable_after((2, 2, 6, 1, 4))  # kv kept whole, one head a device
+        assert activation_split(jnp.zeros((2, 6, 2, 4)), (), "q") == (None, None, "tensor", None)
+        assert activation_split(jnp.zeros((2, 2, 6, 4, 4)), (), "kv") == (None, None, "tensor", None, None)
+        with pytest.raises(ValueError, match=r"kv: .* a block no split describes \(kv heads kept whole"):
+            activation_split(jnp.zeros((2, 2, 6, 1, 4)), (), "kv")
+        with pytest.raises(ValueError, match=r"w: .* local shapes \(2, 6, 2, 4\), \(2, 2, 6, 4, 4\), "):
+            activation_split(jnp.zeros((2, 2, 6, 6)), (), "w")
+        split_after({})  # the row layer's sum
+        assert activation_split(jnp.zeros((2, 2, 6, 6)), (), "w") == (None, None, None, None)
