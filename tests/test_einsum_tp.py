@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 import fsdp_tp
 import fsdp_tp._einsum
 from fsdp_tp import tp_roles
+from fsdp_tp.analysis import parse_collectives
 from fsdp_tp.bench.llama_rows import NNXSharded as Sharded
 from fsdp_tp.bench.llama_rows import llama_section, lowered_lm_step, measure
 from fsdp_tp.errors import IndivisibleShapeError, RuleError
@@ -263,7 +264,7 @@ def test_any_column_then_row_einsum_pair_equals_unsharded(api, pair, check_vma):
 def test_negative_control_a_row_einsum_without_its_sum(monkeypatch):
     """The pair check sees a row einsum whose partial products are not summed (with
     ``check_vma=True`` shard_map itself refuses the output, which varies over `tensor`)."""
-    monkeypatch.setattr(tp_roles, "row_reduce", lambda partial, axis: partial)
+    monkeypatch.setattr(tp_roles, "row_reduce", lambda partial, axis, *_: partial)
     size = dict(c=2, p=4, o=3)
     with pytest.raises(AssertionError, match="output"):
         _check_pair("nnx", ("Bc,cp->Bp", "Bp,po->Bo", "p", size, (True, True), (8, 2)), check_vma=False)
@@ -435,3 +436,59 @@ def test_negative_control_replicated_kv_heads_all_at_one_index():
         case = dataclasses.replace(_case("linen", "data2_tensor4", False), model=model, reference=twin)
         with pytest.raises(AssertionError, match="output"):
             check_equivalence(case)
+
+
+# --- sequence parallelism by roles (issue 43 point 2) ------------------------------------------
+
+SEQUENCE_RULES = [(pattern, dataclasses.replace(role, sequence_dim=1)) for pattern, role in RULES]
+
+
+def _sequence_case(api: str, check_vma: bool) -> Case:
+    with jax.enable_x64(True):
+        model, twin = _models(api, "data2_fsdp2_tensor2", tp=SEQUENCE_RULES, **EXACT)
+        return dataclasses.replace(_case(api, "data2_fsdp2_tensor2", check_vma), model=model, reference=twin)
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_sequence_parallel_roles_equal_unsharded(api):
+    """Every role with sequence_dim=1 (data 2 x fsdp 2 x tensor 2, check_vma on): between the
+    layers each device holds its slice of the sequence, which the RMSNorm scales and the row
+    biases read; invariants 1-5."""
+    with jax.enable_x64(True):
+        check_equivalence(_sequence_case(api, True))
+
+
+def test_sequence_parallel_roles_gather_and_scatter_and_all_reduce_only_the_row_biases():
+    """On fsdp 4 x tensor 2, over `tensor`: per block forward one all-gather of the sequence for
+    the attention (q and kv share it) and one for the MLP (gate and up), one reduce-scatter
+    each (out, down), each reversed backward: 4 x layers of both; the embedding's
+    reduce-scatter and its backward all-gather; the tied logits' sequence all-gather, its
+    backward reduce-scatter and the logits' vocabulary gather. The only all-reduces over
+    `tensor` are the output einsums' bias gradients (the bias read on sequence slices)."""
+    lowered, _ = _step("nnx", tp=SEQUENCE_RULES)
+    found = parse_collectives(lowered.compile().as_text())
+    over_tensor = lambda kind: [c for c in found if c.kind == kind and c.group_size == 2]
+    operands = lambda kind: sum(c.operands * c.executions for c in over_tensor(kind))
+    layers = SIZES["layers"]
+    assert operands("all-gather") == 4 * layers + 3
+    assert operands("reduce-scatter") == 4 * layers + 2
+    reduced = [t for c in over_tensor("all-reduce") for t in c.operand_types for _ in range(c.executions)]
+    bias = re.compile(rf"f32\[(1,)*{SIZES['d']}\]")  # (broadcast as the output einsum adds it)
+    assert len(reduced) == layers and all(bias.match(t) for t in reduced), reduced
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_sequence_parallel_roles_without_check_vma_are_refused(api):
+    match = r"VocabParallel\(sequence_dim=1\) splits .* this step runs with check_vma=False"
+    model, _ = _models(api, "fsdp4_tensor2", tp=SEQUENCE_RULES)
+    mesh = fsdp_tp.make_mesh(MESHES["fsdp4_tensor2"])
+    with pytest.raises(RuleError, match=match):
+        lowered_lm_step(model, mesh, ("fsdp",), jnp.zeros((BATCH, SEQ), jnp.int32), check_vma=False)
+
+
+def test_negative_control_unchecked_sequence_slices_give_the_norms_a_share_of_their_gradient(monkeypatch):
+    """With the refusal patched out, the same model under check_vma=False: the RMSNorm scales'
+    gradients are each device's share, not the unsharded model's."""
+    monkeypatch.setattr(tp_roles, "_sequence_checked", lambda role, layer: role.sequence_dim)
+    with jax.enable_x64(True), pytest.raises(AssertionError, match="norm"):
+        check_equivalence(_sequence_case("linen", False))

@@ -186,7 +186,7 @@ def test_negative_control_a_row_bias_added_on_every_device(monkeypatch, api, bia
 @pytest.mark.parametrize("api", APIS)
 def test_negative_control_a_column_input_without_f(monkeypatch, api):
     """Without Megatron's f (psum of the input's gradient) the layers before get a partial gradient."""
-    monkeypatch.setattr(tp_roles, "_copied", lambda args, kwargs, axis: (args, kwargs))
+    monkeypatch.setattr(tp_roles, "_copied", lambda args, kwargs, axis, *_: (args, kwargs))
     with pytest.raises(AssertionError, match="grads"):
         _check_exact(_case("data2_tensor4", False, False, api=api))
 

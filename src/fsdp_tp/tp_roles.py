@@ -18,6 +18,13 @@ submodule computes on its slices over a mesh axis:
   up the ids in its range and the rows are summed over the axis (``attend``, tied logits,
   gathers the vocabulary).
 
+Sequence parallelism: give every role of the model ``sequence_dim`` (the sequence's dim of
+the activations, 1 for ``(batch, seq, ...)``). Between tensor-parallel layers each device then
+holds a slice of the sequence: the embedding's sum and each row layer's become
+reduce-scatters along it, and each column layer (and attention, and tied logits) all-gathers
+it first, whose backward reduce-scatters; no all-reduce is left over ``tensor``. It needs
+``check_vma=True`` (a norm's parameters read sequence slices; JAX sums their gradients).
+
 A role sees the module as a :class:`Layer`, which each front end builds from its own module
 classes (Linen's ``nn.Dense`` and NNX's ``nnx.Linear`` are both the ``"dense"`` kind, their
 ``Einsum`` the ``"einsum"`` kind, whose equation says what it produces and contracts), and
@@ -44,6 +51,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
+from ._axes import checks_vma
 from ._einsum import Equation, register_einsum, shrunk, split_letter
 from .collectives import copy_to_axis, gather_from_axis
 from .dropout import split_after, splitting, unplaceable_after
@@ -91,19 +99,38 @@ class Layer:
     bias: Callable[[], jax.Array] | None = None
 
 
-def _copied(args: tuple, kwargs: dict, axis: str) -> tuple[tuple, dict]:
+def _copied(args: tuple, kwargs: dict, axis: str, sequence_dim: int | None = None) -> tuple[tuple, dict]:
     """Megatron's *f* on every floating array input, once per distinct array (self-attention
-    passes one array as q, k and v: one backward all-reduce, not three)."""
+    passes one array as q, k and v: one backward all-reduce, not three); with
+    ``sequence_dim``, the all-gather of the sequence slices instead (its backward
+    reduce-scatters)."""
     done: dict[int, Any] = {}
 
     def copy(x):
         if not (isinstance(x, jax.Array | jax.core.Tracer) and jnp.issubdtype(x.dtype, jnp.floating)):
             return x
         if id(x) not in done:
-            done[id(x)] = column_input(x, axis)
+            done[id(x)] = column_input(x, axis, sequence_dim)
         return done[id(x)]
 
     return tuple(map(copy, args)), {k: copy(v) for k, v in kwargs.items()}
+
+
+def _sequence_checked(role: TPRole, layer: Layer) -> int | None:
+    """A role's ``sequence_dim``, once the step is known to run with ``check_vma=True``:
+    between its layers a norm's parameters (or any replicated one) read sequence slices, so
+    their gradients are partial sums over the axis, which JAX's checking sums (its implicit
+    ``pvary``); unchecked, they would be this device's share, silently."""
+    dim = getattr(role, "sequence_dim", None)
+    if dim is not None and not checks_vma(role.axis):
+        raise RuleError(
+            f"{layer.path}: {type(role).__name__}(sequence_dim={dim}) splits the activations between "
+            f"tensor-parallel layers along dim {dim} over {role.axis!r}, where replicated parameters "
+            f"(a norm's scale) read sequence slices and their gradients must be summed over "
+            f"{role.axis!r}: check_vma=True does that, and this step runs with check_vma=False. Run "
+            f"the step (init_sharded and shard_step) with check_vma=True, or drop sequence_dim."
+        )
+    return dim
 
 
 def _ungrouped(layer: Layer) -> None:
@@ -169,11 +196,13 @@ class ColumnParallel(TPRole):
     every ``letter`` and keeps its block, ``size / axis`` of them, or the one its position
     needs when the axis is larger (grouped-query attention with fewer kv heads than devices:
     device t's query heads read kv head ``t * K // axis``). One more all-reduce backward (the
-    output's cotangent) than a split."""
+    output's cotangent) than a split. ``sequence_dim``: the input arrives as this device's
+    slice of that dim and is all-gathered first (sequence parallelism)."""
 
     gather_output: bool = False
     letter: str | None = None
     replicated: bool = False
+    sequence_dim: int | None = None
     kinds: ClassVar[tuple[str, ...]] = ("dense", "conv", "einsum")
 
     def splits(self, layer):
@@ -212,9 +241,12 @@ class ColumnParallel(TPRole):
         return {"features": (layer.features[0] // size, *layer.features[1:])}
 
     def around(self, method, run, layer, args, kwargs):
+        sequence = _sequence_checked(self, layer)
         if self.replicated:
+            if sequence is not None:
+                raise RuleError(f"{layer.path}: ColumnParallel(replicated=True) takes no sequence_dim.")
             return self._replicated(run(*args, **kwargs), layer)
-        args, kwargs = _copied(args, kwargs, self.axis)
+        args, kwargs = _copied(args, kwargs, self.axis, sequence)
         out = run(*args, **kwargs)
         eq, letter, _ = _einsum(layer, self, self.letter, "produced")
         dim = eq.dim_of(letter, eq.output, out.ndim) if letter else -len(layer.features)
@@ -268,9 +300,12 @@ class RowParallel(TPRole):
     input arrives split there, the partial products are summed over the axis (Megatron's
     *g*) and the bias, whole on every device, is added once after the sum. ``letter`` (an
     einsum's): the kernel letter to split, one the inputs have and the output does not
-    (default: the kernel's first such letter, e.g. the heads of ``'BTNH,NHD->BTD'``)."""
+    (default: the kernel's first such letter, e.g. the heads of ``'BTNH,NHD->BTD'``).
+    ``sequence_dim``: the partial products are reduce-scattered along that dim instead, each
+    device leaving with its slice of the sequence (the bias's gradient summed over the axis)."""
 
     letter: str | None = None
+    sequence_dim: int | None = None
     kinds: ClassVar[tuple[str, ...]] = ("dense", "conv", "einsum")
 
     def splits(self, layer):
@@ -298,11 +333,12 @@ class RowParallel(TPRole):
         if letter and layer.kernel_shape[dim]:  # (a size the module holds)
             x = args[0] if args else kwargs["inputs"]
             eq.require_slice(letter, x.shape, layer.kernel_shape[dim] // jax.lax.axis_size(self.axis))
-        out = row_reduce(run(*args, **kwargs), self.axis)  # (whole from here on, for dropout)
+        sequence = _sequence_checked(self, layer)
+        out = row_reduce(run(*args, **kwargs), self.axis, sequence)  # (whole, or sequence slices)
         bias = layer.bias() if layer.use_bias and layer.bias is not None else None
         if bias is not None and letter:
             bias = bias.reshape(eq.bias_shape(bias.shape, out.ndim))
-        return add_bias_once(out, bias, self.axis, dtype=layer.dtype)
+        return add_bias_once(out, bias, self.axis, sequence is not None, dtype=layer.dtype)
 
 
 @dataclass(frozen=True)
@@ -311,8 +347,10 @@ class HeadParallel(TPRole):
     value are split on the heads dim, the output projection on its heads dim
     (:class:`RowParallel`), so the block has one all-reduce forward and one backward.
     Inside, activations are split on the heads (the attention weights' dim -3), which is
-    where a dropout mask is drawn by heads (:mod:`fsdp_tp.dropout`)."""
+    where a dropout mask is drawn by heads (:mod:`fsdp_tp.dropout`). ``sequence_dim``: the
+    inputs' sequence slices are all-gathered first and the output reduce-scattered along it."""
 
+    sequence_dim: int | None = None
     kinds: ClassVar[tuple[str, ...]] = ("attention",)
 
     def splits(self, layer):
@@ -329,10 +367,10 @@ class HeadParallel(TPRole):
         return {"num_heads": layer.num_heads // size, "num_kv_heads": kv_heads // size}
 
     def inner(self):
-        return {"out": RowParallel(self.axis)}
+        return {"out": RowParallel(self.axis, sequence_dim=self.sequence_dim)}
 
     def around(self, method, run, layer, args, kwargs):
-        args, kwargs = _copied(args, kwargs, self.axis)
+        args, kwargs = _copied(args, kwargs, self.axis, _sequence_checked(self, layer))
         with splitting({-3: self.axis}):  # (..., heads, queries, keys) weights
             out = run(*args, **kwargs)
         split_after({})
@@ -343,8 +381,11 @@ class HeadParallel(TPRole):
 class VocabParallel(TPRole):
     """An embedding with the table split on the vocabulary: each device looks up the ids
     in its range (zeros for the others) and the rows are summed over the axis. ``attend``
-    (logits tied to the table) computes this device's vocabulary slice and gathers it."""
+    (logits tied to the table) computes this device's vocabulary slice and gathers it.
+    ``sequence_dim``: the looked-up rows are reduce-scattered along it (each device leaves
+    with its slice of the sequence), and ``attend`` all-gathers it first."""
 
+    sequence_dim: int | None = None
     kinds: ClassVar[tuple[str, ...]] = ("embed",)
     methods: ClassVar[frozenset[str]] = frozenset({"__call__", "attend"})
 
@@ -358,13 +399,15 @@ class VocabParallel(TPRole):
         return {"num_embeddings": layer.num_embeddings // size}
 
     def around(self, method, run, layer, args, kwargs):
-        split_after({})  # the rows are summed, the logits gathered: whole either way
+        sequence = _sequence_checked(self, layer)
+        split_after({})  # the logits gathered: whole (the lookup's sum says what it leaves)
         if method == "attend":
-            args, kwargs = _copied(args, kwargs, self.axis)
+            args, kwargs = _copied(args, kwargs, self.axis, sequence)
             return gather_from_axis(run(*args, **kwargs), -1, self.axis)
         ids, *rest = args
         rows = layer.num_embeddings // jax.lax.axis_size(self.axis)
-        return row_reduce(vocab_lookup(ids, rows, self.axis, lambda i: run(i, *rest, **kwargs)), self.axis)
+        lookup = vocab_lookup(ids, rows, self.axis, lambda i: run(i, *rest, **kwargs))
+        return row_reduce(lookup, self.axis, sequence)  # summed, or scattered along the sequence
 
 
 ROLES: tuple[type[TPRole], ...] = (ColumnParallel, RowParallel, HeadParallel, VocabParallel)
