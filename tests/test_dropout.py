@@ -497,5 +497,5 @@ def test_the_region_places_each_shape_by_its_own_split_and_refuses_the_rest():
             activation_split(jnp.zeros((2, 2, 6, 1, 4)), (), "kv")
         with pytest.raises(ValueError, match=r"w: .* local shapes \(2, 6, 2, 4\), \(2, 2, 6, 4, 4\), "):
             activation_split(jnp.zeros((2, 2, 6, 6)), (), "w")
-        split_after({})  # the row layer's sum
+        split_after({}, (2, 6, 16))  # the row layer's sum (a ring's says its output's shape)
         assert activation_split(jnp.zeros((2, 2, 6, 6)), (), "w") == (None, None, None, None)

@@ -75,8 +75,8 @@ def split_after(
     With ``shape`` (the output's local shape) the split describes activations of that shape
     only (elementwise work keeps it; an einsum or a reshape does not), and ``add=True`` keeps
     the earlier column layers' entries beside it (q and kv projections read in one attention)."""
-    entry: Entry = (tuple(dims.items()), shape)
-    _REGION.set((*(_REGION.get() if add else ()), entry) if dims or shape is not None else ())
+    entry: Entry = (tuple(dims.items()), shape)  # ({}: whole again, whatever the shape)
+    _REGION.set((*(_REGION.get() if add else ()), entry) if dims else ())
 
 
 def unplaceable_after(shape: tuple[int, ...]) -> None:
