@@ -120,7 +120,7 @@ def attention_rules(pattern: str = r"MultiHeadDotProductAttention_\d+$", axis: s
     """The ready rule set for Flax's ``nn.MultiHeadDotProductAttention``: head-parallel.
 
     >>> attention_rules()
-    [('MultiHeadDotProductAttention_\\\\d+$', HeadParallel(axis='tensor'))]
+    [('MultiHeadDotProductAttention_\\\\d+$', HeadParallel(axis='tensor', sequence_dim=None))]
     """
     return [(pattern, HeadParallel(axis))]
 
