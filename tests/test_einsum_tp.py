@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 import fsdp_tp
 import fsdp_tp._einsum
 from fsdp_tp import tp_roles
-from fsdp_tp.analysis import parse_collectives
+from fsdp_tp.analysis import operand_count, parse_collectives
 from fsdp_tp.bench.llama_rows import NNXSharded as Sharded
 from fsdp_tp.bench.llama_rows import llama_section, lowered_lm_step, measure
 from fsdp_tp.errors import IndivisibleShapeError, RuleError
@@ -467,12 +467,11 @@ def test_sequence_parallel_roles_gather_and_scatter_and_all_reduce_only_the_row_
     `tensor` are the output einsums' bias gradients (the bias read on sequence slices)."""
     lowered, _ = _step("nnx", tp=SEQUENCE_RULES)
     found = parse_collectives(lowered.compile().as_text())
-    over_tensor = lambda kind: [c for c in found if c.kind == kind and c.group_size == 2]
-    operands = lambda kind: sum(c.operands * c.executions for c in over_tensor(kind))
     layers = SIZES["layers"]
-    assert operands("all-gather") == 4 * layers + 3
-    assert operands("reduce-scatter") == 4 * layers + 2
-    reduced = [t for c in over_tensor("all-reduce") for t in c.operand_types for _ in range(c.executions)]
+    assert operand_count(found, "all-gather", 2) == 4 * layers + 3
+    assert operand_count(found, "reduce-scatter", 2) == 4 * layers + 2
+    over_tensor = [c for c in found if c.kind == "all-reduce" and c.group_size == 2]
+    reduced = [t for c in over_tensor for t in c.operand_types for _ in range(c.executions)]
     bias = re.compile(rf"f32\[(1,)*{SIZES['d']}\]")  # (broadcast as the output einsum adds it)
     assert len(reduced) == layers and all(bias.match(t) for t in reduced), reduced
 

@@ -34,6 +34,7 @@ __all__ = [
     "compiled_memory",
     "dot_flops",
     "ideal_bytes_per_device",
+    "operand_count",
     "parse_collectives",
     "state_bytes_per_device",
 ]
@@ -198,6 +199,19 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
         for i in found
         if (kind := i.op.removesuffix("-start")) in _KINDS
     ]
+
+
+def operand_count(collectives: list[Collective], kind: str, group_size: int) -> int:
+    """Operands of the ``kind`` collectives over groups of ``group_size`` devices, times their
+    executions: e.g. the activations all-reduced over a `tensor` axis of that size per step.
+
+    >>> c = Collective("all-reduce", "ar", "main", 64, operands=2, group_size=4, executions=3)
+    >>> operand_count([c], "all-reduce", 4), operand_count([c], "all-reduce", 2)
+    (6, 0)
+    """
+    return sum(
+        c.operands * c.executions for c in collectives if c.kind == kind and c.group_size == group_size
+    )
 
 
 def dot_flops(hlo_text: str) -> int:

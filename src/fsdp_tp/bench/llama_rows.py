@@ -12,20 +12,23 @@ program's group sizes tell the two axes apart.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from .. import nnx as fsdp_nnx
-from ..analysis import Collective, dot_flops, parse_collectives, state_bytes_per_device
+from ..analysis import Collective, dot_flops, operand_count, parse_collectives, state_bytes_per_device
 from ..gradients import sync_gradients
 from ..linen.rule_transform import shard_by_rules
 from ..mesh import make_mesh
 from ..models.llama import FSDP_RULES, RULES, LlamaLM, NNXLlamaLM
+from ..nnx import tp_splits
 from ..sharded_init import init_sharded
 from ..tp_roles import ColumnParallel
 from ..train import TrainState, shard_step
@@ -48,42 +51,42 @@ SIZES = dict(vocab=256, d=256, heads=8, kv_heads=2, head_dim=32, hidden=768, lay
 BATCH, SEQ = 16, 64
 PLANS = ("megatron", "storage")
 
-# The dim of each parameter Megatron's roles split over `tensor` (the kv kernel's 'K', or
-# its head dim 'H' where `tensor` does not divide the kv heads).
-_TENSOR_DIM = {
-    r"attn/q/kernel$": 1,
-    r"attn/kv/kernel$": 2,
-    r"attn/out/kernel$": 0,
-    r"mlp/(gate|up)/kernel$": 1,
-    r"mlp/down/kernel$": 0,
-    r"embedding$": 0,
-}
 
-
-def _with_tensor(spec: P, dim: int) -> P:
-    entries = list(spec) + [None] * (dim + 1 - len(spec))
+def _megatron_split(pattern: str, spec: P, splits: dict, shapes: dict, head_dim_instead: bool) -> P:
+    """``spec`` of the parameters ``pattern`` names with "tensor" added on the dim the roles of
+    :data:`~fsdp_tp.models.llama.RULES` split (read off the roles: :func:`fsdp_tp.nnx.tp_splits`),
+    or on the last, the kv kernel's head dim 'H', where ``tensor`` does not divide the kv heads."""
+    path = next(path for path in splits if re.search(pattern, path))
+    dim = -1 if head_dim_instead else splits[path][0]
+    entries = [*spec, *[None] * (len(shapes[path]) - len(spec))]
     entries[dim] = "tensor"
     return P(*entries)
 
 
-def plan_rules(plan: str, tensor: int, kv_heads: int) -> tuple[list, list]:
-    """``(storage rules, tp rules)`` of a plan. ``"megatron"``: FSDP storage
-    (:data:`~fsdp_tp.models.llama.FSDP_RULES`) and :data:`~fsdp_tp.models.llama.RULES` (the kv
-    heads kept whole, each device keeping those its query heads read, where ``tensor`` does not
-    divide them). ``"storage"``: no tp rules; the tensor axis splits each parameter where
-    Megatron would, so its weights are gathered for use and every tensor device computes the
-    whole model.
+def plan_rules(plan: str, tensor: int, sizes: dict) -> tuple[list, list]:
+    """``(storage rules, tp rules)`` of a plan for the model of ``sizes``. ``"megatron"``: FSDP
+    storage (:data:`~fsdp_tp.models.llama.FSDP_RULES`) and :data:`~fsdp_tp.models.llama.RULES`
+    (the kv heads kept whole, each device keeping those its query heads read, where ``tensor``
+    does not divide them). ``"storage"``: no tp rules; the tensor axis splits each parameter
+    where Megatron's roles would, so its weights are gathered for use and every tensor device
+    computes the whole model.
 
-    >>> storage, tp = plan_rules("storage", 4, 2)
+    >>> storage, tp = plan_rules("storage", 4, SIZES)
     >>> tuple(dict(storage)[r"attn/kv/kernel$"]), tp   # 2 kv heads: tensor 4 splits the head dim
     ((None, 'fsdp', None, 'tensor'), [])
     """
-    split_kv = kv_heads % tensor == 0
+    split_kv = sizes["kv_heads"] % tensor == 0
     if plan == "megatron":
         kv = (r"attn/kv$", ColumnParallel(letter="K", replicated=not split_kv))
         return FSDP_RULES, [kv if pattern == kv[0] else (pattern, role) for pattern, role in RULES]
-    dims = {**_TENSOR_DIM, r"attn/kv/kernel$": 2 if split_kv else 3}
-    return [(pattern, _with_tensor(spec, dims[pattern])) for pattern, spec in FSDP_RULES], []
+    model = nnx.eval_shape(lambda: NNXLlamaLM(nnx.Rngs(0), **sizes))
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    shapes = {"/".join(map(str, path)): variable.get_raw_value().shape for path, variable in flat}
+    splits = tp_splits(model, RULES)
+    return [
+        (pattern, _megatron_split(pattern, spec, splits, shapes, "kv" in pattern and not split_kv))
+        for pattern, spec in FSDP_RULES
+    ], []
 
 
 class NNXSharded:
@@ -146,17 +149,13 @@ class Measured:
     collectives: list[Collective]  # of the compiled step
 
 
-def _operands(found: list[Collective], kind: str, group: int) -> int:
-    return sum(c.operands * c.executions for c in found if c.kind == kind and c.group_size == group)
-
-
 def measure(
     api: str, mesh_name: str, plan: str, sizes: dict = SIZES, batch: int = BATCH, seq: int = SEQ
 ) -> Measured:
     """The model of ``sizes`` in ``api`` under ``plan`` on ``MESHES[mesh_name]``: its AdamW step
     compiled once (what is timed is what is read) and its figures."""
     axes = MESHES[mesh_name]
-    storage, tp = plan_rules(plan, axes["tensor"], sizes["kv_heads"])
+    storage, tp = plan_rules(plan, axes["tensor"], sizes)
     if api == "nnx":
         model = NNXSharded(functools.partial(NNXLlamaLM, **sizes), storage, batch_axes=("fsdp",), tp_rules=tp)
     else:
@@ -175,14 +174,14 @@ def measure(
         state,
         tokens,
         max(state_bytes_per_device(state).values()),
-        _operands(found, "all-reduce", tensor),
+        operand_count(found, "all-reduce", tensor),
         # per block one forward and one backward for the attention and for the MLP, one more
         # backward for kv heads kept whole; the embedding's sum and the tied logits' gradient
         (4 if sizes["kv_heads"] % tensor == 0 else 5) * sizes["layers"] + 2,
-        _operands(found, "all-gather", tensor),
+        operand_count(found, "all-gather", tensor),
         sum(c.operand_bytes * c.group_size * c.executions for c in gathers),
         sum(leaf.nbytes // (tensor if "tensor" in leaf.sharding.spec else 1) for leaf in split),
-        _operands(found, "reduce-scatter", fsdp),
+        operand_count(found, "reduce-scatter", fsdp),
         len(split),
         dot_flops(lowered.as_text(dialect="hlo")),
         found,
