@@ -67,18 +67,20 @@ FLAGS = [
     (["--cpu-devices", "100000"], "--cpu-devices 100000 is out of range: expected an integer <= 256"),
     # --api nnx: what the NNX GPT's rules do not do
     (
-        ["--api", "nnx", "--sequence-parallel"],
-        "--api nnx does not take --sequence-parallel: the NNX GPT has tensor parallelism by rules "
-        "without sequence parallelism, rings or mixed-precision gathers; drop it, or use --api linen",
+        ["--api", "nnx", "--no-check-vma"],
+        "--api nnx with sequence parallelism (its default) needs --check-vma: the norms read sequence "
+        "slices and JAX's checking sums their gradients over tensor; drop --no-check-vma, or pass "
+        "--no-sequence-parallel",
     ),
     (
         ["--api", "nnx", "--no-sequence-parallel", "--async-tp", "bidirectional", "--gather-dtype", "bf16"],
-        "--api nnx does not take --async-tp bidirectional, --gather-dtype bf16: ",
+        "--api nnx does not take --async-tp bidirectional, --gather-dtype bf16: the NNX GPT has tensor "
+        "parallelism by rules without rings or mixed-precision gathers; drop them, or use --api linen",
     ),
     (
-        ["--api", "nnx", "--mesh", "data=1,fsdp=2,tensor=4"],
-        "--api nnx splits whole key/value heads over tensor, but the model's 2 key/value heads "
-        "(--kv-heads) are not divisible by tensor=4; use a tensor size that divides 2, or --api linen",
+        ["--api", "nnx", "--heads", "6", "--kv-heads", "3"],
+        "blocks/attn: num_kv_heads (size 3) is not divisible by mesh axis 'tensor' (size 2); make it a "
+        "multiple of 2 or a 'tensor' size that divides 3 or that 3 divides",
     ),
     (["--check", "-3"], "--check -3 is out of range: expected an integer >= 0"),
     (["--steps", "0"], "--steps 0 is out of range: expected an integer >= 1 (train steps)"),

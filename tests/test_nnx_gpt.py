@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from fsdp_tp.bench.nnx_rows import build, nnx_section
+from fsdp_tp.bench.nnx_rows import against_linen, build, nnx_section
 from fsdp_tp.cli import main
 from fsdp_tp.models.nnx_transformer import NNXTransformer
 from fsdp_tp.recipe import nnx_gpt
@@ -22,7 +22,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParame
 
 # From the same init, the two APIs' steps sum the same products in other orders (the roles'
 # psums vs Linen's layers, other fusions), so losses agree to f32 rounding: measured at most
-# 1.1e-7 relative over 30 steps of the default run; 1e-5 leaves room for other CPUs and XLAs.
+# 1.1e-7 relative over 30 steps of the default run (both sequence parallel); 1e-5 leaves room
+# for other CPUs and XLAs.
 LOSS_RTOL = 1e-5
 
 
@@ -45,30 +46,67 @@ def test_the_nnx_gpt_starts_from_the_linen_init_and_computes_its_function(scan):
     assert not np.allclose(own.head.kernel[...], params["head"]["kernel"])
 
 
-def _built(api: str, sizes: dict, min_weight_size: int):
-    """The bench's figures of the CLI's tiny GPT (Linen without sequence parallelism, which
-    NNX does not have) on ``sizes``: state bytes per device, the compiled step's collectives."""
-    return build(api, sizes, preset("tiny"), 16, min_weight_size)
+def _built(api: str, sizes: dict, min_weight_size: int, sequence_parallel: bool):
+    """The bench's figures of the CLI's tiny GPT (4 heads over 2 kv heads) on ``sizes``: state
+    bytes per device, the compiled step's collectives."""
+    return build(api, sizes, preset("tiny"), 16, min_weight_size, sequence_parallel)
 
 
-CASES = [({"data": 2, "fsdp": 2, "tensor": 2}, 2**10), ({"data": 1, "fsdp": 4, "tensor": 2}, 0)]
+# (sizes, min_weight_size, sequence parallelism, what NNX moves against Linen): on tensor 4
+# the 2 kv heads are kept whole.
+CASES = [
+    ({"data": 2, "fsdp": 2, "tensor": 2}, 2**10, False, "equal"),
+    ({"data": 1, "fsdp": 4, "tensor": 2}, 0, False, "equal"),
+    ({"data": 2, "fsdp": 2, "tensor": 2}, 2**10, True, "all-reduce -"),  # (1,143 B on jax 0.10.2)
+    ({"data": 1, "fsdp": 2, "tensor": 4}, 2**10, True, "all-reduce -"),  # (1,914 B)
+]
 
 
-@pytest.mark.parametrize("sizes, min_weight_size", CASES, ids=["2x2x2", "fsdp4xtensor2-all"])
-def test_the_nnx_gpt_holds_the_linen_bytes_and_moves_the_linen_collectives(sizes, min_weight_size):
+@pytest.mark.parametrize(
+    "sizes, min_weight_size, sp, verdict",
+    CASES,
+    ids=["2x2x2", "fsdp4xtensor2-all", "2x2x2-sp", "fsdp2xtensor4-kv-kept-sp"],
+)
+def test_the_nnx_gpt_holds_the_linen_bytes_and_moves_the_linen_collectives(
+    sizes, min_weight_size, sp, verdict
+):
     """State bytes on every device, and every collective's count and wire bytes, exactly the
     Linen GPT's: FSDP where Linen puts it, Megatron's activation collectives (one f for q, k
-    and v, as Linen's attention block)."""
-    linen, ours = (_built(api, sizes, min_weight_size) for api in ("linen", "nnx"))
+    and v, as Linen's attention block), sequence parallelism's gathers and reduce-scatters,
+    kv heads kept whole. Under sequence parallelism NNX's all-reduces move fewer bytes: JAX's
+    check_vma sums a norm's gradient over tensor and the batch axes at once, where Linen's
+    layers sum it over tensor (their f) and then over the batch axes."""
+    linen, ours = (_built(api, sizes, min_weight_size, sp) for api in ("linen", "nnx"))
+    found = against_linen(linen, ours)
+    assert found == verdict if verdict == "equal" else found.startswith(verdict) and found.endswith(" B")
+    row = nnx_section([("m", linen, ours, [1.0], [1.0])]).splitlines()[-1]
+    assert row.startswith(f"| m | nnx | {max(ours.state_bytes.values()):,} |") and f"| {found} |" in row
+
+
+def test_kept_kv_heads_without_sequence_parallelism_sum_their_gradients_on_the_shard():
+    """Without sequence parallelism Linen's block input does not vary over tensor, so Linen sums
+    a kept-whole kv kernel's gradient over tensor before FSDP's reduce-scatter; NNX's roles say
+    which parameters they keep whole, so NNX sums it after, on the shard. All else is equal:
+    the all-reduce wire bytes differ by exactly the kv kernels' (fsdp - 1) / fsdp."""
+    sizes, config = {"data": 1, "fsdp": 2, "tensor": 4}, preset("tiny")
+    linen, ours = (_built(api, sizes, 2**10, False) for api in ("linen", "nnx"))
     assert ours.state_bytes == linen.state_bytes
-    assert ours.collectives == linen.collectives
-    assert "nnx | " + f"{max(ours.state_bytes.values()):,}" in nnx_section([("m", linen, ours, [1.0], [1.0])])
+    assert {k: v for k, v in ours.collectives.items() if k != "all-reduce"} == {
+        k: v for k, v in linen.collectives.items() if k != "all-reduce"
+    }
+    kv_kernel = config.d_model * config.num_kv_heads * config.head_dim * 4  # f32 bytes
+    tensor, fsdp = sizes["tensor"], sizes["fsdp"]
+    full = 2 * config.num_layers * 2 * kv_kernel * (tensor - 1) / tensor  # k and v, ring all-reduce
+    saved = full * (fsdp - 1) / fsdp
+    ours_reduce, linen_reduce = ours.collectives["all-reduce"], linen.collectives["all-reduce"]
+    assert ours_reduce["ops"] == linen_reduce["ops"]
+    assert ours_reduce["wire_bytes"] == linen_reduce["wire_bytes"] - saved
 
 
 def test_negative_control_without_the_fsdp_rules_the_bytes_differ(monkeypatch):
-    monkeypatch.setattr(nnx_gpt, "storage_rules", lambda model, sizes, min_weight_size: [])
-    sizes, min_weight_size = CASES[0]
-    linen, ours = (_built(api, sizes, min_weight_size) for api in ("linen", "nnx"))
+    monkeypatch.setattr(nnx_gpt, "storage_rules", lambda *_: [])
+    sizes, min_weight_size, sp, _ = CASES[0]
+    linen, ours = (_built(api, sizes, min_weight_size, sp) for api in ("linen", "nnx"))
     assert max(ours.state_bytes.values()) > max(linen.state_bytes.values())
     assert ours.collectives.get("all-gather") != linen.collectives.get("all-gather")
     assert "| NO |" in nnx_section([("m", linen, ours, [1.0], [1.0])])
@@ -104,7 +142,7 @@ def test_negative_control_nnx_s_own_init_trains_other_losses(tmp_path, monkeypat
 def test_plan_api_nnx_counts_the_linen_bytes():
     def per_device(*flags):
         out = io.StringIO()
-        assert main(["plan", "--no-sequence-parallel", *flags], out=out) == 0
+        assert main(["plan", *flags], out=out) == 0  # (sequence parallel: the default of both)
         return next(line for line in out.getvalue().splitlines() if line.startswith("per device:"))
 
     assert per_device("--api", "nnx") == per_device()
@@ -120,3 +158,33 @@ def test_a_resume_across_apis_is_named():
         return record(settings_of(args, {"data": 2, "fsdp": 2, "tensor": 2}), {"name": "bytes"})
 
     assert changes(recorded(), recorded("--api", "nnx")) == ["api: linen -> nnx"]
+
+
+def _check(*flags) -> tuple[int, str]:
+    out = io.StringIO()
+    code = main(["train", "--steps", "1", "--check", "2", "--api", "nnx", *flags], out=out)
+    return code, out.getvalue()
+
+
+def test_train_api_nnx_keeps_fewer_kv_heads_than_tensor_whole_and_equals_the_twin():
+    """Issue 43 point 3: on tensor 4 the tiny GPT's 2 kv heads are kept whole (each device reads
+    the one its query heads use), with sequence parallelism (the default) and without: the run
+    equals the unsharded twin."""
+    for flags in ([], ["--no-sequence-parallel"]):
+        code, out = _check("--mesh", "fsdp=2,tensor=4", *flags)
+        assert code == 0 and "check: 2 steps sharded vs unsharded" in out and "-> ok" in out, out
+
+
+def test_negative_control_every_device_reading_the_first_kv_head_fails_the_check(monkeypatch):
+    """Were each device to read kv head 0 (not ``t * K // size``), the query heads of devices
+    2 and 3 would attend with another head's keys: --check must notice and exit 1."""
+    from fsdp_tp import tp_roles
+    from fsdp_tp.collectives import copy_to_axis
+
+    def first_block(param, dim, blocks, axis_name):
+        width = param.shape[dim] // blocks
+        return jax.lax.slice_in_dim(copy_to_axis(param, axis_name), 0, width, axis=dim)
+
+    monkeypatch.setattr(tp_roles, "kept_block", first_block)
+    code, out = _check("--mesh", "fsdp=2,tensor=4", "--no-sequence-parallel")
+    assert code == 1 and "FAILED" in out, out

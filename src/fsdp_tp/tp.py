@@ -16,6 +16,8 @@ collective of its own.
   (Megatron's *g*), or reduce-scattered along the sequence;
 - :func:`add_bias_once`: a row-parallel layer's bias, whole on every device, added once
   after the reduction;
+- :func:`kept_block`: this device's block of a parameter kept whole over the axis (kv heads
+  fewer than devices: each device reads the one its query heads use), its gradient summed;
 - :func:`vocab_lookup`: the rows of a vocabulary-split table for the ids this device holds,
   zeros for the rest (summed by :func:`row_reduce`);
 - :func:`vocab_parallel_cross_entropy`: the loss of logits split on the vocabulary, from
@@ -45,6 +47,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
+from ._layout import axis_text, require_divisible
 from ._types import AxisName
 from .collective_matmul import RingChunks, ring_all_gather
 from .collectives import copy_to_axis, reduce_from_axis
@@ -53,6 +56,8 @@ from .dropout import split_after
 __all__ = [
     "add_bias_once",
     "column_input",
+    "kept_block",
+    "require_kept_blocks",
     "row_reduce",
     "shared_column_inputs",
     "vocab_lookup",
@@ -128,6 +133,47 @@ def add_bias_once(
         bias = copy_to_axis(bias, axis_name)
     dtype = dtype or jnp.result_type(y, bias)
     return y.astype(dtype) + bias.astype(dtype)
+
+
+def kept_block(param: jax.Array, dim: int, blocks: int, axis_name: AxisName) -> jax.Array:
+    """This device's block of ``param``, whole on every device of ``axis_name``, cut in
+    ``blocks`` along ``dim``: ``blocks / size`` of them from block ``t * blocks // size`` on
+    device t, or that one block where the axis is larger (grouped-query attention with fewer
+    kv heads than devices: device t's query heads read kv head ``t * K // size``). Read
+    through *f*, so its gradient, nonzero on this block only, is summed over the axis: whole
+    on every device, as the parameter is.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from fsdp_tp import make_mesh
+    >>> mesh = make_mesh({"tensor": 4}, devices=jax.devices()[:4])
+    >>> kept = lambda w: kept_block(w, 0, 2, "tensor")[None]   # 2 kv heads over 4 devices
+    >>> jax.shard_map(kept, mesh=mesh, in_specs=P(), out_specs=P("tensor"))(jnp.array([[10.0], [20.0]]))
+    Array([[[10.]],
+    <BLANKLINE>
+           [[10.]],
+    <BLANKLINE>
+           [[20.]],
+    <BLANKLINE>
+           [[20.]]], dtype=float32)
+    """
+    size = jax.lax.axis_size(axis_name)
+    require_kept_blocks("kept_block", "blocks", blocks, axis_name, size)
+    start = jax.lax.axis_index(axis_name) * blocks // size
+    whole = copy_to_axis(param, axis_name)
+    width = param.shape[dim] // blocks
+    return jax.lax.dynamic_slice_in_dim(whole, start * width, max(1, blocks // size) * width, dim)
+
+
+def require_kept_blocks(where: str, what: str, blocks: int, axis_name: AxisName, size: int) -> None:
+    """Raises ``IndivisibleShapeError`` unless each device of ``axis_name`` (``size``) reads whole
+    blocks of ``blocks`` kept whole (:func:`kept_block`): the axis divides them, or they
+    divide the axis (each block read by a whole group of devices)."""
+    axis, fix = axis_text(axis_name), f"a {axis_name!r} size that divides {blocks} or that {blocks} divides"
+    if blocks >= size:
+        require_divisible(where, what, blocks, axis, size, fix)
+    else:
+        require_divisible(where, f"the size of {axis}", size, what, blocks, fix)
 
 
 def vocab_start(rows: int, axis_name: AxisName) -> jax.Array:

@@ -44,6 +44,7 @@ what it computes.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -56,7 +57,7 @@ from ._einsum import Equation, register_einsum, shrunk, split_letter
 from .collectives import copy_to_axis, gather_from_axis
 from .dropout import split_after, splitting, unplaceable_after
 from .errors import RuleError
-from .tp import add_bias_once, column_input, row_reduce, vocab_lookup
+from .tp import add_bias_once, column_input, kept_block, require_kept_blocks, row_reduce, vocab_lookup
 
 __all__ = [
     "ROLES",
@@ -164,9 +165,17 @@ class TPRole:
         """``{what: size}`` that the axis size must divide for the split to work."""
         raise NotImplementedError
 
+    def kept_whole(self, layer: Layer) -> tuple[str, ...]:
+        """Parameters (paths under the module) stored whole over the axis, of which each
+        device reads a block (``local``'s ``read``): their gradients are summed over the
+        axis, which a front end may do on its FSDP shard rather than on the gathered value."""
+        return ()
+
     def local(self, layer: Layer, size: int) -> dict[str, Any]:
         """The sizes the module computes with on this device's slices (``features``,
-        ``use_bias``, ``num_heads``, ``num_kv_heads``, ``num_embeddings``)."""
+        ``use_bias``, ``num_heads``, ``num_kv_heads``, ``num_embeddings``), and ``read``:
+        ``{parameter path under the module: a function of its stored value}``, what the call
+        reads in its place (a block of a parameter kept whole)."""
         return {}
 
     def inner(self) -> dict[str, TPRole]:
@@ -348,23 +357,52 @@ class HeadParallel(TPRole):
     (:class:`RowParallel`), so the block has one all-reduce forward and one backward.
     Inside, activations are split on the heads (the attention weights' dim -3), which is
     where a dropout mask is drawn by heads (:mod:`fsdp_tp.dropout`). ``sequence_dim``: the
-    inputs' sequence slices are all-gathered first and the output reduce-scattered along it."""
+    inputs' sequence slices are all-gathered first and the output reduce-scattered along it.
+    ``replicated_kv`` (a module with ``num_kv_heads``: grouped-query attention with fewer kv
+    heads than devices): the key and value projections stay whole on every device, and each
+    device projects with the block of kv heads its query heads read
+    (:func:`~fsdp_tp.tp.kept_block`: their gradients are summed over the axis, one more
+    all-reduce backward per projection than a split)."""
 
     sequence_dim: int | None = None
+    replicated_kv: bool = False
     kinds: ClassVar[tuple[str, ...]] = ("attention",)
 
     def splits(self, layer):
-        return {f"{proj}/{name}": -2 for proj in ("query", "key", "value") for name in ("kernel", "bias")}
+        projections = ("query",) if self._kept(layer) else ("query", "key", "value")
+        return {f"{proj}/{name}": -2 for proj in projections for name in ("kernel", "bias")}
+
+    def kept_whole(self, layer):
+        if not self._kept(layer):
+            return ()
+        return tuple(f"{proj}/{name}" for proj in ("key", "value") for name in ("kernel", "bias"))
 
     def divides(self, layer):
         heads = {"num_heads": layer.num_heads}
-        if layer.num_kv_heads and layer.num_kv_heads != layer.num_heads:
+        if layer.num_kv_heads and layer.num_kv_heads != layer.num_heads and not self._kept(layer):
             heads["num_kv_heads"] = layer.num_kv_heads
-        return heads
+        return heads  # (kept kv heads: they and the axis size, one divides the other, per call)
 
     def local(self, layer, size):
         kv_heads = layer.num_kv_heads or layer.num_heads
-        return {"num_heads": layer.num_heads // size, "num_kv_heads": kv_heads // size}
+        if not self._kept(layer):
+            return {"num_heads": layer.num_heads // size, "num_kv_heads": kv_heads // size}
+        require_kept_blocks(layer.path, "num_kv_heads", kv_heads, self.axis, size)  # (kept whole)
+        kept = functools.partial(kept_block, dim=-2, blocks=kv_heads, axis_name=self.axis)
+        return {
+            "num_heads": layer.num_heads // size,
+            "num_kv_heads": max(1, kv_heads // size),
+            "read": dict.fromkeys(self.kept_whole(layer), kept),
+        }
+
+    def _kept(self, layer: Layer) -> bool:
+        if self.replicated_kv and not layer.num_kv_heads:
+            raise RuleError(
+                f"{layer.path}: HeadParallel(replicated_kv=True) keeps a grouped-query attention's kv "
+                f"heads whole, and this attention module has no num_kv_heads (each head has its own "
+                f"key and value). Drop replicated_kv."
+            )
+        return self.replicated_kv
 
     def inner(self):
         return {"out": RowParallel(self.axis, sequence_dim=self.sequence_dim)}

@@ -214,12 +214,11 @@ def check_schedule(args) -> None:
         )
 
 
-def check_nnx(args, config, tensor: int) -> None:
-    """``--api nnx``: what the NNX GPT's rules do not do, refused before anything starts. Its
-    key/value projections are column-parallel, so the tensor axis must divide their heads
-    (Linen's layers also serve fewer kv heads than devices, repeating them)."""
+def check_nnx(args, tensor: int) -> None:
+    """``--api nnx``: what the NNX GPT's rules do not do, refused before anything starts:
+    the collective-matmul rings, mixed-precision gathers, and sequence parallelism without
+    ``check_vma`` (a norm's scale reads sequence slices: JAX's checking sums its gradient)."""
     refused = [
-        ("--sequence-parallel", args.sequence_parallel),
         (f"--async-tp {args.async_tp}", args.async_tp != "off"),
         (f"--gather-dtype {args.gather_dtype}", args.gather_dtype != "f32"),
         (f"--reduce-dtype {args.reduce_dtype}", args.reduce_dtype != "f32"),
@@ -228,12 +227,12 @@ def check_nnx(args, config, tensor: int) -> None:
     if given:
         raise UsageError(
             f"--api nnx does not take {', '.join(given)}: the NNX GPT has tensor parallelism by rules "
-            f"without sequence parallelism, rings or mixed-precision gathers; drop "
-            f"{'it' if len(given) == 1 else 'them'}, or use --api linen."
+            f"without rings or mixed-precision gathers; drop {'it' if len(given) == 1 else 'them'}, "
+            f"or use --api linen."
         )
-    if config.num_kv_heads % tensor:
+    if args.sequence_parallel is not False and tensor > 1 and not args.check_vma:
         raise UsageError(
-            f"--api nnx splits whole key/value heads over tensor, but the model's {config.num_kv_heads} "
-            f"key/value heads (--kv-heads) are not divisible by tensor={tensor}; use a tensor size "
-            f"that divides {config.num_kv_heads}, or --api linen."
+            "--api nnx with sequence parallelism (its default) needs --check-vma: the norms read "
+            "sequence slices and JAX's checking sums their gradients over tensor; drop "
+            "--no-check-vma, or pass --no-sequence-parallel."
         )

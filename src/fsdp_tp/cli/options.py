@@ -102,8 +102,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sequence-parallel",
         action=argparse.BooleanOptionalAction,
-        help="split activations between TP blocks over the tensor axis (default: on for --api "
-        "linen; --api nnx has none)",
+        help="split activations between TP blocks over the tensor axis (default: on)",
     )
     _scan_layers_flag(p, default=True, why="--no-scan-layers unrolls them")
     p.add_argument(

@@ -63,7 +63,7 @@ def settings_of(args, mesh: dict, vocab_size: int | None = None) -> Settings:
         )
     check_schedule(args)
     if args.api == "nnx":
-        check_nnx(args, config, mesh.get("tensor", 1))
+        check_nnx(args, mesh.get("tensor", 1))
     return Settings(
         model=config,
         steps=getattr(args, "steps", 1),
@@ -88,8 +88,8 @@ def settings_of(args, mesh: dict, vocab_size: int | None = None) -> Settings:
 
 
 def _sequence_parallel(args) -> bool:
-    """``--sequence-parallel``, or its default: on for Linen, off for NNX (which has none)."""
-    return args.api == "linen" if args.sequence_parallel is None else args.sequence_parallel
+    """``--sequence-parallel``, or its default: on."""
+    return True if args.sequence_parallel is None else args.sequence_parallel
 
 
 def _mixed_precision(args) -> MixedPrecision | None:

@@ -93,7 +93,7 @@ def layer_of(module: nn.Module, args: tuple, kwargs: dict) -> Layer:
             bias=lambda: meta.unbox(module.get_variable("params", "bias")),
         )
     if kind == "attention":
-        return Layer(**common, num_heads=module.num_heads, num_kv_heads=module.num_heads)
+        return Layer(**common, num_heads=module.num_heads)  # (no kv heads of its own: no grouping)
     return Layer(**common, num_embeddings=module.num_embeddings)
 
 
@@ -119,8 +119,11 @@ def local_attributes(module: nn.Module, local: dict[str, Any], args: tuple, kwar
 def attention_rules(pattern: str = r"MultiHeadDotProductAttention_\d+$", axis: str = "tensor"):
     """The ready rule set for Flax's ``nn.MultiHeadDotProductAttention``: head-parallel.
 
-    >>> attention_rules()
-    [('MultiHeadDotProductAttention_\\\\d+$', HeadParallel(axis='tensor', sequence_dim=None))]
+    >>> [(pattern, role)] = attention_rules()
+    >>> pattern
+    'MultiHeadDotProductAttention_\\\\d+$'
+    >>> role
+    HeadParallel(axis='tensor', sequence_dim=None, replicated_kv=False)
     """
     return [(pattern, HeadParallel(axis))]
 

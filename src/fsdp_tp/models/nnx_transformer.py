@@ -8,9 +8,10 @@ twin and holds its parameter tree (paths, dtypes, and shapes but the attention k
 ``norm_final``, ``head``. That is what lets a run start from the Linen model's init
 (:func:`fsdp_tp.recipe.nnx_gpt.nnx_maker`) and be checked against the Linen twin.
 
-It is split by rules only: :data:`TP_RULES` are Megatron's roles on its layers (the core's
-:mod:`fsdp_tp.tp_roles`), and :func:`storage_rules` puts FSDP where Linen's
-``shard_module_params`` puts it, so both APIs hold the same bytes on every device.
+It is split by rules only: :func:`tp_rules` are Megatron's roles on its layers (the core's
+:mod:`fsdp_tp.tp_roles`: sequence parallelism and kv heads kept whole included), and
+:func:`storage_rules` puts FSDP where Linen's ``shard_module_params`` puts it, so both APIs
+hold the same bytes on every device.
 """
 
 from __future__ import annotations
@@ -32,19 +33,32 @@ from ..nnx import tp_splits
 from ..tp_roles import ColumnParallel, HeadParallel, RowParallel, VocabParallel
 from .remat import REMAT_POLICIES
 
-__all__ = ["TP_RULES", "NNXTransformer", "storage_rules"]
+__all__ = ["TP_RULES", "NNXTransformer", "storage_rules", "tp_rules"]
 
-# Megatron on the GPT's layers, by module path (each matches inside the scanned stack too):
-# heads split over tensor (q/k/v column-parallel after one f, out row-parallel), the MLP
-# column then row, the embedding split on the vocabulary, the head column-parallel with its
-# logits left split on the vocabulary for the vocab-parallel loss.
-TP_RULES = (
-    (r"/attn$", HeadParallel()),
-    (r"mlp/wi$", ColumnParallel()),
-    (r"mlp/wo$", RowParallel()),
-    (r"^embed$", VocabParallel()),
-    (r"^head$", ColumnParallel()),
-)
+
+def tp_rules(sequence_parallel: bool = False, replicated_kv: bool = False) -> tuple:
+    """Megatron on the GPT's layers, by module path (each matches inside the scanned stack
+    too): heads split over tensor (q/k/v column-parallel after one f, out row-parallel), the
+    MLP column then row, the embedding split on the vocabulary, the head column-parallel with
+    its logits left split on the vocabulary for the vocab-parallel loss.
+    ``sequence_parallel``: the activations between them split along the sequence (dim 1), as
+    the Linen GPT's layout does; ``replicated_kv``: kv heads kept whole (fewer than, or not
+    divisible by, the tensor axis), as Linen's attention block keeps them.
+
+    >>> tp_rules(sequence_parallel=True)[0]
+    ('/attn$', HeadParallel(axis='tensor', sequence_dim=1, replicated_kv=False))
+    """
+    seq = 1 if sequence_parallel else None
+    return (
+        (r"/attn$", HeadParallel(sequence_dim=seq, replicated_kv=replicated_kv)),
+        (r"mlp/wi$", ColumnParallel(sequence_dim=seq)),
+        (r"mlp/wo$", RowParallel(sequence_dim=seq)),
+        (r"^embed$", VocabParallel(sequence_dim=seq)),
+        (r"^head$", ColumnParallel(sequence_dim=seq)),
+    )
+
+
+TP_RULES = tp_rules()  # without sequence parallelism, kv heads split
 
 
 def _attention(d_model, num_heads, head_dim, num_kv_heads, *, dtype, attention, rngs):
@@ -156,13 +170,16 @@ class NNXTransformer(nnx.Module):
         return self.head(self.norm_final(x)).astype(jnp.float32)
 
 
-def storage_rules(model: nnx.Module, sizes: Mapping[str, int], min_weight_size: int) -> list[tuple]:
+def storage_rules(
+    model: nnx.Module, sizes: Mapping[str, int], min_weight_size: int, tp: tuple = TP_RULES
+) -> list[tuple]:
     """One anchored storage rule per parameter of ``model`` (abstract is enough): FSDP over
     ``fsdp`` on the dim Linen's ``shard_module_params`` picks (the largest dim that tensor
     parallelism leaves whole and the axis divides, in each layer's local shape, for
     parameters of more than ``min_weight_size`` local elements), nothing else. The tensor
-    split is the roles' (:data:`TP_RULES`, read by :func:`fsdp_tp.nnx.tp_splits`: no table
-    repeats them); it joins these specs in ``shard_by_rules``.
+    split is the roles' (``tp``, :data:`TP_RULES` by default, read by
+    :func:`fsdp_tp.nnx.tp_splits`: no table repeats them); it joins these specs in
+    ``shard_by_rules``.
 
     >>> from flax import nnx
     >>> model = nnx.eval_shape(lambda: NNXTransformer(64, 32, 2, 4, 8, 2, 64, rngs=nnx.Rngs(0)))
@@ -170,7 +187,7 @@ def storage_rules(model: nnx.Module, sizes: Mapping[str, int], min_weight_size: 
     >>> rules["^blocks/mlp/wi/kernel$"], rules["^head/kernel$"]
     (P(None, 'fsdp', None), P('fsdp', None))
     """
-    fsdp, splits = sizes.get("fsdp", 1), tp_splits(model, TP_RULES)
+    fsdp, splits = sizes.get("fsdp", 1), tp_splits(model, tp)
     rules = []
     for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         shape = tuple(variable.get_raw_value().shape)

@@ -190,7 +190,9 @@ class ShardedModel:
         for path, variable in self._params:
             leaf = flat[path]
             if is_box(leaf):
-                plan = ReadPlan(path_text(path), tuple(leaf.names), self._gathered[path], batch)
+                text = path_text(path)
+                whole = frozenset([self._roles.whole[text]]) if text in self._roles.whole else frozenset()
+                plan = ReadPlan(text, tuple(leaf.names), self._gathered[path], batch, whole)
                 variables.append((path, on_read(variable, leaf.value, plan)))
             else:
                 variables.append((path, variable.copy(leaf)))

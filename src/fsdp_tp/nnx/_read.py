@@ -42,13 +42,16 @@ _GATHERED = "_fsdp_tp_gathered"  # the read type's slot: (block, plan, trace, ga
 class ReadPlan:
     """How a stored block becomes the value the module computes with: ``names`` per dim of
     the stored parameter (stacked layer dims first), gathered over ``axes``; over
-    ``batch_axes`` the gradient comes back as the reduce-scattered mean. Hashable: NNX keeps
+    ``batch_axes`` the gradient comes back as the reduce-scattered mean. ``read_whole_over``:
+    axes a tp role reads blocks of the whole value over (kv heads kept whole), whose sum of
+    the gradient is then taken on the block, after the reduce-scatter. Hashable: NNX keeps
     Variable metadata in the graph it passes through its transforms."""
 
     path: str
     names: tuple
     axes: frozenset[AxisName]
     batch_axes: frozenset[AxisName]
+    read_whole_over: frozenset[AxisName] = frozenset()
 
     def read(self, block):
         names = self.names
@@ -64,7 +67,7 @@ class ReadPlan:
         # Under check_vma=True a split block varies over its axes; the gathered value then
         # meets data that varies over the batch axes (gather_box casts the block, not the
         # full value). Under check_vma=False nothing carries a vma.
-        vary = self.batch_axes if varying_axes(block) else frozenset()
+        vary = self.batch_axes | self.read_whole_over if varying_axes(block) else frozenset()
         value = gather_box(Partitioned(block, names), self.axes, self.batch_axes, vary)
         # What stays split is a tp role's slice, which the module computes on.
         return value.value if isinstance(value, Partitioned) else value

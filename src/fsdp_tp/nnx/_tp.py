@@ -108,6 +108,11 @@ def _attributes(module: Any, local: dict[str, Any]) -> list[tuple[nnx.Module, st
         out.append((module, "bias", None))
     if "num_embeddings" in local:
         out.append((module, "num_embeddings", local["num_embeddings"]))
+    for path, read in local.get("read", {}).items():  # a block of a parameter kept whole
+        *owners, name = path.split("/")
+        owner = functools.reduce(getattr, owners, module)
+        if (variable := getattr(owner, name, None)) is not None:
+            out.append((owner, name, read(variable[...])))  # the call's `self.kernel[...]` reads it
     if "num_heads" in local:
         heads, kv_heads, head_dim = local["num_heads"], local["num_kv_heads"], module.head_dim
         out += [(module, "num_heads", heads), (module, "num_kv_heads", kv_heads)]
@@ -171,7 +176,9 @@ def _computed(cls: type, role: TPRole, path: str, kernel_shape: tuple[int, ...])
 class RolePlan:
     """The roles the tp rules give an NNX model's submodules, read off the abstract model:
     ``roles`` (module path -> (role, pattern, layer)), ``splits`` (parameter path -> (dim,
-    axis, pattern)). A rule that names a module no role computes, or nothing, is refused."""
+    axis, pattern)), ``whole`` (parameter path -> the axis a role reads blocks of it over, the
+    parameter stored whole there). A rule that names a module no role computes, or nothing,
+    is refused."""
 
     def __init__(self, model: nnx.Module, rules: tuple[CompiledRole, ...], params: list[str]):
         modules = sorted(
@@ -181,6 +188,7 @@ class RolePlan:
         types = {path_text(path): type(node) for path, node in modules}
         self.roles: dict[Path, tuple[TPRole, str, Layer]] = {}
         self.splits: dict[str, tuple[int, AxisName, str]] = {}
+        self.whole: dict[str, AxisName] = {}
         used: set[int] = set()
         for path, node in modules:
             text = path_text(path)
@@ -204,6 +212,8 @@ class RolePlan:
         for name, dim in role.splits(layer).items():
             if f"{text}/{name}" in params:  # a layer without a bias has no bias to split
                 self.splits[f"{text}/{name}"] = (dim, role.axis, pattern)
+        kept = (f"{text}/{name}" for name in role.kept_whole(layer))
+        self.whole |= {path: role.axis for path in kept if path in params}
         for name, inner in role.inner().items():
             self._give((*path, name), getattr(node, name), inner, f"{text} (inside)", params)
 

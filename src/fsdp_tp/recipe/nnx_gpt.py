@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 import jax.numpy as jnp
 from flax import nnx
 
-from ..models.nnx_transformer import TP_RULES, NNXTransformer, storage_rules
+from ..models.nnx_transformer import NNXTransformer, storage_rules, tp_rules
 from ..nnx import ShardedModel, shard_by_rules
 from .config import ModelConfig
 
@@ -51,12 +51,21 @@ def nnx_maker(config: ModelConfig) -> Callable[[nnx.Rngs], NNXTransformer]:
 
 
 def sharded_gpt(
-    config: ModelConfig, sizes: Mapping[str, int], min_weight_size: int, batch_axes: tuple
+    config: ModelConfig,
+    sizes: Mapping[str, int],
+    min_weight_size: int,
+    batch_axes: tuple,
+    sequence_parallel: bool = False,
 ) -> ShardedModel:
-    """The NNX GPT of ``config`` laid out on a mesh of ``sizes``: Megatron TP by
-    :data:`~fsdp_tp.models.nnx_transformer.TP_RULES` over ``tensor``, FSDP over ``fsdp`` where
-    the Linen GPT has it (:func:`~fsdp_tp.models.nnx_transformer.storage_rules`)."""
+    """The NNX GPT of ``config`` laid out on a mesh of ``sizes`` as the Linen GPT's layout
+    lays it out: Megatron TP by :func:`~fsdp_tp.models.nnx_transformer.tp_rules` over
+    ``tensor`` (kv heads kept whole where ``tensor`` does not divide them, as Linen's
+    attention keeps them), FSDP over ``fsdp`` where the Linen GPT has it
+    (:func:`~fsdp_tp.models.nnx_transformer.storage_rules`)."""
     make = nnx_maker(config)
     abstract = nnx.eval_shape(lambda: NNXTransformer(**config.model_sizes(), rngs=nnx.Rngs(0)))
-    rules = storage_rules(abstract, sizes, min_weight_size)
-    return shard_by_rules(make, rules, tp_rules=TP_RULES, batch_axes=batch_axes)
+    tensor = sizes.get("tensor", 1)
+    # (on one tensor device the sequence is whole: nothing to split, no check_vma to need)
+    tp = tp_rules(sequence_parallel and tensor > 1, replicated_kv=config.num_kv_heads % tensor != 0)
+    rules = storage_rules(abstract, sizes, min_weight_size, tp)
+    return shard_by_rules(make, rules, tp_rules=tp, batch_axes=batch_axes)

@@ -92,7 +92,8 @@ def sharded_gpt(settings: Settings, sizes: dict, tx: optax.GradientTransformatio
     if settings.api == "nnx":
         from .nnx_gpt import sharded_gpt as sharded_nnx_gpt
 
-        sharded = sharded_nnx_gpt(config, sizes, settings.layout.min_weight_size, BATCH_AXES)
+        layout = settings.layout
+        sharded = sharded_nnx_gpt(config, sizes, layout.min_weight_size, BATCH_AXES, layout.sequence_split)
         init = sharded.state_init_fn(tx)
         return ShardedGPT(lambda rng, _ids: init(rng), lambda p, ids: sharded.merge(p)(ids), None)
     model = config.model(settings.layout)

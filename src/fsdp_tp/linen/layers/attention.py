@@ -14,8 +14,7 @@ from ..._tree import module_path
 
 # Re-exported from where they live, the framework-free fsdp_tp.attention.
 from ...attention import ATTENTION_IMPLEMENTATIONS, attend, resolved_implementation
-from ...collectives import copy_to_axis
-from ...tp import column_input
+from ...tp import column_input, kept_block, require_kept_blocks
 from .dense import ColumnParallelDense, RowParallelDense, apply_chunked, split_param
 
 __all__ = ["ATTENTION_IMPLEMENTATIONS", "AttentionBlock", "attend", "resolved_implementation"]
@@ -49,13 +48,10 @@ class _ReplicatedKV(nn.Module):
             if self.use_bias
             else None
         )
-        size = jax.lax.axis_size(self.axis_name)
-        groups = self.features // self.head_dim
         # Device t reads kv head t * groups // size; its gradient is summed over the axis.
-        start = (jax.lax.axis_index(self.axis_name) * groups // size) * self.head_dim
-        kernel = jax.lax.dynamic_slice_in_dim(copy_to_axis(kernel, self.axis_name), start, self.head_dim, 1)
-        if bias is not None:
-            bias = jax.lax.dynamic_slice_in_dim(copy_to_axis(bias, self.axis_name), start, self.head_dim, 0)
+        groups = self.features // self.head_dim
+        kernel = kept_block(kernel, 1, groups, self.axis_name)
+        bias = None if bias is None else kept_block(bias, 0, groups, self.axis_name)
 
         def project(chunk):
             chunk, k, b = nn.dtypes.promote_dtype(chunk, kernel, bias, dtype=self.dtype)
@@ -110,10 +106,9 @@ class AttentionBlock(nn.Module):
         fix = f"a smaller {self.axis_name!r} axis"
         require_divisible(where, "num_heads", self.num_heads, axis, size, fix)
         require_divisible(where, "num_heads", self.num_heads, "num_kv_heads", kv, "another num_kv_heads")
-        if kv >= size:  # grouped heads: each device holds whole kv groups
-            require_divisible(where, "num_kv_heads", kv, axis, size, fix)
-        else:  # fewer kv heads than devices: each kv head is repeated on whole groups of devices
-            require_divisible(where, f"the size of {axis}", size, "num_kv_heads", kv, fix)
+        # grouped heads: each device holds whole kv groups; fewer kv heads than devices: each
+        # kv head is kept whole, read by a whole group of devices
+        require_kept_blocks(where, "num_kv_heads", kv, self.axis_name, size)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
