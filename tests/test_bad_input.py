@@ -73,9 +73,9 @@ FLAGS = [
         "--no-sequence-parallel",
     ),
     (
-        ["--api", "nnx", "--no-sequence-parallel", "--async-tp", "bidirectional", "--gather-dtype", "bf16"],
-        "--api nnx does not take --async-tp bidirectional, --gather-dtype bf16: the NNX GPT has tensor "
-        "parallelism by rules without rings or mixed-precision gathers; drop them, or use --api linen",
+        ["--api", "nnx", "--async-tp", "bidirectional", "--gather-dtype", "bf16", "--reduce-dtype", "bf16"],
+        "--api nnx does not take --gather-dtype bf16, --reduce-dtype bf16: the NNX GPT has no "
+        "mixed-precision gathers; drop them, or use --api linen",
     ),
     (
         ["--api", "nnx", "--heads", "6", "--kv-heads", "3"],

@@ -443,19 +443,32 @@ def test_negative_control_replicated_kv_heads_all_at_one_index():
 SEQUENCE_RULES = [(pattern, dataclasses.replace(role, sequence_dim=1)) for pattern, role in RULES]
 
 
-def _sequence_case(api: str, check_vma: bool) -> Case:
+def _ringed(rules: list, mode: str) -> list:
+    """``rules`` with the collective-matmul rings on every role that has them."""
+    return [
+        (p, dataclasses.replace(r, collective_matmul=mode) if hasattr(r, "collective_matmul") else r)
+        for p, r in rules
+    ]
+
+
+def _sequence_case(api: str, check_vma: bool, ring: str | None = None) -> Case:
+    rules = SEQUENCE_RULES if ring is None else _ringed(SEQUENCE_RULES, ring)
     with jax.enable_x64(True):
-        model, twin = _models(api, "data2_fsdp2_tensor2", tp=SEQUENCE_RULES, **EXACT)
+        model, twin = _models(api, "data2_fsdp2_tensor2", tp=rules, **EXACT)
         return dataclasses.replace(_case(api, "data2_fsdp2_tensor2", check_vma), model=model, reference=twin)
 
 
-@pytest.mark.parametrize("api", APIS)
-def test_sequence_parallel_roles_equal_unsharded(api):
+@pytest.mark.parametrize(
+    "api, ring", [("linen", None), ("nnx", None), ("linen", "bidirectional"), ("nnx", "unidirectional")]
+)
+def test_sequence_parallel_roles_equal_unsharded(api, ring):
     """Every role with sequence_dim=1 (data 2 x fsdp 2 x tensor 2, check_vma on): between the
     layers each device holds its slice of the sequence, which the RMSNorm scales and the row
-    biases read; invariants 1-5."""
+    biases read; invariants 1-5. With the rings (``collective_matmul``) the einsum projections
+    compute chunk by chunk as the sequence arrives, and the output and down einsums' sums
+    travel round the ring."""
     with jax.enable_x64(True):
-        check_equivalence(_sequence_case(api, True))
+        check_equivalence(_sequence_case(api, True, ring))
 
 
 def test_sequence_parallel_roles_gather_and_scatter_and_all_reduce_only_the_row_biases():

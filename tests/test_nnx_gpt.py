@@ -46,37 +46,39 @@ def test_the_nnx_gpt_starts_from_the_linen_init_and_computes_its_function(scan):
     assert not np.allclose(own.head.kernel[...], params["head"]["kernel"])
 
 
-def _built(api: str, sizes: dict, min_weight_size: int, sequence_parallel: bool):
+def _built(api: str, sizes: dict, min_weight_size: int, sequence_parallel: bool, ring=None):
     """The bench's figures of the CLI's tiny GPT (4 heads over 2 kv heads) on ``sizes``: state
     bytes per device, the compiled step's collectives."""
-    return build(api, sizes, preset("tiny"), 16, min_weight_size, sequence_parallel)
+    return build(api, sizes, preset("tiny"), 16, min_weight_size, sequence_parallel, ring)
 
 
-# (sizes, min_weight_size, sequence parallelism, what NNX moves against Linen): on tensor 4
-# the 2 kv heads are kept whole.
+# (sizes, min_weight_size, sequence parallelism, rings, what NNX moves against Linen): on
+# tensor 4 the 2 kv heads are kept whole.
 CASES = [
-    ({"data": 2, "fsdp": 2, "tensor": 2}, 2**10, False, "equal"),
-    ({"data": 1, "fsdp": 4, "tensor": 2}, 0, False, "equal"),
-    ({"data": 2, "fsdp": 2, "tensor": 2}, 2**10, True, "all-reduce -"),  # (1,143 B on jax 0.10.2)
-    ({"data": 1, "fsdp": 2, "tensor": 4}, 2**10, True, "all-reduce -"),  # (1,914 B)
+    ({"data": 2, "fsdp": 2, "tensor": 2}, 2**10, False, "bidirectional", "equal"),
+    ({"data": 1, "fsdp": 4, "tensor": 2}, 0, False, None, "equal"),
+    ({"data": 2, "fsdp": 2, "tensor": 2}, 2**10, True, None, "all-reduce +"),  # (+2 ops, -1,143 B)
+    ({"data": 1, "fsdp": 2, "tensor": 4}, 2**10, True, "unidirectional", "all-reduce +"),  # (-1,914 B)
 ]
 
 
 @pytest.mark.parametrize(
-    "sizes, min_weight_size, sp, verdict",
+    "sizes, min_weight_size, sp, ring, verdict",
     CASES,
-    ids=["2x2x2", "fsdp4xtensor2-all", "2x2x2-sp", "fsdp2xtensor4-kv-kept-sp"],
+    ids=["2x2x2-async", "fsdp4xtensor2-all", "2x2x2-sp", "fsdp2xtensor4-kv-kept-sp-async"],
 )
 def test_the_nnx_gpt_holds_the_linen_bytes_and_moves_the_linen_collectives(
-    sizes, min_weight_size, sp, verdict
+    sizes, min_weight_size, sp, ring, verdict
 ):
     """State bytes on every device, and every collective's count and wire bytes, exactly the
     Linen GPT's: FSDP where Linen puts it, Megatron's activation collectives (one f for q, k
     and v, as Linen's attention block), sequence parallelism's gathers and reduce-scatters,
-    kv heads kept whole. Under sequence parallelism NNX's all-reduces move fewer bytes: JAX's
+    kv heads kept whole, the collective-matmul rings (every collective-permute of Linen's, and
+    its bytes). Under sequence parallelism NNX's all-reduces move fewer bytes: JAX's
     check_vma sums a norm's gradient over tensor and the batch axes at once, where Linen's
     layers sum it over tensor (their f) and then over the batch axes."""
-    linen, ours = (_built(api, sizes, min_weight_size, sp) for api in ("linen", "nnx"))
+    linen, ours = (_built(api, sizes, min_weight_size, sp, ring) for api in ("linen", "nnx"))
+    assert ("collective-permute" in ours.collectives) == (ring is not None)
     found = against_linen(linen, ours)
     assert found == verdict if verdict == "equal" else found.startswith(verdict) and found.endswith(" B")
     row = nnx_section([("m", linen, ours, [1.0], [1.0])]).splitlines()[-1]
@@ -105,7 +107,7 @@ def test_kept_kv_heads_without_sequence_parallelism_sum_their_gradients_on_the_s
 
 def test_negative_control_without_the_fsdp_rules_the_bytes_differ(monkeypatch):
     monkeypatch.setattr(nnx_gpt, "storage_rules", lambda *_: [])
-    sizes, min_weight_size, sp, _ = CASES[0]
+    sizes, min_weight_size, sp, _, _ = CASES[1]
     linen, ours = (_built(api, sizes, min_weight_size, sp) for api in ("linen", "nnx"))
     assert max(ours.state_bytes.values()) > max(linen.state_bytes.values())
     assert ours.collectives.get("all-gather") != linen.collectives.get("all-gather")
@@ -168,9 +170,12 @@ def _check(*flags) -> tuple[int, str]:
 
 def test_train_api_nnx_keeps_fewer_kv_heads_than_tensor_whole_and_equals_the_twin():
     """Issue 43 point 3: on tensor 4 the tiny GPT's 2 kv heads are kept whole (each device reads
-    the one its query heads use), with sequence parallelism (the default) and without: the run
-    equals the unsharded twin."""
-    for flags in ([], ["--no-sequence-parallel"]):
+    the one its query heads use), with sequence parallelism (the default) and without, and with
+    the collective-matmul rings (--async-tp) in both: the run equals the unsharded twin."""
+    for flags in (
+        ["--async-tp", "bidirectional"],
+        ["--no-sequence-parallel", "--async-tp", "unidirectional"],
+    ):
         code, out = _check("--mesh", "fsdp=2,tensor=4", *flags)
         assert code == 0 and "check: 2 steps sharded vs unsharded" in out and "-> ok" in out, out
 
@@ -187,4 +192,18 @@ def test_negative_control_every_device_reading_the_first_kv_head_fails_the_check
 
     monkeypatch.setattr(tp_roles, "kept_block", first_block)
     code, out = _check("--mesh", "fsdp=2,tensor=4", "--no-sequence-parallel")
+    assert code == 1 and "FAILED" in out, out
+
+
+def test_negative_control_a_ring_that_drops_its_neighbours_partial_sums_fails_the_check(monkeypatch):
+    """Were the row layers' ring to keep this device's partial products only (no accumulator
+    passed round), the run would be another model: --check must notice and exit 1."""
+    from fsdp_tp import tp_roles
+
+    def own_share(product, x, axis_name, dim, mode):
+        rows = x.shape[dim] // jax.lax.axis_size(axis_name)
+        return jax.lax.dynamic_slice_in_dim(product(x), 0, rows, dim)
+
+    monkeypatch.setattr(tp_roles, "ring_reduce_scatter", own_share)
+    code, out = _check("--async-tp", "bidirectional")
     assert code == 1 and "FAILED" in out, out

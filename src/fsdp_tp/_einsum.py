@@ -110,6 +110,29 @@ class Equation:
             return after.index(letter) - len(after)
         return before.index(letter) - ndim
 
+    def output_dim(self, dim: int, ndim: int) -> int:
+        """Where dim ``dim`` of an input of ``ndim`` dims lands in the output, counted from the
+        end (a sequence the layer computes position by position: ``'BSD,CDKH->CBSKH'`` moves
+        dim 1 to -3). A dim the layer contracts has no place there: refused by name.
+
+        >>> Equation.parse("BSD,CDKH->CBSKH", "attn/kv").output_dim(1, 3)
+        -3
+        >>> Equation.parse("...D,DF->...F", "mlp/up").output_dim(-2, 3)
+        -2
+        """
+        before, dots, after = self.inputs.partition("...")
+        out_before, _, out_after = self.output.partition("...")
+        dim, middle = dim % ndim, ndim - len(before) - len(after)
+        if len(before) <= dim < len(before) + middle:  # a dim of the '...': in the same place of the output's
+            return dim - len(before) - middle - len(out_after)
+        letter = before[dim] if dim < len(before) else after[dim - len(before) - middle]
+        if letter not in self.output:
+            raise RuleError(
+                f"{self.path}: dim {dim} of the input ({letter!r} in {self.text!r}) is contracted, and a "
+                f"ring computes the layer chunk by chunk of it; name the sequence's dim as sequence_dim."
+            )
+        return self.dim_of(letter, self.output, len(out_before) + (middle if dots else 0) + len(out_after))
+
     def bias_shape(self, shape: tuple[int, ...], ndim: int) -> tuple[int, ...]:
         """The bias (``shape``, one size per :attr:`bias_letters`) as it broadcasts over an
         output of ``ndim`` dims."""

@@ -10,7 +10,7 @@ transposes to the reverse ``ppermute``), so the backward pass is a ring too.
 
 Two variants: ``"unidirectional"`` passes chunks one way round the ring
 (``n - 1`` steps); ``"bidirectional"`` uses both directions of every link: the
-gather takes ``n // 2`` steps, the reduce-scatter sends half the features each way.
+gather takes ``n // 2`` steps, the reduce-scatter sends half of each chunk's rows each way.
 """
 
 from __future__ import annotations
@@ -23,7 +23,14 @@ import jax.numpy as jnp
 from ._layout import axis_text, require_divisible
 from ._types import AxisName
 
-__all__ = ["MODES", "RingChunks", "matmul_reduce_scatter", "require_mode", "ring_all_gather"]
+__all__ = [
+    "MODES",
+    "RingChunks",
+    "matmul_reduce_scatter",
+    "require_mode",
+    "ring_all_gather",
+    "ring_reduce_scatter",
+]
 
 MODES = ("unidirectional", "bidirectional")
 
@@ -68,16 +75,18 @@ class RingChunks:
     def dtype(self):
         return self.chunks[0].dtype
 
-    def map(self, fn) -> jax.Array:
-        """``fn`` applied to every chunk, the results placed in sequence order along ``dim``."""
+    def map(self, fn, out_dim: int | None = None) -> jax.Array:
+        """``fn`` applied to every chunk, the results placed in sequence order along ``dim``
+        (along ``out_dim`` of the results where ``fn`` moves the sequence's dim)."""
         outputs = {
             offset % len(self.chunks): fn(chunk)
             for chunk, offset in zip(self.chunks, self.offsets, strict=True)
         }
         # In offset order the chunks run i, i+1, ..., i-1: the gathered result rolled by i chunks.
-        rolled = jnp.concatenate([outputs[k] for k in range(len(outputs))], axis=self.dim)
-        width = rolled.shape[self.dim] // len(outputs)
-        return jnp.roll(rolled, jax.lax.axis_index(self.axis_name) * width, axis=self.dim)
+        dim = self.dim if out_dim is None else out_dim
+        rolled = jnp.concatenate([outputs[k] for k in range(len(outputs))], axis=dim)
+        width = rolled.shape[dim] // len(outputs)
+        return jnp.roll(rolled, jax.lax.axis_index(self.axis_name) * width, axis=dim)
 
 
 def ring_all_gather(x: jax.Array, axis_name: AxisName, dim: int, mode: str) -> RingChunks:
@@ -123,14 +132,48 @@ def _reduce_scatter_stream(partial_of, axis_name: AxisName, direction: int) -> j
     return acc
 
 
+def ring_reduce_scatter(product, x: jax.Array, axis_name: AxisName, dim: int, mode: str) -> jax.Array:
+    """``psum_scatter(product(x), axis_name, scatter_dimension=dim, tiled=True)`` as a ring, for
+    a ``product`` that computes each slice of ``x`` along ``dim`` on its own (a layer's matmul
+    on rows of the sequence; it keeps every dim but the last).
+
+    Each step computes one output chunk's partial from its rows of ``x`` and adds it to the
+    accumulator that arrived from the neighbour. Bidirectional: each chunk's rows are halved,
+    and each half's accumulator travels its own way round the ring.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from fsdp_tp import make_mesh
+    >>> mesh = make_mesh({"data": 2, "tensor": 4})
+    >>> x, w = jnp.arange(64.0).reshape(8, 8), jnp.ones((8, 2))
+    >>> f = lambda x, w: ring_reduce_scatter(lambda rows: rows @ w, x, "tensor", 0, "bidirectional")
+    >>> ring = jax.shard_map(f, mesh=mesh, in_specs=(P(None, "tensor"), P("tensor")), out_specs=P("tensor"))
+    >>> bool((ring(x, w) == x @ w).all())
+    True
+    """
+    require_mode(mode, "ring_reduce_scatter")
+    n, dim = jax.lax.axis_size(axis_name), dim % x.ndim
+    require_divisible(
+        "ring_reduce_scatter", f"dim {dim}", x.shape[dim], axis_text(axis_name), n, "pad it", x.shape
+    )
+    width = x.shape[dim] // n
+
+    def partial_of(start: int, size: int):
+        return lambda chunk: product(jax.lax.dynamic_slice_in_dim(x, chunk * width + start, size, axis=dim))
+
+    if mode == "unidirectional" or width < 2:
+        return _reduce_scatter_stream(partial_of(0, width), axis_name, 1)
+    half = width // 2
+    first = _reduce_scatter_stream(partial_of(0, half), axis_name, 1)
+    second = _reduce_scatter_stream(partial_of(half, width - half), axis_name, -1)
+    return jnp.concatenate([first, second], dim)
+
+
 def matmul_reduce_scatter(
     x: jax.Array, kernel: jax.Array, axis_name: AxisName, dim: int, mode: str, precision=None
 ) -> jax.Array:
-    """``psum_scatter(x @ kernel, axis_name, scatter_dimension=dim, tiled=True)`` as a ring.
-
-    Each step multiplies the rows of one output chunk and adds them to the
-    accumulator that arrived from the neighbour. Bidirectional: the kernel's
-    columns are halved and each half travels its own way round the ring.
+    """``psum_scatter(x @ kernel, axis_name, scatter_dimension=dim, tiled=True)`` as a ring
+    (:func:`ring_reduce_scatter` of the matmul).
 
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import PartitionSpec as P
@@ -142,29 +185,9 @@ def matmul_reduce_scatter(
     >>> bool((ring(x, w) == x @ w).all())
     True
     """
-    require_mode(mode, "matmul_reduce_scatter")
-    n = jax.lax.axis_size(axis_name)
-    require_divisible(
-        "matmul_reduce_scatter", f"dim {dim}", x.shape[dim], axis_text(axis_name), n, "pad it", x.shape
-    )
-    width = x.shape[dim] // n
 
-    def partial_of(columns):
-        def product(chunk):
-            rows = jax.lax.dynamic_slice_in_dim(x, chunk * width, width, axis=dim)
-            dims = (((rows.ndim - 1,), (0,)), ((), ()))
-            return jax.lax.dot_general(rows, columns, dims, precision=precision)
+    def product(rows):
+        dims = (((rows.ndim - 1,), (0,)), ((), ()))
+        return jax.lax.dot_general(rows, kernel, dims, precision=precision)
 
-        return product
-
-    features = kernel.shape[-1]
-    if mode == "unidirectional" or features < 2:
-        return _reduce_scatter_stream(partial_of(kernel), axis_name, 1)
-    half = features // 2
-    return jnp.concatenate(
-        [
-            _reduce_scatter_stream(partial_of(kernel[:, :half]), axis_name, 1),
-            _reduce_scatter_stream(partial_of(kernel[:, half:]), axis_name, -1),
-        ],
-        axis=-1,
-    )
+    return ring_reduce_scatter(product, x, axis_name, dim, mode)

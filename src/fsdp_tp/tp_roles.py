@@ -54,6 +54,7 @@ import jax.numpy as jnp
 
 from ._axes import checks_vma
 from ._einsum import Equation, register_einsum, shrunk, split_letter
+from .collective_matmul import RingChunks, require_mode, ring_reduce_scatter
 from .collectives import copy_to_axis, gather_from_axis
 from .dropout import split_after, splitting, unplaceable_after
 from .errors import RuleError
@@ -100,21 +101,52 @@ class Layer:
     bias: Callable[[], jax.Array] | None = None
 
 
-def _copied(args: tuple, kwargs: dict, axis: str, sequence_dim: int | None = None) -> tuple[tuple, dict]:
+def _copied(
+    args: tuple, kwargs: dict, axis: str, sequence_dim: int | None = None, ring: str | None = None
+) -> tuple[tuple, dict]:
     """Megatron's *f* on every floating array input, once per distinct array (self-attention
     passes one array as q, k and v: one backward all-reduce, not three); with
     ``sequence_dim``, the all-gather of the sequence slices instead (its backward
-    reduce-scatters)."""
+    reduce-scatters), or with ``ring`` its ``ppermute`` ring: the chunks as they arrive
+    (:class:`~fsdp_tp.collective_matmul.RingChunks`), which the layers multiply one by one."""
     done: dict[int, Any] = {}
 
     def copy(x):
         if not (isinstance(x, jax.Array | jax.core.Tracer) and jnp.issubdtype(x.dtype, jnp.floating)):
             return x
         if id(x) not in done:
-            done[id(x)] = column_input(x, axis, sequence_dim)
+            done[id(x)] = column_input(x, axis, sequence_dim, ring if sequence_dim is not None else None)
         return done[id(x)]
 
     return tuple(map(copy, args)), {k: copy(v) for k, v in kwargs.items()}
+
+
+def _ringable(role: TPRole, layer: Layer, sequence: int | None) -> None:
+    """A ring computes the layer chunk by chunk of the rows: a convolution's window reads its
+    neighbours' rows, and an einsum's rows are the sequence only it names."""
+    if layer.kind == "conv" or (layer.kind == "einsum" and sequence is None):
+        mode = getattr(role, "collective_matmul", None)
+        raise RuleError(
+            f"{layer.path}: {type(role).__name__}(collective_matmul={mode!r}) computes the layer on "
+            f"chunks of its rows, and a {layer.kind} layer "
+            + ("reads its neighbours' rows" if layer.kind == "conv" else "has no rows without sequence_dim")
+            + "; pass collective_matmul=None"
+            + ("." if layer.kind == "conv" else ", or give the role sequence_dim.")
+        )
+
+
+def _chunkwise(run, layer: Layer, args: tuple, kwargs: dict):
+    """``run`` on its input, or on each ring chunk as it arrives (the results in sequence
+    order, where the layer puts the sequence: an einsum may move it): a layer that computes
+    each position alone (a dense layer, an einsum over features)."""
+    if not (args and isinstance(args[0], RingChunks)):
+        return run(*args, **kwargs)
+    chunks = args[0]
+    out_dim = None
+    if layer.kind == "einsum":
+        eq = Equation.parse(layer.equation, layer.path)
+        out_dim = eq.output_dim(chunks.dim, len(chunks.shape))
+    return chunks.map(lambda chunk: run(chunk, *args[1:], **kwargs), out_dim)
 
 
 def _sequence_checked(role: TPRole, layer: Layer) -> int | None:
@@ -206,12 +238,15 @@ class ColumnParallel(TPRole):
     needs when the axis is larger (grouped-query attention with fewer kv heads than devices:
     device t's query heads read kv head ``t * K // axis``). One more all-reduce backward (the
     output's cotangent) than a split. ``sequence_dim``: the input arrives as this device's
-    slice of that dim and is all-gathered first (sequence parallelism)."""
+    slice of that dim and is all-gathered first (sequence parallelism); ``collective_matmul``
+    (``"unidirectional"`` / ``"bidirectional"``, with ``sequence_dim``): that gather as a
+    ``ppermute`` ring, each arriving chunk multiplied at once (:mod:`fsdp_tp.collective_matmul`)."""
 
     gather_output: bool = False
     letter: str | None = None
     replicated: bool = False
     sequence_dim: int | None = None
+    collective_matmul: str | None = None
     kinds: ClassVar[tuple[str, ...]] = ("dense", "conv", "einsum")
 
     def splits(self, layer):
@@ -255,8 +290,11 @@ class ColumnParallel(TPRole):
             if sequence is not None:
                 raise RuleError(f"{layer.path}: ColumnParallel(replicated=True) takes no sequence_dim.")
             return self._replicated(run(*args, **kwargs), layer)
-        args, kwargs = _copied(args, kwargs, self.axis, sequence)
-        out = run(*args, **kwargs)
+        require_mode(self.collective_matmul, f"{layer.path}: ColumnParallel")
+        if self.collective_matmul is not None and sequence is not None:
+            _ringable(self, layer, sequence)
+        args, kwargs = _copied(args, kwargs, self.axis, sequence, self.collective_matmul)
+        out = _chunkwise(run, layer, args, kwargs)
         eq, letter, _ = _einsum(layer, self, self.letter, "produced")
         dim = eq.dim_of(letter, eq.output, out.ndim) if letter else -len(layer.features)
         if self.gather_output:
@@ -311,10 +349,14 @@ class RowParallel(TPRole):
     einsum's): the kernel letter to split, one the inputs have and the output does not
     (default: the kernel's first such letter, e.g. the heads of ``'BTNH,NHD->BTD'``).
     ``sequence_dim``: the partial products are reduce-scattered along that dim instead, each
-    device leaving with its slice of the sequence (the bias's gradient summed over the axis)."""
+    device leaving with its slice of the sequence (the bias's gradient summed over the axis).
+    ``collective_matmul``: that reduce-scatter as a ``ppermute`` ring fused with the layer's
+    matmul, chunk by chunk of the sequence; without ``sequence_dim``, the sum as that ring along
+    the dim before the features, then an all-gather."""
 
     letter: str | None = None
     sequence_dim: int | None = None
+    collective_matmul: str | None = None
     kinds: ClassVar[tuple[str, ...]] = ("dense", "conv", "einsum")
 
     def splits(self, layer):
@@ -343,11 +385,36 @@ class RowParallel(TPRole):
             x = args[0] if args else kwargs["inputs"]
             eq.require_slice(letter, x.shape, layer.kernel_shape[dim] // jax.lax.axis_size(self.axis))
         sequence = _sequence_checked(self, layer)
-        out = row_reduce(run(*args, **kwargs), self.axis, sequence)  # (whole, or sequence slices)
+        if self.collective_matmul is None:
+            out = row_reduce(run(*args, **kwargs), self.axis, sequence)  # (whole, or sequence slices)
+        else:
+            out = self._ring(run, layer, args, kwargs, sequence)
         bias = layer.bias() if layer.use_bias and layer.bias is not None else None
         if bias is not None and letter:
             bias = bias.reshape(eq.bias_shape(bias.shape, out.ndim))
         return add_bias_once(out, bias, self.axis, sequence is not None, dtype=layer.dtype)
+
+    def _ring(self, run, layer: Layer, args: tuple, kwargs: dict, sequence: int | None) -> jax.Array:
+        """The layer on each chunk of its input's rows, reduce-scattered round the ring along the
+        sequence (or the dim before the features, then all-gathered: the sum, whole)."""
+        mode = self.collective_matmul
+        assert mode is not None  # (the caller's test)
+        require_mode(mode, f"{layer.path}: RowParallel")
+        x, *rest = args
+        _ringable(self, layer, sequence)
+        # the rows: the sequence, or the dim before the contracted ones (computed row by row)
+        dim = sequence if sequence is not None else x.ndim - layer.contracted - 1
+        if dim % x.ndim >= x.ndim - layer.contracted:
+            raise RuleError(
+                f"{layer.path}: RowParallel(collective_matmul={self.collective_matmul!r}) chunks dim "
+                f"{dim} of its input, and the input has shape {x.shape}; pass collective_matmul=None."
+            )
+        out = ring_reduce_scatter(lambda rows: run(rows, *rest, **kwargs), x, self.axis, dim, mode)
+        if sequence is None:
+            split_after({})
+            return gather_from_axis(out, dim % x.ndim, self.axis)
+        split_after({sequence - out.ndim: self.axis}, out.shape)  # as row_reduce says for dropout
+        return out
 
 
 @dataclass(frozen=True)
@@ -362,10 +429,13 @@ class HeadParallel(TPRole):
     heads than devices): the key and value projections stay whole on every device, and each
     device projects with the block of kv heads its query heads read
     (:func:`~fsdp_tp.tp.kept_block`: their gradients are summed over the axis, one more
-    all-reduce backward per projection than a split)."""
+    all-reduce backward per projection than a split). ``collective_matmul`` (with
+    ``sequence_dim``): the gather of the inputs and the output projection's reduce-scatter as
+    ``ppermute`` rings, the query, key and value projections computed chunk by chunk."""
 
     sequence_dim: int | None = None
     replicated_kv: bool = False
+    collective_matmul: str | None = None
     kinds: ClassVar[tuple[str, ...]] = ("attention",)
 
     def splits(self, layer):
@@ -405,10 +475,19 @@ class HeadParallel(TPRole):
         return self.replicated_kv
 
     def inner(self):
-        return {"out": RowParallel(self.axis, sequence_dim=self.sequence_dim)}
+        ring, sequence = self.collective_matmul, self.sequence_dim
+        roles: dict[str, TPRole] = {
+            "out": RowParallel(self.axis, sequence_dim=sequence, collective_matmul=ring)
+        }
+        if ring is not None and sequence is not None:  # the projections get the ring's chunks
+            roles |= dict.fromkeys(("query", "key", "value"), _ChunkWise(self.axis))
+        return roles
 
     def around(self, method, run, layer, args, kwargs):
-        args, kwargs = _copied(args, kwargs, self.axis, _sequence_checked(self, layer))
+        require_mode(self.collective_matmul, f"{layer.path}: HeadParallel")
+        args, kwargs = _copied(
+            args, kwargs, self.axis, _sequence_checked(self, layer), self.collective_matmul
+        )
         with splitting({-3: self.axis}):  # (..., heads, queries, keys) weights
             out = run(*args, **kwargs)
         split_after({})
@@ -446,6 +525,23 @@ class VocabParallel(TPRole):
         rows = layer.num_embeddings // jax.lax.axis_size(self.axis)
         lookup = vocab_lookup(ids, rows, self.axis, lambda i: run(i, *rest, **kwargs))
         return row_reduce(lookup, self.axis, sequence)  # summed, or scattered along the sequence
+
+
+@dataclass(frozen=True)
+class _ChunkWise(TPRole):
+    """A projection inside a role's module (attention's query, key, value) that the module
+    hands the ring's chunks: computed chunk by chunk, its split and sizes the outer role's."""
+
+    kinds: ClassVar[tuple[str, ...]] = ("dense", "einsum")
+
+    def splits(self, layer):
+        return {}
+
+    def divides(self, layer):
+        return {}
+
+    def around(self, method, run, layer, args, kwargs):
+        return _chunkwise(run, layer, args, kwargs)
 
 
 ROLES: tuple[type[TPRole], ...] = (ColumnParallel, RowParallel, HeadParallel, VocabParallel)

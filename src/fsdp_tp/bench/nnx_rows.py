@@ -1,7 +1,8 @@
 """The main job's GPT in NNX against the same GPT in Linen (``fsdp-tp train --api nnx`` vs
 ``--api linen``): state and wire bytes per device, exact, and step time as a ratio in one run.
 
-Both compute Megatron's TP, with sequence parallelism or without, and kv heads kept whole where
+Both compute Megatron's TP, with sequence parallelism or without, with the collective-matmul
+rings or without, and kv heads kept whole where
 the tensor axis does not divide them (Linen's layers, NNX's roles: ``tp_rules``); FSDP splits
 what Linen's ``shard_module_params`` splits (:func:`fsdp_tp.models.nnx_transformer.storage_rules`).
 """
@@ -26,13 +27,15 @@ from .report import spread
 
 __all__ = ["MESHES", "Built", "against_linen", "build", "nnx_costs", "nnx_section"]
 
-# name: (mesh sizes, sequence parallelism). On tensor 8 the preset's 4 kv heads are kept whole.
+# name: (mesh sizes, sequence parallelism, rings). On tensor 8 the preset's 4 kv heads are kept
+# whole.
 MESHES = {
-    "fsdp": ({"data": 1, "fsdp": 8, "tensor": 1}, True),
-    "fsdp_tp": ({"data": 1, "fsdp": 4, "tensor": 2}, True),
-    "fsdp_tp, no SP": ({"data": 1, "fsdp": 4, "tensor": 2}, False),
-    "dp_fsdp_tp": ({"data": 2, "fsdp": 2, "tensor": 2}, True),
-    "tp8, kv kept": ({"data": 1, "fsdp": 1, "tensor": 8}, True),
+    "fsdp": ({"data": 1, "fsdp": 8, "tensor": 1}, True, None),
+    "fsdp_tp": ({"data": 1, "fsdp": 4, "tensor": 2}, True, None),
+    "fsdp_tp, no SP": ({"data": 1, "fsdp": 4, "tensor": 2}, False, None),
+    "fsdp_tp, async": ({"data": 1, "fsdp": 4, "tensor": 2}, True, "bidirectional"),
+    "dp_fsdp_tp": ({"data": 2, "fsdp": 2, "tensor": 2}, True, None),
+    "tp8, kv kept": ({"data": 1, "fsdp": 1, "tensor": 8}, True, None),
 }
 PRESET, BATCH_SIZE, MIN_WEIGHT_SIZE = "small", 16, 2**10  # the CLI's defaults but the preset
 
@@ -51,11 +54,17 @@ class Built:
 
 
 def build(
-    api: str, sizes: dict, config: ModelConfig, batch: int, min_weight_size: int, sequence_parallel: bool
+    api: str,
+    sizes: dict,
+    config: ModelConfig,
+    batch: int,
+    min_weight_size: int,
+    sequence_parallel: bool,
+    collective_matmul: str | None = None,
 ) -> Built:
     """The CLI's GPT of ``config`` in ``api`` on a mesh of ``sizes``: initialized, its step
     compiled, and its bytes and collectives read."""
-    layout = Layout("tensor", "fsdp", sequence_parallel=sequence_parallel, min_weight_size=min_weight_size)
+    layout = Layout("tensor", "fsdp", sequence_parallel, collective_matmul, min_weight_size)
     settings = Settings(config, 100, batch, 1, 1e-3, 1, 0, layout, True, api=api)
     trainer = Trainer(settings, make_mesh(sizes))  # the CLI's model, state and specs
     step = shard_step(step_fn(settings, trainer.model.logits), trainer.mesh, trainer.specs, BATCH)
@@ -73,17 +82,21 @@ Costs = list[tuple[str, Built, Built, list[float], list[float]]]
 
 def against_linen(linen: Built, ours: Built) -> str:
     """``"equal"``: the same state bytes on every device and the same collectives (ops and wire
-    bytes of each kind); ``"all-reduce -N B"``: the same but for fewer all-reduce wire bytes,
-    which sequence parallelism gives NNX (JAX's ``check_vma`` sums a norm's gradient over
-    tensor and the batch axes in one all-reduce; Linen's layers take two, their explicit *f*
-    over tensor, then the batch sync); ``"NO"``: anything else."""
+    bytes of each kind); ``"all-reduce +K ops, -N B"``: the same but for the all-reduces, whose
+    wire bytes are no more than Linen's, which sequence parallelism gives NNX (JAX's
+    ``check_vma`` sums a norm's gradient over tensor and the batch axes in one all-reduce;
+    Linen's layers take two, their explicit *f* over tensor, then the batch sync; the ops
+    group otherwise); ``"NO"``: anything else."""
     if ours.state_bytes != linen.state_bytes:
         return "NO"
     if ours.collectives == linen.collectives:
         return "equal"
     others = lambda built: {k: v for k, v in built.collectives.items() if k != "all-reduce"}
-    fewer = linen.collectives["all-reduce"]["wire_bytes"] - ours.collectives["all-reduce"]["wire_bytes"]
-    return f"all-reduce -{fewer:,.0f} B" if others(ours) == others(linen) and fewer > 0 else "NO"
+    ours_reduce, linen_reduce = ours.collectives["all-reduce"], linen.collectives["all-reduce"]
+    fewer = linen_reduce["wire_bytes"] - ours_reduce["wire_bytes"]
+    if others(ours) != others(linen) or fewer < 0:
+        return "NO"
+    return f"all-reduce {int(ours_reduce['ops'] - linen_reduce['ops']):+d} ops, -{fewer:,.0f} B"
 
 
 def nnx_costs(blocks: int, steps: int) -> Costs:
@@ -91,8 +104,10 @@ def nnx_costs(blocks: int, steps: int) -> Costs:
     APIs' steps timed interleaved."""
     config = preset(PRESET)
     out = []
-    for name, (sizes, sp) in MESHES.items():
-        linen, ours = (build(api, sizes, config, BATCH_SIZE, MIN_WEIGHT_SIZE, sp) for api in ("linen", "nnx"))
+    for name, (sizes, sp, ring) in MESHES.items():
+        linen, ours = (
+            build(api, sizes, config, BATCH_SIZE, MIN_WEIGHT_SIZE, sp, ring) for api in ("linen", "nnx")
+        )
         times = step_seconds([linen, ours], blocks, steps)
         out.append((name, linen, ours, times[linen.label], times[ours.label]))
     return out
@@ -116,12 +131,13 @@ def nnx_section(costs: Costs) -> str:
         f"\n### The GPT in NNX against the GPT in Linen (`--api nnx`, preset {PRESET}, "
         f"batch {BATCH_SIZE})\n\n"
         "The same model written in each API, from the same init, with sequence parallelism (the "
-        "CLI's default) but where the mesh name says *no SP*; on tensor 8 the preset's 4 kv heads "
-        "are kept whole. State bytes on the fullest device, the compiled step's collectives "
-        "(per device: ops, wire bytes), against Linen's on every device (*equal*, or fewer "
-        "all-reduce bytes: under sequence parallelism JAX's `check_vma` sums a norm's gradient "
-        "over tensor and the batch axes in one all-reduce, where Linen's layers take two), and "
-        "step time, interleaved:\n\n"
+        "CLI's default) but where the mesh name says *no SP*, the collective-matmul rings where it "
+        "says *async* (`--async-tp bidirectional`); on tensor 8 the preset's 4 kv heads are kept "
+        "whole. State bytes on the fullest device, the compiled step's collectives "
+        "(per device: ops, wire bytes), against Linen's on every device (*equal*, or other "
+        "all-reduces of no more bytes: under sequence parallelism JAX's `check_vma` sums a norm's "
+        "gradient over tensor and the batch axes in one all-reduce, where Linen's layers take "
+        "two), and step time, interleaved:\n\n"
         "| mesh | API | state B/device | collectives | vs Linen | step ms median (min-max) | ÷ Linen |\n"
         "|---|---|---:|---|---|---:|---:|\n" + "\n".join(rows) + "\n"
     )

@@ -216,19 +216,17 @@ def check_schedule(args) -> None:
 
 def check_nnx(args, tensor: int) -> None:
     """``--api nnx``: what the NNX GPT's rules do not do, refused before anything starts:
-    the collective-matmul rings, mixed-precision gathers, and sequence parallelism without
-    ``check_vma`` (a norm's scale reads sequence slices: JAX's checking sums its gradient)."""
+    mixed-precision gathers, and sequence parallelism without ``check_vma`` (a norm's scale
+    reads sequence slices: JAX's checking sums its gradient)."""
     refused = [
-        (f"--async-tp {args.async_tp}", args.async_tp != "off"),
         (f"--gather-dtype {args.gather_dtype}", args.gather_dtype != "f32"),
         (f"--reduce-dtype {args.reduce_dtype}", args.reduce_dtype != "f32"),
     ]
     given = [flag for flag, on in refused if on]
     if given:
         raise UsageError(
-            f"--api nnx does not take {', '.join(given)}: the NNX GPT has tensor parallelism by rules "
-            f"without rings or mixed-precision gathers; drop {'it' if len(given) == 1 else 'them'}, "
-            f"or use --api linen."
+            f"--api nnx does not take {', '.join(given)}: the NNX GPT has no mixed-precision "
+            f"gathers; drop {'it' if len(given) == 1 else 'them'}, or use --api linen."
         )
     if args.sequence_parallel is not False and tensor > 1 and not args.check_vma:
         raise UsageError(

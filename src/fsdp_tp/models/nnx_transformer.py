@@ -36,25 +36,31 @@ from .remat import REMAT_POLICIES
 __all__ = ["TP_RULES", "NNXTransformer", "storage_rules", "tp_rules"]
 
 
-def tp_rules(sequence_parallel: bool = False, replicated_kv: bool = False) -> tuple:
+def tp_rules(
+    sequence_parallel: bool = False, replicated_kv: bool = False, collective_matmul: str | None = None
+) -> tuple:
     """Megatron on the GPT's layers, by module path (each matches inside the scanned stack
     too): heads split over tensor (q/k/v column-parallel after one f, out row-parallel), the
     MLP column then row, the embedding split on the vocabulary, the head column-parallel with
     its logits left split on the vocabulary for the vocab-parallel loss.
     ``sequence_parallel``: the activations between them split along the sequence (dim 1), as
     the Linen GPT's layout does; ``replicated_kv``: kv heads kept whole (fewer than, or not
-    divisible by, the tensor axis), as Linen's attention block keeps them.
+    divisible by, the tensor axis), as Linen's attention block keeps them;
+    ``collective_matmul`` (``"unidirectional"`` / ``"bidirectional"``): the tensor-parallel
+    collectives as ``ppermute`` rings overlapped with the matmuls, where the Linen GPT's
+    layers have them (the sequence gathers and the row layers' reductions; the embedding's
+    sum stays a collective).
 
-    >>> tp_rules(sequence_parallel=True)[0]
-    ('/attn$', HeadParallel(axis='tensor', sequence_dim=1, replicated_kv=False))
+    >>> [role for _, role in tp_rules(sequence_parallel=True, collective_matmul="bidirectional")][2]
+    RowParallel(axis='tensor', letter=None, sequence_dim=1, collective_matmul='bidirectional')
     """
-    seq = 1 if sequence_parallel else None
+    seq, ring = (1 if sequence_parallel else None), collective_matmul
     return (
-        (r"/attn$", HeadParallel(sequence_dim=seq, replicated_kv=replicated_kv)),
-        (r"mlp/wi$", ColumnParallel(sequence_dim=seq)),
-        (r"mlp/wo$", RowParallel(sequence_dim=seq)),
+        (r"/attn$", HeadParallel(sequence_dim=seq, replicated_kv=replicated_kv, collective_matmul=ring)),
+        (r"mlp/wi$", ColumnParallel(sequence_dim=seq, collective_matmul=ring)),
+        (r"mlp/wo$", RowParallel(sequence_dim=seq, collective_matmul=ring)),
         (r"^embed$", VocabParallel(sequence_dim=seq)),
-        (r"^head$", ColumnParallel(sequence_dim=seq)),
+        (r"^head$", ColumnParallel(sequence_dim=seq, collective_matmul=ring if seq else None)),
     )
 
 

@@ -56,6 +56,7 @@ def sharded_gpt(
     min_weight_size: int,
     batch_axes: tuple,
     sequence_parallel: bool = False,
+    collective_matmul: str | None = None,
 ) -> ShardedModel:
     """The NNX GPT of ``config`` laid out on a mesh of ``sizes`` as the Linen GPT's layout
     lays it out: Megatron TP by :func:`~fsdp_tp.models.nnx_transformer.tp_rules` over
@@ -64,8 +65,7 @@ def sharded_gpt(
     (:func:`~fsdp_tp.models.nnx_transformer.storage_rules`)."""
     make = nnx_maker(config)
     abstract = nnx.eval_shape(lambda: NNXTransformer(**config.model_sizes(), rngs=nnx.Rngs(0)))
-    tensor = sizes.get("tensor", 1)
-    # (on one tensor device the sequence is whole: nothing to split, no check_vma to need)
-    tp = tp_rules(sequence_parallel and tensor > 1, replicated_kv=config.num_kv_heads % tensor != 0)
+    kept = config.num_kv_heads % sizes.get("tensor", 1) != 0
+    tp = tp_rules(sequence_parallel, kept, collective_matmul)
     rules = storage_rules(abstract, sizes, min_weight_size, tp)
     return shard_by_rules(make, rules, tp_rules=tp, batch_axes=batch_axes)
