@@ -123,7 +123,7 @@ def attention_rules(pattern: str = r"MultiHeadDotProductAttention_\d+$", axis: s
     >>> pattern
     'MultiHeadDotProductAttention_\\\\d+$'
     >>> role
-    HeadParallel(axis='tensor', sequence_dim=None, replicated_kv=False)
+    HeadParallel(axis='tensor', sequence_dim=None, replicated_kv=False, collective_matmul=None)
     """
     return [(pattern, HeadParallel(axis))]
 
