@@ -19,9 +19,9 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 import fsdp_tp.nnx
-from fsdp_tp._tp_rules import require_no_tp_axis, with_split
 from fsdp_tp.errors import RuleError
 from fsdp_tp.linen.tp_rules import ColumnParallel, HeadParallel, RowParallel
+from fsdp_tp.tp._rules import require_no_tp_axis, with_split
 
 AXES = ("data", "fsdp", "tensor")
 

@@ -344,7 +344,7 @@ def test_negative_control_sequence_slices_not_marked(check_vma, monkeypatch):
     """With the layers not saying what they split, the residual stream varies over 'tensor'
     where no dim accounts for it: refused (the init traces the model with checking on, so the
     unchecked step's model is refused there too), where the mask would repeat over ranks."""
-    monkeypatch.setattr(fsdp_tp.tp, "split_after", lambda *args, **kwargs: None)
+    monkeypatch.setattr(fsdp_tp.tp.pieces, "split_after", lambda *args, **kwargs: None)
     monkeypatch.setattr(fsdp_tp.linen.layers.dense, "split_after", lambda *args, **kwargs: None)
     with pytest.raises(ValueError, match="no dim is known to be split over it"):
         test_dropout_on_sequence_slices_is_the_unsharded_models(check_vma)
@@ -424,7 +424,7 @@ def _einsum_attention(drop: str, heads: int = 8):
     return Linen, NNX
 
 
-EINSUM_TP = [("q$", fsdp_tp.tp_roles.ColumnParallel()), ("out$", fsdp_tp.tp_roles.RowParallel())]
+EINSUM_TP = [("q$", fsdp_tp.tp.roles.ColumnParallel()), ("out$", fsdp_tp.tp.roles.RowParallel())]
 
 
 def _einsum_attention_outputs(api: str, drop: str, check_vma: bool):
@@ -476,7 +476,7 @@ def test_negative_control_a_split_not_tied_to_its_shape_draws_a_wrong_mask_silen
     """With the roles' splits applied to every shape (as before), dropout on the weights runs
     and marks their query dim as split: not the unsharded model's numbers, and no error."""
     split_after = fsdp_tp.dropout.split_after
-    monkeypatch.setattr(fsdp_tp.tp_roles, "split_after", lambda dims, *_, **__: split_after(dims))
+    monkeypatch.setattr(fsdp_tp.tp.roles, "split_after", lambda dims, *_, **__: split_after(dims))
     out, twin = _einsum_attention_outputs("linen", "weights", check_vma=False)
     assert not np.allclose(out, twin, rtol=RTOL, atol=ATOL)
 

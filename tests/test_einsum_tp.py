@@ -31,13 +31,13 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 import fsdp_tp._einsum
-from fsdp_tp import tp_roles
 from fsdp_tp.analysis import operand_count, parse_collectives
 from fsdp_tp.bench.llama_rows import NNXSharded as Sharded
 from fsdp_tp.bench.llama_rows import llama_section, lowered_lm_step, measure
 from fsdp_tp.errors import IndivisibleShapeError, RuleError
 from fsdp_tp.models.llama import FSDP_RULES, RULES, SIZES, LlamaLM, NNXLlamaLM
-from fsdp_tp.tp_roles import ColumnParallel, RowParallel, register_einsum
+from fsdp_tp.tp import roles as tp_roles
+from fsdp_tp.tp.roles import ColumnParallel, RowParallel, register_einsum
 from tests import test_tp_rules
 from tests.equivalence import Case, assert_trees_close, check_equivalence
 from tests.nnx_models import Twin

@@ -31,7 +31,6 @@ CORE = (
     "_optimizer",
     "_state_tree",
     "_step_memory",
-    "_tp_rules",
     "_trace",
     "_tree",
     "_types",
@@ -50,6 +49,10 @@ CORE = (
     "rules",
     "sharded_init",
     "tp",
+    "tp._role",
+    "tp._rules",
+    "tp.pieces",
+    "tp.roles",
     "tp_roles",
     "train",
 )

@@ -88,7 +88,7 @@ def _check_fsdp_tp(mesh, scan, check_vma, layers, widths, seed=0):
 def test_negative_control_a_row_layer_without_its_sum(monkeypatch):
     """The property above on a TP mesh, with each row layer's partial products left unsummed
     over tensor: the outputs differ, and the check says so."""
-    from fsdp_tp import tp_roles
+    from fsdp_tp.tp import roles as tp_roles
 
     def unsummed(self, method, run, layer, args, kwargs):
         bias = layer.bias() if layer.use_bias and layer.bias is not None else None

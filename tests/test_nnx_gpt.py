@@ -183,8 +183,8 @@ def test_train_api_nnx_keeps_fewer_kv_heads_than_tensor_whole_and_equals_the_twi
 def test_negative_control_every_device_reading_the_first_kv_head_fails_the_check(monkeypatch):
     """Were each device to read kv head 0 (not ``t * K // size``), the query heads of devices
     2 and 3 would attend with another head's keys: --check must notice and exit 1."""
-    from fsdp_tp import tp_roles
     from fsdp_tp.collectives import copy_to_axis
+    from fsdp_tp.tp import roles as tp_roles
 
     def first_block(param, dim, blocks, axis_name):
         width = param.shape[dim] // blocks
@@ -198,7 +198,7 @@ def test_negative_control_every_device_reading_the_first_kv_head_fails_the_check
 def test_negative_control_a_ring_that_drops_its_neighbours_partial_sums_fails_the_check(monkeypatch):
     """Were the row layers' ring to keep this device's partial products only (no accumulator
     passed round), the run would be another model: --check must notice and exit 1."""
-    from fsdp_tp import tp_roles
+    from fsdp_tp.tp import roles as tp_roles
 
     def own_share(product, x, axis_name, dim, mode):
         rows = x.shape[dim] // jax.lax.axis_size(axis_name)

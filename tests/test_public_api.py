@@ -62,6 +62,19 @@ def test_the_0_1_import_path_of_tp_rules_works_with_a_warning_naming_the_new_one
     assert "goes in 0.3.0" in done.stderr
 
 
+def test_the_roles_are_one_module_under_their_0_2_name_too():
+    """Issue 43 point 4: the TP concept is the package fsdp_tp.tp; ``fsdp_tp.tp_roles`` (0.2's
+    spelling) is the same module object as ``fsdp_tp.tp.roles``, so what one name patches or a
+    user registers, the other sees. A fresh process, so the import really runs."""
+    source = (
+        "import fsdp_tp.tp_roles as old, fsdp_tp.tp.roles as new, fsdp_tp.tp as tp; "
+        "print(old is new, tp.ColumnParallel is new.ColumnParallel, "
+        "tp.column_input is tp.pieces.column_input)"
+    )
+    done = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.split() == ["True", "True", "True"], done.stderr
+
+
 def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     command = re.search(r"\*\*Run the tests\*\*.*?\n\n    ([^\n]+)\n", readme, re.S).group(1)

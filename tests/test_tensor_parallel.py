@@ -85,7 +85,7 @@ def test_gathered_column_output_equals_dense(mesh, check_vma):
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_negative_control_plain_psum_in_unchecked_mode_is_caught(check_vma, monkeypatch):
     """A row layer that psums with JAX's own transpose: right when checked, T times too large when not."""
-    from fsdp_tp import tp  # Megatron's g lives once, in tp.row_reduce: every row layer and role uses it
+    from fsdp_tp.tp import pieces as tp  # Megatron's g lives once: every row layer and role uses it
 
     monkeypatch.setattr(tp, "reduce_from_axis", lambda x, axis_name: jax.lax.psum(x, axis_name))
     case = Case(

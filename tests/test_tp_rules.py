@@ -28,13 +28,13 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
-from fsdp_tp import tp_roles
 from fsdp_tp.analysis import collective_summary, dot_flops, parse_collectives, state_bytes_per_device
 from fsdp_tp.bench.llama_rows import NNXSharded as Sharded
 from fsdp_tp.bench.llama_rows import lowered_lm_step
 from fsdp_tp.errors import IndivisibleShapeError, RuleError
 from fsdp_tp.linen.tp_rules import attention_rules, mlp_rules
-from fsdp_tp.tp_roles import ColumnParallel, HeadParallel, RowParallel, VocabParallel
+from fsdp_tp.tp import roles as tp_roles
+from fsdp_tp.tp.roles import ColumnParallel, HeadParallel, RowParallel, VocabParallel
 from tests.equivalence import Case, check_equivalence
 from tests.nnx_models import Twin, lm_maker
 from tests.plain_models import PlainLM
@@ -432,7 +432,7 @@ def _plain(tp, rules=(), **sizes):
             r"matches layer_0/LayerNorm_0, a LayerNorm, which has no tensor-parallel role and no submodule "
             r"one computes \(roles compute ColumnParallel: nn.Dense, .*"
             r"VocabParallel: nn.Embed\). If it computes an einsum of its input and one kernel parameter, "
-            r"tell the roles so: fsdp_tp.tp_roles.register_einsum\(LayerNorm, equation, kernel=\.\.\., "
+            r"tell the roles so: fsdp_tp.tp.roles.register_einsum\(LayerNorm, equation, kernel=\.\.\., "
             r"sizes=\.\.\.\); else drop the rule",
         ),
         # a layer another role computes: that role is named

@@ -30,7 +30,7 @@ from ..mesh import make_mesh
 from ..models.llama import FSDP_RULES, RULES, LlamaLM, NNXLlamaLM
 from ..nnx import tp_splits
 from ..sharded_init import init_sharded
-from ..tp_roles import ColumnParallel
+from ..tp.roles import ColumnParallel
 from ..train import TrainState, shard_step
 from .figures import median, step_seconds
 from .report import spread

@@ -4,11 +4,11 @@ An ``nn.intercept_methods`` interceptor sees every submodule call of the transfo
 model. At init it lets a named submodule create its full parameters from its own rng
 (so the init is the unsplit model's, bit for bit) and records, per parameter path, the
 dim its role splits, which the transform's :func:`~fsdp_tp.linen._transform.store` adds to the
-rule's layout (:func:`fsdp_tp._tp_rules.with_split`). At apply it runs a clone of the submodule bound to
+rule's layout (:func:`fsdp_tp.tp._rules.with_split`). At apply it runs a clone of the submodule bound to
 the same scope, with the attributes that make it compute on the local sizes (a
 ``Dense`` with ``features / size``), so flax reads the stored slices as the module's
 own parameters; the role puts the collectives around that call
-(:mod:`fsdp_tp.tp_roles`).
+(:mod:`fsdp_tp.tp.roles`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ import jax
 from flax import errors as flax_errors
 
 from .._axes import require_axes
-from .._tp_rules import (
+from .._tree import module_path
+from .._types import AxisName
+from ..tp._rules import (
     CompiledRole,
     kind_error,
     require_divides,
@@ -32,9 +34,7 @@ from .._tp_rules import (
     role_of,
     slice_error,
 )
-from .._tree import module_path
-from .._types import AxisName
-from ..tp_roles import TPRole
+from ..tp.roles import TPRole
 from .tp_rules import LINEN, layer_of, local_attributes
 
 __all__ = ["Seen", "local_compute"]

@@ -20,11 +20,11 @@ from jax.sharding import PartitionSpec
 
 from .._axes import bound_axis_names, entry_axes
 from .._batch import DEFAULT_BATCH_AXES, checked_batch_axes, resolve_batch_axes
-from .._tp_rules import compile_tp_rules, require_all_matched, require_no_tp_axis, spec_source, with_split
 from .._types import AxisNames
 from ..errors import RuleError
 from ..precision import MixedPrecision, checked_policy
 from ..rules import REPLICATED, CompiledRule, Rules, as_spec, compile_rules, spec_for, unmatched_warning
+from ..tp._rules import compile_tp_rules, require_all_matched, require_no_tp_axis, spec_source, with_split
 from ._gather import gather
 from ._local_compute import Seen, local_compute
 from ._transform import (

@@ -2,7 +2,7 @@
 
 A rule is ``(pattern, role)``: ``pattern`` is searched (``re.search``) in a submodule's
 path, as every rule of the library is (:mod:`fsdp_tp.rules`), and ``role`` (one of
-:mod:`fsdp_tp.tp_roles`, the same objects the NNX front end takes) says how that submodule
+:mod:`fsdp_tp.tp.roles`, the same objects the NNX front end takes) says how that submodule
 computes on its slices over a mesh axis. The Linen layers each role computes (:data:`LINEN`):
 
 - :class:`ColumnParallel`, :class:`RowParallel`: ``nn.Dense``, ``nn.DenseGeneral``,
@@ -32,9 +32,9 @@ import flax.linen as nn
 from flax.core import meta
 
 from .._einsum import Equation, computes_of
-from .._tp_rules import Kinds, dims
 from .._tree import module_path
-from ..tp_roles import ROLES, ColumnParallel, HeadParallel, Layer, RowParallel, TPRole, VocabParallel
+from ..tp._rules import Kinds, dims
+from ..tp.roles import ROLES, ColumnParallel, HeadParallel, Layer, RowParallel, TPRole, VocabParallel
 
 __all__ = [
     "LINEN",
@@ -98,7 +98,7 @@ def layer_of(module: nn.Module, args: tuple, kwargs: dict) -> Layer:
 
 
 def local_attributes(module: nn.Module, local: dict[str, Any], args: tuple, kwargs: dict) -> dict[str, Any]:
-    """A role's local sizes (:meth:`~fsdp_tp.tp_roles.TPRole.local`) as ``module``'s attributes."""
+    """A role's local sizes (:meth:`~fsdp_tp.tp.roles.TPRole.local`) as ``module``'s attributes."""
     out = {k: v for k, v in local.items() if k in ("use_bias", "num_embeddings")}
     if "kernel_shape" in local and (own := computes_of(type(module))) is not None:
         out |= own.attributes(local["kernel_shape"])

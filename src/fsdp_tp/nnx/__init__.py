@@ -3,7 +3,7 @@ gathered where it is read, with the core's tensor-parallel roles, init, step, op
 and checkpoints.
 
 :func:`shard_by_rules` is the one verb; its ``tp_rules=`` take the core's roles
-(:mod:`fsdp_tp.tp_roles`, re-exported here), the same objects the Linen front end takes. It
+(:mod:`fsdp_tp.tp.roles`, re-exported here), the same objects the Linen front end takes. It
 returns a :class:`ShardedModel`: pass its ``state_init_fn(tx)`` to
 :func:`fsdp_tp.init_sharded`, and inside the step function given to
 :func:`fsdp_tp.shard_step` rebuild the model with ``merge(state.params, state.model_state)``
@@ -12,7 +12,7 @@ and differentiate with respect to the params, as a Linen step does with ``model.
 Nothing here imports ``flax.linen``, and the core imports nothing from here.
 """
 
-from ..tp_roles import ColumnParallel, HeadParallel, RowParallel, VocabParallel
+from ..tp.roles import ColumnParallel, HeadParallel, RowParallel, VocabParallel
 from ._model import ShardedModel, shard_by_rules
 from ._tp import tp_splits
 

@@ -25,11 +25,11 @@ from .._axes import axes_named, bound_axis_names
 from .._batch import checked_batch_axes, resolve_batch_axes
 from .._layout import block_of, check_fit
 from .._optimizer import checked_tx
-from .._tp_rules import compile_tp_rules, spec_source, with_split
 from .._types import AxisNames, is_box
 from ..dropout import split_after
 from ..errors import RuleError
 from ..rules import REPLICATED, Rules, as_spec, compile_rules, logical_spec, spec_for, unmatched_warning
+from ..tp._rules import compile_tp_rules, spec_source, with_split
 from ..train import TrainState
 from ._dropout import exact_dropouts
 from ._read import FoldPlan, ReadPlan, on_read

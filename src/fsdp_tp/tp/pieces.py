@@ -3,7 +3,7 @@ layer do around their local computation. Framework-free (no ``flax.linen``).
 
 Every tensor-parallel path of the library computes through these functions: the layers of
 :mod:`fsdp_tp.linen.layers` (``ColumnParallelDense``, ``RowParallelDense``,
-``VocabParallelEmbed``, the blocks) and the tp-rule roles of :mod:`fsdp_tp.tp_roles`
+``VocabParallelEmbed``, the blocks) and the tp-rule roles of :mod:`fsdp_tp.tp.roles`
 (``ColumnParallel``, ``RowParallel``, ``HeadParallel``, ``VocabParallel``) that put them
 around a module the user did not write, in either front end. A new role composes these; it does not write a
 collective of its own.
@@ -47,11 +47,11 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
-from ._layout import axis_text, require_divisible
-from ._types import AxisName
-from .collective_matmul import RingChunks, ring_all_gather
-from .collectives import copy_to_axis, reduce_from_axis
-from .dropout import split_after
+from .._layout import axis_text, require_divisible
+from .._types import AxisName
+from ..collective_matmul import RingChunks, ring_all_gather
+from ..collectives import copy_to_axis, reduce_from_axis
+from ..dropout import split_after
 
 __all__ = [
     "add_bias_once",

@@ -13,13 +13,13 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
-from ._axes import axes_named, entry_axes
-from ._einsum import computes_of
-from ._layout import axis_text, require_divisible
-from ._types import AxisName
-from .errors import RuleError
-from .rules import split_rule
-from .tp_roles import ROLES, ColumnParallel, Layer, TPRole
+from .._axes import axes_named, entry_axes
+from .._einsum import computes_of
+from .._layout import axis_text, require_divisible
+from .._types import AxisName
+from ..errors import RuleError
+from ..rules import split_rule
+from .roles import ROLES, ColumnParallel, Layer, TPRole
 
 __all__ = [
     "CompiledRole",
@@ -132,7 +132,7 @@ def kind_error(role: TPRole, pattern: str, cls: type, path: str, modules: Mappin
     return RuleError(
         f"{what}, which has no tensor-parallel role and no submodule one computes (roles compute "
         f"{every}). If it computes an einsum of its input and one kernel parameter, tell the roles so: "
-        f"fsdp_tp.tp_roles.register_einsum({cls.__name__}, equation, kernel=..., sizes=...); else drop "
+        f"fsdp_tp.tp.roles.register_einsum({cls.__name__}, equation, kernel=..., sizes=...); else drop "
         f"the rule (storage rules can still split its parameters)."
     )
 

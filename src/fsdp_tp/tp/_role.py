@@ -1,0 +1,175 @@
+"""What every tensor-parallel role stands on: :class:`Layer` (a submodule as a role sees it,
+whichever front end built it), :class:`TPRole` (the interface a role implements), and the
+steps the roles of :mod:`fsdp_tp.tp.roles` share around a layer's call (Megatron's *f* once per
+activation, a ring's chunks computed as they arrive, the ``check_vma`` a sequence split needs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from .._axes import checks_vma
+from .._einsum import Equation, split_letter
+from ..collective_matmul import RingChunks
+from ..errors import RuleError
+from .pieces import column_input
+
+__all__ = ["Layer", "TPRole"]
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A submodule as a role sees it, whichever front end built it.
+
+    ``kind``: ``"dense"``, ``"conv"``, ``"einsum"``, ``"attention"`` or ``"embed"``.
+    ``features``: the output feature dims; ``contracted``: how many input dims it contracts;
+    ``in_size``: the first contracted dim's size; ``groups``: a convolution's feature groups;
+    ``equation`` and ``kernel_shape``: an einsum's (0 for a size the module does not hold);
+    ``parameters``: the names a role may split, the kernel first (a module registered with
+    :func:`~fsdp_tp._einsum.register_einsum`: its kernel only); ``bias``: reads the stored
+    bias as the module reads it (gathered over FSDP's axes)."""
+
+    kind: str
+    path: str
+    features: tuple[int, ...] = ()
+    contracted: int = 1
+    in_size: int = 0
+    groups: int = 1
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    num_embeddings: int = 0
+    use_bias: bool = False
+    equation: str = ""
+    kernel_shape: tuple[int, ...] = ()
+    parameters: tuple[str, ...] = ("kernel", "bias")
+    dtype: Any = None
+    bias: Callable[[], jax.Array] | None = None
+
+
+def _copied(
+    args: tuple, kwargs: dict, axis: str, sequence_dim: int | None = None, ring: str | None = None
+) -> tuple[tuple, dict]:
+    """Megatron's *f* on every floating array input, once per distinct array (self-attention
+    passes one array as q, k and v: one backward all-reduce, not three); with
+    ``sequence_dim``, the all-gather of the sequence slices instead (its backward
+    reduce-scatters), or with ``ring`` its ``ppermute`` ring: the chunks as they arrive
+    (:class:`~fsdp_tp.collective_matmul.RingChunks`), which the layers multiply one by one."""
+    done: dict[int, Any] = {}
+
+    def copy(x):
+        if not (isinstance(x, jax.Array | jax.core.Tracer) and jnp.issubdtype(x.dtype, jnp.floating)):
+            return x
+        if id(x) not in done:
+            done[id(x)] = column_input(x, axis, sequence_dim, ring if sequence_dim is not None else None)
+        return done[id(x)]
+
+    return tuple(map(copy, args)), {k: copy(v) for k, v in kwargs.items()}
+
+
+def _ringable(role: TPRole, layer: Layer, sequence: int | None) -> None:
+    """A ring computes the layer chunk by chunk of the rows: a convolution's window reads its
+    neighbours' rows, and an einsum's rows are the sequence only it names."""
+    if layer.kind == "conv" or (layer.kind == "einsum" and sequence is None):
+        mode = getattr(role, "collective_matmul", None)
+        raise RuleError(
+            f"{layer.path}: {type(role).__name__}(collective_matmul={mode!r}) computes the layer on "
+            f"chunks of its rows, and a {layer.kind} layer "
+            + ("reads its neighbours' rows" if layer.kind == "conv" else "has no rows without sequence_dim")
+            + "; pass collective_matmul=None"
+            + ("." if layer.kind == "conv" else ", or give the role sequence_dim.")
+        )
+
+
+def _chunkwise(run, layer: Layer, args: tuple, kwargs: dict):
+    """``run`` on its input, or on each ring chunk as it arrives (the results in sequence
+    order, where the layer puts the sequence: an einsum may move it): a layer that computes
+    each position alone (a dense layer, an einsum over features)."""
+    if not (args and isinstance(args[0], RingChunks)):
+        return run(*args, **kwargs)
+    chunks = args[0]
+    out_dim = None
+    if layer.kind == "einsum":
+        eq = Equation.parse(layer.equation, layer.path)
+        out_dim = eq.output_dim(chunks.dim, len(chunks.shape))
+    return chunks.map(lambda chunk: run(chunk, *args[1:], **kwargs), out_dim)
+
+
+def _sequence_checked(role: TPRole, layer: Layer) -> int | None:
+    """A role's ``sequence_dim``, once the step is known to run with ``check_vma=True``:
+    between its layers a norm's parameters (or any replicated one) read sequence slices, so
+    their gradients are partial sums over the axis, which JAX's checking sums (its implicit
+    ``pvary``); unchecked, they would be this device's share, silently."""
+    dim = getattr(role, "sequence_dim", None)
+    if dim is not None and not checks_vma(role.axis):
+        raise RuleError(
+            f"{layer.path}: {type(role).__name__}(sequence_dim={dim}) splits the activations between "
+            f"tensor-parallel layers along dim {dim} over {role.axis!r}, where replicated parameters "
+            f"(a norm's scale) read sequence slices and their gradients must be summed over "
+            f"{role.axis!r}: check_vma=True does that, and this step runs with check_vma=False. Run "
+            f"the step (init_sharded and shard_step) with check_vma=True, or drop sequence_dim."
+        )
+    return dim
+
+
+def _ungrouped(layer: Layer) -> None:
+    """A grouped convolution mixes channels within groups only: a channel split would cut
+    across the groups, so it stays whole."""
+    if layer.groups != 1:
+        raise RuleError(
+            f"{layer.path} is a convolution with feature_group_count={layer.groups}: splitting its "
+            f"channels over a mesh axis would cut across its groups. Leave {layer.path} whole (drop "
+            f"it from the tp rules)."
+        )
+
+
+@dataclass(frozen=True)
+class TPRole:
+    """How a submodule computes on its slices over mesh axis ``axis``: which of its
+    parameters are split on which dim (:meth:`splits`, dims counted from the end, so a
+    stacked scan dim in front changes nothing), the sizes the axis must divide
+    (:meth:`divides`), the local sizes it computes with (:meth:`local`, which the front end
+    writes as the module's attributes), and the collectives around the call (:meth:`around`)."""
+
+    axis: str = "tensor"
+    kinds: ClassVar[tuple[str, ...]] = ()
+    methods: ClassVar[frozenset[str]] = frozenset({"__call__"})
+
+    def splits(self, layer: Layer) -> dict[str, int]:
+        """``{parameter path under the module: the dim split over the axis}``."""
+        raise NotImplementedError
+
+    def divides(self, layer: Layer) -> dict[str, int]:
+        """``{what: size}`` that the axis size must divide for the split to work."""
+        raise NotImplementedError
+
+    def kept_whole(self, layer: Layer) -> tuple[str, ...]:
+        """Parameters (paths under the module) stored whole over the axis, of which each
+        device reads a block (``local``'s ``read``): their gradients are summed over the
+        axis, which a front end may do on its FSDP shard rather than on the gathered value."""
+        return ()
+
+    def local(self, layer: Layer, size: int) -> dict[str, Any]:
+        """The sizes the module computes with on this device's slices (``features``,
+        ``use_bias``, ``num_heads``, ``num_kv_heads``, ``num_embeddings``), and ``read``:
+        ``{parameter path under the module: a function of its stored value}``, what the call
+        reads in its place (a block of a parameter kept whole)."""
+        return {}
+
+    def inner(self) -> dict[str, TPRole]:
+        """Roles of the module's own children (by name), which it creates itself."""
+        return {}
+
+    def around(self, method: str, run, layer: Layer, args: tuple, kwargs: dict):
+        """The call: ``run(*args, **kwargs)`` is the module on its slices."""
+        raise NotImplementedError
+
+
+def _einsum(layer: Layer, role: TPRole, letter: str | None, what: str) -> tuple[Equation, str, int]:
+    """An einsum layer's equation, the letter ``role`` splits and its kernel dim (``""`` and
+    0 for another kind, which takes no ``letter``)."""
+    return split_letter(layer.kind, layer.equation, layer.path, type(role).__name__, letter, what)
