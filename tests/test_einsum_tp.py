@@ -34,6 +34,7 @@ import fsdp_tp._einsum
 from fsdp_tp.analysis import operand_count, parse_collectives
 from fsdp_tp.bench.llama_rows import NNXSharded as Sharded
 from fsdp_tp.bench.llama_rows import llama_section, lowered_lm_step, measure
+from fsdp_tp.collectives import copy_to_axis
 from fsdp_tp.errors import IndivisibleShapeError, RuleError
 from fsdp_tp.models.llama import FSDP_RULES, RULES, SIZES, LlamaLM, NNXLlamaLM
 from fsdp_tp.tp import roles as tp_roles
@@ -428,10 +429,18 @@ def test_replicated_kv_heads_cost_one_all_reduce_more_per_block():
     assert replicated.tensor_all_gathers == 1  # the logits
 
 
+def first_block(param, dim, blocks, axis_name, *_, **__):
+    """:func:`fsdp_tp.tp.kept_block` with every device keeping the first block(s): the negative
+    control of each kept-whole path (a kv head read at the wrong index is another model)."""
+    width = param.shape[dim] // blocks
+    kept = max(1, blocks // jax.lax.axis_size(axis_name)) * width
+    return jax.lax.slice_in_dim(copy_to_axis(param, axis_name), 0, kept, axis=dim)
+
+
 def test_negative_control_replicated_kv_heads_all_at_one_index():
     """Every device keeping kv head 0 pairs half the query heads with the wrong kv head."""
     with jax.enable_x64(True), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(tp_roles, "_first_kept", lambda axis, n, size: 0)
+        patch.setattr(tp_roles, "kept_block", first_block)
         model, twin = _models("linen", "data2_tensor4", tp=REPLICATED_KV, **EXACT)
         case = dataclasses.replace(_case("linen", "data2_tensor4", False), model=model, reference=twin)
         with pytest.raises(AssertionError, match="output"):

@@ -183,12 +183,8 @@ def test_train_api_nnx_keeps_fewer_kv_heads_than_tensor_whole_and_equals_the_twi
 def test_negative_control_every_device_reading_the_first_kv_head_fails_the_check(monkeypatch):
     """Were each device to read kv head 0 (not ``t * K // size``), the query heads of devices
     2 and 3 would attend with another head's keys: --check must notice and exit 1."""
-    from fsdp_tp.collectives import copy_to_axis
     from fsdp_tp.tp import roles as tp_roles
-
-    def first_block(param, dim, blocks, axis_name):
-        width = param.shape[dim] // blocks
-        return jax.lax.slice_in_dim(copy_to_axis(param, axis_name), 0, width, axis=dim)
+    from tests.test_einsum_tp import first_block
 
     monkeypatch.setattr(tp_roles, "kept_block", first_block)
     code, out = _check("--mesh", "fsdp=2,tensor=4", "--no-sequence-parallel")

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from .._axes import checks_vma
 from .._einsum import Equation, split_letter
-from ..collective_matmul import RingChunks
+from ..collective_matmul import RingChunks, require_mode
 from ..errors import RuleError
 from .pieces import column_input
 
@@ -74,15 +74,18 @@ def _copied(
 def _ringable(role: TPRole, layer: Layer, sequence: int | None) -> None:
     """A ring computes the layer chunk by chunk of the rows: a convolution's window reads its
     neighbours' rows, and an einsum's rows are the sequence only it names."""
-    if layer.kind == "conv" or (layer.kind == "einsum" and sequence is None):
-        mode = getattr(role, "collective_matmul", None)
-        raise RuleError(
-            f"{layer.path}: {type(role).__name__}(collective_matmul={mode!r}) computes the layer on "
-            f"chunks of its rows, and a {layer.kind} layer "
-            + ("reads its neighbours' rows" if layer.kind == "conv" else "has no rows without sequence_dim")
-            + "; pass collective_matmul=None"
-            + ("." if layer.kind == "conv" else ", or give the role sequence_dim.")
-        )
+    if layer.kind == "conv":
+        why, fix = "reads its neighbours' rows", "."
+    elif layer.kind == "einsum" and sequence is None:
+        why, fix = "has no rows without sequence_dim", ", or give the role sequence_dim."
+    else:
+        return
+    mode = getattr(role, "collective_matmul", None)
+    raise RuleError(
+        f"{layer.path}: {type(role).__name__}(collective_matmul={mode!r}) "
+        f"computes the layer on chunks of its rows, and a {layer.kind} layer {why}; pass "
+        f"collective_matmul=None{fix}"
+    )
 
 
 def _chunkwise(run, layer: Layer, args: tuple, kwargs: dict):
@@ -138,6 +141,10 @@ class TPRole:
     axis: str = "tensor"
     kinds: ClassVar[tuple[str, ...]] = ()
     methods: ClassVar[frozenset[str]] = frozenset({"__call__"})
+
+    def __post_init__(self):
+        # A role with rings (collective_matmul) names a mode the rings have, checked once here.
+        require_mode(getattr(self, "collective_matmul", None), type(self).__name__)
 
     def splits(self, layer: Layer) -> dict[str, int]:
         """``{parameter path under the module: the dim split over the axis}``."""

@@ -135,13 +135,21 @@ def add_bias_once(
     return y.astype(dtype) + bias.astype(dtype)
 
 
-def kept_block(param: jax.Array, dim: int, blocks: int, axis_name: AxisName) -> jax.Array:
+def kept_block(
+    param: jax.Array,
+    dim: int,
+    blocks: int,
+    axis_name: AxisName,
+    where: str = "kept_block",
+    what: str = "blocks",
+) -> jax.Array:
     """This device's block of ``param``, whole on every device of ``axis_name``, cut in
     ``blocks`` along ``dim``: ``blocks / size`` of them from block ``t * blocks // size`` on
     device t, or that one block where the axis is larger (grouped-query attention with fewer
     kv heads than devices: device t's query heads read kv head ``t * K // size``). Read
     through *f*, so its gradient, nonzero on this block only, is summed over the axis: whole
-    on every device, as the parameter is.
+    on every device, as the parameter is. ``where`` and ``what`` name the layer and its
+    blocks when the axis and ``blocks`` do not divide one another.
 
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import PartitionSpec as P
@@ -158,7 +166,7 @@ def kept_block(param: jax.Array, dim: int, blocks: int, axis_name: AxisName) -> 
            [[20.]]], dtype=float32)
     """
     size = jax.lax.axis_size(axis_name)
-    require_kept_blocks("kept_block", "blocks", blocks, axis_name, size)
+    require_kept_blocks(where, what, blocks, axis_name, size)
     start = jax.lax.axis_index(axis_name) * blocks // size
     whole = copy_to_axis(param, axis_name)
     width = param.shape[dim] // blocks

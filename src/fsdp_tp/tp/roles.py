@@ -51,12 +51,12 @@ from typing import ClassVar
 import jax
 
 from .._einsum import register_einsum, shrunk
-from ..collective_matmul import require_mode, ring_reduce_scatter
-from ..collectives import copy_to_axis, gather_from_axis
+from ..collective_matmul import ring_reduce_scatter
+from ..collectives import gather_from_axis
 from ..dropout import split_after, splitting, unplaceable_after
 from ..errors import RuleError
 from ._role import Layer, TPRole, _chunkwise, _copied, _einsum, _ringable, _sequence_checked, _ungrouped
-from .pieces import add_bias_once, kept_block, require_kept_blocks, row_reduce, vocab_lookup
+from .pieces import add_bias_once, kept_block, row_reduce, vocab_lookup
 
 __all__ = [
     "ROLES",
@@ -135,7 +135,6 @@ class ColumnParallel(TPRole):
             if sequence is not None:
                 raise RuleError(f"{layer.path}: ColumnParallel(replicated=True) takes no sequence_dim.")
             return self._replicated(run(*args, **kwargs), layer)
-        require_mode(self.collective_matmul, f"{layer.path}: ColumnParallel")
         if self.collective_matmul is not None and sequence is not None:
             _ringable(self, layer, sequence)
         args, kwargs = _copied(args, kwargs, self.axis, sequence, self.collective_matmul)
@@ -155,26 +154,13 @@ class ColumnParallel(TPRole):
         and the input's gradients are whole on every device); this device's block kept."""
         eq, letter, dim = _einsum(layer, self, self.letter, "produced")
         n, size = layer.kernel_shape[dim], jax.lax.axis_size(self.axis)
-        if n % size and size % n:
-            raise RuleError(
-                f"{layer.path}: ColumnParallel(replicated=True) keeps this device's block of letter "
-                f"{letter!r} of {eq.text!r} (size {n}) on mesh axis {self.axis!r} (size {size}): one "
-                f"must divide the other. Use a {self.axis!r} size that divides {n} or that {n} divides."
-            )
         at = eq.dim_of(letter, eq.output, out.ndim)
-        start = _first_kept(self.axis, n, size)
-        out = jax.lax.dynamic_slice_in_dim(copy_to_axis(out, self.axis), start, max(1, n // size), at)
+        out = kept_block(out, at, n, self.axis, layer.path, f"letter {letter!r} of {eq.text!r}")
         if n >= size:  # each device its own block: a split
             split_after({at: self.axis}, out.shape, add=True)
         else:  # blocks shared by neighbours: no mask of the unsharded model's is drawn on them
             unplaceable_after(out.shape)
         return out
-
-
-def _first_kept(axis: str, n: int, size: int) -> jax.Array:
-    """The first of ``n`` blocks device t on an axis of ``size`` keeps: ``t * n // size``, the
-    kv head its query heads (the t-th ``1 / size`` of them) read."""
-    return jax.lax.axis_index(axis) * n // size
 
 
 def _replicable(layer: Layer, letter: str, gather_output: bool) -> None:
@@ -244,7 +230,6 @@ class RowParallel(TPRole):
         sequence (or the dim before the features, then all-gathered: the sum, whole)."""
         mode = self.collective_matmul
         assert mode is not None  # (the caller's test)
-        require_mode(mode, f"{layer.path}: RowParallel")
         x, *rest = args
         _ringable(self, layer, sequence)
         # the rows: the sequence, or the dim before the contracted ones (computed row by row)
@@ -302,8 +287,9 @@ class HeadParallel(TPRole):
         kv_heads = layer.num_kv_heads or layer.num_heads
         if not self._kept(layer):
             return {"num_heads": layer.num_heads // size, "num_kv_heads": kv_heads // size}
-        require_kept_blocks(layer.path, "num_kv_heads", kv_heads, self.axis, size)  # (kept whole)
-        kept = functools.partial(kept_block, dim=-2, blocks=kv_heads, axis_name=self.axis)
+        kept = functools.partial(
+            kept_block, dim=-2, blocks=kv_heads, axis_name=self.axis, where=layer.path, what="num_kv_heads"
+        )
         return {
             "num_heads": layer.num_heads // size,
             "num_kv_heads": max(1, kv_heads // size),
@@ -329,7 +315,6 @@ class HeadParallel(TPRole):
         return roles
 
     def around(self, method, run, layer, args, kwargs):
-        require_mode(self.collective_matmul, f"{layer.path}: HeadParallel")
         args, kwargs = _copied(
             args, kwargs, self.axis, _sequence_checked(self, layer), self.collective_matmul
         )
