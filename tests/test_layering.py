@@ -58,9 +58,19 @@ CORE = (
 )
 
 
+# The package's own __init__ is named by this, so that every module has a name.
+TOP = "__init__"
+
+
 def _module_file(name: str) -> Path:
-    path = PACKAGE.joinpath(*name.split("."))
+    path = PACKAGE.joinpath(*name.split(".")) if name != TOP else PACKAGE
     return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def _all_modules() -> list[str]:
+    """Every module of the package, dotted, the package's own ``__init__`` as ``TOP``."""
+    names = (".".join(p.relative_to(PACKAGE).with_suffix("").parts) for p in PACKAGE.rglob("*.py"))
+    return sorted(n if n == TOP else n.removesuffix(".__init__") for n in names)
 
 
 def _imports(name: str) -> tuple[set[str], set[str]]:
@@ -68,7 +78,7 @@ def _imports(name: str) -> tuple[set[str], set[str]]:
     imports at any level of its source, docstrings excluded."""
     path = _module_file(name)
     # The package a relative import starts from: the module's own for an __init__, else its parent's.
-    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    package = [] if name == TOP else name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     ours, others = set(), set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -108,12 +118,17 @@ def _linen(imports: set[str]) -> list[str]:
     return sorted(m for m in imports if m == "flax.linen" or m.startswith("flax.linen."))
 
 
+def _nnx(imports: set[str]) -> list[str]:
+    return sorted(m for m in imports if m == "flax.nnx" or m.startswith("flax.nnx."))
+
+
 def test_no_core_module_imports_linen_directly_or_through_another():
     reached = _closure(CORE)
     assert not [name for name in reached if name.startswith("linen")], "the core reaches the Linen front end"
     assert set(CORE) <= set(reached)
-    offenders = {name: _linen(others) for name, others in reached.items() if _linen(others)}
-    assert not offenders, f"core modules (or modules they import) that import flax.linen: {offenders}"
+    offenders = {name: _linen(others) + _nnx(others) for name, others in reached.items()}
+    offenders = {name: flax for name, flax in offenders.items() if flax}
+    assert not offenders, f"core modules (or their imports) importing flax.linen or flax.nnx: {offenders}"
 
 
 def test_the_two_front_ends_stand_side_by_side_over_the_core():
@@ -125,6 +140,7 @@ def test_the_two_front_ends_stand_side_by_side_over_the_core():
     assert not {n: _linen(o) for n, o in nnx_reach.items() if _linen(o)}, "fsdp_tp.nnx imports flax.linen"
     linen_reach = _closure(["linen"])
     assert not [n for n in linen_reach if n.startswith("nnx")], "the Linen front end reaches fsdp_tp.nnx"
+    assert not {n: _nnx(o) for n, o in linen_reach.items() if _nnx(o)}, "fsdp_tp.linen imports flax.nnx"
     assert not [n for n in _closure(CORE) if n.startswith("nnx")], "the core reaches fsdp_tp.nnx"
 
 
@@ -162,13 +178,65 @@ def test_bench_and_the_cli_share_the_recipe_not_each_other():
     assert modules and not any(offenders.values()), offenders
 
 
-def test_everything_that_imports_linen_lives_in_the_linen_folder_or_uses_it():
-    """The front end is a folder: outside ``linen/`` only the model zoo (``models/``, a GPT
-    written in Linen) and the benchmark's plain-Flax baselines (``bench/``) import flax.linen."""
-    outside = sorted(
+# Above the core and the two front ends: the model zoo, the main job's recipe, the CLI and the
+# benchmarks (each may use both front ends), the package's own __init__ and __main__, and
+# fsdp_tp.tp_rules (0.1's path to fsdp_tp.linen.tp_rules, until 0.3.0).
+APPLICATIONS = ("models", "recipe", "cli", "bench")
+TOP_LEVEL = (TOP, "__main__", "tp_rules")
+
+
+def _tier(module: str) -> str | None:
+    if module in CORE:
+        return "core"
+    if module.split(".")[0] in ("linen", "nnx"):
+        return "front end"
+    if module.split(".")[0] in APPLICATIONS or module in TOP_LEVEL:
+        return "application"
+    return None
+
+
+def test_every_module_of_the_package_has_its_tier():
+    """A new module is placed: in CORE (then the tests above prove it knows neither Flax API),
+    in a front end's folder, or among the applications. None is left out of the checks."""
+    unplaced = [m for m in _all_modules() if _tier(m) is None]
+    assert not unplaced, f"modules in no tier: {unplaced}; add each to CORE (framework-free) or move it"
+    assert set(CORE) <= set(_all_modules()), sorted(set(CORE) - set(_all_modules()))
+
+
+# Outside linen/, the modules that import the Linen front end or flax.linen themselves, and why
+# each needs it. Every other module outside linen/ reaches Linen only through one of these.
+IMPORT_LINEN = {
+    TOP: "fsdp_tp's namespace re-exports the Linen front end (shard_module_params, the layers)",
+    "tp_rules": "0.1's path to fsdp_tp.linen.tp_rules",
+    "models.layout": "Layout wraps the Linen GPT's classes for FSDP (shard_module_params)",
+    "models.transformer": "the GPT written in Linen",
+    "models.llama": "the einsum Llama written in both APIs",
+    "bench.baselines": "plain Flax baselines the library is measured against",
+    "bench.figures": "reads the Linen workloads' nn.Partitioned boxes",
+    "bench.variants": "the Linen model each benchmark variant shards",
+    "bench.workloads": "Linen models the benchmark builds",
+    "bench.llama_rows": "the Linen Llama laid out by shard_by_rules",
+}
+
+
+def test_outside_linen_only_the_modules_that_need_linen_import_it():
+    """The modules outside ``linen/`` that import Linen (``fsdp_tp.linen`` or ``flax.linen``)
+    are exactly IMPORT_LINEN, each with its reason: the NNX front end, the core and a new
+    module reach Linen only by being listed here, with a reason a reviewer reads."""
+    importers = {
         name
-        for path in PACKAGE.rglob("*.py")
-        for name in [".".join(path.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__")]
-        if not name.startswith(("linen", "models", "bench")) and _linen(_imports(name)[1])
+        for name in _all_modules()
+        if not name.startswith("linen")
+        for ours, others in [_imports(name)]
+        if _linen(others) or any(m.startswith("linen") for m in ours)
+    }
+    assert importers == set(IMPORT_LINEN), (
+        f"import Linen but not listed: {sorted(importers - set(IMPORT_LINEN))}; "
+        f"listed but no longer import it: {sorted(set(IMPORT_LINEN) - importers)}"
     )
-    assert outside == [], outside
+
+
+def test_negative_control_the_top_level_init_is_walked():
+    # The package's own __init__ is read with its relative imports resolved: it imports the
+    # Linen front end (so the set above could miss it if the walk skipped it).
+    assert "linen" in _imports(TOP)[0] and "nnx" not in _imports(TOP)[0]
