@@ -25,21 +25,32 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
-# XLA's CPU backend generates cheaper code for the tests (and the CLI runs they start): LLVM -O1
-# instead of -O2, and XLA's elemental fusion emitter instead of its MLIR fusion emitters where
-# this jaxlib still has both (0.10; 0.11 has only the MLIR ones and rejects the flag). The XLA
-# passes before code generation run either way, so every collective, byte and memory figure a
-# test reads is the same (checked on the optimizer tests' steps: the same collectives and the
-# same memory_analysis(); only some single ops are not wrapped in fusions). Measured on the
-# whole suite, 2 workers, 2 cores, jax 0.10.2: 943.9 s at -O2, 779.5 s at -O1, 593.8 s with
-# the elemental emitter too (one step's compile 0.33 s -> 0.17 s); every test passes, the
-# bit-for-bit init and equivalence tests included. (-O0 is not used: there two programs' init
-# values differed by 1 ulp, FMA contracted differently.) A developer's own XLA_FLAGS are kept.
 # fsdp_tp/tp_roles.py puts the module fsdp_tp.tp.roles under its 0.2 name (one module object):
 # the doctest collector, importing it by path, would find another file. Its doctests run there.
 collect_ignore = ["src/fsdp_tp/tp_roles.py"]
 
-CHEAP_CODEGEN = ("--xla_backend_optimization_level=1", "--xla_cpu_use_fusion_emitters=false")
+# XLA's CPU backend generates cheaper code for the tests (and the CLI runs they start) than for a
+# user. The XLA passes before code generation run either way, so every collective, byte and
+# memory figure a test reads is the same; only LLVM's work and the emitted code differ.
+# - LLVM -O0: compiling is 2.8x cheaper than at -O1 (the unsharded LM's gradient in
+#   test_tp_rules: 0.55 s -> 0.20 s), and the suite compiles hundreds of small programs to run
+#   each 1-3 steps.
+# - The instruction set capped at AVX, below FMA: code generated at -O0 may fuse a multiply and
+#   an add into one FMA in one program and not in another (seen: two programs' init values 1
+#   ulp apart); without FMA every program rounds every op alike, as the bit-for-bit init,
+#   equivalence and resume tests need.
+# - XLA's elemental fusion emitter instead of its MLIR fusion emitters where this jaxlib still
+#   has both (0.10; 0.11 has only the MLIR ones and rejects the flag).
+# Measured on the whole suite, 2 workers, 2 cores, jax 0.10.2: 943.9 s at -O2, 779.5 s at -O1,
+# 593.8 s with the elemental emitter too (an earlier suite); then, back to back on today's suite,
+# 917.8 s with those two and 669.9 s with these three. Every CLI process a test starts inherits
+# them (a test may compare its run with theirs bit for bit); the golden-loss test's run does not
+# (it runs what a user runs). A developer's own XLA_FLAGS are kept.
+CHEAP_CODEGEN = (
+    "--xla_backend_optimization_level=0",
+    "--xla_cpu_max_isa=AVX",
+    "--xla_cpu_use_fusion_emitters=false",
+)
 
 
 def _xla_accepts(flag: str) -> bool:
@@ -53,7 +64,8 @@ def _xla_accepts(flag: str) -> bool:
 def _with_cheap_codegen(flags: str) -> str:
     """``flags`` with each of CHEAP_CODEGEN this XLA knows and ``flags`` does not set."""
     for flag in CHEAP_CODEGEN:
-        if flag.split("=")[0] not in flags and _xla_accepts(flag):
+        name = flag.split("=")[0]
+        if name not in flags and (name == "--xla_backend_optimization_level" or _xla_accepts(flag)):
             flags = f"{flags} {flag}".strip()
     return flags
 
