@@ -345,7 +345,7 @@ def test_negative_control_sequence_slices_not_marked(check_vma, monkeypatch):
     where no dim accounts for it: refused (the init traces the model with checking on, so the
     unchecked step's model is refused there too), where the mask would repeat over ranks."""
     monkeypatch.setattr(fsdp_tp.tp.pieces, "split_after", lambda *args, **kwargs: None)
-    monkeypatch.setattr(fsdp_tp.linen.layers.dense, "split_after", lambda *args, **kwargs: None)
+    monkeypatch.setattr(fsdp_tp.tp.roles, "split_after", lambda *args, **kwargs: None)
     with pytest.raises(ValueError, match="no dim is known to be split over it"):
         test_dropout_on_sequence_slices_is_the_unsharded_models(check_vma)
 

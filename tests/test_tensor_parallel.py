@@ -522,7 +522,7 @@ def test_collective_matmul_mode_and_divisibility_errors():
         init(fsdp_tp.MLPBlock(16, collective_matmul="ring"), (8, 6))
     with pytest.raises(
         IndivisibleShapeError,
-        match=r"wo/kernel: dim 0 of the input \(collective_matmul='unidirectional' chunks it\) \(size 6\) "
+        match=r"wo: dim 0 of the input \(collective_matmul='unidirectional' chunks it\) \(size 6\) "
         r"of shape \(6, 4\) is not divisible by mesh axis 'tensor' \(size 4\)",
     ):
         init(fsdp_tp.MLPBlock(16, collective_matmul="unidirectional"), (6, 6))

@@ -51,6 +51,7 @@ from typing import ClassVar
 import jax
 
 from .._einsum import register_einsum, shrunk
+from .._layout import axis_text, require_divisible
 from ..collective_matmul import ring_reduce_scatter
 from ..collectives import gather_from_axis
 from ..dropout import split_after, splitting, unplaceable_after
@@ -130,20 +131,29 @@ class ColumnParallel(TPRole):
         return {"features": (layer.features[0] // size, *layer.features[1:])}
 
     def around(self, method, run, layer, args, kwargs):
-        sequence = _sequence_checked(self, layer)
+        _sequence_checked(self, layer)
+        return self.call(run, layer, args, kwargs)
+
+    def call(self, run, layer: Layer, args: tuple, kwargs: dict, prepared: bool = False):
+        """The call, once the model around it is known to sum what its sequence split needs
+        (``around`` checks ``check_vma``; Linen's layers sum their norms themselves).
+        ``prepared``: the inputs already passed *f* or the sequence gather (a caller that
+        shares it between layers)."""
+        sequence = self.sequence_dim
         if self.replicated:
             if sequence is not None:
                 raise RuleError(f"{layer.path}: ColumnParallel(replicated=True) takes no sequence_dim.")
             return self._replicated(run(*args, **kwargs), layer)
         if self.collective_matmul is not None and sequence is not None:
             _ringable(self, layer, sequence)
-        args, kwargs = _copied(args, kwargs, self.axis, sequence, self.collective_matmul)
+        if not prepared:
+            args, kwargs = _copied(args, kwargs, self.axis, sequence, self.collective_matmul)
         out = _chunkwise(run, layer, args, kwargs)
         eq, letter, _ = _einsum(layer, self, self.letter, "produced")
         dim = eq.dim_of(letter, eq.output, out.ndim) if letter else -len(layer.features)
         if self.gather_output:
             split_after({})
-            return gather_from_axis(out, dim, self.axis)
+            return gather_from_axis(out, dim % out.ndim, self.axis)
         split_after({dim: self.axis}, out.shape, add=True)  # dropout until the row layer: its slice
         return out
 
@@ -211,11 +221,17 @@ class RowParallel(TPRole):
         return drop_bias
 
     def around(self, method, run, layer, args, kwargs):
+        _sequence_checked(self, layer)
+        return self.call(run, layer, args, kwargs)
+
+    def call(self, run, layer: Layer, args: tuple, kwargs: dict):
+        """The call, once the model around it is known to sum what its sequence split needs
+        (``around`` checks ``check_vma``; Linen's layers sum their norms themselves)."""
         eq, letter, dim = _einsum(layer, self, self.letter, "contracted")
         if letter and layer.kernel_shape[dim]:  # (a size the module holds)
             x = args[0] if args else kwargs["inputs"]
             eq.require_slice(letter, x.shape, layer.kernel_shape[dim] // jax.lax.axis_size(self.axis))
-        sequence = _sequence_checked(self, layer)
+        sequence = self.sequence_dim
         if self.collective_matmul is None:
             out = row_reduce(run(*args, **kwargs), self.axis, sequence)  # (whole, or sequence slices)
         else:
@@ -239,6 +255,15 @@ class RowParallel(TPRole):
                 f"{layer.path}: RowParallel(collective_matmul={self.collective_matmul!r}) chunks dim "
                 f"{dim} of its input, and the input has shape {x.shape}; pass collective_matmul=None."
             )
+        require_divisible(
+            layer.path,
+            f"dim {dim % x.ndim} of the input (collective_matmul={mode!r} chunks it)",
+            x.shape[dim],
+            axis_text(self.axis),
+            jax.lax.axis_size(self.axis),
+            "pass collective_matmul=None",
+            x.shape,
+        )
         out = ring_reduce_scatter(lambda rows: run(rows, *rest, **kwargs), x, self.axis, dim, mode)
         if sequence is None:
             split_after({})

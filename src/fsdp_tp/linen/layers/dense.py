@@ -4,10 +4,18 @@ Each layer creates its parameters through an initializer that computes the
 full parameter from the layer's own rng and keeps this device's slice, so the
 global tree, shapes, dtypes and the init equal ``nn.Dense``'s, on any mesh, and
 unsharded ``nn.Dense`` params load unchanged.
+
+Megatron is stated once, in :mod:`fsdp_tp.tp.roles`: each layer is its role
+(:class:`~fsdp_tp.tp.ColumnParallel`, :class:`~fsdp_tp.tp.RowParallel`) applied to
+an ``nn.Dense`` of this device's slice, as a tp rule applies it to a model's own
+``nn.Dense`` or ``nnx.Linear``. The role says which dim is split (``splits``) and
+computes the call (*f* or the sequence gather, the ring, the row sum, the bias once,
+what dropout reads); the layer holds only its parameters and the matmul.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -17,12 +25,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from ..._axes import require_axes
-from ..._layout import axis_text, check_fit, require_divisible, sliced_init
+from ..._layout import check_fit, sliced_init
 from ..._tree import module_path
-from ...collective_matmul import RingChunks, matmul_reduce_scatter, require_mode
-from ...collectives import gather_from_axis
-from ...dropout import split_after
-from ...tp import add_bias_once, column_input, row_reduce
+from ...collective_matmul import RingChunks, require_mode
+from ...tp import ColumnParallel, Layer, RowParallel, TPRole
 from .._gather import param_boxed
 
 __all__ = ["ColumnParallelDense", "RowParallelDense", "apply_chunked", "split_param"]
@@ -76,6 +82,44 @@ class _ParallelDense(nn.Module):
     # all-gather / reduce-scatter as a ppermute ring overlapped with per-chunk matmuls.
     collective_matmul: str | None = None
 
+    def _layer(self, in_size: int) -> Layer:
+        """This layer as its role sees it (the roles' ``"dense"`` kind, as an ``nn.Dense``
+        under tp rules is)."""
+        path = "/".join(self.path)
+        return Layer(
+            kind="dense",
+            path=path,
+            features=(self.features,),
+            in_size=in_size,
+            use_bias=self.use_bias,
+            dtype=self.dtype,
+        )
+
+    def _params(self, role: TPRole, layer: Layer, kernel_shape: tuple[int, int]):
+        """The kernel and bias (or None), each this device's slice of the dim ``role`` splits."""
+        splits = role.splits(layer)
+        kernel = split_param(
+            self,
+            "kernel",
+            self.kernel_init,
+            kernel_shape,
+            self.param_dtype,
+            _names(splits, "kernel", 2, self.axis_name),
+        )
+        if not self.use_bias:
+            return kernel, None
+        names = _names(splits, "bias", 1, self.axis_name)
+        return kernel, split_param(self, "bias", self.bias_init, (self.features,), self.param_dtype, names)
+
+
+def _names(splits: dict[str, int], name: str, ndim: int, axis: str) -> tuple[str | None, ...]:
+    """The mesh axis of each dim of parameter ``name`` (``ndim`` dims): ``axis`` on the dim a
+    role's ``splits`` names (counted from the end), None elsewhere."""
+    names: list[str | None] = [None] * ndim
+    if name in splits:
+        names[splits[name]] = axis
+    return tuple(names)
+
 
 class ColumnParallelDense(_ParallelDense):
     """``nn.Dense`` with the kernel split on its output dim over ``axis_name``.
@@ -116,33 +160,21 @@ class ColumnParallelDense(_ParallelDense):
     @nn.compact
     def __call__(self, x: jax.Array | RingChunks, prepared: bool = False) -> jax.Array:
         require_mode(self.collective_matmul, type(self).__name__)
-        if not prepared and not isinstance(x, RingChunks):
-            x = column_input(x, self.axis_name, self.sequence_axis, self.collective_matmul)
-        kernel = split_param(
-            self,
-            "kernel",
-            self.kernel_init,
-            (x.shape[-1], self.features),
-            self.param_dtype,
-            (None, self.axis_name),
+        role = ColumnParallel(
+            self.axis_name,
+            gather_output=self.gather_output,
+            sequence_dim=self.sequence_axis,
+            collective_matmul=self.collective_matmul,
         )
-        bias = (
-            split_param(self, "bias", self.bias_init, (self.features,), self.param_dtype, (self.axis_name,))
-            if self.use_bias
-            else None
-        )
+        layer = self._layer(x.shape[-1])
+        kernel, bias = self._params(role, layer, (x.shape[-1], self.features))
 
         def dense(chunk):
             chunk, k, b = nn.dtypes.promote_dtype(chunk, kernel, bias, dtype=self.dtype)
             y = _matmul(chunk, k, self.precision)
             return y if b is None else y + b
 
-        y = apply_chunked(x, dense)
-        if self.gather_output:
-            split_after({})
-            return gather_from_axis(y, y.ndim - 1, self.axis_name)
-        split_after({-1: self.axis_name}, y.shape, add=True)  # dropout until the row layer: by these features
-        return y
+        return role.call(dense, layer, (x,), {}, prepared=prepared)
 
 
 class RowParallelDense(_ParallelDense):
@@ -176,49 +208,16 @@ class RowParallelDense(_ParallelDense):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        (axis,) = require_axes(self.axis_name, type(self).__name__)
-        full_in = x.shape[-1] * jax.lax.axis_size(axis)
-        kernel = split_param(
-            self,
-            "kernel",
-            self.kernel_init,
-            (full_in, self.features),
-            self.param_dtype,
-            (self.axis_name, None),
+        require_mode(self.collective_matmul, type(self).__name__)
+        require_axes(self.axis_name, type(self).__name__)
+        role = RowParallel(
+            self.axis_name, sequence_dim=self.sequence_axis, collective_matmul=self.collective_matmul
         )
-        bias = (
-            split_param(self, "bias", self.bias_init, (self.features,), self.param_dtype, (None,))
-            if self.use_bias
-            else None
-        )
-        x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
-        if self.collective_matmul is not None:
-            y = self._ring(x, kernel, self.collective_matmul)
-            seq = {self.sequence_axis - y.ndim: self.axis_name} if self.sequence_axis is not None else {}
-            split_after(seq, y.shape)  # as row_reduce says for dropout
-        else:
-            y = row_reduce(_matmul(x, kernel, self.precision), self.axis_name, self.sequence_axis)
-        return add_bias_once(y, bias, self.axis_name, self.sequence_axis is not None)
+        layer = self._layer(x.shape[-1] * jax.lax.axis_size(self.axis_name))
+        kernel, bias = self._params(role, layer, (layer.in_size, self.features))
 
-    def _ring(self, x: jax.Array, kernel: jax.Array, mode: str) -> jax.Array:
-        """The reduction as a reduce-scatter ring fused with the matmul; without sequence
-        parallelism, along the dim before the features, then all-gathered."""
-        require_mode(mode, type(self).__name__)
-        dim = self.sequence_axis if self.sequence_axis is not None else x.ndim - 2
-        size = jax.lax.axis_size(self.axis_name)
-        if dim < 0:
-            raise ValueError(
-                f"{module_path(self.path, 'kernel')}: collective_matmul={mode!r} chunks the dim before "
-                f"the features, but the input has shape {x.shape}; pass collective_matmul=None."
-            )
-        require_divisible(
-            module_path(self.path, "kernel"),
-            f"dim {dim} of the input (collective_matmul={mode!r} chunks it)",
-            x.shape[dim],
-            axis_text(self.axis_name),
-            size,
-            "pass collective_matmul=None",
-            x.shape,
-        )
-        y = matmul_reduce_scatter(x, kernel, self.axis_name, dim, mode, self.precision)
-        return y if self.sequence_axis is not None else gather_from_axis(y, dim, self.axis_name)
+        def partial_products(rows):
+            rows, k = nn.dtypes.promote_dtype(rows, kernel, dtype=self.dtype)
+            return _matmul(rows, k, self.precision)
+
+        return role.call(partial_products, dataclasses.replace(layer, bias=lambda: bias), (x,), {})
