@@ -136,3 +136,23 @@ def test_tiny_vocab_parallel_lm_equals_unsharded(mesh, check_vma):
     ref_value, ref_grads = jax.value_and_grad(ref_loss)(ref_params)
     np.testing.assert_allclose(value, ref_value, rtol=RTOL, atol=ATOL)
     assert_trees_close(nn.unbox(grads), ref_grads, "grads")
+
+
+def test_an_indivisible_sequence_is_named_with_the_embedding():
+    """The role checks the sequence it reduce-scatters, for the Linen layer (which computes
+    through it) as for any embedding a rule gives it: the error names the table."""
+    embed = fsdp_tp.VocabParallelEmbed(16, 4, sequence_axis=1)
+    lookup = jax.shard_map(
+        lambda ids: embed.init(jax.random.key(0), ids),
+        mesh=mesh_of(1, 1, 4),
+        in_specs=P(),
+        out_specs=P(),
+        check_vma=False,
+    )
+    with pytest.raises(
+        fsdp_tp.errors.IndivisibleShapeError,
+        match=r"VocabParallelEmbed/embedding: the sequence \(dim 1, split in sequence-parallel mode\) "
+        r"\(size 6\) is not divisible by mesh axis 'tensor' \(size 4\)",
+    ):
+        jax.eval_shape(lookup, jnp.zeros((2, 6), jnp.int32))
+    jax.eval_shape(lookup, jnp.zeros((2, 8), jnp.int32))  # a sequence of 8: split 4 ways

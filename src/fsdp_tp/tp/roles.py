@@ -52,8 +52,9 @@ import jax
 
 from .._einsum import register_einsum, shrunk
 from .._layout import axis_text, require_divisible
+from .._tree import module_path
 from ..collective_matmul import ring_reduce_scatter
-from ..collectives import gather_from_axis
+from ..collectives import gather_from_axis, require_sequence_divisible
 from ..dropout import split_after, splitting, unplaceable_after
 from ..errors import RuleError
 from ._role import Layer, TPRole, _chunkwise, _copied, _einsum, _ringable, _sequence_checked, _ungrouped
@@ -371,12 +372,22 @@ class VocabParallel(TPRole):
         return {"num_embeddings": layer.num_embeddings // size}
 
     def around(self, method, run, layer, args, kwargs):
-        sequence = _sequence_checked(self, layer)
+        _sequence_checked(self, layer)
+        return self.call(method, run, layer, args, kwargs)
+
+    def call(self, method: str, run, layer: Layer, args: tuple, kwargs: dict):
+        """The call (``"__call__"``: the lookup; ``"attend"``), once the model around it is
+        known to sum what its sequence split needs (``around`` checks ``check_vma``;
+        Linen's blocks sum their norms' gradients themselves)."""
+        sequence = self.sequence_dim
         split_after({})  # the logits gathered: whole (the lookup's sum says what it leaves)
         if method == "attend":
             args, kwargs = _copied(args, kwargs, self.axis, sequence)
             return gather_from_axis(run(*args, **kwargs), -1, self.axis)
         ids, *rest = args
+        if sequence is not None:
+            where = module_path((layer.path,), "embedding")
+            require_sequence_divisible(where, ids.shape[sequence], sequence, self.axis)
         rows = layer.num_embeddings // jax.lax.axis_size(self.axis)
         lookup = vocab_lookup(ids, rows, self.axis, lambda i: run(i, *rest, **kwargs))
         return row_reduce(lookup, self.axis, sequence)  # summed, or scattered along the sequence

@@ -31,7 +31,7 @@ from ...collective_matmul import RingChunks, require_mode
 from ...tp import ColumnParallel, Layer, RowParallel, TPRole
 from .._gather import param_boxed
 
-__all__ = ["ColumnParallelDense", "RowParallelDense", "apply_chunked", "split_param"]
+__all__ = ["ColumnParallelDense", "RowParallelDense", "apply_chunked", "split_names", "split_param"]
 
 _Init = Callable[..., jax.Array]
 
@@ -85,7 +85,7 @@ class _ParallelDense(nn.Module):
     def _layer(self, in_size: int) -> Layer:
         """This layer as its role sees it (the roles' ``"dense"`` kind, as an ``nn.Dense``
         under tp rules is)."""
-        path = "/".join(self.path)
+        path = module_path(self.path) or type(self).__name__  # (errors name a top-level layer by class)
         return Layer(
             kind="dense",
             path=path,
@@ -104,17 +104,23 @@ class _ParallelDense(nn.Module):
             self.kernel_init,
             kernel_shape,
             self.param_dtype,
-            _names(splits, "kernel", 2, self.axis_name),
+            split_names(splits, "kernel", 2, self.axis_name),
         )
         if not self.use_bias:
             return kernel, None
-        names = _names(splits, "bias", 1, self.axis_name)
+        names = split_names(splits, "bias", 1, self.axis_name)
         return kernel, split_param(self, "bias", self.bias_init, (self.features,), self.param_dtype, names)
 
 
-def _names(splits: dict[str, int], name: str, ndim: int, axis: str) -> tuple[str | None, ...]:
+def split_names(splits: dict[str, int], name: str, ndim: int, axis: str) -> tuple[str | None, ...]:
     """The mesh axis of each dim of parameter ``name`` (``ndim`` dims): ``axis`` on the dim a
-    role's ``splits`` names (counted from the end), None elsewhere."""
+    role's ``splits`` names (counted from the end), None elsewhere.
+
+    >>> split_names({"kernel": -1, "bias": -1}, "kernel", 2, "tensor")
+    (None, 'tensor')
+    >>> split_names({"kernel": -2}, "bias", 1, "tensor")   # a row layer's bias: whole
+    (None,)
+    """
     names: list[str | None] = [None] * ndim
     if name in splits:
         names[splits[name]] = axis

@@ -9,17 +9,17 @@ import jax
 import jax.numpy as jnp
 
 from ..._tree import module_path
-from ...collectives import require_sequence_divisible
 
 # vocab_parallel_cross_entropy is re-exported from where it lives, the framework-free fsdp_tp.tp.
-from ...tp import row_reduce, vocab_lookup, vocab_parallel_cross_entropy
-from .dense import split_param
+from ...tp import Layer, VocabParallel, vocab_parallel_cross_entropy
+from .dense import split_names, split_param
 
 __all__ = ["VocabParallelEmbed", "vocab_parallel_cross_entropy"]
 
 
 class VocabParallelEmbed(nn.Module):
-    """``nn.Embed`` with the table split on the vocab dim over ``axis_name``.
+    """``nn.Embed`` with the table split on the vocab dim over ``axis_name``: the role
+    :class:`~fsdp_tp.tp.VocabParallel` on this device's rows of the table.
 
     Each device looks the ids up in its rows, zeros the ids it does not hold,
     and the partial rows are summed over the axis — or, with
@@ -51,22 +51,11 @@ class VocabParallelEmbed(nn.Module):
 
     @nn.compact
     def __call__(self, ids: jax.Array) -> jax.Array:
-        table = split_param(
-            self,
-            "embedding",
-            self.embedding_init,
-            (self.num_embeddings, self.features),
-            self.param_dtype,
-            (self.axis_name, None),
-        )
+        role = VocabParallel(self.axis_name, sequence_dim=self.sequence_axis)
+        path = module_path(self.path) or type(self).__name__  # (errors name a top-level layer by class)
+        layer = Layer(kind="embed", path=path, num_embeddings=self.num_embeddings)
+        shape = (self.num_embeddings, self.features)
+        names = split_names(role.splits(layer), "embedding", 2, self.axis_name)
+        table = split_param(self, "embedding", self.embedding_init, shape, self.param_dtype, names)
         (table,) = nn.dtypes.promote_dtype(table, dtype=self.dtype, inexact=False)
-        partial = vocab_lookup(ids, table.shape[0], self.axis_name, lambda i: jnp.take(table, i, axis=0))
-        if self.sequence_axis is None:
-            return row_reduce(partial, self.axis_name)
-        require_sequence_divisible(
-            module_path(self.path, "embedding"),
-            ids.shape[self.sequence_axis],
-            self.sequence_axis,
-            self.axis_name,
-        )
-        return row_reduce(partial, self.axis_name, self.sequence_axis)
+        return role.call("__call__", lambda i: jnp.take(table, i, axis=0), layer, (ids,), {})
