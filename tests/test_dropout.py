@@ -350,6 +350,54 @@ def test_negative_control_sequence_slices_not_marked(check_vma, monkeypatch):
         test_dropout_on_sequence_slices_is_the_unsharded_models(check_vma)
 
 
+class LinenAttentionThenDropout(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        y = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=16, name="attn")(x)
+        return nn.Dropout(0.5, deterministic=False)(y)
+
+
+class NNXAttentionThenDropout(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.attn = nnx.MultiHeadAttention(
+            num_heads=4, in_features=8, qkv_features=16, decode=False, rngs=rngs
+        )
+        self.drop = nnx.Dropout(0.5)
+
+    def __call__(self, x, rngs=None):
+        return self.drop(self.attn(x), rngs=rngs)
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_dropout_after_sequence_parallel_attention_is_the_unsharded_models(api):
+    """A head-parallel attention by tp rules with sequence_dim hands on its output's sequence
+    slices (the output projection's reduce-scatter): dropout right after it draws each
+    device's slice of the unsharded mask. (Before, the role said its output was whole, and the
+    dropout was refused: no dim accounted for the output varying over 'tensor'.)"""
+    mesh = fsdp_tp.make_mesh({"data": 2, "tensor": 4})
+    x = jax.random.normal(jax.random.key(1), (4, 8, 8))  # 8 positions: 2 on each tensor rank
+    if api == "linen":
+        rules = [("attn$", fsdp_tp.tp_rules.HeadParallel(sequence_dim=1))]
+        model = fsdp_tp.shard_by_rules(LinenAttentionThenDropout, tp_rules=rules, batch_axes=("data",))()
+        init = lambda rng: (model.init(rng, x[:2])["params"], {})
+        forward = lambda params, rest, x: model.apply({"params": params}, x, rngs={"dropout": KEY})
+        twin = LinenAttentionThenDropout()
+        ref = twin.apply(twin.init(jax.random.key(0), x), x, rngs={"dropout": KEY})
+    else:
+        rules = [("attn$", fsdp_tp.nnx.HeadParallel(sequence_dim=1))]
+        sharded = fsdp_tp.nnx.shard_by_rules(NNXAttentionThenDropout, tp_rules=rules, batch_axes=("data",))
+        init = sharded.init
+        forward = lambda params, rest, x: sharded.merge(params, rest)(x, rngs=nnx.Rngs(dropout=KEY))
+        ref = NNXAttentionThenDropout(nnx.Rngs(0))(x, rngs=nnx.Rngs(dropout=KEY))
+    (params, rest), (specs, rest_specs) = fsdp_tp.init_sharded(init, mesh, P(), jax.random.key(0))
+    slices = P("data", "tensor")  # (batch, sequence, features): the sequence split over tensor
+    out = jax.shard_map(
+        forward, mesh=mesh, in_specs=(specs, rest_specs, slices), out_specs=slices, check_vma=True
+    )(params, rest, x)
+    np.testing.assert_array_equal(np.asarray(out) == 0, np.asarray(ref) == 0)
+    np.testing.assert_allclose(out, ref, rtol=RTOL, atol=ATOL)
+
+
 @pytest.mark.parametrize("api", ["linen", "nnx call-time"])
 def test_sgd_steps_with_dropout_are_the_unsharded_models(api):
     """Three SGD steps through shard_step, a new dropout key each step (the step's rng folded

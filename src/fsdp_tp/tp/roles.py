@@ -341,12 +341,12 @@ class HeadParallel(TPRole):
         return roles
 
     def around(self, method, run, layer, args, kwargs):
-        args, kwargs = _copied(
-            args, kwargs, self.axis, _sequence_checked(self, layer), self.collective_matmul
-        )
+        sequence = _sequence_checked(self, layer)
+        args, kwargs = _copied(args, kwargs, self.axis, sequence, self.collective_matmul)
         with splitting({-3: self.axis}):  # (..., heads, queries, keys) weights
             out = run(*args, **kwargs)
-        split_after({})
+        # what leaves: whole, or this device's slice of the sequence (out's reduce-scatter)
+        split_after({} if sequence is None else {sequence - out.ndim: self.axis}, out.shape)
         return out
 
 
