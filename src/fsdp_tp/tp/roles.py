@@ -341,7 +341,14 @@ class HeadParallel(TPRole):
         return roles
 
     def around(self, method, run, layer, args, kwargs):
-        sequence = _sequence_checked(self, layer)
+        _sequence_checked(self, layer)
+        return self.call(run, layer, args, kwargs)
+
+    def call(self, run, layer: Layer, args: tuple, kwargs: dict):
+        """The call, once the model around it is known to sum what its sequence split needs
+        (``around`` checks ``check_vma``; Linen's blocks sum their norms' gradients themselves).
+        ``run`` computes the heads of this device, its projections by their roles (``inner``)."""
+        sequence = self.sequence_dim
         args, kwargs = _copied(args, kwargs, self.axis, sequence, self.collective_matmul)
         with splitting({-3: self.axis}):  # (..., heads, queries, keys) weights
             out = run(*args, **kwargs)

@@ -14,7 +14,7 @@ from ..._tree import module_path
 
 # Re-exported from where they live, the framework-free fsdp_tp.attention.
 from ...attention import ATTENTION_IMPLEMENTATIONS, attend, resolved_implementation
-from ...tp import column_input, kept_block, require_kept_blocks
+from ...tp import HeadParallel, Layer, kept_block, require_kept_blocks
 from .dense import ColumnParallelDense, RowParallelDense, apply_chunked, split_param
 
 __all__ = ["ATTENTION_IMPLEMENTATIONS", "AttentionBlock", "attend", "resolved_implementation"]
@@ -116,40 +116,45 @@ class AttentionBlock(nn.Module):
         d_model, dim = x.shape[-1], self.head_dim
         kw = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
         no_bias = dict(kw, use_bias=False)
-        out: nn.Module
+
+        def heads(q, k, v, out: nn.Module) -> jax.Array:
+            split = lambda t: t.reshape(*t.shape[:-1], t.shape[-1] // dim, dim)
+            y = attend(split(q), split(k), split(v), self.causal, self.attention)
+            return out(y.reshape(*y.shape[:-2], -1))
+
         if self.axis_name is None:
             q = nn.Dense(self.num_heads * dim, name="query", **kw)(x)
             k = nn.Dense(kv * dim, name="key", **no_bias)(x)
             v = nn.Dense(kv * dim, name="value", **kw)(x)
-            out = nn.Dense(d_model, name="out", **kw)
-        else:
-            require_axes(self.axis_name, "AttentionBlock")
-            axis = self.axis_name
-            size = jax.lax.axis_size(axis)
-            self._check_heads(size)
-            seq = x.ndim - 2 if self.sequence_parallel else None
-            # One f (or one all-gather, or one ring) for q, k and v: their input
-            # gradients are summed locally, then reduced over the axis once.
-            shared = column_input(x, axis, seq, self.collective_matmul)
-            q = ColumnParallelDense(self.num_heads * dim, axis_name=axis, name="query", **kw)(shared, True)
-            if kv % size == 0:
-                k = ColumnParallelDense(kv * dim, axis_name=axis, name="key", **no_bias)(shared, True)
-                v = ColumnParallelDense(kv * dim, axis_name=axis, name="value", **kw)(shared, True)
-            else:
-                k = _ReplicatedKV(kv * dim, dim, False, self.param_dtype, axis, self.dtype, name="key")(
-                    shared
-                )
-                v = _ReplicatedKV(
-                    kv * dim, dim, self.use_bias, self.param_dtype, axis, self.dtype, name="value"
-                )(shared)
-            out = RowParallelDense(
-                d_model,
-                axis_name=axis,
-                sequence_axis=seq,
-                collective_matmul=self.collective_matmul,
-                name="out",
-                **kw,
+            return heads(q, k, v, nn.Dense(d_model, name="out", **kw))
+        require_axes(self.axis_name, "AttentionBlock")
+        axis = self.axis_name
+        size = jax.lax.axis_size(axis)
+        self._check_heads(size)
+        seq = x.ndim - 2 if self.sequence_parallel else None
+        ring = self.collective_matmul
+        role = HeadParallel(axis, sequence_dim=seq, replicated_kv=kv % size != 0, collective_matmul=ring)
+        where = module_path(self.path) or "AttentionBlock"
+        layer = Layer(kind="attention", path=where, num_heads=self.num_heads, num_kv_heads=kv)
+        query = ColumnParallelDense(self.num_heads * dim, axis_name=axis, name="query", **kw)
+        key: nn.Module
+        value: nn.Module
+        if kv % size == 0:
+            key = ColumnParallelDense(kv * dim, axis_name=axis, name="key", **no_bias)
+            value = ColumnParallelDense(kv * dim, axis_name=axis, name="value", **kw)
+        else:  # (each device the kv head its query heads read)
+            key = _ReplicatedKV(kv * dim, dim, False, self.param_dtype, axis, self.dtype, name="key")
+            value = _ReplicatedKV(
+                kv * dim, dim, self.use_bias, self.param_dtype, axis, self.dtype, name="value"
             )
-        split = lambda t: t.reshape(*t.shape[:-1], t.shape[-1] // dim, dim)
-        y = attend(split(q), split(k), split(v), self.causal, self.attention)
-        return out(y.reshape(*y.shape[:-2], -1))
+        out = RowParallelDense(
+            d_model, axis_name=axis, sequence_axis=seq, collective_matmul=ring, name="out", **kw
+        )
+
+        # The role gives q, k and v one f (or one all-gather, or one ring): their input
+        # gradients are summed locally, then reduced over the axis once.
+        def run(shared):
+            kv_args = (shared, True) if kv % size == 0 else (shared,)
+            return heads(query(shared, True), key(*kv_args), value(*kv_args), out)
+
+        return role.call(run, layer, (x,), {})
