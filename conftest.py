@@ -65,6 +65,7 @@ def _with_cheap_codegen(flags: str) -> str:
     """``flags`` with each of CHEAP_CODEGEN this XLA knows and ``flags`` does not set."""
     for flag in CHEAP_CODEGEN:
         name = flag.split("=")[0]
+        # (every XLA knows its optimization level: no child process to ask)
         if name not in flags and (name == "--xla_backend_optimization_level" or _xla_accepts(flag)):
             flags = f"{flags} {flag}".strip()
     return flags

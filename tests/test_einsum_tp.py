@@ -510,6 +510,6 @@ def test_sequence_parallel_roles_without_check_vma_are_refused(api):
 def test_negative_control_unchecked_sequence_slices_give_the_norms_a_share_of_their_gradient(monkeypatch):
     """With the refusal patched out, the same model under check_vma=False: the RMSNorm scales'
     gradients are each device's share, not the unsharded model's."""
-    monkeypatch.setattr(tp_roles, "_sequence_checked", lambda role, layer: role.sequence_dim)
+    monkeypatch.setattr(fsdp_tp.tp._role, "_sequence_checked", lambda role, layer: role.sequence_dim)
     with jax.enable_x64(True), pytest.raises(AssertionError, match="norm"):
         check_equivalence(_sequence_case("linen", False))

@@ -172,7 +172,15 @@ class TPRole:
         return {}
 
     def around(self, method: str, run, layer: Layer, args: tuple, kwargs: dict):
-        """The call: ``run(*args, **kwargs)`` is the module on its slices."""
+        """The call: ``run(*args, **kwargs)`` is the module's ``method`` on its slices, with
+        the collectives :meth:`call` puts around it, once the step is known to run with the
+        ``check_vma`` a ``sequence_dim`` needs."""
+        _sequence_checked(self, layer)
+        return self.call(method, run, layer, args, kwargs)
+
+    def call(self, method: str, run, layer: Layer, args: tuple, kwargs: dict):
+        """:meth:`around` without its ``check_vma`` guard: for a front end whose blocks sum their
+        norms' gradients themselves (Linen's layers, which are these roles)."""
         raise NotImplementedError
 
 

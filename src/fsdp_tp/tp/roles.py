@@ -57,7 +57,7 @@ from ..collective_matmul import ring_reduce_scatter
 from ..collectives import gather_from_axis, require_sequence_divisible
 from ..dropout import split_after, splitting, unplaceable_after
 from ..errors import RuleError
-from ._role import Layer, TPRole, _chunkwise, _copied, _einsum, _ringable, _sequence_checked, _ungrouped
+from ._role import Layer, TPRole, _chunkwise, _copied, _einsum, _ringable, _ungrouped
 from .pieces import add_bias_once, kept_block, row_reduce, vocab_lookup
 
 __all__ = [
@@ -131,15 +131,9 @@ class ColumnParallel(TPRole):
             return {"kernel_shape": shrunk(layer.kernel_shape, dim, size)}
         return {"features": (layer.features[0] // size, *layer.features[1:])}
 
-    def around(self, method, run, layer, args, kwargs):
-        _sequence_checked(self, layer)
-        return self.call(run, layer, args, kwargs)
-
-    def call(self, run, layer: Layer, args: tuple, kwargs: dict, prepared: bool = False):
-        """The call, once the model around it is known to sum what its sequence split needs
-        (``around`` checks ``check_vma``; Linen's layers sum their norms themselves).
-        ``prepared``: the inputs already passed *f* or the sequence gather (a caller that
-        shares it between layers)."""
+    def call(self, method, run, layer, args, kwargs, prepared: bool = False):
+        """``prepared``: the inputs already passed *f* or the sequence gather (a caller that
+        shares it between layers: Linen's attention for q, k and v)."""
         sequence = self.sequence_dim
         if self.replicated:
             if sequence is not None:
@@ -221,13 +215,7 @@ class RowParallel(TPRole):
             return {"kernel_shape": shrunk(layer.kernel_shape, dim, size), **drop_bias}
         return drop_bias
 
-    def around(self, method, run, layer, args, kwargs):
-        _sequence_checked(self, layer)
-        return self.call(run, layer, args, kwargs)
-
-    def call(self, run, layer: Layer, args: tuple, kwargs: dict):
-        """The call, once the model around it is known to sum what its sequence split needs
-        (``around`` checks ``check_vma``; Linen's layers sum their norms themselves)."""
+    def call(self, method, run, layer, args, kwargs):
         eq, letter, dim = _einsum(layer, self, self.letter, "contracted")
         if letter and layer.kernel_shape[dim]:  # (a size the module holds)
             x = args[0] if args else kwargs["inputs"]
@@ -340,14 +328,8 @@ class HeadParallel(TPRole):
             roles |= dict.fromkeys(("query", "key", "value"), _ChunkWise(self.axis))
         return roles
 
-    def around(self, method, run, layer, args, kwargs):
-        _sequence_checked(self, layer)
-        return self.call(run, layer, args, kwargs)
-
-    def call(self, run, layer: Layer, args: tuple, kwargs: dict):
-        """The call, once the model around it is known to sum what its sequence split needs
-        (``around`` checks ``check_vma``; Linen's blocks sum their norms' gradients themselves).
-        ``run`` computes the heads of this device, its projections by their roles (``inner``)."""
+    def call(self, method, run, layer, args, kwargs):
+        """``run`` computes this device's heads, its projections by their roles (``inner``)."""
         sequence = self.sequence_dim
         args, kwargs = _copied(args, kwargs, self.axis, sequence, self.collective_matmul)
         with splitting({-3: self.axis}):  # (..., heads, queries, keys) weights
@@ -378,14 +360,7 @@ class VocabParallel(TPRole):
     def local(self, layer, size):
         return {"num_embeddings": layer.num_embeddings // size}
 
-    def around(self, method, run, layer, args, kwargs):
-        _sequence_checked(self, layer)
-        return self.call(method, run, layer, args, kwargs)
-
-    def call(self, method: str, run, layer: Layer, args: tuple, kwargs: dict):
-        """The call (``"__call__"``: the lookup; ``"attend"``), once the model around it is
-        known to sum what its sequence split needs (``around`` checks ``check_vma``;
-        Linen's blocks sum their norms' gradients themselves)."""
+    def call(self, method, run, layer, args, kwargs):
         sequence = self.sequence_dim
         split_after({})  # the logits gathered: whole (the lookup's sum says what it leaves)
         if method == "attend":
@@ -413,7 +388,7 @@ class _ChunkWise(TPRole):
     def divides(self, layer):
         return {}
 
-    def around(self, method, run, layer, args, kwargs):
+    def call(self, method, run, layer, args, kwargs):
         return _chunkwise(run, layer, args, kwargs)
 
 

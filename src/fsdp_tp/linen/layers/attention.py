@@ -133,20 +133,21 @@ class AttentionBlock(nn.Module):
         self._check_heads(size)
         seq = x.ndim - 2 if self.sequence_parallel else None
         ring = self.collective_matmul
-        role = HeadParallel(axis, sequence_dim=seq, replicated_kv=kv % size != 0, collective_matmul=ring)
+        kept = kv % size != 0  # fewer kv heads than devices: each device the one its queries read
+        role = HeadParallel(axis, sequence_dim=seq, replicated_kv=kept, collective_matmul=ring)
         where = module_path(self.path) or "AttentionBlock"
         layer = Layer(kind="attention", path=where, num_heads=self.num_heads, num_kv_heads=kv)
         query = ColumnParallelDense(self.num_heads * dim, axis_name=axis, name="query", **kw)
         key: nn.Module
         value: nn.Module
-        if kv % size == 0:
-            key = ColumnParallelDense(kv * dim, axis_name=axis, name="key", **no_bias)
-            value = ColumnParallelDense(kv * dim, axis_name=axis, name="value", **kw)
-        else:  # (each device the kv head its query heads read)
+        if kept:
             key = _ReplicatedKV(kv * dim, dim, False, self.param_dtype, axis, self.dtype, name="key")
             value = _ReplicatedKV(
                 kv * dim, dim, self.use_bias, self.param_dtype, axis, self.dtype, name="value"
             )
+        else:
+            key = ColumnParallelDense(kv * dim, axis_name=axis, name="key", **no_bias)
+            value = ColumnParallelDense(kv * dim, axis_name=axis, name="value", **kw)
         out = RowParallelDense(
             d_model, axis_name=axis, sequence_axis=seq, collective_matmul=ring, name="out", **kw
         )
@@ -154,7 +155,7 @@ class AttentionBlock(nn.Module):
         # The role gives q, k and v one f (or one all-gather, or one ring): their input
         # gradients are summed locally, then reduced over the axis once.
         def run(shared):
-            kv_args = (shared, True) if kv % size == 0 else (shared,)
+            kv_args = (shared,) if kept else (shared, True)
             return heads(query(shared, True), key(*kv_args), value(*kv_args), out)
 
-        return role.call(run, layer, (x,), {})
+        return role.call("__call__", run, layer, (x,), {})

@@ -180,7 +180,7 @@ class ColumnParallelDense(_ParallelDense):
             y = _matmul(chunk, k, self.precision)
             return y if b is None else y + b
 
-        return role.call(dense, layer, (x,), {}, prepared=prepared)
+        return role.call("__call__", dense, layer, (x,), {}, prepared=prepared)
 
 
 class RowParallelDense(_ParallelDense):
@@ -226,4 +226,6 @@ class RowParallelDense(_ParallelDense):
             rows, k = nn.dtypes.promote_dtype(rows, kernel, dtype=self.dtype)
             return _matmul(rows, k, self.precision)
 
-        return role.call(partial_products, dataclasses.replace(layer, bias=lambda: bias), (x,), {})
+        return role.call(
+            "__call__", partial_products, dataclasses.replace(layer, bias=lambda: bias), (x,), {}
+        )
