@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from .._axes import checks_vma
 from .._einsum import Equation, split_letter
+from .._layout import axis_text, require_divisible
 from ..collective_matmul import RingChunks, require_mode
 from ..errors import RuleError
 from .pieces import column_input
@@ -153,6 +154,13 @@ class TPRole:
     def divides(self, layer: Layer) -> dict[str, int]:
         """``{what: size}`` that the axis size must divide for the split to work."""
         raise NotImplementedError
+
+    def require_divides(self, layer: Layer, size: int, where: str, fix: Callable[[int], str]) -> None:
+        """The one divisibility check of a role, whichever front end asks: the axis size
+        (``size``) divides each size :meth:`divides` names, else the package's wording, with
+        ``where`` the caller's name for the layer and ``fix(size)`` its remedy."""
+        for what, value in self.divides(layer).items():
+            require_divisible(where, what, value, axis_text(self.axis), size, fix(value))
 
     def kept_whole(self, layer: Layer) -> tuple[str, ...]:
         """Parameters (paths under the module) stored whole over the axis, of which each

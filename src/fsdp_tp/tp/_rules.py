@@ -15,7 +15,6 @@ from jax.sharding import PartitionSpec
 
 from .._axes import axes_named, entry_axes
 from .._einsum import computes_of
-from .._layout import axis_text, require_divisible
 from .._types import AxisName
 from ..errors import RuleError
 from ..rules import split_rule
@@ -156,20 +155,19 @@ def _listed(nameable: list[tuple[str, list[str]]], most: int = 8) -> str:
 
 
 def require_divides(role: TPRole, pattern: str, layer: Layer, size: int) -> None:
-    """The axis size divides every size the role splits; else the one wording of the package."""
-    for what, value in role.divides(layer).items():
+    """:meth:`TPRole.require_divides` for a tp rule: the rule named, the fix to change the
+    axis or drop the rule."""
+
+    def fix(value: int) -> str:
         # An einsum's letter the axis is larger than (kv heads) can be kept whole, a block each.
         kept = layer.kind == "einsum" and isinstance(role, ColumnParallel) and size % value == 0
         whole = ", or keep its kernel whole with each device's block of the letter: replicated=True"
-        require_divisible(
-            f"tp rule {pattern!r} -> {type(role).__name__}: {layer.path}",
-            what,
-            value,
-            axis_text(role.axis),
-            size,
+        return (
             f"use a {role.axis!r} size that divides {value}, or leave {layer.path} whole "
-            f"(drop it from the rules)" + (whole if kept else ""),
+            f"(drop it from the rules)" + (whole if kept else "")
         )
+
+    role.require_divides(layer, size, f"tp rule {pattern!r} -> {type(role).__name__}: {layer.path}", fix)
 
 
 def require_own_parameters(role: TPRole, pattern: str, layer: Layer, cls: type, names: Sequence[str]) -> None:

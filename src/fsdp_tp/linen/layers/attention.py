@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 
 from ..._axes import require_axes
-from ..._layout import axis_text, require_divisible
+from ..._layout import require_divisible
 from ..._tree import module_path
 
 # Re-exported from where they live, the framework-free fsdp_tp.attention.
 from ...attention import ATTENTION_IMPLEMENTATIONS, attend, resolved_implementation
-from ...tp import HeadParallel, Layer, kept_block, require_kept_blocks
+from ...tp import HeadParallel, Layer, kept_block
 from .dense import ColumnParallelDense, RowParallelDense, apply_chunked, split_param
 
 __all__ = ["ATTENTION_IMPLEMENTATIONS", "AttentionBlock", "attend", "resolved_implementation"]
@@ -49,9 +49,10 @@ class _ReplicatedKV(nn.Module):
             else None
         )
         # Device t reads kv head t * groups // size; its gradient is summed over the axis.
-        groups = self.features // self.head_dim
-        kernel = kept_block(kernel, 1, groups, self.axis_name)
-        bias = None if bias is None else kept_block(bias, 0, groups, self.axis_name)
+        # (A kv count and axis size that do not divide one another: named at the block.)
+        groups, where = self.features // self.head_dim, module_path(self.path[:-1]) or "AttentionBlock"
+        kernel = kept_block(kernel, 1, groups, self.axis_name, where, "num_kv_heads")
+        bias = None if bias is None else kept_block(bias, 0, groups, self.axis_name, where, "num_kv_heads")
 
         def project(chunk):
             chunk, k, b = nn.dtypes.promote_dtype(chunk, kernel, bias, dtype=self.dtype)
@@ -100,15 +101,13 @@ class AttentionBlock(nn.Module):
     )
     attention: str = "reference"  # one of ATTENTION_IMPLEMENTATIONS (see attend)
 
-    def _check_heads(self, size: int) -> None:
-        kv = self.num_kv_heads or self.num_heads
-        where, axis = module_path(self.path) or "AttentionBlock", axis_text(self.axis_name)
-        fix = f"a smaller {self.axis_name!r} axis"
-        require_divisible(where, "num_heads", self.num_heads, axis, size, fix)
-        require_divisible(where, "num_heads", self.num_heads, "num_kv_heads", kv, "another num_kv_heads")
-        # grouped heads: each device holds whole kv groups; fewer kv heads than devices: each
-        # kv head is kept whole, read by a whole group of devices
-        require_kept_blocks(where, "num_kv_heads", kv, self.axis_name, size)
+    def _check_heads(self, role: HeadParallel, layer: Layer, size: int) -> None:
+        """The block's own shape (whole kv groups), then its role's one divisibility check;
+        kv heads fewer than devices are checked where each device reads its block
+        (:func:`~fsdp_tp.tp.kept_block`)."""
+        kv, fix = layer.num_kv_heads, "another num_kv_heads"
+        require_divisible(layer.path, "num_heads", self.num_heads, "num_kv_heads", kv, fix)
+        role.require_divides(layer, size, layer.path, lambda _: f"a smaller {self.axis_name!r} axis")
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -130,13 +129,13 @@ class AttentionBlock(nn.Module):
         require_axes(self.axis_name, "AttentionBlock")
         axis = self.axis_name
         size = jax.lax.axis_size(axis)
-        self._check_heads(size)
         seq = x.ndim - 2 if self.sequence_parallel else None
         ring = self.collective_matmul
         kept = kv % size != 0  # fewer kv heads than devices: each device the one its queries read
         role = HeadParallel(axis, sequence_dim=seq, replicated_kv=kept, collective_matmul=ring)
         where = module_path(self.path) or "AttentionBlock"
         layer = Layer(kind="attention", path=where, num_heads=self.num_heads, num_kv_heads=kv)
+        self._check_heads(role, layer, size)
         query = ColumnParallelDense(self.num_heads * dim, axis_name=axis, name="query", **kw)
         key: nn.Module
         value: nn.Module
