@@ -244,17 +244,34 @@ def test_gqa_with_fewer_kv_heads_than_devices(check_vma):
     )
 
 
-def test_heads_not_divisible_by_the_axis():
+@pytest.mark.parametrize(
+    "heads, kv, tensor, match",
+    [
+        (
+            6,
+            None,
+            4,
+            r"AttentionBlock: num_heads \(size 6\) is not divisible by mesh axis 'tensor' \(size 4\)",
+        ),
+        # fewer kv heads than devices are kept whole, each read by a group: 3 and 2 do not divide
+        (
+            6,
+            3,
+            2,
+            r"AttentionBlock: num_kv_heads \(size 3\) .* a 'tensor' size that divides 3 or that 3 divides",
+        ),
+        (6, 4, 4, r"AttentionBlock: num_heads \(size 6\) is not divisible by num_kv_heads \(size 4\)"),
+    ],
+)
+def test_heads_the_axis_cannot_split_are_named(heads, kv, tensor, match):
     init = jax.shard_map(
-        lambda x: fsdp_tp.AttentionBlock(6, 4).init(jax.random.key(0), x),
-        mesh=mesh_of(1, 1, 4),
+        lambda x: fsdp_tp.AttentionBlock(heads, 4, num_kv_heads=kv).init(jax.random.key(0), x),
+        mesh=mesh_of(1, 1, tensor),
         in_specs=P(),
         out_specs=P(),
         check_vma=False,
     )
-    with pytest.raises(
-        IndivisibleShapeError, match=r"num_heads \(size 6\) is not divisible by mesh axis 'tensor' \(size 4\)"
-    ):
+    with pytest.raises(IndivisibleShapeError, match=match):
         jax.eval_shape(init, jnp.ones((2, 3, 8)))
 
 
