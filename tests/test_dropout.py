@@ -278,8 +278,10 @@ def _attention_masks(api: str, tp: bool) -> dict:
         init, forward = sharded.init, lambda params, rest, x: sharded.merge(params, rest)(x)
     (params, rest), (specs, rest_specs) = fsdp_tp.init_sharded(init, mesh, P(), jax.random.key(0))
     SEEN.clear()
-    out = jax.shard_map(
-        forward, mesh=mesh, in_specs=(specs, rest_specs, P("data")), out_specs=P("data"), check_vma=False
+    out = jax.jit(  # one program (eager, shard_map runs op by op)
+        jax.shard_map(
+            forward, mesh=mesh, in_specs=(specs, rest_specs, P("data")), out_specs=P("data"), check_vma=False
+        )
     )(params, rest, X)
     jax.block_until_ready(out)
     jax.effects_barrier()
@@ -392,8 +394,10 @@ def test_dropout_after_sequence_parallel_attention_is_the_unsharded_models(api):
         ref = NNXAttentionThenDropout(nnx.Rngs(0))(x, rngs=nnx.Rngs(dropout=KEY))
     (params, rest), (specs, rest_specs) = fsdp_tp.init_sharded(init, mesh, P(), jax.random.key(0))
     slices = P("data", "tensor")  # (batch, sequence, features): the sequence split over tensor
-    out = jax.shard_map(
-        forward, mesh=mesh, in_specs=(specs, rest_specs, slices), out_specs=slices, check_vma=True
+    out = jax.jit(
+        jax.shard_map(
+            forward, mesh=mesh, in_specs=(specs, rest_specs, slices), out_specs=slices, check_vma=True
+        )
     )(params, rest, x)
     np.testing.assert_array_equal(np.asarray(out) == 0, np.asarray(ref) == 0)
     np.testing.assert_allclose(out, ref, rtol=RTOL, atol=ATOL)

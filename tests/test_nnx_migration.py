@@ -53,7 +53,7 @@ def _state():
 def _merged_without_model_state():
     sharded, state, specs = _state()
     forward = lambda p: sharded.merge(p)(jnp.ones((2, 8)))
-    jax.shard_map(forward, mesh=fsdp_tp.make_mesh(MESH), in_specs=(specs.params,), out_specs=P())(
+    jax.jit(jax.shard_map(forward, mesh=fsdp_tp.make_mesh(MESH), in_specs=(specs.params,), out_specs=P()))(
         state.params
     )
 

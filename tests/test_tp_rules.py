@@ -572,11 +572,13 @@ def test_a_layer_that_cannot_compute_says_why(make, error, match):
     model = make()
     params, specs = _init(model)
     mesh = fsdp_tp.make_mesh(MESHES["data2_tensor4"])
-    apply = jax.shard_map(
-        lambda p, x: model.apply({"params": p}, x),
-        mesh=mesh,
-        in_specs=(specs, P("data")),
-        out_specs=P("data"),
+    apply = jax.jit(
+        jax.shard_map(
+            lambda p, x: model.apply({"params": p}, x),
+            mesh=mesh,
+            in_specs=(specs, P("data")),
+            out_specs=P("data"),
+        )
     )
     with pytest.raises(error, match=match):
         apply(params, jnp.zeros((8, 8), jnp.int32))
