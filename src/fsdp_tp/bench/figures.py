@@ -125,7 +125,7 @@ def minimum_wire_bytes(variant: Variant, library_state) -> float | None:
 
 
 def exact_figures(variant: Variant, library_state=None) -> Figures:
-    """The exact figures of ``variant`` (one compile; runs one step for the loss)."""
+    """The exact figures of ``variant`` (one trace, one compile; runs one step for the loss)."""
     library_state = variant.state if library_state is None else library_state
     tree = (_params(variant.state), variant.state.opt_state)
     held = max(state_bytes_per_device(tree).values())
@@ -139,7 +139,8 @@ def exact_figures(variant: Variant, library_state=None) -> Figures:
         for c in found
         if c.kind == "all-reduce" and any(_dims(t) & sharded for t in c.operand_types)
     )
-    _, loss = variant.step(jax.tree.map(lambda a: a.copy(), variant.state), variant.batch)  # donated copy
+    # The step compiled above, run once (calling variant.step would trace and lower it again).
+    _, loss = compiled(jax.tree.map(lambda a: a.copy(), variant.state), variant.batch)  # donated copy
     return Figures(
         label=variant.label,
         state_bytes=held,
