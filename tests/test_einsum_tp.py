@@ -37,7 +37,7 @@ from fsdp_tp.bench.llama_rows import llama_section, lowered_lm_step, measure
 from fsdp_tp.collectives import copy_to_axis
 from fsdp_tp.errors import IndivisibleShapeError, RuleError
 from fsdp_tp.models.llama import FSDP_RULES, RULES, SIZES, LlamaLM, NNXLlamaLM
-from fsdp_tp.tp import roles as tp_roles
+from fsdp_tp.tp import _matmul as tp_matmul
 from fsdp_tp.tp.roles import ColumnParallel, RowParallel, register_einsum
 from tests import test_tp_rules
 from tests.equivalence import Case, assert_trees_close, check_equivalence
@@ -265,7 +265,7 @@ def test_any_column_then_row_einsum_pair_equals_unsharded(api, pair, check_vma):
 def test_negative_control_a_row_einsum_without_its_sum(monkeypatch):
     """The pair check sees a row einsum whose partial products are not summed (with
     ``check_vma=True`` shard_map itself refuses the output, which varies over `tensor`)."""
-    monkeypatch.setattr(tp_roles, "row_reduce", lambda partial, axis, *_: partial)
+    monkeypatch.setattr(tp_matmul, "row_reduce", lambda partial, axis, *_: partial)
     size = dict(c=2, p=4, o=3)
     with pytest.raises(AssertionError, match="output"):
         _check_pair("nnx", ("Bc,cp->Bp", "Bp,po->Bo", "p", size, (True, True), (8, 2)), check_vma=False)
@@ -440,7 +440,7 @@ def first_block(param, dim, blocks, axis_name, *_, **__):
 def test_negative_control_replicated_kv_heads_all_at_one_index():
     """Every device keeping kv head 0 pairs half the query heads with the wrong kv head."""
     with jax.enable_x64(True), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(tp_roles, "kept_block", first_block)
+        patch.setattr(tp_matmul, "kept_block", first_block)  # (ColumnParallel(replicated=True)'s)
         model, twin = _models("linen", "data2_tensor4", tp=REPLICATED_KV, **EXACT)
         case = dataclasses.replace(_case("linen", "data2_tensor4", False), model=model, reference=twin)
         with pytest.raises(AssertionError, match="output"):

@@ -88,13 +88,13 @@ def _check_fsdp_tp(mesh, scan, check_vma, layers, widths, seed=0):
 def test_negative_control_a_row_layer_without_its_sum(monkeypatch):
     """The property above on a TP mesh, with each row layer's partial products left unsummed
     over tensor: the outputs differ, and the check says so."""
-    from fsdp_tp.tp import roles as tp_roles
+    from fsdp_tp import tp
 
     def unsummed(self, method, run, layer, args, kwargs):
         bias = layer.bias() if layer.use_bias and layer.bias is not None else None
-        return tp_roles.add_bias_once(run(*args, **kwargs), bias, self.axis, dtype=layer.dtype)
+        return tp.add_bias_once(run(*args, **kwargs), bias, self.axis, dtype=layer.dtype)
 
-    monkeypatch.setattr(tp_roles.RowParallel, "around", unsummed)
+    monkeypatch.setattr(tp.RowParallel, "around", unsummed)
     with pytest.raises(AssertionError, match="output"):
         _check_fsdp_tp((2, 2, 2), scan=True, check_vma=False, layers=2, widths=(8, 8, 4))
 

@@ -183,10 +183,10 @@ def test_train_api_nnx_keeps_fewer_kv_heads_than_tensor_whole_and_equals_the_twi
 def test_negative_control_every_device_reading_the_first_kv_head_fails_the_check(monkeypatch):
     """Were each device to read kv head 0 (not ``t * K // size``), the query heads of devices
     2 and 3 would attend with another head's keys: --check must notice and exit 1."""
-    from fsdp_tp.tp import roles as tp_roles
+    from fsdp_tp.tp import _heads
     from tests.test_einsum_tp import first_block
 
-    monkeypatch.setattr(tp_roles, "kept_block", first_block)
+    monkeypatch.setattr(_heads, "kept_block", first_block)  # (where HeadParallel reads kv blocks)
     code, out = _check("--mesh", "fsdp=2,tensor=4", "--no-sequence-parallel")
     assert code == 1 and "FAILED" in out, out
 
@@ -194,12 +194,12 @@ def test_negative_control_every_device_reading_the_first_kv_head_fails_the_check
 def test_negative_control_a_ring_that_drops_its_neighbours_partial_sums_fails_the_check(monkeypatch):
     """Were the row layers' ring to keep this device's partial products only (no accumulator
     passed round), the run would be another model: --check must notice and exit 1."""
-    from fsdp_tp.tp import roles as tp_roles
+    from fsdp_tp.tp import _matmul
 
     def own_share(product, x, axis_name, dim, mode):
         rows = x.shape[dim] // jax.lax.axis_size(axis_name)
         return jax.lax.dynamic_slice_in_dim(product(x), 0, rows, dim)
 
-    monkeypatch.setattr(tp_roles, "ring_reduce_scatter", own_share)
+    monkeypatch.setattr(_matmul, "ring_reduce_scatter", own_share)  # (RowParallel's ring)
     code, out = _check("--async-tp", "bidirectional")
     assert code == 1 and "FAILED" in out, out

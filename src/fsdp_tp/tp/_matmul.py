@@ -1,0 +1,209 @@
+"""The roles of a layer that multiplies its input by one kernel (a dense layer, a
+convolution, an einsum): :class:`ColumnParallel` and :class:`RowParallel`, Megatron's pair."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import jax
+
+from .._einsum import shrunk
+from .._layout import axis_text, require_divisible
+from ..collective_matmul import ring_reduce_scatter
+from ..collectives import gather_from_axis
+from ..dropout import split_after, unplaceable_after
+from ..errors import RuleError
+from ._role import Layer, TPRole, _chunkwise, _copied, _einsum, _ringable, _ungrouped
+from .pieces import add_bias_once, kept_block, row_reduce
+
+__all__ = ["ColumnParallel", "RowParallel"]
+
+
+@dataclass(frozen=True)
+class ColumnParallel(TPRole):
+    """A dense layer, convolution or einsum split on the (first) output feature dim.
+
+    ``gather_output``: all-gather the features (a model's last layer, whose output the
+    loss reads whole); otherwise the next layer must be :class:`RowParallel`. ``letter``
+    (an einsum's): the kernel letter to split, one the output has and the inputs do not
+    (default: the kernel's first such letter, e.g. the heads of ``'BTD,NDH->BTNH'``).
+    ``replicated`` (an einsum's): the kernel stays whole over the axis; each device computes
+    every ``letter`` and keeps its block, ``size / axis`` of them, or the one its position
+    needs when the axis is larger (grouped-query attention with fewer kv heads than devices:
+    device t's query heads read kv head ``t * K // axis``). One more all-reduce backward (the
+    output's cotangent) than a split. ``sequence_dim``: the input arrives as this device's
+    slice of that dim and is all-gathered first (sequence parallelism); ``collective_matmul``
+    (``"unidirectional"`` / ``"bidirectional"``, with ``sequence_dim``): that gather as a
+    ``ppermute`` ring, each arriving chunk multiplied at once (:mod:`fsdp_tp.collective_matmul`)."""
+
+    gather_output: bool = False
+    letter: str | None = None
+    replicated: bool = False
+    sequence_dim: int | None = None
+    collective_matmul: str | None = None
+    kinds: ClassVar[tuple[str, ...]] = ("dense", "conv", "einsum")
+
+    def splits(self, layer):
+        eq, letter, dim = _einsum(layer, self, self.letter, "produced")
+        if self.replicated:
+            _replicable(layer, letter, self.gather_output)
+            return {}
+        if letter:
+            kernel, *bias = layer.parameters
+            splits = {kernel: dim - len(eq.kernel)}
+            return splits | {name: eq.bias_letters.index(letter) - len(eq.bias_letters) for name in bias}
+        _ungrouped(layer)
+        dim = -len(layer.features)
+        return {"kernel": dim, "bias": dim}
+
+    def divides(self, layer):
+        eq, letter, dim = _einsum(layer, self, self.letter, "produced")
+        if self.replicated:
+            return {}  # (the axis size and the letter's: one divides the other, checked per call)
+        if letter and not layer.kernel_shape[dim]:
+            raise RuleError(
+                f"{layer.path}: ColumnParallel splits letter {letter!r} of {eq.text!r}, whose size the "
+                f"module does not hold in an attribute it was registered with; register it with "
+                f"sizes={{'<the attribute>': {letter!r}}}."
+            )
+        if letter:
+            return {f"kernel dim {letter!r} of {eq.text!r}": layer.kernel_shape[dim]}
+        return {"features": layer.features[0]}
+
+    def local(self, layer, size):
+        _, letter, dim = _einsum(layer, self, self.letter, "produced")
+        if self.replicated:
+            return {}  # it computes every `letter`, with the whole kernel
+        if letter:
+            return {"kernel_shape": shrunk(layer.kernel_shape, dim, size)}
+        return {"features": (layer.features[0] // size, *layer.features[1:])}
+
+    def call(self, method, run, layer, args, kwargs, prepared: bool = False):
+        """``prepared``: the inputs already passed *f* or the sequence gather (a caller that
+        shares it between layers: Linen's attention for q, k and v)."""
+        sequence = self.sequence_dim
+        if self.replicated:
+            if sequence is not None:
+                raise RuleError(f"{layer.path}: ColumnParallel(replicated=True) takes no sequence_dim.")
+            return self._replicated(run(*args, **kwargs), layer)
+        if self.collective_matmul is not None and sequence is not None:
+            _ringable(self, layer, sequence)
+        if not prepared:
+            args, kwargs = _copied(args, kwargs, self.axis, sequence, self.collective_matmul)
+        out = _chunkwise(run, layer, args, kwargs)
+        eq, letter, _ = _einsum(layer, self, self.letter, "produced")
+        dim = eq.dim_of(letter, eq.output, out.ndim) if letter else -len(layer.features)
+        if self.gather_output:
+            split_after({})
+            return gather_from_axis(out, dim % out.ndim, self.axis)
+        split_after({dim: self.axis}, out.shape, add=True)  # dropout until the row layer: its slice
+        return out
+
+    def _replicated(self, out: jax.Array, layer: Layer) -> jax.Array:
+        """Every ``letter`` computed from the whole kernel and the input as it is (so the
+        input's gradient from here is whole, not a share for *f* to sum); *f* on the output
+        (its cotangent, zeros outside each device's block, summed over the axis: the kernel's
+        and the input's gradients are whole on every device); this device's block kept."""
+        eq, letter, dim = _einsum(layer, self, self.letter, "produced")
+        n, size = layer.kernel_shape[dim], jax.lax.axis_size(self.axis)
+        at = eq.dim_of(letter, eq.output, out.ndim)
+        out = kept_block(out, at, n, self.axis, layer.path, f"letter {letter!r} of {eq.text!r}")
+        if n >= size:  # each device its own block: a split
+            split_after({at: self.axis}, out.shape, add=True)
+        else:  # blocks shared by neighbours: no mask of the unsharded model's is drawn on them
+            unplaceable_after(out.shape)
+        return out
+
+
+def _replicable(layer: Layer, letter: str, gather_output: bool) -> None:
+    if not letter or gather_output:
+        raise RuleError(
+            f"{layer.path}: ColumnParallel(replicated=True) keeps each device's block of an einsum's "
+            f"output letter (kv heads fewer than the axis size); it takes an einsum layer and no "
+            f"gather_output. Drop replicated=True."
+        )
+
+
+@dataclass(frozen=True)
+class RowParallel(TPRole):
+    """A dense layer, convolution or einsum split on the (first) contracted input dim: the
+    input arrives split there, the partial products are summed over the axis (Megatron's
+    *g*) and the bias, whole on every device, is added once after the sum. ``letter`` (an
+    einsum's): the kernel letter to split, one the inputs have and the output does not
+    (default: the kernel's first such letter, e.g. the heads of ``'BTNH,NHD->BTD'``).
+    ``sequence_dim``: the partial products are reduce-scattered along that dim instead, each
+    device leaving with its slice of the sequence (the bias's gradient summed over the axis).
+    ``collective_matmul``: that reduce-scatter as a ``ppermute`` ring fused with the layer's
+    matmul, chunk by chunk of the sequence; without ``sequence_dim``, the sum as that ring along
+    the dim before the features, then an all-gather."""
+
+    letter: str | None = None
+    sequence_dim: int | None = None
+    collective_matmul: str | None = None
+    kinds: ClassVar[tuple[str, ...]] = ("dense", "conv", "einsum")
+
+    def splits(self, layer):
+        eq, letter, dim = _einsum(layer, self, self.letter, "contracted")
+        if letter:
+            return {layer.parameters[0]: dim - len(eq.kernel)}
+        _ungrouped(layer)
+        return {"kernel": -(layer.contracted + len(layer.features))}
+
+    def divides(self, layer):
+        eq, letter, dim = _einsum(layer, self, self.letter, "contracted")
+        if letter:
+            return {f"kernel dim {letter!r} of {eq.text!r}": layer.kernel_shape[dim]}
+        return {"input dim": layer.in_size}
+
+    def local(self, layer, size):
+        _, letter, dim = _einsum(layer, self, self.letter, "contracted")
+        drop_bias = {"use_bias": False} if "bias" in layer.parameters else {}  # added after the sum
+        if letter:
+            return {"kernel_shape": shrunk(layer.kernel_shape, dim, size), **drop_bias}
+        return drop_bias
+
+    def call(self, method, run, layer, args, kwargs):
+        eq, letter, dim = _einsum(layer, self, self.letter, "contracted")
+        if letter and layer.kernel_shape[dim]:  # (a size the module holds)
+            x = args[0] if args else kwargs["inputs"]
+            eq.require_slice(letter, x.shape, layer.kernel_shape[dim] // jax.lax.axis_size(self.axis))
+        sequence = self.sequence_dim
+        if self.collective_matmul is None:
+            out = row_reduce(run(*args, **kwargs), self.axis, sequence)  # (whole, or sequence slices)
+        else:
+            out = self._ring(run, layer, args, kwargs, sequence)
+        bias = layer.bias() if layer.use_bias and layer.bias is not None else None
+        if bias is not None and letter:
+            bias = bias.reshape(eq.bias_shape(bias.shape, out.ndim))
+        return add_bias_once(out, bias, self.axis, sequence is not None, dtype=layer.dtype)
+
+    def _ring(self, run, layer: Layer, args: tuple, kwargs: dict, sequence: int | None) -> jax.Array:
+        """The layer on each chunk of its input's rows, reduce-scattered round the ring along the
+        sequence (or the dim before the features, then all-gathered: the sum, whole)."""
+        mode = self.collective_matmul
+        assert mode is not None  # (the caller's test)
+        x, *rest = args
+        _ringable(self, layer, sequence)
+        # the rows: the sequence, or the dim before the contracted ones (computed row by row)
+        dim = sequence if sequence is not None else x.ndim - layer.contracted - 1
+        if dim % x.ndim >= x.ndim - layer.contracted:
+            raise RuleError(
+                f"{layer.path}: RowParallel(collective_matmul={self.collective_matmul!r}) chunks dim "
+                f"{dim} of its input, and the input has shape {x.shape}; pass collective_matmul=None."
+            )
+        require_divisible(
+            layer.path,
+            f"dim {dim % x.ndim} of the input (collective_matmul={mode!r} chunks it)",
+            x.shape[dim],
+            axis_text(self.axis),
+            jax.lax.axis_size(self.axis),
+            "pass collective_matmul=None",
+            x.shape,
+        )
+        out = ring_reduce_scatter(lambda rows: run(rows, *rest, **kwargs), x, self.axis, dim, mode)
+        if sequence is None:
+            split_after({})
+            return gather_from_axis(out, dim % x.ndim, self.axis)
+        split_after({sequence - out.ndim: self.axis}, out.shape)  # as row_reduce says for dropout
+        return out
