@@ -14,14 +14,18 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
-from tests.equivalence import Case, check_equivalence
+from fsdp_tp.analysis import parse_collectives
+from fsdp_tp.bench.llama_rows import NNXSharded
+from tests.equivalence import Case, batches, check_equivalence, step_program, train_state
 from tests.models import MLP
+from tests.nnx_models import MLPStack, Twin
 from tests.test_fsdp_equivalence import MESHES, WIDTHS, mesh_of, replicated_ok
 from tests.test_memory_and_communication import BIAS_BYTES, FEATURES, IN_DIM, KERNEL_BYTES, MIN_SIZE, _total
 from tests.test_memory_and_communication import _step_collectives as _fsdp_step_collectives
@@ -79,16 +83,55 @@ def test_equals_the_twin_computing_with_the_same_casts(case):
     check_equivalence(case)
 
 
-def test_rules_gather_the_same_way():
-    """``shard_by_rules`` over the whole model: the same gathers, the same twin."""
-    rules = [("Dense_0/kernel", P(None, "fsdp")), ("Dense_1/kernel", P("fsdp", None))]
-    model = fsdp_tp.shard_by_rules(MLP, rules, mixed_precision=fsdp_tp.MixedPrecision(BF16))(FEATURES)
-    check_equivalence(dataclasses.replace(_case(fsdp_tp.MixedPrecision(BF16), True, False), model=model))
+def _by_rules(api: str, policy) -> Case:
+    """The twin-with-casts case of a model laid out by ``shard_by_rules`` over the whole model:
+    Linen's MLP, or an NNX stack of residual blocks (LayerNorm, Linear, gelu, Linear) in
+    ``nnx.scan`` over ``nnx.remat``, its kernels split over fsdp, its biases and norms whole."""
+    case = _case(policy, True, False)
+    if api == "linen":
+        rules = [("Dense_0/kernel", P(None, "fsdp")), ("Dense_1/kernel", P("fsdp", None))]
+        model = fsdp_tp.shard_by_rules(MLP, rules, mixed_precision=policy)(FEATURES)
+        return dataclasses.replace(case, model=model)
+    make = lambda rngs: MLPStack(IN_DIM, 16, FEATURES[-1], 2, scan=True, rngs=rngs)
+    rules = [("blocks/.*kernel$", P(None, None, "fsdp")), ("kernel$", P(None, "fsdp"))]
+    model = NNXSharded(make, rules, mixed_precision=policy)
+    return dataclasses.replace(case, model=model, reference=Twin(make))
 
 
-def test_negative_control_the_twin_without_the_casts_differs():
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_rules_gather_the_same_way(api):
+    """``shard_by_rules`` of either front end: the kernels gathered in bf16, every other
+    parameter read rounded all the same, equal to the twin computing on the rounded
+    parameters (invariants 1-5 at the f32 tolerances)."""
+    check_equivalence(_by_rules(api, fsdp_tp.MixedPrecision(BF16)))
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_negative_control_the_twin_without_the_casts_differs(api):
+    case = _by_rules(api, fsdp_tp.MixedPrecision(BF16))
     with pytest.raises(AssertionError):
-        check_equivalence(_case(fsdp_tp.MixedPrecision(BF16), False, check_vma=True), steps=1)
+        check_equivalence(dataclasses.replace(case, twin_reads=lambda params: params), steps=1)
+
+
+def _lowered_by_rules(api: str, policy) -> list:
+    """The collectives :func:`_by_rules`'s train step asks for (lowered: see _step_collectives)."""
+    case = _by_rules(api, policy)
+    x, y = next(batches(case, 1))
+    rng = jax.random.key(0)
+    init = lambda r, x: case.model.init(r, x)["params"]
+    params, _ = fsdp_tp.init_sharded(init, case.mesh, (P(), P(BATCH_AXES)), rng, x, check_vma=False)
+    state, specs = train_state(case, optax.sgd(0.1), params, rng)
+    return parse_collectives(step_program(case, specs).lower(state, (x, y)).as_text(dialect="hlo"))
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_by_rules_gathers_move_half_the_bytes(api):
+    """Either front end: the same gathers and reduce-scatters as in f32, the gathers in bf16."""
+    found, f32 = (_lowered_by_rules(api, policy) for policy in (fsdp_tp.MixedPrecision(BF16), None))
+    for kind in ("all-gather", "reduce-scatter"):
+        assert _total(found, kind, "operands") == _total(f32, kind, "operands") > 0, kind
+    assert _total(found, "all-gather") * 2 == _total(f32, "all-gather")
+    assert _total(found, "reduce-scatter") == _total(f32, "reduce-scatter")  # reduced in f32
 
 
 def _step_collectives(policy, check_vma: bool):

@@ -28,6 +28,7 @@ from .._optimizer import checked_tx
 from .._types import AxisNames, is_box
 from ..dropout import split_after
 from ..errors import RuleError
+from ..precision import MixedPrecision, checked_policy
 from ..rules import REPLICATED, Rules, as_spec, compile_rules, logical_spec, spec_for, unmatched_warning
 from ..tp._rules import compile_tp_rules, spec_source, with_split
 from ..train import TrainState
@@ -84,9 +85,10 @@ class ShardedModel:
     state (:meth:`state_init_fn`, for :func:`fsdp_tp.init_sharded`) and the model rebuilt
     from it inside the step (:meth:`merge`). Made by :func:`shard_by_rules`."""
 
-    def __init__(self, make_model, rules, tp_rules, default, batch_axes, logical_axis_rules):
+    def __init__(self, make_model, rules, tp_rules, default, batch_axes, logical_axis_rules, precision=None):
         _require_constructor(make_model)
         self._make = make_model
+        self.precision = precision
         self._rules = compile_rules(rules, _CALLER)
         self.batch_axes = checked_batch_axes(batch_axes, _CALLER)
         with nnx.use_eager_sharding(False):
@@ -188,12 +190,14 @@ class ShardedModel:
         batch = frozenset(batch_axes)
         variables = []
         for path, variable in self._params:
-            leaf = flat[path]
+            leaf, text = flat[path], path_text(path)
             if is_box(leaf):
-                text = path_text(path)
                 whole = frozenset([self._roles.whole[text]]) if text in self._roles.whole else frozenset()
-                plan = ReadPlan(text, tuple(leaf.names), self._gathered[path], batch, whole)
+                plan = ReadPlan(text, tuple(leaf.names), self._gathered[path], batch, whole, self.precision)
                 variables.append((path, on_read(variable, leaf.value, plan)))
+            elif self.precision is not None:  # whole, read rounded all the same (no gather rounds it)
+                plan = ReadPlan(text, (None,) * leaf.ndim, frozenset(), batch, precision=self.precision)
+                variables.append((path, on_read(variable, leaf, plan)))
             else:
                 variables.append((path, variable.copy(leaf)))
         stored = {name: _flat(tree) for name, tree in (model_state or {}).items()}
@@ -291,6 +295,7 @@ def shard_by_rules(
     batch_axes: AxisNames | None = None,
     default: PartitionSpec | Sequence = REPLICATED,
     logical_axis_rules=None,
+    mixed_precision: MixedPrecision | None = None,
 ) -> ShardedModel:
     """Lays an NNX model's parameters out by partition rules; every parameter is stored as
     this device's block and gathered where the model reads it.
@@ -304,6 +309,10 @@ def shard_by_rules(
     reduce-scatters the mean gradient); left out, the step's (:func:`~fsdp_tp.shard_step`'s
     ``batch_specs``), else those of ``("data", "fsdp")`` the mesh has; given, they must be the
     step's (a :class:`~fsdp_tp.errors.BatchAxesError` says when they are not).
+    ``mixed_precision`` (a :class:`~fsdp_tp.MixedPrecision`): every floating parameter is read
+    rounded to its ``gather_dtype`` and gathered in it, its gradient reduce-scattered in its
+    ``reduce_dtype``, as for Linen: the numbers of the unsharded model computing on
+    ``policy.round(params)``.
 
     >>> import jax, jax.numpy as jnp, optax
     >>> from flax import nnx
@@ -316,4 +325,5 @@ def shard_by_rules(
     (P('fsdp', None), (8, 16))
     """
     default = as_spec(default, _CALLER, "default=")
-    return ShardedModel(make_model, rules, tp_rules, default, batch_axes, logical_axis_rules)
+    precision = checked_policy(mixed_precision, _CALLER)
+    return ShardedModel(make_model, rules, tp_rules, default, batch_axes, logical_axis_rules, precision)

@@ -30,6 +30,7 @@ from .._axes import varying_axes
 from .._gather import gather_box
 from .._types import AxisName
 from ..errors import RuleError
+from ..precision import MixedPrecision
 from ..train import fold_rng_over_axis
 
 __all__ = ["FoldPlan", "ReadPlan", "on_read", "read_once", "read_type", "unfolded"]
@@ -52,6 +53,7 @@ class ReadPlan:
     axes: frozenset[AxisName]
     batch_axes: frozenset[AxisName]
     read_whole_over: frozenset[AxisName] = frozenset()
+    precision: MixedPrecision | None = None  # read rounded to its gather_dtype, gathered in it
 
     def read(self, block):
         names = self.names
@@ -68,7 +70,7 @@ class ReadPlan:
         # meets data that varies over the batch axes (gather_box casts the block, not the
         # full value). Under check_vma=False nothing carries a vma.
         vary = self.batch_axes | self.read_whole_over if varying_axes(block) else frozenset()
-        value = gather_box(Partitioned(block, names), self.axes, self.batch_axes, vary)
+        value = gather_box(Partitioned(block, names), self.axes, self.batch_axes, vary, self.precision)
         # What stays split is a tp role's slice, which the module computes on.
         return value.value if isinstance(value, Partitioned) else value
 
