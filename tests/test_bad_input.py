@@ -73,11 +73,6 @@ FLAGS = [
         "--no-sequence-parallel",
     ),
     (
-        ["--api", "nnx", "--async-tp", "bidirectional", "--gather-dtype", "bf16", "--reduce-dtype", "bf16"],
-        "--api nnx does not take --gather-dtype bf16, --reduce-dtype bf16: the NNX GPT has no "
-        "mixed-precision gathers; drop them, or use --api linen",
-    ),
-    (
         ["--api", "nnx", "--heads", "6", "--kv-heads", "3"],
         "blocks/attn: num_kv_heads (size 3) is not divisible by mesh axis 'tensor' (size 2); make it a "
         "multiple of 2 or a 'tensor' size that divides 3 or that 3 divides",

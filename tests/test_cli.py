@@ -54,10 +54,11 @@ def test_bf16_compute_trains_f32_params_and_passes_check(tmp_path):
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 2.0
 
 
-def test_bf16_gathers_pass_check_at_the_f32_tolerance():
-    """f32 compute on parameters gathered in bf16: the twin reads them rounded the same way
-    (MixedPrecision.round), so the check holds at the f32 tolerance."""
-    code, out = run("train", "--steps", "3", "--gather-dtype", "bf16", "--check", "2")
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_bf16_gathers_pass_check_at_the_f32_tolerance(api):
+    """f32 compute on parameters gathered in bf16, the Linen GPT or the NNX one: the twin reads
+    them rounded the same way (MixedPrecision.round), so the check holds at the f32 tolerance."""
+    code, out = run("train", "--steps", "3", "--gather-dtype", "bf16", "--check", "2", "--api", api)
     assert code == 0 and "(float32 compute)" in out and "-> ok" in out, out
     assert "FSDP gathers in bfloat16, reduces in float32" in out
 

@@ -215,19 +215,8 @@ def check_schedule(args) -> None:
 
 
 def check_nnx(args, tensor: int) -> None:
-    """``--api nnx``: what the NNX GPT's rules do not do, refused before anything starts:
-    mixed-precision gathers, and sequence parallelism without ``check_vma`` (a norm's scale
-    reads sequence slices: JAX's checking sums its gradient)."""
-    refused = [
-        (f"--gather-dtype {args.gather_dtype}", args.gather_dtype != "f32"),
-        (f"--reduce-dtype {args.reduce_dtype}", args.reduce_dtype != "f32"),
-    ]
-    given = [flag for flag, on in refused if on]
-    if given:
-        raise UsageError(
-            f"--api nnx does not take {', '.join(given)}: the NNX GPT has no mixed-precision "
-            f"gathers; drop {'it' if len(given) == 1 else 'them'}, or use --api linen."
-        )
+    """``--api nnx``: sequence parallelism without ``check_vma`` (a norm's scale reads sequence
+    slices: JAX's checking sums its gradient), refused before anything starts."""
     if args.sequence_parallel is not False and tensor > 1 and not args.check_vma:
         raise UsageError(
             "--api nnx with sequence parallelism (its default) needs --check-vma: the norms read "

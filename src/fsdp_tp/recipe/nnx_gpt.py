@@ -10,6 +10,7 @@ from flax import nnx
 
 from ..models.nnx_transformer import NNXTransformer, storage_rules, tp_rules
 from ..nnx import ShardedModel, shard_by_rules
+from ..precision import MixedPrecision
 from .config import ModelConfig
 
 __all__ = ["nnx_maker", "sharded_gpt"]
@@ -57,15 +58,17 @@ def sharded_gpt(
     batch_axes: tuple,
     sequence_parallel: bool = False,
     collective_matmul: str | None = None,
+    mixed_precision: MixedPrecision | None = None,
 ) -> ShardedModel:
     """The NNX GPT of ``config`` laid out on a mesh of ``sizes`` as the Linen GPT's layout
     lays it out: Megatron TP by :func:`~fsdp_tp.models.nnx_transformer.tp_rules` over
     ``tensor`` (kv heads kept whole where ``tensor`` does not divide them, as Linen's
     attention keeps them), FSDP over ``fsdp`` where the Linen GPT has it
-    (:func:`~fsdp_tp.models.nnx_transformer.storage_rules`)."""
+    (:func:`~fsdp_tp.models.nnx_transformer.storage_rules`), its gathers in
+    ``mixed_precision``'s dtypes where given, as the Linen layout's."""
     make = nnx_maker(config)
     abstract = nnx.eval_shape(lambda: NNXTransformer(**config.model_sizes(), rngs=nnx.Rngs(0)))
     kept = config.num_kv_heads % sizes.get("tensor", 1) != 0
     tp = tp_rules(sequence_parallel, kept, collective_matmul)
     rules = storage_rules(abstract, sizes, min_weight_size, tp)
-    return shard_by_rules(make, rules, tp_rules=tp, batch_axes=batch_axes)
+    return shard_by_rules(make, rules, tp_rules=tp, batch_axes=batch_axes, mixed_precision=mixed_precision)

@@ -96,7 +96,9 @@ def sharded_gpt(settings: Settings, sizes: dict, tx: optax.GradientTransformatio
         # Sequence parallelism needs check_vma (the roles refuse it unchecked); on one tensor
         # device the sequence is whole anyway, so unchecked it is simply off there.
         sequence = layout.sequence_split and (settings.check_vma or sizes.get("tensor", 1) > 1)
-        sharded = sharded_nnx_gpt(config, sizes, layout.min_weight_size, BATCH_AXES, sequence, layout.ring)
+        sharded = sharded_nnx_gpt(
+            config, sizes, layout.min_weight_size, BATCH_AXES, sequence, layout.ring, layout.mixed_precision
+        )
         init = sharded.state_init_fn(tx)
         return ShardedGPT(lambda rng, _ids: init(rng), lambda p, ids: sharded.merge(p)(ids), None)
     model = config.model(settings.layout)
