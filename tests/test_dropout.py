@@ -33,6 +33,8 @@ MESHES = {
     "data x fsdp x tensor": {"data": 2, "fsdp": 2, "tensor": 2},
 }
 KEY = jax.random.key(7)
+# Where the roles look up what they tell dropout (a negative control patches them all).
+ROLE_MODULES = (fsdp_tp.tp._matmul, fsdp_tp.tp._heads, fsdp_tp.tp._vocab)
 X = jax.random.normal(jax.random.key(1), (8, 6, 8))
 Y = jax.random.normal(jax.random.key(2), (8, 6, 8))
 
@@ -347,8 +349,8 @@ def test_negative_control_sequence_slices_not_marked(check_vma, monkeypatch):
     """With the layers not saying what they split, the residual stream varies over 'tensor'
     where no dim accounts for it: refused (the init traces the model with checking on, so the
     unchecked step's model is refused there too), where the mask would repeat over ranks."""
-    monkeypatch.setattr(fsdp_tp.tp.pieces, "split_after", lambda *args, **kwargs: None)
-    monkeypatch.setattr(fsdp_tp.tp.roles, "split_after", lambda *args, **kwargs: None)
+    for module in (fsdp_tp.tp.pieces, *ROLE_MODULES):
+        monkeypatch.setattr(module, "split_after", lambda *args, **kwargs: None)
     with pytest.raises(ValueError, match="no dim is known to be split over it"):
         test_dropout_on_sequence_slices_is_the_unsharded_models(check_vma)
 
@@ -529,7 +531,8 @@ def test_negative_control_a_split_not_tied_to_its_shape_draws_a_wrong_mask_silen
     """With the roles' splits applied to every shape (as before), dropout on the weights runs
     and marks their query dim as split: not the unsharded model's numbers, and no error."""
     split_after = fsdp_tp.dropout.split_after
-    monkeypatch.setattr(fsdp_tp.tp.roles, "split_after", lambda dims, *_, **__: split_after(dims))
+    for module in ROLE_MODULES:
+        monkeypatch.setattr(module, "split_after", lambda dims, *_, **__: split_after(dims))
     out, twin = _einsum_attention_outputs("linen", "weights", check_vma=False)
     assert not np.allclose(out, twin, rtol=RTOL, atol=ATOL)
 
