@@ -27,18 +27,17 @@ from .._layout import block_of, check_fit
 from .._optimizer import checked_tx
 from .._types import AxisNames, is_box
 from ..dropout import split_after
-from ..errors import RuleError
 from ..precision import MixedPrecision, checked_policy
 from ..rules import REPLICATED, Rules, as_spec, compile_rules, logical_spec, spec_for, unmatched_warning
 from ..tp._rules import compile_tp_rules, spec_source, with_split
 from ..train import TrainState
+from ._constructor import _CALLER, built, require_constructor, scan_errors_named
 from ._dropout import exact_dropouts
 from ._read import FoldPlan, ReadPlan, on_read
 from ._tp import RolePlan, compute_roles, path_text
 
 __all__ = ["ShardedModel", "shard_by_rules"]
 
-_CALLER = "fsdp_tp.nnx.shard_by_rules"
 Path = tuple  # a parameter's keys, as nnx.to_flat_state gives them
 
 
@@ -86,13 +85,13 @@ class ShardedModel:
     from it inside the step (:meth:`merge`). Made by :func:`shard_by_rules`."""
 
     def __init__(self, make_model, rules, tp_rules, default, batch_axes, logical_axis_rules, precision=None):
-        _require_constructor(make_model)
+        require_constructor(make_model)
         self._make = make_model
         self.precision = precision
         self._rules = compile_rules(rules, _CALLER)
         self.batch_axes = checked_batch_axes(batch_axes, _CALLER)
         with nnx.use_eager_sharding(False):
-            abstract = nnx.eval_shape(lambda: _built(make_model))
+            abstract = nnx.eval_shape(lambda: built(make_model))
         self.graphdef, params, rest = _split(abstract)
         self._params = list(nnx.to_flat_state(params))
         self._rest = list(nnx.to_flat_state(rest))
@@ -133,7 +132,7 @@ class ShardedModel:
         constructor builds from ``nnx.Rngs(rng)``, each parameter this device's block of
         the full value (boxed with its split), so gathered it is the unsharded init."""
         with nnx.use_eager_sharding(False):
-            model = _built(self._make, rng)
+            model = built(self._make, rng)
         _, params, rest = _split(model)
         values = {path: variable.get_raw_value() for path, variable in nnx.to_flat_state(params)}
         self._roles.check_sizes()
@@ -219,7 +218,7 @@ class ShardedModel:
         exact_dropouts(model, batch_axes, path_text)
         split_after({})  # the model starts whole, whatever an earlier trace's roles left
         if self._first_split:
-            object.__setattr__(model, "__class__", _scan_errors_named(type(model), self._first_split))
+            object.__setattr__(model, "__class__", scan_errors_named(type(model), self._first_split))
         return model
 
     def model_state(self, model: nnx.Module) -> dict:
@@ -227,64 +226,6 @@ class ShardedModel:
         step returns as its third output (after averaging what differs across devices).
         Rng keys come back as stored (folded only where read); the draws advance the counts."""
         return self._model_state(_split(model)[2])
-
-
-def _require_constructor(make_model) -> None:
-    """``make_model`` builds an NNX model from ``nnx.Rngs``; a built model, or a Linen module,
-    is named with what to pass instead."""
-    if isinstance(make_model, nnx.Module):
-        name = type(make_model).__name__
-        raise TypeError(
-            f"{_CALLER}: got a built {name}; pass its constructor, e.g. lambda rngs: {name}(..., "
-            f"rngs=rngs): each device builds its block of every parameter from the rng, so the init "
-            f"is the unsharded one."
-        )
-    cls = make_model if isinstance(make_model, type) else type(make_model)
-    if any(c.__module__.startswith("flax.linen") for c in cls.__mro__):
-        raise TypeError(
-            f"{_CALLER}: got the Linen module {cls.__name__}; this is the NNX front end. For a Linen "
-            f"model use fsdp_tp.shard_by_rules({cls.__name__}, rules) (the same rules and roles)."
-        )
-    if not callable(make_model):
-        raise TypeError(f"{_CALLER}: make_model must build the model from nnx.Rngs; got {make_model!r}.")
-
-
-def _built(make_model, rng=0) -> nnx.Module:
-    model = make_model(nnx.Rngs(rng))
-    if not isinstance(model, nnx.Module):
-        raise TypeError(
-            f"{_CALLER}: make_model(nnx.Rngs(...)) returned a {type(model).__name__}, not an nnx.Module; "
-            f"pass a constructor of the model, e.g. lambda rngs: Model(..., rngs=rngs)."
-        )
-    return model
-
-
-_NAMED: dict[tuple, type] = {}
-
-
-def _scan_errors_named(cls: type, first_split: tuple[str, ...]) -> type:
-    """``cls`` whose ``__call__`` turns jax's "different leading axis sizes" from an
-    ``nnx.scan`` over the model's stack into a ``RuleError`` naming the parameters whose first
-    dim a rule splits (an ``nnx.vmap`` stack's layer dim carries no mark a rule could be
-    checked against before the scan runs)."""
-    key = (cls, first_split)
-    if key not in _NAMED:
-
-        def __call__(self, *args, **kwargs):
-            try:
-                return cls.__call__(self, *args, **kwargs)
-            except ValueError as err:
-                if "different leading axis sizes" not in str(err):
-                    raise
-                raise RuleError(
-                    f"{_CALLER}: nnx.scan got a stack whose parameters split their layer dim ({err}). "
-                    f"Rules split the first dim of {', '.join(first_split)}: an nnx.vmap stack's layer "
-                    f"dim must stay whole (the scan hands each layer its slice); start those specs "
-                    f"with None, e.g. P(None, 'fsdp')."
-                ) from None
-
-        _NAMED[key] = type(cls.__name__, (cls,), {"__call__": __call__})
-    return _NAMED[key]
 
 
 def shard_by_rules(

@@ -1,0 +1,71 @@
+"""The user's NNX constructor, checked and run (a built model or a Linen module named with what
+to pass), and the model's call with jax's error from an ``nnx.scan`` over a stack whose layer
+dim a rule splits turned into one that names the rules."""
+
+from __future__ import annotations
+
+from flax import nnx
+
+from ..errors import RuleError
+
+__all__ = ["built", "require_constructor", "scan_errors_named"]
+
+_CALLER = "fsdp_tp.nnx.shard_by_rules"
+
+
+def require_constructor(make_model) -> None:
+    """``make_model`` builds an NNX model from ``nnx.Rngs``; a built model, or a Linen module,
+    is named with what to pass instead."""
+    if isinstance(make_model, nnx.Module):
+        name = type(make_model).__name__
+        raise TypeError(
+            f"{_CALLER}: got a built {name}; pass its constructor, e.g. lambda rngs: {name}(..., "
+            f"rngs=rngs): each device builds its block of every parameter from the rng, so the init "
+            f"is the unsharded one."
+        )
+    cls = make_model if isinstance(make_model, type) else type(make_model)
+    if any(c.__module__.startswith("flax.linen") for c in cls.__mro__):
+        raise TypeError(
+            f"{_CALLER}: got the Linen module {cls.__name__}; this is the NNX front end. For a Linen "
+            f"model use fsdp_tp.shard_by_rules({cls.__name__}, rules) (the same rules and roles)."
+        )
+    if not callable(make_model):
+        raise TypeError(f"{_CALLER}: make_model must build the model from nnx.Rngs; got {make_model!r}.")
+
+
+def built(make_model, rng=0) -> nnx.Module:
+    model = make_model(nnx.Rngs(rng))
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            f"{_CALLER}: make_model(nnx.Rngs(...)) returned a {type(model).__name__}, not an nnx.Module; "
+            f"pass a constructor of the model, e.g. lambda rngs: Model(..., rngs=rngs)."
+        )
+    return model
+
+
+_NAMED: dict[tuple, type] = {}
+
+
+def scan_errors_named(cls: type, first_split: tuple[str, ...]) -> type:
+    """``cls`` whose ``__call__`` turns jax's "different leading axis sizes" from an
+    ``nnx.scan`` over the model's stack into a ``RuleError`` naming the parameters whose first
+    dim a rule splits (an ``nnx.vmap`` stack's layer dim carries no mark a rule could be
+    checked against before the scan runs)."""
+    key = (cls, first_split)
+    if key not in _NAMED:
+
+        def __call__(self, *args, **kwargs):
+            try:
+                return cls.__call__(self, *args, **kwargs)
+            except ValueError as err:
+                if "different leading axis sizes" not in str(err):
+                    raise
+                raise RuleError(
+                    f"{_CALLER}: nnx.scan got a stack whose parameters split their layer dim ({err}). "
+                    f"Rules split the first dim of {', '.join(first_split)}: an nnx.vmap stack's layer "
+                    f"dim must stay whole (the scan hands each layer its slice); start those specs "
+                    f"with None, e.g. P(None, 'fsdp')."
+                ) from None
+
+        _NAMED[key] = type(cls.__name__, (cls,), {"__call__": __call__})
+    return _NAMED[key]
