@@ -196,7 +196,7 @@ def test_negative_control_a_ring_that_drops_its_neighbours_partial_sums_fails_th
     passed round), the run would be another model: --check must notice and exit 1."""
     from fsdp_tp.tp import _matmul
 
-    def own_share(product, x, axis_name, dim, mode):
+    def own_share(product, x, axis_name, dim, mode, *_):
         rows = x.shape[dim] // jax.lax.axis_size(axis_name)
         return jax.lax.dynamic_slice_in_dim(product(x), 0, rows, dim)
 

@@ -132,14 +132,18 @@ def _reduce_scatter_stream(partial_of, axis_name: AxisName, direction: int) -> j
     return acc
 
 
-def ring_reduce_scatter(product, x: jax.Array, axis_name: AxisName, dim: int, mode: str) -> jax.Array:
+def ring_reduce_scatter(
+    product, x: jax.Array, axis_name: AxisName, dim: int, mode: str, where: str = "", fix: str = "pad it"
+) -> jax.Array:
     """``psum_scatter(product(x), axis_name, scatter_dimension=dim, tiled=True)`` as a ring, for
     a ``product`` that computes each slice of ``x`` along ``dim`` on its own (a layer's matmul
     on rows of the sequence; it keeps every dim but the last).
 
     Each step computes one output chunk's partial from its rows of ``x`` and adds it to the
     accumulator that arrived from the neighbour. Bidirectional: each chunk's rows are halved,
-    and each half's accumulator travels its own way round the ring.
+    and each half's accumulator travels its own way round the ring. ``dim`` must divide over
+    the axis: else the package's divisibility error, naming ``where`` (the caller's layer) and
+    ``fix``.
 
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import PartitionSpec as P
@@ -153,9 +157,9 @@ def ring_reduce_scatter(product, x: jax.Array, axis_name: AxisName, dim: int, mo
     """
     require_mode(mode, "ring_reduce_scatter")
     n, dim = jax.lax.axis_size(axis_name), dim % x.ndim
-    require_divisible(
-        "ring_reduce_scatter", f"dim {dim}", x.shape[dim], axis_text(axis_name), n, "pad it", x.shape
-    )
+    what = f"dim {dim} of the input (collective_matmul={mode!r} chunks it)" if where else f"dim {dim}"
+    axis = axis_text(axis_name)
+    require_divisible(where or "ring_reduce_scatter", what, x.shape[dim], axis, n, fix, x.shape)
     width = x.shape[dim] // n
 
     def partial_of(start: int, size: int):

@@ -9,7 +9,6 @@ from typing import ClassVar
 import jax
 
 from .._einsum import shrunk
-from .._layout import axis_text, require_divisible
 from ..collective_matmul import ring_reduce_scatter
 from ..collectives import gather_from_axis
 from ..dropout import split_after, unplaceable_after
@@ -192,16 +191,9 @@ class RowParallel(TPRole):
                 f"{layer.path}: RowParallel(collective_matmul={self.collective_matmul!r}) chunks dim "
                 f"{dim} of its input, and the input has shape {x.shape}; pass collective_matmul=None."
             )
-        require_divisible(
-            layer.path,
-            f"dim {dim % x.ndim} of the input (collective_matmul={mode!r} chunks it)",
-            x.shape[dim],
-            axis_text(self.axis),
-            jax.lax.axis_size(self.axis),
-            "pass collective_matmul=None",
-            x.shape,
-        )
-        out = ring_reduce_scatter(lambda rows: run(rows, *rest, **kwargs), x, self.axis, dim, mode)
+        fix = "pass collective_matmul=None"  # (the ring checks its chunks divide: one check)
+        rows = lambda chunk: run(chunk, *rest, **kwargs)
+        out = ring_reduce_scatter(rows, x, self.axis, dim, mode, layer.path, fix)
         if sequence is None:
             split_after({})
             return gather_from_axis(out, dim % x.ndim, self.axis)
