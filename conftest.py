@@ -41,6 +41,10 @@ collect_ignore = ["src/fsdp_tp/tp_roles.py"]
 #   equivalence and resume tests need.
 # - XLA's elemental fusion emitter instead of its MLIR fusion emitters where this jaxlib still
 #   has both (0.10; 0.11 has only the MLIR ones and rejects the flag).
+# - LLVM's module compiled in one piece, not split for parallel code generation: the suite's
+#   programs are small and its workers already fill the cores. Measured on jax 0.10.2 (2
+#   cores), compiling four of test_tp_rules' AdamW steps: 1.54-1.65 s against 1.88 s split;
+#   on jax 0.12.0.1 no difference beyond the noise (3.6-3.9 s against 3.5-3.8 s).
 # Measured on the whole suite, 2 workers, 2 cores, jax 0.10.2: 943.9 s at -O2, 779.5 s at -O1,
 # 593.8 s with the elemental emitter too (an earlier suite); then, back to back on today's suite,
 # 917.8 s with those two and 669.9 s with these three. Every CLI process a test starts inherits
@@ -50,6 +54,7 @@ CHEAP_CODEGEN = (
     "--xla_backend_optimization_level=0",
     "--xla_cpu_max_isa=AVX",
     "--xla_cpu_use_fusion_emitters=false",
+    "--xla_cpu_parallel_codegen_split_count=1",
 )
 
 
