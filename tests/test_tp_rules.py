@@ -35,6 +35,7 @@ from fsdp_tp.errors import IndivisibleShapeError, RuleError
 from fsdp_tp.linen.tp_rules import attention_rules, mlp_rules
 from fsdp_tp.tp import _heads as tp_heads
 from fsdp_tp.tp import _matmul as tp_matmul
+from fsdp_tp.tp import _vocab as tp_vocab
 from fsdp_tp.tp.roles import ColumnParallel, HeadParallel, RowParallel, VocabParallel
 from tests.equivalence import Case, check_equivalence
 from tests.nnx_models import Twin, lm_maker
@@ -187,7 +188,7 @@ def test_negative_control_a_row_bias_added_on_every_device(monkeypatch, api, bia
 @pytest.mark.parametrize("api", APIS)
 def test_negative_control_a_column_input_without_f(monkeypatch, api):
     """Without Megatron's f (psum of the input's gradient) the layers before get a partial gradient."""
-    for role_module in (tp_matmul, tp_heads):  # the column layers' and attention's f
+    for role_module in (tp_matmul, tp_heads, tp_vocab):  # every role's f, as before the roles' split
         monkeypatch.setattr(role_module, "_copied", lambda args, kwargs, axis, *_: (args, kwargs))
     with pytest.raises(AssertionError, match="grads"):
         _check_exact(_case("data2_tensor4", False, False, api=api))
