@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -35,6 +36,7 @@ from ._transform import (
     store,
     warn_once,
 )
+from .auto_rules import find_tp_rules
 from .tp_rules import LINEN
 
 __all__ = ["shard_by_rules"]
@@ -106,7 +108,9 @@ def shard_by_rules(
     reduce-scatters move (:class:`~fsdp_tp.precision.MixedPrecision`; default: as stored).
     ``tp_rules``: ``(pattern, role)`` pairs naming submodules (by path) that compute on their
     slices over a mesh axis, Megatron-style (:mod:`fsdp_tp.tp_rules`): the role's split is
-    added to the storage rule's layout, and that axis is never gathered.
+    added to the storage rule's layout, and that axis is never gathered. A
+    :class:`~fsdp_tp.tp.auto.TPPlan` gives its rules; ``"auto"`` finds them over mesh axis
+    ``tensor`` from what the model computes on the call's inputs (:func:`~fsdp_tp.linen.find_tp_rules`).
 
     The parameter tree, names and init are ``target``'s on every mesh.
 
@@ -129,9 +133,16 @@ def shard_by_rules(
     default = as_spec(default, "shard_by_rules", "default=")
     batch_names = checked_batch_axes(batch_axes, "shard_by_rules")
     policy = checked_policy(mixed_precision, "shard_by_rules")
-    tp = compile_tp_rules(tp_rules, "shard_by_rules")
+    auto = isinstance(tp_rules, str) and tp_rules == "auto"
+    tp = () if auto else compile_tp_rules(tp_rules, "shard_by_rules")
     _require_separate_axes(tp, frozenset(batch_names or DEFAULT_BATCH_AXES))
-    tp_axes = frozenset(rule.role.axis for rule in tp)
+    tp_axes = frozenset({"tensor"} if auto else (rule.role.axis for rule in tp))
+    if auto and "tensor" in (batch_names or ()):
+        raise RuleError(
+            "shard_by_rules: tp_rules='auto' computes over mesh axis 'tensor', which batch_axes also "
+            "names; split the batch over other axes (e.g. 'data', 'fsdp')."
+        )
+    found = AutoRules(target) if auto else None
     mapped = map_params(
         target,
         trans_in=lambda params: gather(
@@ -150,6 +161,7 @@ def shard_by_rules(
     class ByRules(mapped):  # type: ignore[valid-type, misc]
         @nn.nowrap
         def __call__(self, *args, **kwargs):
+            tp_now = found(self, args, kwargs) if found is not None else tp
             seen = Seen()
             tokens = (
                 _LOGICAL.set(
@@ -161,16 +173,44 @@ def shard_by_rules(
                 # The module unboxes its logical params inside shard_map, where a sharding
                 # constraint naming manual axes is an error: let the names map to nothing
                 # there; the transform has read the rules and lays the params out itself.
-                with nn.logical_axis_rules(()), local_compute(tp, seen) if tp else contextlib.nullcontext():
+                with (
+                    nn.logical_axis_rules(()),
+                    local_compute(tp_now, seen) if tp_now else contextlib.nullcontext(),
+                ):
                     out = super().__call__(*args, **kwargs)
-                if tp and seen.params:  # an init: every tp rule must have named a submodule
-                    require_all_matched(tp, seen.used, seen.modules, seen.params, LINEN)
+                if tp_now and seen.params:  # an init: every tp rule must have named a submodule
+                    require_all_matched(tp_now, seen.used, seen.modules, seen.params, LINEN)
                 return out
             finally:
                 _SEEN.reset(tokens[1])
                 _LOGICAL.reset(tokens[0])
 
     return keep_module_name(ByRules, target)
+
+
+class AutoRules:
+    """``tp_rules="auto"``: the rules of the plan found for ``target`` with a call's module
+    fields and input shapes, and the bound ``tensor`` axis's size; one trace per such call."""
+
+    def __init__(self, target: type[nn.Module]):
+        self.target = target
+        self.found: dict[str, tuple] = {}
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+        fields = {
+            f.name: getattr(module, f.name)
+            for f in dataclasses.fields(self.target)
+            if f.init and f.name not in ("parent", "name")
+        }
+        shaped = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a, (args, kwargs)
+        )
+        size = jax.lax.axis_size("tensor") if "tensor" in bound_axis_names() else None
+        key = repr((fields, shaped, size))
+        if key not in self.found:
+            plan = find_tp_rules(self.target(**fields), *shaped[0], size=size, **shaped[1])
+            self.found[key] = compile_tp_rules(plan.rules, "shard_by_rules(tp_rules='auto')")
+        return self.found[key]
 
 
 def _require_separate_axes(tp, batch: frozenset) -> None:

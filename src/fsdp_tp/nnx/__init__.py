@@ -8,11 +8,13 @@ returns a :class:`ShardedModel`: pass its ``state_init_fn(tx)`` to
 :func:`fsdp_tp.init_sharded`, and inside the step function given to
 :func:`fsdp_tp.shard_step` rebuild the model with ``merge(state.params, state.model_state)``
 and differentiate with respect to the params, as a Linen step does with ``model.apply``.
-:func:`tp_splits` says where the roles split each parameter, for storage rules to agree with.
+:func:`tp_splits` says where the roles split each parameter, for storage rules to agree with;
+:func:`find_tp_rules` finds the rules of Megatron's plan from what the model computes.
 Nothing here imports ``flax.linen``, and the core imports nothing from here.
 """
 
 from ..tp.roles import ColumnParallel, HeadParallel, RowParallel, VocabParallel
+from ._auto import find_tp_rules
 from ._model import ShardedModel, shard_by_rules
 from ._tp import tp_splits
 
@@ -22,6 +24,7 @@ __all__ = [
     "RowParallel",
     "ShardedModel",
     "VocabParallel",
+    "find_tp_rules",
     "shard_by_rules",
     "tp_splits",
 ]

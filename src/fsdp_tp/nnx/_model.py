@@ -253,7 +253,9 @@ def shard_by_rules(
     ``mixed_precision`` (a :class:`~fsdp_tp.MixedPrecision`): every floating parameter is read
     rounded to its ``gather_dtype`` and gathered in it, its gradient reduce-scattered in its
     ``reduce_dtype``, as for Linen: the numbers of the unsharded model computing on
-    ``policy.round(params)``.
+    ``policy.round(params)``. ``tp_rules``: ``(pattern, role)`` pairs naming the modules that
+    compute on their slices (:mod:`fsdp_tp.tp.roles`), or the plan :func:`~fsdp_tp.nnx.find_tp_rules`
+    finds from what the model computes.
 
     >>> import jax, jax.numpy as jnp, optax
     >>> from flax import nnx

@@ -18,6 +18,7 @@ from .._einsum import computes_of
 from .._types import AxisName
 from ..errors import RuleError
 from ..rules import split_rule
+from .auto import TPPlan
 from .roles import ROLES, ColumnParallel, Layer, TPRole
 
 __all__ = [
@@ -70,6 +71,14 @@ class Kinds:
 
 def compile_tp_rules(rules: Sequence, caller: str) -> tuple[CompiledRole, ...]:
     """Checks ``(pattern, role)`` pairs; a :class:`~fsdp_tp.errors.RuleError` names a bad one."""
+    if isinstance(rules, TPPlan):
+        rules = rules.rules
+    if isinstance(rules, str) and rules == "auto":
+        raise RuleError(
+            f"{caller}: tp_rules='auto' finds the plan from what the model computes on its inputs, which "
+            f"{caller} does not see; find it and pass it: tp_rules=find_tp_rules(model, *inputs) "
+            f"(fsdp_tp.nnx.find_tp_rules for an NNX model, fsdp_tp.linen.find_tp_rules for Linen)."
+        )
     one = isinstance(rules, tuple | list) and len(rules) == 2 and isinstance(rules[1], TPRole)
     if isinstance(rules, str) or one:
         example = f"[{rules!r}]" if one else f"[({rules!r}, ColumnParallel())]"

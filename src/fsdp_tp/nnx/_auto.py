@@ -1,0 +1,59 @@
+"""The Megatron plan of an NNX model, found from what it computes: :func:`find_tp_rules`.
+
+>>> import jax.numpy as jnp
+>>> from flax import nnx
+>>> class MLP(nnx.Module):
+...     def __init__(self, rngs):
+...         self.up, self.down = nnx.Linear(8, 32, rngs=rngs), nnx.Linear(32, 8, rngs=rngs)
+...     def __call__(self, x):
+...         return self.down(nnx.gelu(self.up(x)))
+>>> print(find_tp_rules(MLP(nnx.Rngs(0)), jnp.ones((2, 8))))
+tp_rules = [
+    (r"^up$", ColumnParallel()),
+    (r"^down$", RowParallel()),
+]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flax import nnx
+
+from ..tp.auto import Graph, TPPlan, find_plan
+from ._tp import NNX, layer_of, path_text
+
+__all__ = ["find_tp_rules"]
+
+
+def find_tp_rules(
+    model: nnx.Module,
+    *args: Any,
+    axis: str = "tensor",
+    size: int | None = None,
+    outputs_split: bool = False,
+    **kwargs: Any,
+) -> TPPlan:
+    """The tp rules Megatron's plan gives ``model`` (built, or abstract from
+    ``nnx.eval_shape``) called on ``args`` (arrays or ``jax.ShapeDtypeStruct``; ``kwargs``
+    passed to the call as well): traced once, abstractly. ``size``, ``outputs_split`` and
+    the result: as :func:`fsdp_tp.linen.find_tp_rules`'s. Its ``rules`` go to
+    :func:`fsdp_tp.nnx.shard_by_rules` as ``tp_rules=``."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
+    flat = {path_text(path): variable for path, variable in nnx.to_flat_state(params)}
+    paths = {path_text(path): path for path, _ in nnx.to_flat_state(params)}
+    layers = {
+        path_text(path): layer_of(node, path_text(path))
+        for path, node in nnx.iter_graph(model)
+        if isinstance(node, nnx.Module) and NNX.of(type(node)) is not None
+    }
+
+    def forward(values: dict, args: tuple, kwargs: dict):
+        state = nnx.from_flat_state([(paths[p], flat[p].replace(value)) for p, value in values.items()])
+        return nnx.merge(graphdef, state, rest)(*args, **kwargs)
+
+    values = {
+        p: variable.get_value() if hasattr(variable, "get_value") else variable.value
+        for p, variable in flat.items()
+    }
+    return find_plan(Graph.trace(forward, values, args, kwargs), layers, axis, size, outputs_split)

@@ -1,0 +1,366 @@
+"""A traced computation as the plan finder reads it: one flat list of operations (every
+nested ``jit``, custom derivative and ``remat`` inlined, a ``scan``'s body read once) over
+numbered values, each operation saying which dims of its operands and results are the same
+positions (:class:`Node`'s ``same``) and which dims it mixes (``mixes``).
+
+A split of one dim of a value is possible only if every operation it reaches keeps that
+dim's positions apart: an elementwise op, a transpose or a reshape that keeps the dim
+major in its group, a matmul's batch dims, a reduction over other dims. The finder
+(:mod:`fsdp_tp.tp.auto`) walks these relations; this module knows JAX's primitives.
+
+>>> import jax, jax.numpy as jnp
+>>> graph = Graph.trace(lambda p, x: jnp.tanh(x @ p["w"]).sum(-1), {"w": jnp.ones((4, 8))}, jnp.ones((2, 4)))
+>>> [node.prim for node in graph.nodes], graph.params
+(['dot_general', 'tanh', 'reduce_sum'], {0: 'w'})
+>>> graph.nodes[2].mixes  # the sum mixes the features: dim 1 of value 3, the tanh's result
+{(3, 1): 'reduce_sum over dim 1 of [2,8]'}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.extend.core as jcore
+
+from .._tree import module_path
+
+__all__ = ["Graph", "Node"]
+
+# Operations that compute each position from the same positions of their operands.
+_ELEMENTWISE = frozenset(
+    """abs acos acosh add and asin asinh atan atan2 cbrt ceil clamp conj convert_element_type copy
+    copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag integer_pow
+    is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or pow real
+    reduce_precision rem round rsqrt select_n sign sin sinh sqrt square stop_gradient sub tan tanh
+    xor optimization_barrier sharding_constraint""".split()
+)
+_REDUCTIONS = frozenset(
+    "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split()
+)
+_ALONG_AXIS = {
+    "cumsum": "axis",
+    "cumprod": "axis",
+    "cummax": "axis",
+    "cummin": "axis",
+    "cumlogsumexp": "axis",
+}
+
+
+@dataclasses.dataclass
+class Node:
+    """One operation: ``ins`` / ``outs`` are value ids (``None``: a literal), ``same`` the
+    groups of ``(value, dim)`` that are one dim's positions (split one, split them all),
+    ``mixes`` the ``(value, dim)`` it computes across, with what it does there."""
+
+    prim: str
+    ins: list[int | None]
+    outs: list[int]
+    params: dict[str, Any]
+    same: list[list[tuple[int, int]]] = dataclasses.field(default_factory=list)
+    mixes: dict[tuple[int, int], str] = dataclasses.field(default_factory=dict)
+
+
+class Graph:
+    """The flat operations of ``fn(params, *args)`` traced once (abstractly: no device work).
+    ``params``: ``{value id: parameter path}``; ``inputs``: the other arguments' ids;
+    ``outputs``: the results' ids; ``shapes``: every value's shape."""
+
+    def __init__(self) -> None:
+        self.nodes: list[Node] = []
+        self.shapes: dict[int, tuple[int, ...]] = {}
+        self.params: dict[int, str] = {}
+        self.inputs: list[int] = []
+        self.constants: set[int] = set()  # (values the model holds: no role slices them)
+        self.outputs: list[int] = []
+        self.users: dict[int, list[int]] = {}
+        self.producer: dict[int, int] = {}
+
+    @classmethod
+    def trace(cls, fn: Callable, params: Any, *args: Any) -> Graph:
+        """``params``: a pytree of arrays (or ``jax.ShapeDtypeStruct``), whose paths name
+        the parameters as the rules do (``block_0/mlp/up/kernel``)."""
+        closed = jax.make_jaxpr(fn)(params, *args)
+        graph = cls()
+        named = jax.tree_util.tree_flatten_with_path(params)[0]
+        env: dict[Any, int] = {}
+        for i, var in enumerate(closed.jaxpr.invars):
+            env[var] = graph._new(var.aval.shape)
+            if i < len(named):
+                graph.params[env[var]] = module_path(tuple(_key(k) for k in named[i][0]))
+            else:
+                graph.inputs.append(env[var])
+        for var in closed.jaxpr.constvars:
+            env[var] = graph._constant(var.aval.shape)
+        graph._inline(closed.jaxpr, env)
+        graph.outputs = [env[v] for v in closed.jaxpr.outvars if not isinstance(v, jcore.Literal)]
+        for index, node in enumerate(graph.nodes):
+            for value in node.ins:
+                if value is not None:
+                    graph.users.setdefault(value, []).append(index)
+            for value in node.outs:
+                graph.producer[value] = index
+        return graph
+
+    # -- reading the jaxpr -----------------------------------------------------------------
+
+    def _new(self, shape) -> int:
+        self.shapes[len(self.shapes)] = tuple(shape)
+        return len(self.shapes) - 1
+
+    def _constant(self, shape) -> int:
+        self.constants.add(value := self._new(shape))
+        return value
+
+    @staticmethod
+    def _id(env: dict, var) -> int | None:
+        return None if isinstance(var, jcore.Literal) else env[var]
+
+    def _inline(self, jaxpr, env: dict) -> None:
+        for eqn in jaxpr.eqns:
+            ins = [self._id(env, v) for v in eqn.invars]
+            name = eqn.primitive.name
+            if name == "scan":
+                self._scan(eqn, self._values(eqn, ins), env)
+                continue
+            inner = _call_body(eqn)
+            if inner is not None:  # a jit, a custom derivative, a remat: its body, inline
+                body = inner.jaxpr if isinstance(inner, jcore.ClosedJaxpr) else inner
+                scope = {v: self._constant(v.aval.shape) for v in body.constvars}
+                scope |= dict(zip(body.invars, self._values(eqn, ins), strict=True))
+                self._inline(body, scope)
+                for outer, v in zip(eqn.outvars, body.outvars, strict=True):
+                    literal = isinstance(v, jcore.Literal)  # (a constant result: a value of its own)
+                    env[outer] = self._constant(outer.aval.shape) if literal else scope[v]
+                continue
+            outs = [self._new(v.aval.shape) for v in eqn.outvars]
+            env.update(zip(eqn.outvars, outs, strict=True))
+            self._add(Node(name, ins, outs, dict(eqn.params)))
+
+    def _values(self, eqn, ins: list[int | None]) -> list[int]:
+        """An operation's operands as values, a literal as a constant of its own (a body's input)."""
+        return [
+            self._constant(v.aval.shape) if i is None else i for i, v in zip(ins, eqn.invars, strict=True)
+        ]
+
+    def _scan(self, eqn, ins: list[int], env: dict) -> None:
+        """A scan's body read once: its consts are the outer values, each step's slice of an
+        ``xs`` a value one dim smaller (dims matched past the scanned dim), its ``ys`` stacked
+        likewise; the carry crosses steps, so it takes no split (a ``carry`` node, all dims mixed)."""
+        body = eqn.params["jaxpr"].jaxpr
+        consts, carry = eqn.params["num_consts"], eqn.params["num_carry"]
+        scope: dict[Any, int] = {v: self._constant(v.aval.shape) for v in body.constvars}
+        for i, var in enumerate(body.invars):
+            if i < consts:
+                scope[var] = ins[i]
+                continue
+            scope[var] = self._new(var.aval.shape)
+            kind = "carry" if i < consts + carry else "scan_slice"
+            self._add(Node(kind, [ins[i]], [scope[var]], {}))
+        self._inline(body, scope)
+        for j, (outer, var) in enumerate(zip(eqn.outvars, body.outvars, strict=True)):
+            env[outer] = self._new(outer.aval.shape)
+            self._add(Node("carry" if j < carry else "scan_stack", [self._id(scope, var)], [env[outer]], {}))
+
+    def _add(self, node: Node) -> None:
+        relate(node, self.shapes)
+        self.nodes.append(node)
+
+
+def _key(key) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _call_body(eqn):
+    """The one body of a call-like operation whose operands and results are its body's
+    (``jit``, ``custom_jvp_call``, ``custom_vjp_call``, ``checkpoint``), else ``None``."""
+    bodies = [p for p in eqn.params.values() if isinstance(p, jcore.Jaxpr | jcore.ClosedJaxpr)]
+    if len(bodies) != 1:
+        return None
+    body = bodies[0].jaxpr if isinstance(bodies[0], jcore.ClosedJaxpr) else bodies[0]
+    if len(body.invars) != len(eqn.invars) or len(body.outvars) != len(eqn.outvars):
+        return None
+    return bodies[0]
+
+
+def relate(node: Node, shapes: dict[int, tuple[int, ...]]) -> None:
+    """Fills ``node.same`` and ``node.mixes`` from its primitive (an unknown one mixes every dim)."""
+    ins = [(v, shapes[v]) for v in node.ins if v is not None]
+    outs = [(v, shapes[v]) for v in node.outs]
+    p, name = node.params, node.prim
+
+    def what(v: int, d: int, does: str) -> str:
+        return f"{does} dim {d} of {_text(shapes[v])}"
+
+    def mix_all(does: str) -> None:
+        for v, shape in ins + outs:
+            for d in range(len(shape)):
+                node.mixes[(v, d)] = what(v, d, does)
+
+    if name not in _ELEMENTWISE and node.ins and node.ins[0] is None:
+        return  # (a literal's broadcast or reshape: one value, the same at every position)
+    if name in _ELEMENTWISE:
+        out, shape = outs[0]
+        for d in range(len(shape)):
+            node.same.append([(v, d) for v, s in ins + outs if len(s) == len(shape) and s[d] == shape[d]])
+    elif name in _REDUCTIONS:
+        (x, shape), (out, _) = ins[0], outs[0]
+        axes = tuple(p["axes"])
+        kept = [d for d in range(len(shape)) if d not in axes]
+        node.same += [[(x, d), (out, i)] for i, d in enumerate(kept)]
+        node.mixes |= {(x, d): f"{name} over dim {d} of {_text(shape)}" for d in axes}
+    elif name in _ALONG_AXIS or name in ("sort", "rev", "top_k"):
+        (x, shape), axes = ins[0], _along(name, p, len(ins[0][1]))
+        for d in range(len(shape)):
+            group = [(v, d) for v, s in ins + outs if len(s) == len(shape)]
+            if d in axes:
+                for v, dd in group:
+                    node.mixes[(v, dd)] = what(v, dd, f"{name} along")
+            else:
+                node.same.append(group)
+    elif name == "broadcast_in_dim":
+        (x, shape), (out, oshape) = ins[0], outs[0]
+        for i, d in enumerate(p["broadcast_dimensions"]):
+            if shape[i] == oshape[d]:
+                node.same.append([(x, i), (out, d)])
+    elif name == "transpose":
+        (x, _), (out, _) = ins[0], outs[0]
+        node.same += [[(x, d), (out, i)] for i, d in enumerate(p["permutation"])]
+    elif name == "squeeze":
+        (x, shape), (out, _) = ins[0], outs[0]
+        kept = [d for d in range(len(shape)) if d not in p["dimensions"]]
+        node.same += [[(x, d), (out, i)] for i, d in enumerate(kept)]
+    elif name == "reshape":
+        _reshape(node, ins[0], outs[0])
+    elif name in ("slice", "pad", "dynamic_slice", "concatenate", "split", "dynamic_update_slice"):
+        _window(node, ins, outs)
+    elif name == "dot_general":
+        _dot(node, ins, outs)
+    elif name == "conv_general_dilated":
+        _conv(node, ins, outs)
+    elif name == "gather":
+        _gather(node, ins, outs)
+    elif name in ("scan_slice", "scan_stack"):
+        (x, shape), (out, oshape) = ins[0], outs[0]
+        shift = 1 if name == "scan_slice" else -1
+        for d in range(len(oshape)):
+            if 0 <= d + shift < len(shape):
+                node.same.append([(x, d + shift), (out, d)])
+        node.mixes[(x, 0) if name == "scan_slice" else (out, 0)] = "the scanned dim"
+    elif name in ("iota", "random_bits", "random_wrap", "random_unwrap", "random_seed", "threefry2x32"):
+        mix_all("a constant or random numbers along")
+    elif name == "carry":
+        mix_all("a loop's carry, which crosses steps, holds")
+    else:
+        mix_all(f"{name} (an operation the plan finder does not know) computes across")
+
+
+def _text(shape) -> str:
+    return f"[{','.join(map(str, shape))}]"
+
+
+def _along(name: str, p: dict, rank: int) -> tuple[int, ...]:
+    if name in _ALONG_AXIS:
+        return (p[_ALONG_AXIS[name]] % rank,)
+    if name == "sort":
+        return (p["dimension"] % rank,)
+    if name == "top_k":
+        return (rank - 1,)
+    return tuple(p["dimensions"])
+
+
+def _reshape(node: Node, x: tuple, out: tuple) -> None:
+    """Dims grouped where their products meet; in a group, the major non-1 dims of both
+    sides are one dim's positions (split N of (N, H) is split N*H alike), the rest mixed."""
+    (a, ashape), (b, bshape) = x, out
+    i = j = 0
+    while i < len(ashape) or j < len(bshape):
+        gi, gj = [i], [j]
+        pa = ashape[i] if i < len(ashape) else 1
+        pb = bshape[j] if j < len(bshape) else 1
+        while pa != pb:
+            if pa < pb:
+                i += 1
+                gi.append(i)
+                pa *= ashape[i]
+            else:
+                j += 1
+                gj.append(j)
+                pb *= bshape[j]
+        gi = [d for d in gi if d < len(ashape) and ashape[d] != 1]
+        gj = [d for d in gj if d < len(bshape) and bshape[d] != 1]
+        if gi and gj:
+            node.same.append([(a, gi[0]), (b, gj[0])])
+            node.mixes |= {(a, d): f"reshape {_text(ashape)} -> {_text(bshape)} merges" for d in gi[1:]}
+            node.mixes |= {(b, d): f"reshape {_text(ashape)} -> {_text(bshape)} merges" for d in gj[1:]}
+        i, j = i + 1, j + 1
+
+
+def _window(node: Node, ins: list, outs: list) -> None:
+    """Slices, pads and concatenations keep every dim whose extent they leave alone."""
+    shapes = [s for _, s in ins + outs]
+    rank = max(len(s) for s in shapes)
+    for d in range(rank):
+        group = [(v, d) for v, s in ins + outs if len(s) == rank]
+        if all(s[d] == shapes[0][d] for _, s in ins + outs if len(s) == rank):
+            node.same.append(group)
+        else:
+            node.mixes |= {m: f"{node.prim} cuts dim {d} of {_text(shapes[0])}" for m in group}
+
+
+def _dot(node: Node, ins: list, outs: list) -> None:
+    """``same``: the batch dims of both operands and the result, and each operand's free dims
+    with the result's. The contracted dims are mixed: a split there leaves partial sums,
+    which only a row role (the operand a parameter) reduces: :mod:`fsdp_tp.tp.auto` decides."""
+    ((lhs, ls), (rhs, rs)), (out, _) = ins, outs[0]
+    (lc, rc), (lb, rb) = node.params["dimension_numbers"]
+    node.same += [[(lhs, a), (rhs, b), (out, i)] for i, (a, b) in enumerate(zip(lb, rb, strict=True))]
+    at = len(lb)
+    for v, shape, contracted, batch in ((lhs, ls, lc, lb), (rhs, rs, rc, rb)):
+        for d in range(len(shape)):
+            if d in contracted:
+                node.mixes[(v, d)] = f"dot_general contracts dim {d} of {_text(shape)}"
+            elif d not in batch:
+                node.same.append([(v, d), (out, at)])
+                at += 1
+
+
+def _conv(node: Node, ins: list, outs: list) -> None:
+    """A convolution as a matmul over its feature dims: the input's features contracted with
+    the kernel's input features, the kernel's output features the result's; the spatial and
+    batch dims mixed (windows, and a kernel's gradient summed over them)."""
+    ((x, xs), (k, ks)), (out, os) = ins, outs[0]
+    lhs, rhs, res = node.params["dimension_numbers"]
+    node.mixes |= {
+        (v, d): f"conv_general_dilated mixes dim {d}"
+        for v, s in ((x, xs), (k, ks), (out, os))
+        for d in range(len(s))
+    }
+    if node.params.get("feature_group_count", 1) == 1 and node.params.get("batch_group_count", 1) == 1:
+        del node.mixes[(k, rhs[0])], node.mixes[(out, res[1])]
+        node.same.append([(k, rhs[0]), (out, res[1])])
+        node.mixes[(x, lhs[1])] = f"conv_general_dilated contracts dim {lhs[1]} of {_text(xs)}"
+        node.mixes[(k, rhs[1])] = f"conv_general_dilated contracts dim {rhs[1]} of {_text(ks)}"
+    node.params["contracted"] = ((x, lhs[1]), (k, rhs[1]))
+
+
+def _gather(node: Node, ins: list, outs: list) -> None:
+    """A lookup of rows by ids (``jnp.take`` of an embedding): the table's sliced-whole dims
+    are the result's offset dims; the looked-up dim is mixed (a vocabulary role looks it up
+    on its slice and sums)."""
+    (table, ts), (out, _) = ins[0], outs[0]
+    dn = node.params["dimension_numbers"]
+    whole = [d for d in range(len(ts)) if d not in dn.collapsed_slice_dims]
+    for v, shape in ins + outs:
+        for d in range(len(shape)):
+            node.mixes[(v, d)] = f"gather indexes dim {d} of {_text(shape)}"
+    node.params["looked_up"] = tuple(dn.collapsed_slice_dims)
+    for d, o in zip(whole, dn.offset_dims, strict=False):
+        if node.params["slice_sizes"][d] == ts[d]:
+            del node.mixes[(table, d)], node.mixes[(out, o)]
+            node.same.append([(table, d), (out, o)])

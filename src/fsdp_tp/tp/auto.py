@@ -1,0 +1,247 @@
+"""The Megatron plan of a model found from what it computes, as the tp rules a user would
+write (``tp_rules="auto"``, ``fsdp_tp.linen.find_tp_rules``, ``fsdp_tp.nnx.find_tp_rules``).
+
+The model's forward is traced once, abstractly (:class:`~fsdp_tp.tp._graph.Graph`). Each
+split a matmul's parameter could take (a kernel's output features or heads, an
+embedding's rows) grows a region (:func:`~fsdp_tp.tp._regions.grow`): every value that
+split reaches, until row layers sum it away. A region is taken when every parameter it
+splits is one a role splits, on the dim that role splits (:data:`~fsdp_tp.tp.roles.ROLES`);
+then its modules get those roles. Nothing is guessed from a name: a layer no region takes
+is left whole, with the reason.
+
+>>> import jax, jax.numpy as jnp
+>>> from fsdp_tp.tp.roles import Layer
+>>> def mlp(p, x):  # up -> gelu -> down, with the down layer's bias after its sum
+...     return jax.nn.gelu(x @ p["up"]["kernel"]) @ p["down"]["kernel"] + p["down"]["bias"]
+>>> params = {"up": {"kernel": jnp.ones((8, 32))}, "down": {"kernel": jnp.ones((32, 8)), "bias": jnp.ones(8)}}
+>>> layers = {"up": Layer("dense", "up", features=(32,), in_size=8),
+...           "down": Layer("dense", "down", features=(8,), in_size=32, use_bias=True)}
+>>> plan = find_plan(Graph.trace(mlp, params, jnp.ones((2, 8))), layers)
+>>> print(plan)
+tp_rules = [
+    (r"^up$", ColumnParallel()),
+    (r"^down$", RowParallel()),
+]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+
+from ..errors import IndivisibleShapeError, RuleError
+from ._graph import Graph
+from ._regions import Refused, Region, grow, kernels_of
+from .roles import ColumnParallel, HeadParallel, Layer, RowParallel, TPRole, VocabParallel
+
+__all__ = ["Graph", "TPPlan", "find_plan", "spelled"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TPPlan:
+    """``rules``: the ``(pattern, role)`` pairs found (pass them as ``tp_rules=``, edit or pin
+    them); ``roles``: the role each module gets; ``whole``: ``(module, why)`` for each layer a
+    role could compute that the plan leaves whole; ``layers``: every module a role could
+    compute. ``str(plan)`` is the rules as Python."""
+
+    rules: tuple[tuple[str, TPRole], ...]
+    roles: Mapping[str, TPRole]
+    whole: tuple[tuple[str, str], ...] = ()
+    layers: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        lines = ["tp_rules = ["]
+        lines += [f'    (r"{pattern}", {spelled(role)}),' for pattern, role in self.rules]
+        lines.append("]")
+        if self.whole:
+            lines.append("# left whole:")
+            lines += [f"#   {path}: {why}" for path, why in self.whole]
+        return "\n".join(lines)
+
+
+def spelled(role: TPRole) -> str:
+    """A role as a user writes it: its fields that differ from the defaults."""
+    fields = [
+        f"{f.name}={getattr(role, f.name)!r}"
+        for f in dataclasses.fields(role)
+        if getattr(role, f.name) != f.default
+    ]
+    return f"{type(role).__name__}({', '.join(fields)})"
+
+
+def find_plan(
+    graph: Graph,
+    layers: Mapping[str, Layer],
+    axis: str = "tensor",
+    size: int | None = None,
+    outputs_split: bool = False,
+) -> TPPlan:
+    """The plan of the traced model ``graph`` whose role-computable modules are ``layers``
+    (``{path: Layer}``, as the front end sees them). ``size``: the ``axis`` size the plan is
+    for (each role's sizes must divide it; ``None``: not checked). ``outputs_split``: the
+    model's outputs may leave split on their last dim (logits for
+    :func:`~fsdp_tp.tp.vocab_parallel_cross_entropy`); else a column layer whose result is
+    the output gathers it."""
+    kernels = kernels_of(graph)
+    taken: set[str] = set()
+    roles: dict[str, TPRole] = {}
+    reasons: dict[str, str] = {}
+    for value, dim in _seeds(graph, kernels):
+        param = graph.params[kernels[value]]
+        if param in taken:
+            continue
+        owner = _owner(param.rpartition("/")[0], layers)
+        try:
+            region = grow(graph, kernels, (value, dim), outputs_split)
+            found = _roles(graph, region, layers, axis, size, outputs_split)
+        except Refused as why:
+            where = f"{param} split on dim {dim - len(graph.shapes[value])}"
+            reasons.setdefault(owner, f"{where}: {why}")
+            continue
+        roles |= found
+        taken |= set(region.params(graph))
+    first = _first_reads(graph)
+    roles = dict(sorted(roles.items(), key=lambda item: first.get(item[0], len(graph.nodes))))
+    left = tuple(
+        (p, reasons.get(p, "no matmul reads its parameters")) for p in layers if _leaf(p, roles, layers)
+    )
+    return TPPlan(_rules(roles, list(layers)), roles, left, tuple(layers))
+
+
+def _seeds(graph: Graph, kernels: dict[int, int]):
+    """``(kernel value, dim)``: each dim of a parameter read by a matmul that its result
+    keeps (a column layer's split), and each looked-up dim of a table, in the model's order."""
+    for node in graph.nodes:
+        if node.prim in ("dot_general", "conv_general_dilated"):
+            a, b = node.ins[0], node.ins[1]
+            kernel = b if b in kernels else a if a in kernels else None
+            if kernel is None or (a in kernels and b in kernels):
+                continue
+            for group in node.same:
+                members = dict(group)
+                if kernel in members and node.outs[0] in members and not ({a, b} - {kernel}) & set(members):
+                    yield kernel, members[kernel]
+        elif node.prim == "gather" and node.ins[0] in kernels:
+            for dim in node.params["looked_up"]:
+                yield node.ins[0], dim
+
+
+def _first_reads(graph: Graph) -> dict[str, int]:
+    """``{module: the first operation reading one of its parameters}``: the model's order."""
+    first: dict[str, int] = {}
+    for value, param in graph.params.items():
+        for module in _ancestors(param.rpartition("/")[0]):
+            first[module] = min(
+                first.get(module, len(graph.nodes)), *graph.users.get(value, [len(graph.nodes)])
+            )
+    return first
+
+
+def _ancestors(module: str) -> list[str]:
+    parts = module.split("/")
+    return ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def _owner(module: str, layers: Mapping[str, Layer]) -> str:
+    """The module a parameter's split belongs to: its own, or the attention it is part of."""
+    parts = module.split("/")
+    for i in range(1, len(parts)):
+        if layers.get(prefix := "/".join(parts[:i])) is not None and layers[prefix].kind == "attention":
+            return prefix
+    return module
+
+
+def _leaf(path: str, roles: Mapping[str, TPRole], layers: Mapping[str, Layer]) -> bool:
+    """A layer the plan leaves whole (not one inside an attention the plan splits)."""
+    return path not in roles and _owner(path, layers) not in roles
+
+
+def _roles(graph: Graph, region: Region, layers, axis: str, size, outputs_split: bool) -> dict[str, TPRole]:
+    """Each module the region splits, with the role that splits it so (or :class:`Refused`)."""
+    by_owner: dict[str, dict[str, int]] = {}
+    for param, dim in region.params(graph).items():
+        module = param.rpartition("/")[0]
+        owner = _owner(module, layers)
+        if owner not in layers:
+            raise Refused(
+                f"it would split {param}, and {module or 'the model'} computes no tensor-parallel role"
+            )
+        by_owner.setdefault(owner, {})[param[len(owner) + 1 :]] = dim
+    gather = region.output and not outputs_split
+    names = {p for p in graph.params.values()}
+    found = {}
+    for owner, splits in by_owner.items():
+        held = {p[len(owner) + 1 :] for p in names if p.startswith(f"{owner}/")}
+        found[owner] = _role_for(owner, layers, splits, held, gather, axis, size)
+    return found
+
+
+def _role_for(
+    owner: str, layers, splits: dict[str, int], held: set[str], gather: bool, axis: str, size
+) -> TPRole:
+    layer = layers[owner]
+    refused = []
+    for role in _candidates(layer, gather, axis):
+        try:
+            wanted = _splits(role, owner, layer, layers)
+        except RuleError:
+            continue
+        if {k: v for k, v in wanted.items() if k in held} != splits:
+            continue
+        for fitted in (role, *_kept(role, layer)):
+            try:
+                if size is not None:
+                    fitted.require_divides(layer, size, owner, lambda _: "")
+                return fitted
+            except IndivisibleShapeError as err:
+                refused.append(str(err).split(";")[0])
+    what = ", ".join(f"{k} on dim {v}" for k, v in splits.items())
+    raise Refused(refused[0] if refused else f"it would split {owner}'s {what}, which no role splits so")
+
+
+def _candidates(layer: Layer, gather: bool, axis: str) -> list[TPRole]:
+    if layer.kind in ("dense", "conv"):
+        return [ColumnParallel(axis, gather_output=gather), RowParallel(axis)]
+    if layer.kind == "einsum":
+        letters = [None, *dict.fromkeys(layer.equation.split(",")[-1].split("->")[0])]
+        return [ColumnParallel(axis, gather_output=gather, letter=c) for c in letters] + [
+            RowParallel(axis, letter=c) for c in letters
+        ]
+    if layer.kind == "attention":
+        return [HeadParallel(axis)]
+    return [VocabParallel(axis)]
+
+
+def _kept(role: TPRole, layer: Layer) -> list[TPRole]:
+    """The role with kv heads kept whole: for an axis larger than they are."""
+    if isinstance(role, HeadParallel) and layer.num_kv_heads:
+        return [dataclasses.replace(role, replicated_kv=True)]
+    if isinstance(role, ColumnParallel) and layer.kind == "einsum" and not role.gather_output:
+        return [dataclasses.replace(role, replicated=True)]
+    return []
+
+
+def _splits(role: TPRole, owner: str, layer: Layer, layers) -> dict[str, int]:
+    """What ``role`` splits, its own children's roles included (attention's output)."""
+    splits = dict(role.splits(layer))
+    for child, inner in role.inner().items():
+        if (sub := layers.get(f"{owner}/{child}")) is not None:
+            splits |= {f"{child}/{k}": v for k, v in inner.splits(sub).items()}
+    return splits
+
+
+def _rules(roles: Mapping[str, TPRole], paths: list[str]) -> tuple[tuple[str, TPRole], ...]:
+    """A rule per role, its pattern the path with each index generalized (``block_\\d+``)
+    where that names the same role on every module it matches, else the path itself."""
+    rules, done = [], set()
+    for path, role in roles.items():
+        if path in done:
+            continue
+        pattern = "^" + re.sub(r"\d+", r"\\d+", re.escape(path)) + "$"
+        matched = [p for p in paths if re.search(pattern, p)]
+        if not all(roles.get(p) == role for p in matched):
+            pattern, matched = "^" + re.escape(path) + "$", [path]
+        rules.append((pattern, role))
+        done |= set(matched)
+    return tuple(rules)

@@ -1,0 +1,191 @@
+"""Issue 45: the Megatron plan found from what a model computes (``find_tp_rules``), printed
+as rules, and proved.
+
+The plan found for every model with hand-written rules gives every module the role those
+rules give it (the Llama-style einsum/GQA/gated model with tied logits, Linen and NNX, on
+tensor 2 and on tensor 4 where its kv heads are kept whole; the NNX GPT scanned and unrolled),
+so the proofs of those rules (tests/test_einsum_tp.py, tests/test_nnx_gpt.py) are its proofs.
+Models nobody wrote rules for are proved here: a convolution net, and a model whose layers
+must not all be split (a norm between two matmuls, a matmul whose output is summed over its
+features); their found plan equals the unsharded model (outputs and synced gradients,
+float64, data 2 x tensor 4) and names each layer it leaves whole with the reason. Negative
+control: a finder that ignores what a norm mixes finds a plan, and the proof catches it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import fsdp_tp
+from fsdp_tp.errors import RuleError
+from fsdp_tp.models.llama import RULES, LlamaLM, NNXLlamaLM
+from fsdp_tp.models.nnx_transformer import TP_RULES, NNXTransformer
+from fsdp_tp.tp import _regions
+from fsdp_tp.tp._rules import compile_tp_rules, role_of
+from fsdp_tp.tp.roles import ColumnParallel
+from tests.test_einsum_tp import _check_split
+
+APIS = ["linen", "nnx"]
+IDS = jnp.zeros((2, 8), jnp.int32)
+F64 = dict(param_dtype=jnp.float64)
+
+
+def _find(api: str, make, *args, **options):
+    """The plan of ``make`` (a Linen module class, or an NNX constructor taking ``rngs``)."""
+    with jax.enable_x64(True):  # (the float64 models' parameters)
+        if api == "linen":
+            return fsdp_tp.linen.find_tp_rules(make(), *args, **options)
+        return fsdp_tp.nnx.find_tp_rules(nnx.eval_shape(lambda: make(rngs=nnx.Rngs(0))), *args, **options)
+
+
+def _assigned(rules, layers) -> dict:
+    """The role each layer gets from ``rules``: what two rule lists must agree on."""
+    compiled = compile_tp_rules(rules, "test")
+    return {path: found[0] for path in layers if (found := role_of(path, compiled))}
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("api", APIS)
+def test_the_llama_plan_is_its_hand_written_rules(api, size):
+    """Tensor 2: the rules of fsdp_tp.models.llama; tensor 4 (2 kv heads): the same, the kv
+    einsum kept whole, as tests/test_einsum_tp.py's REPLICATED_KV writes it."""
+    plan = _find(api, LlamaLM if api == "linen" else NNXLlamaLM, IDS, size=size)
+    kept = ColumnParallel(letter="K", replicated=True)
+    hand = RULES if size == 2 else [(p, kept if p == r"attn/kv$" else r) for p, r in RULES]
+    assert _assigned(plan.rules, plan.layers) == _assigned(hand, plan.layers)
+    assert plan.whole == ()
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_the_nnx_gpt_plan_is_its_hand_written_rules(scan):
+    """Its logits left split for the vocab-parallel loss (outputs_split=True), as TP_RULES
+    leave them; without it the head gathers them, and the plan says so."""
+    model = nnx.eval_shape(lambda: NNXTransformer(64, 32, 2, 4, 8, 2, 64, scan_layers=scan, rngs=nnx.Rngs(0)))
+    plan = fsdp_tp.nnx.find_tp_rules(model, IDS, size=2, outputs_split=True)
+    assert _assigned(plan.rules, plan.layers) == _assigned(TP_RULES, plan.layers)
+    gathered = fsdp_tp.nnx.find_tp_rules(model, IDS, size=2)
+    assert gathered.roles["head"] == ColumnParallel(gather_output=True)
+    assert '    (r"^head$", ColumnParallel(gather_output=True)),' in str(gathered).splitlines()
+
+
+class LinenConvNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(8, (3, 3), name="conv_in", **F64)(x))
+        return nn.Conv(3, (3, 3), name="conv_out", **F64)(x)
+
+
+class NNXConvNet(nnx.Module):
+    def __init__(self, rngs):
+        self.conv_in = nnx.Conv(3, 8, (3, 3), rngs=rngs, **F64)
+        self.conv_out = nnx.Conv(8, 3, (3, 3), rngs=rngs, **F64)
+
+    def __call__(self, x):
+        return self.conv_out(nnx.relu(self.conv_in(x)))
+
+
+class LinenNormBetween(nn.Module):
+    """``a`` feeds a norm (its mean mixes a's features), ``b`` -> gelu -> ``c`` is Megatron's
+    pair, and ``d``'s output is summed over its features."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.LayerNorm(**F64)(nn.Dense(16, name="a", **F64)(x))
+        x = nn.Dense(6, name="c", **F64)(nn.gelu(nn.Dense(32, name="b", **F64)(x)))
+        return jnp.sum(nn.Dense(8, name="d", **F64)(x) ** 2, axis=-1, keepdims=True)
+
+
+class NNXNormBetween(nnx.Module):
+    def __init__(self, rngs):
+        self.a, self.norm = nnx.Linear(6, 16, rngs=rngs, **F64), nnx.LayerNorm(16, rngs=rngs, **F64)
+        self.b, self.c = nnx.Linear(16, 32, rngs=rngs, **F64), nnx.Linear(32, 6, rngs=rngs, **F64)
+        self.d = nnx.Linear(6, 8, rngs=rngs, **F64)
+
+    def __call__(self, x):
+        x = self.c(nnx.gelu(self.b(self.norm(self.a(x)))))
+        return jnp.sum(self.d(x) ** 2, axis=-1, keepdims=True)
+
+
+CONV = {"linen": LinenConvNet, "nnx": NNXConvNet}
+NORM = {"linen": LinenNormBetween, "nnx": NNXNormBetween}
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_a_conv_net_gets_megatrons_pair_and_equals_unsharded(api):
+    x_shape = (8, 6, 6, 3)
+    plan = _find(api, CONV[api], jnp.zeros(x_shape), size=4)
+    assert [(p, type(r).__name__) for p, r in plan.rules] == [
+        ("^conv_in$", "ColumnParallel"),
+        ("^conv_out$", "RowParallel"),
+    ]
+    with jax.enable_x64(True):
+        _check_split(api, CONV[api], plan.rules, x_shape, True)
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_layers_that_must_stay_whole_are_named_with_the_reason(api):
+    """``a`` and ``d`` stay whole, each with what its split would meet; the rest is split and
+    the model equals the unsharded one."""
+    plan = _find(api, NORM[api], jnp.zeros((8, 6)), size=4)
+    assert list(plan.roles) == ["b", "c"]
+    whole = dict(plan.whole)
+    assert list(whole) == ["a", "d"]
+    assert re.search(r"a/kernel split on dim -1: reduce_sum over dim 1 of \[8,16\]", whole["a"]), whole["a"]
+    assert re.search(r"d/kernel split on dim -1: .*reduce_sum over dim 1 of \[8,8\]", whole["d"]), whole["d"]
+    with jax.enable_x64(True):
+        _check_split(api, NORM[api], plan.rules, (8, 6), True)
+
+
+class NNXBareNorm(nnx.Module):
+    """``a`` -> a norm without parameters -> ``b`` -> gelu -> ``c``: only the norm's mean keeps
+    ``a`` whole."""
+
+    def __init__(self, rngs):
+        self.a, self.b = nnx.Linear(6, 16, rngs=rngs, **F64), nnx.Linear(16, 32, rngs=rngs, **F64)
+        self.c = nnx.Linear(32, 6, rngs=rngs, **F64)
+
+    def __call__(self, x):
+        x = self.a(x)
+        return self.c(nnx.gelu(self.b(x / jnp.sqrt(jnp.mean(x**2, axis=-1, keepdims=True)))))
+
+
+def test_negative_control_a_finder_blind_to_a_norms_mean(monkeypatch):
+    """The plan keeps ``a`` whole; with the mixing operations let through, ``a`` is split
+    before the norm, and the proof fails."""
+    plan = _find("nnx", NNXBareNorm, jnp.zeros((8, 6)), size=4)
+    assert list(plan.roles) == ["b", "c"]
+    with jax.enable_x64(True):
+        _check_split("nnx", NNXBareNorm, plan.rules, (8, 6), True)
+
+    def blind(node, value, dim, split):
+        for group in node.same:
+            if (value, dim) in group:
+                for other, d in group:
+                    split(other, d, node.prim)
+
+    monkeypatch.setattr(_regions, "_along", blind)
+    plan = _find("nnx", NNXBareNorm, jnp.zeros((8, 6)), size=4)
+    assert list(plan.roles) == ["a", "b"]
+    with jax.enable_x64(True), pytest.raises(AssertionError, match="output"):
+        _check_split("nnx", NNXBareNorm, plan.rules, (8, 6), True)
+
+
+def test_auto_on_linen_is_the_plan_found_and_nnx_takes_the_plan():
+    """Linen's tp_rules="auto" finds the plan at the call (the axis size bound) and equals the
+    unsharded model; NNX, which builds its layout before any input, takes the found plan and
+    names that fix when given "auto"."""
+    with jax.enable_x64(True):
+        _check_split("linen", LinenNormBetween, "auto", (8, 6), True)
+        plan = _find("nnx", NNXNormBetween, jnp.zeros((8, 6)), size=4)
+        _check_split("nnx", NNXNormBetween, plan, (8, 6), True)
+    with (
+        jax.enable_x64(True),
+        pytest.raises(RuleError, match=r"tp_rules='auto' .* tp_rules=find_tp_rules\(model, \*inputs\)"),
+    ):
+        fsdp_tp.nnx.shard_by_rules(NNXNormBetween, tp_rules="auto")
