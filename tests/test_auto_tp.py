@@ -25,7 +25,7 @@ from flax import nnx
 import fsdp_tp
 from fsdp_tp.errors import RuleError
 from fsdp_tp.models.llama import RULES, LlamaLM, NNXLlamaLM
-from fsdp_tp.models.nnx_transformer import TP_RULES, NNXTransformer
+from fsdp_tp.models.nnx_transformer import NNXTransformer, tp_rules
 from fsdp_tp.tp import _regions
 from fsdp_tp.tp._rules import compile_tp_rules, role_of
 from fsdp_tp.tp.roles import ColumnParallel
@@ -64,11 +64,22 @@ def test_the_llama_plan_is_its_hand_written_rules(api, size):
 
 @pytest.mark.parametrize("scan", [True, False])
 def test_the_nnx_gpt_plan_is_its_hand_written_rules(scan):
-    """Its logits left split for the vocab-parallel loss (outputs_split=True), as TP_RULES
-    leave them; without it the head gathers them, and the plan says so."""
+    """On tensor 2 and 4 (its 2 kv heads kept whole), with and without sequence parallelism and
+    rings, the plan the main job trains with (fsdp_tp.recipe.nnx_gpt) is tp_rules(...): the
+    logits left split for the vocab-parallel loss (outputs_split=True); without it the head
+    gathers them, and the plan says so."""
     model = nnx.eval_shape(lambda: NNXTransformer(64, 32, 2, 4, 8, 2, 64, scan_layers=scan, rngs=nnx.Rngs(0)))
-    plan = fsdp_tp.nnx.find_tp_rules(model, IDS, size=2, outputs_split=True)
-    assert _assigned(plan.rules, plan.layers) == _assigned(TP_RULES, plan.layers)
+    for size in (2, 4):
+        plan = fsdp_tp.nnx.find_tp_rules(model, IDS, size=size, outputs_split=True)
+        for sequence, ring in (
+            (False, None),
+            (True, None),
+            (True, "bidirectional"),
+            (False, "unidirectional"),
+        ):
+            hand = tp_rules(sequence, size == 4, ring)
+            found = plan.scheduled(1 if sequence else None, ring)
+            assert _assigned(found.rules, plan.layers) == _assigned(hand, plan.layers), (size, sequence, ring)
     gathered = fsdp_tp.nnx.find_tp_rules(model, IDS, size=2)
     assert gathered.roles["head"] == ColumnParallel(gather_output=True)
     assert '    (r"^head$", ColumnParallel(gather_output=True)),' in str(gathered).splitlines()

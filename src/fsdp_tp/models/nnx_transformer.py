@@ -60,7 +60,7 @@ def tp_rules(
         (r"mlp/wi$", ColumnParallel(sequence_dim=seq, collective_matmul=ring)),
         (r"mlp/wo$", RowParallel(sequence_dim=seq, collective_matmul=ring)),
         (r"^embed$", VocabParallel(sequence_dim=seq)),
-        (r"^head$", ColumnParallel(sequence_dim=seq, collective_matmul=ring if seq else None)),
+        (r"^head$", ColumnParallel(sequence_dim=seq, collective_matmul=ring)),  # (a ring needs seq)
     )
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..models.nnx_transformer import NNXTransformer, storage_rules, tp_rules
-from ..nnx import ShardedModel, shard_by_rules
+from ..models.nnx_transformer import NNXTransformer, storage_rules
+from ..nnx import ShardedModel, find_tp_rules, shard_by_rules
 from ..precision import MixedPrecision
 from .config import ModelConfig
 
@@ -61,14 +62,17 @@ def sharded_gpt(
     mixed_precision: MixedPrecision | None = None,
 ) -> ShardedModel:
     """The NNX GPT of ``config`` laid out on a mesh of ``sizes`` as the Linen GPT's layout
-    lays it out: Megatron TP by :func:`~fsdp_tp.models.nnx_transformer.tp_rules` over
-    ``tensor`` (kv heads kept whole where ``tensor`` does not divide them, as Linen's
-    attention keeps them), FSDP over ``fsdp`` where the Linen GPT has it
-    (:func:`~fsdp_tp.models.nnx_transformer.storage_rules`), its gathers in
-    ``mixed_precision``'s dtypes where given, as the Linen layout's."""
+    lays it out: Megatron TP over ``tensor`` by the rules :func:`~fsdp_tp.nnx.find_tp_rules`
+    finds (kv heads kept whole where ``tensor`` does not divide them, as Linen's attention
+    keeps them; the logits left split for the vocab-parallel loss), FSDP over ``fsdp`` where
+    the Linen GPT has it (:func:`~fsdp_tp.models.nnx_transformer.storage_rules`), its gathers
+    in ``mixed_precision``'s dtypes where given, as the Linen layout's."""
     make = nnx_maker(config)
     abstract = nnx.eval_shape(lambda: NNXTransformer(**config.model_sizes(), rngs=nnx.Rngs(0)))
-    kept = config.num_kv_heads % sizes.get("tensor", 1) != 0
-    tp = tp_rules(sequence_parallel, kept, collective_matmul)
+    # Megatron's plan found from what the model computes (tests/test_auto_tp.py proves it is
+    # tp_rules(sequence_parallel, kv heads kept, collective_matmul) on every mesh of the grid).
+    ids = jax.ShapeDtypeStruct((1, config.seq_len), jnp.int32)
+    found = find_tp_rules(abstract, ids, size=sizes.get("tensor", 1), outputs_split=True)
+    tp = found.scheduled(1 if sequence_parallel else None, collective_matmul).rules
     rules = storage_rules(abstract, sizes, min_weight_size, tp)
     return shard_by_rules(make, rules, tp_rules=tp, batch_axes=batch_axes, mixed_precision=mixed_precision)

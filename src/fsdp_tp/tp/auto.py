@@ -50,6 +50,19 @@ class TPPlan:
     whole: tuple[tuple[str, str], ...] = ()
     layers: tuple[str, ...] = ()
 
+    def scheduled(self, sequence_dim: int | None = None, collective_matmul: str | None = None) -> TPPlan:
+        """The same plan with sequence parallelism (``sequence_dim``: the activations' sequence
+        dim, split between the layers) and ``collective_matmul`` rings, on every role that has
+        them: how the plan's collectives run, not where it splits."""
+        given = {"sequence_dim": sequence_dim, "collective_matmul": collective_matmul}
+
+        def timed(role: TPRole) -> TPRole:
+            names = {f.name for f in dataclasses.fields(role)}
+            return dataclasses.replace(role, **{k: v for k, v in given.items() if k in names})
+
+        rules = tuple((pattern, timed(role)) for pattern, role in self.rules)
+        return dataclasses.replace(self, rules=rules, roles={p: timed(r) for p, r in self.roles.items()})
+
     def __str__(self) -> str:
         lines = ["tp_rules = ["]
         lines += [f'    (r"{pattern}", {spelled(role)}),' for pattern, role in self.rules]
@@ -233,14 +246,14 @@ def _splits(role: TPRole, owner: str, layer: Layer, layers) -> dict[str, int]:
 
 def _rules(roles: Mapping[str, TPRole], paths: list[str]) -> tuple[tuple[str, TPRole], ...]:
     """A rule per role, its pattern the path with each index generalized (``block_\\d+``)
-    where that names the same role on every module it matches, else the path itself."""
+    where that names more than one module, each with this role; else the path itself."""
     rules, done = [], set()
     for path, role in roles.items():
         if path in done:
             continue
         pattern = "^" + re.sub(r"\d+", r"\\d+", re.escape(path)) + "$"
         matched = [p for p in paths if re.search(pattern, p)]
-        if not all(roles.get(p) == role for p in matched):
+        if len(matched) < 2 or not all(roles.get(p) == role for p in matched):
             pattern, matched = "^" + re.escape(path) + "$", [path]
         rules.append((pattern, role))
         done |= set(matched)
