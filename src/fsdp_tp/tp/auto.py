@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Mapping
+from typing import Any
 
 from ..errors import IndivisibleShapeError, RuleError
 from ._graph import Graph
@@ -54,7 +55,7 @@ class TPPlan:
         """The same plan with sequence parallelism (``sequence_dim``: the activations' sequence
         dim, split between the layers) and ``collective_matmul`` rings, on every role that has
         them: how the plan's collectives run, not where it splits."""
-        given = {"sequence_dim": sequence_dim, "collective_matmul": collective_matmul}
+        given: dict[str, Any] = {"sequence_dim": sequence_dim, "collective_matmul": collective_matmul}
 
         def timed(role: TPRole) -> TPRole:
             names = {f.name for f in dataclasses.fields(role)}
