@@ -27,7 +27,6 @@ from fsdp_tp.errors import RuleError
 from fsdp_tp.models.llama import RULES, LlamaLM, NNXLlamaLM
 from fsdp_tp.models.nnx_transformer import NNXTransformer, tp_rules
 from fsdp_tp.tp import _regions
-from fsdp_tp.tp._rules import compile_tp_rules, role_of
 from fsdp_tp.tp.roles import ColumnParallel
 from tests.test_einsum_tp import _check_split
 
@@ -44,12 +43,6 @@ def _find(api: str, make, *args, **options):
         return fsdp_tp.nnx.find_tp_rules(nnx.eval_shape(lambda: make(rngs=nnx.Rngs(0))), *args, **options)
 
 
-def _assigned(rules, layers) -> dict:
-    """The role each layer gets from ``rules``: what two rule lists must agree on."""
-    compiled = compile_tp_rules(rules, "test")
-    return {path: found[0] for path in layers if (found := role_of(path, compiled))}
-
-
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("api", APIS)
 def test_the_llama_plan_is_its_hand_written_rules(api, size):
@@ -58,7 +51,7 @@ def test_the_llama_plan_is_its_hand_written_rules(api, size):
     plan = _find(api, LlamaLM if api == "linen" else NNXLlamaLM, IDS, size=size)
     kept = ColumnParallel(letter="K", replicated=True)
     hand = RULES if size == 2 else [(p, kept if p == r"attn/kv$" else r) for p, r in RULES]
-    assert _assigned(plan.rules, plan.layers) == _assigned(hand, plan.layers)
+    assert plan.differences(hand) == []
     assert plan.whole == ()
 
 
@@ -79,7 +72,7 @@ def test_the_nnx_gpt_plan_is_its_hand_written_rules(scan):
         ):
             hand = tp_rules(sequence, size == 4, ring)
             found = plan.scheduled(1 if sequence else None, ring)
-            assert _assigned(found.rules, plan.layers) == _assigned(hand, plan.layers), (size, sequence, ring)
+            assert found.differences(hand) == [], (size, sequence, ring)
     gathered = fsdp_tp.nnx.find_tp_rules(model, IDS, size=2)
     assert gathered.roles["head"] == ColumnParallel(gather_output=True)
     assert '    (r"^head$", ColumnParallel(gather_output=True)),' in str(gathered).splitlines()
@@ -200,3 +193,14 @@ def test_auto_on_linen_is_the_plan_found_and_nnx_takes_the_plan():
         pytest.raises(RuleError, match=r"tp_rules='auto' .* tp_rules=find_tp_rules\(model, \*inputs\)"),
     ):
         fsdp_tp.nnx.shard_by_rules(NNXNormBetween, tp_rules="auto")
+
+
+def test_differences_name_each_module_two_plans_disagree_on():
+    """The negative control of the plan comparisons above: one rule changed is one module named."""
+    plan = _find("linen", LlamaLM, IDS, size=2)
+    changed = [(p, ColumnParallel() if p == r"mlp/down$" else r) for p, r in RULES]
+    assert plan.differences(changed) == [
+        "block_0/mlp/down: the plan RowParallel(), the rules ColumnParallel()",
+        "block_1/mlp/down: the plan RowParallel(), the rules ColumnParallel()",
+    ]
+    assert plan.differences(RULES[1:]) == ["embed: the plan VocabParallel(), the rules whole"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from fsdp_tp.bench.auto_rows import auto_costs, auto_section
 from fsdp_tp.bench.figures import exact_figures
 from fsdp_tp.bench.report import headline, markdown
 from fsdp_tp.bench.run import workload_variants
@@ -110,3 +111,16 @@ def test_the_compile_time_figure_compiles_the_step_for_the_states_real_layouts()
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="Some donated buffers were not usable")
         variant.lowered()
+
+
+def test_the_plan_finding_section_times_each_model_and_compares_its_rules():
+    """Two layers here (the bench's row is 32): each model's plan is its hand rules."""
+    found = auto_costs(layers=2, repeats=1)
+    text = auto_section(found)
+    assert [(f.model, f.api, f.differences) for f in found] == [
+        ("GPT, layers unrolled", "nnx", []),
+        ("GPT, nnx.scan", "nnx", []),
+        ("Gemma/Llama-style", "linen", []),
+        ("Gemma/Llama-style", "nnx", []),
+    ]
+    assert text.count(" | yes |") == 4 and "| Gemma/Llama-style | linen | 2 | " in text

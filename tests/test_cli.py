@@ -151,6 +151,14 @@ def test_plan_of_a_cluster_mesh_prints_the_table():
     assert code == 0
     assert out.startswith("mesh data=8 x fsdp=64 x tensor=8 (4096 devices)")
     assert "blocks/mlp/wi/kernel" in out and "(12, 768, 3072)" in out
+    # Megatron's plan, found from what the model computes, as the rules a user would write
+    rules = out[out.index("tensor=8: Megatron's plan") :].splitlines()[1:]
+    assert rules[:3] == [
+        "tp_rules = [",
+        '    (r"^embed$", VocabParallel()),',
+        '    (r"^blocks/attn/query$", ColumnParallel()),',
+    ]
+    assert '    (r"^blocks/mlp/wo$", RowParallel()),' in rules and rules[-1] == "]"
 
 
 def test_bad_data_files_exit_2(tmp_path, capsys):

@@ -15,6 +15,7 @@ from typing import TextIO
 
 import jax
 
+from .auto_rows import auto_costs, auto_section
 from .figures import Figures, build_seconds, compile_seconds, exact_figures, median, step_seconds
 from .llama_rows import llama_costs, llama_section
 from .nnx_rows import nnx_costs, nnx_section
@@ -119,6 +120,8 @@ def run_benchmarks(
     print("nnx: the GPT in NNX vs in Linen measured", file=out, flush=True)
     llama = llama_costs(blocks, steps)
     print("llama: Megatron by tp rules vs storage splits measured", file=out, flush=True)
+    found = auto_costs()
+    print("auto: the plan found on 32-layer models", file=out, flush=True)
     compile_times = {}
     for layers in depths:
         for scan in (True, False) if layers <= max_unrolled else (True,):
@@ -144,6 +147,7 @@ def run_benchmarks(
     titles = {name: WORKLOADS[name].title for name in workloads}
     text = markdown(results, titles, times, compile_times, _header(argv), paths, build_times)
     text += _overhead_section(overhead) + optimizer_section(costs) + nnx_section(nnx) + llama_section(llama)
+    text += auto_section(found)
     (out_dir / "benchmarks.md").write_text(text)
     if readme is not None and "gpt" in results:
         replace_headline(readme, headline(results, times))

@@ -31,6 +31,7 @@ __all__ = [
     "mib",
     "plan_of",
     "print_plan",
+    "tp_plan_text",
 ]
 
 # --remat auto keeps this fraction of a device's memory for what the plan does not count:
@@ -74,7 +75,33 @@ def print_plan(settings: Settings, sizes: dict, out: TextIO) -> None:
     mesh = abstract_mesh(sizes)
     if settings.model.remat != "auto":
         print(plan_of(settings, mesh), file=out)
-        return
+    else:
+        _print_remat_plans(settings, mesh, out)
+    if sizes.get("tensor", 1) > 1:
+        print(tp_plan_text(settings, sizes), file=out)
+
+
+def tp_plan_text(settings: Settings, sizes: dict) -> str:
+    """Megatron's plan of the model over ``tensor``, found from what it computes, as the tp
+    rules a user would write: the rules an ``--api nnx`` run computes with, the plan the Linen
+    GPT's own layers compute."""
+    tensor = sizes["tensor"]
+    # (what a model computes is the same under every remat policy: auto's choice does not matter)
+    config = _with_remat(settings, "full").model if settings.model.remat == "auto" else settings.model
+    if settings.api == "nnx":
+        from ..recipe.nnx_gpt import found_plan
+
+        plan, where = found_plan(config, sizes), "fsdp_tp.nnx.find_tp_rules: the rules this run computes with"
+    else:
+        from ..linen.auto_rules import find_tp_rules
+
+        ids = jax.ShapeDtypeStruct((1, config.seq_len), np.int32)
+        plan = find_tp_rules(config.model(), ids, size=tensor, outputs_split=True)
+        where = "fsdp_tp.linen.find_tp_rules: the plan the Linen GPT's layers compute"
+    return f"tensor={tensor}: Megatron's plan, found from what the model computes ({where}):\n{plan}"
+
+
+def _print_remat_plans(settings: Settings, mesh, out: TextIO) -> None:
     plans = {policy: plan_of(_with_remat(settings, policy), mesh) for policy in _FASTEST_FIRST}
     print(plans["full"], file=out)
     each = ", ".join(f"{policy} {plans[policy].activation_bytes:,} B" for policy in _FASTEST_FIRST)

@@ -12,9 +12,10 @@ from flax import nnx
 from ..models.nnx_transformer import NNXTransformer, storage_rules
 from ..nnx import ShardedModel, find_tp_rules, shard_by_rules
 from ..precision import MixedPrecision
+from ..tp.auto import TPPlan
 from .config import ModelConfig
 
-__all__ = ["nnx_maker", "sharded_gpt"]
+__all__ = ["found_plan", "nnx_maker", "sharded_gpt"]
 
 
 def nnx_maker(config: ModelConfig) -> Callable[[nnx.Rngs], NNXTransformer]:
@@ -52,6 +53,16 @@ def nnx_maker(config: ModelConfig) -> Callable[[nnx.Rngs], NNXTransformer]:
     return make
 
 
+def found_plan(config: ModelConfig, sizes: Mapping[str, int], abstract: nnx.Module | None = None) -> TPPlan:
+    """Megatron's plan of the NNX GPT over ``tensor`` (of ``sizes``), found from what it
+    computes: its logits left split for the vocab-parallel loss. tests/test_auto_tp.py proves
+    it is :func:`~fsdp_tp.models.nnx_transformer.tp_rules` on tensor 2 and 4 (kv heads kept)."""
+    if abstract is None:
+        abstract = nnx.eval_shape(lambda: NNXTransformer(**config.model_sizes(), rngs=nnx.Rngs(0)))
+    ids = jax.ShapeDtypeStruct((1, config.seq_len), jnp.int32)
+    return find_tp_rules(abstract, ids, size=sizes.get("tensor", 1), outputs_split=True)
+
+
 def sharded_gpt(
     config: ModelConfig,
     sizes: Mapping[str, int],
@@ -69,10 +80,6 @@ def sharded_gpt(
     in ``mixed_precision``'s dtypes where given, as the Linen layout's."""
     make = nnx_maker(config)
     abstract = nnx.eval_shape(lambda: NNXTransformer(**config.model_sizes(), rngs=nnx.Rngs(0)))
-    # Megatron's plan found from what the model computes (tests/test_auto_tp.py proves it is
-    # tp_rules(sequence_parallel, kv heads kept, collective_matmul) on every mesh of the grid).
-    ids = jax.ShapeDtypeStruct((1, config.seq_len), jnp.int32)
-    found = find_tp_rules(abstract, ids, size=sizes.get("tensor", 1), outputs_split=True)
-    tp = found.scheduled(1 if sequence_parallel else None, collective_matmul).rules
-    rules = storage_rules(abstract, sizes, min_weight_size, tp)
+    tp = found_plan(config, sizes, abstract).scheduled(1 if sequence_parallel else None, collective_matmul)
+    rules = storage_rules(abstract, sizes, min_weight_size, tp.rules)
     return shard_by_rules(make, rules, tp_rules=tp, batch_axes=batch_axes, mixed_precision=mixed_precision)

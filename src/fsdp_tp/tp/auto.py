@@ -64,6 +64,21 @@ class TPPlan:
         rules = tuple((pattern, timed(role)) for pattern, role in self.rules)
         return dataclasses.replace(self, rules=rules, roles={p: timed(r) for p, r in self.roles.items()})
 
+    def differences(self, rules) -> list[str]:
+        """Each module to which ``rules`` (``(pattern, role)`` pairs: hand-written, or another
+        plan's) give another role than this plan does, as ``"path: the plan ..., the rules ..."``;
+        empty where they agree on every module."""
+        from ._rules import compile_tp_rules, role_of  # (they accept a plan: imported late)
+
+        compiled = compile_tp_rules(rules, "TPPlan.differences")
+        out = []
+        for path in self.layers:
+            theirs = found[0] if (found := role_of(path, compiled)) else None
+            if theirs != (ours := self.roles.get(path)):
+                said = [spelled(r) if r is not None else "whole" for r in (ours, theirs)]
+                out.append(f"{path}: the plan {said[0]}, the rules {said[1]}")
+        return out
+
     def __str__(self) -> str:
         lines = ["tp_rules = ["]
         lines += [f'    (r"{pattern}", {spelled(role)}),' for pattern, role in self.rules]
@@ -115,7 +130,7 @@ def find_plan(
             continue
         roles |= found
         taken |= set(region.params(graph))
-    first = _first_reads(graph)
+    first = _first_reads(graph, kernels)
     roles = dict(sorted(roles.items(), key=lambda item: first.get(item[0], len(graph.nodes))))
     left = tuple(
         (p, reasons.get(p, "no matmul reads its parameters")) for p in layers if _leaf(p, roles, layers)
@@ -141,14 +156,15 @@ def _seeds(graph: Graph, kernels: dict[int, int]):
                 yield node.ins[0], dim
 
 
-def _first_reads(graph: Graph) -> dict[str, int]:
-    """``{module: the first operation reading one of its parameters}``: the model's order."""
+def _first_reads(graph: Graph, kernels: dict[int, int]) -> dict[str, int]:
+    """``{module: the first matmul or lookup reading one of its parameters}``: the model's order."""
     first: dict[str, int] = {}
-    for value, param in graph.params.items():
-        for module in _ancestors(param.rpartition("/")[0]):
-            first[module] = min(
-                first.get(module, len(graph.nodes)), *graph.users.get(value, [len(graph.nodes)])
-            )
+    for index, node in enumerate(graph.nodes):
+        if node.prim in ("dot_general", "conv_general_dilated", "gather"):
+            for value in node.ins:
+                if value in kernels:
+                    for module in _ancestors(graph.params[kernels[value]].rpartition("/")[0]):
+                        first.setdefault(module, index)
     return first
 
 

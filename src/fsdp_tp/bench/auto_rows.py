@@ -1,0 +1,92 @@
+"""What finding the Megatron plan costs (``find_tp_rules``, one abstract trace of the model's
+forward), on 32-layer models in both Flax APIs, and whether the plan found gives every module
+the role the model's hand-written rules give it.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .. import nnx as fsdp_nnx
+from ..linen.auto_rules import find_tp_rules
+from ..models.llama import RULES, LlamaLM, NNXLlamaLM
+from ..models.llama import SIZES as LLAMA
+from ..models.nnx_transformer import NNXTransformer, tp_rules
+from ..tp.auto import TPPlan
+from .report import spread
+
+__all__ = ["Found", "auto_costs", "auto_section"]
+
+TENSOR = 2
+SEQ = 128
+
+
+@dataclass(frozen=True)
+class Found:
+    model: str
+    api: str
+    layers: int
+    seconds: list[float]
+    differences: list[str]
+
+
+def _cases(layers: int) -> list[tuple[str, str, Callable[[], TPPlan], tuple]]:
+    """``(model, api, find its plan, the hand-written rules)``; each model built (abstractly)
+    here, so that what is timed is the finding alone."""
+    ids = jax.ShapeDtypeStruct((8, SEQ), jnp.int32)
+    llama = dict(LLAMA, layers=layers)
+    sizes = (32000, 1024, layers, 16, 64, 16, 4096)
+    gpts = {
+        scan: nnx.eval_shape(lambda scan=scan: NNXTransformer(*sizes, scan_layers=scan, rngs=nnx.Rngs(0)))
+        for scan in (False, True)
+    }
+    nnx_llama = nnx.eval_shape(lambda: NNXLlamaLM(**llama, rngs=nnx.Rngs(0)))
+    gpt = functools.partial(fsdp_nnx.find_tp_rules, size=TENSOR, outputs_split=True)
+    return [
+        ("GPT, layers unrolled", "nnx", lambda: gpt(gpts[False], ids), tp_rules()),
+        ("GPT, nnx.scan", "nnx", lambda: gpt(gpts[True], ids), tp_rules()),
+        ("Gemma/Llama-style", "linen", lambda: find_tp_rules(LlamaLM(**llama), ids, size=TENSOR), RULES),
+        ("Gemma/Llama-style", "nnx", lambda: fsdp_nnx.find_tp_rules(nnx_llama, ids, size=TENSOR), RULES),
+    ]
+
+
+def auto_costs(layers: int = 32, repeats: int = 3) -> list[Found]:
+    """Each case's plan found ``repeats`` times (each one trace, timed alone) and compared."""
+    out = []
+    for model, api, find, hand in _cases(layers):
+        seconds, plan = [], None
+        for _ in range(repeats):
+            start = time.perf_counter()
+            plan = find()
+            seconds.append(time.perf_counter() - start)
+        assert plan is not None
+        out.append(Found(model, api, layers, seconds, plan.differences(hand)))
+    return out
+
+
+def auto_section(found: list[Found]) -> str:
+    """The benchmark page's section for :func:`auto_costs`."""
+    rows = [
+        f"| {f.model} | {f.api} | {f.layers} | {spread(f.seconds)} | "
+        f"{'yes' if not f.differences else '; '.join(f.differences)} |"
+        for f in found
+    ]
+    return (
+        "\n### Finding the Megatron plan: `find_tp_rules`\n\n"
+        f"Each model built abstractly and its forward traced once (batch 8, sequence {SEQ}, "
+        f"`tensor` {TENSOR}); the plan found from the trace, timed alone, {len(found[0].seconds)} "
+        "times. The GPT: d 1024, 16 heads of 64, an MLP of 4096, a 32000-word vocabulary, its "
+        "logits left split (`outputs_split=True`); the Gemma/Llama-style model: "
+        "`fsdp_tp.models.llama`'s sizes. *= hand rules*: the plan gives every module the role the "
+        "model's hand-written rules give it (`models.nnx_transformer.tp_rules()`, "
+        "`models.llama.RULES`), else the modules where they differ:\n\n"
+        "| model | API | layers | ms median (min-max) | = hand rules |\n"
+        "|---|---|---:|---:|---|\n" + "\n".join(rows) + "\n"
+    )
