@@ -222,6 +222,8 @@ IMPORT_LINEN = {
     "bench.variants": "the Linen model each benchmark variant shards",
     "bench.workloads": "Linen models the benchmark builds",
     "bench.llama_rows": "the Linen Llama laid out by shard_by_rules",
+    "bench.auto_rows": "finds the Linen Llama's plan (fsdp_tp.linen.find_tp_rules)",
+    "cli.fit": "fsdp-tp plan prints the Linen GPT's plan (fsdp_tp.linen.find_tp_rules)",
 }
 
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,11 +38,11 @@ class Found:
     differences: list[str]
 
 
-def _cases(layers: int) -> list[tuple[str, str, Callable[[], TPPlan], tuple]]:
+def _cases(layers: int) -> list[tuple[str, str, Callable[[], TPPlan], Sequence]]:
     """``(model, api, find its plan, the hand-written rules)``; each model built (abstractly)
     here, so that what is timed is the finding alone."""
     ids = jax.ShapeDtypeStruct((8, SEQ), jnp.int32)
-    llama = dict(LLAMA, layers=layers)
+    llama: dict[str, Any] = dict(LLAMA, layers=layers)
     sizes = (32000, 1024, layers, 16, 64, 16, 4096)
     gpts = {
         scan: nnx.eval_shape(lambda scan=scan: NNXTransformer(*sizes, scan_layers=scan, rngs=nnx.Rngs(0)))
