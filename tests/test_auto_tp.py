@@ -14,6 +14,7 @@ control: a finder that ignores what a norm mixes finds a plan, and the proof cat
 
 from __future__ import annotations
 
+import functools
 import re
 
 import flax.linen as nn
@@ -21,13 +22,18 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
+from fsdp_tp.analysis import operand_count, parse_collectives
+from fsdp_tp.bench.llama_rows import NNXSharded as Sharded
 from fsdp_tp.errors import RuleError
+from fsdp_tp.linen.tp_rules import mlp_rules
 from fsdp_tp.models.llama import RULES, LlamaLM, NNXLlamaLM
 from fsdp_tp.models.nnx_transformer import NNXTransformer, tp_rules
 from fsdp_tp.tp import _regions
-from fsdp_tp.tp.roles import ColumnParallel
+from fsdp_tp.tp.roles import ColumnParallel, RowParallel, VocabParallel
+from tests.nnx_models import lm_maker
 from tests.test_einsum_tp import _check_split
 
 APIS = ["linen", "nnx"]
@@ -53,6 +59,49 @@ def test_the_llama_plan_is_its_hand_written_rules(api, size):
     hand = RULES if size == 2 else [(p, kept if p == r"attn/kv$" else r) for p, r in RULES]
     assert plan.differences(hand) == []
     assert plan.whole == ()
+
+
+def _tests_models():
+    """``(api, make, hand rules)`` of the LMs the other test modules prove their rules on."""
+    from tests import test_tp_rules as t  # (its models and rules; imported here, not collected)
+
+    lm = dict(vocab=32, d_model=16, heads=4, layers=2)
+    return [
+        ("linen", lambda: t.PlainLM(**lm), t.MEGATRON),
+        ("linen", lambda: t.PlainLM(**lm, scan=True, remat=True), t.MEGATRON),
+        ("nnx", lm_maker(**lm), t.NNX_MEGATRON),
+        ("nnx", lm_maker(**lm, scan=True), t.NNX_MEGATRON),
+        ("linen", t.TiedLM, [(r"Embed_0$", VocabParallel()), *mlp_rules(r"up$", r"down$")]),
+        (
+            "nnx",
+            t.NNXTiedLM,
+            [(r"embed$", VocabParallel()), (r"up$", ColumnParallel()), (r"down$", RowParallel())],
+        ),
+        ("linen", t.GatedLM, t.GATED_RULES["linen"]),
+        ("nnx", t.NNXGatedLM, t.GATED_RULES["nnx"]),
+    ]
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_the_plans_of_the_lms_the_rules_tests_prove_are_their_rules(case):
+    """tests/test_tp_rules.py proves these rules (equivalence, Megatron's minimum of
+    collectives, a quarter of the FLOPs); the plan found gives every module the same role."""
+    api, make, hand = _tests_models()[case]
+    plan = _find(api, make, IDS, size=4)
+    assert plan.differences(hand) == []
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_dropout_is_planned_through_and_other_random_numbers_are_not(api):
+    """The library draws each device's block of a dropout mask (fsdp_tp.dropout), so a dropout
+    between the column and row layers changes no role; noise a model draws itself would be
+    the same on every tensor device, so the layer before it stays whole, named."""
+    noisy = NOISY[api]
+    for noise, roles in ((False, ["up", "down"]), (True, [])):
+        streams = dict(rngs=("noise",)) if api == "linen" else {}
+        plan = _find(api, functools.partial(noisy, noise=noise), jnp.zeros((8, 6)), size=4, **streams)
+        assert list(plan.roles) == roles, (noise, str(plan))
+    assert re.search(r"up/kernel split on dim -1: .*random numbers along", dict(plan.whole)["up"]), str(plan)
 
 
 @pytest.mark.parametrize("scan", [True, False])
@@ -116,6 +165,32 @@ class NNXNormBetween(nnx.Module):
         return jnp.sum(self.d(x) ** 2, axis=-1, keepdims=True)
 
 
+class LinenNoisy(nn.Module):
+    """up -> gelu -> dropout (training) -> down, or with noise the model draws itself."""
+
+    noise: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.gelu(nn.Dense(32, name="up")(x))
+        if self.noise:
+            h = h + jax.random.normal(self.make_rng("noise"), h.shape)
+        return nn.Dense(6, name="down")(nn.Dropout(0.5, deterministic=False)(h))
+
+
+class NNXNoisy(nnx.Module):
+    def __init__(self, rngs, noise: bool = False):
+        self.up, self.down = nnx.Linear(6, 32, rngs=rngs), nnx.Linear(32, 6, rngs=rngs)
+        self.drop, self.noise, self.rngs = nnx.Dropout(0.5, rngs=rngs), noise, rngs
+
+    def __call__(self, x):
+        h = nnx.gelu(self.up(x))
+        if self.noise:
+            h = h + jax.random.normal(self.rngs.noise(), h.shape)
+        return self.down(self.drop(h))
+
+
+NOISY = {"linen": LinenNoisy, "nnx": NNXNoisy}
 CONV = {"linen": LinenConvNet, "nnx": NNXConvNet}
 NORM = {"linen": LinenNormBetween, "nnx": NNXNormBetween}
 
@@ -204,3 +279,36 @@ def test_differences_name_each_module_two_plans_disagree_on():
         "block_1/mlp/down: the plan RowParallel(), the rules ColumnParallel()",
     ]
     assert plan.differences(RULES[1:]) == ["embed: the plan VocabParallel(), the rules whole"]
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_the_found_plan_moves_megatrons_collectives_and_no_weight(api):
+    """The norm-between model's compiled step (data 2 x tensor 4): over ``tensor``, the b -> c
+    pair's one all-reduce forward (c's sum) and one backward (b's input gradient), nothing
+    else; no weight is all-gathered over it."""
+    with jax.enable_x64(True):  # (the model's float64 parameters)
+        found = _norm_step_collectives(api)
+    over_tensor = [c for c in found if c.group_size == 4]
+    assert operand_count(over_tensor, "all-reduce", 4) == 2
+    assert sum(c.operands * c.executions for c in over_tensor) == 2
+
+
+def _norm_step_collectives(api: str) -> list:
+    """The collectives of the norm-between model's compiled gradient step under its found plan."""
+    plan = _find(api, NORM[api], jnp.zeros((8, 6)), size=4)
+    if api == "nnx":
+        model = Sharded(NNXNormBetween, batch_axes=("data",), tp_rules=plan)
+    else:
+        model = fsdp_tp.shard_by_rules(LinenNormBetween, batch_axes=("data",), tp_rules=plan)()
+    mesh = fsdp_tp.make_mesh({"data": 2, "tensor": 4})
+    x = jnp.zeros((8, 6))
+    params, specs = fsdp_tp.init_sharded(
+        lambda r, x: model.init(r, x)["params"], mesh, (P(), P("data")), jax.random.key(0), x
+    )
+
+    def per_device(params, x):
+        grads = jax.grad(lambda p: jnp.mean(model.apply({"params": p}, x)))(params)
+        return fsdp_tp.sync_gradients(grads, ("data",))
+
+    step = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(specs, P("data")), out_specs=specs))
+    return parse_collectives(step.lower(params, x).compile().as_text())

@@ -14,6 +14,7 @@ tp_rules = [
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -33,32 +34,38 @@ def find_tp_rules(
     axis: str = "tensor",
     size: int | None = None,
     outputs_split: bool = False,
+    rngs: Sequence[str] = ("dropout",),
     **kwargs: Any,
 ) -> TPPlan:
     """The tp rules Megatron's plan gives ``module`` called on ``args`` (arrays or
     ``jax.ShapeDtypeStruct``; ``kwargs`` passed to the call as well): traced once,
-    abstractly. ``size``: the ``axis`` size the plan is for (a layer whose sizes it does not
-    divide is left whole, or keeps its kv heads whole); ``outputs_split``: the model's output
-    may leave split on its last dim (logits for :func:`fsdp_tp.vocab_parallel_cross_entropy`).
-    Returns a :class:`~fsdp_tp.tp.auto.TPPlan`: its ``rules`` go to
+    abstractly, its ``nn.Dropout`` off (the library draws each device's block of a dropout
+    mask, whatever the plan). ``size``: the ``axis`` size the plan is for (a layer whose sizes
+    it does not divide is left whole, or keeps its kv heads whole); ``outputs_split``: the
+    model's output may leave split on its last dim (logits for
+    :func:`fsdp_tp.vocab_parallel_cross_entropy`); ``rngs``: the rng streams the model draws
+    from besides ``params``. Returns a :class:`~fsdp_tp.tp.auto.TPPlan`: its ``rules`` go to
     :func:`fsdp_tp.shard_by_rules` as ``tp_rules=``, and ``print(plan)`` shows them, and the
     layers left whole with the reason."""
-    variables = jax.eval_shape(lambda a, kw: module.init(jax.random.key(0), *a, **kw), args, kwargs)
-    params = variables["params"]
-    rest = {name: tree for name, tree in variables.items() if name != "params"}
+    streams = {name: jax.random.key(0) for name in ("params", *rngs)}
     layers: dict[str, Layer] = {}
 
     def seen(next_fun, call_args, call_kwargs, context):
         found = context.module
+        if isinstance(found, nn.Dropout) and context.method_name == "__call__":
+            return call_args[0] if call_args else call_kwargs["inputs"]
         if context.method_name == "__call__" and LINEN.of(type(found)) is not None:
             path = module_path(found.path)
             if path not in layers:
                 layers[path] = layer_of(found, call_args, call_kwargs)
         return next_fun(*call_args, **call_kwargs)
 
-    def forward(params, args, kwargs):
-        return module.apply({"params": params, **rest}, *args, **kwargs)
-
     with nn.intercept_methods(seen):
+        variables = jax.eval_shape(lambda a, kw: module.init(streams, *a, **kw), args, kwargs)
+        params, rest = variables["params"], {k: v for k, v in variables.items() if k != "params"}
+
+        def forward(params, args, kwargs):
+            return module.apply({"params": params, **rest}, *args, rngs=streams, **kwargs)
+
         graph = Graph.trace(forward, params, args, kwargs)
     return find_plan(graph, layers, axis, size, outputs_split)

@@ -36,9 +36,10 @@ def find_tp_rules(
 ) -> TPPlan:
     """The tp rules Megatron's plan gives ``model`` (built, or abstract from
     ``nnx.eval_shape``) called on ``args`` (arrays or ``jax.ShapeDtypeStruct``; ``kwargs``
-    passed to the call as well): traced once, abstractly. ``size``, ``outputs_split`` and
-    the result: as :func:`fsdp_tp.linen.find_tp_rules`'s. Its ``rules`` go to
-    :func:`fsdp_tp.nnx.shard_by_rules` as ``tp_rules=``."""
+    passed to the call as well): traced once, abstractly, its ``nnx.Dropout`` and attention
+    dropout off (the library draws each device's block of their masks, whatever the plan).
+    ``size``, ``outputs_split`` and the result: as :func:`fsdp_tp.linen.find_tp_rules`'s.
+    Its ``rules`` go to :func:`fsdp_tp.nnx.shard_by_rules` as ``tp_rules=``."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
     flat = {path_text(path): variable for path, variable in nnx.to_flat_state(params)}
     paths = {path_text(path): path for path, _ in nnx.to_flat_state(params)}
@@ -48,12 +49,19 @@ def find_tp_rules(
         if isinstance(node, nnx.Module) and NNX.of(type(node)) is not None
     }
 
-    def forward(values: dict, args: tuple, kwargs: dict):
+    def forward(values: dict, rest: nnx.State, args: tuple, kwargs: dict):
         state = nnx.from_flat_state([(paths[p], flat[p].replace(value)) for p, value in values.items()])
-        return nnx.merge(graphdef, state, rest)(*args, **kwargs)
+        built = nnx.merge(graphdef, state, rest)
+        for _, node in nnx.iter_graph(built):
+            if isinstance(node, nnx.Dropout | nnx.MultiHeadAttention):
+                # The library draws each device's block of their masks (fsdp_tp.dropout): the
+                # plan is the model's without them. Noise a model draws itself stays in.
+                node.deterministic = True
+        return built(*args, **kwargs)
 
     values = {
         p: variable.get_value() if hasattr(variable, "get_value") else variable.value
         for p, variable in flat.items()
     }
-    return find_plan(Graph.trace(forward, values, args, kwargs), layers, axis, size, outputs_split)
+    graph = Graph.trace(forward, values, rest, args, kwargs)
+    return find_plan(graph, layers, axis, size, outputs_split)

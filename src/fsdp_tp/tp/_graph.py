@@ -35,7 +35,8 @@ _ELEMENTWISE = frozenset(
     copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag integer_pow
     is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or pow real
     reduce_precision rem round rsqrt select_n sign sin sinh sqrt square stop_gradient sub tan tanh
-    xor optimization_barrier sharding_constraint""".split()
+    xor optimization_barrier sharding_constraint shift_left shift_right_logical shift_right_arithmetic
+    population_count clz bitcast_convert_type""".split()
 )
 _REDUCTIONS = frozenset(
     "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split()
