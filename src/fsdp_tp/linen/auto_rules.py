@@ -60,12 +60,10 @@ def find_tp_rules(
                 layers[path] = layer_of(found, call_args, call_kwargs)
         return next_fun(*call_args, **call_kwargs)
 
+    def init(args, kwargs):  # the output and the parameters, from one trace
+        out, variables = module.init_with_output(streams, *args, **kwargs)
+        return out, variables["params"]
+
     with nn.intercept_methods(seen):
-        variables = jax.eval_shape(lambda a, kw: module.init(streams, *a, **kw), args, kwargs)
-        params, rest = variables["params"], {k: v for k, v in variables.items() if k != "params"}
-
-        def forward(params, args, kwargs):
-            return module.apply({"params": params, **rest}, *args, rngs=streams, **kwargs)
-
-        graph = Graph.trace(forward, params, args, kwargs)
+        graph = Graph.trace_init(init, args, kwargs)
     return find_plan(graph, layers, axis, size, outputs_split)

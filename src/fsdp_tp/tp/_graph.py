@@ -81,29 +81,49 @@ class Graph:
 
     @classmethod
     def trace(cls, fn: Callable, params: Any, *args: Any) -> Graph:
-        """``params``: a pytree of arrays (or ``jax.ShapeDtypeStruct``), whose paths name
-        the parameters as the rules do (``block_0/mlp/up/kernel``)."""
+        """``fn(params, *args)``: ``params`` a pytree of arrays (or ``jax.ShapeDtypeStruct``),
+        whose paths name the parameters as the rules do (``block_0/mlp/up/kernel``)."""
         closed = jax.make_jaxpr(fn)(params, *args)
         graph = cls()
-        named = jax.tree_util.tree_flatten_with_path(params)[0]
+        named = _paths(params)
         env: dict[Any, int] = {}
         for i, var in enumerate(closed.jaxpr.invars):
             env[var] = graph._new(var.aval.shape)
             if i < len(named):
-                graph.params[env[var]] = module_path(tuple(_key(k) for k in named[i][0]))
+                graph.params[env[var]] = named[i]
             else:
                 graph.inputs.append(env[var])
+        graph._read(closed, env, len(closed.jaxpr.outvars))
+        return graph
+
+    @classmethod
+    def trace_init(cls, fn: Callable, *args: Any) -> Graph:
+        """``fn(*args) -> (output, params)``: a model's init that also computes its output
+        (Linen's ``init_with_output``), one trace for both: its parameters are the values the
+        initializers make, which the output reads."""
+        closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+        graph = cls()
+        env = {var: graph._new(var.aval.shape) for var in closed.jaxpr.invars}
+        graph.inputs = list(env.values())
+        outputs = len(jax.tree.leaves(shapes[0]))
+        graph._read(closed, env, outputs)
+        for var, path in zip(closed.jaxpr.outvars[outputs:], _paths(shapes[1]), strict=True):
+            if not isinstance(var, jcore.Literal):
+                graph.params[env[var]] = path
+        return graph
+
+    def _read(self, closed, env: dict, outputs: int) -> None:
+        """The jaxpr's operations, its first ``outputs`` results the model's output."""
         for var in closed.jaxpr.constvars:
-            env[var] = graph._constant(var.aval.shape)
-        graph._inline(closed.jaxpr, env)
-        graph.outputs = [env[v] for v in closed.jaxpr.outvars if not isinstance(v, jcore.Literal)]
-        for index, node in enumerate(graph.nodes):
+            env[var] = self._constant(var.aval.shape)
+        self._inline(closed.jaxpr, env)
+        self.outputs = [env[v] for v in closed.jaxpr.outvars[:outputs] if not isinstance(v, jcore.Literal)]
+        for index, node in enumerate(self.nodes):
             for value in node.ins:
                 if value is not None:
-                    graph.users.setdefault(value, []).append(index)
+                    self.users.setdefault(value, []).append(index)
             for value in node.outs:
-                graph.producer[value] = index
-        return graph
+                self.producer[value] = index
 
     # -- reading the jaxpr -----------------------------------------------------------------
 
@@ -168,6 +188,12 @@ class Graph:
     def _add(self, node: Node) -> None:
         relate(node, self.shapes)
         self.nodes.append(node)
+
+
+def _paths(tree) -> list[str]:
+    return [
+        module_path(tuple(_key(k) for k in path)) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
+    ]
 
 
 def _key(key) -> str:

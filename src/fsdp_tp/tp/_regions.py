@@ -56,8 +56,12 @@ class Region:
 
 
 def kernels_of(graph: Graph) -> dict[int, int]:
-    """``{value: the parameter it is}`` for every value that is a parameter moved about."""
+    """``{value: the parameter it is}`` for every value that is a parameter moved about (or,
+    in a traced init, a scan step's slice of a parameter it stacks)."""
     kernels = {v: v for v in graph.params}
+    for node in reversed(graph.nodes):
+        if node.prim == "scan_stack" and node.outs[0] in kernels and node.ins[0] is not None:
+            kernels[node.ins[0]] = kernels[node.outs[0]]
     for node in graph.nodes:
         if node.prim in _LAYOUT and node.ins[0] in kernels:
             kernels[node.outs[0]] = kernels[node.ins[0]]
@@ -95,7 +99,10 @@ def grow(graph: Graph, kernels: dict[int, int], seed: tuple[int, int], outputs_s
     while queue:
         value = queue.pop()
         dim = region.split[value]
-        for index in {graph.producer.get(value), *graph.users.get(value, ())} - {None}:
+        made = graph.producer.get(value)
+        if made is not None and value in kernels and not set(graph.nodes[made].ins) & set(kernels):
+            made = None  # a parameter's split is its own, not that of what an init made it from
+        for index in {made, *graph.users.get(value, ())} - {None}:
             if (index, value) not in done:
                 done.add((index, value))
                 _visit(graph, kernels, index, value, dim, region, split, keep_whole)

@@ -183,8 +183,8 @@ def _owner(module: str, layers: Mapping[str, Layer]) -> str:
 
 
 def _leaf(path: str, roles: Mapping[str, TPRole], layers: Mapping[str, Layer]) -> bool:
-    """A layer the plan leaves whole (not one inside an attention the plan splits)."""
-    return path not in roles and _owner(path, layers) not in roles
+    """A layer the plan leaves whole (not a projection inside an attention: that is named)."""
+    return path not in roles and _owner(path, layers) == path
 
 
 def _roles(graph: Graph, region: Region, layers, axis: str, size, outputs_split: bool) -> dict[str, TPRole]:
