@@ -29,10 +29,12 @@ from fsdp_tp.analysis import operand_count, parse_collectives
 from fsdp_tp.bench.llama_rows import NNXSharded as Sharded
 from fsdp_tp.errors import RuleError
 from fsdp_tp.linen.tp_rules import mlp_rules
+from fsdp_tp.models import Transformer
 from fsdp_tp.models.llama import RULES, LlamaLM, NNXLlamaLM
 from fsdp_tp.models.nnx_transformer import NNXTransformer, tp_rules
 from fsdp_tp.tp import _regions
 from fsdp_tp.tp.roles import ColumnParallel, RowParallel, VocabParallel
+from tests.equivalence import assert_trees_close
 from tests.nnx_models import lm_maker
 from tests.test_einsum_tp import _check_split
 
@@ -242,13 +244,16 @@ def test_negative_control_a_finder_blind_to_a_norms_mean(monkeypatch):
     with jax.enable_x64(True):
         _check_split("nnx", NNXBareNorm, plan.rules, (8, 6), True)
 
-    def blind(node, value, dim, split):
-        for group in node.same:
-            if (value, dim) in group:
-                for other, d in group:
-                    split(other, d, node.prim)
+    along = _regions._Grower.along
 
-    monkeypatch.setattr(_regions, "_along", blind)
+    def blind(grower, node, value, dims):  # the relations followed, what a node mixes ignored
+        mixes, node.mixes = node.mixes, {}
+        try:
+            along(grower, node, value, dims)
+        finally:
+            node.mixes = mixes
+
+    monkeypatch.setattr(_regions._Grower, "along", blind)
     plan = _find("nnx", NNXBareNorm, jnp.zeros((8, 6)), size=4)
     assert list(plan.roles) == ["a", "b"]
     with jax.enable_x64(True), pytest.raises(AssertionError, match="output"):
@@ -312,3 +317,56 @@ def _norm_step_collectives(api: str) -> list:
 
     step = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(specs, P("data")), out_specs=specs))
     return parse_collectives(step.lower(params, x).compile().as_text())
+
+
+GPT = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, head_dim=8, num_kv_heads=2, mlp_hidden=64)
+
+
+def test_the_linen_gpt_keeps_heads_whole_where_the_axis_would_cut_one():
+    """The Linen GPT's attention projects k and v with dense layers over 2 kv heads of 8: on
+    tensor 2 each device takes a kv head (q/k/v column, out row); on tensor 4 a device's 4 of
+    the 16 kv features would be half a head, whose dims attention contracts: the attention
+    stays whole, named with that reason, and the MLP is still split. Both plans equal the
+    unsharded model (its logits and gradients)."""
+    two = fsdp_tp.linen.find_tp_rules(Transformer(**GPT), IDS, size=2)
+    assert [p for p, _ in two.rules] == [
+        "^embed$", "^blocks/attn/query$", "^blocks/attn/key$", "^blocks/attn/value$",
+        "^blocks/attn/out$", "^blocks/mlp/wi$", "^blocks/mlp/wo$", "^head$",
+    ]  # fmt: skip
+    four = fsdp_tp.linen.find_tp_rules(Transformer(**GPT), IDS, size=4)
+    assert [p for p, _ in four.rules] == ["^embed$", "^blocks/mlp/wi$", "^blocks/mlp/wo$", "^head$"]
+    whole = dict(four.whole)
+    assert re.search(r"reshape \[2,8,16\] -> \[2,8,2,8\] regroups dim 2", whole["blocks/attn/query"]), str(
+        four
+    )
+    for tensor in (2, 4):
+        _check_gpt(tensor)
+
+
+def _check_gpt(tensor: int) -> None:
+    """The Linen GPT under tp_rules='auto' on data 2 x tensor ``tensor``: its logits and
+    synced gradients are the unsharded model's (float64)."""
+    with jax.enable_x64(True):
+        mesh = fsdp_tp.make_mesh({"data": 8 // tensor, "tensor": tensor})
+        ids = jax.random.randint(jax.random.key(0), (8, 8), 0, GPT["vocab_size"])
+        config = dict(GPT, dtype=jnp.float64)
+        model = fsdp_tp.shard_by_rules(Transformer, batch_axes=("data",), tp_rules="auto")(**config)
+        params, specs = fsdp_tp.init_sharded(
+            lambda r, x: model.init(r, x)["params"], mesh, (P(), P("data")), jax.random.key(1), ids
+        )
+
+        def loss(model, params, ids):
+            logits = model.apply({"params": params}, ids)
+            return jnp.mean(logits * jnp.cos(logits)), logits
+
+        def per_device(params, ids):
+            (_, out), grads = jax.value_and_grad(lambda p: loss(model, p, ids), has_aux=True)(params)
+            return out, fsdp_tp.sync_gradients(grads, ("data",))
+
+        out_specs = (P("data"), specs)
+        step = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(specs, P("data")), out_specs=out_specs))
+        out, grads = step(params, ids)
+        twin, whole = Transformer(**config), nn.unbox(params)
+        (_, want), want_grads = jax.value_and_grad(lambda p: loss(twin, p, ids), has_aux=True)(whole)
+        assert_trees_close(out, want, "output")
+        assert_trees_close(nn.unbox(grads), want_grads, "grads")

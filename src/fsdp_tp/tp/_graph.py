@@ -302,9 +302,12 @@ def _along(name: str, p: dict, rank: int) -> tuple[int, ...]:
 
 
 def _reshape(node: Node, x: tuple, out: tuple) -> None:
-    """Dims grouped where their products meet; in a group, the major non-1 dims of both
-    sides are one dim's positions (split N of (N, H) is split N*H alike), the rest mixed."""
+    """Dims grouped where their products meet (``params["groups"]``: each group's non-1 dims
+    on both sides); in a group, the major dims of both sides are one dim's positions (split N
+    of (N, H) is split N*H alike), the rest mixed. :mod:`~fsdp_tp.tp._regions` refines this
+    where the axis size does not divide the major dim."""
     (a, ashape), (b, bshape) = x, out
+    node.params["groups"] = groups = []
     i = j = 0
     while i < len(ashape) or j < len(bshape):
         gi, gj = [i], [j]
@@ -322,6 +325,7 @@ def _reshape(node: Node, x: tuple, out: tuple) -> None:
         gi = [d for d in gi if d < len(ashape) and ashape[d] != 1]
         gj = [d for d in gj if d < len(bshape) and bshape[d] != 1]
         if gi and gj:
+            groups.append((gi, gj))
             node.same.append([(a, gi[0]), (b, gj[0])])
             node.mixes |= {(a, d): f"reshape {_text(ashape)} -> {_text(bshape)} merges" for d in gi[1:]}
             node.mixes |= {(b, d): f"reshape {_text(ashape)} -> {_text(bshape)} merges" for d in gj[1:]}

@@ -18,6 +18,14 @@ Anything else that mixes a split dim (a norm's mean over the features, a sum of 
 activations' products over it, a loop's carry, an operation the finder does not know) ends
 the region with its reason; so does a split that must reach a value that stays whole (the
 model's input, a column layer's input, a row layer's sum).
+
+A value's split is a tuple of dims. One dim: split over the axis (or, where the axis is
+larger than the dim, each device one block of it, shared: kv heads kept whole). Two dims,
+where a reshape meets an axis larger than a group's major dim: each device one block of the
+first (shared by ``size / n`` devices) and its share of the second, e.g. 8 query heads
+regrouped as 2 kv groups of 4 on an axis of 4 (each device a group, 2 of its 4 heads) — or
+a kv projection's 16 features as 2 heads of 8 (half a head each, whose dims attention
+contracts: refused there).
 """
 
 from __future__ import annotations
@@ -26,13 +34,15 @@ import dataclasses
 
 from ._graph import Graph, Node
 
-__all__ = ["Region", "grow", "kernels_of"]
+__all__ = ["Refused", "Region", "grow", "kernels_of"]
 
 # Operations that only move a parameter's values about: a kernel read through them is still
 # the parameter (a cast to the compute dtype, a reshape to heads, a scan's slice of a stack).
 _LAYOUT = frozenset(
     "convert_element_type reshape transpose squeeze slice scan_slice copy copy_p sharding_constraint".split()
 )
+
+Split = tuple[int, ...]
 
 
 class Refused(Exception):
@@ -41,10 +51,10 @@ class Refused(Exception):
 
 @dataclasses.dataclass
 class Region:
-    """The values split (``{value: dim}``), the matmuls of column and row layers, the tables
+    """The values split (``{value: dims}``), the matmuls of column and row layers, the tables
     looked up on their split rows, and whether a split reaches the model's output."""
 
-    split: dict[int, int] = dataclasses.field(default_factory=dict)
+    split: dict[int, Split] = dataclasses.field(default_factory=dict)
     columns: set[int] = dataclasses.field(default_factory=set)
     rows: set[int] = dataclasses.field(default_factory=set)
     lookups: set[int] = dataclasses.field(default_factory=set)
@@ -52,7 +62,13 @@ class Region:
 
     def params(self, graph: Graph) -> dict[str, int]:
         """``{parameter path: its split dim, counted from the end}``."""
-        return {graph.params[v]: d - len(graph.shapes[v]) for v, d in self.split.items() if v in graph.params}
+        out = {}
+        for value, dims in self.split.items():
+            if value in graph.params:
+                if len(dims) != 1:
+                    raise Refused(f"{graph.params[value]} would be split on two dims at once")
+                out[graph.params[value]] = dims[0] - len(graph.shapes[value])
+        return out
 
 
 def kernels_of(graph: Graph) -> dict[int, int]:
@@ -68,44 +84,17 @@ def kernels_of(graph: Graph) -> dict[int, int]:
     return kernels
 
 
-def grow(graph: Graph, kernels: dict[int, int], seed: tuple[int, int], outputs_split: bool) -> Region:
-    """The region of ``seed`` (``(value, dim)`` split), or :class:`Refused` with the reason.
-    ``outputs_split``: the model's outputs may leave split (else a split reaching one is
-    gathered there, which one column layer alone may do)."""
-    region = Region()
-    whole = {v: "the model's input" for v in graph.inputs} | {v: "a constant" for v in graph.constants}
-    queue: list[int] = []
-
-    def split(value: int | None, dim: int, why: str) -> None:
-        if value is None:
-            return
-        if value in whole:
-            raise Refused(f"{why} would split {whole[value]}")
-        if value in region.split:
-            if region.split[value] != dim:
-                raise Refused(f"{why} would split a value on two dims ({region.split[value]} and {dim})")
-            return
-        region.split[value] = dim
-        queue.append(value)
-
-    def keep_whole(value: int | None, what: str) -> None:
-        if value is not None and value in region.split:
-            raise Refused(f"{what} would be split")
-        if value is not None:
-            whole.setdefault(value, what)
-
-    split(seed[0], seed[1], "the seed")
-    done: set[tuple[int, int]] = set()
-    while queue:
-        value = queue.pop()
-        dim = region.split[value]
-        made = graph.producer.get(value)
-        if made is not None and value in kernels and not set(graph.nodes[made].ins) & set(kernels):
-            made = None  # a parameter's split is its own, not that of what an init made it from
-        for index in {made, *graph.users.get(value, ())} - {None}:
-            if (index, value) not in done:
-                done.add((index, value))
-                _visit(graph, kernels, index, value, dim, region, split, keep_whole)
+def grow(
+    graph: Graph, kernels: dict[int, int], seed: tuple[int, int], outputs_split: bool, size: int | None = None
+) -> Region:
+    """The region of ``seed`` (``(value, dim)`` split over an axis of ``size``, ``None``:
+    any that divides), or :class:`Refused` with the reason. ``outputs_split``: the model's
+    outputs may leave split (else a split reaching one is gathered there, which one column
+    layer alone may do)."""
+    grower = _Grower(graph, kernels, size)
+    grower.split(seed[0], (seed[1],), "the seed")
+    grower.run()
+    region = grower.region
     if reached := [v for v in graph.outputs if v in region.split]:
         region.output = True
         if not outputs_split and (region.rows or len(region.columns) != 1):
@@ -113,65 +102,155 @@ def grow(graph: Graph, kernels: dict[int, int], seed: tuple[int, int], outputs_s
     return region
 
 
-def _visit(
-    graph: Graph, kernels: dict, index: int, value: int, dim: int, region: Region, split, keep_whole
-) -> None:
-    node = graph.nodes[index]
-    if node.prim in ("dot_general", "conv_general_dilated"):
-        _matmul(graph, kernels, index, node, value, dim, region, split, keep_whole)
-        return
-    if (
-        node.prim == "gather"
-        and value == node.ins[0]
-        and dim in node.params["looked_up"]
-        and value in kernels
-    ):
-        region.lookups.add(index)  # a vocabulary role: rows looked up on each slice, summed
-        keep_whole(node.outs[0], "an embedding's looked-up rows (summed over the axis)")
-        return
-    _along(node, value, dim, split)
+class _Grower:
+    def __init__(self, graph: Graph, kernels: dict[int, int], size: int | None):
+        self.graph, self.kernels, self.size = graph, kernels, size
+        self.region = Region()
+        self.whole = {v: "the model's input" for v in graph.inputs} | {
+            v: "a constant" for v in graph.constants
+        }
+        self.queue: list[int] = []
 
+    def split(self, value: int | None, dims: Split, why: str) -> None:
+        """``value`` split on ``dims``; one known split finer than another (more dims, the
+        same first ones) is the same split seen from a value that lacks a dim."""
+        if value is None or not dims:
+            return
+        if value in self.whole:
+            raise Refused(f"{why} would split {self.whole[value]}")
+        known = self.region.split.get(value)
+        if known is not None and known[: len(dims)] == dims:
+            return
+        if known is not None and dims[: len(known)] != known:
+            raise Refused(
+                f"{why} would split a value of {_shape(self.graph, value)} on dims {known} and {dims}"
+            )
+        self.region.split[value] = dims
+        self.queue.append(value)
 
-def _along(node: Node, value: int, dim: int, split) -> None:
-    if (value, dim) in node.mixes:
-        raise Refused(node.mixes[(value, dim)])
-    for group in node.same:
-        if (value, dim) in group:
+    def keep_whole(self, value: int | None, what: str) -> None:
+        if value is not None and value in self.region.split:
+            raise Refused(f"{what} would be split")
+        if value is not None:
+            self.whole.setdefault(value, what)
+
+    def run(self) -> None:
+        graph, kernels = self.graph, self.kernels
+        while self.queue:
+            value = self.queue.pop()
+            dims = self.region.split[value]
+            made = graph.producer.get(value)
+            if made is not None and value in kernels and not set(graph.nodes[made].ins) & set(kernels):
+                made = None  # a parameter's split is its own, not that of what an init made it from
+            for index in sorted({made, *graph.users.get(value, ())} - {None}):
+                self.visit(index, value, dims)
+
+    def visit(self, index: int, value: int, dims: Split) -> None:
+        node = self.graph.nodes[index]
+        if node.prim in ("dot_general", "conv_general_dilated"):
+            self.matmul(index, node, value, dims)
+        elif node.prim == "gather" and value == node.ins[0] and dims[0] in node.params["looked_up"]:
+            if value not in self.kernels or len(dims) != 1:
+                raise Refused(f"gather looks up rows of a split {_shape(self.graph, value)}")
+            self.region.lookups.add(index)  # a vocabulary role: rows looked up on each slice, summed
+            self.keep_whole(node.outs[0], "an embedding's looked-up rows (summed over the axis)")
+        elif node.prim == "reshape" and self.size is not None:
+            self.reshape(node, value, dims)
+        else:
+            self.along(node, value, dims)
+
+    def along(self, node: Node, value: int, dims: Split) -> None:
+        """Every value of ``node`` split on the dims its relations keep with ``dims``: the
+        leading ones it has (a value without a block's dim, e.g. k beside q's query groups,
+        takes the block alone)."""
+        for d in dims:
+            if (value, d) in node.mixes:
+                raise Refused(node.mixes[(value, d)])
+        mapped: dict[int, dict[int, int]] = {}
+        for d in dims:
+            group = next((g for g in node.same if (value, d) in g), ())
+            for other, od in group:
+                mapped.setdefault(other, {})[d] = od
+        for other, found in mapped.items():
+            prefix = []
+            for d in dims:
+                if d not in found:
+                    break
+                prefix.append(found[d])
+            if len(prefix) < len(found):
+                raise Refused(f"{node.prim} splits a value of {_shape(self.graph, other)} without its block")
+            self.split(other, tuple(prefix), node.prim)
+
+    def reshape(self, node: Node, value: int, dims: Split) -> None:
+        """A reshape under an axis of ``size``: a dim maps to its group's major dim where the
+        axis divides that, else (the axis a multiple of it) to a block of it and a share of
+        the next dim; a block and share of one group merged back are that group's dim."""
+        a, b = node.ins[0], node.outs[0]
+        assert a is not None
+        other = b if value == a else a
+        mine, theirs = (0, 1) if value == a else (1, 0)
+        shapes = self.graph.shapes
+        size = self.size
+        assert size is not None
+        for group in node.params["groups"]:
+            here, there = group[mine], group[theirs]
+            held = [d for d in dims if d in here]
+            if not held:
+                continue
+            what = f"reshape {_shape(self.graph, a)} -> {_shape(self.graph, b)}"
+            if held != here[: len(held)]:
+                raise Refused(f"{what} merges a split dim below another")
+            n = shapes[other][there[0]]
+            if len(held) == 2 and len(there) == 1:
+                self.split(other, (there[0],), what)  # a block and its share, merged back
+            elif len(held) == 2:
+                raise Refused(f"{what} regroups a block and its share")
+            elif len(here) == 1 and len(there) == 1:
+                self.split(other, (there[0],), what)
+            elif shapes[value][held[0]] % size:
+                raise Refused(f"{what} regroups dim {held[0]}, of which each device holds a shared block")
+            elif n % size == 0:
+                self.split(other, (there[0],), what)
+            elif size % n == 0 and len(there) > 1 and shapes[other][there[1]] % (size // n) == 0:
+                self.split(other, (there[0], there[1]), what)  # a block of n, a share of the next
+            else:
+                raise Refused(f"{what} cuts dim {held[0]} into parts {size} does not divide")
+        if len([d for d in dims if any(d in g[mine] for g in node.params["groups"])]) != len(dims):
+            raise Refused(f"reshape {_shape(self.graph, a)} -> {_shape(self.graph, b)} drops a split dim")
+
+    def matmul(self, index: int, node: Node, value: int, dims: Split) -> None:
+        """A matmul: a column layer (the result split on a kernel dim), a row layer (the operands
+        split on a contracted pair), or, between two activations, their shared dims alone."""
+        kernels = self.kernels
+        a, b = node.ins[0], node.ins[1]
+        kernel = b if b in kernels else a if a in kernels else None
+        if kernel is None or (a in kernels and b in kernels):
+            self.along(node, value, dims)
+            return
+        x = a if kernel == b else b
+        pairs = _contracted(node)
+        if (value, dims[0]) in pairs:  # a row layer: the partial products summed over the axis
+            other, d = pairs[(value, dims[0])]
+            size = self.size
+            if len(dims) != 1 or (size and self.graph.shapes[value][dims[0]] % size):
+                raise Refused(f"{node.prim} would sum blocks shared between devices more than once")
+            self.split(other, (d,), f"{node.prim} (a row layer)")
+            self.region.rows.add(index)
+            self.keep_whole(node.outs[0], "a row layer's sum")
+            return
+        group = next((g for g in node.same if (value, dims[0]) in g), None)
+        if group is None:
+            raise Refused(node.mixes.get((value, dims[0]), f"{node.prim} mixes dim {dims[0]}"))
+        if len(dims) == 1 and any(v == kernel for v, _ in group) and not any(v == x for v, _ in group):
+            self.region.columns.add(index)  # a column layer: its input whole, its result split
+            self.keep_whole(x, "a column layer's input")
             for other, d in group:
-                split(other, d, node.prim)
-
-
-def _matmul(
-    graph: Graph, kernels: dict, index: int, node: Node, value: int, dim: int, region, split, keep_whole
-) -> None:
-    """A matmul: a column layer (the result split on a kernel dim), a row layer (the operands
-    split on a contracted pair), or, between two activations, their shared dims alone."""
-    a, b = node.ins[0], node.ins[1]
-    kernel = b if b in kernels else a if a in kernels else None
-    if kernel is None or (a in kernels and b in kernels):
-        _along(node, value, dim, split)
-        return
-    x = a if kernel == b else b
-    pairs = _contracted(node)
-    if (value, dim) in pairs:  # a row layer: the partial products summed over the axis
-        other, d = pairs[(value, dim)]
-        split(other, d, f"{node.prim} (a row layer)")
-        region.rows.add(index)
-        keep_whole(node.outs[0], "a row layer's sum")
-        return
-    group = next((g for g in node.same if (value, dim) in g), None)
-    if group is None:
-        raise Refused(node.mixes.get((value, dim), f"{node.prim} mixes dim {dim}"))
-    if any(v == kernel for v, _ in group) and not any(v == x for v, _ in group):
-        region.columns.add(index)  # a column layer: its input whole, its result split
-        keep_whole(x, "a column layer's input")
-        for other, d in group:
-            split(other, d, f"{node.prim} (a column layer)")
-        return
-    raise Refused(
-        f"{node.prim} multiplies activations split on dim {dim} by a whole kernel (its gradient "
-        f"would be a partial sum no role reduces)"
-    )
+                self.split(other, (d,), f"{node.prim} (a column layer)")
+            return
+        raise Refused(
+            f"{node.prim} multiplies activations split on dim {dims[0]} by a whole kernel (its "
+            f"gradient would be a partial sum no role reduces)"
+        )
 
 
 def _contracted(node: Node) -> dict[tuple[int, int], tuple[int, int]]:

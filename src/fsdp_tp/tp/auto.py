@@ -122,7 +122,7 @@ def find_plan(
             continue
         owner = _owner(param.rpartition("/")[0], layers)
         try:
-            region = grow(graph, kernels, (value, dim), outputs_split)
+            region = grow(graph, kernels, (value, dim), outputs_split, size)
             found = _roles(graph, region, layers, axis, size, outputs_split)
         except Refused as why:
             where = f"{param} split on dim {dim - len(graph.shapes[value])}"
