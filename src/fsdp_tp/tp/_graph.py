@@ -171,7 +171,7 @@ class Graph:
         ``xs`` a value one dim smaller (dims matched past the scanned dim), its ``ys`` stacked
         likewise; the carry crosses steps, so it takes no split (a ``carry`` node, all dims mixed)."""
         body = eqn.params["jaxpr"].jaxpr
-        consts, carry = eqn.params["num_consts"], eqn.params["num_carry"]
+        consts, carry = _scan_counts(eqn.params)
         scope: dict[Any, int] = {v: self._constant(v.aval.shape) for v in body.constvars}
         for i, var in enumerate(body.invars):
             if i < consts:
@@ -188,6 +188,15 @@ class Graph:
     def _add(self, node: Node) -> None:
         relate(node, self.shapes)
         self.nodes.append(node)
+
+
+def _scan_counts(params: dict) -> tuple[int, int]:
+    """A scan's consts and carry counts: jax 0.10 names them, 0.12 gives its operands as a
+    flat tree of three (``ft_in``: consts, carry, xs; each ``len`` its leaves)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
 
 
 def _paths(tree) -> list[str]:
