@@ -96,7 +96,8 @@ def tp_plan_text(settings: Settings, sizes: dict) -> str:
         from ..linen.auto_rules import find_tp_rules
 
         ids = jax.ShapeDtypeStruct((1, config.seq_len), np.int32)
-        plan = find_tp_rules(config.model(), ids, size=tensor, outputs_split=True)
+        reference = dataclasses.replace(config, attention="reference")  # (as found_plan's)
+        plan = find_tp_rules(reference.model(), ids, size=tensor, outputs_split=True)
         where = "fsdp_tp.linen.find_tp_rules: the plan the Linen GPT's layers compute"
     return f"tensor={tensor}: Megatron's plan, found from what the model computes ({where}):\n{plan}"
 

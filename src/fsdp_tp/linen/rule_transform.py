@@ -208,7 +208,7 @@ class AutoRules:
         size = jax.lax.axis_size("tensor") if "tensor" in bound_axis_names() else None
         key = repr((fields, shaped, size))
         if key not in self.found:
-            plan = find_tp_rules(self.target(**fields), *shaped[0], size=size, **shaped[1])
+            plan = find_tp_rules(self.target(**fields, parent=None), *shaped[0], size=size, **shaped[1])
             self.found[key] = compile_tp_rules(plan.rules, "shard_by_rules(tp_rules='auto')")
         return self.found[key]
 

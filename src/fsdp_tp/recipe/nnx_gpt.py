@@ -53,12 +53,14 @@ def nnx_maker(config: ModelConfig) -> Callable[[nnx.Rngs], NNXTransformer]:
     return make
 
 
-def found_plan(config: ModelConfig, sizes: Mapping[str, int], abstract: nnx.Module | None = None) -> TPPlan:
+def found_plan(config: ModelConfig, sizes: Mapping[str, int]) -> TPPlan:
     """Megatron's plan of the NNX GPT over ``tensor`` (of ``sizes``), found from what it
     computes: its logits left split for the vocab-parallel loss. tests/test_auto_tp.py proves
-    it is :func:`~fsdp_tp.models.nnx_transformer.tp_rules` on tensor 2 and 4 (kv heads kept)."""
-    if abstract is None:
-        abstract = nnx.eval_shape(lambda: NNXTransformer(**config.model_sizes(), rngs=nnx.Rngs(0)))
+    it is :func:`~fsdp_tp.models.nnx_transformer.tp_rules` on tensor 2 and 4 (kv heads kept).
+    Found on the reference attention's einsums: where the splits go does not depend on the
+    implementation, and a fused kernel (cuDNN's) is one operation the trace cannot see into."""
+    reference = dict(config.model_sizes(), attention="reference")
+    abstract = nnx.eval_shape(lambda: NNXTransformer(**reference, rngs=nnx.Rngs(0)))
     ids = jax.ShapeDtypeStruct((1, config.seq_len), jnp.int32)
     return find_tp_rules(abstract, ids, size=sizes.get("tensor", 1), outputs_split=True)
 
@@ -80,6 +82,6 @@ def sharded_gpt(
     in ``mixed_precision``'s dtypes where given, as the Linen layout's."""
     make = nnx_maker(config)
     abstract = nnx.eval_shape(lambda: NNXTransformer(**config.model_sizes(), rngs=nnx.Rngs(0)))
-    tp = found_plan(config, sizes, abstract).scheduled(1 if sequence_parallel else None, collective_matmul)
+    tp = found_plan(config, sizes).scheduled(1 if sequence_parallel else None, collective_matmul)
     rules = storage_rules(abstract, sizes, min_weight_size, tp.rules)
     return shard_by_rules(make, rules, tp_rules=tp, batch_axes=batch_axes, mixed_precision=mixed_precision)
