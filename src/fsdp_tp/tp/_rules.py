@@ -75,8 +75,9 @@ def compile_tp_rules(rules: Sequence, caller: str) -> tuple[CompiledRole, ...]:
         rules = rules.rules
     if isinstance(rules, str) and rules == "auto":
         raise RuleError(
-            f"{caller}: tp_rules='auto' finds the plan from what the model computes on its inputs, which "
-            f"{caller} does not see; find it and pass it: tp_rules=find_tp_rules(model, *inputs) "
+            f"{caller}: tp_rules='auto' finds the plan from what the model computes on its inputs, for the "
+            f"tensor axis's size, neither of which {caller} sees (it lays the model out before the "
+            f"step); find the plan and pass it: tp_rules=find_tp_rules(model, *inputs, size=tensor size) "
             f"(fsdp_tp.nnx.find_tp_rules for an NNX model, fsdp_tp.linen.find_tp_rules for Linen)."
         )
     one = isinstance(rules, tuple | list) and len(rules) == 2 and isinstance(rules[1], TPRole)
