@@ -270,7 +270,7 @@ def test_auto_on_linen_is_the_plan_found_and_nnx_takes_the_plan():
         _check_split("nnx", NNXNormBetween, plan, (8, 6), True)
     with (
         jax.enable_x64(True),
-        pytest.raises(RuleError, match=r"'auto' .* find_tp_rules\(model, \*inputs, size=tensor size\)"),
+        pytest.raises(RuleError, match=r"'auto' .*=find_tp_rules\(model, \*inputs, size=tensor size\)"),
     ):
         fsdp_tp.nnx.shard_by_rules(NNXNormBetween, tp_rules="auto")
 
