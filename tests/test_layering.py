@@ -53,6 +53,7 @@ CORE = (
     "tp._heads",
     "tp._matmul",
     "tp._regions",
+    "tp._relations",
     "tp._role",
     "tp._rules",
     "tp._vocab",
