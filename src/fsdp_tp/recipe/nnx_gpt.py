@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..models.nnx_transformer import NNXTransformer, storage_rules
+from ..models.nnx_transformer import NNXTransformer, storage_rules, tp_rules
 from ..nnx import ShardedModel, find_tp_rules, shard_by_rules
 from ..precision import MixedPrecision
 from ..tp.auto import TPPlan
@@ -82,6 +82,13 @@ def sharded_gpt(
     in ``mixed_precision``'s dtypes where given, as the Linen layout's."""
     make = nnx_maker(config)
     abstract = nnx.eval_shape(lambda: NNXTransformer(**config.model_sizes(), rngs=nnx.Rngs(0)))
-    tp = found_plan(config, sizes).scheduled(1 if sequence_parallel else None, collective_matmul)
-    rules = storage_rules(abstract, sizes, min_weight_size, tp.rules)
+    found = found_plan(config, sizes).scheduled(1 if sequence_parallel else None, collective_matmul)
+    kept = config.num_kv_heads % sizes.get("tensor", 1) != 0
+    megatron = tp_rules(sequence_parallel, kept, collective_matmul)
+    # Every block split, or the refusal that says why: where the GPT's sizes let the roles split
+    # it, the plan found is its Megatron plan (tests/test_auto_tp.py); where they do not (heads
+    # the axis cuts), the plan leaves a block whole, and its hand-written rules are refused at
+    # init by the role, naming the sizes and the fix, as the Linen GPT's layers refuse them.
+    tp = found.rules if not found.differences(megatron) else megatron
+    rules = storage_rules(abstract, sizes, min_weight_size, tp)
     return shard_by_rules(make, rules, tp_rules=tp, batch_axes=batch_axes, mixed_precision=mixed_precision)
