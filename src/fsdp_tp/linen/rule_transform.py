@@ -135,13 +135,9 @@ def shard_by_rules(
     policy = checked_policy(mixed_precision, "shard_by_rules")
     auto = isinstance(tp_rules, str) and tp_rules == "auto"
     tp = () if auto else compile_tp_rules(tp_rules, "shard_by_rules")
-    _require_separate_axes(tp, frozenset(batch_names or DEFAULT_BATCH_AXES))
-    tp_axes = frozenset({"tensor"} if auto else (rule.role.axis for rule in tp))
-    if auto and "tensor" in (batch_names or ()):
-        raise RuleError(
-            "shard_by_rules: tp_rules='auto' computes over mesh axis 'tensor', which batch_axes also "
-            "names; split the batch over other axes (e.g. 'data', 'fsdp')."
-        )
+    computes = {"tp_rules='auto'": "tensor"} if auto else {f"tp rule {r.pattern!r}": r.role.axis for r in tp}
+    _require_separate_axes(computes, frozenset(batch_names or DEFAULT_BATCH_AXES))
+    tp_axes = frozenset(computes.values())
     found = AutoRules(target) if auto else None
     mapped = map_params(
         target,
@@ -213,14 +209,14 @@ class AutoRules:
         return self.found[key]
 
 
-def _require_separate_axes(tp, batch: frozenset) -> None:
-    """An axis tp rules compute over holds slices the modules compute on: no batch axis. (A
-    storage rule may name it only on the dim a role splits, where it agrees: ``with_split``.)"""
-    for rule in tp:
-        axis = rule.role.axis
+def _require_separate_axes(computes: dict[str, str], batch: frozenset) -> None:
+    """An axis tp rules compute over (``{which rule: its axis}``) holds slices the modules
+    compute on: no batch axis. (A storage rule may name it only on the dim a role splits,
+    where it agrees: ``with_split``.)"""
+    for which, axis in computes.items():
         if axis in batch:
             raise RuleError(
-                f"shard_by_rules: tp rule {rule.pattern!r} computes over mesh axis {axis!r}, which "
+                f"shard_by_rules: {which} computes over mesh axis {axis!r}, which "
                 f"batch_axes also names; the tp axis holds slices the module computes on and is never "
                 f"averaged. Split the batch over other axes (e.g. 'data', 'fsdp')."
             )

@@ -41,8 +41,7 @@ def find_tp_rules(
     ``size``, ``outputs_split`` and the result: as :func:`fsdp_tp.linen.find_tp_rules`'s.
     Its ``rules`` go to :func:`fsdp_tp.nnx.shard_by_rules` as ``tp_rules=``."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
-    flat = {path_text(path): variable for path, variable in nnx.to_flat_state(params)}
-    paths = {path_text(path): path for path, _ in nnx.to_flat_state(params)}
+    flat = {path_text(path): (path, variable) for path, variable in nnx.to_flat_state(params)}
     layers = {
         path_text(path): layer_of(node, path_text(path))
         for path, node in nnx.iter_graph(model)
@@ -50,7 +49,7 @@ def find_tp_rules(
     }
 
     def forward(values: dict, rest: nnx.State, args: tuple, kwargs: dict):
-        state = nnx.from_flat_state([(paths[p], flat[p].replace(value)) for p, value in values.items()])
+        state = nnx.from_flat_state([(flat[p][0], flat[p][1].replace(value)) for p, value in values.items()])
         built = nnx.merge(graphdef, state, rest)
         for _, node in nnx.iter_graph(built):
             if isinstance(node, nnx.Dropout | nnx.MultiHeadAttention):
@@ -59,9 +58,6 @@ def find_tp_rules(
                 node.deterministic = True
         return built(*args, **kwargs)
 
-    values = {
-        p: variable.get_value() if hasattr(variable, "get_value") else variable.value
-        for p, variable in flat.items()
-    }
+    values = {p: variable.get_raw_value() for p, (_, variable) in flat.items()}
     graph = Graph.trace(forward, values, rest, args, kwargs)
     return find_plan(graph, layers, axis, size, outputs_split)

@@ -53,14 +53,21 @@ def nnx_maker(config: ModelConfig) -> Callable[[nnx.Rngs], NNXTransformer]:
     return make
 
 
-def found_plan(config: ModelConfig, sizes: Mapping[str, int]) -> TPPlan:
+def abstract_gpt(config: ModelConfig) -> NNXTransformer:
+    """The NNX GPT of ``config``, abstract, on the reference attention (its parameters are
+    every implementation's)."""
+    reference = dict(config.model_sizes(), attention="reference")
+    return nnx.eval_shape(lambda: NNXTransformer(**reference, rngs=nnx.Rngs(0)))
+
+
+def found_plan(config: ModelConfig, sizes: Mapping[str, int], abstract: nnx.Module | None = None) -> TPPlan:
     """Megatron's plan of the NNX GPT over ``tensor`` (of ``sizes``), found from what it
     computes: its logits left split for the vocab-parallel loss. tests/test_auto_tp.py proves
     it is :func:`~fsdp_tp.models.nnx_transformer.tp_rules` on tensor 2 and 4 (kv heads kept).
     Found on the reference attention's einsums: where the splits go does not depend on the
-    implementation, and a fused kernel (cuDNN's) is one operation the trace cannot see into."""
-    reference = dict(config.model_sizes(), attention="reference")
-    abstract = nnx.eval_shape(lambda: NNXTransformer(**reference, rngs=nnx.Rngs(0)))
+    implementation, and a fused kernel (cuDNN's) is one operation the trace cannot see into.
+    ``abstract``: that model, when the caller has built it (:func:`abstract_gpt`)."""
+    abstract = abstract_gpt(config) if abstract is None else abstract
     ids = jax.ShapeDtypeStruct((1, config.seq_len), jnp.int32)
     return find_tp_rules(abstract, ids, size=sizes.get("tensor", 1), outputs_split=True)
 
@@ -81,8 +88,8 @@ def sharded_gpt(
     the Linen GPT has it (:func:`~fsdp_tp.models.nnx_transformer.storage_rules`), its gathers
     in ``mixed_precision``'s dtypes where given, as the Linen layout's."""
     make = nnx_maker(config)
-    abstract = nnx.eval_shape(lambda: NNXTransformer(**config.model_sizes(), rngs=nnx.Rngs(0)))
-    found = found_plan(config, sizes).scheduled(1 if sequence_parallel else None, collective_matmul)
+    abstract = abstract_gpt(config)
+    found = found_plan(config, sizes, abstract).scheduled(1 if sequence_parallel else None, collective_matmul)
     kept = config.num_kv_heads % sizes.get("tensor", 1) != 0
     megatron = tp_rules(sequence_parallel, kept, collective_matmul)
     # Every block split, or the refusal that says why: where the GPT's sizes let the roles split

@@ -34,7 +34,7 @@ import dataclasses
 
 from ._graph import Graph, Node
 
-__all__ = ["Refused", "Region", "grow", "kernels_of"]
+__all__ = ["Refused", "Region", "grow", "kernel_operand", "kernels_of"]
 
 # Operations that only move a parameter's values about: a kernel read through them is still
 # the parameter (a cast to the compute dtype, a reshape to heads, a scan's slice of a stack).
@@ -82,6 +82,14 @@ def kernels_of(graph: Graph) -> dict[int, int]:
         if node.prim in _LAYOUT and node.ins[0] in kernels:
             kernels[node.outs[0]] = kernels[node.ins[0]]
     return kernels
+
+
+def kernel_operand(node: Node, kernels: dict[int, int]) -> int | None:
+    """The operand of a matmul that is a parameter (its kernel), when exactly one is."""
+    a, b = node.ins[0], node.ins[1]
+    if (a in kernels) == (b in kernels):
+        return None
+    return a if a in kernels else b
 
 
 def grow(
@@ -140,7 +148,7 @@ class _Grower:
             value = self.queue.pop()
             dims = self.region.split[value]
             made = graph.producer.get(value)
-            if made is not None and value in kernels and not set(graph.nodes[made].ins) & set(kernels):
+            if made is not None and value in kernels and not any(i in kernels for i in graph.nodes[made].ins):
                 made = None  # a parameter's split is its own, not that of what an init made it from
             for index in sorted({made, *graph.users.get(value, ())} - {None}):
                 self.visit(index, value, dims)
@@ -221,13 +229,11 @@ class _Grower:
     def matmul(self, index: int, node: Node, value: int, dims: Split) -> None:
         """A matmul: a column layer (the result split on a kernel dim), a row layer (the operands
         split on a contracted pair), or, between two activations, their shared dims alone."""
-        kernels = self.kernels
-        a, b = node.ins[0], node.ins[1]
-        kernel = b if b in kernels else a if a in kernels else None
-        if kernel is None or (a in kernels and b in kernels):
+        kernel = kernel_operand(node, self.kernels)
+        if kernel is None:
             self.along(node, value, dims)
             return
-        x = a if kernel == b else b
+        x = node.ins[0] if kernel == node.ins[1] else node.ins[1]
         pairs = _contracted(node)
         if (value, dims[0]) in pairs:  # a row layer: the partial products summed over the axis
             other, d = pairs[(value, dims[0])]

@@ -31,9 +31,10 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from .._einsum import Equation
 from ..errors import IndivisibleShapeError, RuleError
 from ._graph import Graph
-from ._regions import Refused, Region, grow, kernels_of
+from ._regions import Refused, grow, kernel_operand, kernels_of
 from .roles import ColumnParallel, HeadParallel, Layer, RowParallel, TPRole, VocabParallel
 
 __all__ = ["Graph", "TPPlan", "find_plan", "spelled"]
@@ -123,13 +124,14 @@ def find_plan(
         owner = _owner(param.rpartition("/")[0], layers)
         try:
             region = grow(graph, kernels, (value, dim), outputs_split, size)
-            found = _roles(graph, region, layers, axis, size, outputs_split)
+            split = region.params(graph)
+            found = _roles(graph, split, region.output, layers, axis, size, outputs_split)
         except Refused as why:
             where = f"{param} split on dim {dim - len(graph.shapes[value])}"
             reasons.setdefault(owner, f"{where}: {why}")
             continue
         roles |= found
-        taken |= set(region.params(graph))
+        taken |= set(split)
     first = _first_reads(graph, kernels)
     roles = dict(sorted(roles.items(), key=lambda item: first.get(item[0], len(graph.nodes))))
     left = tuple(
@@ -143,13 +145,12 @@ def _seeds(graph: Graph, kernels: dict[int, int]):
     keeps (a column layer's split), and each looked-up dim of a table, in the model's order."""
     for node in graph.nodes:
         if node.prim in ("dot_general", "conv_general_dilated"):
-            a, b = node.ins[0], node.ins[1]
-            kernel = b if b in kernels else a if a in kernels else None
-            if kernel is None or (a in kernels and b in kernels):
+            if (kernel := kernel_operand(node, kernels)) is None:
                 continue
+            x = node.ins[0] if kernel == node.ins[1] else node.ins[1]
             for group in node.same:
                 members = dict(group)
-                if kernel in members and node.outs[0] in members and not ({a, b} - {kernel}) & set(members):
+                if kernel in members and node.outs[0] in members and x not in members:
                     yield kernel, members[kernel]
         elif node.prim == "gather" and node.ins[0] in kernels:
             for dim in node.params["looked_up"]:
@@ -175,11 +176,8 @@ def _ancestors(module: str) -> list[str]:
 
 def _owner(module: str, layers: Mapping[str, Layer]) -> str:
     """The module a parameter's split belongs to: its own, or the attention it is part of."""
-    parts = module.split("/")
-    for i in range(1, len(parts)):
-        if layers.get(prefix := "/".join(parts[:i])) is not None and layers[prefix].kind == "attention":
-            return prefix
-    return module
+    attention = (p for p in _ancestors(module)[:-1] if p in layers and layers[p].kind == "attention")
+    return next(attention, module)
 
 
 def _leaf(path: str, roles: Mapping[str, TPRole], layers: Mapping[str, Layer]) -> bool:
@@ -187,10 +185,13 @@ def _leaf(path: str, roles: Mapping[str, TPRole], layers: Mapping[str, Layer]) -
     return path not in roles and _owner(path, layers) == path
 
 
-def _roles(graph: Graph, region: Region, layers, axis: str, size, outputs_split: bool) -> dict[str, TPRole]:
-    """Each module the region splits, with the role that splits it so (or :class:`Refused`)."""
+def _roles(
+    graph: Graph, split: dict[str, int], output: bool, layers, axis: str, size, outputs_split: bool
+) -> dict[str, TPRole]:
+    """Each module a region splits (``split``: its parameters' dims; ``output``: it reaches the
+    model's output), with the role that splits it so (or :class:`Refused`)."""
     by_owner: dict[str, dict[str, int]] = {}
-    for param, dim in region.params(graph).items():
+    for param, dim in split.items():
         module = param.rpartition("/")[0]
         owner = _owner(module, layers)
         if owner not in layers:
@@ -198,8 +199,8 @@ def _roles(graph: Graph, region: Region, layers, axis: str, size, outputs_split:
                 f"it would split {param}, and {module or 'the model'} computes no tensor-parallel role"
             )
         by_owner.setdefault(owner, {})[param[len(owner) + 1 :]] = dim
-    gather = region.output and not outputs_split
-    names = {p for p in graph.params.values()}
+    gather = output and not outputs_split
+    names = set(graph.params.values())
     found = {}
     for owner, splits in by_owner.items():
         held = {p[len(owner) + 1 :] for p in names if p.startswith(f"{owner}/")}
@@ -234,7 +235,7 @@ def _candidates(layer: Layer, gather: bool, axis: str) -> list[TPRole]:
     if layer.kind in ("dense", "conv"):
         return [ColumnParallel(axis, gather_output=gather), RowParallel(axis)]
     if layer.kind == "einsum":
-        letters = [None, *dict.fromkeys(layer.equation.split(",")[-1].split("->")[0])]
+        letters = [None, *Equation.parse(layer.equation, layer.path).kernel]
         return [ColumnParallel(axis, gather_output=gather, letter=c) for c in letters] + [
             RowParallel(axis, letter=c) for c in letters
         ]
