@@ -25,14 +25,14 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
-from fsdp_tp.analysis import operand_count, parse_collectives
+from fsdp_tp.analysis import dot_flops, operand_count, parse_collectives
 from fsdp_tp.bench.llama_rows import NNXSharded as Sharded
 from fsdp_tp.errors import RuleError
 from fsdp_tp.linen.tp_rules import mlp_rules
 from fsdp_tp.models import Transformer
 from fsdp_tp.models.llama import RULES, LlamaLM, NNXLlamaLM
 from fsdp_tp.models.nnx_transformer import NNXTransformer, tp_rules
-from fsdp_tp.tp import _regions
+from fsdp_tp.tp import _regions, shared_column_inputs
 from fsdp_tp.tp.roles import ColumnParallel, RowParallel, VocabParallel
 from tests.equivalence import assert_trees_close
 from tests.nnx_models import lm_maker
@@ -260,19 +260,31 @@ def test_negative_control_a_finder_blind_to_a_norms_mean(monkeypatch):
         _check_split("nnx", NNXBareNorm, plan.rules, (8, 6), True)
 
 
-def test_auto_on_linen_is_the_plan_found_and_nnx_takes_the_plan():
-    """Linen's tp_rules="auto" finds the plan at the call (the axis size bound) and equals the
-    unsharded model; NNX, which builds its layout before any input, takes the found plan and
-    names that fix when given "auto"."""
+@pytest.mark.parametrize("api", APIS)
+def test_auto_is_the_plan_found_for_the_axis_size(api):
+    """tp_rules="auto" finds the plan under the mesh (the tensor axis's size bound) and equals
+    the unsharded model; NNX traces the call on ``inputs=`` (its layout is built before any
+    input), keeps the plan it found per size, and names what is missing or unused."""
     with jax.enable_x64(True):
-        _check_split("linen", LinenNormBetween, "auto", (8, 6), True)
-        plan = _find("nnx", NNXNormBetween, jnp.zeros((8, 6)), size=4)
-        _check_split("nnx", NNXNormBetween, plan, (8, 6), True)
-    with (
-        jax.enable_x64(True),
-        pytest.raises(RuleError, match=r"'auto' .*=find_tp_rules\(model, \*inputs, size=tensor size\)"),
-    ):
-        fsdp_tp.nnx.shard_by_rules(NNXNormBetween, tp_rules="auto")
+        _check_split(api, LinenNormBetween if api == "linen" else NNXNormBetween, "auto", (8, 6), True)
+    if api == "linen":
+        return
+    x = (jax.ShapeDtypeStruct((8, 6), jnp.float64),)
+    with jax.enable_x64(True):
+        sharded = fsdp_tp.nnx.shard_by_rules(NNXNormBetween, tp_rules="auto", inputs=x)
+        fsdp_tp.init_sharded(
+            lambda r: sharded.init(r)[0], fsdp_tp.make_mesh({"data": 2, "tensor": 4}), P(), jax.random.key(0)
+        )
+        assert list(sharded.plans) == [4]
+        assert sharded.plans[4].rules == _find("nnx", NNXNormBetween, *x, size=4).rules
+        specs = sharded.specs
+        assert (specs[("b", "kernel")], specs[("c", "kernel")]) == (P(None, "tensor"), P("tensor", None))
+        with pytest.raises(RuleError, match=r"tp_rules='auto' .* pass them: .*inputs=\(x,\)"):
+            fsdp_tp.nnx.shard_by_rules(NNXNormBetween, tp_rules="auto")
+        with pytest.raises(RuleError, match=r"inputs= is what tp_rules='auto' traces .*with tp_rules=list"):
+            fsdp_tp.nnx.shard_by_rules(NNXNormBetween, tp_rules=[], inputs=x)
+        with pytest.raises(RuleError, match=r"inputs=, a tuple .* got ShapeDtypeStruct"):
+            fsdp_tp.nnx.shard_by_rules(NNXNormBetween, tp_rules="auto", inputs=x[0])
 
 
 def test_differences_name_each_module_two_plans_disagree_on():
@@ -341,6 +353,44 @@ def test_the_linen_gpt_keeps_heads_whole_where_the_axis_would_cut_one():
     )
     for tensor in (2, 4):
         _check_gpt(tensor)
+
+
+def test_the_linen_gpts_plan_moves_what_its_megatron_layers_move():
+    """The Linen GPT has no hand rules: its tensor parallelism is its own layers
+    (``Layout("tensor")``). Under the plan found (tensor 2), its compiled gradient step has
+    the same collectives over ``tensor`` as with its layers (q, k and v sharing one backward
+    all-reduce: 12 operands for 2 blocks, embedding and head), no weight all-gathered over
+    it, and the same per-device dot FLOPs: half those of the model unsplit on the same mesh."""
+    config = dict(GPT, dtype=jnp.float32)
+    auto = _gpt_figures(fsdp_tp.shard_by_rules(Transformer, batch_axes=("data",), tp_rules="auto")(**config))
+    layers = _gpt_figures(Transformer(**config, layout=fsdp_tp.models.Layout("tensor")))
+    unsplit = _gpt_figures(fsdp_tp.shard_by_rules(Transformer, batch_axes=("data",))(**config))
+    assert auto == layers
+    kinds, flops = auto
+    assert kinds == {"all-reduce": 12}
+    assert unsplit == ({}, 2 * flops)
+
+
+def _gpt_figures(model) -> tuple[dict[str, int], int]:
+    """``model``'s gradient step on data 4 x tensor 2 (as ``shard_step`` traces it: column
+    layers reading one activation share its *f*): the operands of each kind of collective
+    over ``tensor`` (those over ``data`` sync the gradients), and its dot FLOPs per device."""
+    mesh = fsdp_tp.make_mesh({"data": 4, "tensor": 2})
+    ids = jnp.zeros((8, 8), jnp.int32)
+    params, specs = fsdp_tp.init_sharded(
+        lambda r, x: model.init(r, x)["params"], mesh, (P(), P("data")), jax.random.key(1), ids
+    )
+
+    def per_device(params, ids):
+        grads = jax.grad(lambda p: jnp.mean(model.apply({"params": p}, ids)))(params)
+        return fsdp_tp.sync_gradients(grads, ("data",))
+
+    step = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(specs, P("data")), out_specs=specs))
+    with shared_column_inputs():
+        lowered = step.lower(params, ids)
+    over_tensor = [c for c in parse_collectives(lowered.compile().as_text()) if c.group_size == 2]
+    kinds = {k: operand_count(over_tensor, k, 2) for k in sorted({c.kind for c in over_tensor})}
+    return kinds, dot_flops(lowered.as_text(dialect="hlo"))
 
 
 def _check_gpt(tensor: int) -> None:

@@ -282,7 +282,9 @@ def _check_split(api, cls, rules, x_shape, check_vma: bool):
     on data 2 x tensor 4: its outputs and synced gradients are the unsharded model's."""
     with jax.enable_x64(True):
         if api == "nnx":
-            model, twin = Sharded(cls, batch_axes=("data",), tp_rules=rules), Twin(cls)
+            # ("auto" traces the call: its input, as a shape)
+            inputs = dict(inputs=(jax.ShapeDtypeStruct(x_shape, jnp.float64),)) if rules == "auto" else {}
+            model, twin = Sharded(cls, batch_axes=("data",), tp_rules=rules, **inputs), Twin(cls)
         else:
             model, twin = fsdp_tp.shard_by_rules(cls, batch_axes=("data",), tp_rules=rules)(), cls()
         mesh = fsdp_tp.make_mesh({"data": 2, "tensor": 4})

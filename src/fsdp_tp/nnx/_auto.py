@@ -21,9 +21,10 @@ from typing import Any
 from flax import nnx
 
 from ..tp.auto import Graph, TPPlan, find_plan
+from ..tp.roles import Layer
 from ._tp import NNX, layer_of, path_text
 
-__all__ = ["find_tp_rules"]
+__all__ = ["find_tp_rules", "traced"]
 
 
 def find_tp_rules(
@@ -40,6 +41,13 @@ def find_tp_rules(
     dropout off (the library draws each device's block of their masks, whatever the plan).
     ``size``, ``outputs_split`` and the result: as :func:`fsdp_tp.linen.find_tp_rules`'s.
     Its ``rules`` go to :func:`fsdp_tp.nnx.shard_by_rules` as ``tp_rules=``."""
+    graph, layers = traced(model, args, kwargs)
+    return find_plan(graph, layers, axis, size, outputs_split)
+
+
+def traced(model: nnx.Module, args: tuple, kwargs: dict) -> tuple[Graph, dict[str, Layer]]:
+    """``model``'s call on ``args`` read as a :class:`~fsdp_tp.tp.auto.Graph`, its parameters
+    the inputs, and the layers a role could compute, by path: what a plan is found from."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
     flat = {path_text(path): (path, variable) for path, variable in nnx.to_flat_state(params)}
     layers = {
@@ -59,5 +67,4 @@ def find_tp_rules(
         return built(*args, **kwargs)
 
     values = {p: variable.get_raw_value() for p, (_, variable) in flat.items()}
-    graph = Graph.trace(forward, values, rest, args, kwargs)
-    return find_plan(graph, layers, axis, size, outputs_split)
+    return Graph.trace(forward, values, rest, args, kwargs), layers

@@ -28,13 +28,13 @@ from .._optimizer import checked_tx
 from .._types import AxisNames, is_box
 from ..dropout import split_after
 from ..precision import MixedPrecision, checked_policy
-from ..rules import REPLICATED, Rules, as_spec, compile_rules, logical_spec, spec_for, unmatched_warning
-from ..tp._rules import compile_tp_rules, spec_source, with_split
+from ..rules import REPLICATED, Rules, as_spec, compile_rules, unmatched_warning
 from ..train import TrainState
 from ._constructor import _CALLER, built, require_constructor, scan_errors_named
 from ._dropout import exact_dropouts
 from ._read import FoldPlan, ReadPlan, on_read
-from ._tp import RolePlan, compute_roles, path_text
+from ._specs import Layouts, storage_specs
+from ._tp import compute_roles, path_text
 
 __all__ = ["ShardedModel", "shard_by_rules"]
 
@@ -63,28 +63,22 @@ def _split(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
     return graphdef, params, rest
 
 
-def _annotation(variable: nnx.Variable, logical_axis_rules) -> PartitionSpec | None:
-    """The spec the model's own annotation gives (``nnx.with_partitioning`` / ``out_sharding``):
-    logical names mapped by ``logical_axis_rules`` (or the Variable's ``sharding_rules``),
-    else the names taken as mesh axes, as flax does."""
-    names = variable.get_metadata("out_sharding", None)
-    if names is None:
-        return None
-    names = tuple(names)
-    rules = (
-        logical_axis_rules
-        if logical_axis_rules is not None
-        else variable.get_metadata("sharding_rules", None)
-    )
-    return logical_spec(names, rules) if rules is not None else PartitionSpec(*names)
-
-
 class ShardedModel:
     """An NNX model's layout by rules, and the per-device pieces of a sharded run: the
     state (:meth:`state_init_fn`, for :func:`fsdp_tp.init_sharded`) and the model rebuilt
     from it inside the step (:meth:`merge`). Made by :func:`shard_by_rules`."""
 
-    def __init__(self, make_model, rules, tp_rules, default, batch_axes, logical_axis_rules, precision=None):
+    def __init__(
+        self,
+        make_model,
+        rules,
+        tp_rules,
+        default,
+        batch_axes,
+        logical_axis_rules,
+        precision=None,
+        inputs=None,
+    ):
         require_constructor(make_model)
         self._make = make_model
         self.precision = precision
@@ -96,34 +90,21 @@ class ShardedModel:
         self._params = list(nnx.to_flat_state(params))
         self._rest = list(nnx.to_flat_state(rest))
         paths = [path_text(path) for path, _ in self._params]
-        self._roles = RolePlan(abstract, compile_tp_rules(tp_rules, _CALLER), paths)
-        self.specs: dict[Path, PartitionSpec] = {}
-        used: set[int] = set()
-        for path, variable in self._params:
-            shape = variable.get_raw_value().shape
-            names = _annotation(variable, logical_axis_rules)
-            spec, index = spec_for(path_text(path), shape, self._rules, {}, default, None, None, check=False)
-            if index is None and names is not None:
-                spec = names
-            if index is not None:
-                used.add(index)
-            source = spec_source(index, self._rules, names is not None)
-            if split := self._roles.splits.get(path_text(path)):  # (others are gathered over any axis)
-                spec = with_split(path_text(path), spec, len(shape), split, source)
-            self.specs[path] = spec
-        axes = frozenset(a for spec in self.specs.values() for a in axes_named(spec))
-        # What each parameter is gathered over: a role computes on the slice over its axis.
-        self._gathered = {
-            path: axes - {split[1]} if (split := self._roles.splits.get(path_text(path))) else axes
-            for path in self.specs
-        }
-        # Parameters whose first dim a rule splits: if one is an nnx.vmap stack's layer dim,
-        # nnx.scan fails on it, and the error should say which rule did it.
-        self._first_split = tuple(
-            path_text(p) for p, spec in self.specs.items() if len(spec) and axes_named(spec[:1])
-        )
+        storage, used = storage_specs(self._params, self._rules, default, logical_axis_rules)
         if warning := unmatched_warning(self._rules, used, paths, _CALLER):
             warnings.warn(warning, stacklevel=3)
+        self._layouts = Layouts(abstract, storage, tp_rules, inputs, _CALLER)
+
+    @property
+    def specs(self) -> dict[Path, PartitionSpec]:
+        """Each parameter's storage spec (with its role's split), by path."""
+        return self._layouts().specs
+
+    @property
+    def plans(self) -> dict:
+        """``tp_rules="auto"``: the plan found (:class:`~fsdp_tp.tp.auto.TPPlan`) for each
+        ``tensor`` size met, by size (found at init, under the mesh)."""
+        return self._layouts.plans
 
     # -- the state -----------------------------------------------------------------------
 
@@ -135,11 +116,13 @@ class ShardedModel:
             model = built(self._make, rng)
         _, params, rest = _split(model)
         values = {path: variable.get_raw_value() for path, variable in nnx.to_flat_state(params)}
-        self._roles.check_sizes()
+        layout = self._layouts()
+        layout.roles.check_sizes()
         sizes = {axis: jax.lax.axis_size(axis) for axis in bound_axis_names()}
-        shapes = ((path_text(p), values[p].shape, s) for p, s in self.specs.items())
+        shapes = ((path_text(p), values[p].shape, s) for p, s in layout.specs.items())
         check_fit(shapes, sizes, "change the rule")
-        return _nest((p, self._stored(values[p], self.specs[p])) for p in self.specs), self._model_state(rest)
+        stored = _nest((p, self._stored(values[p], spec)) for p, spec in layout.specs.items())
+        return stored, self._model_state(rest)
 
     @staticmethod
     def _stored(value, spec: PartitionSpec):
@@ -184,15 +167,15 @@ class ShardedModel:
                 f"unsharded model: nnx.update(model, nnx.State(jax.tree.map(lambda b: b.value, "
                 f"params, is_leaf=lambda b: hasattr(b, 'names'))))."
             )
-        flat = _flat(params)
+        flat, layout = _flat(params), self._layouts()
         batch_axes = resolve_batch_axes(self.batch_axes, _CALLER)
         batch = frozenset(batch_axes)
         variables = []
         for path, variable in self._params:
             leaf, text = flat[path], path_text(path)
             if is_box(leaf):
-                whole = frozenset([self._roles.whole[text]]) if text in self._roles.whole else frozenset()
-                plan = ReadPlan(text, tuple(leaf.names), self._gathered[path], batch, whole, self.precision)
+                whole = frozenset([layout.roles.whole[text]]) if text in layout.roles.whole else frozenset()
+                plan = ReadPlan(text, tuple(leaf.names), layout.gathered[path], batch, whole, self.precision)
                 variables.append((path, on_read(variable, leaf.value, plan)))
             elif self.precision is not None:  # whole, read rounded all the same (no gather rounds it)
                 plan = ReadPlan(text, (None,) * leaf.ndim, frozenset(), batch, precision=self.precision)
@@ -214,11 +197,11 @@ class ShardedModel:
             else:
                 rest.append((path, variable.copy(value)))
         model = nnx.merge(self.graphdef, nnx.from_flat_state(variables), nnx.from_flat_state(rest))
-        compute_roles(model, self._roles)
+        compute_roles(model, layout.roles)
         exact_dropouts(model, batch_axes, path_text)
         split_after({})  # the model starts whole, whatever an earlier trace's roles left
-        if self._first_split:
-            object.__setattr__(model, "__class__", scan_errors_named(type(model), self._first_split))
+        if layout.first_split:
+            object.__setattr__(model, "__class__", scan_errors_named(type(model), layout.first_split))
         return model
 
     def model_state(self, model: nnx.Module) -> dict:
@@ -237,6 +220,7 @@ def shard_by_rules(
     default: PartitionSpec | Sequence = REPLICATED,
     logical_axis_rules=None,
     mixed_precision: MixedPrecision | None = None,
+    inputs: tuple | None = None,
 ) -> ShardedModel:
     """Lays an NNX model's parameters out by partition rules; every parameter is stored as
     this device's block and gathered where the model reads it.
@@ -255,7 +239,10 @@ def shard_by_rules(
     ``reduce_dtype``, as for Linen: the numbers of the unsharded model computing on
     ``policy.round(params)``. ``tp_rules``: ``(pattern, role)`` pairs naming the modules that
     compute on their slices (:mod:`fsdp_tp.tp.roles`), or the plan :func:`~fsdp_tp.nnx.find_tp_rules`
-    finds from what the model computes.
+    finds from what the model computes, or ``"auto"``: that plan found here, from the model's
+    call traced once on ``inputs`` (its positional arguments, arrays or
+    ``jax.ShapeDtypeStruct``), over mesh axis ``tensor`` for its size under the mesh (read it as
+    ``.plans[size]``).
 
     >>> import jax, jax.numpy as jnp, optax
     >>> from flax import nnx
@@ -269,4 +256,6 @@ def shard_by_rules(
     """
     default = as_spec(default, _CALLER, "default=")
     precision = checked_policy(mixed_precision, _CALLER)
-    return ShardedModel(make_model, rules, tp_rules, default, batch_axes, logical_axis_rules, precision)
+    return ShardedModel(
+        make_model, rules, tp_rules, default, batch_axes, logical_axis_rules, precision, inputs
+    )

@@ -76,9 +76,10 @@ def compile_tp_rules(rules: Sequence, caller: str) -> tuple[CompiledRole, ...]:
     if isinstance(rules, str) and rules == "auto":
         raise RuleError(
             f"{caller}: tp_rules='auto' finds the plan from what the model computes on its inputs, for the "
-            f"tensor axis's size, neither of which {caller} sees (it lays the model out before the "
-            f"step); find the plan and pass it: tp_rules=find_tp_rules(model, *inputs, size=tensor size) "
-            f"(fsdp_tp.nnx.find_tp_rules for an NNX model, fsdp_tp.linen.find_tp_rules for Linen)."
+            f"tensor axis's size, neither of which {caller} sees; find the plan and pass it: "
+            f"tp_rules=find_tp_rules(model, *inputs, size=tensor size) (fsdp_tp.nnx.find_tp_rules for an "
+            f"NNX model, fsdp_tp.linen.find_tp_rules for Linen), or give 'auto' to shard_by_rules "
+            f"(with inputs= for NNX)."
         )
     one = isinstance(rules, tuple | list) and len(rules) == 2 and isinstance(rules[1], TPRole)
     if isinstance(rules, str) or one:
