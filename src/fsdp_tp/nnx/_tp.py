@@ -2,7 +2,7 @@
 their slices.
 
 At :func:`~fsdp_tp.nnx.shard_by_rules` the rules are matched against the module paths of the
-abstract model (:func:`plan_roles`), so a wrong rule is named before anything runs, and each
+abstract model (:class:`RolePlan`), so a wrong rule is named before anything runs, and each
 role's split joins the parameter's storage spec. Inside the step the model merged from the
 blocks has each named module's class swapped for a subclass whose call runs the role
 (:func:`compute_roles`): the role puts Megatron's collectives around the module's own
