@@ -317,8 +317,15 @@ def _norm_step_collectives(api: str) -> list:
         model = Sharded(NNXNormBetween, batch_axes=("data",), tp_rules=plan)
     else:
         model = fsdp_tp.shard_by_rules(LinenNormBetween, batch_axes=("data",), tp_rules=plan)()
-    mesh = fsdp_tp.make_mesh({"data": 2, "tensor": 4})
-    x = jnp.zeros((8, 6))
+    lowered = _lowered_grad_step(model, {"data": 2, "tensor": 4}, jnp.zeros((8, 6)))
+    return parse_collectives(lowered.compile().as_text())
+
+
+def _lowered_grad_step(model, sizes: dict[str, int], x) -> jax.stages.Lowered:
+    """``model``'s gradient step (of its mean output, the batch split over ``data``) on a mesh
+    of ``sizes``, lowered as ``shard_step`` traces it (column layers reading one activation
+    share its *f*)."""
+    mesh = fsdp_tp.make_mesh(sizes)
     params, specs = fsdp_tp.init_sharded(
         lambda r, x: model.init(r, x)["params"], mesh, (P(), P("data")), jax.random.key(0), x
     )
@@ -328,7 +335,8 @@ def _norm_step_collectives(api: str) -> list:
         return fsdp_tp.sync_gradients(grads, ("data",))
 
     step = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(specs, P("data")), out_specs=specs))
-    return parse_collectives(step.lower(params, x).compile().as_text())
+    with shared_column_inputs():
+        return step.lower(params, x)
 
 
 GPT = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, head_dim=8, num_kv_heads=2, mlp_hidden=64)
@@ -372,22 +380,9 @@ def test_the_linen_gpts_plan_moves_what_its_megatron_layers_move():
 
 
 def _gpt_figures(model) -> tuple[dict[str, int], int]:
-    """``model``'s gradient step on data 4 x tensor 2 (as ``shard_step`` traces it: column
-    layers reading one activation share its *f*): the operands of each kind of collective
+    """``model``'s gradient step on data 4 x tensor 2: the operands of each kind of collective
     over ``tensor`` (those over ``data`` sync the gradients), and its dot FLOPs per device."""
-    mesh = fsdp_tp.make_mesh({"data": 4, "tensor": 2})
-    ids = jnp.zeros((8, 8), jnp.int32)
-    params, specs = fsdp_tp.init_sharded(
-        lambda r, x: model.init(r, x)["params"], mesh, (P(), P("data")), jax.random.key(1), ids
-    )
-
-    def per_device(params, ids):
-        grads = jax.grad(lambda p: jnp.mean(model.apply({"params": p}, ids)))(params)
-        return fsdp_tp.sync_gradients(grads, ("data",))
-
-    step = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(specs, P("data")), out_specs=specs))
-    with shared_column_inputs():
-        lowered = step.lower(params, ids)
+    lowered = _lowered_grad_step(model, {"data": 4, "tensor": 2}, jnp.zeros((8, 8), jnp.int32))
     over_tensor = [c for c in parse_collectives(lowered.compile().as_text()) if c.group_size == 2]
     kinds = {k: operand_count(over_tensor, k, 2) for k in sorted({c.kind for c in over_tensor})}
     return kinds, dot_flops(lowered.as_text(dialect="hlo"))
