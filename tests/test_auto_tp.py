@@ -266,19 +266,23 @@ def test_auto_is_the_plan_found_for_the_axis_size(api):
     the unsharded model; NNX traces the call on ``inputs=`` (its layout is built before any
     input), keeps the plan it found per size, and names what is missing or unused."""
     with jax.enable_x64(True):
-        _check_split(api, LinenNormBetween if api == "linen" else NNXNormBetween, "auto", (8, 6), True)
+        _check_split(api, NORM[api], "auto", (8, 6), True)
+    x = (jax.ShapeDtypeStruct((8, 6), jnp.float64),)
+    mesh = fsdp_tp.make_mesh({"data": 2, "tensor": 4})
+    with jax.enable_x64(True):
+        if api == "linen":  # found at the call: the init's
+            model = fsdp_tp.shard_by_rules(LinenNormBetween, batch_axes=("data",), tp_rules="auto")()
+            init = lambda r, x: model.init(r, x)["params"]
+        else:  # the call traced on inputs=, the plan found at init
+            model = fsdp_tp.nnx.shard_by_rules(NNXNormBetween, tp_rules="auto", inputs=x)
+            init = lambda r, x: model.init(r)[0]
+        specs = fsdp_tp.init_sharded(init, mesh, (P(), P("data")), jax.random.key(0), jnp.zeros((8, 6)))[1]
+        assert (specs["b"]["kernel"], specs["c"]["kernel"]) == (P(None, "tensor"), P("tensor", None))
+        assert list(model.plans) == [4]  # what "auto" found, readable as rules
+        assert model.plans[4].rules == _find(api, NORM[api], *x, size=4).rules
     if api == "linen":
         return
-    x = (jax.ShapeDtypeStruct((8, 6), jnp.float64),)
     with jax.enable_x64(True):
-        sharded = fsdp_tp.nnx.shard_by_rules(NNXNormBetween, tp_rules="auto", inputs=x)
-        fsdp_tp.init_sharded(
-            lambda r: sharded.init(r)[0], fsdp_tp.make_mesh({"data": 2, "tensor": 4}), P(), jax.random.key(0)
-        )
-        assert list(sharded.plans) == [4]
-        assert sharded.plans[4].rules == _find("nnx", NNXNormBetween, *x, size=4).rules
-        specs = sharded.specs
-        assert (specs[("b", "kernel")], specs[("c", "kernel")]) == (P(None, "tensor"), P("tensor", None))
         with pytest.raises(RuleError, match=r"tp_rules='auto' .* pass them: .*inputs=\(x,\)"):
             fsdp_tp.nnx.shard_by_rules(NNXNormBetween, tp_rules="auto")
         with pytest.raises(RuleError, match=r"inputs= is what tp_rules='auto' traces .*with tp_rules=list"):

@@ -26,6 +26,7 @@ from ..errors import RuleError
 from ..precision import MixedPrecision, checked_policy
 from ..rules import REPLICATED, CompiledRule, Rules, as_spec, compile_rules, spec_for, unmatched_warning
 from ..tp._rules import compile_tp_rules, require_all_matched, require_no_tp_axis, spec_source, with_split
+from ..tp.auto import TPPlan
 from ._gather import gather
 from ._local_compute import Seen, local_compute
 from ._transform import (
@@ -110,7 +111,8 @@ def shard_by_rules(
     slices over a mesh axis, Megatron-style (:mod:`fsdp_tp.tp_rules`): the role's split is
     added to the storage rule's layout, and that axis is never gathered. A
     :class:`~fsdp_tp.tp.auto.TPPlan` gives its rules; ``"auto"`` finds them over mesh axis
-    ``tensor`` from what the model computes on the call's inputs (:func:`~fsdp_tp.linen.find_tp_rules`).
+    ``tensor`` from what the model computes on the call's inputs (:func:`~fsdp_tp.linen.find_tp_rules`),
+    the plan for each ``tensor`` size then readable as ``model.plans[size]``.
 
     The parameter tree, names and init are ``target``'s on every mesh.
 
@@ -181,6 +183,9 @@ def shard_by_rules(
                 _SEEN.reset(tokens[1])
                 _LOGICAL.reset(tokens[0])
 
+    # tp_rules="auto": the plan found for each tensor size met (at a call under the mesh), as
+    # an NNX ShardedModel's .plans; rules give none.
+    ByRules.plans = found.plans if found is not None else {}  # type: ignore[attr-defined]
     return keep_module_name(ByRules, target)
 
 
@@ -191,6 +196,7 @@ class AutoRules:
     def __init__(self, target: type[nn.Module]):
         self.target = target
         self.found: dict[str, tuple] = {}
+        self.plans: dict[int | None, TPPlan] = {}  # the last plan found for each tensor size
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple:
         fields = {
@@ -206,6 +212,7 @@ class AutoRules:
         if key not in self.found:
             plan = find_tp_rules(self.target(**fields, parent=None), *shaped[0], size=size, **shaped[1])
             self.found[key] = compile_tp_rules(plan.rules, "shard_by_rules(tp_rules='auto')")
+            self.plans[size] = plan
         return self.found[key]
 
 
