@@ -278,9 +278,12 @@ def test_auto_is_the_plan_found_for_the_axis_size(api):
             init = lambda r, x: model.init(r)[0]
         specs = fsdp_tp.init_sharded(init, mesh, (P(), P("data")), jax.random.key(0), jnp.zeros((8, 6)))[1]
         assert (specs["b"]["kernel"], specs["c"]["kernel"]) == (P(None, "tensor"), P("tensor", None))
-        assert list(model.plans) == [4]  # what "auto" found, readable as rules
-        assert model.plans[4].rules == _find(api, NORM[api], *x, size=4).rules
-    if api == "linen":
+        assert list(model.tp_plans) == [4]  # what "auto" found, readable as rules
+        assert model.tp_plans[4].rules == _find(api, NORM[api], *x, size=4).rules
+    if api == "linen":  # where "auto" keeps its plans, a model's own attribute is not overwritten
+        owns = type("Owns", (LinenNormBetween,), {"tp_plans": ()})
+        with pytest.raises(RuleError, match=r"Owns has its own attribute tp_plans, .* rename it"):
+            fsdp_tp.shard_by_rules(owns, tp_rules="auto")
         return
     with jax.enable_x64(True):
         with pytest.raises(RuleError, match=r"tp_rules='auto' .* pass them: .*inputs=\(x,\)"):

@@ -112,7 +112,7 @@ def shard_by_rules(
     added to the storage rule's layout, and that axis is never gathered. A
     :class:`~fsdp_tp.tp.auto.TPPlan` gives its rules; ``"auto"`` finds them over mesh axis
     ``tensor`` from what the model computes on the call's inputs (:func:`~fsdp_tp.linen.find_tp_rules`),
-    the plan for each ``tensor`` size then readable as ``model.plans[size]``.
+    the plan for each ``tensor`` size then readable as ``model.tp_plans[size]``.
 
     The parameter tree, names and init are ``target``'s on every mesh.
 
@@ -183,9 +183,13 @@ def shard_by_rules(
                 _SEEN.reset(tokens[1])
                 _LOGICAL.reset(tokens[0])
 
-    # tp_rules="auto": the plan found for each tensor size met (at a call under the mesh), as
-    # an NNX ShardedModel's .plans; rules give none.
-    ByRules.plans = found.plans if found is not None else {}  # type: ignore[attr-defined]
+    if found is not None:  # the plan found for each tensor size met, as an NNX ShardedModel's
+        if hasattr(target, "tp_plans"):
+            raise RuleError(
+                f"shard_by_rules: {target.__name__} has its own attribute tp_plans, where tp_rules='auto' "
+                f"keeps the plans it finds; rename it, or pass the plan: tp_rules=find_tp_rules(...)."
+            )
+        ByRules.tp_plans = found.plans  # type: ignore[attr-defined]
     return keep_module_name(ByRules, target)
 
 

@@ -101,7 +101,7 @@ class ShardedModel:
         return self._layouts().specs
 
     @property
-    def plans(self) -> dict:
+    def tp_plans(self) -> dict:
         """``tp_rules="auto"``: the plan found (:class:`~fsdp_tp.tp.auto.TPPlan`) for each
         ``tensor`` size met, by size (found at init, under the mesh)."""
         return self._layouts.plans
@@ -242,7 +242,7 @@ def shard_by_rules(
     finds from what the model computes, or ``"auto"``: that plan found here, from the model's
     call traced once on ``inputs`` (its positional arguments, arrays or
     ``jax.ShapeDtypeStruct``), over mesh axis ``tensor`` for its size under the mesh (read it as
-    ``.plans[size]``).
+    ``.tp_plans[size]``).
 
     >>> import jax, jax.numpy as jnp, optax
     >>> from flax import nnx

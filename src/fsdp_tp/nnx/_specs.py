@@ -124,7 +124,7 @@ class Layouts:
                 f"{self._caller}: with tp_rules='auto' the layout is the plan found for the tensor "
                 f"axis's size, known under the mesh; {len(self._layouts)} plans were found so far "
                 f"(sizes {sorted(map(str, self._layouts))}). Read the specs fsdp_tp.init_sharded "
-                f"returns, or the plan as .plans[size]."
+                f"returns, or the plan as .tp_plans[size]."
             )
         return next(iter(self._layouts.values()))
 
