@@ -265,21 +265,15 @@ def test_auto_is_the_plan_found_for_the_axis_size(api):
     """tp_rules="auto" finds the plan under the mesh (the tensor axis's size bound) and equals
     the unsharded model; NNX traces the call on ``inputs=`` (its layout is built before any
     input), keeps the plan it found per size, and names what is missing or unused."""
-    with jax.enable_x64(True):
-        _check_split(api, NORM[api], "auto", (8, 6), True)
     x = (jax.ShapeDtypeStruct((8, 6), jnp.float64),)
-    mesh = fsdp_tp.make_mesh({"data": 2, "tensor": 4})
     with jax.enable_x64(True):
-        if api == "linen":  # found at the call: the init's
-            model = fsdp_tp.shard_by_rules(LinenNormBetween, batch_axes=("data",), tp_rules="auto")()
-            init = lambda r, x: model.init(r, x)["params"]
-        else:  # the call traced on inputs=, the plan found at init
-            model = fsdp_tp.nnx.shard_by_rules(NNXNormBetween, tp_rules="auto", inputs=x)
-            init = lambda r, x: model.init(r)[0]
-        specs = fsdp_tp.init_sharded(init, mesh, (P(), P("data")), jax.random.key(0), jnp.zeros((8, 6)))[1]
+        # Linen finds the plan at the call (the init's); NNX traces the call on inputs= (given
+        # by _check_split) and finds the plan at init.
+        model, specs = _check_split(api, NORM[api], "auto", (8, 6), True)
+        plans = model.tp_plans if api == "linen" else model.sharded.tp_plans
         assert (specs["b"]["kernel"], specs["c"]["kernel"]) == (P(None, "tensor"), P("tensor", None))
-        assert list(model.tp_plans) == [4]  # what "auto" found, readable as rules
-        assert model.tp_plans[4].rules == _find(api, NORM[api], *x, size=4).rules
+        assert list(plans) == [4]  # what "auto" found, readable as rules
+        assert plans[4].rules == _find(api, NORM[api], *x, size=4).rules
     if api == "linen":  # where "auto" keeps its plans, a model's own attribute is not overwritten
         owns = type("Owns", (LinenNormBetween,), {"tp_plans": ()})
         with pytest.raises(RuleError, match=r"Owns has its own attribute tp_plans, .* rename it"):

@@ -279,7 +279,8 @@ def _check_pair(api, pair, check_vma: bool):
 
 def _check_split(api, cls, rules, x_shape, check_vma: bool):
     """``cls`` (a constructor taking ``rngs`` in NNX, a module class in Linen) split by ``rules``
-    on data 2 x tensor 4: its outputs and synced gradients are the unsharded model's."""
+    on data 2 x tensor 4: its outputs and synced gradients are the unsharded model's. Returns
+    the sharded model and its parameters' specs."""
     with jax.enable_x64(True):
         if api == "nnx":
             # ("auto" traces the call: its input, as a shape)
@@ -318,6 +319,7 @@ def _check_split(api, cls, rules, x_shape, check_vma: bool):
         (_, want), want_grads = jax.value_and_grad(functools.partial(loss, twin), has_aux=True)(whole, x)
         assert_trees_close(out, want, "output")
         assert_trees_close(nn.unbox(grads), want_grads, "grads")
+    return model, specs
 
 
 class MyDense(nn.Module):

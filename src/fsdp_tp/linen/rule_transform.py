@@ -26,7 +26,7 @@ from ..errors import RuleError
 from ..precision import MixedPrecision, checked_policy
 from ..rules import REPLICATED, CompiledRule, Rules, as_spec, compile_rules, spec_for, unmatched_warning
 from ..tp._rules import compile_tp_rules, require_all_matched, require_no_tp_axis, spec_source, with_split
-from ..tp.auto import TPPlan
+from ..tp.auto import AUTO_AXIS, TPPlan, auto_size
 from ._gather import gather
 from ._local_compute import Seen, local_compute
 from ._transform import (
@@ -137,7 +137,7 @@ def shard_by_rules(
     policy = checked_policy(mixed_precision, "shard_by_rules")
     auto = isinstance(tp_rules, str) and tp_rules == "auto"
     tp = () if auto else compile_tp_rules(tp_rules, "shard_by_rules")
-    computes = {"tp_rules='auto'": "tensor"} if auto else {f"tp rule {r.pattern!r}": r.role.axis for r in tp}
+    computes = {"tp_rules='auto'": AUTO_AXIS} if auto else {f"tp rule {r.pattern!r}": r.role.axis for r in tp}
     _require_separate_axes(computes, frozenset(batch_names or DEFAULT_BATCH_AXES))
     tp_axes = frozenset(computes.values())
     found = AutoRules(target) if auto else None
@@ -211,7 +211,7 @@ class AutoRules:
         shaped = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a, (args, kwargs)
         )
-        size = jax.lax.axis_size("tensor") if "tensor" in bound_axis_names() else None
+        size = auto_size()
         key = repr((fields, shaped, size))
         if key not in self.found:
             plan = find_tp_rules(self.target(**fields, parent=None), *shaped[0], size=size, **shaped[1])

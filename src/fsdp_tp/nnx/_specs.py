@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
@@ -21,14 +20,13 @@ from .._axes import axes_named, bound_axis_names
 from ..errors import RuleError
 from ..rules import logical_spec, spec_for
 from ..tp._rules import compile_tp_rules, spec_source, with_split
-from ..tp.auto import TPPlan, find_plan
+from ..tp.auto import AUTO_AXIS, TPPlan, auto_size, find_plan
 from ._auto import traced
 from ._tp import RolePlan, path_text
 
 __all__ = ["Layout", "Layouts", "storage_specs"]
 
 Path = tuple  # a parameter's keys, as nnx.to_flat_state gives them
-AXIS = "tensor"  # the axis tp_rules="auto" splits over, as Linen's
 
 
 def _annotation(variable: nnx.Variable, logical_axis_rules) -> PartitionSpec | None:
@@ -112,9 +110,9 @@ class Layouts:
             return self._layouts[None]
         if not bound_axis_names():
             return self._outside()
-        size = jax.lax.axis_size(AXIS) if AXIS in bound_axis_names() else None
+        size = auto_size()
         if size not in self._layouts:
-            self.plans[size] = find_plan(self._graph, self._layers, AXIS, size, False)
+            self.plans[size] = find_plan(self._graph, self._layers, AUTO_AXIS, size, False)
             self._layouts[size] = Layout(self._abstract, self._storage, self.plans[size], self._caller)
         return self._layouts[size]
 

@@ -31,13 +31,24 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import jax
+
+from .._axes import bound_axis_names
 from .._einsum import Equation
 from ..errors import IndivisibleShapeError, RuleError
 from ._graph import Graph
 from ._regions import Refused, grow, kernel_operand, kernels_of
 from .roles import ColumnParallel, HeadParallel, Layer, RowParallel, TPRole, VocabParallel
 
-__all__ = ["Graph", "TPPlan", "find_plan", "spelled"]
+__all__ = ["AUTO_AXIS", "Graph", "TPPlan", "auto_size", "find_plan", "spelled"]
+
+AUTO_AXIS = "tensor"  # the mesh axis tp_rules="auto" splits over, in both front ends
+
+
+def auto_size() -> int | None:
+    """The size of :data:`AUTO_AXIS` where it is bound (under the mesh), else ``None``: the
+    size ``tp_rules="auto"`` finds its plan for (``None``: the roles name the missing axis)."""
+    return jax.lax.axis_size(AUTO_AXIS) if AUTO_AXIS in bound_axis_names() else None
 
 
 @dataclasses.dataclass(frozen=True)
