@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 import fsdp_tp
 from fsdp_tp.analysis import dot_flops, operand_count, parse_collectives
 from fsdp_tp.bench.llama_rows import NNXSharded as Sharded
-from fsdp_tp.errors import RuleError
+from fsdp_tp.errors import LayerLeftWholeWarning, RuleError
 from fsdp_tp.linen.tp_rules import mlp_rules
 from fsdp_tp.models import Transformer
 from fsdp_tp.models.llama import RULES, LlamaLM, NNXLlamaLM
@@ -263,13 +263,17 @@ def test_negative_control_a_finder_blind_to_a_norms_mean(monkeypatch):
 @pytest.mark.parametrize("api", APIS)
 def test_auto_is_the_plan_found_for_the_axis_size(api):
     """tp_rules="auto" finds the plan under the mesh (the tensor axis's size bound) and equals
-    the unsharded model; NNX traces the call on ``inputs=`` (its layout is built before any
+    the unsharded model; it names the layers it leaves whole, once per plan (init and step
+    trace the model again); NNX traces the call on ``inputs=`` (its layout is built before any
     input), keeps the plan it found per size, and names what is missing or unused."""
     x = (jax.ShapeDtypeStruct((8, 6), jnp.float64),)
-    with jax.enable_x64(True):
+    with jax.enable_x64(True), pytest.warns(LayerLeftWholeWarning) as said:
         # Linen finds the plan at the call (the init's); NNX traces the call on inputs= (given
         # by _check_split) and finds the plan at init.
         model, specs = _check_split(api, NORM[api], "auto", (8, 6), True)
+    [whole] = [str(w.message) for w in said if w.category is LayerLeftWholeWarning]
+    assert re.search(r"'auto' on tensor=4 leaves 2 of 4 layers whole, .* a \(a/kernel .*; d \(d/", whole)
+    with jax.enable_x64(True):
         plans = model.tp_plans if api == "linen" else model.sharded.tp_plans
         assert (specs["b"]["kernel"], specs["c"]["kernel"]) == (P(None, "tensor"), P("tensor", None))
         assert list(plans) == [4]  # what "auto" found, readable as rules
@@ -347,8 +351,8 @@ def test_the_linen_gpt_keeps_heads_whole_where_the_axis_would_cut_one():
     """The Linen GPT's attention projects k and v with dense layers over 2 kv heads of 8: on
     tensor 2 each device takes a kv head (q/k/v column, out row); on tensor 4 a device's 4 of
     the 16 kv features would be half a head, whose dims attention contracts: the attention
-    stays whole, named with that reason, and the MLP is still split. Both plans equal the
-    unsharded model (its logits and gradients)."""
+    stays whole, named with that reason (tp_rules="auto" says so as it finds the plan), and the
+    MLP is still split. Both plans equal the unsharded model (its logits and gradients)."""
     two = fsdp_tp.linen.find_tp_rules(Transformer(**GPT), IDS, size=2)
     assert [p for p, _ in two.rules] == [
         "^embed$", "^blocks/attn/query$", "^blocks/attn/key$", "^blocks/attn/value$",
@@ -360,8 +364,10 @@ def test_the_linen_gpt_keeps_heads_whole_where_the_axis_would_cut_one():
     assert re.search(r"reshape \[2,8,16\] -> \[2,8,2,8\] regroups dim 2", whole["blocks/attn/query"]), str(
         four
     )
-    for tensor in (2, 4):
-        _check_gpt(tensor)
+    _check_gpt(2)  # every layer split: no warning (the suite makes one an error)
+    said = r"tensor=4 leaves 4 of 8 layers whole, .*: blocks/attn/query"
+    with pytest.warns(LayerLeftWholeWarning, match=said):
+        _check_gpt(4)
 
 
 def test_the_linen_gpts_plan_moves_what_its_megatron_layers_move():

@@ -52,6 +52,7 @@ CORE = (
     "tp._graph",
     "tp._heads",
     "tp._matmul",
+    "tp._plan",
     "tp._regions",
     "tp._relations",
     "tp._role",

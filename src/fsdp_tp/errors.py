@@ -17,6 +17,7 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointSaveError",
     "IndivisibleShapeError",
+    "LayerLeftWholeWarning",
     "MeshShapeError",
     "OptimizerOnShardsError",
     "ReplicatedParameterWarning",
@@ -61,6 +62,12 @@ class SpecTreeMismatchError(ValueError):
 
 class ReplicatedParameterWarning(UserWarning):
     """A parameter large enough to shard stayed replicated: no dim divides the axis size."""
+
+
+class LayerLeftWholeWarning(UserWarning):
+    """``tp_rules="auto"`` left whole a layer a role could split: it is replicated over the
+    tensor axis and computed in full on each of its devices (its numbers are still the
+    unsharded model's; its memory and FLOPs are not divided)."""
 
 
 class RuleError(ValueError):

@@ -26,7 +26,7 @@ from ..errors import RuleError
 from ..precision import MixedPrecision, checked_policy
 from ..rules import REPLICATED, CompiledRule, Rules, as_spec, compile_rules, spec_for, unmatched_warning
 from ..tp._rules import compile_tp_rules, require_all_matched, require_no_tp_axis, spec_source, with_split
-from ..tp.auto import AUTO_AXIS, TPPlan, auto_size
+from ..tp.auto import AUTO_AXIS, TPPlan, auto_size, warn_left_whole
 from ._gather import gather
 from ._local_compute import Seen, local_compute
 from ._transform import (
@@ -216,6 +216,9 @@ class AutoRules:
         if key not in self.found:
             plan = find_tp_rules(self.target(**fields, parent=None), *shaped[0], size=size, **shaped[1])
             self.found[key] = compile_tp_rules(plan.rules, "shard_by_rules(tp_rules='auto')")
+            said = self.plans.get(size)  # (a call of other shapes finds the plan again: said once)
+            if said is None or [p for p, _ in said.whole] != [p for p, _ in plan.whole]:
+                warn_left_whole(plan, size, f"shard_by_rules({self.target.__name__})")
             self.plans[size] = plan
         return self.found[key]
 

@@ -20,7 +20,7 @@ from .._axes import axes_named, bound_axis_names
 from ..errors import RuleError
 from ..rules import logical_spec, spec_for
 from ..tp._rules import compile_tp_rules, spec_source, with_split
-from ..tp.auto import AUTO_AXIS, TPPlan, auto_size, find_plan
+from ..tp.auto import AUTO_AXIS, TPPlan, auto_size, find_plan, warn_left_whole
 from ._auto import traced
 from ._tp import RolePlan, path_text
 
@@ -113,6 +113,7 @@ class Layouts:
         size = auto_size()
         if size not in self._layouts:
             self.plans[size] = find_plan(self._graph, self._layers, AUTO_AXIS, size, False)
+            warn_left_whole(self.plans[size], size, self._caller)
             self._layouts[size] = Layout(self._abstract, self._storage, self.plans[size], self._caller)
         return self._layouts[size]
 

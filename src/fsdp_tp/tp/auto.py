@@ -29,86 +29,15 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Mapping
-from typing import Any
 
-import jax
-
-from .._axes import bound_axis_names
 from .._einsum import Equation
 from ..errors import IndivisibleShapeError, RuleError
 from ._graph import Graph
+from ._plan import AUTO_AXIS, TPPlan, auto_size, spelled, warn_left_whole
 from ._regions import Refused, grow, kernel_operand, kernels_of
 from .roles import ColumnParallel, HeadParallel, Layer, RowParallel, TPRole, VocabParallel
 
-__all__ = ["AUTO_AXIS", "Graph", "TPPlan", "auto_size", "find_plan", "spelled"]
-
-AUTO_AXIS = "tensor"  # the mesh axis tp_rules="auto" splits over, in both front ends
-
-
-def auto_size() -> int | None:
-    """The size of :data:`AUTO_AXIS` where it is bound (under the mesh), else ``None``: the
-    size ``tp_rules="auto"`` finds its plan for (``None``: the roles name the missing axis)."""
-    return jax.lax.axis_size(AUTO_AXIS) if AUTO_AXIS in bound_axis_names() else None
-
-
-@dataclasses.dataclass(frozen=True)
-class TPPlan:
-    """``rules``: the ``(pattern, role)`` pairs found (pass them as ``tp_rules=``, edit or pin
-    them); ``roles``: the role each module gets; ``whole``: ``(module, why)`` for each layer a
-    role could compute that the plan leaves whole; ``layers``: every module a role could
-    compute. ``str(plan)`` is the rules as Python."""
-
-    rules: tuple[tuple[str, TPRole], ...]
-    roles: Mapping[str, TPRole]
-    whole: tuple[tuple[str, str], ...] = ()
-    layers: tuple[str, ...] = ()
-
-    def scheduled(self, sequence_dim: int | None = None, collective_matmul: str | None = None) -> TPPlan:
-        """The same plan with sequence parallelism (``sequence_dim``: the activations' sequence
-        dim, split between the layers) and ``collective_matmul`` rings, on every role that has
-        them: how the plan's collectives run, not where it splits."""
-        given: dict[str, Any] = {"sequence_dim": sequence_dim, "collective_matmul": collective_matmul}
-
-        def timed(role: TPRole) -> TPRole:
-            names = {f.name for f in dataclasses.fields(role)}
-            return dataclasses.replace(role, **{k: v for k, v in given.items() if k in names})
-
-        rules = tuple((pattern, timed(role)) for pattern, role in self.rules)
-        return dataclasses.replace(self, rules=rules, roles={p: timed(r) for p, r in self.roles.items()})
-
-    def differences(self, rules) -> list[str]:
-        """Each module to which ``rules`` (``(pattern, role)`` pairs: hand-written, or another
-        plan's) give another role than this plan does, as ``"path: the plan ..., the rules ..."``;
-        empty where they agree on every module."""
-        from ._rules import compile_tp_rules, role_of  # (they accept a plan: imported late)
-
-        compiled = compile_tp_rules(rules, "TPPlan.differences")
-        out = []
-        for path in self.layers:
-            theirs = found[0] if (found := role_of(path, compiled)) else None
-            if theirs != (ours := self.roles.get(path)):
-                said = [spelled(r) if r is not None else "whole" for r in (ours, theirs)]
-                out.append(f"{path}: the plan {said[0]}, the rules {said[1]}")
-        return out
-
-    def __str__(self) -> str:
-        lines = ["tp_rules = ["]
-        lines += [f'    (r"{pattern}", {spelled(role)}),' for pattern, role in self.rules]
-        lines.append("]")
-        if self.whole:
-            lines.append("# left whole:")
-            lines += [f"#   {path}: {why}" for path, why in self.whole]
-        return "\n".join(lines)
-
-
-def spelled(role: TPRole) -> str:
-    """A role as a user writes it: its fields that differ from the defaults."""
-    fields = [
-        f"{f.name}={getattr(role, f.name)!r}"
-        for f in dataclasses.fields(role)
-        if getattr(role, f.name) != f.default
-    ]
-    return f"{type(role).__name__}({', '.join(fields)})"
+__all__ = ["AUTO_AXIS", "Graph", "TPPlan", "auto_size", "find_plan", "spelled", "warn_left_whole"]
 
 
 def find_plan(
