@@ -33,6 +33,7 @@ from fsdp_tp.models import Transformer
 from fsdp_tp.models.llama import RULES, LlamaLM, NNXLlamaLM
 from fsdp_tp.models.nnx_transformer import NNXTransformer, tp_rules
 from fsdp_tp.tp import _regions, shared_column_inputs
+from fsdp_tp.tp._check import switched_off
 from fsdp_tp.tp.roles import ColumnParallel, RowParallel, VocabParallel
 from tests.equivalence import assert_trees_close
 from tests.nnx_models import lm_maker
@@ -256,7 +257,10 @@ def test_negative_control_a_finder_blind_to_a_norms_mean(monkeypatch):
     monkeypatch.setattr(_regions._Grower, "along", blind)
     plan = _find("nnx", NNXBareNorm, jnp.zeros((8, 6)), size=4)
     assert list(plan.roles) == ["a", "b"]
-    with jax.enable_x64(True), pytest.raises(AssertionError, match="output"):
+    with jax.enable_x64(True), pytest.raises(AssertionError, match="output"), switched_off():
+        _check_split("nnx", NNXBareNorm, plan.rules, (8, 6), True)
+    # The plan check, reading the same model, refuses that plan: the norm reads partial sums.
+    with jax.enable_x64(True), pytest.raises(RuleError, match=r"sqrt reads the partial sums of reduce_sum"):
         _check_split("nnx", NNXBareNorm, plan.rules, (8, 6), True)
 
 

@@ -38,6 +38,7 @@ from fsdp_tp.collectives import copy_to_axis
 from fsdp_tp.errors import IndivisibleShapeError, RuleError
 from fsdp_tp.models.llama import FSDP_RULES, RULES, SIZES, LlamaLM, NNXLlamaLM
 from fsdp_tp.tp import _matmul as tp_matmul
+from fsdp_tp.tp._check import switched_off
 from fsdp_tp.tp.roles import ColumnParallel, RowParallel, register_einsum
 from tests import test_tp_rules
 from tests.equivalence import Case, assert_trees_close, check_equivalence
@@ -133,18 +134,26 @@ def test_negative_control_a_row_einsum_adding_its_own_bias(monkeypatch, api, bia
     keeping_bias = lambda self, *a: {k: v for k, v in local(self, *a).items() if k != "use_bias"}
     monkeypatch.setattr(RowParallel, "local", keeping_bias)
     with pytest.raises(AssertionError, match=re.escape(f"grads{bias}['bias']")), jax.enable_x64(True):
-        check_equivalence(_case(api, "data4_tensor2", False))
+        with switched_off():
+            check_equivalence(_case(api, "data4_tensor2", False))
+    # The plan check refuses it before anything trains: the bias meets the partial sums.
+    with pytest.raises(RuleError, match=r"RowParallel\(\) \(tp rule 'attn/out\$'\).*add adds a value whole"):
+        with jax.enable_x64(True):
+            check_equivalence(_case(api, "data4_tensor2", False))
 
 
 def test_negative_control_query_heads_split_and_kv_heads_whole():
     """Without the kv rule every device holds both kv heads while its query heads are half of
-    them: the attention, computing from shapes, pairs query heads with the wrong kv heads. (The
-    library cannot see this pairing; fsdp_tp.models.llama.RULES splits q and kv together.)"""
+    them: the attention, computing from shapes, pairs query heads with the wrong kv heads. The
+    plan check refuses it at the reshape into kv groups (a device's 2 query heads regrouped as
+    both kv groups); with the check off, the outputs differ."""
     rules = [rule for rule in RULES if rule[0] != r"attn/kv$"]
     with jax.enable_x64(True):
         case = _case("linen", "data4_tensor2", False)
         model, _ = _models("linen", "data4_tensor2", tp=rules, **EXACT)
-        with pytest.raises(AssertionError, match="output"):
+        with pytest.raises(AssertionError, match="output"), switched_off():
+            check_equivalence(dataclasses.replace(case, model=model))
+        with pytest.raises(RuleError, match=r"models/llama.py:\d+ \(attention\).*reshape.*regroups"):
             check_equivalence(dataclasses.replace(case, model=model))
 
 
@@ -267,8 +276,11 @@ def test_negative_control_a_row_einsum_without_its_sum(monkeypatch):
     ``check_vma=True`` shard_map itself refuses the output, which varies over `tensor`)."""
     monkeypatch.setattr(tp_matmul, "row_reduce", lambda partial, axis, *_: partial)
     size = dict(c=2, p=4, o=3)
-    with pytest.raises(AssertionError, match="output"):
-        _check_pair("nnx", ("Bc,cp->Bp", "Bp,po->Bo", "p", size, (True, True), (8, 2)), check_vma=False)
+    pair = ("Bc,cp->Bp", "Bp,po->Bo", "p", size, (True, True), (8, 2))
+    with pytest.raises(AssertionError, match="output"), switched_off():
+        _check_pair("nnx", pair, check_vma=False)
+    with pytest.raises(RuleError, match=r"the model's output leaves partial sums"):  # (the plan check)
+        _check_pair("nnx", pair, check_vma=False)
 
 
 def _check_pair(api, pair, check_vma: bool):

@@ -18,7 +18,9 @@ from jax.sharding import PartitionSpec as P
 import fsdp_tp
 import fsdp_tp.nnx
 from fsdp_tp.bench.llama_rows import NNXSharded as Sharded
+from fsdp_tp.errors import RuleError
 from fsdp_tp.nnx._read import ReadPlan
+from fsdp_tp.tp._check import switched_off
 from tests.equivalence import Case, check_equivalence
 from tests.nnx_models import MLPStack, NormDropNet, Twin
 from tests.test_tensor_parallel import mesh_of
@@ -95,7 +97,10 @@ def test_negative_control_a_row_layer_without_its_sum(monkeypatch):
         return tp.add_bias_once(run(*args, **kwargs), bias, self.axis, dtype=layer.dtype)
 
     monkeypatch.setattr(tp.RowParallel, "around", unsummed)
-    with pytest.raises(AssertionError, match="output"):
+    with pytest.raises(AssertionError, match="output"), switched_off():
+        _check_fsdp_tp((2, 2, 2), scan=True, check_vma=False, layers=2, widths=(8, 8, 4))
+    # The plan check refuses it before anything trains: the bias meets the partial sums.
+    with pytest.raises(RuleError, match=r"RowParallel\(\).*add adds a value whole on every device"):
         _check_fsdp_tp((2, 2, 2), scan=True, check_vma=False, layers=2, widths=(8, 8, 4))
 
 

@@ -36,6 +36,7 @@ from fsdp_tp.linen.tp_rules import attention_rules, mlp_rules
 from fsdp_tp.tp import _heads as tp_heads
 from fsdp_tp.tp import _matmul as tp_matmul
 from fsdp_tp.tp import _vocab as tp_vocab
+from fsdp_tp.tp._check import switched_off
 from fsdp_tp.tp.roles import ColumnParallel, HeadParallel, RowParallel, VocabParallel
 from tests.equivalence import Case, check_equivalence
 from tests.nnx_models import Twin, lm_maker
@@ -181,7 +182,10 @@ def test_negative_control_a_row_bias_added_on_every_device(monkeypatch, api, bia
     """The row layer computing its own bias: each device adds it, the sum holds it 4 times (the
     init's zero bias hides it in the output; its gradient is 5 times the twin's)."""
     monkeypatch.setattr(RowParallel, "local", lambda self, *args: {})
-    with pytest.raises(AssertionError, match=re.escape(f"grads{bias}['bias']")):
+    with pytest.raises(AssertionError, match=re.escape(f"grads{bias}['bias']")), switched_off():
+        _check_exact(_case("data2_tensor4", False, True, api=api))
+    # The plan check refuses it before anything trains: the bias meets the partial sums.
+    with pytest.raises(RuleError, match=r"add adds a value whole on every device to the partial sums"):
         _check_exact(_case("data2_tensor4", False, True, api=api))
 
 
@@ -572,18 +576,20 @@ def _nnx_up_down(up_type, tp):
     ids=["linen-row-fed-whole", "nnx-row-fed-whole", "nnx-own-type-error"],
 )
 def test_a_layer_that_cannot_compute_says_why(make, error, match):
+    """Refused where the layer first computes on its slices: the plan check's trace at init
+    (Linen), or the step (NNX)."""
     model = make()
-    params, specs = _init(model)
     mesh = fsdp_tp.make_mesh(MESHES["data2_tensor4"])
-    apply = jax.jit(
-        jax.shard_map(
-            lambda p, x: model.apply({"params": p}, x),
-            mesh=mesh,
-            in_specs=(specs, P("data")),
-            out_specs=P("data"),
-        )
-    )
     with pytest.raises(error, match=match):
+        params, specs = _init(model)
+        apply = jax.jit(
+            jax.shard_map(
+                lambda p, x: model.apply({"params": p}, x),
+                mesh=mesh,
+                in_specs=(specs, P("data")),
+                out_specs=P("data"),
+            )
+        )
         apply(params, jnp.zeros((8, 8), jnp.int32))
 
 

@@ -14,14 +14,14 @@ Framework-free (no ``flax.linen``): the core and both front ends import them fro
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ._types import PyTree
 
-__all__ = ["first_difference", "module_path", "named_shardings", "path_of"]
+__all__ = ["first_difference", "module_path", "named_shardings", "path_of", "static_split"]
 
 
 def path_of(key_path) -> str:
@@ -87,3 +87,23 @@ def first_difference(expected: PyTree, got: PyTree, is_leaf=None, prefix: bool =
         return None
 
     return walk(expected, got, ())
+
+
+def static_split(args: tuple, kwargs: dict) -> tuple[list, Callable[[list], tuple[tuple, dict]]]:
+    """The call's array leaves (what a trace takes as inputs) and how to rebuild the call from
+    them; every other leaf (``train=True``) stays a Python value, as the model reads it.
+
+    >>> arrays, rebuild = static_split((jax.numpy.ones(2),), {"train": True})
+    >>> len(arrays), rebuild([jax.numpy.zeros(2)])[1]
+    (1, {'train': True})
+    """
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    arrays = [i for i, leaf in enumerate(leaves) if hasattr(leaf, "shape") and hasattr(leaf, "dtype")]
+
+    def rebuild(values: list) -> tuple[tuple, dict]:
+        filled = list(leaves)
+        for i, value in zip(arrays, values, strict=True):
+            filled[i] = value
+        return jax.tree.unflatten(treedef, filled)
+
+    return [leaves[i] for i in arrays], rebuild

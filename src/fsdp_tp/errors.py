@@ -25,6 +25,7 @@ __all__ = [
     "SpecError",
     "SpecTreeMismatchError",
     "UnboundAxisNameError",
+    "UncheckedPlanWarning",
     "UnmatchedRuleWarning",
 ]
 
@@ -72,6 +73,11 @@ class LayerLeftWholeWarning(UserWarning):
 
 class RuleError(ValueError):
     """A partition rule that is malformed, matches nothing, or names a dim or axis wrongly."""
+
+
+class UncheckedPlanWarning(UserWarning):
+    """A tensor-parallel plan the check against the model's trace could not decide: a split
+    reaches an operation it does not know. The plan runs; nothing proves it equal to unsharded."""
 
 
 class UnmatchedRuleWarning(UserWarning):

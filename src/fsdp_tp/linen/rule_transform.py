@@ -27,6 +27,7 @@ from ..precision import MixedPrecision, checked_policy
 from ..rules import REPLICATED, CompiledRule, Rules, as_spec, compile_rules, spec_for, unmatched_warning
 from ..tp._rules import compile_tp_rules, require_all_matched, require_no_tp_axis, spec_source, with_split
 from ..tp.auto import AUTO_AXIS, TPPlan, auto_size, warn_left_whole
+from ._check import check_call
 from ._gather import gather
 from ._local_compute import Seen, local_compute
 from ._transform import (
@@ -141,6 +142,7 @@ def shard_by_rules(
     _require_separate_axes(computes, frozenset(batch_names or DEFAULT_BATCH_AXES))
     tp_axes = frozenset(computes.values())
     found = AutoRules(target) if auto else None
+    checked: set = set()  # (fields, input shapes, axis sizes) whose plan the trace has checked
     mapped = map_params(
         target,
         trans_in=lambda params: gather(
@@ -178,6 +180,8 @@ def shard_by_rules(
                     out = super().__call__(*args, **kwargs)
                 if tp_now and seen.params:  # an init: every tp rule must have named a submodule
                     require_all_matched(tp_now, seen.used, seen.modules, seen.params, LINEN)
+                if tp_now:  # before anything trains: the plan computes the unsharded model
+                    check_call(self, target, args, kwargs, tp_now, checked)
                 return out
             finally:
                 _SEEN.reset(tokens[1])

@@ -125,7 +125,7 @@ class Graph:
                 continue
             outs = [self._new(v.aval.shape) for v in eqn.outvars]
             env.update(zip(eqn.outvars, outs, strict=True))
-            self._add(Node(name, ins, outs, dict(eqn.params)))
+            self._add(Node(name, ins, outs, dict(eqn.params), source=eqn.source_info))
 
     def _values(self, eqn, ins: list[int | None]) -> list[int]:
         """An operation's operands as values, a literal as a constant of its own (a body's input)."""

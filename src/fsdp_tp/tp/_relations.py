@@ -41,7 +41,8 @@ _ALONG_AXIS = {
 class Node:
     """One operation: ``ins`` / ``outs`` are value ids (``None``: a literal), ``same`` the
     groups of ``(value, dim)`` that are one dim's positions (split one, split them all),
-    ``mixes`` the ``(value, dim)`` it computes across, with what it does there."""
+    ``mixes`` the ``(value, dim)`` it computes across, with what it does there; ``source``:
+    where the model's code made it (:func:`~fsdp_tp.tp._sites.site_of` reads it)."""
 
     prim: str
     ins: list[int | None]
@@ -49,6 +50,8 @@ class Node:
     params: dict[str, Any]
     same: list[list[tuple[int, int]]] = dataclasses.field(default_factory=list)
     mixes: dict[tuple[int, int], str] = dataclasses.field(default_factory=dict)
+    known: bool = True  # False: a primitive this module does not know (it mixes every dim)
+    source: Any = None  # the equation's source_info (its traceback and name stack), if any
 
 
 def relate(node: Node, shapes: dict[int, tuple[int, ...]]) -> None:
@@ -120,6 +123,7 @@ def relate(node: Node, shapes: dict[int, tuple[int, ...]]) -> None:
     elif name == "carry":
         mix_all("a loop's carry, which crosses steps, holds")
     else:
+        node.known = False
         mix_all(f"{name} (an operation the plan finder does not know) computes across")
 
 

@@ -6,7 +6,10 @@ activation, a ring's chunks computed as they arrive, the ``check_vma`` a sequenc
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -20,7 +23,22 @@ from ..collective_matmul import RingChunks, require_mode
 from ..errors import RuleError
 from .pieces import column_input
 
-__all__ = ["Layer", "TPRole"]
+__all__ = ["Layer", "TPRole", "without_rings"]
+
+_UNRINGED: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_tp_unringed", default=False)
+
+
+@contextlib.contextmanager
+def without_rings() -> Iterator[None]:
+    """Within, every role computes as if its ``collective_matmul`` were ``None``: the same
+    numbers (a ring is the same gather or reduce-scatter in chunks), each layer called once.
+    The plan check traces the model so (:mod:`fsdp_tp.tp._check`): a ring calls a layer per
+    chunk, which the unsharded model's trace does not."""
+    token = _UNRINGED.set(True)
+    try:
+        yield
+    finally:
+        _UNRINGED.reset(token)
 
 
 @dataclass(frozen=True)
@@ -184,7 +202,10 @@ class TPRole:
         the collectives :meth:`call` puts around it, once the step is known to run with the
         ``check_vma`` a ``sequence_dim`` needs."""
         _sequence_checked(self, layer)
-        return self.call(method, run, layer, args, kwargs)
+        role = self
+        if _UNRINGED.get() and getattr(self, "collective_matmul", None) is not None:
+            role = dataclasses.replace(self, collective_matmul=None)  # type: ignore[call-arg]
+        return role.call(method, run, layer, args, kwargs)
 
     def call(self, method: str, run, layer: Layer, args: tuple, kwargs: dict):
         """:meth:`around` without its ``check_vma`` guard: for a front end whose blocks sum their

@@ -1,0 +1,135 @@
+"""A Linen model's tp plan checked against what the model computes, before anything trains:
+the core's :func:`~fsdp_tp.tp._check.check_plan` over one device's trace of the model's call
+under the plan and the unsharded model's trace on the same inputs.
+
+:func:`check_call` runs where :func:`~fsdp_tp.shard_by_rules`'s model is first called with a plan
+on inputs of a shape (its init, inside :func:`~fsdp_tp.init_sharded`): it traces, abstractly,
+the call as each device computes it (the stored blocks, the roles' collectives) and, unless
+the caller has it (``tp_rules="auto"`` traced it to find the plan), the unsharded model's init
+computing its output. Once per model fields, input shapes and axis sizes.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+
+from .._axes import bound_axis_names
+from .._tree import static_split
+from ..tp._check import check_plan, checking, raise_failure, references_for
+from ..tp._graph import Graph
+from ..tp._plan import spelled
+from ..tp._role import without_rings
+from ..tp._rules import CompiledRole, role_of
+from ..tp._sites import module_of
+
+__all__ = ["check_call", "fields_of", "reference_graph"]
+
+_CHECKING: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_tp_checking_plan", default=False)
+
+
+def fields_of(module: nn.Module, target: type) -> dict[str, Any]:
+    """The fields ``module`` was built with, as ``target``'s constructor takes them."""
+    return {
+        f.name: getattr(module, f.name)
+        for f in dataclasses.fields(target)
+        if f.init and f.name not in ("parent", "name")
+    }
+
+
+def reference_graph(
+    module: nn.Module, args: tuple, kwargs: dict, streams: dict, whole: Callable | None = None
+) -> Graph:
+    """The unsharded ``module``'s init computing its output on ``args`` (each array's shape
+    through ``whole``, where given), read as a graph: its parameters are what the initializers
+    make, its output what the model returns."""
+    arrays, rebuild = static_split(args, kwargs)
+
+    def init(values):
+        call_args, call_kwargs = rebuild(values)
+        out, variables = module.init_with_output(streams, *call_args, **call_kwargs)
+        return out, variables.get("params", {})
+
+    shaped = [jax.ShapeDtypeStruct(whole(a.shape) if whole else a.shape, a.dtype) for a in arrays]
+    return Graph.trace_init(init, shaped)
+
+
+def check_call(
+    module: nn.Module,
+    target: type,
+    args: tuple,
+    kwargs: dict,
+    rules: tuple[CompiledRole, ...],
+    checked: set,
+    reference: Graph | None = None,
+) -> None:
+    """Refuses (``RuleError``) a plan under which ``module``'s call on ``args`` does not compute
+    blocks of the unsharded ``target``'s, once per fields, input shapes and axis sizes.
+    ``reference``: the unsharded trace on these inputs, where the caller has it."""
+    if _CHECKING.get() or not checking():
+        return  # (the check's own trace of the call)
+    bound = bound_axis_names()
+    sizes = {axis: jax.lax.axis_size(axis) for axis in sorted({r.role.axis for r in rules}) if axis in bound}
+    fields = fields_of(module, target)
+    arrays, rebuild = static_split(args, kwargs)
+    key = repr((fields, [(a.shape, a.dtype) for a in arrays], rebuild([None] * len(arrays)), sizes))
+    if not sizes or key in checked:
+        return
+    # (a dropout stream whether or not the call has one: an init may run without it)
+    scope_rngs = module.scope.rngs if module.scope is not None else {}
+    streams = {name: jax.random.key(0) for name in ("params", "dropout", *scope_rngs)}
+    where = f"shard_by_rules({target.__name__})"
+    plain = target(**fields, parent=None)
+
+    def unsharded(whole=None) -> Graph:
+        if reference is not None and whole is None:
+            return reference
+        return reference_graph(plain, args, kwargs, streams, whole)
+
+    try:
+        local = _local_graph(module, fields, arrays, rebuild, streams)
+    except Exception as err:
+        written = ", ".join(f"({r.pattern!r}, {spelled(r.role)})" for r in rules)
+        raise_failure(err, unsharded, where, f"[{written}]", sizes)
+    check_plan(local, references_for(unsharded, (r.role for r in rules), sizes), sizes, where, _named(rules))
+    checked.add(key)
+
+
+def _local_graph(module, fields, arrays, rebuild, streams) -> Graph:
+    """One device's trace of the call under the plan: the blocks ``module`` stores, the roles
+    (without rings: a ring calls a layer per chunk, the same numbers)."""
+    sharded = type(module)(**fields, parent=None)
+    rngs = {name: key for name, key in streams.items() if name != "params"}
+    mutable = [name for name in module.variables if name != "params"]  # (batch statistics, sown values)
+
+    def call(variables, values):
+        call_args, call_kwargs = rebuild(values)
+        return sharded.apply(variables, *call_args, rngs=rngs, mutable=mutable, **call_kwargs)[0]
+
+    token = _CHECKING.set(True)
+    try:
+        with without_rings():
+            return Graph.trace(call, module.variables, arrays)
+    finally:
+        _CHECKING.reset(token)
+
+
+def _named(rules: tuple[CompiledRole, ...]) -> Callable[[str], tuple[str, str]]:
+    """A Linen name stack (``Model/attn/q/q``: the model, then module paths; a role's clone
+    repeats its own name) as the module a rule names there and its role as written."""
+
+    def named(scope: str) -> tuple[str, str]:
+        parts = module_of(scope).split("/")[1:]
+        for end in range(len(parts), 0, -1):
+            path = "/".join(parts[:end])
+            if (found := role_of(path, rules)) is not None:
+                role, pattern, _ = found
+                return path, f"{spelled(role)} (tp rule {pattern!r})"
+        return "/".join(parts), "the tp rules"
+
+    return named

@@ -1,0 +1,137 @@
+"""An NNX model's tp plan checked against what the model computes, before anything trains: the
+core's :func:`~fsdp_tp.tp._check.check_plan` over one device's trace of the model's call under
+the plan and the unsharded model's trace on the same inputs.
+
+:meth:`~fsdp_tp.nnx.ShardedModel.merge` gives the model it builds a class whose call checks
+first (:func:`checked_class`), once per input shapes and axis sizes: inside the step, where the
+inputs and the sizes are known, and at init where ``inputs=`` gave the call's arguments. NNX
+records no module in a trace, so both traces run on throwaway models whose modules' calls
+name their paths (:func:`_scoped`): the pairs and the errors say which module made what.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from typing import Any
+
+import jax
+from flax import nnx
+
+from .._axes import bound_axis_names
+from .._tree import static_split
+from ..tp._check import check_plan, checking, raise_failure, references_for
+from ..tp._graph import Graph
+from ..tp._plan import spelled
+from ..tp._role import without_rings
+from ._tp import RolePlan, path_text
+
+__all__ = ["check_call", "checked_class"]
+
+_CHECKING: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_tp_checking_nnx_plan", default=False)
+_MARK = "nnx:"  # a module's name scope: its path, "." for "/" (which separates the stack's levels)
+
+
+def check_call(
+    model: nnx.Module,
+    reference: nnx.Module,
+    plan: RolePlan,
+    args: tuple,
+    kwargs: dict,
+    checked: set,
+    where: str,
+) -> None:
+    """Refuses (``RuleError``) ``plan`` where the merged ``model``'s call on ``args`` does not
+    compute blocks of the unsharded ``reference``'s (abstract), once per input shapes and sizes."""
+    if _CHECKING.get() or not checking() or not plan.roles:
+        return
+    bound = bound_axis_names()
+    roles = [role for role, _, _ in plan.roles.values()]
+    sizes = {axis: jax.lax.axis_size(axis) for axis in sorted({r.axis for r in roles}) if axis in bound}
+    arrays, rebuild = static_split(args, kwargs)
+    key = repr(([(a.shape, a.dtype) for a in arrays], rebuild([None] * len(arrays)), sizes))
+    if not sizes or key in checked:
+        return
+
+    def unsharded(whole=None) -> Graph:
+        shaped = [jax.ShapeDtypeStruct(whole(a.shape) if whole else a.shape, a.dtype) for a in arrays]
+        return _graph(reference, shaped, rebuild)
+
+    try:
+        local = _graph(model, arrays, rebuild)
+    except Exception as err:
+        said = {f"({pattern!r}, {spelled(role)})": None for role, pattern, _ in plan.roles.values()}
+        written = ", ".join(said)  # (each rule once, as matched: a role's children say "(inside)")
+        raise_failure(err, unsharded, where, f"[{written}]", sizes)
+    check_plan(local, references_for(unsharded, roles, sizes), sizes, where, _named(plan))
+    checked.add(key)
+
+
+def _graph(model: nnx.Module, arrays: list, rebuild) -> Graph:
+    """``model``'s call traced on a throwaway copy whose modules name their paths (the roles
+    without rings: a ring calls a layer per chunk, the same numbers)."""
+    graphdef, state = nnx.split(model)
+
+    def call(state, values):
+        call_args, call_kwargs = rebuild(values)
+        return _scoped(nnx.merge(graphdef, state))(*call_args, **call_kwargs)
+
+    token = _CHECKING.set(True)
+    try:
+        with without_rings():
+            return Graph.trace(call, state, arrays)
+    finally:
+        _CHECKING.reset(token)
+
+
+def _scoped(model: nnx.Module) -> nnx.Module:
+    """``model`` with every module's ``__call__`` under a name scope of its path."""
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module):
+            object.__setattr__(node, "__class__", _scope_class(type(node), _MARK + ".".join(map(str, path))))
+    return model
+
+
+@functools.cache
+def _scope_class(cls: type, name: str) -> type:
+    original = cls.__call__
+
+    def __call__(self, *args, **kwargs):
+        with jax.named_scope(name):
+            return original(self, *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+
+
+def _named(plan: RolePlan):
+    """A name stack of :func:`_scoped` modules as the innermost module a rule names there and
+    its role as written."""
+    roles = {path_text(path): (role, pattern) for path, (role, pattern, _) in plan.roles.items()}
+
+    def named(scope: str) -> tuple[str, str]:
+        modules = [part[len(_MARK) :] for part in scope.split("/") if part.startswith(_MARK)]
+        inner = modules[-1].replace(".", "/") if modules else ""  # (jnp.einsum scopes its equation)
+        parts = inner.split("/")
+        for end in range(len(parts), 0, -1):
+            if (found := roles.get("/".join(parts[:end]))) is not None:
+                role, pattern = found
+                return "/".join(parts[:end]), f"{spelled(role)} (tp rule {pattern!r})"
+        return inner, "the tp rules"
+
+    return named
+
+
+_CHECKED: dict[tuple, type] = {}
+
+
+def checked_class(cls: type, check: Any) -> type:
+    """``cls`` whose ``__call__`` first runs ``check(model, args, kwargs)``."""
+    key = (cls, check)
+    if key not in _CHECKED:
+
+        def __call__(self, *args, **kwargs):
+            check(self, args, kwargs)
+            return cls.__call__(self, *args, **kwargs)
+
+        _CHECKED[key] = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+    return _CHECKED[key]

@@ -1,0 +1,242 @@
+"""One device's trace read against the unsharded model's, operation by operation
+(:class:`Blocks`): whether each keeps every device's part a block of the unsharded computation.
+
+For each operation the model's code made in both traces (:func:`~fsdp_tp.tp._sites.pair`), a
+dim's two sizes say what a device holds of it: all of it, or a block (16 of 64: a fourth).
+Then an operation that computes across a dim (a ``mixes`` of
+:class:`~fsdp_tp.tp._graph.Node`: a max, a slice, a flip, a concatenation, an index) must not
+cross a block, except a sum (a ``reduce_sum``, a contraction, a table looked up on its rows),
+whose result is a *partial sum* that only linear operations may touch until a role sums it
+over the axis; a reshape keeps each device's part a block (:func:`_block`); every dim a
+device holds is a block of the unsharded dim. The library's own operations (the roles'
+collectives, FSDP's gathers) carry what they receive; a role's ``psum`` completes a sum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+
+from ..errors import RuleError
+from ._graph import Graph
+from ._ops import COLLECTIVES, FLAX_ATTENTION, RANDOM, is_block, linear, paired_shapes, sums_over
+from ._relations import Node
+from ._sites import is_library, pair, scope_of, site_of
+
+__all__ = ["Blocks"]
+
+Named = Callable[[str], tuple[str, str]]  # a name stack -> (module path, its role as written)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sum:
+    """Where a partial sum was made: the operation, its line, the module whose split it sums."""
+
+    what: str
+    site: str
+    module: str
+    contracted: bool  # a matmul's (a row layer's products), not a reduction's (a mean, a norm)
+
+
+class Blocks:
+    """The walk over ``local`` (one device's trace) against ``reference`` (the unsharded
+    model's), for roles over ``sizes``' axes; :meth:`run` refuses with a ``RuleError`` (its
+    words start with ``where``; ``named`` says a name stack's module and role) and collects in
+    ``undecided`` the operations it does not know that a split reaches."""
+
+    def __init__(self, local: Graph, reference: Graph, sizes: Mapping[str, int], where: str, named: Named):
+        self.local, self.reference, self.where, self.named = local, reference, where, named
+        self.sizes = dict(sizes)
+        self.total = math.prod(self.sizes.values())
+        self.pairs = pair(local, reference)
+        self.partial: dict[int, _Sum] = {}
+        self.origin: dict[int, str] = {}  # a split value -> the name stack of the op that split it
+        self.known: dict[int, tuple[int, ...]] = {}  # a value -> what a device holds of each dim
+        self.undecided: dict[str, None] = {}
+
+    def run(self, split_outputs: tuple[int, ...]) -> None:
+        """Every operation, then the outputs (which may leave split on ``split_outputs``)."""
+        for index, node in enumerate(self.local.nodes):
+            if not node.outs:  # (a callback, a print: it computes nothing the model reads)
+                continue
+            if index in self.pairs:
+                self.paired(node, self.reference.nodes[self.pairs[index]])
+            elif node.source is None or is_library(node):
+                self.carried(node)
+            elif site_of(node.source) is None:  # (JAX replays its own helpers' traces: no line)
+                self.rule(node, None, {v: self.known[v] for v in node.ins if v in self.known})
+            elif self.touched(node):
+                self.undecided[f"{node.prim} at {site_of(node.source)} (not in the unsharded trace)"] = None
+        self.outputs(split_outputs)
+
+    def touched(self, node: Node) -> bool:
+        return any(v in self.partial or v in self.origin for v in node.ins)
+
+    def carried(self, node: Node) -> None:
+        """A library operation (or a loop's carry): a partial sum stays partial unless a
+        collective sums it, and a split keeps its origin through anything but a collective."""
+        if node.prim in COLLECTIVES:
+            return
+        sums = [self.partial[v] for v in node.ins if v in self.partial]
+        origin = next((self.origin[v] for v in node.ins if v in self.origin), None)
+        for out in node.outs:
+            if sums:
+                self.partial[out] = sums[0]
+            if origin is not None:
+                self.origin[out] = origin
+
+    def paired(self, node: Node, ref: Node) -> None:
+        shapes = paired_shapes(node, ref, self.local, self.reference)
+        if shapes is None:  # (the same line made something else: traced under other conditions)
+            if self.touched(node):
+                self.undecided[f"{node.prim} at {site_of(node.source)} (another op unsharded)"] = None
+            return
+        factors = {v: self.factors(node, ref, v, *held_whole) for v, held_whole in shapes.items()}
+        self.known |= factors
+        self.rule(node, ref, factors)
+
+    def factors(self, node: Node, ref: Node, value: int, held: tuple, whole: tuple) -> tuple[int, ...]:
+        """What a device holds of each dim of ``value``: 1 (all of it) or n (a block, an n-th)."""
+        for d, (a, b) in enumerate(zip(held, whole, strict=True)):
+            if a > b or b % a or self.total % (b // a):
+                self.refuse(
+                    node, ref, self.origin.get(value, scope_of(node)),
+                    f"each device computes on dim {d} of size {a} where the unsharded model has {b}, "
+                    f"not a block of it over {_axes(self.sizes)}",
+                    "split and gather alike in a column layer and its row layer (the same sequence_dim, "
+                    "or none), and feed the model whole inputs or its sequence slices",
+                )
+        return tuple(b // a for a, b in zip(held, whole, strict=True))
+
+    def rule(self, node: Node, ref: Node | None, factors: dict[int, tuple[int, ...]]) -> None:
+        """One operation's checks, given what a device holds of its values (``factors``)."""
+        sums = [v for v in node.ins if v in self.partial]
+        split = [(v, d) for v, f in factors.items() for d, n in enumerate(f) if n > 1]
+        if not split and not sums:
+            self.carried(node)
+            return
+        origin = next((self.origin[v] for v in node.ins if v in self.origin), scope_of(node))
+        for out in node.outs:
+            if ref is None or sums or any(n > 1 for n in factors.get(out, ())):
+                self.origin[out] = origin
+        made = self.mixed(node, ref, factors, split, origin)
+        if sums and not linear(node, sums):
+            self.refuse_partial(node, ref, self.partial[sums[0]])
+        if sums or made:
+            module = scope_of(node) if self.named(scope_of(node))[0] else origin  # (the row layer's)
+            contracted = node.prim in ("dot_general", "conv_general_dilated")
+            made_here = _Sum(made or "", str(site_of(node.source)), module, contracted)
+            record = self.partial[sums[0]] if sums else made_here
+            for out in node.outs:
+                self.partial[out] = record
+
+    def mixed(self, node: Node, ref: Node | None, factors: dict, split: list, origin: str) -> str | None:
+        """Refuses an operation that computes across a block; returns what it sums, if it
+        makes a partial sum."""
+        if node.prim == "reshape" and ref is not None:
+            self.reshape(node, ref, origin)
+            return None
+        made = None
+        for v, d in split:
+            if (v, d) not in node.mixes:
+                continue
+            if sums_over(node, v, d):
+                made = node.mixes[(v, d)]
+            elif node.prim in RANDOM and str(site_of(node.source)).startswith(FLAX_ATTENTION):
+                continue
+            elif not node.known:
+                self.undecided[f"{node.prim} at {site_of(node.source)}"] = None
+            else:
+                why = f"{node.mixes[(v, d)]}, of which each device holds 1/{factors[v][d]}"
+                self.refuse(node, ref, origin, why, _mixing_fix(node.prim))
+        for group in node.same:  # (a dim of 1 on both sides is broadcast: no block)
+            found = {factors[v][d] for v, d in group if v in factors and self._size(v, d, factors) > 1}
+            if len(found) > 1:
+                why = f"{node.prim} combines blocks of different sizes ({sorted(found)}) of one dim"
+                self.refuse(node, ref, origin, why, "give the layers whose outputs meet here the same roles")
+        return made
+
+    def _size(self, value: int, dim: int, factors: dict) -> int:
+        """A dim's unsharded size (1 on both sides: broadcast, no block)."""
+        return self.local.shapes[value][dim] * factors[value][dim]
+
+    def reshape(self, node: Node, ref: Node, origin: str) -> None:
+        """In each group of dims a reshape merges or splits (on the unsharded shapes), a
+        device's part is a block of the group."""
+        for side, (value, full) in enumerate(((node.ins[0], ref.ins[0]), (node.outs[0], ref.outs[0]))):
+            assert value is not None and full is not None
+            for group in ref.params["groups"]:
+                held = [self.local.shapes[value][d] for d in group[side]]
+                whole = [self.reference.shapes[full][d] for d in group[side]]
+                if not is_block(held, whole):
+                    self.refuse_reshape(node, ref, origin, group[1][0])
+
+    def refuse_reshape(self, node: Node, ref: Node, origin: str, major: int) -> None:
+        full, held = self.reference.shapes[ref.outs[0]], self.local.shapes[node.outs[0]]
+        fixed = ", ".join("-1" if d == major else str(n) for d, n in enumerate(full))
+        self.refuse(
+            node, ref, origin,
+            f"it regroups each device's block with whole dims: the unsharded model makes "
+            f"{_text(full)}, each device {_text(held)}, not a block of it",
+            f"size the dim the split lands on from the array, not from the module's constants: reshape "
+            f"to ({fixed}), -1 where the unsharded model has {full[major]}, so each device keeps whole ones",
+        )
+
+    def refuse_partial(self, node: Node, ref: Node | None, made: _Sum) -> None:
+        partial = f"the partial sums of {made.what} (at {made.site}: each device's share of a sum)"
+        if node.prim in ("add", "sub", "add_any") and made.contracted:
+            why = f"{node.prim} adds a value whole on every device to {partial}, counted {self.total} times"
+            fix = "add it after the sum (RowParallel adds a module's bias once, after its sum)"
+        else:
+            why = f"{node.prim} reads {partial} before anything sums them over {_axes(self.sizes)}"
+            fix = "a mean, norm or softmax of split features must see them all: compute it after the sum"
+        self.refuse(node, ref, made.module, why, fix)
+
+    def outputs(self, split_outputs: tuple[int, ...]) -> None:
+        """What leaves the model is whole (or split on ``split_outputs``), never partial sums."""
+        for value, full in zip(self.local.outputs, self.reference.outputs, strict=False):
+            held, whole = self.local.shapes[value], self.reference.shapes[full]
+            split = {d for d, (a, b) in enumerate(zip(held, whole, strict=False)) if a != b}
+            if value in self.partial or not split <= {d % max(len(held), 1) for d in split_outputs}:
+                what = "partial sums" if value in self.partial else f"split on dim {min(split)}"
+                module, role = self.named(self.origin.get(value, ""))
+                by = f" (by {role} on {module})" if module else ""
+                raise RuleError(
+                    f"{self.where}: the model's output leaves {what}{by}: {_text(held)} on each device, "
+                    f"{_text(whole)} unsharded. Fix: end the region with a RowParallel layer, or give "
+                    f"the last ColumnParallel gather_output=True."
+                )
+
+    def refuse(self, node: Node, ref: Node | None, origin: str, why: str, fix: str) -> None:
+        module, role = self.named(origin)
+        sides = (("in", node.ins, ref.ins if ref else []), ("out", node.outs, ref.outs if ref else []))
+        shapes = "; ".join(
+            f"{what} {_texts(self.local, vs)} on each device"
+            + (f", {_texts(self.reference, rs)} unsharded" if rs else "")
+            for what, vs, rs in sides
+        )
+        drop = f"; or leave {module} whole (drop its tp rule)" if module else ""
+        raise RuleError(
+            f"{self.where}: {role} on {module or 'the model'} splits what the model's code at "
+            f"{site_of(node.source) or 'a line JAX does not record'} does not keep apart: {node.prim} "
+            f"({shapes}): {why}; the sharded model would compute another function. Fix: {fix}{drop}."
+        )
+
+
+def _mixing_fix(prim: str) -> str:
+    if prim in ("slice", "split", "dynamic_slice", "concatenate", "pad", "gather"):
+        return "give each part its own layer (q, k and v apart) and rule, so each device splits each part"
+    return "compute it where that dim is whole (after the row layer's sum)"
+
+
+def _text(shape) -> str:
+    return f"[{','.join(map(str, shape))}]"
+
+
+def _texts(graph: Graph, values) -> str:
+    return " ".join(_text(graph.shapes[v]) for v in values if v is not None)
+
+
+def _axes(sizes: Mapping[str, int]) -> str:
+    return " x ".join(f"{axis!r} ({size})" for axis, size in sizes.items())

@@ -1,0 +1,151 @@
+"""Whether a tensor-parallel plan computes the unsharded model: :func:`check_plan`.
+
+A role runs its module on this device's slices; the model's own code around it runs as
+written, on whatever it is handed. The plan is Megatron's only if that code keeps each
+device's part a block of the unsharded computation. Code sized from the module's own
+constants breaks that without an error: with q's 64 features split 4 ways,
+``x.reshape(b, s, self.heads, -1)`` regroups a device's 16 features into all 8 heads. Only the
+trace shows it, so each front end traces the model's call twice, abstractly, before anything
+trains: as one device computes it under the plan, and as the unsharded model does on the same
+inputs. :class:`~fsdp_tp.tp._blocks.Blocks` reads the first against the second; a refusal names
+the operation, its line, the role whose split reaches it, both shapes and a fix.
+
+The roles run without their rings there (:func:`~fsdp_tp.tp._role.without_rings`: the same
+numbers, each layer called once), and an error of the model's own code on its slices is named
+with the plan (:func:`raise_failure`). An operation the check does not know, reached by a
+split, leaves the plan unchecked there: one :class:`~fsdp_tp.errors.UncheckedPlanWarning`.
+
+>>> import jax, jax.numpy as jnp
+>>> def attention(p, x):   # q's features regrouped by a head count: (2, 16) -> (2, 4, 4)
+...     return (x @ p).reshape(2, 4, -1).sum(-1)
+>>> reference = Graph.trace(attention, jnp.ones((8, 16)), jnp.ones((2, 8)))
+>>> local = Graph.trace(attention, jnp.ones((8, 4)), jnp.ones((2, 8)))   # a fourth of the features
+>>> named = lambda stack: ("q", "ColumnParallel()")   # (the module and role of a name stack)
+>>> check_plan(local, [Reference(lambda: reference)], {"tensor": 4}, "demo", named)
+Traceback (most recent call last):
+...
+fsdp_tp.errors.RuleError: demo: ColumnParallel() on q splits what the model's code at ... reshape ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import traceback
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, NoReturn
+
+from ..errors import RuleError, UncheckedPlanWarning
+from ._blocks import Blocks, Named, _axes
+from ._graph import Graph
+from ._sites import Site, made_by_jax, site_of_file
+
+__all__ = ["Graph", "Reference", "check_plan", "checking", "raise_failure", "references_for", "switched_off"]
+
+_OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_tp_plan_check_off", default=False)
+
+
+def checking() -> bool:
+    """Whether the front ends check plans (always, but inside :func:`switched_off`)."""
+    return not _OFF.get()
+
+
+@contextlib.contextmanager
+def switched_off() -> Iterator[None]:
+    """Within, no plan is checked: how a test shows that the equality of outputs and gradients
+    (its oracle) catches what the check refuses."""
+    token = _OFF.set(True)
+    try:
+        yield
+    finally:
+        _OFF.reset(token)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """How to trace the unsharded model (``build``), and the dims its outputs may leave split
+    on (``split_outputs``; negative: from the end)."""
+
+    build: Callable[[], Graph]
+    split_outputs: tuple[int, ...] = (-1,)
+
+
+def check_plan(
+    local: Graph, references: Sequence[Reference], sizes: Mapping[str, int], where: str, named: Named
+) -> list[str]:
+    """Raises :class:`~fsdp_tp.errors.RuleError` where ``local`` (one device's trace under the
+    plan, whose roles split over ``sizes``' axes) does not compute blocks of the unsharded
+    model's trace on the same inputs: the first of ``references`` it fits, the first one's
+    refusal if none. ``where``: the caller, as the error starts; ``named(name_stack)``: the
+    module an operation belongs to and its role as the user wrote it. Returns (and warns of)
+    the operations the check does not know that a split reaches.
+
+    A model's output may leave split on its last dim (logits over a vocabulary split, for
+    :func:`~fsdp_tp.tp.vocab_parallel_cross_entropy`), never as partial sums."""
+    refused = None
+    for reference in references:
+        blocks = Blocks(local, reference.build(), sizes, where, named)
+        try:
+            blocks.run(reference.split_outputs)
+        except RuleError as err:
+            refused = refused or err
+            continue
+        if blocks.undecided:
+            warnings.warn(
+                UncheckedPlanWarning(
+                    f"{where}: the tp plan could not be checked at {'; '.join(blocks.undecided)}: the "
+                    f"check does not know what these do to a split dim. Compare the sharded model's "
+                    f"outputs and gradients with the unsharded model's on a batch to prove it."
+                ),
+                stacklevel=5,
+            )
+        return list(blocks.undecided)
+    assert refused is not None  # (no reference: nothing to fit)
+    raise refused
+
+
+def references_for(
+    build: Callable[[Callable | None], Graph], roles: Iterable[Any], sizes: Mapping[str, int]
+) -> list[Reference]:
+    """The unsharded traces a device's trace may fit: the model on the same inputs, and, where
+    every role with a ``sequence_dim`` has the same one over one axis, on inputs that dim times
+    the axis size (a caller may feed a sequence-parallel model its sequence slices, which it
+    then returns). ``build(whole)``: the trace, each input's shape through ``whole`` if given."""
+    found = {(r.sequence_dim, r.axis) for r in roles if getattr(r, "sequence_dim", None) is not None}
+    references = [Reference(lambda: build(None))]
+    if len(found) == 1:
+        ((dim, axis),) = found
+        n = sizes.get(axis, 1)
+        whole = lambda shape: tuple(x * n if i == dim else x for i, x in enumerate(shape))
+        references.append(Reference(lambda: build(whole), (dim, -1)))
+    return references
+
+
+def raise_failure(
+    err: Exception, unsharded: Callable[[], Any], where: str, rules: str, sizes: Mapping[str, int]
+) -> NoReturn:
+    """Raises what fits an error of the model's code on a device's slices under the plan
+    (``rules``: the rules as written): the library's own errors as they are (they name their
+    fix), and the model's own as they are where the unsharded model (``unsharded()`` traces it)
+    fails too; else a :class:`~fsdp_tp.errors.RuleError` naming the line that failed."""
+    frames = traceback.extract_tb(err.__traceback__)
+    sites = [Site(f.filename, f.lineno or 0, f.name) for f in reversed(frames)]
+    raiser = next((s for s in sites if not made_by_jax(s.file)), None)
+    if type(err).__module__.startswith("fsdp_tp") or (raiser is not None and raiser.library):
+        raise err  # (the library's own refusal: it names its fix)
+    try:
+        unsharded()
+    except Exception:
+        raise err from None  # (not the plan's doing: the model refuses these inputs itself)
+    line = next((s for s in sites if site_of_file(s.file)), None)
+    raise RuleError(
+        f"{where}: under the tp rules {rules} the model's code fails on each device's slices"
+        f"{f' at {line}' if line else ''}: {type(err).__name__}: {err}. Each role computes its "
+        f"module on a block of what it splits over {_axes(sizes)}, and the code around it runs as "
+        f"written: a size taken from the module's constants (a head count, a stacked k/v dim) no "
+        f"longer fits. Fix: size that code from the arrays it gets (reshape with -1 where the "
+        f"split dim lands), give an einsum role the letter the model splits (letter=...), or drop "
+        f"the rule for the modules around that line, so they stay whole."
+    ) from err

@@ -1,0 +1,145 @@
+"""Where an operation of a traced model comes from: the line of the user's source that made it
+(:class:`Site`, read off the jaxpr equation's traceback), whether the library made it (a role's
+collective, an FSDP gather: :func:`is_library`), and which operations of two traces of the same
+model are the same line's (:func:`pair`), so a device's trace can be read against the unsharded
+model's.
+
+Two traces of one model's call (one device's under a plan, the unsharded model's) run the same
+code: each operation the model's code makes (its own lines, flax's layers) appears in both, in
+the same order, with the same primitive and source line; the library adds its own around them.
+The n-th operation of a line, primitive and module (the name stack it was made under) in one
+trace is the n-th in the other.
+
+>>> import jax, jax.numpy as jnp
+>>> from fsdp_tp.tp._graph import Graph
+>>> graph = Graph.trace(lambda p, x: jnp.tanh(x @ p), jnp.ones((4, 8)), jnp.ones((2, 4)))
+>>> site = site_of(graph.nodes[1].source)
+>>> graph.nodes[1].prim, site.function, is_library(graph.nodes[1])
+('tanh', '<lambda>', False)
+>>> pair(graph, graph)
+{0: 0, 1: 1}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sysconfig
+from collections import defaultdict
+
+import jax
+
+from ._graph import Graph
+from ._relations import Node
+
+__all__ = ["Site", "is_library", "made_by_jax", "module_of", "pair", "scope_of", "site_of", "site_of_file"]
+
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the fsdp_tp package
+# Frames of JAX itself and of Python's standard library are how an operation was made, not where.
+_SKIPPED = (os.path.dirname(os.path.abspath(jax.__file__)) + os.sep, sysconfig.get_paths()["stdlib"] + os.sep)
+# The library's own models compute as a user's model does; everything else of it distributes.
+_MODEL_CODE = (os.path.join(_HERE, "models") + os.sep, os.path.join(_HERE, "attention.py"))
+# Operations that only retype a value for JAX's replication check (no-ops on the numbers),
+# which JAX inserts at the line of the operation they feed.
+_RETYPES = frozenset({"pvary", "pcast"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """A line of source: the innermost frame of an operation's traceback outside JAX."""
+
+    file: str
+    line: int
+    function: str
+
+    def __str__(self) -> str:
+        return f"{_short(self.file)}:{self.line} ({self.function})"
+
+    @property
+    def library(self) -> bool:
+        """Made by the library's distributing code (not its models, which compute as a user's)."""
+        return self.file.startswith(_HERE + os.sep) and not self.file.startswith(_MODEL_CODE)
+
+
+def site_of(source) -> Site | None:
+    """The :class:`Site` of an equation's ``source_info`` (``None``: no traceback, or JAX's own)."""
+    traceback = getattr(source, "traceback", None)
+    if traceback is None:
+        return None
+    for frame in traceback.frames:  # innermost first
+        if not made_by_jax(frame.file_name):
+            return Site(frame.file_name, frame.line_num, frame.function_name)
+    return None
+
+
+def made_by_jax(file: str) -> bool:
+    """Whether ``file`` is JAX's or Python's own: how an operation was made, not where."""
+    return file.startswith(_SKIPPED)
+
+
+def site_of_file(file: str) -> bool:
+    """Whether a frame of ``file`` is where the model's code is (not JAX's, Python's or the
+    library's distributing code)."""
+    return not made_by_jax(file) and not Site(file, 0, "").library
+
+
+def scope_of(node: Node) -> str:
+    """The name stack the operation was made under (Linen's module path; an NNX role's)."""
+    return str(getattr(node.source, "name_stack", "") or "")
+
+
+def is_library(node: Node) -> bool:
+    """Whether the library made ``node`` (or JAX's replication check did): it has no pair in
+    the unsharded model's trace."""
+    if node.prim in _RETYPES:
+        return True
+    site = site_of(node.source)
+    return site is not None and site.library
+
+
+def pair(local: Graph, reference: Graph) -> dict[int, int]:
+    """``{index in local: index in reference}``: each operation the model's code made in
+    ``local`` with the one of the same primitive and source line, counted in order, in
+    ``reference`` (the library's operations, and those made twice as often in one trace, have
+    none)."""
+    made: dict[tuple, list[int]] = defaultdict(list)
+    for index, node in enumerate(reference.nodes):
+        if (key := _key(node)) is not None:
+            made[key].append(index)
+    seen: dict[tuple, int] = defaultdict(int)
+    pairs = {}
+    for index, node in enumerate(local.nodes):
+        if (key := _key(node)) is None or is_library(node):
+            continue
+        nth, seen[key] = seen[key], seen[key] + 1
+        if nth < len(made[key]):
+            pairs[index] = made[key][nth]
+    return pairs
+
+
+def _key(node: Node) -> tuple | None:
+    """The primitive, the line and the module: a role may run a module's line less often
+    (a row layer adds its bias after the sum), which must not shift the other modules' pairs."""
+    site = site_of(node.source)
+    if site is None:
+        return None
+    return node.prim, site.file, site.line, site.function, module_of(scope_of(node))
+
+
+def module_of(scope: str) -> str:
+    """The module path of a name stack, each name said once (a Linen role's clone repeats its
+    module's name: ``LM/mlp/up/up``)."""
+    parts: list[str] = []
+    for part in scope.split("/"):
+        if not parts or parts[-1] != part:
+            parts.append(part)
+    return "/".join(parts)
+
+
+def _short(file: str) -> str:
+    """A file as a user finds it: under a ``site-packages`` the package's own path, under the
+    working directory the relative one, else the whole path."""
+    if (at := file.rfind("site-packages" + os.sep)) >= 0:
+        return file[at + len("site-packages") + 1 :]
+    cwd = os.getcwd() + os.sep
+    return file[len(cwd) :] if file.startswith(cwd) else file

@@ -1,0 +1,175 @@
+"""Issue 57: every tensor-parallel plan is checked against what the model computes before
+anything trains.
+
+Attention as people write it (q, k, v as dense layers, then a reshape to heads), under
+Megatron's rules or ``tp_rules="auto"``, Linen and NNX, on data 2 x tensor 4: each way of
+writing it is either refused before the first step, the error naming the operation and its
+line in this file, or equal to the unsharded model (outputs and synced gradients, float64).
+Negative control: with the check switched off, every refused case trains another model (the
+equality catches it), so the refusals are not a check's caution but real differences.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from fsdp_tp.errors import RuleError
+from fsdp_tp.tp._check import switched_off
+from fsdp_tp.tp.roles import ColumnParallel, RowParallel
+from tests.test_einsum_tp import _check_split
+
+D, HEADS = 32, 4  # model width and heads: 8 features a head, 2 heads a device on tensor 4
+X = (4, 6, D)  # (batch, sequence, features)
+RULES = [(r"^(q|k|v)$", ColumnParallel()), (r"^out$", RowParallel())]
+FUSED_RULES = [(r"^qkv$", ColumnParallel()), (r"^out$", RowParallel())]
+
+
+# How each writes q (b, s, d) as heads (b, s, heads, head dim), and what comes between the
+# projection and the heads. A comment "refused" marks the line the check must name.
+def heads_by_count(x):
+    b, s, _ = x.shape
+    return x.reshape(b, s, HEADS, -1)  # refused: regroups a device's features into every head
+
+
+def heads_by_width(x):
+    b, s, _ = x.shape
+    return x.reshape(b, s, -1, D // HEADS)
+
+
+def heads_from_shape(x):
+    return x.reshape(*x.shape[:-1], -1, D // HEADS)
+
+
+def heads_by_both_sizes(x):
+    b, s, _ = x.shape
+    return x.reshape(b, s, HEADS, D // HEADS)  # refused: fails on a device's slice
+
+
+def head_width_from_the_features(x):
+    b, s, features = x.shape
+    return x.reshape(b, s, -1, features // HEADS)  # refused: the device's features, not the model's
+
+
+def heads_first_by_width(x):  # einops' "b s (h d) -> b h s d", then back to (b, s, h, d)
+    b, s, _ = x.shape
+    return x.reshape(b, s, -1, D // HEADS).transpose(0, 2, 1, 3).transpose(0, 2, 1, 3)
+
+
+def heads_first_by_count(x):
+    b, s, _ = x.shape
+    return x.reshape(b, s, HEADS, -1).transpose(0, 2, 1, 3).transpose(0, 2, 1, 3)  # refused
+
+
+def normalized(x):  # an RMS norm over q's features before the heads
+    return heads_by_width(x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6))  # refused
+
+
+def softmaxed(x):
+    return heads_by_width(jax.nn.softmax(x, axis=-1))  # refused: a max over split features
+
+
+def flipped(x):
+    return heads_by_width(x[..., ::-1])  # refused: reverses each device's block, not the whole
+
+
+WAYS = {
+    "heads_by_count": heads_by_count,
+    "heads_by_width": heads_by_width,
+    "heads_from_shape": heads_from_shape,
+    "heads_by_both_sizes": heads_by_both_sizes,
+    "head_width_from_the_features": head_width_from_the_features,
+    "heads_first_by_width": heads_first_by_width,
+    "heads_first_by_count": heads_first_by_count,
+    "normalized": normalized,
+    "softmaxed": softmaxed,
+    "flipped": flipped,
+    "fused_qkv_split": None,  # GPT-2's c_attn: one projection, then jnp.split (below)
+}
+
+
+def attend(q, k, v):
+    weights = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1]), axis=-1)
+    out = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+    return out.reshape(*out.shape[:2], -1)
+
+
+def split_fused(qkv):
+    return [heads_by_width(t) for t in jnp.split(qkv, 3, axis=-1)]  # refused: cuts split features
+
+
+def _linen(way: str) -> type[nn.Module]:
+    class LinenAttention(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            dense = lambda width, name: nn.Dense(width, param_dtype=jnp.float64, name=name)
+            if way == "fused_qkv_split":
+                q, k, v = split_fused(dense(3 * D, "qkv")(x))
+            else:
+                q, k, v = (WAYS[way](dense(D, name)(x)) for name in ("q", "k", "v"))
+            return dense(D, "out")(attend(q, k, v))
+
+    return LinenAttention
+
+
+def _nnx(way: str):
+    class NNXAttention(nnx.Module):
+        def __init__(self, rngs):
+            dense = lambda width: nnx.Linear(D, width, param_dtype=jnp.float64, rngs=rngs)
+            if way == "fused_qkv_split":
+                self.qkv = dense(3 * D)
+            else:
+                self.q, self.k, self.v = dense(D), dense(D), dense(D)
+            self.out = dense(D)
+
+        def __call__(self, x):
+            if way == "fused_qkv_split":
+                q, k, v = split_fused(self.qkv(x))
+            else:
+                q, k, v = (WAYS[way](layer(x)) for layer in (self.q, self.k, self.v))
+            return self.out(attend(q, k, v))
+
+    return NNXAttention
+
+
+def _refused_at(way: str) -> int | None:
+    """The line of this file the check must name for ``way`` (``None``: equal to unsharded)."""
+    source, first = inspect.getsourcelines(split_fused if way == "fused_qkv_split" else WAYS[way])
+    marked = [first + i for i, line in enumerate(source) if "# refused" in line]
+    return marked[0] if marked else None
+
+
+def _model(api: str, way: str):
+    return _linen(way) if api == "linen" else _nnx(way)
+
+
+@pytest.mark.parametrize("way", list(WAYS))
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_attention_as_people_write_it_is_refused_at_its_line_or_equal(api, way):
+    rules = FUSED_RULES if way == "fused_qkv_split" else RULES
+    line = _refused_at(way)
+    if line is None:
+        _check_split(api, _model(api, way), rules, X, check_vma=True)
+        return
+    with pytest.raises(RuleError, match=rf"test_plan_check\.py:{line} \(") as refused:
+        _check_split(api, _model(api, way), rules, X, check_vma=True)
+    message = str(refused.value)
+    assert "Fix:" in message and re.search(r"\bq\b|\bqkv\b", message), message
+
+
+REFUSED_AND_RUNNING = [w for w in WAYS if _refused_at(w) is not None and w != "heads_by_both_sizes"]
+
+
+@pytest.mark.parametrize("way", REFUSED_AND_RUNNING)
+def test_negative_control_unchecked_the_refused_ways_train_another_model(way):
+    """With the check off, each refused way (but the one that cannot run on its slices) gives
+    other outputs than the unsharded model: the check refuses real differences."""
+    rules = FUSED_RULES if way == "fused_qkv_split" else RULES
+    with switched_off(), pytest.raises(AssertionError, match="output"):
+        _check_split("linen", _linen(way), rules, X, check_vma=True)
