@@ -2,15 +2,14 @@
 equivalence checks (tests/equivalence.py) run the same invariants on them as on Linen models.
 
 The checks call ``model.init(rng, x)["params"]`` and ``model.apply({"params": p}, x)``;
-:class:`fsdp_tp.bench.llama_rows.NNXSharded` answers for a model laid out by
-``fsdp_tp.nnx.shard_by_rules`` (per device,
-under ``jax.shard_map``) and :class:`Twin` for the unsharded model the user's constructor
-builds: the only place where the two front ends differ in the tests.
+:class:`fsdp_tp.testing.NNXSharded` answers for a model laid out by
+``fsdp_tp.nnx.shard_by_rules`` (per device, under ``jax.shard_map``) and
+:class:`fsdp_tp.testing.NNXTwin` for the unsharded model the user's constructor builds: the
+only place where the two front ends differ in the tests.
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -61,35 +60,6 @@ class MLPStack(nnx.Module):
             for block in self.blocks:
                 x = block(x)
         return self.head(x)
-
-
-def _pure(state) -> dict:
-    out: dict = {}
-    for path, variable in nnx.to_flat_state(state):
-        node = out
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = variable.get_raw_value()
-    return out
-
-
-class Twin:
-    """The unsharded model, as the equivalence checks call a Linen module."""
-
-    def __init__(self, make):
-        self.make = make
-        self.graphdef, self.abstract = nnx.split(nnx.eval_shape(lambda: make(nnx.Rngs(0))))
-
-    def init(self, rng, *_inputs):
-        return {"params": _pure(nnx.state(self.make(nnx.Rngs(rng)), nnx.Param))}
-
-    def apply(self, variables, x):
-        flat = dict(jax.tree_util.tree_flatten_with_path(variables["params"])[0])
-        by_path = {tuple(k.key for k in key_path): leaf for key_path, leaf in flat.items()}
-        state = nnx.from_flat_state(
-            [(path, v.copy(by_path[path])) for path, v in nnx.to_flat_state(self.abstract)]
-        )
-        return nnx.merge(self.graphdef, state)(x)
 
 
 def lm_maker(vocab, d_model, heads, layers, **options):

@@ -26,12 +26,12 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 from fsdp_tp.analysis import dot_flops, operand_count, parse_collectives
-from fsdp_tp.bench.llama_rows import NNXSharded as Sharded
 from fsdp_tp.errors import LayerLeftWholeWarning, RuleError
 from fsdp_tp.linen.tp_rules import mlp_rules
 from fsdp_tp.models import Transformer
 from fsdp_tp.models.llama import RULES, LlamaLM, NNXLlamaLM
 from fsdp_tp.models.nnx_transformer import NNXTransformer, tp_rules
+from fsdp_tp.testing import NNXSharded as Sharded
 from fsdp_tp.tp import _regions, shared_column_inputs
 from fsdp_tp.tp._check import switched_off
 from fsdp_tp.tp.roles import ColumnParallel, RowParallel, VocabParallel

@@ -32,17 +32,17 @@ from jax.sharding import PartitionSpec as P
 import fsdp_tp
 import fsdp_tp._einsum
 from fsdp_tp.analysis import operand_count, parse_collectives
-from fsdp_tp.bench.llama_rows import NNXSharded as Sharded
 from fsdp_tp.bench.llama_rows import llama_section, lowered_lm_step, measure
 from fsdp_tp.collectives import copy_to_axis
 from fsdp_tp.errors import IndivisibleShapeError, RuleError
 from fsdp_tp.models.llama import FSDP_RULES, RULES, SIZES, LlamaLM, NNXLlamaLM
+from fsdp_tp.testing import NNXSharded as Sharded
+from fsdp_tp.testing import NNXTwin as Twin
 from fsdp_tp.tp import _matmul as tp_matmul
 from fsdp_tp.tp._check import switched_off
 from fsdp_tp.tp.roles import ColumnParallel, RowParallel, register_einsum
 from tests import test_tp_rules
 from tests.equivalence import Case, assert_trees_close, check_equivalence
-from tests.nnx_models import Twin
 
 APIS = ["linen", "nnx"]
 MESHES = {

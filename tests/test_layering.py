@@ -190,10 +190,11 @@ def test_bench_and_the_cli_share_the_recipe_not_each_other():
     assert modules and not any(offenders.values()), offenders
 
 
-# Above the core and the two front ends: the model zoo, the main job's recipe, the CLI and the
-# benchmarks (each may use both front ends), the package's own __init__ and __main__, and
+# Above the core and the two front ends: the model zoo, the main job's recipe, the CLI, the
+# benchmarks and the equivalence proof users and the suite share (each may use both front
+# ends), the package's own __init__ and __main__, and
 # fsdp_tp.tp_rules (0.1's path to fsdp_tp.linen.tp_rules, until 0.3.0).
-APPLICATIONS = ("models", "recipe", "cli", "bench")
+APPLICATIONS = ("models", "recipe", "cli", "bench", "testing")
 TOP_LEVEL = (TOP, "__main__", "tp_rules")
 
 
@@ -230,6 +231,7 @@ IMPORT_LINEN = {
     "bench.llama_rows": "the Linen Llama laid out by shard_by_rules",
     "bench.auto_rows": "finds the Linen Llama's plan (fsdp_tp.linen.find_tp_rules)",
     "cli.fit": "fsdp-tp plan prints the Linen GPT's plan (fsdp_tp.linen.find_tp_rules)",
+    "testing._front": "check_sharded lays a user's Linen model out (fsdp_tp.shard_by_rules)",
 }
 
 

@@ -15,9 +15,9 @@ from fsdp_tp.analysis import (
     parse_collectives,
     state_bytes_per_device,
 )
-from fsdp_tp.bench.llama_rows import NNXSharded as Sharded
 from fsdp_tp.bench.llama_rows import lowered_lm_step
 from fsdp_tp.nnx import _read
+from fsdp_tp.testing import NNXSharded as Sharded
 from tests.models import MLP
 from tests.test_tp_rules import NNXTiedLM, TiedLM
 

@@ -22,10 +22,11 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 from fsdp_tp.analysis import parse_collectives
-from fsdp_tp.bench.llama_rows import NNXSharded
+from fsdp_tp.testing import NNXSharded
+from fsdp_tp.testing import NNXTwin as Twin
 from tests.equivalence import Case, batches, check_equivalence, step_program, train_state
 from tests.models import MLP
-from tests.nnx_models import MLPStack, Twin
+from tests.nnx_models import MLPStack
 from tests.test_fsdp_equivalence import MESHES, WIDTHS, mesh_of, replicated_ok
 from tests.test_memory_and_communication import BIAS_BYTES, FEATURES, IN_DIM, KERNEL_BYTES, MIN_SIZE, _total
 from tests.test_memory_and_communication import _step_collectives as _fsdp_step_collectives
@@ -120,7 +121,7 @@ def _lowered_by_rules(api: str, policy) -> list:
     rng = jax.random.key(0)
     init = lambda r, x: case.model.init(r, x)["params"]
     params, _ = fsdp_tp.init_sharded(init, case.mesh, (P(), P(BATCH_AXES)), rng, x, check_vma=False)
-    state, specs = train_state(case, optax.sgd(0.1), params, rng)
+    state, specs = train_state(case.comparison, optax.sgd(0.1), params, rng)
     return parse_collectives(step_program(case, specs).lower(state, (x, y)).as_text(dialect="hlo"))
 
 

@@ -17,12 +17,13 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 import fsdp_tp.nnx
-from fsdp_tp.bench.llama_rows import NNXSharded as Sharded
 from fsdp_tp.errors import RuleError
 from fsdp_tp.nnx._read import ReadPlan
+from fsdp_tp.testing import NNXSharded as Sharded
+from fsdp_tp.testing import NNXTwin as Twin
 from fsdp_tp.tp._check import switched_off
 from tests.equivalence import Case, check_equivalence
-from tests.nnx_models import MLPStack, NormDropNet, Twin
+from tests.nnx_models import MLPStack, NormDropNet
 from tests.test_tensor_parallel import mesh_of
 
 

@@ -19,11 +19,11 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 from fsdp_tp.analysis import parse_collectives
-from fsdp_tp.bench.llama_rows import NNXSharded as Sharded
 from fsdp_tp.bench.llama_rows import lowered_lm_step
 from fsdp_tp.errors import RuleError
 from fsdp_tp.linen import _gather, rule_transform
 from fsdp_tp.nnx import _model as nnx_model
+from fsdp_tp.testing import NNXSharded as Sharded
 from tests.equivalence import Case, check_equivalence
 from tests.nnx_models import lm_maker
 from tests.plain_models import PlainLM

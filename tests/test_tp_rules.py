@@ -29,17 +29,18 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 from fsdp_tp.analysis import collective_summary, dot_flops, parse_collectives, state_bytes_per_device
-from fsdp_tp.bench.llama_rows import NNXSharded as Sharded
 from fsdp_tp.bench.llama_rows import lowered_lm_step
 from fsdp_tp.errors import IndivisibleShapeError, RuleError
 from fsdp_tp.linen.tp_rules import attention_rules, mlp_rules
+from fsdp_tp.testing import NNXSharded as Sharded
+from fsdp_tp.testing import NNXTwin as Twin
 from fsdp_tp.tp import _heads as tp_heads
 from fsdp_tp.tp import _matmul as tp_matmul
 from fsdp_tp.tp import _vocab as tp_vocab
 from fsdp_tp.tp._check import switched_off
 from fsdp_tp.tp.roles import ColumnParallel, HeadParallel, RowParallel, VocabParallel
 from tests.equivalence import Case, check_equivalence
-from tests.nnx_models import Twin, lm_maker
+from tests.nnx_models import lm_maker
 from tests.plain_models import PlainLM
 from tests.test_tensor_parallel import mesh_of
 

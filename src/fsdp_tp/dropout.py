@@ -218,11 +218,20 @@ def keep_mask(key: jax.Array, keep_prob: float, shape: tuple[int, ...], split: S
         return jnp.zeros(shape, bool)
     counts = jnp.concatenate([high.ravel(), low.ravel()])  # threefry_2x32 hashes (first half, second half)
     hashed = threefry_2x32((data[0], data[1]), counts)
-    bits = (hashed[: high.size] ^ hashed[high.size :]).reshape(shape)
-    # jax.random.uniform: 23 random mantissa bits under exponent 0, minus 1; then `< p`.
-    one = np.array(1.0, np.float32).view(np.uint32)
-    floats = jax.lax.bitcast_convert_type((bits >> 9) | _U32(one), jnp.float32) - jnp.float32(1.0)
-    return jax.lax.max(jnp.float32(0.0), floats) < jnp.float32(keep_prob)
+    first, second = hashed[: high.size].reshape(shape), hashed[high.size :].reshape(shape)
+    # bernoulli draws a uniform of p's dtype: a Python float's, float64 under jax_enable_x64.
+    dtype = jnp.asarray(keep_prob).dtype
+    uint: type[np.unsignedinteger] = np.uint64 if dtype == jnp.float64 else np.uint32
+    if uint is np.uint64:  # 64 random bits: the first hash over the second
+        bits = (first.astype(jnp.uint64) << 32) | second.astype(jnp.uint64)
+    else:  # 32 random bits: the two hashes xor-ed
+        bits = first ^ second
+    # jax.random.uniform: the mantissa's random bits under exponent 0, minus 1; then `< p`.
+    one = np.array(1.0, dtype).view(uint)
+    width = 8 * np.dtype(uint).itemsize
+    shifted = (bits >> uint(width - jnp.finfo(dtype).nmant)) | uint(one)
+    floats = jax.lax.bitcast_convert_type(shifted, dtype) - jnp.asarray(1.0, dtype)
+    return jax.lax.max(jnp.asarray(0.0, dtype), floats) < jnp.asarray(keep_prob, dtype)
 
 
 def dropout(

@@ -22,7 +22,6 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from .. import nnx as fsdp_nnx
 from ..analysis import Collective, dot_flops, operand_count, parse_collectives, state_bytes_per_device
 from ..gradients import sync_gradients
 from ..linen.rule_transform import shard_by_rules
@@ -30,6 +29,7 @@ from ..mesh import make_mesh
 from ..models.llama import FSDP_RULES, RULES, LlamaLM, NNXLlamaLM
 from ..nnx import tp_splits
 from ..sharded_init import init_sharded
+from ..testing import NNXSharded
 from ..tp.roles import ColumnParallel
 from ..train import TrainState, shard_step
 from .figures import median, step_seconds
@@ -39,7 +39,6 @@ __all__ = [
     "MESHES",
     "SIZES",
     "Measured",
-    "NNXSharded",
     "llama_costs",
     "llama_section",
     "lowered_lm_step",
@@ -87,20 +86,6 @@ def plan_rules(plan: str, tensor: int, sizes: dict) -> tuple[list, list]:
         (pattern, _megatron_split(pattern, spec, splits, shapes, "kv" in pattern and not split_kv))
         for pattern, spec in FSDP_RULES
     ], []
-
-
-class NNXSharded:
-    """An NNX model laid out by :func:`fsdp_tp.nnx.shard_by_rules`, with Linen's ``init`` /
-    ``apply`` (per device), so one step serves both front ends."""
-
-    def __init__(self, make, rules=(), **kwargs):
-        self.sharded = fsdp_nnx.shard_by_rules(make, rules, **kwargs)
-
-    def init(self, rng, *_inputs):
-        return {"params": self.sharded.init(rng)[0]}
-
-    def apply(self, variables, x):
-        return self.sharded.merge(variables["params"])(x)
 
 
 def lowered_lm_step(model, mesh, batch_axes: tuple, tokens, check_vma: bool = True):

@@ -1,0 +1,172 @@
+"""The proof for a user's own model: :func:`check_sharded` builds the sharded model and its
+unsharded twin from what the user has (the model, the rules, a mesh, a batch and a loss) and
+runs the suite's check (:func:`~fsdp_tp.testing.check_equal`) on them."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from .._axes import as_axis_tuple
+from .._batch import DEFAULT_BATCH_AXES
+from .._types import AxisNames
+from ..linen.rule_transform import shard_by_rules
+from ..mesh import make_mesh
+from ._harness import OPTIMIZERS, Comparison, check_equal
+from ._nnx import NNXSharded, NNXTwin
+
+__all__ = ["check_sharded"]
+
+_CALLER = "fsdp_tp.testing.check_sharded"
+
+
+def check_sharded(
+    model: nn.Module | Callable[[nnx.Rngs], nnx.Module],
+    batch: tuple[Any, Any],
+    loss: Callable[[Any, Any], jax.Array],
+    mesh: Mesh | Mapping[str, int],
+    rules=(),
+    *,
+    tp_rules=(),
+    batch_axes: AxisNames | None = None,
+    steps: int = 3,
+    optimizers: Mapping[str, Callable[[], optax.GradientTransformation]] = OPTIMIZERS,
+    check_vma: bool = True,
+    float64: bool = True,
+    seed: int = 0,
+    rngs: Mapping[str, jax.Array] | None = None,
+) -> None:
+    """Proves ``model`` laid out by ``rules`` and ``tp_rules`` on ``mesh`` equal to the unsharded
+    model, or raises ``AssertionError`` naming the first leaf that differs (its path, both
+    values, the largest difference). The checks: the init bit for bit; on ``batch`` (``(inputs,
+    targets)``, split over ``batch_axes`` on dim 0) the outputs, ``loss(outputs, targets)`` (a
+    mean over the rows) and the synced gradients; the parameters after ``steps`` steps of each
+    of ``optimizers`` (default SGD and AdamW). ``model``: a Linen module (the sharded one is
+    ``fsdp_tp.shard_by_rules(type(model), rules, tp_rules=...)`` with its fields) or an NNX
+    constructor ``make(rngs)`` (``fsdp_tp.nnx.shard_by_rules(make, rules, tp_rules=...)``).
+    ``float64``: computed in float64 (inputs cast; the model promotes), where rounding is far
+    below the tolerance. ``rngs`` (``{"dropout": key}``): the streams the model draws from at
+    its call, the same for both (the sharded model draws the twin's dropout masks): a Linen
+    model's ``apply(..., rngs=rngs)``; an NNX model's ``model(x, rngs=nnx.Rngs(**rngs))``, anew
+    for each call (a model holding its own ``nnx.Rngs`` is not a stateless step's).
+
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> from fsdp_tp.tp import ColumnParallel, RowParallel
+    >>> class MLP(nn.Module):
+    ...     @nn.compact
+    ...     def __call__(self, x):
+    ...         return nn.Dense(4, name="down")(nn.gelu(nn.Dense(16, name="up")(x)))
+    >>> x, y = jnp.ones((8, 4)), jnp.zeros((8, 4))
+    >>> check_sharded(MLP(), (x, y), lambda out, y: jnp.mean((out - y) ** 2), {"data": 2, "tensor": 4},
+    ...               tp_rules=[("up$", ColumnParallel()), ("down$", RowParallel())], steps=1)
+    """
+    mesh = make_mesh(dict(mesh)) if isinstance(mesh, Mapping) else mesh
+    defaults = tuple(a for a in DEFAULT_BATCH_AXES if a in mesh.shape)
+    axes = as_axis_tuple(batch_axes) if batch_axes is not None else defaults
+    x, y = batch
+    _require_splittable(x, y, mesh, axes)
+    with jax.enable_x64(float64):
+        x, y = (jax.tree.map(_wide, t) for t in (x, y)) if float64 else (x, y)
+        call = _streams(model, rngs)
+        sharded, twin = (_Called(m, call, rngs or {}) for m in _pair(model, rules, tp_rules, axes))
+        _require_scalar_loss(twin, loss, x, y, seed)
+        per_device = lambda m, p, x, y: loss(m.apply({"params": p}, x), y)
+        pair = Comparison(sharded, twin, mesh, axes, per_device, check_vma=check_vma)
+        check_equal(pair, [(x, y)] * steps, jax.random.key(seed), optimizers)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Called:
+    """A model (sharded or the twin) called with the run's rng streams: at init (a Linen
+    model's dropout draws there too) and at each call."""
+
+    model: Any
+    call: Callable[[], dict]
+    streams: Mapping[str, jax.Array]
+
+    def init(self, rng, x):
+        linen = isinstance(self.model, nn.Module)
+        return self.model.init({"params": rng, **self.streams} if linen and self.streams else rng, x)
+
+    def apply(self, variables, x):
+        return self.model.apply(variables, x, **self.call())
+
+
+def _streams(model, rngs) -> Callable[[], dict]:
+    """The keyword arguments of each call of the model: its rng streams, anew each time."""
+    if not rngs:
+        return dict
+    if isinstance(model, nn.Module):
+        return lambda: {"rngs": dict(rngs)}
+    return lambda: {"rngs": nnx.Rngs(**rngs)}
+
+
+def _pair(model, rules, tp_rules, axes) -> tuple[Any, Any]:
+    """The sharded model (Linen-faced, per device) and its twin, from the user's model."""
+    if isinstance(model, nn.Module):
+        fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(model) if f.init}
+        fields = {k: v for k, v in fields.items() if k not in ("parent", "name")}
+        cls = shard_by_rules(type(model), rules, batch_axes=axes, tp_rules=tp_rules)
+        return cls(**fields), type(model)(**fields)
+    if isinstance(model, nnx.Module) or not callable(model):
+        raise TypeError(
+            f"{_CALLER}: model is a Linen module or an NNX constructor make(rngs); got "
+            f"{type(model).__name__}. For an NNX model pass lambda rngs: Model(..., rngs=rngs)."
+        )
+    _require_seeded(model)
+    return NNXSharded(model, rules, batch_axes=axes, tp_rules=tp_rules), NNXTwin(model)
+
+
+def _require_splittable(x, y, mesh: Mesh, axes: tuple) -> None:
+    n = int(np.prod([mesh.shape[a] for a in axes]))
+    for name, tree in (("inputs", x), ("targets", y)):
+        for leaf in jax.tree.leaves(tree):
+            rows = np.shape(leaf)[0] if np.ndim(leaf) else None
+            if rows is None or rows % n:
+                raise ValueError(
+                    f"{_CALLER}: the batch's {name} have {rows} rows (shape {np.shape(leaf)}), which the "
+                    f"batch axes {axes} (sizes {[mesh.shape[a] for a in axes]}: {n} shards) do not split "
+                    f"evenly; pass a batch of a multiple of {n} rows."
+                )
+
+
+def _require_scalar_loss(twin, loss, x, y, seed: int) -> None:
+    params = jax.eval_shape(lambda: twin.init(jax.random.key(seed), x)["params"])
+    value = jax.eval_shape(lambda p: loss(twin.apply({"params": p}, x), y), params)
+    if np.shape(value) != ():
+        raise ValueError(
+            f"{_CALLER}: loss(outputs, targets) returns shape {np.shape(value)}; the check needs the "
+            f"batch's mean loss, a scalar: reduce it, e.g. lambda out, y: jnp.mean(...)."
+        )
+
+
+def _require_seeded(make) -> None:
+    """The twin and the sharded model are built by ``make`` from the same rngs: two traces of it
+    must make the same program and constants (a constructor drawing from an rng of its own,
+    ``np.random`` or a key from the clock, does not)."""
+    build = lambda: nnx.state(make(nnx.Rngs(0)), nnx.Param)
+    # (two functions: JAX keeps the trace of one function and would not run it again)
+    first, second = jax.make_jaxpr(lambda: build())(), jax.make_jaxpr(lambda: build())()
+    same = str(first) == str(second) and all(
+        np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(first.consts, second.consts, strict=True)
+    )
+    if not same:
+        raise ValueError(
+            f"{_CALLER}: make(nnx.Rngs(0)) built different parameters twice: it draws from an rng of "
+            f"its own (numpy's, or a key it makes), so no twin can be built. Draw every parameter from "
+            f"the rngs passed in."
+        )
+
+
+def _wide(leaf):
+    """A floating leaf in float64 (integer token ids as they are)."""
+    return jnp.asarray(leaf, jnp.float64) if jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating) else leaf

@@ -1,0 +1,153 @@
+"""The equivalence a sharded model owes its unsharded twin (docs/design.md invariants 1-5), run
+on batches: :func:`check_equal` over a :class:`Comparison`.
+
+Both models are called as a Linen module is, ``init(rng, x) -> {"params": ...}`` and
+``apply({"params": p}, x)``, per device for the sharded one (``fsdp_tp.testing.NNXSharded`` and
+``NNXTwin`` give an NNX model that face). In order, each failing with the first leaf out of
+tolerance named (:func:`~fsdp_tp.testing.assert_trees_close`):
+
+1. the tree and the init, bit for bit (``init``);
+2. outputs, loss and synced gradients on the first batch (``output``, ``loss``, ``grads``);
+3. the parameters after a step per batch of each optimizer (``sgd params after 3 steps``), the
+   update on global arrays as :func:`~fsdp_tp.shard_step` runs it.
+
+This is the suite's own proof (``tests/equivalence.py`` calls it) and the user's
+(:func:`~fsdp_tp.testing.check_sharded` builds the pair from a model and rules).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import optax
+from flax.core import meta
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from .._tree import named_shardings
+from ..gradients import sync_gradients
+from ..partitioning import specs_of
+from ..sharded_init import init_sharded
+from ..train import TrainState, shard_step
+from ._compare import assert_trees_close
+
+__all__ = ["OPTIMIZERS", "Comparison", "check_equal", "twin_steps"]
+
+# Adam's update lr * g / (|g| + eps) turns on the sign of g where |g| ~ eps: a gradient that
+# cancels to ~1e-7 then moves by a different lr-sized step in two runs whose g differ by
+# rounding. eps = 1e-3 keeps the update a well-conditioned function of g, still Adam-like.
+OPTIMIZERS: Mapping[str, Callable[[], optax.GradientTransformation]] = {
+    "sgd": lambda: optax.sgd(0.1),
+    "adamw": lambda: optax.adamw(1e-2, eps=1e-3, weight_decay=1e-2),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """A sharded ``model`` (per device) and its unsharded ``twin`` on ``mesh``, the batch split
+    over ``batch_axes``. ``loss(model, params, x, y)``: a batch's mean loss (per device, its
+    rows); ``twin_loss`` the twin's (default: the same); ``twin_reads(params)``: what the twin
+    computes on (a mixed-precision run's rounded parameters); ``output_spec``: the sharded
+    output's layout (default: split like the batch)."""
+
+    model: Any
+    twin: Any
+    mesh: Mesh
+    batch_axes: tuple
+    loss: Callable
+    twin_loss: Callable | None = None
+    twin_reads: Callable = lambda params: params
+    output_spec: P | None = None
+    check_vma: bool = True
+
+
+def check_equal(
+    c: Comparison,
+    data: Sequence[tuple[Any, Any]],
+    rng: jax.Array,
+    optimizers: Mapping[str, Callable[[], optax.GradientTransformation]] = OPTIMIZERS,
+    sync: Callable = sync_gradients,
+) -> None:
+    """Raises ``AssertionError`` naming the first leaf where ``c.model`` is not ``c.twin``: init,
+    then outputs, loss and gradients on ``data[0]``, then parameters after a step per batch of
+    each of ``optimizers``. ``sync``: the gradient sync the sharded step uses."""
+    x, y = data[0]
+    twin_params = jax.jit(c.twin.init)(rng, x)["params"]
+    batch = P(c.batch_axes)
+    boxed, specs = init_sharded(
+        lambda r, x: c.model.init(r, x)["params"], c.mesh, (P(), batch), rng, x, check_vma=c.check_vma
+    )
+    assert_trees_close(meta.unbox(boxed), twin_params, "init", exact=True)
+
+    def forward_backward(params, x, y):
+        out = c.model.apply({"params": params}, x)
+        loss, grads = jax.value_and_grad(lambda p: c.loss(c.model, p, x, y))(params)
+        return out, jax.lax.pmean(loss, c.batch_axes), sync(grads, c.batch_axes)
+
+    sharded = jax.shard_map(
+        forward_backward,
+        mesh=c.mesh,
+        in_specs=(specs, batch, batch),
+        out_specs=(c.output_spec or batch, P(), specs),
+        check_vma=c.check_vma,
+    )
+    out, loss, grads = jax.jit(sharded)(boxed, x, y)
+    twin_loss = c.twin_loss or c.loss
+
+    @jax.jit  # the twin's output, loss and gradients: one program, like the sharded side
+    def twin(params, x, y):
+        value, grads = jax.value_and_grad(lambda p: twin_loss(c.twin, c.twin_reads(p), x, y))(params)
+        return c.twin.apply({"params": c.twin_reads(params)}, x), value, grads
+
+    want_out, want_loss, want_grads = twin(twin_params, x, y)
+    assert_trees_close(out, want_out, "output")
+    assert_trees_close(loss, want_loss, "loss")
+    assert_trees_close(meta.unbox(grads), want_grads, "grads")
+    for name, make in optimizers.items():
+        tx = make()
+        state, state_specs = train_state(c, tx, boxed, rng)
+        step = sharded_step(c, state_specs, sync)
+        for x, y in data:
+            state, _ = step(state, (x, y))
+        want = twin_steps(c, tx, twin_params, data)[0]
+        assert_trees_close(meta.unbox(state.params), want, f"{name} params after {len(data)} steps")
+
+
+def train_state(c: Comparison, tx, params, rng) -> tuple[TrainState, Any]:
+    """A train state for ``tx`` on the sharded ``params``, and its specs: ``TrainState.create``
+    under ``jax.jit`` on global arrays into the specs' shardings, as ``init_sharded`` builds an
+    optimizer state (so the step compiles once, not again for an eager state's Python step)."""
+    create = lambda p: TrainState.create(apply_fn=c.model.apply, params=p, tx=tx, rng=rng)
+    specs = specs_of(jax.eval_shape(create, params), c.mesh)
+    return jax.jit(create, out_shardings=named_shardings(specs, c.mesh))(params), specs
+
+
+def sharded_step(c: Comparison, specs, sync: Callable = sync_gradients, donate: bool = False):
+    """The train step of ``c`` on a state laid out by ``specs`` (:func:`~fsdp_tp.shard_step`)."""
+    batch = P(c.batch_axes)
+
+    def step_fn(state, data):
+        x, y = data
+        loss, grads = jax.value_and_grad(lambda p: c.loss(c.model, p, x, y))(state.params)
+        return sync(grads, c.batch_axes), jax.lax.pmean(loss, c.batch_axes)
+
+    return shard_step(step_fn, c.mesh, specs, (batch, batch), check_vma=c.check_vma, donate_state=donate)
+
+
+def twin_steps(c: Comparison, tx, params, data) -> tuple[Any, Any]:
+    """The twin's ``(params, optimizer state)`` after a step per batch."""
+    twin_loss = c.twin_loss or c.loss
+
+    @jax.jit
+    def step(params, opt_state, x, y):
+        grads = jax.grad(lambda p: twin_loss(c.twin, c.twin_reads(p), x, y))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    opt_state = tx.init(params)
+    for x, y in data:
+        params, opt_state = step(params, opt_state, x, y)
+    return params, opt_state

@@ -1,0 +1,143 @@
+"""Issue 57 point 2: ``fsdp_tp.testing``, the suite's proof in a user's hands.
+
+A user's own attention (the one tests/test_plan_check.py refuses as first written, here as
+fixed), proved equal to the unsharded model in a few lines on both APIs, dropout on; over every
+mesh the devices form, by the hypothesis strategy. The harness's negative controls (a missing
+sync, a per-device optimizer, a wrong rule) each fail naming the leaf; bad input is one line
+with the fix. The suite's own equivalence tests run the same harness (tests/equivalence.py).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+
+import fsdp_tp
+from fsdp_tp.errors import MeshShapeError
+from fsdp_tp.testing import Comparison, NNXSharded, NNXTwin, _harness, check_equal, check_sharded, meshes
+from fsdp_tp.tp import ColumnParallel, RowParallel
+from fsdp_tp.tp._check import switched_off
+from tests.equivalence import Case, step_program
+
+D, HEADS = 16, 4
+RULES = [(r"^(q|k|v)$", ColumnParallel()), (r"^out$", RowParallel())]
+KEY = jax.random.key(7)
+DROP = {"dropout": KEY}
+MESH = {"data": 2, "tensor": 4}
+X = jax.random.normal(jax.random.key(1), (8, 6, D))
+BATCH = (X, jnp.zeros((8, 6, D)))
+
+
+def mse(out, y):
+    return jnp.mean((out - y) ** 2)
+
+
+def heads(x, by_count: bool):
+    b, s, _ = x.shape
+    return x.reshape(b, s, HEADS, -1) if by_count else x.reshape(b, s, -1, D // HEADS)
+
+
+def attend(q, k, v, drop):
+    weights = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k), axis=-1)
+    out = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+    return drop(out.reshape(*out.shape[:2], -1))
+
+
+class Attention(nn.Module):
+    by_count: bool = False  # True: the reshape people write first, which splits heads wrongly
+
+    @nn.compact
+    def __call__(self, x):
+        q, k, v = (heads(nn.Dense(D, name=n)(x), self.by_count) for n in ("q", "k", "v"))
+        return nn.Dense(D, name="out")(attend(q, k, v, nn.Dropout(0.25, deterministic=False)))
+
+
+class NNXAttention(nnx.Module):
+    def __init__(self, rngs, by_count: bool = False):
+        self.by_count = by_count
+        self.q, self.k, self.v, self.out = (nnx.Linear(D, D, rngs=rngs) for _ in range(4))
+        self.drop = nnx.Dropout(0.25)
+
+    def __call__(self, x, rngs=None):
+        q, k, v = (heads(m(x), self.by_count) for m in (self.q, self.k, self.v))
+        return self.out(attend(q, k, v, lambda a: self.drop(a, rngs=rngs)))
+
+
+def _model(api: str, by_count: bool = False):
+    return Attention(by_count) if api == "linen" else (lambda rngs: NNXAttention(rngs, by_count))
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_a_users_attention_is_proved_equal_with_dropout_on(api):
+    check_sharded(_model(api), BATCH, mse, MESH, tp_rules=RULES, rngs=DROP)
+
+
+def test_negative_control_a_wrong_rule_fails_naming_the_output():
+    """Unchecked, the reshape by head count trains another model: the harness says where."""
+    with switched_off(), pytest.raises(AssertionError, match=r"^output: \d+ of \d+ elements out of"):
+        check_sharded(_model("linen", by_count=True), BATCH, mse, MESH, tp_rules=RULES, rngs=DROP)
+
+
+def _nnx_pair(mesh, check_vma: bool = True) -> Comparison:
+    make = lambda rngs: nnx.Sequential(nnx.Linear(D, 32, rngs=rngs), nnx.Linear(32, D, rngs=rngs))
+    rules = [(r"kernel$", jax.sharding.PartitionSpec("fsdp"))]
+    sharded = NNXSharded(make, rules, batch_axes=("data", "fsdp"))
+    loss = lambda model, params, x, y: mse(model.apply({"params": params}, x), y)
+    return Comparison(sharded, NNXTwin(make), mesh, ("data", "fsdp"), loss, check_vma=check_vma)
+
+
+def test_negative_control_a_missing_sync_fails_naming_a_gradient():
+    mesh = fsdp_tp.make_mesh({"data": 2, "fsdp": 4})
+    with pytest.raises(AssertionError, match=r"^grads\['layers'\]\[0\]\['bias'\]: \d+ of 32 elements"):
+        check_equal(_nnx_pair(mesh), [BATCH], KEY, sync=lambda grads, axes: grads)
+
+
+def test_negative_control_a_per_device_optimizer_fails_naming_a_parameter(monkeypatch):
+    """Global-norm clipping computed per device on its shards (tests/equivalence.py's naive step)."""
+    mesh = fsdp_tp.make_mesh({"data": 2, "fsdp": 4})
+    pair = _nnx_pair(mesh, check_vma=False)  # (a per-device update: what check_vma=False lets through)
+    case = Case(pair.model, pair.twin, mesh, pair.batch_axes, False, D, D, loss=pair.loss)
+    monkeypatch.setattr(_harness, "sharded_step", lambda c, specs, *_: step_program(case, specs, naive=True))
+    clipped = {"clipped": lambda: optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(0.1))}
+    with pytest.raises(AssertionError, match=r"^clipped params after 2 steps\['layers'\]"):
+        check_equal(pair, [BATCH, BATCH], KEY, optimizers=clipped)
+
+
+@settings(max_examples=4, deadline=None, database=None, derandomize=True)
+@given(mesh=meshes(("data", "tensor")).filter(lambda mesh: HEADS % mesh.shape["tensor"] == 0))
+def test_every_mesh_the_devices_form(mesh):
+    """The three lines a user writes: a strategy of meshes (here those whose tensor axis
+    divides the heads: on tensor 8 the check refuses the model, each device half a head), and
+    the check."""
+    check_sharded(_model("linen"), BATCH, mse, mesh, tp_rules=RULES, steps=1, rngs=DROP)
+
+
+def _unseeded(rngs):
+    return nnx.Linear(D, D, rngs=nnx.Rngs(int(np.random.randint(1 << 30))))
+
+
+@pytest.mark.parametrize(
+    "model, batch, loss, mesh, error, match",
+    [
+        (Attention(), (X[:3], BATCH[1][:3]), mse, {"data": 2, "tensor": 4}, ValueError,
+         r"inputs have 3 rows .* batch axes \('data',\) .* a multiple of 2 rows"),
+        (Attention(), BATCH, lambda out, y: (out - y) ** 2, {"data": 2, "tensor": 4}, ValueError,
+         r"returns shape \(8, 6, 16\); .* a scalar: reduce it"),
+        (_unseeded, BATCH, mse, {"data": 8}, ValueError,
+         r"built different parameters twice: it draws from an rng"),
+        (Attention(), BATCH, mse, {"data": 16}, MeshShapeError, r"16 devices"),
+        (NNXAttention(nnx.Rngs(0)), BATCH, mse, {"data": 8}, TypeError,
+         r"pass lambda rngs: Model\(\.\.\., rngs=rngs\)"),
+    ],
+    ids=["batch-not-split", "loss-not-scalar", "unseeded-constructor", "mesh-too-large", "built-nnx-model"],
+)  # fmt: skip
+def test_bad_input_is_one_line_with_the_fix(model, batch, loss, mesh, error, match):
+    linen = isinstance(model, nn.Module)
+    with pytest.raises(error, match=match):
+        check_sharded(model, batch, loss, mesh, tp_rules=RULES if linen else (), rngs=DROP if linen else None)
