@@ -25,6 +25,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
+import fsdp_tp.testing
 from fsdp_tp.analysis import dot_flops, operand_count, parse_collectives
 from fsdp_tp.errors import LayerLeftWholeWarning, RuleError
 from fsdp_tp.linen.tp_rules import mlp_rules
@@ -255,13 +256,17 @@ def test_negative_control_a_finder_blind_to_a_norms_mean(monkeypatch):
             node.mixes = mixes
 
     monkeypatch.setattr(_regions._Grower, "along", blind)
-    plan = _find("nnx", NNXBareNorm, jnp.zeros((8, 6)), size=4)
+    with switched_off():
+        plan = _find("nnx", NNXBareNorm, jnp.zeros((8, 6)), size=4)
     assert list(plan.roles) == ["a", "b"]
     with jax.enable_x64(True), pytest.raises(AssertionError, match="output"), switched_off():
         _check_split("nnx", NNXBareNorm, plan.rules, (8, 6), True)
     # The plan check, reading the same model, refuses that plan: the norm reads partial sums.
     with jax.enable_x64(True), pytest.raises(RuleError, match=r"sqrt reads the partial sums of reduce_sum"):
         _check_split("nnx", NNXBareNorm, plan.rules, (8, 6), True)
+    # and find_tp_rules, which checks its plan for the size, leaves that region whole, saying why
+    fitted = _find("nnx", NNXBareNorm, jnp.zeros((8, 6)), size=4)
+    assert list(fitted.roles) == [] and "the plan check: sqrt" in dict(fitted.whole)["a"], str(fitted)
 
 
 @pytest.mark.parametrize("api", APIS)
@@ -426,3 +431,65 @@ def _check_gpt(tensor: int) -> None:
         (_, want), want_grads = jax.value_and_grad(lambda p: loss(twin, p, ids), has_aux=True)(whole)
         assert_trees_close(out, want, "output")
         assert_trees_close(nn.unbox(grads), want_grads, "grads")
+
+
+# --- issue 57 point 4: parameters boxed as flax's examples write every layer ---------------
+
+LOGICAL = nn.with_logical_partitioning
+XAVIER = nn.initializers.xavier_uniform()
+
+
+class LinenBoxed(nn.Module):
+    """Attention and an MLP whose kernels are ``nn.with_logical_partitioning`` boxes, as flax's
+    lm1b and MaxText's Linen models write them."""
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = lambda *names: LOGICAL(XAVIER, names)
+        attend = nn.MultiHeadDotProductAttention(4, kernel_init=kernel("embed", "heads", "kv"), name="attn")
+        x = x + attend(x, x)
+        bias = LOGICAL(nn.initializers.zeros, ("mlp",))
+        h = nn.Dense(64, kernel_init=kernel("embed", "mlp"), bias_init=bias, name="wi")
+        return nn.Dense(16, kernel_init=kernel("mlp", "embed"), name="wo")(nn.relu(h(x)))
+
+
+class NNXBoxed(nnx.Module):
+    def __init__(self, rngs):
+        kernel = lambda *names: nnx.with_partitioning(nnx.initializers.xavier_uniform(), names)
+        heads = kernel("embed", "heads", "kv")
+        self.attn = nnx.MultiHeadAttention(4, 16, 16, kernel_init=heads, decode=False, rngs=rngs)
+        self.wi = nnx.Linear(16, 64, kernel_init=kernel("embed", "mlp"), rngs=rngs)
+        self.wo = nnx.Linear(64, 16, kernel_init=kernel("mlp", "embed"), rngs=rngs)
+
+    def __call__(self, x):
+        x = x + self.attn(x)
+        return self.wo(nnx.relu(self.wi(x)))
+
+
+BOXED_X = jax.random.normal(jax.random.key(3), (8, 8, 16))
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_boxed_parameters_get_megatrons_plan_and_equal_unsharded(api):
+    """The finder reads a box's value as the parameter: attention head-parallel, the MLP column
+    then row (0.1's finder left every layer whole: "no matmul reads its parameters"), found and
+    checked for tensor 2, and proved equal to unsharded under tp_rules="auto"."""
+    if api == "linen":
+        plan = fsdp_tp.linen.find_tp_rules(LinenBoxed(), BOXED_X, size=2)
+        model, rules = LinenBoxed(), ()
+    else:
+        with nnx.use_eager_sharding(False):
+            plan = fsdp_tp.nnx.find_tp_rules(nnx.eval_shape(lambda: NNXBoxed(nnx.Rngs(0))), BOXED_X, size=2)
+        model, rules = (lambda rngs: NNXBoxed(rngs)), [(".", P())]  # (its logical names: no mesh axes)
+    assert [(pattern, type(role).__name__) for pattern, role in plan.rules] == [
+        ("^attn$", "HeadParallel"), ("^wi$", "ColumnParallel"), ("^wo$", "RowParallel")
+    ], str(plan)  # fmt: skip
+    mse = lambda out, y: jnp.mean((out - y) ** 2)
+    fsdp_tp.testing.check_sharded(model, (BOXED_X, 0 * BOXED_X), mse, {"data": 4, "tensor": 2}, rules,
+                                  tp_rules="auto", steps=1)  # fmt: skip
+
+
+def test_negative_control_boxes_read_as_the_parameters_leave_every_layer_whole(monkeypatch):
+    monkeypatch.setattr(fsdp_tp.linen.auto_rules, "_unboxed", lambda x: x)
+    plan = fsdp_tp.linen.find_tp_rules(LinenBoxed(), BOXED_X, size=2)
+    assert not plan.rules and dict(plan.whole)["wi"] == "no matmul reads its parameters", str(plan)

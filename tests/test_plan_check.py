@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import warnings
 
 import flax.linen as nn
 import jax
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from fsdp_tp.errors import RuleError
+from fsdp_tp.errors import LayerLeftWholeWarning, RuleError
 from fsdp_tp.tp._check import switched_off
 from fsdp_tp.tp.roles import ColumnParallel, RowParallel
 from tests.test_einsum_tp import _check_split
@@ -152,6 +153,7 @@ def _model(api: str, way: str):
 @pytest.mark.parametrize("way", list(WAYS))
 @pytest.mark.parametrize("api", ["linen", "nnx"])
 def test_attention_as_people_write_it_is_refused_at_its_line_or_equal(api, way):
+    """Hand rules: refused naming the line, or equal to unsharded."""
     rules = FUSED_RULES if way == "fused_qkv_split" else RULES
     line = _refused_at(way)
     if line is None:
@@ -161,6 +163,27 @@ def test_attention_as_people_write_it_is_refused_at_its_line_or_equal(api, way):
         _check_split(api, _model(api, way), rules, X, check_vma=True)
     message = str(refused.value)
     assert "Fix:" in message and re.search(r"\bq\b|\bqkv\b", message), message
+
+
+@pytest.mark.parametrize("way", [w for w in WAYS if w != "heads_by_both_sizes"])
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_auto_splits_attention_where_the_check_passes_else_leaves_it_whole_naming_the_line(api, way):
+    """``tp_rules="auto"``: the plan found is checked where each device computes; a region the
+    check refuses is left whole, the warning naming the line, and the model equals unsharded
+    either way. (A reshape by both sizes fails on a device's slice: no region to blame, the
+    hand rules' refusal above.)"""
+    line = _refused_at(way)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", LayerLeftWholeWarning)
+        _, specs = _check_split(api, _model(api, way), "auto", X, check_vma=True)
+    left = [str(w.message) for w in said if w.category is LayerLeftWholeWarning]
+    projection = "qkv" if way == "fused_qkv_split" else "q"
+    split = specs[projection]["kernel"]
+    if line is None:
+        assert not left and split == jax.sharding.PartitionSpec(None, "tensor"), (left, split)
+    else:
+        assert len(left) == 1 and f"test_plan_check.py:{line} (" in left[0], left
+        assert split == jax.sharding.PartitionSpec(), split
 
 
 REFUSED_AND_RUNNING = [w for w in WAYS if _refused_at(w) is not None and w != "heads_by_both_sizes"]

@@ -1,10 +1,12 @@
 """What finding the Megatron plan costs (``find_tp_rules``, one abstract trace of the model's
-forward), on 32-layer models in both Flax APIs, and whether the plan found gives every module
-the role the model's hand-written rules give it.
+forward), on 32-layer models in both Flax APIs, what checking it against a device's trace adds
+(``size=`` checks the plan found: :mod:`fsdp_tp.tp._check`), and whether the plan found gives
+every module the role the model's hand-written rules give it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -20,7 +22,9 @@ from ..linen.auto_rules import find_tp_rules
 from ..models.llama import RULES, LlamaLM, NNXLlamaLM
 from ..models.llama import SIZES as LLAMA
 from ..models.nnx_transformer import NNXTransformer, tp_rules
+from ..tp._check import switched_off
 from ..tp.auto import TPPlan
+from .figures import median
 from .report import spread
 
 __all__ = ["Found", "auto_costs", "auto_section"]
@@ -34,7 +38,8 @@ class Found:
     model: str
     api: str
     layers: int
-    seconds: list[float]
+    seconds: list[float]  # the plan found, unchecked
+    checked: list[float]  # found and checked against a device's trace
     differences: list[str]
 
 
@@ -59,23 +64,29 @@ def _cases(layers: int) -> list[tuple[str, str, Callable[[], TPPlan], Sequence]]
 
 
 def auto_costs(layers: int = 32, repeats: int = 3) -> list[Found]:
-    """Each case's plan found ``repeats`` times (each one trace, timed alone) and compared."""
+    """Each case's plan found ``repeats`` times, unchecked and checked (interleaved, each timed
+    alone), and compared with the hand rules."""
     out = []
     for model, api, find, hand in _cases(layers):
-        seconds, plan = [], None
+        seconds: list[float] = []
+        checked: list[float] = []
+        plan = None
         for _ in range(repeats):
-            start = time.perf_counter()
-            plan = find()
-            seconds.append(time.perf_counter() - start)
+            for times, off in ((seconds, True), (checked, False)):
+                start = time.perf_counter()
+                with switched_off() if off else contextlib.nullcontext():
+                    plan = find()
+                times.append(time.perf_counter() - start)
         assert plan is not None
-        out.append(Found(model, api, layers, seconds, plan.differences(hand)))
+        out.append(Found(model, api, layers, seconds, checked, plan.differences(hand)))
     return out
 
 
 def auto_section(found: list[Found]) -> str:
     """The benchmark page's section for :func:`auto_costs`."""
     rows = [
-        f"| {f.model} | {f.api} | {f.layers} | {spread(f.seconds)} | "
+        f"| {f.model} | {f.api} | {f.layers} | {spread(f.seconds)} | {spread(f.checked)} | "
+        f"{median(f.checked) / median(f.seconds):.2f} | "
         f"{'yes' if not f.differences else '; '.join(f.differences)} |"
         for f in found
     ]
@@ -87,7 +98,14 @@ def auto_section(found: list[Found]) -> str:
         "logits left split (`outputs_split=True`); the Gemma/Llama-style model: "
         "`fsdp_tp.models.llama`'s sizes. *= hand rules*: the plan gives every module the role the "
         "model's hand-written rules give it (`models.nnx_transformer.tp_rules()`, "
-        "`models.llama.RULES`), else the modules where they differ:\n\n"
-        "| model | API | layers | ms median (min-max) | = hand rules |\n"
-        "|---|---|---:|---:|---|\n" + "\n".join(rows) + "\n"
+        "`models.llama.RULES`), else the modules where they differ. *Checked*: the same call with "
+        "the plan checked against one device's trace on an abstract mesh of that size (what "
+        "`size=` does; `tp_rules=\"auto\"` checks under the real mesh): the model laid out by the "
+        "plan initialized, its call traced on a device and the unsharded model's traced, then "
+        "read against each other; *unchecked* is the finding alone (the check switched off). "
+        "Trace time only, once per plan and input shape: the step runs the same program either "
+        "way:\n\n"
+        "| model | API | layers | unchecked ms, median (min-max) | checked ms | checked / unchecked "
+        "| = hand rules |\n"
+        "|---|---|---:|---:|---:|---:|---|\n" + "\n".join(rows) + "\n"
     )

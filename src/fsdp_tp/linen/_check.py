@@ -11,9 +11,10 @@ computing its output. Once per model fields, input shapes and axis sizes.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import flax.linen as nn
@@ -28,9 +29,22 @@ from ..tp._role import without_rings
 from ..tp._rules import CompiledRole, role_of
 from ..tp._sites import module_of
 
-__all__ = ["check_call", "fields_of", "reference_graph"]
+__all__ = ["check_call", "fields_of", "reference_graph", "traced_as"]
 
 _CHECKING: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_tp_checking_plan", default=False)
+# The unsharded call's graph where a caller has traced it on the inputs the check will see (the
+# plan finder, fitting its plan): the check reads it instead of tracing the model again.
+_TRACED: contextvars.ContextVar[Graph | None] = contextvars.ContextVar("fsdp_tp_traced_call", default=None)
+
+
+@contextlib.contextmanager
+def traced_as(graph: Graph) -> Iterator[None]:
+    """Within, a plan check of a call on ``graph``'s inputs reads ``graph`` as the unsharded call."""
+    token = _TRACED.set(graph)
+    try:
+        yield
+    finally:
+        _TRACED.reset(token)
 
 
 def fields_of(module: nn.Module, target: type) -> dict[str, Any]:
@@ -86,9 +100,11 @@ def check_call(
     where = f"shard_by_rules({target.__name__})"
     plain = target(**fields, parent=None)
 
+    given = reference if reference is not None else _TRACED.get()
+
     def unsharded(whole=None) -> Graph:
-        if reference is not None and whole is None:
-            return reference
+        if given is not None and whole is None:
+            return given
         return reference_graph(plain, args, kwargs, streams, whole)
 
     try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -26,7 +25,7 @@ from ..errors import RuleError
 from ..precision import MixedPrecision, checked_policy
 from ..rules import REPLICATED, CompiledRule, Rules, as_spec, compile_rules, spec_for, unmatched_warning
 from ..tp._rules import compile_tp_rules, require_all_matched, require_no_tp_axis, spec_source, with_split
-from ..tp.auto import AUTO_AXIS, TPPlan, auto_size, warn_left_whole
+from ..tp.auto import AUTO_AXIS
 from ._check import check_call
 from ._gather import gather
 from ._local_compute import Seen, local_compute
@@ -38,7 +37,7 @@ from ._transform import (
     store,
     warn_once,
 )
-from .auto_rules import find_tp_rules
+from .auto_rules import AutoRules
 from .tp_rules import LINEN
 
 __all__ = ["shard_by_rules"]
@@ -141,7 +140,10 @@ def shard_by_rules(
     computes = {"tp_rules='auto'": AUTO_AXIS} if auto else {f"tp rule {r.pattern!r}": r.role.axis for r in tp}
     _require_separate_axes(computes, frozenset(batch_names or DEFAULT_BATCH_AXES))
     tp_axes = frozenset(computes.values())
-    found = AutoRules(target) if auto else None
+    remake = lambda tp: shard_by_rules(  # (the same transform with a plan's rules: to check it)
+        target, rules, default, logical_axis_rules, batch_axes, mixed_precision, tp_rules=tp
+    )
+    found = AutoRules(target, remake) if auto else None
     checked: set = set()  # (fields, input shapes, axis sizes) whose plan the trace has checked
     mapped = map_params(
         target,
@@ -195,36 +197,6 @@ def shard_by_rules(
             )
         ByRules.tp_plans = found.plans  # type: ignore[attr-defined]
     return keep_module_name(ByRules, target)
-
-
-class AutoRules:
-    """``tp_rules="auto"``: the rules of the plan found for ``target`` with a call's module
-    fields and input shapes, and the bound ``tensor`` axis's size; one trace per such call."""
-
-    def __init__(self, target: type[nn.Module]):
-        self.target = target
-        self.found: dict[str, tuple] = {}
-        self.plans: dict[int | None, TPPlan] = {}  # the last plan found for each tensor size
-
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple:
-        fields = {
-            f.name: getattr(module, f.name)
-            for f in dataclasses.fields(self.target)
-            if f.init and f.name not in ("parent", "name")
-        }
-        shaped = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a, (args, kwargs)
-        )
-        size = auto_size()
-        key = repr((fields, shaped, size))
-        if key not in self.found:
-            plan = find_tp_rules(self.target(**fields, parent=None), *shaped[0], size=size, **shaped[1])
-            self.found[key] = compile_tp_rules(plan.rules, "shard_by_rules(tp_rules='auto')")
-            said = self.plans.get(size)  # (a call of other shapes finds the plan again: said once)
-            if said is None or [p for p, _ in said.whole] != [p for p, _ in plan.whole]:
-                warn_left_whole(plan, size, f"shard_by_rules({self.target.__name__})")
-            self.plans[size] = plan
-        return self.found[key]
 
 
 def _require_separate_axes(computes: dict[str, str], batch: frozenset) -> None:

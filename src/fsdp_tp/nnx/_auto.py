@@ -18,10 +18,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import AbstractMesh, AxisType
 
+from .._trace import trace_per_device
+from ..rules import REPLICATED
+from ..tp._plan import fitted
 from ..tp.auto import Graph, TPPlan, find_plan
 from ..tp.roles import Layer
+from ._check import PlanChecks, scoped
 from ._tp import NNX, layer_of, path_text
 
 __all__ = ["find_tp_rules", "traced"]
@@ -39,10 +46,27 @@ def find_tp_rules(
     ``nnx.eval_shape``) called on ``args`` (arrays or ``jax.ShapeDtypeStruct``; ``kwargs``
     passed to the call as well): traced once, abstractly, its ``nnx.Dropout`` and attention
     dropout off (the library draws each device's block of their masks, whatever the plan).
-    ``size``, ``outputs_split`` and the result: as :func:`fsdp_tp.linen.find_tp_rules`'s.
-    Its ``rules`` go to :func:`fsdp_tp.nnx.shard_by_rules` as ``tp_rules=``."""
+    ``size``, ``outputs_split`` and the result: as :func:`fsdp_tp.linen.find_tp_rules`'s (with
+    ``size``, the plan is checked against a device's trace on an abstract mesh of that size, a
+    region the check refuses left whole with its reason). Its ``rules`` go to
+    :func:`fsdp_tp.nnx.shard_by_rules` as ``tp_rules=``."""
     graph, layers = traced(model, args, kwargs)
-    return find_plan(graph, layers, axis, size, outputs_split)
+    plan = find_plan(graph, layers, axis, size, outputs_split)
+    if size is None:
+        return plan
+    from ._model import ShardedModel  # (the model's layout imports this module)
+
+    graphdef, state = nnx.split(model)
+    shapes = jax.tree.map(lambda v: jax.ShapeDtypeStruct(jnp.shape(v), v.dtype), state)
+    # a constructor of the same model (any values: only shapes are traced)
+    make = lambda rngs: nnx.merge(graphdef, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+    mesh = AbstractMesh((size,), (axis,), axis_types=(AxisType.Auto,))
+
+    def attempt(p: TPPlan) -> None:  # (stored whole but for the roles: the plan is what is checked)
+        sharded = ShardedModel(make, [(r".", REPLICATED)], p.rules, REPLICATED, None, None)
+        trace_per_device(lambda: PlanChecks(sharded, args).attempt(graph), mesh, (), ())
+
+    return fitted(plan, attempt)
 
 
 def traced(model: nnx.Module, args: tuple, kwargs: dict) -> tuple[Graph, dict[str, Layer]]:
@@ -58,7 +82,7 @@ def traced(model: nnx.Module, args: tuple, kwargs: dict) -> tuple[Graph, dict[st
 
     def forward(values: dict, rest: nnx.State, args: tuple, kwargs: dict):
         state = nnx.from_flat_state([(flat[p][0], flat[p][1].replace(value)) for p, value in values.items()])
-        built = nnx.merge(graphdef, state, rest)
+        built = scoped(nnx.merge(graphdef, state, rest))  # (named as the plan check's traces are)
         for _, node in nnx.iter_graph(built):
             if isinstance(node, nnx.Dropout | nnx.MultiHeadAttention):
                 # The library draws each device's block of their masks (fsdp_tp.dropout): the

@@ -6,7 +6,7 @@ the plan and the unsharded model's trace on the same inputs.
 first (:func:`checked_class`), once per input shapes and axis sizes: inside the step, where the
 inputs and the sizes are known, and at init where ``inputs=`` gave the call's arguments. NNX
 records no module in a trace, so both traces run on throwaway models whose modules' calls
-name their paths (:func:`_scoped`): the pairs and the errors say which module made what.
+name their paths (:func:`scoped`): the pairs and the errors say which module made what.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from ..tp._plan import spelled
 from ..tp._role import without_rings
 from ._tp import RolePlan, path_text
 
-__all__ = ["check_call", "checked_class"]
+__all__ = ["PlanChecks", "check_call", "checked_class", "scoped"]
 
 _CHECKING: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_tp_checking_nnx_plan", default=False)
+_CALLER = "fsdp_tp.nnx.shard_by_rules"
 _MARK = "nnx:"  # a module's name scope: its path, "." for "/" (which separates the stack's levels)
 
 
@@ -40,9 +41,11 @@ def check_call(
     kwargs: dict,
     checked: set,
     where: str,
+    traced: Graph | None = None,
 ) -> None:
     """Refuses (``RuleError``) ``plan`` where the merged ``model``'s call on ``args`` does not
-    compute blocks of the unsharded ``reference``'s (abstract), once per input shapes and sizes."""
+    compute blocks of the unsharded ``reference``'s (abstract), once per input shapes and sizes.
+    ``traced``: the unsharded call on these inputs, where the caller has traced it."""
     if _CHECKING.get() or not checking() or not plan.roles:
         return
     bound = bound_axis_names()
@@ -54,6 +57,8 @@ def check_call(
         return
 
     def unsharded(whole=None) -> Graph:
+        if traced is not None and whole is None:
+            return traced
         shaped = [jax.ShapeDtypeStruct(whole(a.shape) if whole else a.shape, a.dtype) for a in arrays]
         return _graph(reference, shaped, rebuild)
 
@@ -74,7 +79,7 @@ def _graph(model: nnx.Module, arrays: list, rebuild) -> Graph:
 
     def call(state, values):
         call_args, call_kwargs = rebuild(values)
-        return _scoped(nnx.merge(graphdef, state))(*call_args, **call_kwargs)
+        return scoped(nnx.merge(graphdef, state))(*call_args, **call_kwargs)
 
     token = _CHECKING.set(True)
     try:
@@ -84,7 +89,7 @@ def _graph(model: nnx.Module, arrays: list, rebuild) -> Graph:
         _CHECKING.reset(token)
 
 
-def _scoped(model: nnx.Module) -> nnx.Module:
+def scoped(model: nnx.Module) -> nnx.Module:
     """``model`` with every module's ``__call__`` under a name scope of its path."""
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Module):
@@ -104,7 +109,7 @@ def _scope_class(cls: type, name: str) -> type:
 
 
 def _named(plan: RolePlan):
-    """A name stack of :func:`_scoped` modules as the innermost module a rule names there and
+    """A name stack of :func:`scoped` modules as the innermost module a rule names there and
     its role as written."""
     roles = {path_text(path): (role, pattern) for path, (role, pattern, _) in plan.roles.items()}
 
@@ -119,6 +124,36 @@ def _named(plan: RolePlan):
         return inner, "the tp rules"
 
     return named
+
+
+class PlanChecks:
+    """A :class:`~fsdp_tp.nnx.ShardedModel`'s plan checks: called with the merged model and a
+    call's arguments (the class :func:`checked_class` gives the model calls it first), and
+    :meth:`attempt`, the plan checked on ``inputs=`` (``tp_rules="auto"`` fits its plan so, at
+    init, under the mesh; ``find_tp_rules(size=)`` on an abstract mesh)."""
+
+    def __init__(self, sharded: Any, inputs: tuple | None):
+        self.sharded, self.inputs = sharded, inputs
+        self.reference: nnx.Module | None = None  # the unsharded model, abstract
+        self.checked: set = set()  # (input shapes, axis sizes) whose plan the trace has checked
+
+    def __call__(self, model: nnx.Module, args: tuple, kwargs: dict, traced: Graph | None = None) -> None:
+        s = self.sharded
+        if self.reference is None:
+            params, rest = nnx.from_flat_state(s._params), nnx.from_flat_state(s._rest)
+            self.reference = nnx.merge(s.graphdef, params, rest)
+        check_call(model, self.reference, s._layouts().roles, args, kwargs, self.checked, _CALLER, traced)
+
+    def attempt(self, traced: Graph | None = None) -> None:
+        """The model initialized and merged, abstractly, here, and its plan checked on
+        ``inputs=`` (``traced``: the unsharded call on them, where the caller has it)."""
+        arrays, rebuild = static_split(tuple(self.inputs or ()), {})
+
+        def check(rng, values):
+            model = self.sharded.merge(*self.sharded.init(rng))
+            self(model, rebuild(values)[0], {}, traced)  # (the check alone: no call of the model)
+
+        jax.make_jaxpr(check)(jax.random.key(0), [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays])
 
 
 _CHECKED: dict[tuple, type] = {}

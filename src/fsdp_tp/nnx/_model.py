@@ -30,7 +30,7 @@ from ..dropout import split_after
 from ..precision import MixedPrecision, checked_policy
 from ..rules import REPLICATED, Rules, as_spec, compile_rules, unmatched_warning
 from ..train import TrainState
-from ._check import check_call, checked_class
+from ._check import PlanChecks, checked_class
 from ._constructor import _CALLER, built, require_constructor, scan_errors_named
 from ._dropout import exact_dropouts
 from ._read import FoldPlan, ReadPlan, on_read
@@ -94,9 +94,8 @@ class ShardedModel:
         storage, used = storage_specs(self._params, self._rules, default, logical_axis_rules)
         if warning := unmatched_warning(self._rules, used, paths, _CALLER):
             warnings.warn(warning, stacklevel=3)
-        self._layouts = Layouts(abstract, storage, tp_rules, inputs, _CALLER)
-        self._reference: nnx.Module | None = None
-        self._checked: set = set()  # (input shapes, axis sizes) whose plan the trace has checked
+        self._checks = PlanChecks(self, inputs)
+        self._layouts = Layouts(abstract, storage, tp_rules, inputs, _CALLER, self._checks.attempt)
 
     @property
     def specs(self) -> dict[Path, PartitionSpec]:
@@ -206,16 +205,8 @@ class ShardedModel:
         if layout.first_split:
             object.__setattr__(model, "__class__", scan_errors_named(type(model), layout.first_split))
         if layout.roles.roles:  # its first call on inputs of a shape checks the plan against the model
-            object.__setattr__(model, "__class__", checked_class(type(model), self._check))
+            object.__setattr__(model, "__class__", checked_class(type(model), self._checks))
         return model
-
-    def _check(self, model: nnx.Module, args: tuple, kwargs: dict) -> None:
-        """The plan checked against what ``model`` (merged from the blocks) computes on ``args``."""
-        if self._reference is None:  # the unsharded model, abstract: what the plan must compute
-            self._reference = nnx.merge(
-                self.graphdef, nnx.from_flat_state(self._params), nnx.from_flat_state(self._rest)
-            )
-        check_call(model, self._reference, self._layouts().roles, args, kwargs, self._checked, _CALLER)
 
     def model_state(self, model: nnx.Module) -> dict:
         """The model's Variables other than parameters, as :meth:`init` lays them out: what a

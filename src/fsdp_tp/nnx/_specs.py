@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec
 from .._axes import axes_named, bound_axis_names
 from ..errors import RuleError
 from ..rules import logical_spec, spec_for
+from ..tp._plan import fitted
 from ..tp._rules import compile_tp_rules, spec_source, with_split
 from ..tp.auto import AUTO_AXIS, TPPlan, auto_size, find_plan, warn_left_whole
 from ._auto import traced
@@ -92,10 +93,13 @@ class Layouts:
     wrong rule is named before anything runs), or under ``"auto"`` the model's call traced
     here once on ``inputs``, and per size the plan found (:attr:`plans`) and its layout."""
 
-    def __init__(self, abstract: nnx.Module, storage: dict[Path, tuple], tp_rules, inputs, caller: str):
+    def __init__(
+        self, abstract: nnx.Module, storage: dict[Path, tuple], tp_rules, inputs, caller: str, attempt=None
+    ):
         self.auto = isinstance(tp_rules, str) and tp_rules == "auto"
         _check_inputs(self.auto, tp_rules, inputs, caller)
         self._abstract, self._storage, self._caller = abstract, storage, caller
+        self._attempt = attempt  # (): the model initialized, merged and called on inputs=, here
         self.plans: dict[int | None, TPPlan] = {}
         self._layouts: dict[int | None, Layout] = {}
         if self.auto:
@@ -112,10 +116,22 @@ class Layouts:
             return self._outside()
         size = auto_size()
         if size not in self._layouts:
-            self.plans[size] = find_plan(self._graph, self._layers, AUTO_AXIS, size, False)
-            warn_left_whole(self.plans[size], size, self._caller)
-            self._layouts[size] = Layout(self._abstract, self._storage, self.plans[size], self._caller)
+            plan = find_plan(self._graph, self._layers, AUTO_AXIS, size, False)
+            if size is not None and self._attempt is not None:  # checked where each device computes
+                plan = fitted(plan, lambda p: self._attempt_with(size, p))
+            self.plans[size] = plan
+            warn_left_whole(plan, size, self._caller)
+            self._layouts[size] = Layout(self._abstract, self._storage, plan, self._caller)
         return self._layouts[size]
+
+    def _attempt_with(self, size: int, plan: TPPlan) -> None:
+        """The model under ``plan`` traced on ``inputs=``, which checks it (the layout for
+        ``size`` is ``plan``'s while it runs)."""
+        self._layouts[size] = Layout(self._abstract, self._storage, plan, self._caller)
+        try:
+            self._attempt(self._graph)  # (the unsharded call on inputs=, traced once, here)
+        finally:
+            del self._layouts[size]
 
     def _outside(self) -> Layout:
         if len(self._layouts) != 1:

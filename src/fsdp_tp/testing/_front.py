@@ -23,6 +23,7 @@ from ..linen.rule_transform import shard_by_rules
 from ..mesh import make_mesh
 from ._harness import OPTIMIZERS, Comparison, check_equal
 from ._nnx import NNXSharded, NNXTwin
+from ._nnx import built as _built
 
 __all__ = ["check_sharded"]
 
@@ -77,7 +78,7 @@ def check_sharded(
     with jax.enable_x64(float64):
         x, y = (jax.tree.map(_wide, t) for t in (x, y)) if float64 else (x, y)
         call = _streams(model, rngs)
-        sharded, twin = (_Called(m, call, rngs or {}) for m in _pair(model, rules, tp_rules, axes))
+        sharded, twin = (_Called(m, call, rngs or {}) for m in _pair(model, rules, tp_rules, axes, x))
         _require_scalar_loss(twin, loss, x, y, seed)
         per_device = lambda m, p, x, y: loss(m.apply({"params": p}, x), y)
         pair = Comparison(sharded, twin, mesh, axes, per_device, check_vma=check_vma)
@@ -110,7 +111,7 @@ def _streams(model, rngs) -> Callable[[], dict]:
     return lambda: {"rngs": nnx.Rngs(**rngs)}
 
 
-def _pair(model, rules, tp_rules, axes) -> tuple[Any, Any]:
+def _pair(model, rules, tp_rules, axes, x) -> tuple[Any, Any]:
     """The sharded model (Linen-faced, per device) and its twin, from the user's model."""
     if isinstance(model, nn.Module):
         fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(model) if f.init}
@@ -123,7 +124,8 @@ def _pair(model, rules, tp_rules, axes) -> tuple[Any, Any]:
             f"{type(model).__name__}. For an NNX model pass lambda rngs: Model(..., rngs=rngs)."
         )
     _require_seeded(model)
-    return NNXSharded(model, rules, batch_axes=axes, tp_rules=tp_rules), NNXTwin(model)
+    auto = {"inputs": (x,)} if isinstance(tp_rules, str) and tp_rules == "auto" else {}  # (traced there)
+    return NNXSharded(model, rules, batch_axes=axes, tp_rules=tp_rules, **auto), NNXTwin(model)
 
 
 def _require_splittable(x, y, mesh: Mesh, axes: tuple) -> None:
@@ -153,7 +155,7 @@ def _require_seeded(make) -> None:
     """The twin and the sharded model are built by ``make`` from the same rngs: two traces of it
     must make the same program and constants (a constructor drawing from an rng of its own,
     ``np.random`` or a key from the clock, does not)."""
-    build = lambda: nnx.state(make(nnx.Rngs(0)), nnx.Param)
+    build = lambda: nnx.state(_built(make, 0), nnx.Param)
     # (two functions: JAX keeps the trace of one function and would not run it again)
     first, second = jax.make_jaxpr(lambda: build())(), jax.make_jaxpr(lambda: build())()
     same = str(first) == str(second) and all(

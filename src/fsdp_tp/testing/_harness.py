@@ -75,7 +75,8 @@ def check_equal(
     then outputs, loss and gradients on ``data[0]``, then parameters after a step per batch of
     each of ``optimizers``. ``sync``: the gradient sync the sharded step uses."""
     x, y = data[0]
-    twin_params = jax.jit(c.twin.init)(rng, x)["params"]
+    # (a model's own boxes, nn.with_logical_partitioning's, are metadata: its parameters are their values)
+    twin_params = meta.unbox(jax.jit(c.twin.init)(rng, x)["params"])
     batch = P(c.batch_axes)
     boxed, specs = init_sharded(
         lambda r, x: c.model.init(r, x)["params"], c.mesh, (P(), batch), rng, x, check_vma=c.check_vma

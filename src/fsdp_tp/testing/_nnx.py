@@ -16,7 +16,14 @@ from flax import nnx
 
 from ..nnx import shard_by_rules
 
-__all__ = ["NNXSharded", "NNXTwin"]
+__all__ = ["NNXSharded", "NNXTwin", "built"]
+
+
+def built(make, rng) -> nnx.Module:
+    """``make(nnx.Rngs(rng))``, its annotated parameters plain arrays (no mesh needed: the
+    unsharded model's, as fsdp_tp.nnx builds the model it lays out)."""
+    with nnx.use_eager_sharding(False):
+        return make(nnx.Rngs(rng))
 
 
 class NNXSharded:
@@ -39,10 +46,10 @@ class NNXTwin:
 
     def __init__(self, make):
         self.make = make
-        self.graphdef, self.abstract = nnx.split(nnx.eval_shape(lambda: make(nnx.Rngs(0))))
+        self.graphdef, self.abstract = nnx.split(nnx.eval_shape(lambda: built(make, 0)))
 
     def init(self, rng, *_inputs):
-        return {"params": _pure(nnx.state(self.make(nnx.Rngs(rng)), nnx.Param))}
+        return {"params": _pure(nnx.state(built(self.make, rng), nnx.Param))}
 
     def apply(self, variables, x, **call):
         by_path = {path: leaf for path, leaf in _flat(variables["params"])}

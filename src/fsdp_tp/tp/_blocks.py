@@ -22,7 +22,7 @@ from ..errors import RuleError
 from ._graph import Graph
 from ._ops import COLLECTIVES, FLAX_ATTENTION, RANDOM, is_block, linear, paired_shapes, sums_over
 from ._relations import Node
-from ._sites import is_library, pair, scope_of, site_of
+from ._sites import is_library, pair, scope_of, site_of, user_site
 
 __all__ = ["Blocks"]
 
@@ -53,22 +53,41 @@ class Blocks:
         self.partial: dict[int, _Sum] = {}
         self.origin: dict[int, str] = {}  # a split value -> the name stack of the op that split it
         self.known: dict[int, tuple[int, ...]] = {}  # a value -> what a device holds of each dim
+        self.modelled: set[int] = set()  # values the model's own code made
+        self.library: set[int] = set()  # values the library made (collectives, masks, gathers)
         self.undecided: dict[str, None] = {}
 
     def run(self, split_outputs: tuple[int, ...]) -> None:
         """Every operation, then the outputs (which may leave split on ``split_outputs``)."""
+        if not self.pairs and any(site_of(n.source) and not is_library(n) for n in self.local.nodes):
+            self.undecided["every operation (none of the device's pairs with the unsharded model's)"] = None
         for index, node in enumerate(self.local.nodes):
             if not node.outs:  # (a callback, a print: it computes nothing the model reads)
                 continue
             if index in self.pairs:
+                self.modelled.update(node.outs)
                 self.paired(node, self.reference.nodes[self.pairs[index]])
             elif node.source is None or is_library(node):
+                self.library.update(node.outs)
                 self.carried(node)
-            elif site_of(node.source) is None:  # (JAX replays its own helpers' traces: no line)
-                self.rule(node, None, {v: self.known[v] for v in node.ins if v in self.known})
+            elif site_of(node.source) is None:
+                self.unplaced(node)
             elif self.touched(node):
-                self.undecided[f"{node.prim} at {site_of(node.source)} (not in the unsharded trace)"] = None
+                self.modelled.update(node.outs)
+                self.undecided[f"{node.prim} at {user_site(node.source)} (not in the unsharded trace)"] = None
         self.outputs(split_outputs)
+
+    def unplaced(self, node: Node) -> None:
+        """An operation of a helper JAX traced before and replays (``jnp.where``, ``jnp.take``):
+        its traceback holds no line. Its operands say whose it is: the library's where it reads
+        a value the library made (a vocabulary lookup's mask), carried as the library's are;
+        the model's where it reads the model's, checked by what is known of their splits."""
+        if any(v in self.library for v in node.ins) or not any(v in self.modelled for v in node.ins):
+            self.library.update(node.outs)
+            self.carried(node)
+            return
+        self.modelled.update(node.outs)
+        self.rule(node, None, {v: self.known[v] for v in node.ins if v in self.known})
 
     def touched(self, node: Node) -> bool:
         return any(v in self.partial or v in self.origin for v in node.ins)
@@ -90,7 +109,7 @@ class Blocks:
         shapes = paired_shapes(node, ref, self.local, self.reference)
         if shapes is None:  # (the same line made something else: traced under other conditions)
             if self.touched(node):
-                self.undecided[f"{node.prim} at {site_of(node.source)} (another op unsharded)"] = None
+                self.undecided[f"{node.prim} at {user_site(node.source)} (another op unsharded)"] = None
             return
         factors = {v: self.factors(node, ref, v, *held_whole) for v, held_whole in shapes.items()}
         self.known |= factors
@@ -126,7 +145,7 @@ class Blocks:
         if sums or made:
             module = scope_of(node) if self.named(scope_of(node))[0] else origin  # (the row layer's)
             contracted = node.prim in ("dot_general", "conv_general_dilated")
-            made_here = _Sum(made or "", str(site_of(node.source)), module, contracted)
+            made_here = _Sum(made or "", str(user_site(node.source)), module, contracted)
             record = self.partial[sums[0]] if sums else made_here
             for out in node.outs:
                 self.partial[out] = record
@@ -146,7 +165,7 @@ class Blocks:
             elif node.prim in RANDOM and str(site_of(node.source)).startswith(FLAX_ATTENTION):
                 continue
             elif not node.known:
-                self.undecided[f"{node.prim} at {site_of(node.source)}"] = None
+                self.undecided[f"{node.prim} at {user_site(node.source)}"] = None
             else:
                 why = f"{node.mixes[(v, d)]}, of which each device holds 1/{factors[v][d]}"
                 self.refuse(node, ref, origin, why, _mixing_fix(node.prim))
@@ -202,11 +221,12 @@ class Blocks:
                 what = "partial sums" if value in self.partial else f"split on dim {min(split)}"
                 module, role = self.named(self.origin.get(value, ""))
                 by = f" (by {role} on {module})" if module else ""
-                raise RuleError(
+                err = RuleError(
                     f"{self.where}: the model's output leaves {what}{by}: {_text(held)} on each device, "
                     f"{_text(whole)} unsharded. Fix: end the region with a RowParallel layer, or give "
                     f"the last ColumnParallel gather_output=True."
                 )
+                raise _blaming(err, module, f"the plan check: the model's output would leave {what}")
 
     def refuse(self, node: Node, ref: Node | None, origin: str, why: str, fix: str) -> None:
         module, role = self.named(origin)
@@ -217,11 +237,20 @@ class Blocks:
             for what, vs, rs in sides
         )
         drop = f"; or leave {module} whole (drop its tp rule)" if module else ""
-        raise RuleError(
-            f"{self.where}: {role} on {module or 'the model'} splits what the model's code at "
-            f"{site_of(node.source) or 'a line JAX does not record'} does not keep apart: {node.prim} "
-            f"({shapes}): {why}; the sharded model would compute another function. Fix: {fix}{drop}."
+        at = user_site(node.source) or "a line JAX does not record"
+        err = RuleError(
+            f"{self.where}: {role} on {module or 'the model'} splits what the model's code at {at} "
+            f"does not keep apart: {node.prim} ({shapes}): {why}; the sharded model would compute "
+            f"another function. Fix: {fix}{drop}."
         )
+        raise _blaming(err, module, f"the plan check: {node.prim} at {at}: {why}")
+
+
+def _blaming(err: RuleError, module: str, reason: str) -> RuleError:
+    """``err`` carrying the module it refuses (``err.module``: a plan finder leaves its region
+    whole) and the reason in a few words (``err.reason``)."""
+    err.module, err.reason = module, reason  # type: ignore[attr-defined]
+    return err
 
 
 def _mixing_fix(prim: str) -> str:

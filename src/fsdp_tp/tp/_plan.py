@@ -16,17 +16,19 @@ what "auto" says of the layers it leaves whole (:func:`warn_left_whole`).
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 
 from .._axes import bound_axis_names
-from ..errors import LayerLeftWholeWarning
+from ..errors import LayerLeftWholeWarning, RuleError
+from ._check import checking
 from .roles import TPRole
 
-__all__ = ["AUTO_AXIS", "TPPlan", "auto_size", "spelled", "warn_left_whole"]
+__all__ = ["AUTO_AXIS", "TPPlan", "auto_size", "fitted", "rules_for", "spelled", "warn_left_whole"]
 
 AUTO_AXIS = "tensor"  # the mesh axis tp_rules="auto" splits over, in both front ends
 
@@ -42,12 +44,29 @@ class TPPlan:
     """``rules``: the ``(pattern, role)`` pairs found (pass them as ``tp_rules=``, edit or pin
     them); ``roles``: the role each module gets; ``whole``: ``(module, why)`` for each layer a
     role could compute that the plan leaves whole; ``layers``: every module a role could
-    compute. ``str(plan)`` is the rules as Python."""
+    compute; ``regions``: the modules of each region (split together or not at all).
+    ``str(plan)`` is the rules as Python."""
 
     rules: tuple[tuple[str, TPRole], ...]
     roles: Mapping[str, TPRole]
     whole: tuple[tuple[str, str], ...] = ()
     layers: tuple[str, ...] = ()
+    regions: tuple[tuple[str, ...], ...] = ()
+
+    def without_region(self, module: str | None, why: str) -> TPPlan | None:
+        """The plan with the region that holds ``module`` left whole, each of its modules named
+        with ``why``; ``None`` where no region holds it."""
+        region = next((r for r in self.regions if module in r), None)
+        if region is None:
+            return None
+        roles = {path: role for path, role in self.roles.items() if path not in region}
+        return dataclasses.replace(
+            self,
+            rules=rules_for(roles, list(self.layers)),
+            roles=roles,
+            whole=(*self.whole, *((path, why) for path in region)),
+            regions=tuple(r for r in self.regions if r is not region),
+        )
 
     def scheduled(self, sequence_dim: int | None = None, collective_matmul: str | None = None) -> TPPlan:
         """The same plan with sequence parallelism (``sequence_dim``: the activations' sequence
@@ -85,6 +104,40 @@ class TPPlan:
             lines.append("# left whole:")
             lines += [f"#   {path}: {why}" for path, why in self.whole]
         return "\n".join(lines)
+
+
+def fitted(plan: TPPlan, attempt: Callable[[TPPlan], Any]) -> TPPlan:
+    """``plan`` less each region the plan check refuses: ``attempt(plan)`` traces the model
+    under the plan, which checks it (:mod:`fsdp_tp.tp._check`); a region it refuses is left
+    whole, named with the check's reason, and the rest tried again. A refusal it cannot lay on
+    one region (the model failing on its slices) is raised."""
+    if not checking():
+        return plan
+    while True:
+        try:
+            attempt(plan)
+            return plan
+        except RuleError as err:
+            reduced = plan.without_region(getattr(err, "module", None), getattr(err, "reason", str(err)))
+            if reduced is None:
+                raise
+            plan = reduced
+
+
+def rules_for(roles: Mapping[str, TPRole], paths: list[str]) -> tuple[tuple[str, TPRole], ...]:
+    """A rule per role, its pattern the path with each index generalized (``block_\\d+``)
+    where that names more than one module, each with this role; else the path itself."""
+    rules, done = [], set()
+    for path, role in roles.items():
+        if path in done:
+            continue
+        pattern = "^" + re.sub(r"\d+", r"\\d+", re.escape(path)) + "$"
+        matched = [p for p in paths if re.search(pattern, p)]
+        if len(matched) < 2 or not all(roles.get(p) == role for p in matched):
+            pattern, matched = "^" + re.escape(path) + "$", [path]
+        rules.append((pattern, role))
+        done |= set(matched)
+    return tuple(rules)
 
 
 def spelled(role: TPRole) -> str:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 
 from ._graph import Graph, Node
+from ._sites import user_site
 
 __all__ = ["Refused", "Region", "grow", "kernel_operand", "kernels_of"]
 
@@ -155,6 +156,17 @@ class _Grower:
 
     def visit(self, index: int, value: int, dims: Split) -> None:
         node = self.graph.nodes[index]
+        try:
+            self._visit(index, node, value, dims)
+        except Refused as why:
+            site = user_site(node.source)
+            if site is None or getattr(why, "placed", False):
+                raise
+            placed = Refused(f"{why} at {site}")  # (the model's line that refuses the split)
+            placed.placed = True  # type: ignore[attr-defined]
+            raise placed from None
+
+    def _visit(self, index: int, node: Node, value: int, dims: Split) -> None:
         if node.prim in ("dot_general", "conv_general_dilated"):
             self.matmul(index, node, value, dims)
         elif node.prim == "gather" and value == node.ins[0] and dims[0] in node.params["looked_up"]:

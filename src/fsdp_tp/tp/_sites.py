@@ -27,18 +27,30 @@ import os
 import sysconfig
 from collections import defaultdict
 
+import flax
 import jax
 
 from ._graph import Graph
 from ._relations import Node
 
-__all__ = ["Site", "is_library", "made_by_jax", "module_of", "pair", "scope_of", "site_of", "site_of_file"]
+__all__ = [
+    "Site",
+    "is_library",
+    "made_by_jax",
+    "module_of",
+    "pair",
+    "scope_of",
+    "site_of",
+    "site_of_file",
+    "user_site",
+]
 
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the fsdp_tp package
 # Frames of JAX itself and of Python's standard library are how an operation was made, not where.
 _SKIPPED = (os.path.dirname(os.path.abspath(jax.__file__)) + os.sep, sysconfig.get_paths()["stdlib"] + os.sep)
 # The library's own models compute as a user's model does; everything else of it distributes.
 _MODEL_CODE = (os.path.join(_HERE, "models") + os.sep, os.path.join(_HERE, "attention.py"))
+_FLAX = os.path.dirname(os.path.abspath(flax.__file__)) + os.sep
 # Operations that only retype a value for JAX's replication check (no-ops on the numbers),
 # which JAX inserts at the line of the operation they feed.
 _RETYPES = frozenset({"pvary", "pcast"})
@@ -70,6 +82,18 @@ def site_of(source) -> Site | None:
         if not made_by_jax(frame.file_name):
             return Site(frame.file_name, frame.line_num, frame.function_name)
     return None
+
+
+def user_site(source) -> Site | None:
+    """Where the user's own code made an operation, for a message: the innermost frame outside
+    JAX, Flax and the library's distributing code (a LayerNorm's sum: the line that calls the
+    LayerNorm), else :func:`site_of`'s."""
+    traceback = getattr(source, "traceback", None)
+    frames = traceback.frames if traceback is not None else ()
+    for frame in frames:
+        if site_of_file(frame.file_name) and not frame.file_name.startswith(_FLAX):
+            return Site(frame.file_name, frame.line_num, frame.function_name)
+    return site_of(source)
 
 
 def made_by_jax(file: str) -> bool:

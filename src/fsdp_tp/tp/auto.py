@@ -27,13 +27,12 @@ tp_rules = [
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping
 
 from .._einsum import Equation
 from ..errors import IndivisibleShapeError, RuleError
 from ._graph import Graph
-from ._plan import AUTO_AXIS, TPPlan, auto_size, spelled, warn_left_whole
+from ._plan import AUTO_AXIS, TPPlan, auto_size, rules_for, spelled, warn_left_whole
 from ._regions import Refused, grow, kernel_operand, kernels_of
 from .roles import ColumnParallel, HeadParallel, Layer, RowParallel, TPRole, VocabParallel
 
@@ -56,6 +55,7 @@ def find_plan(
     kernels = kernels_of(graph)
     taken: set[str] = set()
     roles: dict[str, TPRole] = {}
+    regions: list[tuple[str, ...]] = []
     reasons: dict[str, str] = {}
     for value, dim in _seeds(graph, kernels):
         param = graph.params[kernels[value]]
@@ -71,13 +71,14 @@ def find_plan(
             reasons.setdefault(owner, f"{where}: {why}")
             continue
         roles |= found
+        regions.append(tuple(found))
         taken |= set(split)
     first = _first_reads(graph, kernels)
     roles = dict(sorted(roles.items(), key=lambda item: first.get(item[0], len(graph.nodes))))
     left = tuple(
         (p, reasons.get(p, "no matmul reads its parameters")) for p in layers if _leaf(p, roles, layers)
     )
-    return TPPlan(_rules(roles, list(layers)), roles, left, tuple(layers))
+    return TPPlan(rules_for(roles, list(layers)), roles, left, tuple(layers), tuple(regions))
 
 
 def _seeds(graph: Graph, kernels: dict[int, int]):
@@ -200,19 +201,3 @@ def _splits(role: TPRole, owner: str, layer: Layer, layers) -> dict[str, int]:
         if (sub := layers.get(f"{owner}/{child}")) is not None:
             splits |= {f"{child}/{k}": v for k, v in inner.splits(sub).items()}
     return splits
-
-
-def _rules(roles: Mapping[str, TPRole], paths: list[str]) -> tuple[tuple[str, TPRole], ...]:
-    """A rule per role, its pattern the path with each index generalized (``block_\\d+``)
-    where that names more than one module, each with this role; else the path itself."""
-    rules, done = [], set()
-    for path, role in roles.items():
-        if path in done:
-            continue
-        pattern = "^" + re.sub(r"\d+", r"\\d+", re.escape(path)) + "$"
-        matched = [p for p in paths if re.search(pattern, p)]
-        if len(matched) < 2 or not all(roles.get(p) == role for p in matched):
-            pattern, matched = "^" + re.escape(path) + "$", [path]
-        rules.append((pattern, role))
-        done |= set(matched)
-    return tuple(rules)
