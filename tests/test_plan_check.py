@@ -196,3 +196,24 @@ def test_negative_control_unchecked_the_refused_ways_train_another_model(way):
     rules = FUSED_RULES if way == "fused_qkv_split" else RULES
     with switched_off(), pytest.raises(AssertionError, match="output"):
         _check_split("linen", _linen(way), rules, X, check_vma=True)
+
+
+def test_nnx_with_inputs_is_checked_at_init_before_any_step():
+    """Explicit rules and ``inputs=``: the NNX plan is refused at ``init_sharded`` (no step is
+    traced); without ``inputs=`` it is refused where the merged model is first called."""
+    import optax
+
+    import fsdp_tp
+    import fsdp_tp.nnx
+
+    make = _nnx("heads_by_count")
+    mesh = fsdp_tp.make_mesh({"data": 2, "tensor": 4})
+    with jax.enable_x64(True):
+        x = jax.ShapeDtypeStruct(X, jnp.float64)
+        sharded = fsdp_tp.nnx.shard_by_rules(make, tp_rules=RULES, batch_axes=("data",), inputs=(x,))
+        init = sharded.state_init_fn(optax.sgd(0.1))
+        with pytest.raises(RuleError, match=rf"test_plan_check\.py:{_refused_at('heads_by_count')} \("):
+            fsdp_tp.init_sharded(init, mesh, jax.sharding.PartitionSpec(), jax.random.key(0))
+        unchecked = fsdp_tp.nnx.shard_by_rules(make, tp_rules=RULES, batch_axes=("data",))
+        fsdp_tp.init_sharded(unchecked.state_init_fn(optax.sgd(0.1)), mesh, jax.sharding.PartitionSpec(),
+                             jax.random.key(0))  # fmt: skip

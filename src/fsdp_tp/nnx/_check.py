@@ -16,6 +16,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from .._axes import bound_axis_names
@@ -143,6 +144,14 @@ class PlanChecks:
             params, rest = nnx.from_flat_state(s._params), nnx.from_flat_state(s._rest)
             self.reference = nnx.merge(s.graphdef, params, rest)
         check_call(model, self.reference, s._layouts().roles, args, kwargs, self.checked, _CALLER, traced)
+
+    def at_init(self, params: dict, model_state: dict) -> None:
+        """Explicit rules with ``inputs=``: the plan checked at init (per device, under the mesh)
+        on the model merged from this device's blocks; ``"auto"`` checked its plan as it found it."""
+        if self.inputs is None or self.sharded._layouts.auto or not self.sharded._layouts().roles.roles:
+            return
+        args = tuple(jax.ShapeDtypeStruct(jnp.shape(a), a.dtype) for a in self.inputs)
+        self(self.sharded.merge(params, model_state), args, {})
 
     def attempt(self, traced: Graph | None = None) -> None:
         """The model initialized and merged, abstractly, here, and its plan checked on

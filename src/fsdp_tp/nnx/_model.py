@@ -124,7 +124,9 @@ class ShardedModel:
         shapes = ((path_text(p), values[p].shape, s) for p, s in layout.specs.items())
         check_fit(shapes, sizes, "change the rule")
         stored = _nest((p, self._stored(values[p], spec)) for p, spec in layout.specs.items())
-        return stored, self._model_state(rest)
+        model_state = self._model_state(rest)
+        self._checks.at_init(stored, model_state)  # (with inputs=: the plan checked here, before any step)
+        return stored, model_state
 
     @staticmethod
     def _stored(value, spec: PartitionSpec):
@@ -246,7 +248,8 @@ def shard_by_rules(
     finds from what the model computes, or ``"auto"``: that plan found here, from the model's
     call traced once on ``inputs`` (its positional arguments, arrays or
     ``jax.ShapeDtypeStruct``), over mesh axis ``tensor`` for its size under the mesh (read it as
-    ``.tp_plans[size]``).
+    ``.tp_plans[size]``). With explicit ``tp_rules``, ``inputs=`` checks the plan against what
+    each device computes at init (else at the merged model's first call in the step).
 
     >>> import jax, jax.numpy as jnp, optax
     >>> from flax import nnx

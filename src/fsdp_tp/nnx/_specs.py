@@ -152,14 +152,14 @@ def _check_inputs(auto: bool, tp_rules, inputs, caller: str) -> None:
             f"pass them: {caller}(make_model, ..., tp_rules='auto', inputs=(x,)) (the call's "
             f"positional arguments, arrays or jax.ShapeDtypeStruct)."
         )
-    if inputs is not None and not auto:
+    if inputs is not None and not auto and not tp_rules:
         raise RuleError(
-            f"{caller}: inputs= is what tp_rules='auto' traces the model on; with tp_rules="
-            f"{type(tp_rules).__name__} it is unused. Drop it, or pass tp_rules='auto'."
+            f"{caller}: inputs= is what the tp plan is found and checked on (at init), and there are "
+            f"no tp_rules; it is unused. Drop it, or pass tp_rules."
         )
-    if auto and not isinstance(inputs, tuple | list):
+    if inputs is not None and not isinstance(inputs, tuple | list):
         raise RuleError(
-            f"{caller}: tp_rules='auto' traces the model's call on inputs=, a tuple of its positional "
+            f"{caller}: the plan is found and checked on the call on inputs=, a tuple of its positional "
             f"arguments (arrays or jax.ShapeDtypeStruct); got {type(inputs).__name__}. Pass e.g. "
             f"inputs=(tokens,)."
         )
