@@ -22,6 +22,7 @@ import pytest
 from flax import nnx
 
 from fsdp_tp.errors import LayerLeftWholeWarning, RuleError
+from fsdp_tp.testing import check_sharded
 from fsdp_tp.tp._check import switched_off
 from fsdp_tp.tp.roles import ColumnParallel, RowParallel
 from tests.test_einsum_tp import _check_split
@@ -217,3 +218,37 @@ def test_nnx_with_inputs_is_checked_at_init_before_any_step():
         unchecked = fsdp_tp.nnx.shard_by_rules(make, tp_rules=RULES, batch_axes=("data",))
         fsdp_tp.init_sharded(unchecked.state_init_fn(optax.sgd(0.1)), mesh, jax.sharding.PartitionSpec(),
                              jax.random.key(0))  # fmt: skip
+
+
+class StackedKV(nn.Module):
+    """Gemma's attention: q by one einsum, k and v stacked in another and unpacked."""
+
+    @nn.compact
+    def __call__(self, x):
+        einsum = lambda shape, eq, name: nn.Einsum(shape, eq, False, param_dtype=jnp.float64, name=name)
+        q = einsum((D, HEADS, 8), "BTD,DNH->BTNH", "q")(x)
+        k, v = einsum((2, D, 2, 8), "BSD,CDKH->CBSKH", "kv")(x)  # refused: C split, 1 of 2 here
+        groups = q.reshape(*q.shape[:2], k.shape[-2], -1, 8)  # (query heads by kv head, from k's shape)
+        weights = jax.nn.softmax(jnp.einsum("btkgh,bskh->bkgts", groups, k), -1)
+        out = jnp.einsum("bkgts,bskh->btkgh", weights, v).reshape(q.shape)
+        return einsum((HEADS, 8, D), "BTNH,NHD->BTD", "out")(out)
+
+
+def test_an_einsum_role_that_takes_the_wrong_letter_names_the_letter_that_works():
+    """``ColumnParallel()`` on the stacked kv einsum takes its first produced letter, the
+    stacked k/v dim ``C``: the model fails on its slice (unpacking k, v), named at its line
+    with the letters and the one the plan found from the model gives; that one is equal."""
+    rules = [("q$", ColumnParallel()), ("kv$", ColumnParallel()), ("out$", RowParallel())]
+    said = rf"test_plan_check\.py:{_refused_at_line(StackedKV)} .*kv: ColumnParallel\(\) splits letter 'C'"
+    x = jax.random.normal(jax.random.key(2), X)
+    prove = lambda: check_sharded(StackedKV(), (x, 0 * x), lambda out, y: jnp.mean((out - y) ** 2),
+                                  {"data": 4, "tensor": 2}, tp_rules=rules, steps=1)  # fmt: skip
+    with pytest.raises(RuleError, match=said + r".*the plan found gives ColumnParallel\(letter='K'\)"):
+        prove()
+    rules[1] = ("kv$", ColumnParallel(letter="K"))
+    prove()
+
+
+def _refused_at_line(cls) -> int:
+    source, first = inspect.getsourcelines(cls)
+    return next(first + i for i, line in enumerate(source) if "# refused" in line)

@@ -24,7 +24,7 @@ from .._axes import bound_axis_names
 from .._tree import static_split
 from ..tp._check import check_plan, checking, raise_failure, references_for
 from ..tp._graph import Graph
-from ..tp._plan import spelled
+from ..tp._plan import letter_hints, spelled
 from ..tp._role import without_rings
 from ..tp._rules import CompiledRole, role_of
 from ..tp._sites import module_of
@@ -111,9 +111,18 @@ def check_call(
         local = _local_graph(module, fields, arrays, rebuild, streams)
     except Exception as err:
         written = ", ".join(f"({r.pattern!r}, {spelled(r.role)})" for r in rules)
-        raise_failure(err, unsharded, where, f"[{written}]", sizes)
+        hints = lambda: letter_hints(rules, *_found(plain, args, kwargs, max(sizes.values())))
+        raise_failure(err, unsharded, where, f"[{written}]", sizes, hints)
     check_plan(local, references_for(unsharded, (r.role for r in rules), sizes), sizes, where, _named(rules))
     checked.add(key)
+
+
+def _found(plain: nn.Module, args: tuple, kwargs: dict, size: int):
+    """The layers of ``plain`` and the plan found from it (what the refusal of a plan the model
+    fails under compares the rules with)."""
+    from .auto_rules import plan_of  # (the plan finder checks plans with this module)
+
+    return plan_of(plain, args, kwargs, size)
 
 
 def _local_graph(module, fields, arrays, rebuild, streams) -> Graph:

@@ -35,7 +35,7 @@ from ..tp.roles import Layer
 from ._check import fields_of, traced_as
 from .tp_rules import LINEN, layer_of
 
-__all__ = ["AutoRules", "find_tp_rules"]
+__all__ = ["AutoRules", "find_tp_rules", "plan_of"]
 
 
 def find_tp_rules(
@@ -68,6 +68,14 @@ def find_tp_rules(
     make = lambda rules: shard_by_rules(type(module), tp_rules=rules)
     attempt = _attempt(make, fields_of(module, type(module)), args, kwargs, rngs, graph)
     return fitted(plan, lambda p: trace_per_device(lambda: attempt(p), mesh, (), ()))
+
+
+def plan_of(module: nn.Module, args: tuple, kwargs: dict, size: int) -> tuple[dict[str, Layer], TPPlan]:
+    """``module``'s layers and the plan found from its call on ``args`` for an axis of ``size``
+    (not checked: what a refusal compares the rules given with)."""
+    struct = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a
+    graph, layers = _traced(module, jax.tree.map(struct, args), kwargs, ("dropout",))
+    return layers, find_plan(graph, layers, size=size)
 
 
 def _traced(module: nn.Module, args: tuple, kwargs: dict, rngs: Sequence[str]) -> tuple[Graph, dict]:

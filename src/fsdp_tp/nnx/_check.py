@@ -23,8 +23,9 @@ from .._axes import bound_axis_names
 from .._tree import static_split
 from ..tp._check import check_plan, checking, raise_failure, references_for
 from ..tp._graph import Graph
-from ..tp._plan import spelled
+from ..tp._plan import letter_hints, spelled
 from ..tp._role import without_rings
+from ..tp._rules import compile_tp_rules
 from ._tp import RolePlan, path_text
 
 __all__ = ["PlanChecks", "check_call", "checked_class", "scoped"]
@@ -68,9 +69,20 @@ def check_call(
     except Exception as err:
         said = {f"({pattern!r}, {spelled(role)})": None for role, pattern, _ in plan.roles.values()}
         written = ", ".join(said)  # (each rule once, as matched: a role's children say "(inside)")
-        raise_failure(err, unsharded, where, f"[{written}]", sizes)
+        hints = lambda: _letter_hints(reference, plan, args, kwargs, max(sizes.values()))
+        raise_failure(err, unsharded, where, f"[{written}]", sizes, hints)
     check_plan(local, references_for(unsharded, roles, sizes), sizes, where, _named(plan))
     checked.add(key)
+
+
+def _letter_hints(reference: nnx.Module, plan: RolePlan, args: tuple, kwargs: dict, size: int) -> str:
+    """The einsum letters the rules took against the plan found from the model."""
+    from ..tp.auto import find_plan
+    from ._auto import traced  # (the plan finder checks plans with this module)
+
+    graph, layers = traced(reference, args, kwargs)
+    rules = tuple((pattern, role) for role, pattern, _ in plan.roles.values() if "(inside)" not in pattern)
+    return letter_hints(compile_tp_rules(rules, _CALLER), layers, find_plan(graph, layers, size=size))
 
 
 def _graph(model: nnx.Module, arrays: list, rebuild) -> Graph:

@@ -42,7 +42,15 @@ from ._blocks import Blocks, Named, _axes
 from ._graph import Graph
 from ._sites import Site, made_by_jax, site_of_file
 
-__all__ = ["Graph", "Reference", "check_plan", "checking", "raise_failure", "references_for", "switched_off"]
+__all__ = [
+    "Graph",
+    "Reference",
+    "check_plan",
+    "checking",
+    "raise_failure",
+    "references_for",
+    "switched_off",
+]
 
 _OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_tp_plan_check_off", default=False)
 
@@ -124,12 +132,18 @@ def references_for(
 
 
 def raise_failure(
-    err: Exception, unsharded: Callable[[], Any], where: str, rules: str, sizes: Mapping[str, int]
+    err: Exception,
+    unsharded: Callable[[], Any],
+    where: str,
+    rules: str,
+    sizes: Mapping[str, int],
+    hints: Callable[[], str] = str,
 ) -> NoReturn:
     """Raises what fits an error of the model's code on a device's slices under the plan
     (``rules``: the rules as written): the library's own errors as they are (they name their
     fix), and the model's own as they are where the unsharded model (``unsharded()`` traces it)
-    fails too; else a :class:`~fsdp_tp.errors.RuleError` naming the line that failed."""
+    fails too; else a :class:`~fsdp_tp.errors.RuleError` naming the line that failed, with
+    ``hints()`` (:func:`~fsdp_tp.tp._plan.letter_hints`) after it."""
     frames = traceback.extract_tb(err.__traceback__)
     sites = [Site(f.filename, f.lineno or 0, f.name) for f in reversed(frames)]
     raiser = next((s for s in sites if not made_by_jax(s.file)), None)
@@ -147,5 +161,5 @@ def raise_failure(
         f"written: a size taken from the module's constants (a head count, a stacked k/v dim) no "
         f"longer fits. Fix: size that code from the arrays it gets (reshape with -1 where the "
         f"split dim lands), give an einsum role the letter the model splits (letter=...), or drop "
-        f"the rule for the modules around that line, so they stay whole."
+        f"the rule for the modules around that line, so they stay whole.{hints()}"
     ) from err

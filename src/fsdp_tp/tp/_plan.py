@@ -24,11 +24,22 @@ from typing import Any
 import jax
 
 from .._axes import bound_axis_names
+from .._einsum import Equation
 from ..errors import LayerLeftWholeWarning, RuleError
 from ._check import checking
-from .roles import TPRole
+from ._matmul import ColumnParallel, RowParallel
+from .roles import Layer, TPRole
 
-__all__ = ["AUTO_AXIS", "TPPlan", "auto_size", "fitted", "rules_for", "spelled", "warn_left_whole"]
+__all__ = [
+    "AUTO_AXIS",
+    "TPPlan",
+    "auto_size",
+    "fitted",
+    "letter_hints",
+    "rules_for",
+    "spelled",
+    "warn_left_whole",
+]
 
 AUTO_AXIS = "tensor"  # the mesh axis tp_rules="auto" splits over, in both front ends
 
@@ -138,6 +149,41 @@ def rules_for(roles: Mapping[str, TPRole], paths: list[str]) -> tuple[tuple[str,
         rules.append((pattern, role))
         done |= set(matched)
     return tuple(rules)
+
+
+def letter_hints(rules, layers: Mapping[str, Layer], found: TPPlan) -> str:
+    """For each einsum layer a rule gives a column or row role without ``letter=`` where its
+    equation offers several letters and the plan found from the model (``found``) gives it
+    another role: the letter the role took (the first), the others, and the found role.
+
+    >>> from fsdp_tp.tp._rules import compile_tp_rules
+    >>> from fsdp_tp.tp.roles import ColumnParallel
+    >>> kv = Layer("einsum", "kv", equation="BSD,CDKH->CBSKH", kernel_shape=(2, 16, 2, 8))
+    >>> found = TPPlan((), {"kv": ColumnParallel(letter="K")})
+    >>> rules = compile_tp_rules([("kv$", ColumnParallel())], "demo")
+    >>> print(letter_hints(rules, {"kv": kv}, found))
+     Einsum letters: kv: ColumnParallel() splits letter 'C' of 'BSD,CDKH->CBSKH', the first of
+     'C', 'K', 'H'; the plan found gives ColumnParallel(letter='K').
+    """
+    from ._rules import role_of  # (the rules accept a plan: imported late)
+
+    hints = []
+    for path, layer in layers.items():
+        hit = role_of(path, rules) if layer.kind == "einsum" else None
+        role = hit[0] if hit is not None else None
+        if not isinstance(role, ColumnParallel | RowParallel) or role.letter is not None:
+            continue
+        eq = Equation.parse(layer.equation, path)
+        options = eq.produced if isinstance(role, ColumnParallel) else eq.contracted
+        if len(options) < 2:
+            continue
+        better = found.roles.get(path)
+        if better == role:
+            continue  # (the plan found gives it the same role: its letter is not in question)
+        said = "the plan leaves it whole" if better is None else f"the plan found gives {spelled(better)}"
+        taken = f"{path}: {spelled(role)} splits letter {options[0]!r} of {eq.text!r}"
+        hints.append(f"{taken}, the first of {', '.join(map(repr, options))}; {said}")
+    return f" Einsum letters: {'; '.join(hints)}." if hints else ""
 
 
 def spelled(role: TPRole) -> str:
