@@ -4,8 +4,10 @@ and trains its losses from the same seed."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import re
 
 import jax
 import numpy as np
@@ -203,3 +205,44 @@ def test_negative_control_a_ring_that_drops_its_neighbours_partial_sums_fails_th
     monkeypatch.setattr(_matmul, "ring_reduce_scatter", own_share)  # (RowParallel's ring)
     code, out = _check("--async-tp", "bidirectional")
     assert code == 1 and "FAILED" in out, out
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [(), ("--kv-heads", "1"), ("--async-tp", "bidirectional"), ("--no-sequence-parallel",)],
+    ids=["default", "kv-heads-1", "async-tp", "no-sp"],
+)
+def test_the_plan_printed_is_the_plan_run(flags):
+    _printed_is_run(flags)
+
+
+def test_negative_control_the_plan_found_printed_without_its_schedule():
+    """The printout as it was: the plan found, without the run's sequence parallelism."""
+    unscheduled = lambda config, sizes, *_: (nnx_gpt.found_plan(config, sizes), True)
+    with pytest.raises(AssertionError):
+        patch = lambda monkeypatch: monkeypatch.setattr(nnx_gpt, "run_plan", unscheduled)
+        _printed_is_run((), pytest.MonkeyPatch.context(), patch)
+
+
+def _printed_is_run(flags, printing=None, patched=lambda _: None):
+    """``fsdp-tp plan --api nnx`` prints, under "the rules this run computes with", exactly the
+    rules the run lays its model out by: sequence parallelism and rings in each role, kv heads
+    kept whole (issue 57: with --kv-heads 1 it printed attention left whole while the run split
+    it, and the schedule was missing)."""
+    from fsdp_tp.cli.options import parser
+    from fsdp_tp.cli.settings import settings_of
+    from fsdp_tp.recipe.trainer import nnx_schedule
+    from fsdp_tp.tp._plan import spelled
+
+    out = io.StringIO()
+    with printing or contextlib.nullcontext() as patch:
+        patched(patch)
+        assert main(["plan", "--api", "nnx", *flags], out=out) == 0
+    printed = out.getvalue().split("the rules this run computes with")[1]
+    sizes = {"data": 2, "fsdp": 2, "tensor": 2}  # (the CLI's default mesh)
+    settings = settings_of(parser("").parse_args(["train", "--api", "nnx", "--remat", "full", *flags]), sizes)
+    run = nnx_gpt.sharded_gpt(settings.model, sizes, 0, ("data", "fsdp"), *nnx_schedule(settings, sizes))
+    used = {(pattern, spelled(role)) for role, pattern, _ in run._layouts().roles.roles.values()}
+    used = {(pattern, role) for pattern, role in used if "(inside)" not in pattern}
+    written = {(pattern, role) for pattern, role in re.findall(r'\(r"(.+?)", (\w+\(.*?\))\),', printed)}
+    assert used == written, (used, written)

@@ -89,9 +89,17 @@ def tp_plan_text(settings: Settings, sizes: dict) -> str:
     # (what a model computes is the same under every remat policy: auto's choice does not matter)
     config = _with_remat(settings, "full").model if settings.model.remat == "auto" else settings.model
     if settings.api == "nnx":
-        from ..recipe.nnx_gpt import found_plan
+        from ..recipe.nnx_gpt import run_plan
+        from ..recipe.trainer import nnx_schedule
 
-        plan, where = found_plan(config, sizes), "fsdp_tp.nnx.find_tp_rules: the rules this run computes with"
+        plan, found = run_plan(config, sizes, *nnx_schedule(settings, sizes))
+        if not found:  # (the roles refuse it at init, with the sizes and the fix)
+            return (
+                f"tensor={tensor}: the rules this run computes with, the GPT's hand-written ones "
+                f"(models.nnx_transformer.tp_rules): Megatron's plan found from what the model computes "
+                f"leaves a block whole:\n{plan}"
+            )
+        where = "fsdp_tp.nnx.find_tp_rules: the rules this run computes with"
     else:
         from ..linen.auto_rules import find_tp_rules
 

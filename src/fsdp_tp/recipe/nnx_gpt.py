@@ -72,6 +72,26 @@ def found_plan(config: ModelConfig, sizes: Mapping[str, int], abstract: nnx.Modu
     return find_tp_rules(abstract, ids, size=sizes.get("tensor", 1), outputs_split=True)
 
 
+def run_plan(
+    config: ModelConfig,
+    sizes: Mapping[str, int],
+    sequence_parallel: bool = False,
+    collective_matmul: str | None = None,
+    abstract: nnx.Module | None = None,
+) -> tuple[TPPlan, bool]:
+    """The tp rules an ``--api nnx`` run computes with, as a plan, and whether they are the plan
+    found: where its roles (with sequence parallelism and rings) are the GPT's Megatron plan,
+    the plan found; where they are not (heads the axis cuts, where the finder leaves a block
+    whole), the GPT's hand-written rules, whose role refuses at init naming the sizes and the
+    fix, as the Linen GPT's layers refuse them. What ``fsdp-tp plan --api nnx`` prints."""
+    found = found_plan(config, sizes, abstract).scheduled(1 if sequence_parallel else None, collective_matmul)
+    kept = config.num_kv_heads % sizes.get("tensor", 1) != 0
+    megatron = tp_rules(sequence_parallel, kept, collective_matmul)
+    if not found.differences(megatron):
+        return found, True
+    return TPPlan(tuple(megatron), {}, found.whole, found.layers), False
+
+
 def sharded_gpt(
     config: ModelConfig,
     sizes: Mapping[str, int],
@@ -82,20 +102,14 @@ def sharded_gpt(
     mixed_precision: MixedPrecision | None = None,
 ) -> ShardedModel:
     """The NNX GPT of ``config`` laid out on a mesh of ``sizes`` as the Linen GPT's layout
-    lays it out: Megatron TP over ``tensor`` by the rules :func:`~fsdp_tp.nnx.find_tp_rules`
-    finds (kv heads kept whole where ``tensor`` does not divide them, as Linen's attention
-    keeps them; the logits left split for the vocab-parallel loss), FSDP over ``fsdp`` where
-    the Linen GPT has it (:func:`~fsdp_tp.models.nnx_transformer.storage_rules`), its gathers
-    in ``mixed_precision``'s dtypes where given, as the Linen layout's."""
+    lays it out: Megatron TP over ``tensor`` by the rules of :func:`run_plan` (the plan
+    :func:`~fsdp_tp.nnx.find_tp_rules` finds: kv heads kept whole where ``tensor`` does not
+    divide them, as Linen's attention keeps them; the logits left split for the vocab-parallel
+    loss), FSDP over ``fsdp`` where the Linen GPT has it
+    (:func:`~fsdp_tp.models.nnx_transformer.storage_rules`), its gathers in
+    ``mixed_precision``'s dtypes where given, as the Linen layout's."""
     make = nnx_maker(config)
     abstract = abstract_gpt(config)
-    found = found_plan(config, sizes, abstract).scheduled(1 if sequence_parallel else None, collective_matmul)
-    kept = config.num_kv_heads % sizes.get("tensor", 1) != 0
-    megatron = tp_rules(sequence_parallel, kept, collective_matmul)
-    # Every block split, or the refusal that says why: where the GPT's sizes let the roles split
-    # it, the plan found is its Megatron plan (tests/test_auto_tp.py); where they do not (heads
-    # the axis cuts), the plan leaves a block whole, and its hand-written rules are refused at
-    # init by the role, naming the sizes and the fix, as the Linen GPT's layers refuse them.
-    tp = found.rules if not found.differences(megatron) else megatron
+    tp = run_plan(config, sizes, sequence_parallel, collective_matmul, abstract)[0].rules
     rules = storage_rules(abstract, sizes, min_weight_size, tp)
     return shard_by_rules(make, rules, tp_rules=tp, batch_axes=batch_axes, mixed_precision=mixed_precision)

@@ -85,6 +85,14 @@ class ShardedGPT:
     twin_init_fn: Callable | None
 
 
+def nnx_schedule(settings: Settings, sizes: dict) -> tuple[bool, str | None]:
+    """An ``--api nnx`` run's sequence parallelism and rings: sequence parallelism needs
+    check_vma (the roles refuse it unchecked); on one tensor device the sequence is whole
+    anyway, so unchecked it is simply off there."""
+    layout = settings.layout
+    return layout.sequence_split and (settings.check_vma or sizes.get("tensor", 1) > 1), layout.ring
+
+
 def sharded_gpt(settings: Settings, sizes: dict, tx: optax.GradientTransformation) -> ShardedGPT:
     """The GPT ``settings`` describe on a mesh of axis ``sizes``: Linen's split by its layout,
     or NNX's by rules (:mod:`fsdp_tp.recipe.nnx_gpt`), from the same init."""
@@ -92,12 +100,9 @@ def sharded_gpt(settings: Settings, sizes: dict, tx: optax.GradientTransformatio
     if settings.api == "nnx":
         from .nnx_gpt import sharded_gpt as sharded_nnx_gpt
 
-        layout = settings.layout
-        # Sequence parallelism needs check_vma (the roles refuse it unchecked); on one tensor
-        # device the sequence is whole anyway, so unchecked it is simply off there.
-        sequence = layout.sequence_split and (settings.check_vma or sizes.get("tensor", 1) > 1)
+        layout, (sequence, ring) = settings.layout, nnx_schedule(settings, sizes)
         sharded = sharded_nnx_gpt(
-            config, sizes, layout.min_weight_size, BATCH_AXES, sequence, layout.ring, layout.mixed_precision
+            config, sizes, layout.min_weight_size, BATCH_AXES, sequence, ring, layout.mixed_precision
         )
         init = sharded.state_init_fn(tx)
         return ShardedGPT(lambda rng, _ids: init(rng), lambda p, ids: sharded.merge(p)(ids), None)

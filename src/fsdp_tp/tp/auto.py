@@ -154,14 +154,21 @@ def _role_for(
 ) -> TPRole:
     layer = layers[owner]
     refused = []
-    for role in _candidates(layer, gather, axis):
+
+    def splits_so(role: TPRole) -> bool:
         try:
             wanted = _splits(role, owner, layer, layers)
         except RuleError:
-            continue
-        if {k: v for k, v in wanted.items() if k in held} != splits:
-            continue
+            return False
+        return {k: v for k, v in wanted.items() if k in held} == splits
+
+    for role in _candidates(layer, gather, axis):
+        plain = splits_so(role)
+        # kv heads kept whole: where the plain role's split does not divide (an einsum's kept
+        # letter), or where the region splits as the kept role does (query heads only)
         for fitted in (role, *_kept(role, layer)):
+            if not (plain or (fitted is not role and splits_so(fitted))):
+                continue
             try:
                 if size is not None:
                     fitted.require_divides(layer, size, owner, lambda _: "")
