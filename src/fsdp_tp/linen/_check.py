@@ -14,13 +14,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
 import jax
 
 from .._axes import bound_axis_names
+from .._context import set_for
 from .._tree import static_split
 from ..tp._check import check_plan, checking, raise_failure, references_for
 from ..tp._graph import Graph
@@ -37,14 +38,9 @@ _CHECKING: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_tp_checki
 _TRACED: contextvars.ContextVar[Graph | None] = contextvars.ContextVar("fsdp_tp_traced_call", default=None)
 
 
-@contextlib.contextmanager
-def traced_as(graph: Graph) -> Iterator[None]:
+def traced_as(graph: Graph) -> contextlib.AbstractContextManager[None]:
     """Within, a plan check of a call on ``graph``'s inputs reads ``graph`` as the unsharded call."""
-    token = _TRACED.set(graph)
-    try:
-        yield
-    finally:
-        _TRACED.reset(token)
+    return set_for(_TRACED, graph)
 
 
 def fields_of(module: nn.Module, target: type) -> dict[str, Any]:

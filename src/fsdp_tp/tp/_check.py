@@ -34,9 +34,10 @@ import contextvars
 import dataclasses
 import traceback
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NoReturn
 
+from .._context import set_for
 from ..errors import RuleError, UncheckedPlanWarning
 from ._blocks import Blocks, Named, _axes
 from ._graph import Graph
@@ -60,15 +61,10 @@ def checking() -> bool:
     return not _OFF.get()
 
 
-@contextlib.contextmanager
-def switched_off() -> Iterator[None]:
+def switched_off() -> contextlib.AbstractContextManager[None]:
     """Within, no plan is checked: how a test shows that the equality of outputs and gradients
     (its oracle) catches what the check refuses."""
-    token = _OFF.set(True)
-    try:
-        yield
-    finally:
-        _OFF.reset(token)
+    return set_for(_OFF, True)
 
 
 @dataclasses.dataclass(frozen=True)

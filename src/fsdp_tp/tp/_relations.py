@@ -7,6 +7,10 @@ primitive it does not know mixes every dim, so the finder refuses it rather than
 >>> relate(node, {0: (2, 8), 1: (2,)})
 >>> node.same, node.mixes
 ([[(0, 0), (1, 0)]], {(0, 1): 'reduce_sum over dim 1 of [2,8]'})
+>>> node = Node("unstack", [0], [1, 2], {"axis": 0})   # jax 0.12's `k, v = kv`
+>>> relate(node, {0: (2, 4, 8), 1: (4, 8), 2: (4, 8)})
+>>> node.same[0], node.mixes
+([(0, 1), (1, 0), (2, 0)], {(0, 0): 'unstack cuts dim 0 of [2,4,8]'})
 """
 
 from __future__ import annotations
@@ -97,6 +101,13 @@ def relate(node: Node, shapes: dict[int, tuple[int, ...]]) -> None:
     elif name == "transpose":
         (x, _), (out, _) = ins[0], outs[0]
         node.same += [[(x, d), (out, i)] for i, d in enumerate(p["permutation"])]
+    elif name == "unstack":  # (jax 0.12's `k, v = kv`; 0.10 slices and squeezes)
+        (x, shape), axis = ins[0], p["axis"] % len(ins[0][1])
+        for d in range(len(shape)):
+            if d == axis:
+                node.mixes[(x, d)] = what(x, d, "unstack cuts")
+            else:
+                node.same.append([(x, d)] + [(o, d if d < axis else d - 1) for o, _ in outs])
     elif name == "squeeze":
         (x, shape), (out, _) = ins[0], outs[0]
         kept = [d for d in range(len(shape)) if d not in p["dimensions"]]

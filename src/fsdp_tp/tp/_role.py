@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from .._axes import checks_vma
+from .._context import set_for
 from .._einsum import Equation, split_letter
 from .._layout import axis_text, require_divisible
 from ..collective_matmul import RingChunks, require_mode
@@ -28,17 +29,12 @@ __all__ = ["Layer", "TPRole", "without_rings"]
 _UNRINGED: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_tp_unringed", default=False)
 
 
-@contextlib.contextmanager
-def without_rings() -> Iterator[None]:
+def without_rings() -> contextlib.AbstractContextManager[None]:
     """Within, every role computes as if its ``collective_matmul`` were ``None``: the same
     numbers (a ring is the same gather or reduce-scatter in chunks), each layer called once.
     The plan check traces the model so (:mod:`fsdp_tp.tp._check`): a ring calls a layer per
     chunk, which the unsharded model's trace does not."""
-    token = _UNRINGED.set(True)
-    try:
-        yield
-    finally:
-        _UNRINGED.reset(token)
+    return set_for(_UNRINGED, True)
 
 
 @dataclass(frozen=True)
