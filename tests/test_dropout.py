@@ -24,8 +24,11 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
+import fsdp_tp.linen._dropout
 import fsdp_tp.nnx
-from fsdp_tp.dropout import keep_mask, wide_index
+from fsdp_tp.dropout import fold_over_block, keep_mask, wide_index
+from fsdp_tp.errors import FoldedDropoutWarning
+from fsdp_tp.testing import check_sharded
 from tests.equivalence import ATOL, RTOL
 
 MESHES = {
@@ -208,111 +211,91 @@ def test_negative_control_flax_s_own_dropout_on_blocks_is_not_the_unsharded_mode
         test_dropout_is_the_unsharded_models_under_fsdp_and_tp(api, "data x tensor", check_vma=False)
 
 
-# --- attention dropout: a mask of its own per block -----------------------------------------
+# --- attention dropout: the unsharded model's mask, drawn inside flax's attention ----------
 
-SEEN: dict = {}
-
-
-def _probe(dot_product_attention):
-    """An attention function that is flax's, and records (per device) the mask flax draws
-    inside it: the same key, shape and probability."""
-
-    def attention(query, key, value, mask=None, dropout_rng=None, dropout_rate=0.0, deterministic=False, **_):
-        weights = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
-        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights)
-        device = jnp.stack([jax.lax.axis_index(a) for a in ("data", "tensor")])
-        jax.debug.callback(lambda d, k: SEEN.__setitem__(tuple(d.tolist()), np.asarray(k)), device, keep)
-        return dot_product_attention(
-            query,
-            key,
-            value,
-            mask=mask,
-            dropout_rng=dropout_rng,
-            dropout_rate=dropout_rate,
-            broadcast_dropout=False,
-            deterministic=deterministic,
-        )
-
-    return attention
+ATTENTION_KEY = jax.random.key(3)
+FSDP_ATTENTION = [(r"(query|key|value)/kernel$", P("fsdp")), (r"out/kernel$", P(None, None, "fsdp"))]
+ATTENTION_MESHES = [  # (mesh, storage rules, check_vma)
+    ({"data": 2, "tensor": 4}, (), True),
+    ({"data": 2, "fsdp": 2, "tensor": 2}, FSDP_ATTENTION, False),
+]
 
 
-class LinenAttention(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        attend = nn.MultiHeadDotProductAttention(
-            num_heads=4,
-            qkv_features=16,
-            dropout_rate=0.5,
-            broadcast_dropout=False,
-            deterministic=False,
-            attention_fn=_probe(nn.dot_product_attention),
-            name="attn",
-        )
-        return attend(x)
-
-
-class NNXAttention(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.attn = nnx.MultiHeadAttention(
-            num_heads=4,
-            in_features=8,
-            qkv_features=16,
-            dropout_rate=0.5,
-            broadcast_dropout=False,
-            deterministic=False,
-            attention_fn=_probe(nnx.dot_product_attention),
-            decode=False,
-            rngs=rngs,
-        )
-
-    def __call__(self, x):
-        return self.attn(x)
-
-
-def _attention_masks(api: str, tp: bool) -> dict:
-    """Each device's attention dropout mask, on data 2 x tensor 4 (head-parallel, or every
-    tensor rank computing all heads)."""
-    mesh = fsdp_tp.make_mesh({"data": 2, "tensor": 4})
+def _attention_model(api: str, broadcast: bool, attention_fn=None):
+    """Multi-head attention dropping 0.1 of its weights, flax's own module (Linen's with its
+    ``make_rng``; NNX's with call-time ``rngs``)."""
     if api == "linen":
-        rules = [("attn$", fsdp_tp.tp_rules.HeadParallel())] if tp else []
-        model = fsdp_tp.shard_by_rules(LinenAttention, tp_rules=rules)()
-        init = lambda rng: (model.init({"params": rng, "dropout": rng}, X[:2])["params"], {})
-        forward = lambda params, rest, x: model.apply({"params": params}, x, rngs={"dropout": KEY})
-    else:
-        rules = [("attn$", fsdp_tp.nnx.HeadParallel())] if tp else []
-        sharded = fsdp_tp.nnx.shard_by_rules(NNXAttention, tp_rules=rules)
-        init, forward = sharded.init, lambda params, rest, x: sharded.merge(params, rest)(x)
-    (params, rest), (specs, rest_specs) = fsdp_tp.init_sharded(init, mesh, P(), jax.random.key(0))
-    SEEN.clear()
-    out = jax.jit(  # one program (eager, shard_map runs op by op)
-        jax.shard_map(
-            forward, mesh=mesh, in_specs=(specs, rest_specs, P("data")), out_specs=P("data"), check_vma=False
-        )
-    )(params, rest, X)
-    jax.block_until_ready(out)
-    jax.effects_barrier()
-    return dict(SEEN)
+        fn = {"attention_fn": attention_fn} if attention_fn else {}
+
+        class LinenDropping(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                attend = nn.MultiHeadDotProductAttention(
+                    4, dropout_rate=0.1, deterministic=False, broadcast_dropout=broadcast, name="attn", **fn
+                )
+                return attend(x)
+
+        return LinenDropping()
+    fn = {"attention_fn": attention_fn} if attention_fn else {}
+
+    class NNXDropping(nnx.Module):
+        def __init__(self, rngs):
+            self.attn = nnx.MultiHeadAttention(
+                4, 8, 8, dropout_rate=0.1, broadcast_dropout=broadcast, deterministic=False,
+                decode=False, keep_rngs=False, rngs=rngs, **fn,
+            )  # fmt: skip
+
+        def __call__(self, x, rngs=None):
+            return self.attn(x, rngs=rngs)
+
+    return lambda rngs: NNXDropping(rngs)
+
+
+def _check_attention(api: str, mesh, rules, check_vma: bool, broadcast: bool, attention_fn=None) -> None:
+    check_sharded(
+        _attention_model(api, broadcast, attention_fn), (X, Y), lambda out, y: jnp.mean((out - y) ** 2), mesh,
+        rules, tp_rules=[("attn$", fsdp_tp.tp.HeadParallel())], rngs={"dropout": ATTENTION_KEY}, steps=1,
+        check_vma=check_vma,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("broadcast", [False, True], ids=["per-head mask", "broadcast mask"])
+@pytest.mark.parametrize("mesh, rules, check_vma", ATTENTION_MESHES, ids=["data x tensor", "dp x fsdp x tp"])
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_attention_dropout_is_the_unsharded_models(api, mesh, rules, check_vma, broadcast):
+    """flax draws the attention's mask inside its own attention function; the library hands it a
+    key whose draws are this device's block of the unsharded draw (the batch rows and, head
+    parallel, the heads it holds; or the one broadcast mask), so outputs, gradients and steps
+    are the unsharded model's with attention dropout on (fsdp_tp.testing.check_sharded)."""
+    _check_attention(api, mesh, rules, check_vma, broadcast)
 
 
 @pytest.mark.parametrize("api", ["linen", "nnx"])
-@pytest.mark.parametrize("tp", [True, False], ids=["head-parallel", "whole heads"])
-def test_each_block_of_the_attention_weights_draws_its_own_mask(api, tp):
-    """flax draws the attention's mask inside its attention function, so it is not the
-    unsharded mask (fsdp_tp.dropout.folded_attention says why); but no two blocks repeat one:
-    head-parallel ranks draw for their own heads, batch shards for their own rows; without
-    head parallelism the tensor ranks, which compute the same heads, agree."""
-    masks = _attention_masks(api, tp)
-    assert len(masks) == 8
-    distinct = {m.tobytes() for m in masks.values()}
-    assert len(distinct) == (8 if tp else 2)
+def test_negative_control_a_mask_folded_per_block_is_another_models(api, monkeypatch):
+    """Each block drawing its own mask (the library's behaviour before: the same distribution),
+    caught by the same check."""
+    folded = lambda rng, _weights, like, _broadcast, axes, where: fold_over_block(rng, like, axes, where)
+    monkeypatch.setattr(fsdp_tp.dropout, "attention_key", folded)
+    monkeypatch.setattr(fsdp_tp.linen._dropout, "attention_key", folded)
+    with pytest.raises(AssertionError, match=r"^output: "):
+        _check_attention(api, *ATTENTION_MESHES[0], broadcast=False)
 
 
 @pytest.mark.parametrize("api", ["linen", "nnx"])
-def test_negative_control_an_attention_rng_left_unfolded_repeats_a_mask_across_heads(api, monkeypatch):
-    monkeypatch.setattr(fsdp_tp.dropout, "fold_over_block", lambda rng, *args: rng)
-    monkeypatch.setattr(fsdp_tp.linen._dropout, "fold_over_block", lambda rng, *args: rng)
-    with pytest.raises(AssertionError):
-        test_each_block_of_the_attention_weights_draws_its_own_mask(api, tp=True)
+def test_an_attention_function_the_library_does_not_own_folds_and_says_so(api):
+    """An ``attention_fn`` of the user's draws its mask itself: each block an independent one,
+    said once (FoldedDropoutWarning), and the model runs."""
+    flax_fn = nn.dot_product_attention if api == "linen" else nnx.dot_product_attention
+
+    # (flax's Linen attention passes the keywords an attention function names)
+    def own(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
+            dropout_rate=0.0, deterministic=False, **rest):  # fmt: skip
+        return flax_fn(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
+                       deterministic, **rest)  # fmt: skip
+
+    with pytest.warns(FoldedDropoutWarning, match=r"attention_fn=.*own is not flax's dot_product_attention"):
+        with pytest.raises(AssertionError, match=r"^output: "):  # (not the unsharded mask)
+            _check_attention(api, *ATTENTION_MESHES[0], broadcast=False, attention_fn=own)
 
 
 class SequenceParallelDrop(nn.Module):

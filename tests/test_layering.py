@@ -24,6 +24,7 @@ PACKAGE = Path(fsdp_tp.__file__).parent
 CORE = (
     "_axes",
     "_batch",
+    "_block_key",
     "_context",
     "_einsum",
     "_gather",

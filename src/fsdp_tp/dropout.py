@@ -10,8 +10,9 @@ the fold every batch shard repeats one mask.
 JAX's threefry is counter based (``jax_threefry_partitionable``, on by default): element
 ``i`` of ``random_bits(key, shape)`` is ``threefry_2x32(key, i)`` for its flat index ``i`` in
 ``shape``. So a device draws exactly its block of the unsharded mask (:func:`keep_mask`) by
-hashing the global flat indices of its block, then turning bits into a uniform and a keep
-the way ``jax.random.bernoulli`` does. Which dims are split over which axes
+hashing the global flat indices of its block: ``jax.random.bernoulli`` on a key of the
+library's that does so (:mod:`fsdp_tp._block_key`), which flax's attention dropout draws from
+too (:func:`exact_attention`). Which dims are split over which axes
 (:func:`activation_split`): dim 0 over the step's batch axes, and the dims the tensor-parallel
 roles say their outputs split (:func:`split_after`, :func:`splitting`); under
 ``check_vma=True`` an activation that varies over an axis no dim accounts for is refused.
@@ -32,32 +33,36 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import math
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.extend.random import threefry_2x32
 
-from ._axes import axis_size, bound_axis_names, checks_vma, entry_axes, require_axes, varying_axes
+from ._axes import bound_axis_names, checks_vma, entry_axes, require_axes, varying_axes
+from ._block_key import block_key, is_block_key, keep_mask, wide_index
 from ._types import AxisName, AxisNames
+from .errors import FoldedDropoutWarning
 
 __all__ = [
     "activation_split",
+    "attention_key",
+    "block_key",
     "dropout",
+    "exact_attention",
     "fold_over_block",
     "fold_rng_over_axis",
     "folded_attention",
+    "is_block_key",
     "keep_mask",
     "split_after",
     "splitting",
     "unplaceable_after",
+    "warn_folded",
     "wide_index",
 ]
 
 Split = tuple  # per dim: None, an axis, or a tuple of axes (major first), as box names are
-_U32 = jnp.uint32
 
 # The activations a tensor-parallel role left split: per entry, the dims (counted from the
 # end) and their axes (None: no split describes it, its mask cannot be placed), and the local
@@ -148,92 +153,6 @@ def activation_split(x: jax.Array, batch_axes: Sequence[AxisName], where: str) -
     return tuple(entry[0] if len(entry) == 1 else (entry or None) for entry in names)
 
 
-def _mul_wide(a: jax.Array, b: int) -> tuple[jax.Array, jax.Array]:
-    """``a * b`` as (high, low) 32-bit words, for uint32 ``a`` and a Python int ``b < 2**32``:
-    16-bit limbs, so no product overflows (jax has no uint64 without ``jax_enable_x64``)."""
-    a_lo, a_hi = a & 0xFFFF, a >> 16
-    b_lo, b_hi = b & 0xFFFF, b >> 16
-    lo_lo, lo_hi, hi_lo = a_lo * _U32(b_lo), a_lo * _U32(b_hi), a_hi * _U32(b_lo)
-    mid = (lo_lo >> 16) + (lo_hi & 0xFFFF) + (hi_lo & 0xFFFF)
-    low = (lo_lo & 0xFFFF) | (mid << 16)
-    high = a_hi * _U32(b_hi) + (lo_hi >> 16) + (hi_lo >> 16) + (mid >> 16)
-    return high, low
-
-
-def _add_wide(x: tuple, y: tuple) -> tuple[jax.Array, jax.Array]:
-    low = x[1] + y[1]
-    return x[0] + y[0] + (low < x[1]).astype(_U32), low
-
-
-def wide_index(coords: Sequence[jax.Array], sizes: Sequence[int]) -> tuple[jax.Array, jax.Array]:
-    """The row-major flat index of uint32 coordinates ``coords`` in an array of ``sizes``, as
-    (high, low) uint32 words, exact up to ``2**64`` elements."""
-    total = (jnp.zeros_like(coords[0]), jnp.zeros_like(coords[0]))
-    stride = math.prod(sizes)
-    for coord, size in zip(coords, sizes, strict=True):
-        stride //= size
-        high, low = _mul_wide(coord, stride & 0xFFFFFFFF)
-        total = _add_wide(total, (high + coord * _U32(stride >> 32), low))
-    return total
-
-
-def flat_index(shape: tuple[int, ...], split: Split) -> tuple[jax.Array, jax.Array]:
-    """Inside ``jax.shard_map``: for each element of this device's block (``shape``, split as
-    ``split`` says), its flat index in the global array, as (high, low) uint32 words: the
-    counters ``jax.random`` hashes for that element (``iota_2x32_shape``)."""
-    split = tuple(split) + (None,) * (len(shape) - len(split))
-    coords, sizes = [], []
-    for dim, (n, s) in enumerate(zip(shape, split, strict=True)):
-        coord = jax.lax.broadcasted_iota(_U32, shape, dim)
-        if axes := entry_axes(s):
-            index = jnp.zeros((), _U32)
-            for axis in axes:  # the block's position along the axes, major first
-                index = index * _U32(jax.lax.axis_size(axis)) + jax.lax.axis_index(axis).astype(_U32)
-            coord = coord + index * _U32(n)
-        coords.append(coord)
-        sizes.append(n * axis_size(axes) if axes else n)
-    return wide_index(coords, sizes)
-
-
-def _key_data(key: jax.Array, where: str) -> jax.Array:
-    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-    impl = str(jax.random.key_impl(key)) if typed else "threefry2x32"
-    partitionable = bool(getattr(jax.config, "jax_threefry_partitionable"))  # noqa: B009 (untyped)
-    if impl != "threefry2x32" or not partitionable:
-        raise ValueError(
-            f"{where}: a device draws its block of the unsharded dropout mask from threefry's "
-            f"counters, which needs a threefry2x32 key (got {impl}) and jax_threefry_partitionable "
-            f"on (it is {partitionable}); use jax.random.key(seed) "
-            f"and leave jax_threefry_partitionable at its default."
-        )
-    return jax.random.key_data(key) if typed else key
-
-
-def keep_mask(key: jax.Array, keep_prob: float, shape: tuple[int, ...], split: Split, where: str = "dropout"):
-    """This device's block (``shape``, split over mesh axes as ``split`` says, box-name style)
-    of ``jax.random.bernoulli(key, keep_prob, global_shape)``, bit for bit."""
-    data = _key_data(key, where)
-    high, low = flat_index(tuple(shape), split)
-    if not high.size:
-        return jnp.zeros(shape, bool)
-    counts = jnp.concatenate([high.ravel(), low.ravel()])  # threefry_2x32 hashes (first half, second half)
-    hashed = threefry_2x32((data[0], data[1]), counts)
-    first, second = hashed[: high.size].reshape(shape), hashed[high.size :].reshape(shape)
-    # bernoulli draws a uniform of p's dtype: a Python float's, float64 under jax_enable_x64.
-    dtype = jnp.asarray(keep_prob).dtype
-    uint: type[np.unsignedinteger] = np.uint64 if dtype == jnp.float64 else np.uint32
-    if uint is np.uint64:  # 64 random bits: the first hash over the second
-        bits = (first.astype(jnp.uint64) << 32) | second.astype(jnp.uint64)
-    else:  # 32 random bits: the two hashes xor-ed
-        bits = first ^ second
-    # jax.random.uniform: the mantissa's random bits under exponent 0, minus 1; then `< p`.
-    one = np.array(1.0, dtype).view(uint)
-    width = 8 * np.dtype(uint).itemsize
-    shifted = (bits >> uint(width - jnp.finfo(dtype).nmant)) | uint(one)
-    floats = jax.lax.bitcast_convert_type(shifted, dtype) - jnp.asarray(1.0, dtype)
-    return jax.lax.max(jnp.asarray(0.0, dtype), floats) < jnp.asarray(keep_prob, dtype)
-
-
 def dropout(
     inputs: jax.Array,
     rate: float,
@@ -286,20 +205,73 @@ def fold_over_block(rng: jax.Array, x: jax.Array, batch_axes: Sequence[AxisName]
 
 
 def folded_attention(attention_fn: Callable, batch_axes: Sequence[AxisName], where: str) -> Callable:
-    """``attention_fn`` (flax's ``attention_fn=``) whose ``dropout_rng`` is folded over every axis
-    the attention's block is split over (the batch axes, and the heads' axis inside a
-    head-parallel attention, :func:`fold_over_block`): each block draws its own mask.
-
-    Why not the unsharded mask: flax draws it inside its attention function, on the block's
-    own shape, between the softmax and the product with the values; drawing the unsharded
-    model's block there would mean replacing that function. Folding gives every block an
-    independent mask, as the unsharded model's blocks are: the same distribution."""
+    """``attention_fn`` (an ``attention_fn=`` the library does not own) whose ``dropout_rng`` is
+    folded over every axis the attention's block is split over (the batch axes, and the heads'
+    axis inside a head-parallel attention, :func:`fold_over_block`): each block draws its own
+    mask, the unsharded model's distribution but not its mask (flax's own attention function
+    draws the unsharded mask: :func:`exact_attention`)."""
 
     @functools.wraps(attention_fn)
     def attention(query, key, value, *args, dropout_rng=None, **kwargs):
         if dropout_rng is not None:
             dropout_rng = fold_over_block(dropout_rng, query, batch_axes, where)
         return attention_fn(query, key, value, *args, dropout_rng=dropout_rng, **kwargs)
+
+    attention._fsdp_tp_folded = True  # type: ignore[attr-defined]
+    return attention
+
+
+_FOLDED: set[str] = set()
+
+
+def warn_folded(where: str, attention_fn: Callable) -> None:
+    """Says once per attention module that its own attention function draws a mask per block."""
+    if where not in _FOLDED:
+        _FOLDED.add(where)
+        name = getattr(attention_fn, "__qualname__", type(attention_fn).__name__)
+        warnings.warn(
+            FoldedDropoutWarning(
+                f"{where}: attention_fn={name} is not flax's dot_product_attention, so its dropout "
+                f"mask is drawn inside it: each block draws an independent one (the unsharded "
+                f"model's distribution, not its mask). With flax's own function each device draws "
+                f"its block of the unsharded mask."
+            ),
+            stacklevel=4,
+        )
+
+
+def attention_key(
+    rng: jax.Array, weights: tuple[int, ...], like: jax.Array, broadcast: bool, batch_axes, where: str
+) -> jax.Array:
+    """A key from which flax's attention draws, on this device's attention weights of shape
+    ``weights`` (``(batch..., heads, queries, keys)``; ``like``: an activation of the call, whose
+    batch axes the weights vary over), the block of the mask the unsharded model draws from
+    ``rng`` (:func:`~fsdp_tp._block_key.block_key`): split on the batch and, inside a
+    head-parallel attention, the heads; or, ``broadcast`` (flax's ``broadcast_dropout``), the
+    one mask over batch and heads, the same on every device."""
+    if broadcast:
+        return block_key(rng, (None,) * len(weights), where)
+    probe = jnp.zeros(weights, bool)
+    bound = bound_axis_names()
+    if bound and checks_vma(bound[0]) and (axes := tuple(varying_axes(like))):
+        probe = jax.lax.pcast(probe, axes, to="varying")
+    return block_key(rng, activation_split(probe, batch_axes, where), where)
+
+
+def exact_attention(attention_fn: Callable, batch_axes: Sequence[AxisName], where: str) -> Callable:
+    """flax's ``dot_product_attention`` (Linen's or NNX's) drawing, for each call, this device's
+    block of the unsharded model's attention-dropout mask: its ``dropout_rng`` made a block key
+    for the weights' shape (:func:`attention_key`), so flax's own ``jax.random.bernoulli`` on its
+    block draws the block of the unsharded draw, in flax's own order of operations."""
+
+    @functools.wraps(attention_fn)
+    def attention(query, key, value, *args, dropout_rng=None, broadcast_dropout=True, **kwargs):
+        if dropout_rng is not None:
+            weights = (*query.shape[:-3], query.shape[-2], query.shape[-3], key.shape[-3])
+            dropout_rng = attention_key(dropout_rng, weights, query, broadcast_dropout, batch_axes, where)
+        return attention_fn(
+            query, key, value, *args, dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout, **kwargs
+        )
 
     attention._fsdp_tp_folded = True  # type: ignore[attr-defined]
     return attention

@@ -16,6 +16,7 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointMismatchError",
     "CheckpointSaveError",
+    "FoldedDropoutWarning",
     "IndivisibleShapeError",
     "LayerLeftWholeWarning",
     "MeshShapeError",
@@ -41,6 +42,12 @@ class BatchAxesError(ValueError):
 
 class MeshShapeError(ValueError):
     """Mesh axis sizes that do not fit the devices they are laid over."""
+
+
+class FoldedDropoutWarning(UserWarning):
+    """An attention function the library does not own draws its dropout mask itself: each block
+    draws an independent mask (the unsharded model's distribution, not its mask), where flax's
+    own attention function draws the unsharded mask's block."""
 
 
 class IndivisibleShapeError(ValueError):

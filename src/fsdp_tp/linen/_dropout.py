@@ -23,7 +23,15 @@ import flax.linen as nn
 
 from .._tree import module_path
 from .._types import AxisName
-from ..dropout import activation_split, dropout, fold_over_block, splitting
+from ..dropout import (
+    activation_split,
+    attention_key,
+    dropout,
+    fold_over_block,
+    is_block_key,
+    splitting,
+    warn_folded,
+)
 
 __all__ = ["exact_dropout"]
 
@@ -69,15 +77,29 @@ def _intercept(batch_axes, next_fun, args, kwargs, context):
 
 
 def _attention(batch_axes, module: nn.MultiHeadDotProductAttention, next_fun, args, kwargs):
-    """An attention's dropout rng, folded over the axes its block is split over
-    (:func:`fsdp_tp.dropout.folded_attention` says why not the unsharded mask): drawn as flax
-    draws it (``make_rng``, once per call that drops), then passed as ``dropout_rng``."""
+    """An attention that drops draws, with flax's ``dot_product_attention``, this device's block
+    of the unsharded mask: its ``dropout_rng`` (``make_rng``, once per call that drops, as flax
+    draws it) made a block key for its weights (:func:`fsdp_tp.dropout.attention_key`). The
+    call is seen twice under a head-parallel role: the model's module (batch split known),
+    then the role's clone (its heads, and their split); the key is made again there from the
+    same numbers. Another attention function folds the rng over the block's axes, and says so."""
     bound = inspect.signature(type(module).__call__).bind(module, *args, **kwargs)
-    given = bound.arguments.get("deterministic")
-    if module.dropout_rate == 0.0 or bound.arguments.get("dropout_rng") is not None:
+    given = bound.arguments.get("dropout_rng")
+    if module.dropout_rate == 0.0 or (given is not None and not is_block_key(given)):
         return next_fun(*args, **kwargs)
-    if nn.merge_param("deterministic", module.deterministic, given) or module.is_initializing():
+    deterministic = bound.arguments.get("deterministic")
+    if nn.merge_param("deterministic", module.deterministic, deterministic) or module.is_initializing():
         return next_fun(*args, **kwargs)
     where = f"{type(module).__name__} at {module_path(module.path) or 'the model'}"
-    rng = fold_over_block(module.make_rng("dropout"), bound.arguments["inputs_q"], batch_axes(), where)
-    return next_fun(*args, **{**kwargs, "dropout_rng": rng})
+    rng = given if given is not None else module.make_rng("dropout")
+    inputs_q = bound.arguments["inputs_q"]
+    if module.attention_fn is not nn.dot_product_attention:
+        warn_folded(where, module.attention_fn)
+        folded = fold_over_block(rng, inputs_q, batch_axes(), where)
+        return next_fun(*args, **{**kwargs, "dropout_rng": folded})
+    keys = bound.arguments.get("inputs_k")
+    keys = keys if keys is not None else bound.arguments.get("inputs_kv")
+    keys = keys if keys is not None else inputs_q
+    weights = (*inputs_q.shape[:-2], module.num_heads, inputs_q.shape[-2], keys.shape[-2])
+    key = attention_key(rng, weights, inputs_q, module.broadcast_dropout, batch_axes(), where)
+    return next_fun(*args, **{**kwargs, "dropout_rng": key})

@@ -12,13 +12,14 @@ the batch axes, so a module's own draws differ per batch shard.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
 from flax import nnx
 
 from .._types import AxisName
-from ..dropout import activation_split, dropout, folded_attention
+from ..dropout import activation_split, dropout, exact_attention, folded_attention, warn_folded
 from ._read import unfolded
 
 __all__ = ["exact_dropouts"]
@@ -53,18 +54,25 @@ def _exact(cls: type, batch_axes: tuple[AxisName, ...], path: str) -> type:
 
 
 @functools.cache
-def _folding(cls: type, batch_axes: tuple[AxisName, ...], path: str) -> type:
+def _attending(cls: type, batch_axes: tuple[AxisName, ...], path: str) -> type:
     """The subclass of ``cls`` (an ``nnx.MultiHeadAttention``, maybe a role's) whose attention
-    function, for each call, folds its dropout rng over the axes the block is split over
-    (:func:`fsdp_tp.dropout.folded_attention`)."""
+    function, for each call, draws its block of the unsharded model's dropout mask
+    (:func:`fsdp_tp.dropout.exact_attention`), the rng read unfolded; an attention function the
+    library does not own folds it over the block's axes instead, and says so once."""
     original = cls.__call__
     where = f"{cls.__name__} at {path or 'the model'}"
 
     def __call__(self, *args, **kwargs):
         own = self.__dict__["attention_fn"]
-        object.__setattr__(self, "attention_fn", folded_attention(own, batch_axes, where))
+        if own is nnx.dot_product_attention:
+            wrapped = exact_attention(own, batch_axes, where)
+        else:
+            warn_folded(where, own)
+            wrapped = folded_attention(own, batch_axes, where)
+        object.__setattr__(self, "attention_fn", wrapped)
         try:
-            return original(self, *args, **kwargs)
+            with unfolded() if own is nnx.dot_product_attention else contextlib.nullcontext():
+                return original(self, *args, **kwargs)
         finally:  # the model the step holds keeps its own attention function
             object.__setattr__(self, "attention_fn", own)
 
@@ -74,11 +82,11 @@ def _folding(cls: type, batch_axes: tuple[AxisName, ...], path: str) -> type:
 
 def exact_dropouts(model: nnx.Module, batch_axes: tuple[AxisName, ...], path_text) -> None:
     """Every ``nnx.Dropout`` of ``model`` draws its block of the unsharded mask from now on, and
-    every ``nnx.MultiHeadAttention`` that drops draws a mask of its own per block."""
+    so does every ``nnx.MultiHeadAttention`` that drops (with flax's attention function)."""
     for path, node in nnx.iter_graph(model):
         if getattr(node, "_fsdp_tp_exact", False):
             continue
         if isinstance(node, nnx.Dropout):
             object.__setattr__(node, "__class__", _exact(type(node), tuple(batch_axes), path_text(path)))
         elif isinstance(node, nnx.MultiHeadAttention) and node.dropout_rate > 0:
-            object.__setattr__(node, "__class__", _folding(type(node), tuple(batch_axes), path_text(path)))
+            object.__setattr__(node, "__class__", _attending(type(node), tuple(batch_axes), path_text(path)))
