@@ -100,8 +100,9 @@ def check_plan(
             warnings.warn(
                 UncheckedPlanWarning(
                     f"{where}: the tp plan could not be checked at {'; '.join(blocks.undecided)}: the "
-                    f"check does not know what these do to a split dim. Compare the sharded model's "
-                    f"outputs and gradients with the unsharded model's on a batch to prove it."
+                    f"check does not know what these do to a split dim. Prove the model equal to "
+                    f"unsharded on a batch: fsdp_tp.testing.check_sharded(model, batch, loss, mesh, "
+                    f"rules, tp_rules=...)."
                 ),
                 stacklevel=5,
             )
