@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from fsdp_tp.errors import LayerLeftWholeWarning, RuleError
+from fsdp_tp.errors import LayerLeftWholeWarning, RuleError, UncheckedPlanWarning
 from fsdp_tp.testing import check_sharded
 from fsdp_tp.tp._check import switched_off
 from fsdp_tp.tp.roles import ColumnParallel, RowParallel
@@ -249,6 +249,28 @@ def test_an_einsum_role_that_takes_the_wrong_letter_names_the_letter_that_works(
     prove()
 
 
-def _refused_at_line(cls) -> int:
+def _refused_at_line(cls, marker: str = "# refused") -> int:
     source, first = inspect.getsourcelines(cls)
-    return next(first + i for i, line in enumerate(source) if "# refused" in line)
+    return next(first + i for i, line in enumerate(source) if marker in line)
+
+
+class UnknownBetween(nn.Module):
+    """An MLP whose activation is a primitive the check does not know (bessel_i1e)."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(4 * D, param_dtype=jnp.float64, name="up")(x)
+        h = jax.lax.bessel_i1e(h)  # unknown to the check: the plan is let through, said once
+        return nn.Dense(D, param_dtype=jnp.float64, name="down")(h)
+
+
+def test_a_plan_the_check_cannot_decide_runs_with_one_warning_naming_the_op():
+    """The check does not know bessel_i1e: it accepts the plan with an UncheckedPlanWarning that
+    names the primitive, its line and the proof to run, and that proof passes (it is elementwise)."""
+    rules = [("^up$", ColumnParallel()), ("^down$", RowParallel())]
+    line = _refused_at_line(UnknownBetween, "# unknown")
+    x = jax.random.normal(jax.random.key(4), X)
+    said = rf"bessel_i1e at tests/test_plan_check\.py:{line} .*check_sharded"
+    with pytest.warns(UncheckedPlanWarning, match=said):
+        check_sharded(UnknownBetween(), (x, 0 * x), lambda out, y: jnp.mean((out - y) ** 2),
+                      {"data": 2, "tensor": 4}, tp_rules=rules, steps=1)  # fmt: skip
