@@ -11,14 +11,13 @@ own attention function), is the block of the same draw from the key, unsharded. 
 implementation per split and axis sizes, so JAX's caches, keyed on the key's type, never
 hand one split's draw to another.
 
->>> import jax, jax.numpy as jnp
+>>> import jax
 >>> from jax.sharding import PartitionSpec as P
 >>> from fsdp_tp import make_mesh
->>> mesh = make_mesh({"data": 2, "tensor": 4})
->>> key = jax.random.key(0)
->>> blocks = jax.shard_map(lambda: keep_mask(key, 0.5, (4, 2), ("data", "tensor")), mesh=mesh,
-...                        in_specs=(), out_specs=P("data", "tensor"))()
->>> bool((blocks == jax.random.bernoulli(key, 0.5, (8, 8))).all())   # the unsharded mask
+>>> key, mesh = jax.random.key(0), make_mesh({"fsdp": 8})
+>>> rows = lambda: jax.random.uniform(block_key(key, ("fsdp", None)), (2, 3))  # any draw, a block
+>>> blocks = jax.shard_map(rows, mesh=mesh, in_specs=(), out_specs=P("fsdp"))()
+>>> bool((blocks == jax.random.uniform(key, (16, 3))).all())   # the unsharded draw's rows
 True
 """
 
