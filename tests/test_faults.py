@@ -181,6 +181,25 @@ def test_a_save_that_does_not_read_back_keeps_the_older_checkpoints(tmp_path):
         again.restore(state, step=3)
 
 
+def test_keep_holds_across_a_resume(tmp_path):
+    """Issue 61: a run kept 5, its resume with keep=3 saved one more and kept 6: only the saves
+    read back in this process counted. The checkpoints older than the one restored were verified
+    by their own run; they count too."""
+    state = {"w": jnp.arange(64.0)}
+    with Checkpoints(tmp_path, keep=5) as first:
+        for step in range(1, 9):
+            first.save(step, state)
+    assert saved_steps(tmp_path) == [4, 5, 6, 7, 8]
+    with Checkpoints(tmp_path, keep=3) as resumed:
+        resumed.restore(state)
+        resumed.save(9, state)
+    assert saved_steps(tmp_path) == [7, 8, 9]
+    with Checkpoints(tmp_path, keep=3) as unread:  # nothing verified here: nothing deleted
+        unread.save(10, state)
+        unread.wait()
+        assert saved_steps(tmp_path) == [7, 8, 9, 10]
+
+
 def test_a_checkpoint_directory_removed_during_the_run_is_one_line(tmp_path):
     """Issue 34 point 8: a directory deleted mid-run ended in a raw FileNotFoundError (the
     unreadable checkpoint could not be set aside)."""
@@ -556,8 +575,9 @@ def test_a_signal_delivered_twice_at_once_stops_between_steps():
 @pytest.mark.parametrize("name, code", [("SIGTERM", 143), ("SIGINT", 130)])
 def test_a_signal_stops_between_steps_with_one_line_naming_the_checkpoint(tmp_path, name, code):
     """Issue 34 point 13: SIGINT printed a KeyboardInterrupt traceback and SIGTERM nothing. Now
-    the run ends after the step under way (its checkpoint waited for and verified), with one
-    line naming the step and the checkpoint --resume continues from, and the shell's code."""
+    the run ends after the step under way, that step saved (issue 61: it kept only the last
+    periodic checkpoint) and verified, with one line naming the step and the checkpoint
+    --resume continues from, and the shell's code."""
     import signal
 
     from tests.test_multihost import command
@@ -594,4 +614,4 @@ def test_a_signal_stops_between_steps_with_one_line_naming_the_checkpoint(tmp_pa
         f"fsdp-tp: stopped by {name} after step {reached} of 100000; last checkpoint "
         f"{ckpt / str(newest)}; --resume continues from it."
     )
-    assert newest == reached // 5 * 5
+    assert newest == reached  # saved where it stopped, between two checkpoint steps (issue 61)

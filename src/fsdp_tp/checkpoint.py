@@ -295,8 +295,12 @@ class Checkpoints:
         self._prune()
 
     def _prune(self) -> None:
-        """Deletes the checkpoints older than the ``keep`` newest verified ones."""
-        verified = [s for s in self.steps() if s in self._verified]
+        """Deletes the checkpoints older than the ``keep`` newest verified ones. A checkpoint
+        older than one verified here was verified by the run that wrote it (each run reads its
+        saves back before its next), so those a resumed run finds count: ``--keep`` holds across
+        a resume, not only over this run's saves."""
+        newest = max(self._verified, default=None)
+        verified = [s for s in self.steps() if newest is not None and s <= newest]
         if self.keep is None or len(verified) <= self.keep:
             return
         oldest_kept = verified[-self.keep]

@@ -267,9 +267,10 @@ def _loop(
         rate = tokens_per_step * counted / timed if counted else None
         fields, achieved = _achieved(settings, rate, peak)
         output.record(step=step + 1, loss=loss, seconds=seconds, tokens_per_s=rate, **fields)
+        saved = False
         if checkpoints:
             checkpoints.check()  # a background save that failed ends the run now, not at the next save
-            checkpoints.save(step + 1, trainer.state, meta, force=step + 1 == steps)
+            saved = checkpoints.save(step + 1, trainer.state, meta, force=step + 1 == steps)
         if step % args.log_every == 0 or step == steps - 1:
             checked = bool(args.check) and step == start  # --check compiled the step before
             output.progress(step, steps, loss, seconds, timed, counted, tokens_per_step, achieved, checked)
@@ -277,7 +278,12 @@ def _loop(
             eval_loss = trainer.evaluate(eval_tokens, args.eval_batches)
             output.record(step=step + 1, eval_loss=eval_loss)
             output.say(f"eval at step {step + 1}: held-out loss {eval_loss:.4f}")
-        stopping.check(step + 1)  # SIGINT / SIGTERM: between two steps, after this one's checkpoint
+        try:
+            stopping.check(step + 1)  # SIGINT / SIGTERM: between two steps
+        except Stopped:
+            if checkpoints and not saved:  # the step it stops at is saved, between checkpoint steps too
+                checkpoints.save(step + 1, trainer.state, meta, force=True)
+            raise
     if math.isnan(first) and in_a_row:  # fewer than MAX_SKIPPED steps, every one skipped
         raise NonFiniteStepError(
             f"none of the {in_a_row} steps was finite (each was skipped under --nonfinite skip), so "
