@@ -72,10 +72,45 @@ FLAGS = [
         "slices and JAX's checking sums their gradients over tensor; drop --no-check-vma, or pass "
         "--no-sequence-parallel",
     ),
+    # issue 61: the library's refusals said "drop it from the rules", which no flag can
+    *(
+        (
+            ["--api", api, *flags],
+            f"{said} tensor=2 (--mesh): {why}; pass {fix}, or --mesh data=2,fsdp=4,tensor=1 (no tensor "
+            "parallelism).",
+        )
+        for api in ("linen", "nnx")
+        for flags, said, why, fix in [
+            (
+                ["--heads", "6", "--kv-heads", "3"],
+                "--kv-heads 3 neither divides nor is a multiple of",
+                "each device computes whole kv heads, or a block of one kv head's query heads",
+                "--kv-heads 1 or 2",
+            ),
+            (
+                ["--heads", "3", "--kv-heads", "1"],
+                "--heads 3 is not divisible by",
+                "each device computes whole heads",
+                "--heads 4",
+            ),
+            (
+                ["--mlp-hidden", "33"],
+                "--mlp-hidden 33 is not divisible by",
+                "each device computes a slice of the MLP",
+                "--mlp-hidden 34",
+            ),
+            (
+                ["--vocab-size", "257"],
+                "--vocab-size 257 is not divisible by",
+                "the embedding and logits split the vocabulary",
+                "--vocab-size 258",
+            ),
+        ]
+    ),
     (
-        ["--api", "nnx", "--heads", "6", "--kv-heads", "3"],
-        "blocks/attn: num_kv_heads (size 3) is not divisible by mesh axis 'tensor' (size 2); make it a "
-        "multiple of 2 or a 'tensor' size that divides 3 or that 3 divides",
+        ["--api", "nnx", "--seq-len", "33"],
+        "--seq-len 33 is not divisible by tensor=2 (--mesh): sequence parallelism splits the sequence "
+        "between layers; pass --seq-len 34, or --no-sequence-parallel.",
     ),
     (["--check", "-3"], "--check -3 is out of range: expected an integer >= 0"),
     (["--steps", "0"], "--steps 0 is out of range: expected an integer >= 1 (train steps)"),
@@ -100,6 +135,12 @@ FLAGS = [
     (["--lr", "nan"], "--lr nan is out of range: expected a finite number > 0.0 (a learning rate)"),
     (["--lr", "inf"], "--lr inf is out of range: expected a finite number > 0.0"),
     (["--lr", "0"], "--lr 0.0 is out of range: expected a finite number > 0.0"),
+    # issue 61: numpy's overflow warnings, then a non-finite step
+    (
+        ["--lr", "1e308"],
+        "--lr 1e+308 is out of range: expected a number <= 3.403e+38 (the optimizer reads it as a float32)",
+    ),
+    (["--clip-norm", "1e39"], "--clip-norm 1e+39 is out of range: expected a number <= 3.403e+38"),
     (["--clip-norm", "-1"], "--clip-norm -1.0 is out of range: expected a finite number >= 0.0"),
     (["--clip-norm", "nan"], "--clip-norm nan is out of range: expected a finite number >= 0.0"),
     (["--process-id", "1"], "needs --coordinator (or JAX_COORDINATOR_ADDRESS), --num-processes"),
@@ -141,6 +182,14 @@ def test_a_bad_flag_exits_2_with_one_line_naming_it(flags, message, capsys):
     err = capsys.readouterr().err
     assert message in err, err
     assert err.count("\n") == 1 and err.startswith("fsdp-tp: error: "), err
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_the_sizes_the_tensor_refusals_name_train(api):
+    """Each value the refusals above name (--heads 4, --kv-heads 1, --mlp-hidden 34, --vocab-size
+    258, --seq-len 34), together, trains on data 2 x fsdp 2 x tensor 2."""
+    sizes = ["--heads", "4", "--kv-heads", "1", "--mlp-hidden", "34", "--vocab-size", "258", "--seq-len", "34"]
+    assert run("train", "--steps", "1", "--eval-every", "0", "--api", api, *sizes) == 0
 
 
 def _npy(path, array) -> str:

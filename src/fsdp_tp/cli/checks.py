@@ -83,6 +83,13 @@ FLOAT_MINIMUM = {
     "peak_tflops": (0.0, False, "a device's peak TFLOP/s"),
 }
 
+# dest: (largest value, why): past float32's largest, the value the optimizer reads is inf
+# (and numpy's overflow warnings were printed before the one line of a non-finite step).
+_FLOAT32_MAX = 3.4028234663852886e38
+FLOAT_MAXIMUM = {
+    "lr": (_FLOAT32_MAX, "the optimizer reads it as a float32"),
+    "clip_norm": (_FLOAT32_MAX, "the clip reads it as a float32"),
+}
 
 # Flags whose dest is not their name (options.py: dest="num_layers" for --layers, ...).
 _RENAMED = {"num_layers": "--layers", "num_heads": "--heads", "num_kv_heads": "--kv-heads"}
@@ -113,6 +120,12 @@ def check_ranges(args) -> None:
             raise UsageError(
                 f"{_flag(dest)} {number} is out of range: "
                 f"expected a finite number {relation} {bound} ({meaning})."
+            )
+    for dest, (high, why) in FLOAT_MAXIMUM.items():
+        number = getattr(args, dest, None)
+        if number is not None and number > high:
+            raise UsageError(
+                f"{_flag(dest)} {number:g} is out of range: expected a number <= {high:.4g} ({why})."
             )
 
 
@@ -222,4 +235,61 @@ def check_nnx(args, tensor: int) -> None:
             "--api nnx with sequence parallelism (its default) needs --check-vma: the norms read "
             "sequence slices and JAX's checking sums their gradients over tensor; drop "
             "--no-check-vma, or pass --no-sequence-parallel."
+        )
+
+
+def check_tensor_split(config, args, mesh: dict, sequence_parallel: bool) -> None:
+    """The GPT's sizes the mesh's ``tensor`` axis splits (heads, kv heads, the MLP, the
+    vocabulary; the sequence between layers under sequence parallelism), each refused naming
+    its flag and values that work: the library's own refusal names a rule to drop, which no
+    flag can."""
+    tensor = mesh.get("tensor", 1)
+    if tensor == 1:
+        return
+    up = lambda n: -(-n // tensor) * tensor
+    # the same devices, none on tensor
+    whole = f"data={mesh.get('data', 1)},fsdp={mesh.get('fsdp', 1) * tensor},tensor=1"
+    cases = [
+        ("num_heads", config.num_heads, config.num_heads % tensor, "each device computes whole heads"),
+        (
+            "num_kv_heads",
+            config.num_kv_heads,
+            config.num_kv_heads % tensor and tensor % config.num_kv_heads,
+            "each device computes whole kv heads, or a block of one kv head's query heads",
+        ),
+        (
+            "mlp_hidden",
+            config.mlp_hidden,
+            config.mlp_hidden % tensor,
+            "each device computes a slice of the MLP",
+        ),
+        (
+            "vocab_size",
+            config.vocab_size,
+            config.vocab_size % tensor,
+            "the embedding and logits split the vocabulary",
+        ),
+    ]
+    for dest, value, bad, why in cases:
+        if bad:
+            said = f"{_flag(dest)} {value}" + (
+                "" if getattr(args, dest, None) else " (not given: the default)"
+            )
+            fix = f"pass {_flag(dest)} {up(value)}"
+            if dest == "num_kv_heads":  # (the kv heads must also divide the query heads)
+                works = [n for n in range(1, up(value) + 1) if (n % tensor == 0 or tensor % n == 0)]
+                works = [n for n in works if config.num_heads % n == 0]
+                fix = f"pass --kv-heads {' or '.join(map(str, works))}"
+            relation = (
+                "neither divides nor is a multiple of" if dest == "num_kv_heads" else "is not divisible by"
+            )
+            raise UsageError(
+                f"{said} {relation} tensor={tensor} (--mesh): {why}; {fix}, or --mesh {whole} "
+                f"(no tensor parallelism)."
+            )
+    if sequence_parallel and config.seq_len % tensor:
+        raise UsageError(
+            f"--seq-len {config.seq_len} is not divisible by tensor={tensor} (--mesh): sequence parallelism "
+            f"splits the sequence between layers; pass --seq-len {up(config.seq_len)}, or "
+            f"--no-sequence-parallel."
         )

@@ -12,7 +12,7 @@ from ..precision import MixedPrecision
 from ..recipe.config import preset
 from ..recipe.data import EVAL_FRACTION, check_tokens, check_vocab, load_tokens, split_held_out, vocab_for
 from ..recipe.trainer import Settings
-from .checks import UsageError, check_nnx, check_schedule
+from .checks import UsageError, check_nnx, check_schedule, check_tensor_split
 from .options import DEFAULT_MESH, DEFAULT_WARMUP, DTYPES
 
 __all__ = ["mesh_sizes", "settings_of", "tokens_and_settings"]
@@ -61,6 +61,7 @@ def settings_of(args, mesh: dict, vocab_size: int | None = None) -> Settings:
             f"{kv} does not divide {heads}; each key/value head serves a whole group of query heads: "
             f"pass --kv-heads with a divisor of {config.num_heads}."
         )
+    check_tensor_split(config, args, mesh, _sequence_parallel(args))
     check_schedule(args)
     if args.api == "nnx":
         check_nnx(args, mesh.get("tensor", 1))
