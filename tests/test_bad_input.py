@@ -188,7 +188,18 @@ def test_a_bad_flag_exits_2_with_one_line_naming_it(flags, message, capsys):
 def test_the_sizes_the_tensor_refusals_name_train(api):
     """Each value the refusals above name (--heads 4, --kv-heads 1, --mlp-hidden 34, --vocab-size
     258, --seq-len 34), together, trains on data 2 x fsdp 2 x tensor 2."""
-    sizes = ["--heads", "4", "--kv-heads", "1", "--mlp-hidden", "34", "--vocab-size", "258", "--seq-len", "34"]
+    sizes = [
+        "--heads",
+        "4",
+        "--kv-heads",
+        "1",
+        "--mlp-hidden",
+        "34",
+        "--vocab-size",
+        "258",
+        "--seq-len",
+        "34",
+    ]
     assert run("train", "--steps", "1", "--eval-every", "0", "--api", api, *sizes) == 0
 
 
@@ -295,6 +306,13 @@ def test_a_bad_environment_variable_or_bench_flag_is_one_line(monkeypatch, capsy
         ),
         (["--out", "/proc/nope"], "--out /proc/nope: cannot write there (it would be made in /proc"),
         (["--out", "/etc/hostname"], "--out /etc/hostname is a file; pass a directory."),
+        # issue 61: one line for the three flags, whichever was wrong
+        (["--blocks", "0"], "--blocks 0 is out of range: expected an integer >= 3 (a median of blocks)."),
+        (["--steps", "0"], "--steps 0 is out of range: expected an integer >= 1 (timed steps per block)."),
+        (
+            ["--workloads", "mlp,moe"],
+            "--workloads 'mlp,moe' names ['moe']: give some of ['block', 'gpt', 'mlp']",
+        ),
     ]:
         assert main(["bench", *flags, "--no-plots"]) == 2
         err = capsys.readouterr().err
@@ -304,6 +322,27 @@ def test_a_bad_environment_variable_or_bench_flag_is_one_line(monkeypatch, capsy
         assert capsys.readouterr().err.strip() == (
             f"fsdp-tp: error: {flag} 'x,y': give layer counts >= 1, comma-separated (e.g. 2,8,32)."
         )
+
+
+@pytest.mark.parametrize("value", ["abc", "0"])
+def test_the_child_s_pipe_variable_set_by_hand_is_one_line(value):
+    """Issue 61: FSDP_TP_NATIVE_STDERR, which the parent of a multi-process run sets in its
+    child, set by hand ended in a ValueError or OSError traceback (dup2 of a bad descriptor)."""
+    env = {**os.environ, "FSDP_TP_NATIVE_STDERR": value}
+    done = subprocess.run(
+        [sys.executable, "-m", "fsdp_tp", "train", "--steps", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr == (
+        f"fsdp-tp: error: FSDP_TP_NATIVE_STDERR={value!r} names no pipe of this process: fsdp-tp sets it "
+        "only in the child of a multi-process run, for its native stderr; unset it (env -u "
+        "FSDP_TP_NATIVE_STDERR fsdp-tp ...).\n"
+    )
 
 
 def test_distributed_without_a_cluster_is_one_line(tmp_path):

@@ -73,12 +73,23 @@ def bench(args, argv: list[str], out) -> int:
         print(f"fsdp-tp: error: {err}", file=sys.stderr)
         return 2
     workloads, known = args.workloads.split(","), {"mlp", "block", "gpt"}
-    if not set(workloads) <= known or args.blocks < 3 or args.steps < 1:
-        print(
-            f"fsdp-tp: error: --workloads {args.workloads!r} must name some of {sorted(known)}, "
-            f"--blocks at least 3 (a median of blocks), --steps at least 1.",
-            file=sys.stderr,
-        )
+    refusals = [
+        (
+            not set(workloads) <= known,
+            f"--workloads {args.workloads!r} names {sorted(set(workloads) - known)}: give some of "
+            f"{sorted(known)}, comma-separated",
+        ),
+        (
+            args.blocks < 3,
+            f"--blocks {args.blocks} is out of range: expected an integer >= 3 (a median of blocks)",
+        ),
+        (
+            args.steps < 1,
+            f"--steps {args.steps} is out of range: expected an integer >= 1 (timed steps per block)",
+        ),
+    ]
+    if said := next((text for bad, text in refusals if bad), None):
+        print(f"fsdp-tp: error: {said}.", file=sys.stderr)
         return 2
     if not uses_accelerator(args):
         simulate_cpu_devices(8)

@@ -62,8 +62,9 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
         "--api",
         choices=APIS,
         default="linen",
-        help="the Flax API the GPT is written in: linen (tensor parallelism by the library's layers) "
-        "or nnx (by tp rules on nnx.Linear and nnx.Embed); from the same seed both train the same numbers",
+        help="the Flax API the GPT is written in: linen (tensor parallelism by the library's Megatron "
+        "layers) or nnx (by tp rules: HeadParallel on its nnx.MultiHeadAttention, Column/RowParallel on "
+        "the MLP, VocabParallel on the embedding); from the same seed both train the same numbers",
     )
     p.add_argument(
         "--preset", default="tiny", choices=sorted(PRESETS), help="model size; the flags below override it"

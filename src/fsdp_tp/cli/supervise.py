@@ -27,6 +27,7 @@ import io
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -125,17 +126,35 @@ def adopt() -> bool:
     """In a supervised child: native stderr to the parent's pipe, Python's ``sys.stderr`` kept
     on the terminal, and an end when the parent goes; ``True``. Anywhere else: ``False``."""
     global _adopted
-    fd = os.environ.pop(CHILD, None)
-    if fd is None:
+    given = os.environ.pop(CHILD, None)
+    if given is None:
         return False
+    fd = _pipe(given)
     _adopted = True
     sys.stderr.flush()
     terminal = os.dup(2)
-    os.dup2(int(fd), 2)
-    os.close(int(fd))
+    os.dup2(fd, 2)
+    os.close(fd)
     sys.stderr = open(terminal, "w", buffering=1, errors="backslashreplace")
     threading.Thread(target=_orphaned, args=(os.getppid(),), daemon=True).start()
     return True
+
+
+def _pipe(given: str) -> int:
+    """The pipe ``CHILD`` names, as the parent made it; exits 2 with one line where it names
+    none (the variable set by hand, or inherited from another run)."""
+    try:
+        fd = int(given)
+        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return fd
+    except (ValueError, OSError):
+        pass
+    print(
+        f"fsdp-tp: error: {CHILD}={given!r} names no pipe of this process: fsdp-tp sets it only in the "
+        f"child of a multi-process run, for its native stderr; unset it (env -u {CHILD} fsdp-tp ...).",
+        file=sys.stderr,
+    )
+    sys.exit(2)
 
 
 def ended_deliberately(code: int) -> None:
