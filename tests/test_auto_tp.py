@@ -14,6 +14,7 @@ control: a finder that ignores what a norm mixes finds a plan, and the proof cat
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -35,6 +36,7 @@ from fsdp_tp.models.nnx_transformer import NNXTransformer, tp_rules
 from fsdp_tp.testing import NNXSharded as Sharded
 from fsdp_tp.tp import _regions, shared_column_inputs
 from fsdp_tp.tp._check import switched_off
+from fsdp_tp.tp._plan import warn_left_whole
 from fsdp_tp.tp.roles import ColumnParallel, RowParallel, VocabParallel
 from tests.equivalence import assert_trees_close
 from tests.nnx_models import lm_maker
@@ -105,7 +107,15 @@ def test_dropout_is_planned_through_and_other_random_numbers_are_not(api):
         streams = dict(rngs=("noise",)) if api == "linen" else {}
         plan = _find(api, functools.partial(noisy, noise=noise), jnp.zeros((8, 6)), size=4, **streams)
         assert list(plan.roles) == roles, (noise, str(plan))
-    assert re.search(r"up/kernel split on dim -1: .*random numbers along", dict(plan.whole)["up"]), str(plan)
+    assert re.search(r"up/kernel split on dim -1: .*random numbers the model draws along", dict(plan.whole)["up"]), str(plan)
+    # issue 61: the warning said "the numbers are the unsharded model's", which a draw of the
+    # model's own is not; a layer left whole for another reason still says they are
+    for whole, said in (
+        (plan.whole, "are not the unsharded model's where the model draws random numbers itself (up)"),
+        ((("up", "a norm's mean"),), "The numbers are the unsharded model's;"),
+    ):
+        with pytest.warns(LayerLeftWholeWarning, match=re.escape(said)):
+            warn_left_whole(dataclasses.replace(plan, whole=whole), 4, "test")
 
 
 @pytest.mark.parametrize("scan", [True, False])

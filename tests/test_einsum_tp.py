@@ -192,8 +192,8 @@ def _without(pattern: str, *extra):
             _without(r"mlp/(gate|up)$"),
             RuleError,
             r"mlp/down \(RowParallel\) cannot compute on its slices: its input \(2, 8, 32\) has 32 on "
-            r"dim 2 \(letter 'F' of 'BTF,FD->BTD'\), where this device's slice is 16\. .* Make the layer "
-            r"before it ColumnParallel",
+            r"dim 2 \(letter 'F' of 'BTF,FD->BTD'\), where this device's slice is 16\. .* Fix: make the "
+            r"layer that feeds .*mlp/down ColumnParallel, or drop .*mlp/down's rule so it stays whole",
         ),
     ],
     ids=["column-on-a-contracted-letter", "row-on-an-output-letter", "letter-on-an-embed", "row-fed-whole"],

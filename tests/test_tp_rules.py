@@ -560,12 +560,26 @@ def _nnx_up_down(up_type, tp):
         (
             lambda: _plain([(r"Dense_1$", RowParallel())]),
             RuleError,
-            r"layer_0/Dense_1 \(RowParallel\) cannot compute on its slices",
+            r"layer_0/Dense_1 \(RowParallel\) takes the split features a ColumnParallel \(or HeadParallel\) "
+            r"layer returns, and its input arrived whole .* Fix: make the layer that feeds layer_0/Dense_1 "
+            r"ColumnParallel, or drop layer_0/Dense_1's rule so it stays whole",
         ),
         (
             lambda: _nnx_up_down(nnx.Linear, [(r"down$", RowParallel())]),
             RuleError,
-            r"down \(RowParallel\) cannot compute on its slices",
+            r"down \(RowParallel\) takes the split features .* its input arrived whole",
+        ),
+        # issue 61: a column layer fed a column layer's split was told to be made ColumnParallel
+        (
+            lambda: _plain([(r"Dense_0$", ColumnParallel()), (r"Dense_1$", ColumnParallel())]),
+            RuleError,
+            r"layer_0/Dense_1 \(ColumnParallel\) reads its input whole, and it arrived split .* Fix: make "
+            r"layer_0/Dense_1 RowParallel, so the split ends here, or drop the rule of the layer before it",
+        ),
+        (
+            lambda: _nnx_up_down(nnx.Linear, [(r"up$", ColumnParallel()), (r"down$", ColumnParallel())]),
+            RuleError,
+            r"down \(ColumnParallel\) reads its input whole, and it arrived split",
         ),
         # A column layer's own TypeError is the user's to read, not a row layer's advice.
         (
@@ -574,7 +588,7 @@ def _nnx_up_down(up_type, tp):
             r"^Float16Only takes",
         ),
     ],
-    ids=["linen-row-fed-whole", "nnx-row-fed-whole", "nnx-own-type-error"],
+    ids=["linen-row-fed-whole", "nnx-row-fed-whole", "linen-column-fed-split", "nnx-column-fed-split", "nnx-own-type-error"],
 )
 def test_a_layer_that_cannot_compute_says_why(make, error, match):
     """Refused where the layer first computes on its slices: the plan check's trace at init

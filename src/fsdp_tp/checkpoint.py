@@ -30,6 +30,7 @@ import os
 from pathlib import Path
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from ._integrity import fingerprints, meta_digest, mismatches
@@ -85,6 +86,18 @@ def _cause(err: BaseException) -> str:
     lines = text.strip().splitlines()
     first = lines[0].split(" See full TensorStore details")[0] if lines else ""
     return f"{type(err).__name__}: {first}"[:300]
+
+
+def _require_arrays(state: PyTree, step: int) -> None:
+    """Every leaf of ``state`` is an array (a checkpoint holds arrays and fingerprints them);
+    a string or another object is named with its path."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if not isinstance(leaf, jax.Array | np.ndarray | np.generic | int | float | bool | complex):
+            raise TypeError(
+                f"Checkpoints.save({step}, ...): the state's leaf at {jax.tree_util.keystr(path)} is a "
+                f"{type(leaf).__name__} ({leaf!r:.40}); a checkpoint holds arrays. Put it in meta= "
+                f"(JSON, saved and restored with the step), or leave it out of the state."
+            )
 
 
 def _sync(name: str) -> None:
@@ -158,6 +171,7 @@ class Checkpoints:
         """
         if step % self.every and not force:
             return False
+        _require_arrays(state, step)
         self._settle()
         tree = global_tree(state)
         items = ocp.args.Composite(

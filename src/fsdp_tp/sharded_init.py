@@ -81,10 +81,28 @@ def init_sharded(
     >>> bool((direct["kernel"].value == params["kernel"].value).all())
     True
     """
+    _require_init_fn(init_fn)
     traced, programs = _programs(init_fn, mesh, in_specs, args, twin_init_fn, one_leaf_at_a_time, check_vma)
     leaves = [leaf for program in programs for leaf in program(*args)]
     state = with_optimizer_state(jax.tree.unflatten(traced.treedef, leaves), mesh)
     return state, specs_of(state, mesh)
+
+
+def _require_init_fn(init_fn) -> None:
+    """``init_fn`` is the function each device runs; a sharded NNX model, or anything else
+    that is not a function, is named with what to pass."""
+    if callable(init_fn):
+        return
+    name = type(init_fn).__name__
+    fix = (
+        "sharded.init (its parameters and other state) or sharded.state_init_fn(tx) (a train state)"
+        if name == "ShardedModel"
+        else "the per-device init, e.g. lambda rng, x: model.init(rng, x)['params']"
+    )
+    given = "" if name == "ShardedModel" else f" ({init_fn!r:.60})"
+    raise TypeError(
+        f"init_sharded: init_fn must be a function each device runs; got a {name}{given}: pass {fix}."
+    )
 
 
 def lower_init(

@@ -100,7 +100,7 @@ def auto_section(found: list[Found]) -> str:
         "model's hand-written rules give it (`models.nnx_transformer.tp_rules()`, "
         "`models.llama.RULES`), else the modules where they differ. *Checked*: the same call with "
         "the plan checked against one device's trace on an abstract mesh of that size (what "
-        "`size=` does; `tp_rules=\"auto\"` checks under the real mesh): the model laid out by the "
+        '`size=` does; `tp_rules="auto"` checks under the real mesh): the model laid out by the '
         "plan initialized, its call traced on a device and the unsharded model's traced, then "
         "read against each other; *unchecked* is the finding alone (the check switched off). "
         "Trace time only, once per plan and input shape: the step runs the same program either "

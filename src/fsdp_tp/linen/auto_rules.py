@@ -28,7 +28,8 @@ from jax.sharding import AbstractMesh, AxisType
 
 from .._trace import trace_per_device
 from .._tree import module_path, static_split
-from ..tp._plan import fitted
+from ..errors import RuleError
+from ..tp._plan import calling, fitted, require_size
 from ..tp._rules import compile_tp_rules
 from ..tp.auto import Graph, TPPlan, auto_size, find_plan, warn_left_whole
 from ..tp.roles import Layer
@@ -58,6 +59,17 @@ def find_tp_rules(
     streams the model draws from besides ``params``. Returns a :class:`~fsdp_tp.tp.auto.TPPlan`:
     its ``rules`` go to :func:`fsdp_tp.shard_by_rules` as ``tp_rules=``, and ``print(plan)``
     shows them, and the layers left whole with the reason."""
+    if not isinstance(module, nn.Module):
+        got = f"the class {module.__name__}" if isinstance(module, type) else f"a {type(module).__name__}"
+        fix = (
+            "build it: find_tp_rules(Model(...), x)"
+            if isinstance(module, type)
+            else "an NNX model's plan is fsdp_tp.nnx.find_tp_rules'"
+        )
+        raise RuleError(
+            f"fsdp_tp.linen.find_tp_rules takes a Linen module and its call's inputs; got {got}: {fix}."
+        )
+    require_size(size, f"find_tp_rules({type(module).__name__})")
     graph, layers = _traced(module, args, kwargs, rngs)
     plan = find_plan(graph, layers, axis, size, outputs_split)
     if size is None:
@@ -99,7 +111,7 @@ def _traced(module: nn.Module, args: tuple, kwargs: dict, rngs: Sequence[str]) -
         # is its value: what the matmul reads, at the module's path
         return out, jax.tree.map(_unboxed, variables["params"], is_leaf=_is_box)
 
-    with nn.intercept_methods(seen):
+    with nn.intercept_methods(seen), calling(type(module).__name__, args, kwargs):
         graph = Graph.trace_init(init, args, kwargs)
     return graph, layers
 
@@ -148,7 +160,7 @@ class AutoRules:
         shaped = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a, (args, kwargs)
         )
-        size = auto_size()
+        size = auto_size(f"shard_by_rules({self.target.__name__}, tp_rules='auto')")
         key = repr((fields, shaped, size))
         if key not in self.found:
             plain, (shaped_args, shaped_kwargs) = self.target(**fields, parent=None), shaped

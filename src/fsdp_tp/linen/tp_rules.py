@@ -79,7 +79,7 @@ def layer_of(module: nn.Module, args: tuple, kwargs: dict) -> Layer:
             bias=lambda: meta.unbox(module.get_variable("params", "bias")),
         )
     if (own := computes_of(type(module))) is not None:  # a class of the user's: its sizes held
-        held = {letter: getattr(module, attr) for attr, letter in own.sizes.items()}
+        held = own.held(module, path)
         letters = Equation.parse(own.equation, path).kernel
         shape = tuple(held.get(c, 0) for c in letters)
         return Layer(**common, equation=own.equation, kernel_shape=shape, parameters=(own.kernel,))

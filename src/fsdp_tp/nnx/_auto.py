@@ -24,8 +24,9 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
 from .._trace import trace_per_device
+from ..errors import RuleError
 from ..rules import REPLICATED
-from ..tp._plan import fitted
+from ..tp._plan import calling, fitted, require_size
 from ..tp.auto import Graph, TPPlan, find_plan
 from ..tp.roles import Layer
 from ._check import PlanChecks, scoped
@@ -50,6 +51,20 @@ def find_tp_rules(
     ``size``, the plan is checked against a device's trace on an abstract mesh of that size, a
     region the check refuses left whole with its reason). Its ``rules`` go to
     :func:`fsdp_tp.nnx.shard_by_rules` as ``tp_rules=``."""
+    if not isinstance(model, nnx.Module):
+        cls = model if isinstance(model, type) else type(model)
+        got = f"the class {cls.__name__}" if isinstance(model, type) else f"a {cls.__name__}"
+        # (by its classes' modules: this front end imports no flax.linen)
+        linen = any(c.__module__.startswith("flax.linen") for c in cls.__mro__)
+        fix = (
+            "a Linen module's plan is fsdp_tp.linen.find_tp_rules'"
+            if linen
+            else "build it (or nnx.eval_shape(lambda: Model(..., rngs=nnx.Rngs(0))) traces it abstractly)"
+        )
+        raise RuleError(
+            f"fsdp_tp.nnx.find_tp_rules takes a built NNX model and its call's inputs; got {got}: {fix}."
+        )
+    require_size(size, f"fsdp_tp.nnx.find_tp_rules({type(model).__name__})")
     graph, layers = traced(model, args, kwargs)
     plan = find_plan(graph, layers, axis, size, outputs_split)
     if size is None:
@@ -91,4 +106,5 @@ def traced(model: nnx.Module, args: tuple, kwargs: dict) -> tuple[Graph, dict[st
         return built(*args, **kwargs)
 
     values = {p: variable.get_raw_value() for p, (_, variable) in flat.items()}
-    return Graph.trace(forward, values, rest, args, kwargs), layers
+    with calling(type(model).__name__, args, kwargs):
+        return Graph.trace(forward, values, rest, args, kwargs), layers

@@ -4,6 +4,8 @@ dim a rule splits turned into one that names the rules."""
 
 from __future__ import annotations
 
+import inspect
+
 from flax import nnx
 
 from ..errors import RuleError
@@ -34,13 +36,47 @@ def require_constructor(make_model) -> None:
 
 
 def built(make_model, rng=0) -> nnx.Module:
-    model = make_model(nnx.Rngs(rng))
+    """``make_model(nnx.Rngs(rng))``, or ``make_model(rngs=...)`` where it takes ``rngs`` by
+    keyword only; a constructor whose signature needs more is named with what to pass."""
+    rngs = nnx.Rngs(rng)
+    signature = _signature(make_model)
+    keyword = _keyword_only(signature)
+    if signature is not None:
+        try:
+            signature.bind(rngs=rngs) if keyword else signature.bind(rngs)
+        except TypeError as err:
+            name = getattr(make_model, "__name__", type(make_model).__name__)
+            name = "Model" if name == "<lambda>" else name
+            raise TypeError(
+                f"{_CALLER}: the constructor is called as make_model(rngs) with an nnx.Rngs alone, and "
+                f"it needs more ({err}); pass a function of the rngs that gives the rest, e.g. "
+                f"lambda rngs: {name}(..., rngs=rngs)."
+            ) from None
+    model = make_model(rngs=rngs) if keyword else make_model(rngs)
     if not isinstance(model, nnx.Module):
         raise TypeError(
             f"{_CALLER}: make_model(nnx.Rngs(...)) returned a {type(model).__name__}, not an nnx.Module; "
             f"pass a constructor of the model, e.g. lambda rngs: Model(..., rngs=rngs)."
         )
     return model
+
+
+def _signature(make_model) -> inspect.Signature | None:
+    """How ``make_model`` is called: a class by its ``__init__`` (Flax's metaclass hides it
+    behind ``*args, **kwargs``), less ``self``; ``None`` where Python cannot say."""
+    try:
+        if isinstance(make_model, type):
+            init = inspect.signature(make_model.__init__)
+            return init.replace(parameters=list(init.parameters.values())[1:])
+        return inspect.signature(make_model)
+    except (TypeError, ValueError):
+        return None
+
+
+def _keyword_only(signature: inspect.Signature | None) -> bool:
+    """Whether a constructor of ``signature`` takes ``rngs`` by keyword only (``def make(*, rngs)``)."""
+    rngs = signature.parameters.get("rngs") if signature is not None else None
+    return rngs is not None and rngs.kind is inspect.Parameter.KEYWORD_ONLY
 
 
 _NAMED: dict[tuple, type] = {}

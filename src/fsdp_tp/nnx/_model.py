@@ -110,10 +110,16 @@ class ShardedModel:
 
     # -- the state -----------------------------------------------------------------------
 
-    def init(self, rng: jax.Array) -> tuple[dict, dict]:
+    def init(self, rng: jax.Array, *extra) -> tuple[dict, dict]:
         """Per device (under ``jax.shard_map``): ``(params, model_state)`` of the model the
         constructor builds from ``nnx.Rngs(rng)``, each parameter this device's block of
         the full value (boxed with its split), so gathered it is the unsharded init."""
+        if extra:
+            raise TypeError(
+                f"{_CALLER}(...).init is called with the rng alone, and init_sharded passed "
+                f"{len(extra)} more argument(s): the model's constructor needs no inputs. Pass "
+                f"init_sharded(sharded.init, mesh, P(), rng)."
+            )
         with nnx.use_eager_sharding(False):
             model = built(self._make, rng)
         _, params, rest = _split(model)
@@ -150,7 +156,13 @@ class ShardedModel:
 
         checked_tx(tx, f"{_CALLER}(...).state_init_fn")
 
-        def init_fn(rng):
+        def init_fn(rng, *extra):
+            if extra:  # (a Linen state init takes the batch too; an NNX constructor needs none)
+                raise TypeError(
+                    f"{_CALLER}(...).state_init_fn(tx) is called with the rng alone, and "
+                    f"init_sharded passed {len(extra)} more argument(s): the model's constructor "
+                    f"needs no inputs. Pass init_sharded(sharded.state_init_fn(tx), mesh, P(), rng)."
+                )
             params, model_state = self.init(rng)
             return TrainState.create(apply_fn=None, params=params, tx=tx, rng=rng, model_state=model_state)
 
@@ -172,6 +184,12 @@ class ShardedModel:
                 f"params, is_leaf=lambda b: hasattr(b, 'names'))))."
             )
         flat, layout = _flat(params), self._layouts()
+        if lacking := [path_text(p) for p, _ in self._params if p not in flat]:
+            raise ValueError(
+                f"{_CALLER}(...).merge: the params given lack {len(lacking)} of the model's "
+                f"{len(self._params)} parameters ({', '.join(lacking[:4])}{', ...' * (len(lacking) > 4)}): "
+                f"pass the whole tree init_sharded made (state.params), every layer in it."
+            )
         batch_axes = resolve_batch_axes(self.batch_axes, _CALLER)
         batch = frozenset(batch_axes)
         variables = []

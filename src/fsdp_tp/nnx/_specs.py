@@ -114,7 +114,7 @@ class Layouts:
             return self._layouts[None]
         if not bound_axis_names():
             return self._outside()
-        size = auto_size()
+        size = auto_size(f"{self._caller} with tp_rules='auto'")
         if size not in self._layouts:
             plan = find_plan(self._graph, self._layers, AUTO_AXIS, size, False)
             if size is not None and self._attempt is not None:  # checked where each device computes

@@ -67,7 +67,7 @@ def layer_of(module: Any, path: str, kernel_shape: tuple[int, ...] = ()) -> Laye
     kind = NNX.of(type(module))
     common: dict[str, Any] = {"kind": kind, "path": path, "dtype": getattr(module, "dtype", None)}
     if (own := computes_of(type(module))) is not None:
-        shape = kernel_shape or tuple(getattr(module, own.kernel).shape)
+        shape = kernel_shape or tuple(own.kernel_of(module, path).shape)
         return Layer(**common, equation=own.equation, kernel_shape=shape, parameters=(own.kernel,))
     if kind in ("dense", "conv"):
         return Layer(
@@ -159,9 +159,9 @@ def _computed(cls: type, role: TPRole, path: str, kernel_shape: tuple[int, ...])
                     try:
                         return original(self, *args, **kwargs)
                     except TypeError as err:
-                        # Only a row layer's input arrives split (a layer's own TypeError is its
-                        # own; a column layer's input is whole).
-                        if not isinstance(role, RowParallel):
+                        # A matmul's input of other sizes than its slices: a row layer's arrived
+                        # whole, or a column layer's split (another TypeError is the layer's own).
+                        if not (isinstance(role, RowParallel) or "contracting dimensions" in str(err)):
                             raise
                         raise slice_error(path, role, err) from None
 

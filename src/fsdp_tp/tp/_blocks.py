@@ -120,7 +120,9 @@ class Blocks:
         for d, (a, b) in enumerate(zip(held, whole, strict=True)):
             if a > b or b % a or self.total % (b // a):
                 self.refuse(
-                    node, ref, self.origin.get(value, scope_of(node)),
+                    node,
+                    ref,
+                    self.origin.get(value, scope_of(node)),
                     f"each device computes on dim {d} of size {a} where the unsharded model has {b}, "
                     f"not a block of it over {_axes(self.sizes)}",
                     "split and gather alike in a column layer and its row layer (the same sequence_dim, "
@@ -195,7 +197,9 @@ class Blocks:
         full, held = self.reference.shapes[ref.outs[0]], self.local.shapes[node.outs[0]]
         fixed = ", ".join("-1" if d == major else str(n) for d, n in enumerate(full))
         self.refuse(
-            node, ref, origin,
+            node,
+            ref,
+            origin,
             f"it regroups each device's block with whole dims: the unsharded model makes "
             f"{_text(full)}, each device {_text(held)}, not a block of it",
             f"size the dim the split lands on from the array, not from the module's constants: reshape "

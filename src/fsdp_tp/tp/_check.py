@@ -32,10 +32,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import os
 import traceback
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NoReturn
+
+import flax
 
 from .._context import set_for
 from ..errors import RuleError, UncheckedPlanWarning
@@ -128,6 +131,26 @@ def references_for(
     return references
 
 
+_FLAX = os.path.dirname(os.path.dirname(flax.__file__)) + os.sep + "flax" + os.sep
+
+
+def _flax_layer(err: Exception) -> str | None:
+    """The class of the Flax layer whose own code raised ``err`` (its innermost frame outside
+    JAX with a ``self`` is a Flax module's), else ``None``."""
+    found = None
+    tb = err.__traceback__
+    while tb is not None:
+        file, owner = tb.tb_frame.f_code.co_filename, tb.tb_frame.f_locals.get("self")
+        if not made_by_jax(file) and _is_module(owner):  # (a Scope's frame, or a helper's: not one)
+            found = type(owner).__name__ if file.startswith(_FLAX) else None
+        tb = tb.tb_next
+    return found
+
+
+def _is_module(owner: object) -> bool:
+    return any(c.__module__ in ("flax.linen.module", "flax.nnx.module") for c in type(owner).__mro__)
+
+
 def raise_failure(
     err: Exception,
     unsharded: Callable[[], Any],
@@ -150,7 +173,17 @@ def raise_failure(
         unsharded()
     except Exception:
         raise err from None  # (not the plan's doing: the model refuses these inputs itself)
-    line = next((s for s in sites if site_of_file(s.file)), None)
+    line = next((s for s in sites if site_of_file(s.file) and not s.file.startswith(_FLAX)), None)
+    if (layer := _flax_layer(err)) is not None:  # (a Flax layer the rules leave whole)
+        raise RuleError(
+            f"{where}: under the tp rules {rules}, a {layer} the rules leave whole fails on a device's "
+            f"slice of the features a column layer splits{f' at {line}' if line else ''}: "
+            f"{type(err).__name__}: {err}. Its own sizes (its parameters') are the unsharded "
+            f"model's, and a layer that reads the features whole (a norm over them) between a "
+            f"column layer and its row layer is not the unsharded model's on a slice. Fix: drop the "
+            f"rules of the column and row layers around it, so they stay whole (or move it out of "
+            f"the pair).{hints()}"
+        ) from err
     raise RuleError(
         f"{where}: under the tp rules {rules} the model's code fails on each device's slices"
         f"{f' at {line}' if line else ''}: {type(err).__name__}: {err}. Each role computes its "

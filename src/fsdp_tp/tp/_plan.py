@@ -15,10 +15,11 @@ what "auto" says of the layers it leaves whole (:func:`warn_left_whole`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -34,8 +35,10 @@ __all__ = [
     "AUTO_AXIS",
     "TPPlan",
     "auto_size",
+    "calling",
     "fitted",
     "letter_hints",
+    "require_size",
     "rules_for",
     "spelled",
     "warn_left_whole",
@@ -44,10 +47,53 @@ __all__ = [
 AUTO_AXIS = "tensor"  # the mesh axis tp_rules="auto" splits over, in both front ends
 
 
-def auto_size() -> int | None:
+def auto_size(where: str = 'tp_rules="auto"') -> int | None:
     """The size of :data:`AUTO_AXIS` where it is bound (under the mesh), else ``None``: the
-    size ``tp_rules="auto"`` finds its plan for (``None``: the roles name the missing axis)."""
-    return jax.lax.axis_size(AUTO_AXIS) if AUTO_AXIS in bound_axis_names() else None
+    size ``tp_rules="auto"`` finds its plan for (``None``: outside any mesh). Under a mesh
+    without it, a :class:`~fsdp_tp.errors.RuleError` (``where``: the caller): the plan's roles
+    would name an axis, in a rule the user never wrote."""
+    bound = bound_axis_names()
+    if AUTO_AXIS in bound:
+        return jax.lax.axis_size(AUTO_AXIS)
+    if bound:
+        raise RuleError(
+            f"{where} splits over mesh axis {AUTO_AXIS!r}, which this mesh does not have (its axes: "
+            f"{', '.join(sorted(bound))}): add a {AUTO_AXIS!r} axis to the mesh (e.g. "
+            f"fsdp_tp.make_mesh({{..., {AUTO_AXIS!r}: 2}})), or drop tp_rules='auto' for FSDP alone."
+        )
+    return None
+
+
+@contextlib.contextmanager
+def calling(name: str, args: tuple, kwargs: dict) -> Iterator[None]:
+    """Within, an error of the model ``name``'s own call on the inputs a plan finder was given
+    (``args``, ``kwargs``: a keyword argument it requires, a shape it does not take) is a
+    :class:`~fsdp_tp.errors.RuleError` naming the inputs and how to pass them; the library's
+    own errors pass as they are."""
+    try:
+        yield
+    except (TypeError, ValueError) as err:
+        if type(err).__module__.startswith("fsdp_tp"):
+            raise
+        shapes = jax.tree.map(lambda a: getattr(a, "shape", a), (args, kwargs))
+        raise RuleError(
+            f"the plan finder traces {name}'s call on the inputs it is given, and it fails on "
+            f"positional {shapes[0]} and keyword {shapes[1]}: {type(err).__name__}: {err}. Pass "
+            f"what the call takes, as the step passes it: the inputs positionally, with the shapes "
+            f"the model trains on, and its keyword arguments by name after them "
+            f"(find_tp_rules(model, x, train=False), then tp_rules=plan; shard_by_rules(..., "
+            f"inputs=) passes positional inputs only)."
+        ) from err
+
+
+def require_size(size: object, where: str) -> None:
+    """``size=`` of a plan finder: a whole number of devices >= 1 (``None``: unchecked)."""
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise RuleError(
+            f"{where}: size={size!r} is not an axis size: pass the number of devices on the axis "
+            f"the plan splits over, a whole number >= 1 (e.g. size=4), or leave it out for an "
+            f"unchecked plan."
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,9 +198,9 @@ def rules_for(roles: Mapping[str, TPRole], paths: list[str]) -> tuple[tuple[str,
 
 
 def letter_hints(rules, layers: Mapping[str, Layer], found: TPPlan) -> str:
-    """For each einsum layer a rule gives a column or row role without ``letter=`` where its
-    equation offers several letters and the plan found from the model (``found``) gives it
-    another role: the letter the role took (the first), the others, and the found role.
+    """For each einsum layer a rule gives a column or row role where its equation offers
+    several letters and the plan found from the model (``found``) gives it another role: the
+    letter the role took (``letter=``, else the first), the others, and the found role.
 
     >>> from fsdp_tp.tp._rules import compile_tp_rules
     >>> from fsdp_tp.tp.roles import ColumnParallel
@@ -171,7 +217,7 @@ def letter_hints(rules, layers: Mapping[str, Layer], found: TPPlan) -> str:
     for path, layer in layers.items():
         hit = role_of(path, rules) if layer.kind == "einsum" else None
         role = hit[0] if hit is not None else None
-        if not isinstance(role, ColumnParallel | RowParallel) or role.letter is not None:
+        if not isinstance(role, ColumnParallel | RowParallel):
             continue
         eq = Equation.parse(layer.equation, path)
         options = eq.produced if isinstance(role, ColumnParallel) else eq.contracted
@@ -181,8 +227,9 @@ def letter_hints(rules, layers: Mapping[str, Layer], found: TPPlan) -> str:
         if better == role:
             continue  # (the plan found gives it the same role: its letter is not in question)
         said = "the plan leaves it whole" if better is None else f"the plan found gives {spelled(better)}"
-        taken = f"{path}: {spelled(role)} splits letter {options[0]!r} of {eq.text!r}"
-        hints.append(f"{taken}, the first of {', '.join(map(repr, options))}; {said}")
+        taken = f"{path}: {spelled(role)} splits letter {role.letter or options[0]!r} of {eq.text!r}"
+        which = "the first" if role.letter is None else "one"
+        hints.append(f"{taken}, {which} of {', '.join(map(repr, options))}; {said}")
     return f" Einsum letters: {'; '.join(hints)}." if hints else ""
 
 
@@ -211,11 +258,20 @@ def warn_left_whole(plan: TPPlan, size: int | None, caller: str) -> None:
     if not plan.whole:
         return
     names = "; ".join(f"{path} ({why})" for path, why in plan.whole)
+    noisy = [path for path, why in plan.whole if "random numbers the model draws" in why]
+    numbers = (
+        "The numbers are the unsharded model's"
+        if not noisy
+        else f"The numbers are not the unsharded model's where the model draws random numbers itself "
+        f"({', '.join(noisy)}): a draw of its own (not a dropout layer's, whose mask the library "
+        f"draws block by block) is made on each device's block from the key that device is "
+        f"given, another draw than the unsharded model's, whether or not the layer is split"
+    )
     warnings.warn(
         LayerLeftWholeWarning(
             f"{caller}: tp_rules='auto' on {AUTO_AXIS}={size} leaves {len(plan.whole)} of "
             f"{len(plan.layers)} layers whole, each held and computed in full on every {AUTO_AXIS} "
-            f"device: {names}. The numbers are the unsharded model's; to split a layer, change "
+            f"device: {names}. {numbers}; to split a layer, change "
             f"what its split meets (the plan: .tp_plans[{size}]), or silence this with "
             f"warnings.filterwarnings('ignore', category=fsdp_tp.errors.LayerLeftWholeWarning)."
         ),

@@ -129,8 +129,10 @@ def relate(node: Node, shapes: dict[int, tuple[int, ...]]) -> None:
             if 0 <= d + shift < len(shape):
                 node.same.append([(x, d + shift), (out, d)])
         node.mixes[(x, 0) if name == "scan_slice" else (out, 0)] = "the scanned dim"
-    elif name in ("iota", "random_bits", "random_wrap", "random_unwrap", "random_seed", "threefry2x32"):
-        mix_all("a constant or random numbers along")
+    elif name == "iota":
+        mix_all("a constant (an iota) along")
+    elif name in ("random_bits", "random_wrap", "random_unwrap", "random_seed", "threefry2x32"):
+        mix_all("random numbers the model draws along")
     elif name == "carry":
         mix_all("a loop's carry, which crosses steps, holds")
     else:

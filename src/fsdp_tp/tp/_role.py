@@ -134,6 +134,23 @@ def _sequence_checked(role: TPRole, layer: Layer) -> int | None:
     return dim
 
 
+def _sequence_fits(role: TPRole, layer: Layer, args: tuple) -> None:
+    """A ``sequence_dim`` that names a dim of the layer's input other than its features (a
+    dense or conv layer's last dim; an einsum's input may put its sequence anywhere)."""
+    dim = getattr(role, "sequence_dim", None)
+    shape = getattr(args[0], "shape", None) if args else None
+    if dim is None or shape is None:
+        return
+    last = len(shape) - (1 if layer.kind in ("dense", "conv", "attention") else 0)
+    if dim >= last:
+        raise RuleError(
+            f"{layer.path}: {type(role).__name__}(sequence_dim={dim}) names dim {dim} of its input, of "
+            f"shape {tuple(shape)} on this device, whose sequence dim is one of 0..{last - 1}"
+            f"{' (the last is the features)' if last < len(shape) else ''}: pass the dim the sequence "
+            f"is on (1 for (batch, sequence, features)), the same on every role of the plan."
+        )
+
+
 def _ungrouped(layer: Layer) -> None:
     """A grouped convolution mixes channels within groups only: a channel split would cut
     across the groups, so it stays whole."""
@@ -160,6 +177,13 @@ class TPRole:
     def __post_init__(self):
         # A role with rings (collective_matmul) names a mode the rings have, checked once here.
         require_mode(getattr(self, "collective_matmul", None), type(self).__name__)
+        dim = getattr(self, "sequence_dim", None)
+        if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or dim < 0):
+            raise RuleError(
+                f"{type(self).__name__}(sequence_dim={dim!r}): sequence_dim is the activations' "
+                f"sequence dim counted from the front, a whole number >= 0 (1 for (batch, sequence, "
+                f"features)); the last dim is the features a role splits, never the sequence."
+            )
 
     def splits(self, layer: Layer) -> dict[str, int]:
         """``{parameter path under the module: the dim split over the axis}``."""
@@ -198,6 +222,7 @@ class TPRole:
         the collectives :meth:`call` puts around it, once the step is known to run with the
         ``check_vma`` a ``sequence_dim`` needs."""
         _sequence_checked(self, layer)
+        _sequence_fits(self, layer, args)
         role = self
         if _UNRINGED.get() and getattr(self, "collective_matmul", None) is not None:
             role = dataclasses.replace(self, collective_matmul=None)  # type: ignore[call-arg]

@@ -19,7 +19,7 @@ from .._types import AxisName
 from ..errors import RuleError
 from ..rules import split_rule
 from .auto import TPPlan
-from .roles import ROLES, ColumnParallel, Layer, TPRole
+from .roles import ROLES, ColumnParallel, Layer, RowParallel, TPRole
 
 __all__ = [
     "CompiledRole",
@@ -105,11 +105,21 @@ def dims(value) -> tuple:
 
 
 def slice_error(path: str, role: TPRole, err: Exception) -> RuleError:
-    """A module a role computes met inputs of other sizes than its slices (a row layer fed whole)."""
+    """A module a role computes met inputs of other sizes than its slices: a row layer fed
+    whole (no column layer before it), or a column layer fed split (a column layer before it
+    whose split never ended at a row layer). ``err``: what the module raised."""
+    name = type(role).__name__
+    if isinstance(role, RowParallel):
+        return RuleError(
+            f"{path} ({name}) takes the split features a ColumnParallel (or HeadParallel) layer "
+            f"returns, and its input arrived whole ({err}). Fix: make the layer that feeds {path} "
+            f"ColumnParallel, or drop {path}'s rule so it stays whole."
+        )
     return RuleError(
-        f"{path} ({type(role).__name__}) cannot compute on its slices: {err}. A RowParallel layer "
-        f"takes the split features a ColumnParallel (or HeadParallel) layer returns; its input "
-        f"arrived with other sizes. Make the layer before it ColumnParallel, or this one ColumnParallel."
+        f"{path} ({name}) reads its input whole, and it arrived split ({err}): the layer before it "
+        f"leaves its features split (a ColumnParallel or HeadParallel layer's split ends only at a "
+        f"RowParallel one). Fix: make {path} RowParallel, so the split ends here, or drop the rule "
+        f"of the layer before it."
     )
 
 
@@ -187,6 +197,15 @@ def require_own_parameters(role: TPRole, pattern: str, layer: Layer, cls: type, 
     role does not split: refused at the rule or the init, not at the first step."""
     if layer.kind not in ("dense", "conv", "einsum"):
         return
+    own = computes_of(cls)
+    made = [n.rpartition("/")[2] for n in names]
+    if own is not None and own.kernel not in made:
+        raise RuleError(
+            f"tp rule {pattern!r} -> {type(role).__name__} matches {layer.path}, a {cls.__name__} "
+            f"registered with kernel={own.kernel!r}, and it makes the parameters {made}: register it "
+            f"with kernel= the name of its einsum's kernel (register_einsum({cls.__name__}, "
+            f"{own.equation!r}, kernel=..., replace=True))."
+        )
     if extra := [n for n in names if n.rpartition("/")[2] not in layer.parameters]:
         raise RuleError(
             f"tp rule {pattern!r} -> {type(role).__name__} matches {layer.path}, a {cls.__name__} that "

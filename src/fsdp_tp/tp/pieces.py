@@ -47,6 +47,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
+from .._axes import require_axes
 from .._layout import axis_text, require_divisible
 from .._types import AxisName
 from ..collective_matmul import RingChunks, ring_all_gather
@@ -251,4 +252,5 @@ def vocab_parallel_cross_entropy(
     >>> bool(jnp.allclose(f(logits, labels), ref, rtol=1e-6))
     True
     """
+    require_axes(axis_name, "vocab_parallel_cross_entropy")
     return _cross_entropy(logits, labels, axis_name)
