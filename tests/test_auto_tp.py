@@ -107,7 +107,9 @@ def test_dropout_is_planned_through_and_other_random_numbers_are_not(api):
         streams = dict(rngs=("noise",)) if api == "linen" else {}
         plan = _find(api, functools.partial(noisy, noise=noise), jnp.zeros((8, 6)), size=4, **streams)
         assert list(plan.roles) == roles, (noise, str(plan))
-    assert re.search(r"up/kernel split on dim -1: .*random numbers the model draws along", dict(plan.whole)["up"]), str(plan)
+    assert re.search(
+        r"up/kernel split on dim -1: .*random numbers the model draws along", dict(plan.whole)["up"]
+    ), str(plan)
     # issue 61: the warning said "the numbers are the unsharded model's", which a draw of the
     # model's own is not; a layer left whole for another reason still says they are
     for whole, said in (

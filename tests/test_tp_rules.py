@@ -588,7 +588,13 @@ def _nnx_up_down(up_type, tp):
             r"^Float16Only takes",
         ),
     ],
-    ids=["linen-row-fed-whole", "nnx-row-fed-whole", "linen-column-fed-split", "nnx-column-fed-split", "nnx-own-type-error"],
+    ids=[
+        "linen-row-fed-whole",
+        "nnx-row-fed-whole",
+        "linen-column-fed-split",
+        "nnx-column-fed-split",
+        "nnx-own-type-error",
+    ],
 )
 def test_a_layer_that_cannot_compute_says_why(make, error, match):
     """Refused where the layer first computes on its slices: the plan check's trace at init

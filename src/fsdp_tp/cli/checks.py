@@ -121,11 +121,11 @@ def check_ranges(args) -> None:
                 f"{_flag(dest)} {number} is out of range: "
                 f"expected a finite number {relation} {bound} ({meaning})."
             )
-    for dest, (high, why) in FLOAT_MAXIMUM.items():
-        number = getattr(args, dest, None)
-        if number is not None and number > high:
+    for dest, (largest, why) in FLOAT_MAXIMUM.items():
+        given = getattr(args, dest, None)
+        if given is not None and given > largest:
             raise UsageError(
-                f"{_flag(dest)} {number:g} is out of range: expected a number <= {high:.4g} ({why})."
+                f"{_flag(dest)} {given:g} is out of range: expected a number <= {largest:.4g} ({why})."
             )
 
 

@@ -66,7 +66,7 @@ def _signature(make_model) -> inspect.Signature | None:
     behind ``*args, **kwargs``), less ``self``; ``None`` where Python cannot say."""
     try:
         if isinstance(make_model, type):
-            init = inspect.signature(make_model.__init__)
+            init = inspect.signature(make_model.__init__)  # type: ignore[misc]
             return init.replace(parameters=list(init.parameters.values())[1:])
         return inspect.signature(make_model)
     except (TypeError, ValueError):

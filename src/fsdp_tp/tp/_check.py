@@ -32,19 +32,16 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import os
 import traceback
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NoReturn
 
-import flax
-
 from .._context import set_for
 from ..errors import RuleError, UncheckedPlanWarning
 from ._blocks import Blocks, Named, _axes
 from ._graph import Graph
-from ._sites import Site, made_by_jax, site_of_file
+from ._sites import _FLAX, Site, made_by_jax, site_of_file
 
 __all__ = [
     "Graph",
@@ -129,9 +126,6 @@ def references_for(
         whole = lambda shape: tuple(x * n if i == dim else x for i, x in enumerate(shape))
         references.append(Reference(lambda: build(whole), (dim, -1)))
     return references
-
-
-_FLAX = os.path.dirname(os.path.dirname(flax.__file__)) + os.sep + "flax" + os.sep
 
 
 def _flax_layer(err: Exception) -> str | None:

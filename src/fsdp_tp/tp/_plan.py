@@ -58,7 +58,7 @@ def auto_size(where: str = 'tp_rules="auto"') -> int | None:
     if bound:
         raise RuleError(
             f"{where} splits over mesh axis {AUTO_AXIS!r}, which this mesh does not have (its axes: "
-            f"{', '.join(sorted(bound))}): add a {AUTO_AXIS!r} axis to the mesh (e.g. "
+            f"{', '.join(sorted(map(str, bound)))}): add a {AUTO_AXIS!r} axis to the mesh (e.g. "
             f"fsdp_tp.make_mesh({{..., {AUTO_AXIS!r}: 2}})), or drop tp_rules='auto' for FSDP alone."
         )
     return None
