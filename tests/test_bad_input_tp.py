@@ -256,6 +256,48 @@ def test_an_einsum_letter_that_cannot_work_names_the_one_that_does():
     _linen(StackedKV(), [(r"^kv$", ColumnParallel(letter="K")), (r"^out$", RowParallel())], mesh)
 
 
+class IndexedKV(nn.Module):
+    """The same einsum, its k and v read by index: JAX clamps an index past a split dim, so
+    nothing fails on a device's slice, and the check refuses it."""
+
+    @nn.compact
+    def __call__(self, x):
+        kv = nn.Einsum((2, 32, 4, 8), "BSD,CDKH->CBSKH", name="kv")(x)
+        return nn.DenseGeneral(32, axis=(-2, -1), name="out")(kv[0] * kv[1])
+
+
+class NNXIndexedKV(nnx.Module):
+    def __init__(self, rngs):
+        self.kv = nnx.Einsum("BSD,CDKH->CBSKH", (2, 32, 4, 8), rngs=rngs)
+        self.out = nnx.LinearGeneral((4, 8), 32, axis=(-2, -1), rngs=rngs)
+
+    def __call__(self, x):
+        kv = self.kv(x)
+        return self.out(kv[0] * kv[1])
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_a_refused_einsum_letter_the_rule_left_out_names_the_one_that_works(api):
+    """Issue 57 point 1: a column role without letter= takes the first output letter ('C', the
+    stacked k/v); the refusal names the letters and the one the plan finder gives."""
+    mesh = fsdp_tp.make_mesh({"data": 4, "tensor": 2})
+
+    def init(letter):
+        rules = [(r"^kv$", ColumnParallel(letter=letter)), (r"^out$", RowParallel())]
+        if api == "linen":
+            return _linen(IndexedKV(), rules, mesh)
+        sharded = fsdp_nnx.shard_by_rules(NNXIndexedKV, [], tp_rules=rules, inputs=(X,))
+        return fsdp_tp.init_sharded(sharded.init, mesh, P(), jax.random.key(0))
+
+    said = (
+        r"Einsum letters: kv: ColumnParallel\(\) splits letter 'C' of 'BSD,CDKH->CBSKH', the first of "
+        r"'C', 'K', 'H'; the plan found gives ColumnParallel\(letter='K'\)"
+    )
+    with pytest.raises(RuleError, match=said):
+        init(None)
+    init("K")  # the fix
+
+
 # --- register_einsum ---
 
 

@@ -103,13 +103,16 @@ def check_call(
             return given
         return reference_graph(plain, args, kwargs, streams, whole)
 
+    # (a plan the finder made gives every einsum its letter: no hint to trace for)
+    found = lambda: letter_hints(rules, *_found(plain, args, kwargs, max(sizes.values())))
+    hinted = found if given is None else str
     try:
         local = _local_graph(module, fields, arrays, rebuild, streams)
     except Exception as err:
         written = ", ".join(f"({r.pattern!r}, {spelled(r.role)})" for r in rules)
-        hints = lambda: letter_hints(rules, *_found(plain, args, kwargs, max(sizes.values())))
-        raise_failure(err, unsharded, where, f"[{written}]", sizes, hints)
-    check_plan(local, references_for(unsharded, (r.role for r in rules), sizes), sizes, where, _named(rules))
+        raise_failure(err, unsharded, where, f"[{written}]", sizes, hinted)
+    references = references_for(unsharded, (r.role for r in rules), sizes)
+    check_plan(local, references, sizes, where, _named(rules), hinted)
     checked.add(key)
 
 

@@ -64,14 +64,16 @@ def check_call(
         shaped = [jax.ShapeDtypeStruct(whole(a.shape) if whole else a.shape, a.dtype) for a in arrays]
         return _graph(reference, shaped, rebuild)
 
+    # (a plan the finder made gives every einsum its letter: no hint to trace for)
+    found = lambda: _letter_hints(reference, plan, args, kwargs, max(sizes.values()))
+    hinted = found if traced is None else str
     try:
         local = _graph(model, arrays, rebuild)
     except Exception as err:
         said = {f"({pattern!r}, {spelled(role)})": None for role, pattern, _ in plan.roles.values()}
         written = ", ".join(said)  # (each rule once, as matched: a role's children say "(inside)")
-        hints = lambda: _letter_hints(reference, plan, args, kwargs, max(sizes.values()))
-        raise_failure(err, unsharded, where, f"[{written}]", sizes, hints)
-    check_plan(local, references_for(unsharded, roles, sizes), sizes, where, _named(plan))
+        raise_failure(err, unsharded, where, f"[{written}]", sizes, hinted)
+    check_plan(local, references_for(unsharded, roles, sizes), sizes, where, _named(plan), hinted)
     checked.add(key)
 
 

@@ -77,7 +77,12 @@ class Reference:
 
 
 def check_plan(
-    local: Graph, references: Sequence[Reference], sizes: Mapping[str, int], where: str, named: Named
+    local: Graph,
+    references: Sequence[Reference],
+    sizes: Mapping[str, int],
+    where: str,
+    named: Named,
+    hints: Callable[[], str] = str,
 ) -> list[str]:
     """Raises :class:`~fsdp_tp.errors.RuleError` where ``local`` (one device's trace under the
     plan, whose roles split over ``sizes``' axes) does not compute blocks of the unsharded
@@ -87,7 +92,9 @@ def check_plan(
     the operations the check does not know that a split reaches.
 
     A model's output may leave split on its last dim (logits over a vocabulary split, for
-    :func:`~fsdp_tp.tp.vocab_parallel_cross_entropy`), never as partial sums."""
+    :func:`~fsdp_tp.tp.vocab_parallel_cross_entropy`), never as partial sums. ``hints()``:
+    what a refusal adds (:func:`~fsdp_tp.tp._plan.letter_hints`: the einsum letters the plan
+    finder gives), computed only then."""
     refused = None
     for reference in references:
         blocks = Blocks(local, reference.build(), sizes, where, named)
@@ -108,6 +115,8 @@ def check_plan(
             )
         return list(blocks.undecided)
     assert refused is not None  # (no reference: nothing to fit)
+    if extra := hints():  # (in place: the refusal keeps what it carries, its module and reason)
+        refused.args = (f"{refused.args[0]}{extra}", *refused.args[1:])
     raise refused
 
 
@@ -162,6 +171,8 @@ def raise_failure(
     sites = [Site(f.filename, f.lineno or 0, f.name) for f in reversed(frames)]
     raiser = next((s for s in sites if not made_by_jax(s.file)), None)
     if type(err).__module__.startswith("fsdp_tp") or (raiser is not None and raiser.library):
+        if isinstance(err, RuleError) and (extra := hints()):  # (a letter the rule left to chance)
+            err.args = (f"{err.args[0]}{extra}", *err.args[1:])
         raise err  # (the library's own refusal: it names its fix)
     try:
         unsharded()
