@@ -26,6 +26,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
+import fsdp_tp.linen._traced
 import fsdp_tp.testing
 from fsdp_tp.analysis import dot_flops, operand_count, parse_collectives
 from fsdp_tp.errors import LayerLeftWholeWarning, RuleError
@@ -502,6 +503,6 @@ def test_boxed_parameters_get_megatrons_plan_and_equal_unsharded(api):
 
 
 def test_negative_control_boxes_read_as_the_parameters_leave_every_layer_whole(monkeypatch):
-    monkeypatch.setattr(fsdp_tp.linen.auto_rules, "_unboxed", lambda x: x)
+    monkeypatch.setattr(fsdp_tp.linen._traced, "_unboxed", lambda x: x)
     plan = fsdp_tp.linen.find_tp_rules(LinenBoxed(), BOXED_X, size=2)
     assert not plan.rules and dict(plan.whole)["wi"] == "no matmul reads its parameters", str(plan)

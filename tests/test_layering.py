@@ -258,3 +258,94 @@ def test_negative_control_the_top_level_init_is_walked():
     # The package's own __init__ is read with its relative imports resolved: it imports the
     # Linen front end (so the set above could miss it if the walk skipped it).
     assert "linen" in _imports(TOP)[0] and "nnx" not in _imports(TOP)[0]
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``graph`` (module: the modules it imports): each strongly connected
+    set of two or more modules, sorted (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, edges = work[-1]
+            step = next(edges, None)
+            if step is not None:
+                if step not in index:
+                    index[step] = low[step] = len(index)
+                    stack.append(step)
+                    work.append((step, iter(sorted(graph.get(step, ())))))
+                elif step in stack:
+                    low[node] = min(low[node], index[step])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                part = []
+                while True:
+                    top = stack.pop()
+                    part.append(top)
+                    if top == node:
+                        break
+                if len(part) > 1:
+                    found.append(sorted(part))
+    return found
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Each module's fsdp_tp imports at any level of its source (a function's late import too),
+    less a package's own ``__init__`` reached from inside it (importing ``fsdp_tp.tp`` from
+    ``fsdp_tp.tp._matmul`` names the package, which Python has begun loading first)."""
+    graph = {}
+    for name in _all_modules():
+        ours, _ = _imports(name)
+        parts = [] if name == TOP else name.split(".")
+        packages = {".".join(parts[:k]) for k in range(len(parts))}  # ("": the package's own)
+        graph[name] = {TOP if m == "" else m for m in ours if m != name and m not in packages}
+    return graph
+
+
+def test_the_package_s_imports_have_no_cycle():
+    """Issue 58 point 3: tp/_rules -> tp.auto -> tp/_plan -> tp/_rules, and the two front ends'
+    plan finders and checks, imported each other (late, inside functions): a module could not
+    be read without the others. A module's imports, late ones included, form no cycle."""
+    assert _cycles(_import_graph()) == []
+
+
+def test_negative_control_a_cycle_is_found():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def _literal_tensor_defaults(source: str) -> list[int]:
+    """The lines of ``source`` whose function argument or class field defaults to the string
+    ``"tensor"``."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            defaults = [*node.args.defaults, *(d for d in node.args.kw_defaults if d is not None)]
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            defaults = [node.value]
+        else:
+            continue
+        lines += [d.lineno for d in defaults if isinstance(d, ast.Constant) and d.value == "tensor"]
+    return lines
+
+
+def test_the_default_tensor_axis_is_one_constant():
+    """Issue 58 point 3: twelve functions and fields defaulted to their own literal "tensor";
+    each now names fsdp_tp._axes.TENSOR."""
+    found = {
+        name: lines
+        for name in _all_modules()
+        if (lines := _literal_tensor_defaults(_module_file(name).read_text()))
+    }
+    assert found == {}
+    assert _literal_tensor_defaults('def f(axis="tensor"):\n    pass\n') == [1]  # (negative control)

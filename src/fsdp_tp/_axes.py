@@ -11,6 +11,7 @@ from ._types import AxisName, AxisNames
 from .errors import UnboundAxisNameError
 
 __all__ = [
+    "TENSOR",
     "as_axis_tuple",
     "axes_named",
     "axis_size",
@@ -21,6 +22,8 @@ __all__ = [
     "require_axes",
     "varying_axes",
 ]
+
+TENSOR = "tensor"  # the mesh axis tensor parallelism splits over unless told another (every default)
 
 
 def as_axis_tuple(axis_names: AxisNames) -> tuple[AxisName, ...]:

@@ -29,6 +29,7 @@ from ..tp._plan import letter_hints, spelled
 from ..tp._role import without_rings
 from ..tp._rules import CompiledRole, role_of
 from ..tp._sites import module_of
+from ._traced import plan_of
 
 __all__ = ["check_call", "fields_of", "reference_graph", "traced_as"]
 
@@ -119,8 +120,6 @@ def check_call(
 def _found(plain: nn.Module, args: tuple, kwargs: dict, size: int):
     """The layers of ``plain`` and the plan found from it (what the refusal of a plan the model
     fails under compares the rules with)."""
-    from .auto_rules import plan_of  # (the plan finder checks plans with this module)
-
     return plan_of(plain, args, kwargs, size)
 
 

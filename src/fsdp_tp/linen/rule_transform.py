@@ -26,6 +26,7 @@ from ..precision import MixedPrecision, checked_policy
 from ..rules import REPLICATED, CompiledRule, Rules, as_spec, compile_rules, spec_for, unmatched_warning
 from ..tp._rules import compile_tp_rules, require_all_matched, require_no_tp_axis, spec_source, with_split
 from ..tp.auto import AUTO_AXIS
+from ._auto import AutoRules
 from ._check import check_call
 from ._gather import gather
 from ._local_compute import Seen, local_compute
@@ -37,7 +38,6 @@ from ._transform import (
     store,
     warn_once,
 )
-from .auto_rules import AutoRules
 from .tp_rules import LINEN
 
 __all__ = ["shard_by_rules"]

@@ -31,6 +31,7 @@ from typing import Any
 import flax.linen as nn
 from flax.core import meta
 
+from .._axes import TENSOR
 from .._einsum import Equation, computes_of
 from .._tree import module_path
 from ..tp._rules import Kinds, dims
@@ -116,7 +117,7 @@ def local_attributes(module: nn.Module, local: dict[str, Any], args: tuple, kwar
     return out
 
 
-def attention_rules(pattern: str = r"MultiHeadDotProductAttention_\d+$", axis: str = "tensor"):
+def attention_rules(pattern: str = r"MultiHeadDotProductAttention_\d+$", axis: str = TENSOR):
     """The ready rule set for Flax's ``nn.MultiHeadDotProductAttention``: head-parallel.
 
     >>> [(pattern, role)] = attention_rules()
@@ -128,7 +129,7 @@ def attention_rules(pattern: str = r"MultiHeadDotProductAttention_\d+$", axis: s
     return [(pattern, HeadParallel(axis))]
 
 
-def mlp_rules(up: str | None = None, down: str | None = None, axis: str = "tensor"):
+def mlp_rules(up: str | None = None, down: str | None = None, axis: str = TENSOR):
     """The ready rule set for a Dense-Dense MLP: ``up`` column-parallel, ``down`` row-parallel
     (the activation between them is elementwise, so it runs on the feature slices). Name the
     MLP's two layers by path: a pattern as wide as ``Dense_0$`` would also split every other

@@ -23,22 +23,23 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
+from .._axes import TENSOR
 from .._trace import trace_per_device
 from ..errors import RuleError
 from ..rules import REPLICATED
-from ..tp._plan import calling, fitted, require_size
-from ..tp.auto import Graph, TPPlan, find_plan
-from ..tp.roles import Layer
-from ._check import PlanChecks, scoped
-from ._tp import NNX, layer_of, path_text
+from ..tp._plan import fitted, require_size
+from ..tp.auto import TPPlan, find_plan
+from ._check import PlanChecks
+from ._model import ShardedModel
+from ._traced import traced
 
-__all__ = ["find_tp_rules", "traced"]
+__all__ = ["find_tp_rules"]
 
 
 def find_tp_rules(
     model: nnx.Module,
     *args: Any,
-    axis: str = "tensor",
+    axis: str = TENSOR,
     size: int | None = None,
     outputs_split: bool = False,
     **kwargs: Any,
@@ -69,8 +70,6 @@ def find_tp_rules(
     plan = find_plan(graph, layers, axis, size, outputs_split)
     if size is None:
         return plan
-    from ._model import ShardedModel  # (the model's layout imports this module)
-
     graphdef, state = nnx.split(model)
     shapes = jax.tree.map(lambda v: jax.ShapeDtypeStruct(jnp.shape(v), v.dtype), state)
     # a constructor of the same model (any values: only shapes are traced)
@@ -82,29 +81,3 @@ def find_tp_rules(
         trace_per_device(lambda: PlanChecks(sharded, args).attempt(graph), mesh, (), ())
 
     return fitted(plan, attempt)
-
-
-def traced(model: nnx.Module, args: tuple, kwargs: dict) -> tuple[Graph, dict[str, Layer]]:
-    """``model``'s call on ``args`` read as a :class:`~fsdp_tp.tp.auto.Graph`, its parameters
-    the inputs, and the layers a role could compute, by path: what a plan is found from."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
-    flat = {path_text(path): (path, variable) for path, variable in nnx.to_flat_state(params)}
-    layers = {
-        path_text(path): layer_of(node, path_text(path))
-        for path, node in nnx.iter_graph(model)
-        if isinstance(node, nnx.Module) and NNX.of(type(node)) is not None
-    }
-
-    def forward(values: dict, rest: nnx.State, args: tuple, kwargs: dict):
-        state = nnx.from_flat_state([(flat[p][0], flat[p][1].replace(value)) for p, value in values.items()])
-        built = scoped(nnx.merge(graphdef, state, rest))  # (named as the plan check's traces are)
-        for _, node in nnx.iter_graph(built):
-            if isinstance(node, nnx.Dropout | nnx.MultiHeadAttention):
-                # The library draws each device's block of their masks (fsdp_tp.dropout): the
-                # plan is the model's without them. Noise a model draws itself stays in.
-                node.deterministic = True
-        return built(*args, **kwargs)
-
-    values = {p: variable.get_raw_value() for p, (_, variable) in flat.items()}
-    with calling(type(model).__name__, args, kwargs):
-        return Graph.trace(forward, values, rest, args, kwargs), layers

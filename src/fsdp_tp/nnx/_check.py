@@ -12,7 +12,6 @@ name their paths (:func:`scoped`): the pairs and the errors say which module mad
 from __future__ import annotations
 
 import contextvars
-import functools
 from typing import Any
 
 import jax
@@ -26,13 +25,14 @@ from ..tp._graph import Graph
 from ..tp._plan import letter_hints, spelled
 from ..tp._role import without_rings
 from ..tp._rules import compile_tp_rules
+from ..tp.auto import find_plan
 from ._tp import RolePlan, path_text
+from ._traced import MARK, scoped, traced
 
-__all__ = ["PlanChecks", "check_call", "checked_class", "scoped"]
+__all__ = ["PlanChecks", "check_call", "checked_class"]
 
 _CHECKING: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_tp_checking_nnx_plan", default=False)
 _CALLER = "fsdp_tp.nnx.shard_by_rules"
-_MARK = "nnx:"  # a module's name scope: its path, "." for "/" (which separates the stack's levels)
 
 
 def check_call(
@@ -79,9 +79,6 @@ def check_call(
 
 def _letter_hints(reference: nnx.Module, plan: RolePlan, args: tuple, kwargs: dict, size: int) -> str:
     """The einsum letters the rules took against the plan found from the model."""
-    from ..tp.auto import find_plan
-    from ._auto import traced  # (the plan finder checks plans with this module)
-
     graph, layers = traced(reference, args, kwargs)
     rules = tuple((pattern, role) for role, pattern, _ in plan.roles.values() if "(inside)" not in pattern)
     return letter_hints(compile_tp_rules(rules, _CALLER), layers, find_plan(graph, layers, size=size))
@@ -104,32 +101,13 @@ def _graph(model: nnx.Module, arrays: list, rebuild) -> Graph:
         _CHECKING.reset(token)
 
 
-def scoped(model: nnx.Module) -> nnx.Module:
-    """``model`` with every module's ``__call__`` under a name scope of its path."""
-    for path, node in nnx.iter_graph(model):
-        if isinstance(node, nnx.Module):
-            object.__setattr__(node, "__class__", _scope_class(type(node), _MARK + ".".join(map(str, path))))
-    return model
-
-
-@functools.cache
-def _scope_class(cls: type, name: str) -> type:
-    original = cls.__call__
-
-    def __call__(self, *args, **kwargs):
-        with jax.named_scope(name):
-            return original(self, *args, **kwargs)
-
-    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
-
-
 def _named(plan: RolePlan):
     """A name stack of :func:`scoped` modules as the innermost module a rule names there and
     its role as written."""
     roles = {path_text(path): (role, pattern) for path, (role, pattern, _) in plan.roles.items()}
 
     def named(scope: str) -> tuple[str, str]:
-        modules = [part[len(_MARK) :] for part in scope.split("/") if part.startswith(_MARK)]
+        modules = [part[len(MARK) :] for part in scope.split("/") if part.startswith(MARK)]
         inner = modules[-1].replace(".", "/") if modules else ""  # (jnp.einsum scopes its equation)
         parts = inner.split("/")
         for end in range(len(parts), 0, -1):

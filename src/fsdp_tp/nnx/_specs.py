@@ -22,8 +22,8 @@ from ..rules import logical_spec, spec_for
 from ..tp._plan import fitted
 from ..tp._rules import compile_tp_rules, spec_source, with_split
 from ..tp.auto import AUTO_AXIS, TPPlan, auto_size, find_plan, warn_left_whole
-from ._auto import traced
 from ._tp import RolePlan, path_text
+from ._traced import traced
 
 __all__ = ["Layout", "Layouts", "storage_specs"]
 

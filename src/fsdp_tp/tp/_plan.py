@@ -24,11 +24,12 @@ from typing import Any
 
 import jax
 
-from .._axes import bound_axis_names
+from .._axes import TENSOR, bound_axis_names
 from .._einsum import Equation
 from ..errors import LayerLeftWholeWarning, RuleError
 from ._check import checking
 from ._matmul import ColumnParallel, RowParallel
+from ._rules import compile_tp_rules, role_of
 from .roles import Layer, TPRole
 
 __all__ = [
@@ -44,7 +45,7 @@ __all__ = [
     "warn_left_whole",
 ]
 
-AUTO_AXIS = "tensor"  # the mesh axis tp_rules="auto" splits over, in both front ends
+AUTO_AXIS = TENSOR  # the mesh axis tp_rules="auto" splits over, in both front ends
 
 
 def auto_size(where: str = 'tp_rules="auto"') -> int | None:
@@ -110,6 +111,10 @@ class TPPlan:
     layers: tuple[str, ...] = ()
     regions: tuple[tuple[str, ...], ...] = ()
 
+    def __iter__(self) -> Iterator[tuple[str, TPRole]]:
+        """A plan is its rules: it goes wherever ``(pattern, role)`` pairs go (``tp_rules=``)."""
+        return iter(self.rules)
+
     def without_region(self, module: str | None, why: str) -> TPPlan | None:
         """The plan with the region that holds ``module`` left whole, each of its modules named
         with ``why``; ``None`` where no region holds it."""
@@ -142,8 +147,6 @@ class TPPlan:
         """Each module to which ``rules`` (``(pattern, role)`` pairs: hand-written, or another
         plan's) give another role than this plan does, as ``"path: the plan ..., the rules ..."``;
         empty where they agree on every module."""
-        from ._rules import compile_tp_rules, role_of  # (they accept a plan: imported late)
-
         compiled = compile_tp_rules(rules, "TPPlan.differences")
         out = []
         for path in self.layers:
@@ -211,8 +214,6 @@ def letter_hints(rules, layers: Mapping[str, Layer], found: TPPlan) -> str:
      Einsum letters: kv: ColumnParallel() splits letter 'C' of 'BSD,CDKH->CBSKH', the first of
      'C', 'K', 'H'; the plan found gives ColumnParallel(letter='K').
     """
-    from ._rules import role_of  # (the rules accept a plan: imported late)
-
     hints = []
     for path, layer in layers.items():
         hit = role_of(path, rules) if layer.kind == "einsum" else None

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from .._axes import checks_vma
+from .._axes import TENSOR, checks_vma
 from .._context import set_for
 from .._einsum import Equation, split_letter
 from .._layout import axis_text, require_divisible
@@ -170,7 +170,7 @@ class TPRole:
     (:meth:`divides`), the local sizes it computes with (:meth:`local`, which the front end
     writes as the module's attributes), and the collectives around the call (:meth:`around`)."""
 
-    axis: str = "tensor"
+    axis: str = TENSOR
     kinds: ClassVar[tuple[str, ...]] = ()
     methods: ClassVar[frozenset[str]] = frozenset({"__call__"})
 

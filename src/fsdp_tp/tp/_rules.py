@@ -18,7 +18,6 @@ from .._einsum import computes_of
 from .._types import AxisName
 from ..errors import RuleError
 from ..rules import split_rule
-from .auto import TPPlan
 from .roles import ROLES, ColumnParallel, Layer, RowParallel, TPRole
 
 __all__ = [
@@ -70,9 +69,8 @@ class Kinds:
 
 
 def compile_tp_rules(rules: Sequence, caller: str) -> tuple[CompiledRole, ...]:
-    """Checks ``(pattern, role)`` pairs; a :class:`~fsdp_tp.errors.RuleError` names a bad one."""
-    if isinstance(rules, TPPlan):
-        rules = rules.rules
+    """Checks ``(pattern, role)`` pairs (or a :class:`~fsdp_tp.tp._plan.TPPlan`, which iterates
+    as its rules); a :class:`~fsdp_tp.errors.RuleError` names a bad one."""
     if isinstance(rules, str) and rules == "auto":
         raise RuleError(
             f"{caller}: tp_rules='auto' finds the plan from what the model computes on its inputs, for the "

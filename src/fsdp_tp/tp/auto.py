@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from .._axes import TENSOR
 from .._einsum import Equation
 from ..errors import IndivisibleShapeError, RuleError
 from ._graph import Graph
@@ -42,7 +43,7 @@ __all__ = ["AUTO_AXIS", "Graph", "TPPlan", "auto_size", "find_plan", "spelled", 
 def find_plan(
     graph: Graph,
     layers: Mapping[str, Layer],
-    axis: str = "tensor",
+    axis: str = TENSOR,
     size: int | None = None,
     outputs_split: bool = False,
 ) -> TPPlan:

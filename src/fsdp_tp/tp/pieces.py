@@ -47,7 +47,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
-from .._axes import require_axes
+from .._axes import TENSOR, require_axes
 from .._layout import axis_text, require_divisible
 from .._types import AxisName
 from ..collective_matmul import RingChunks, ring_all_gather
@@ -230,9 +230,7 @@ def _cross_entropy_bwd(axis_name, residuals, g):
 _cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
-def vocab_parallel_cross_entropy(
-    logits: jax.Array, labels: jax.Array, axis_name: str = "tensor"
-) -> jax.Array:
+def vocab_parallel_cross_entropy(logits: jax.Array, labels: jax.Array, axis_name: str = TENSOR) -> jax.Array:
     """Per-token softmax cross-entropy of logits split on the vocab (last) dim over ``axis_name``.
 
     ``logits``: this device's vocab slice, ``(..., vocab / axis size)``;

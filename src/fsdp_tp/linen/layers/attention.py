@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ..._axes import require_axes
+from ..._axes import TENSOR, require_axes
 from ..._layout import require_divisible
 from ..._tree import module_path
 
@@ -94,7 +94,7 @@ class AttentionBlock(nn.Module):
     causal: bool = True
     dtype: Any = None  # the computation's dtype (bf16 compute on f32 params: jnp.bfloat16)
     param_dtype: Any = jnp.float32
-    axis_name: str | None = "tensor"
+    axis_name: str | None = TENSOR
     sequence_parallel: bool = False  # input and output split along dim -2 (the sequence) over axis_name
     collective_matmul: str | None = (
         None  # None, "unidirectional" or "bidirectional" (see ColumnParallelDense)

@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ..._axes import TENSOR
 from .dense import ColumnParallelDense, RowParallelDense
 
 __all__ = ["MLPBlock"]
@@ -42,7 +43,7 @@ class MLPBlock(nn.Module):
     use_bias: bool = True
     dtype: Any = None
     param_dtype: Any = jnp.float32
-    axis_name: str | None = "tensor"
+    axis_name: str | None = TENSOR
     sequence_parallel: bool = False  # input and output split along dim -2 (the sequence) over axis_name
     collective_matmul: str | None = None  # None, "unidirectional" or "bidirectional" (see RowParallelDense)
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from ..._axes import require_axes
+from ..._axes import TENSOR, require_axes
 from ..._layout import check_fit, sliced_init
 from ..._tree import module_path
 from ...collective_matmul import RingChunks, require_mode
@@ -77,7 +77,7 @@ class _ParallelDense(nn.Module):
     precision: Any = None
     kernel_init: _Init = nn.linear.default_kernel_init
     bias_init: _Init = nn.initializers.zeros_init()
-    axis_name: str = "tensor"
+    axis_name: str = TENSOR
     # None: plain collectives; "unidirectional" / "bidirectional": the sequence-parallel
     # all-gather / reduce-scatter as a ppermute ring overlapped with per-chunk matmuls.
     collective_matmul: str | None = None

@@ -8,6 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ..._axes import TENSOR
 from ..._tree import module_path
 
 # vocab_parallel_cross_entropy is re-exported from where it lives, the framework-free fsdp_tp.tp.
@@ -46,7 +47,7 @@ class VocabParallelEmbed(nn.Module):
     dtype: Any = None  # the output's dtype, as nn.Embed's
     param_dtype: Any = jnp.float32
     embedding_init: Any = nn.linear.default_embed_init
-    axis_name: str = "tensor"
+    axis_name: str = TENSOR
     sequence_axis: int | None = None
 
     @nn.compact
