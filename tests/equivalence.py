@@ -23,7 +23,16 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
-from fsdp_tp.testing import ATOL, OPTIMIZERS, RTOL, Comparison, assert_trees_close, check_equal
+from fsdp_tp.testing import (
+    ATOL,
+    OPTIMIZERS,
+    RTOL,
+    Comparison,
+    NNXSharded,
+    NNXTwin,
+    assert_trees_close,
+    check_equal,
+)
 from fsdp_tp.testing._harness import sharded_step, train_state, twin_steps
 
 __all__ = [
@@ -170,3 +179,48 @@ def optimizer_mismatches(
         except AssertionError as err:
             mismatches[name] = str(err)
     return mismatches
+
+
+def check_split(api, cls, rules, x_shape, check_vma: bool):
+    """``cls`` (a constructor taking ``rngs`` in NNX, a module class in Linen) split by ``rules``
+    on data 2 x tensor 4: its outputs and synced gradients are the unsharded model's. Returns
+    the sharded model and its parameters' specs."""
+    with jax.enable_x64(True):
+        if api == "nnx":
+            # ("auto" traces the call: its input, as a shape)
+            inputs = dict(inputs=(jax.ShapeDtypeStruct(x_shape, jnp.float64),)) if rules == "auto" else {}
+            model, twin = NNXSharded(cls, batch_axes=("data",), tp_rules=rules, **inputs), NNXTwin(cls)
+        else:
+            model, twin = fsdp_tp.shard_by_rules(cls, batch_axes=("data",), tp_rules=rules)(), cls()
+        mesh = fsdp_tp.make_mesh({"data": 2, "tensor": 4})
+        x = jax.random.normal(jax.random.key(1), x_shape, jnp.float64)
+        params, specs = fsdp_tp.init_sharded(
+            lambda r, x: model.init(r, x)["params"],
+            mesh,
+            (P(), P("data")),
+            jax.random.key(0),
+            x,
+            check_vma=check_vma,
+        )
+
+        def loss(model, params, x):
+            out = model.apply({"params": params}, x)
+            return jnp.mean(out * jnp.cos(out)), out
+
+        def per_device(params, x):
+            (_, out), grads = jax.value_and_grad(functools.partial(loss, model), has_aux=True)(params, x)
+            return out, fsdp_tp.sync_gradients(grads, ("data",))
+
+        step = jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=(specs, P("data")),
+            out_specs=(P("data"), specs),
+            check_vma=check_vma,
+        )
+        out, grads = jax.jit(step)(params, x)
+        whole = nn.unbox(params)
+        (_, want), want_grads = jax.value_and_grad(functools.partial(loss, twin), has_aux=True)(whole, x)
+        assert_trees_close(out, want, "output")
+        assert_trees_close(nn.unbox(grads), want_grads, "grads")
+    return model, specs

@@ -39,9 +39,8 @@ from fsdp_tp.tp import _regions, shared_column_inputs
 from fsdp_tp.tp._check import switched_off
 from fsdp_tp.tp._plan import warn_left_whole
 from fsdp_tp.tp.roles import ColumnParallel, RowParallel, VocabParallel
-from tests.equivalence import assert_trees_close
+from tests.equivalence import assert_trees_close, check_split
 from tests.nnx_models import lm_maker
-from tests.test_einsum_tp import _check_split
 
 APIS = ["linen", "nnx"]
 IDS = jnp.zeros((2, 8), jnp.int32)
@@ -221,7 +220,7 @@ def test_a_conv_net_gets_megatrons_pair_and_equals_unsharded(api):
         ("^conv_out$", "RowParallel"),
     ]
     with jax.enable_x64(True):
-        _check_split(api, CONV[api], plan.rules, x_shape, True)
+        check_split(api, CONV[api], plan.rules, x_shape, True)
 
 
 @pytest.mark.parametrize("api", APIS)
@@ -235,7 +234,7 @@ def test_layers_that_must_stay_whole_are_named_with_the_reason(api):
     assert re.search(r"a/kernel split on dim -1: reduce_sum over dim 1 of \[8,16\]", whole["a"]), whole["a"]
     assert re.search(r"d/kernel split on dim -1: .*reduce_sum over dim 1 of \[8,8\]", whole["d"]), whole["d"]
     with jax.enable_x64(True):
-        _check_split(api, NORM[api], plan.rules, (8, 6), True)
+        check_split(api, NORM[api], plan.rules, (8, 6), True)
 
 
 class NNXBareNorm(nnx.Module):
@@ -257,7 +256,7 @@ def test_negative_control_a_finder_blind_to_a_norms_mean(monkeypatch):
     plan = _find("nnx", NNXBareNorm, jnp.zeros((8, 6)), size=4)
     assert list(plan.roles) == ["b", "c"]
     with jax.enable_x64(True):
-        _check_split("nnx", NNXBareNorm, plan.rules, (8, 6), True)
+        check_split("nnx", NNXBareNorm, plan.rules, (8, 6), True)
 
     along = _regions._Grower.along
 
@@ -273,10 +272,10 @@ def test_negative_control_a_finder_blind_to_a_norms_mean(monkeypatch):
         plan = _find("nnx", NNXBareNorm, jnp.zeros((8, 6)), size=4)
     assert list(plan.roles) == ["a", "b"]
     with jax.enable_x64(True), pytest.raises(AssertionError, match="output"), switched_off():
-        _check_split("nnx", NNXBareNorm, plan.rules, (8, 6), True)
+        check_split("nnx", NNXBareNorm, plan.rules, (8, 6), True)
     # The plan check, reading the same model, refuses that plan: the norm reads partial sums.
     with jax.enable_x64(True), pytest.raises(RuleError, match=r"sqrt reads the partial sums of reduce_sum"):
-        _check_split("nnx", NNXBareNorm, plan.rules, (8, 6), True)
+        check_split("nnx", NNXBareNorm, plan.rules, (8, 6), True)
     # and find_tp_rules, which checks its plan for the size, leaves that region whole, saying why
     fitted = _find("nnx", NNXBareNorm, jnp.zeros((8, 6)), size=4)
     assert list(fitted.roles) == [] and "the plan check: sqrt" in dict(fitted.whole)["a"], str(fitted)
@@ -292,7 +291,7 @@ def test_auto_is_the_plan_found_for_the_axis_size(api):
     with jax.enable_x64(True), pytest.warns(LayerLeftWholeWarning) as said:
         # Linen finds the plan at the call (the init's); NNX traces the call on inputs= (given
         # by _check_split) and finds the plan at init.
-        model, specs = _check_split(api, NORM[api], "auto", (8, 6), True)
+        model, specs = check_split(api, NORM[api], "auto", (8, 6), True)
     [whole] = [str(w.message) for w in said if w.category is LayerLeftWholeWarning]
     assert re.search(r"'auto' on tensor=4 leaves 2 of 4 layers whole, .* a \(a/kernel .*; d \(d/", whole)
     with jax.enable_x64(True):

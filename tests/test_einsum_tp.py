@@ -27,7 +27,6 @@ import pytest
 from flax import nnx
 from hypothesis import given
 from hypothesis import strategies as st
-from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 import fsdp_tp._einsum
@@ -42,7 +41,7 @@ from fsdp_tp.tp import _matmul as tp_matmul
 from fsdp_tp.tp._check import switched_off
 from fsdp_tp.tp.roles import ColumnParallel, RowParallel, register_einsum
 from tests import test_tp_rules
-from tests.equivalence import Case, assert_trees_close, check_equivalence
+from tests.equivalence import Case, check_equivalence, check_split
 
 APIS = ["linen", "nnx"]
 MESHES = {
@@ -286,52 +285,7 @@ def test_negative_control_a_row_einsum_without_its_sum(monkeypatch):
 def _check_pair(api, pair, check_vma: bool):
     column, row, split, size, biases, x_shape = pair
     rules = [(r"col$", ColumnParallel(letter=split)), (r"row$", RowParallel(letter=split))]
-    _check_split(api, _pair(api, column, row, size, biases), rules, x_shape, check_vma)
-
-
-def _check_split(api, cls, rules, x_shape, check_vma: bool):
-    """``cls`` (a constructor taking ``rngs`` in NNX, a module class in Linen) split by ``rules``
-    on data 2 x tensor 4: its outputs and synced gradients are the unsharded model's. Returns
-    the sharded model and its parameters' specs."""
-    with jax.enable_x64(True):
-        if api == "nnx":
-            # ("auto" traces the call: its input, as a shape)
-            inputs = dict(inputs=(jax.ShapeDtypeStruct(x_shape, jnp.float64),)) if rules == "auto" else {}
-            model, twin = Sharded(cls, batch_axes=("data",), tp_rules=rules, **inputs), Twin(cls)
-        else:
-            model, twin = fsdp_tp.shard_by_rules(cls, batch_axes=("data",), tp_rules=rules)(), cls()
-        mesh = fsdp_tp.make_mesh({"data": 2, "tensor": 4})
-        x = jax.random.normal(jax.random.key(1), x_shape, jnp.float64)
-        params, specs = fsdp_tp.init_sharded(
-            lambda r, x: model.init(r, x)["params"],
-            mesh,
-            (P(), P("data")),
-            jax.random.key(0),
-            x,
-            check_vma=check_vma,
-        )
-
-        def loss(model, params, x):
-            out = model.apply({"params": params}, x)
-            return jnp.mean(out * jnp.cos(out)), out
-
-        def per_device(params, x):
-            (_, out), grads = jax.value_and_grad(functools.partial(loss, model), has_aux=True)(params, x)
-            return out, fsdp_tp.sync_gradients(grads, ("data",))
-
-        step = jax.shard_map(
-            per_device,
-            mesh=mesh,
-            in_specs=(specs, P("data")),
-            out_specs=(P("data"), specs),
-            check_vma=check_vma,
-        )
-        out, grads = jax.jit(step)(params, x)
-        whole = nn.unbox(params)
-        (_, want), want_grads = jax.value_and_grad(functools.partial(loss, twin), has_aux=True)(whole, x)
-        assert_trees_close(out, want, "output")
-        assert_trees_close(nn.unbox(grads), want_grads, "grads")
-    return model, specs
+    check_split(api, _pair(api, column, row, size, biases), rules, x_shape, check_vma)
 
 
 class MyDense(nn.Module):
@@ -387,7 +341,7 @@ OWN_RULES = [(r"up$", ColumnParallel()), (r"down$", RowParallel())]
 def test_a_registered_module_of_your_own_takes_column_and_row_roles(api, check_vma):
     """register_einsum tells the roles what a class the library has never seen computes; its
     MLP split column then row equals the unsharded one."""
-    _check_split(api, _own_mlp(api), OWN_RULES, (8, 3, 6), check_vma)
+    check_split(api, _own_mlp(api), OWN_RULES, (8, 3, 6), check_vma)
 
 
 @pytest.mark.parametrize("api", APIS)
@@ -395,7 +349,7 @@ def test_negative_control_an_unregistered_module_is_refused_by_name(api, monkeyp
     """Without the registration the same rules are refused, naming register_einsum."""
     monkeypatch.setattr(fsdp_tp._einsum, "_REGISTERED", {})
     with pytest.raises(RuleError, match=r"which has no tensor-parallel role .*register_einsum\(My"):
-        _check_split(api, _own_mlp(api), OWN_RULES, (8, 3, 6), True)
+        check_split(api, _own_mlp(api), OWN_RULES, (8, 3, 6), True)
 
 
 class MyBiasedDense(nn.Module):
@@ -419,7 +373,7 @@ def test_a_registered_module_with_more_than_its_kernel_is_refused_at_init():
             return MyBiasedDense(5, name="down")(jnp.tanh(MyDense(16, name="up")(x)))
 
     with pytest.raises(RuleError, match=r"matches down, a MyBiasedDense that also computes with b, which "):
-        _check_split("linen", Net, OWN_RULES, (8, 3, 6), True)
+        check_split("linen", Net, OWN_RULES, (8, 3, 6), True)
 
 
 REPLICATED_KV = _without(r"attn/kv$", (r"attn/kv$", ColumnParallel(letter="K", replicated=True)))

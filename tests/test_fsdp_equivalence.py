@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import fsdp_tp
 from fsdp_tp.bench.baselines import tutorial_sync_gradients
+from tests.conftest import mesh_of
 from tests.equivalence import Case, check_equivalence
 from tests.models import MLP, Block, ScanMLP
 
@@ -17,10 +18,6 @@ MESHES = [(1, 1), (1, 8), (2, 4), (4, 2), (8, 1)]
 # 3, 5, 6 and 12 do not divide every axis size: those parameters must stay replicated.
 WIDTHS = st.sampled_from([3, 4, 5, 6, 8, 12, 16, 24, 32])
 replicated_ok = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")
-
-
-def mesh_of(data: int, fsdp: int):
-    return fsdp_tp.make_mesh({"data": data, "fsdp": fsdp}, devices=jax.devices()[: data * fsdp])
 
 
 def sum_assuming_sync(grads, axis_names):

@@ -349,3 +349,18 @@ def test_the_default_tensor_axis_is_one_constant():
     }
     assert found == {}
     assert _literal_tensor_defaults('def f(axis="tensor"):\n    pass\n') == [1]  # (negative control)
+
+
+def test_no_test_file_imports_another_s_private_names():
+    """Issue 58 point 5: test files imported each other's private helpers (``_check_split``,
+    ``_total``, ``_step_collectives``); what they share lives in ``tests/conftest.py`` and the
+    helper modules, or is public in its file."""
+    tests = Path(__file__).parent
+    found = []
+    for path in sorted(tests.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tests.test_"):
+                found += [
+                    f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")
+                ]
+    assert found == []

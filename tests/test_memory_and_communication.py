@@ -18,10 +18,10 @@ from fsdp_tp.analysis import (
 from fsdp_tp.bench.llama_rows import lowered_lm_step
 from fsdp_tp.nnx import _read
 from fsdp_tp.testing import NNXSharded as Sharded
+from tests.conftest import BATCH_AXES, total
 from tests.models import MLP
 from tests.test_tp_rules import NNXTiedLM, TiedLM
 
-BATCH_AXES = ("data", "fsdp")
 # in 32 -> 64 -> 64 -> 16: every kernel (>= 1024 elements) is sharded, every bias (<= 64) is not.
 FEATURES, IN_DIM, MIN_SIZE = (64, 64, 16), 32, 100
 KERNEL_BYTES = 4 * (32 * 64 + 64 * 64 + 64 * 16)
@@ -65,7 +65,7 @@ def test_negative_control_memory_check_sees_replication():
     assert KERNEL_BYTES + BIAS_BYTES != KERNEL_BYTES // 8 + BIAS_BYTES
 
 
-def _step_collectives(shape, check_vma: bool, mixed_precision=None, lowered: bool = False):
+def step_collectives(shape, check_vma: bool, mixed_precision=None, lowered: bool = False):
     """The collectives of the FSDP step, compiled or (``lowered``) as the program asks for them:
     XLA's CPU backend upcasts bf16 collectives to f32 when it compiles (GPU and TPU run them in
     bf16), so only the lowered program shows a mixed-precision policy's bytes."""
@@ -81,27 +81,23 @@ def _step_collectives(shape, check_vma: bool, mixed_precision=None, lowered: boo
     return parse_collectives(program.as_text(dialect="hlo") if lowered else program.compile().as_text())
 
 
-def _total(found, kind, attr="operand_bytes", min_group=1):
-    return sum(getattr(c, attr) * c.executions for c in found if c.kind == kind and c.group_size >= min_group)
-
-
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("shape", [(1, 8), (2, 4)])
 def test_fsdp_step_moves_exactly_the_minimum(shape, check_vma):
     n_data, n_fsdp = shape
     n = n_data * n_fsdp
-    found = _step_collectives(shape, check_vma)
+    found = step_collectives(shape, check_vma)
     assert {c.kind for c in found} == {"all-gather", "reduce-scatter", "all-reduce"}
     # One all-gather per sharded param (forward only: no remat) and one reduce-scatter per grad.
-    assert _total(found, "all-gather", "operands") == _total(found, "reduce-scatter", "operands") == 3
-    assert _total(found, "all-gather") == KERNEL_BYTES // n_fsdp
-    assert _total(found, "reduce-scatter") == KERNEL_BYTES
+    assert total(found, "all-gather", "operands") == total(found, "reduce-scatter", "operands") == 3
+    assert total(found, "all-gather") == KERNEL_BYTES // n_fsdp
+    assert total(found, "reduce-scatter") == KERNEL_BYTES
     # All-reduces: replicated (bias) grads over all devices, and the kernel
     # shards over `data` (a group of one on 1 x 8); never a full sharded gradient.
     assert all(
         c.operand_bytes <= max(BIAS_BYTES, KERNEL_BYTES // n_fsdp) for c in found if c.kind == "all-reduce"
     )
-    assert _total(found, "all-reduce", min_group=2) == BIAS_BYTES + (
+    assert total(found, "all-reduce", min_group=2) == BIAS_BYTES + (
         KERNEL_BYTES // n_fsdp if n_data > 1 else 0
     )
     wire = sum(entry["wire_bytes"] for entry in collective_summary(found).values())

@@ -24,15 +24,15 @@ import fsdp_tp
 from fsdp_tp.analysis import parse_collectives
 from fsdp_tp.testing import NNXSharded
 from fsdp_tp.testing import NNXTwin as Twin
+from tests.conftest import BATCH_AXES, mesh_of, total
 from tests.equivalence import Case, batches, check_equivalence, step_program, train_state
 from tests.models import MLP
 from tests.nnx_models import MLPStack
-from tests.test_fsdp_equivalence import MESHES, WIDTHS, mesh_of, replicated_ok
-from tests.test_memory_and_communication import BIAS_BYTES, FEATURES, IN_DIM, KERNEL_BYTES, MIN_SIZE, _total
-from tests.test_memory_and_communication import _step_collectives as _fsdp_step_collectives
+from tests.test_fsdp_equivalence import MESHES, WIDTHS, replicated_ok
+from tests.test_memory_and_communication import BIAS_BYTES, FEATURES, IN_DIM, KERNEL_BYTES, MIN_SIZE
+from tests.test_memory_and_communication import step_collectives as _fsdp_step_collectives
 
 BF16 = jnp.bfloat16
-BATCH_AXES = ("data", "fsdp")
 
 
 def _dense(policy, dtype=None):
@@ -130,9 +130,9 @@ def test_by_rules_gathers_move_half_the_bytes(api):
     """Either front end: the same gathers and reduce-scatters as in f32, the gathers in bf16."""
     found, f32 = (_lowered_by_rules(api, policy) for policy in (fsdp_tp.MixedPrecision(BF16), None))
     for kind in ("all-gather", "reduce-scatter"):
-        assert _total(found, kind, "operands") == _total(f32, kind, "operands") > 0, kind
-    assert _total(found, "all-gather") * 2 == _total(f32, "all-gather")
-    assert _total(found, "reduce-scatter") == _total(f32, "reduce-scatter")  # reduced in f32
+        assert total(found, kind, "operands") == total(f32, kind, "operands") > 0, kind
+    assert total(found, "all-gather") * 2 == total(f32, "all-gather")
+    assert total(found, "reduce-scatter") == total(f32, "reduce-scatter")  # reduced in f32
 
 
 def _step_collectives(policy, check_vma: bool):
@@ -145,13 +145,13 @@ def test_gathers_move_half_the_bytes_and_reduce_in_the_chosen_dtype(reduce_dtype
     found = _step_collectives(fsdp_tp.MixedPrecision(BF16, reduce_dtype), check_vma)
     f32 = _step_collectives(None, check_vma)
     # One all-gather per sharded kernel and one reduce-scatter per kernel gradient, as in f32.
-    assert _total(found, "all-gather", "operands") == _total(found, "reduce-scatter", "operands") == 3
-    assert _total(found, "all-gather") * 2 == _total(f32, "all-gather") == KERNEL_BYTES // 4
+    assert total(found, "all-gather", "operands") == total(found, "reduce-scatter", "operands") == 3
+    assert total(found, "all-gather") * 2 == total(f32, "all-gather") == KERNEL_BYTES // 4
     reduce_itemsize = jnp.dtype(reduce_dtype).itemsize
-    assert _total(found, "reduce-scatter") == KERNEL_BYTES * reduce_itemsize // 4
+    assert total(found, "reduce-scatter") == KERNEL_BYTES * reduce_itemsize // 4
     # Replicated (bias) gradients and kernel shards over `data`: all-reduced in f32, unchanged.
-    assert _total(found, "all-reduce", min_group=2) == _total(f32, "all-reduce", min_group=2)
-    assert _total(f32, "all-reduce", min_group=2) == BIAS_BYTES + KERNEL_BYTES // 4
+    assert total(found, "all-reduce", min_group=2) == total(f32, "all-reduce", min_group=2)
+    assert total(f32, "all-reduce", min_group=2) == BIAS_BYTES + KERNEL_BYTES // 4
 
 
 def _loss_and_grads(policy, dense_dtype, check_vma: bool):

@@ -22,9 +22,9 @@ from fsdp_tp.nnx._read import ReadPlan
 from fsdp_tp.testing import NNXSharded as Sharded
 from fsdp_tp.testing import NNXTwin as Twin
 from fsdp_tp.tp._check import switched_off
+from tests.conftest import mesh_of
 from tests.equivalence import Case, check_equivalence
 from tests.nnx_models import MLPStack, NormDropNet
-from tests.test_tensor_parallel import mesh_of
 
 
 def _make(scan: bool):

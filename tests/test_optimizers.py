@@ -20,16 +20,12 @@ from jax.sharding import PartitionSpec as P
 import fsdp_tp
 from fsdp_tp.analysis import parse_collectives
 from fsdp_tp.errors import OptimizerOnShardsError
+from tests.conftest import BATCH_AXES, mesh_of
 from tests.equivalence import ADAM_EPS, Case, batches, optimizer_mismatches, step_program
 from tests.models import MLP
 from tests.test_tensor_parallel import DenseThen, SequenceParallelAround
 
-BATCH_AXES = ("data", "fsdp")
 LR = 1e-2
-
-
-def mesh_of(data, fsdp, tensor):
-    return fsdp_tp.make_mesh({"data": data, "fsdp": fsdp, "tensor": tensor})
 
 
 def _no_bias(params):

@@ -24,11 +24,11 @@ from fsdp_tp.errors import RuleError
 from fsdp_tp.linen import _gather, rule_transform
 from fsdp_tp.nnx import _model as nnx_model
 from fsdp_tp.testing import NNXSharded as Sharded
+from tests.conftest import BATCH_AXES
 from tests.equivalence import Case, check_equivalence
 from tests.nnx_models import lm_maker
 from tests.plain_models import PlainLM
 
-BATCH_AXES = ("data", "fsdp")
 SIZES = dict(vocab=256, d_model=64, heads=4, layers=8)
 # Unrolled, XLA compiles every layer's code: 4 layers show the same placement of each gather
 # at half the compile of 8 (the scanned model compiles one body, whatever its depth).

@@ -25,7 +25,7 @@ from fsdp_tp.errors import LayerLeftWholeWarning, RuleError, UncheckedPlanWarnin
 from fsdp_tp.testing import check_sharded
 from fsdp_tp.tp._check import switched_off
 from fsdp_tp.tp.roles import ColumnParallel, RowParallel
-from tests.test_einsum_tp import _check_split
+from tests.equivalence import check_split
 
 D, HEADS = 32, 4  # model width and heads: 8 features a head, 2 heads a device on tensor 4
 X = (4, 6, D)  # (batch, sequence, features)
@@ -158,10 +158,10 @@ def test_attention_as_people_write_it_is_refused_at_its_line_or_equal(api, way):
     rules = FUSED_RULES if way == "fused_qkv_split" else RULES
     line = _refused_at(way)
     if line is None:
-        _check_split(api, _model(api, way), rules, X, check_vma=True)
+        check_split(api, _model(api, way), rules, X, check_vma=True)
         return
     with pytest.raises(RuleError, match=rf"test_plan_check\.py:{line} \(") as refused:
-        _check_split(api, _model(api, way), rules, X, check_vma=True)
+        check_split(api, _model(api, way), rules, X, check_vma=True)
     message = str(refused.value)
     assert "Fix:" in message and re.search(r"\bq\b|\bqkv\b", message), message
 
@@ -176,7 +176,7 @@ def test_auto_splits_attention_where_the_check_passes_else_leaves_it_whole_namin
     line = _refused_at(way)
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always", LayerLeftWholeWarning)
-        _, specs = _check_split(api, _model(api, way), "auto", X, check_vma=True)
+        _, specs = check_split(api, _model(api, way), "auto", X, check_vma=True)
     left = [str(w.message) for w in said if w.category is LayerLeftWholeWarning]
     projection = "qkv" if way == "fused_qkv_split" else "q"
     split = specs[projection]["kernel"]
@@ -196,7 +196,7 @@ def test_negative_control_unchecked_the_refused_ways_train_another_model(way):
     other outputs than the unsharded model: the check refuses real differences."""
     rules = FUSED_RULES if way == "fused_qkv_split" else RULES
     with switched_off(), pytest.raises(AssertionError, match="output"):
-        _check_split("linen", _linen(way), rules, X, check_vma=True)
+        check_split("linen", _linen(way), rules, X, check_vma=True)
 
 
 def test_nnx_with_inputs_is_checked_at_init_before_any_step():

@@ -14,9 +14,9 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 from fsdp_tp.errors import IndivisibleShapeError, RuleError, SpecError, UnmatchedRuleWarning
+from tests.conftest import BATCH_AXES, mesh_of
 from tests.equivalence import Case, check_equivalence
 
-BATCH_AXES = ("data", "fsdp")
 MESHES = [(2, 2, 2), (1, 2, 4), (2, 1, 4), (1, 4, 2)]
 ENTRIES = [None, "data", "fsdp", "tensor", ("fsdp", "tensor"), ("data", "fsdp")]
 PATHS = [
@@ -29,10 +29,6 @@ PATHS = [
 ]
 PATTERNS = ["kernel", "bias$", "attn/", "layers_[01]/mlp", "^decoder", "embed", ".*", "query/(kernel|bias)"]
 unmatched_ok = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.UnmatchedRuleWarning")
-
-
-def mesh_of(data, fsdp, tensor):
-    return fsdp_tp.make_mesh({"data": data, "fsdp": fsdp, "tensor": tensor})
 
 
 def nest(flat: dict) -> dict:

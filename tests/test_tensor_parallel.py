@@ -16,17 +16,12 @@ from jax.sharding import PartitionSpec as P
 import fsdp_tp
 from fsdp_tp.analysis import parse_collectives, state_bytes_per_device
 from fsdp_tp.errors import IndivisibleShapeError
+from tests.conftest import BATCH_AXES, mesh_of
 from tests.equivalence import Case, check_equivalence
 
-BATCH_AXES = ("data", "fsdp")
 MESHES = [(1, 1, 1), (1, 1, 2), (1, 1, 4), (1, 1, 8), (2, 2, 2), (1, 2, 4), (2, 1, 4), (1, 4, 2)]
 RING_MODES = [None, "unidirectional", "bidirectional"]  # plain collectives, then the two async modes
 replicated_ok = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")
-
-
-def mesh_of(data, fsdp, tensor):
-    n = data * fsdp * tensor
-    return fsdp_tp.make_mesh({"data": data, "fsdp": fsdp, "tensor": tensor}, devices=jax.devices()[:n])
 
 
 class ColumnThenGather(nn.Module):

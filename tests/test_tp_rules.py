@@ -39,10 +39,10 @@ from fsdp_tp.tp import _matmul as tp_matmul
 from fsdp_tp.tp import _vocab as tp_vocab
 from fsdp_tp.tp._check import switched_off
 from fsdp_tp.tp.roles import ColumnParallel, HeadParallel, RowParallel, VocabParallel
+from tests.conftest import mesh_of
 from tests.equivalence import Case, check_equivalence
 from tests.nnx_models import lm_maker
 from tests.plain_models import PlainLM
-from tests.test_tensor_parallel import mesh_of
 
 # The MLP's two layers in the blocks (a loop: layer_0/..., layer_1/...; scanned:
 # layers/DecoderBlock_0/...).

@@ -11,10 +11,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
+from tests.conftest import BATCH_AXES
 from tests.equivalence import ATOL, RTOL, assert_trees_close
 from tests.models import MLP
-
-BATCH_AXES = ("data", "fsdp")
 
 
 @pytest.mark.parametrize("check_vma", [True, False])

@@ -10,9 +10,8 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 from fsdp_tp.models import Layout, Transformer
+from tests.conftest import BATCH_AXES
 from tests.equivalence import Case, check_equivalence
-
-BATCH_AXES = ("data", "fsdp")
 
 CONFIG = dict(vocab_size=32, d_model=16, num_layers=2, num_heads=4, head_dim=4, num_kv_heads=2, mlp_hidden=32)
 

@@ -14,14 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 from fsdp_tp.analysis import parse_collectives
+from tests.conftest import BATCH_AXES, mesh_of
 from tests.equivalence import ATOL, RTOL, assert_trees_close
-
-BATCH_AXES = ("data", "fsdp")
-
-
-def mesh_of(data, fsdp, tensor):
-    n = data * fsdp * tensor
-    return fsdp_tp.make_mesh({"data": data, "fsdp": fsdp, "tensor": tensor}, devices=jax.devices()[:n])
 
 
 @given(
