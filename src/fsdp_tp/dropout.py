@@ -217,7 +217,6 @@ def folded_attention(attention_fn: Callable, batch_axes: Sequence[AxisName], whe
             dropout_rng = fold_over_block(dropout_rng, query, batch_axes, where)
         return attention_fn(query, key, value, *args, dropout_rng=dropout_rng, **kwargs)
 
-    attention._fsdp_tp_folded = True  # type: ignore[attr-defined]
     return attention
 
 
@@ -273,5 +272,4 @@ def exact_attention(attention_fn: Callable, batch_axes: Sequence[AxisName], wher
             query, key, value, *args, dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout, **kwargs
         )
 
-    attention._fsdp_tp_folded = True  # type: ignore[attr-defined]
     return attention

@@ -105,7 +105,7 @@ def check_call(
         return reference_graph(plain, args, kwargs, streams, whole)
 
     # (a plan the finder made gives every einsum its letter: no hint to trace for)
-    found = lambda: letter_hints(rules, *_found(plain, args, kwargs, max(sizes.values())))
+    found = lambda: letter_hints(rules, *plan_of(plain, args, kwargs, max(sizes.values())))
     hinted = found if given is None else str
     try:
         local = _local_graph(module, fields, arrays, rebuild, streams)
@@ -115,12 +115,6 @@ def check_call(
     references = references_for(unsharded, (r.role for r in rules), sizes)
     check_plan(local, references, sizes, where, _named(rules), hinted)
     checked.add(key)
-
-
-def _found(plain: nn.Module, args: tuple, kwargs: dict, size: int):
-    """The layers of ``plain`` and the plan found from it (what the refusal of a plan the model
-    fails under compares the rules with)."""
-    return plan_of(plain, args, kwargs, size)
 
 
 def _local_graph(module, fields, arrays, rebuild, streams) -> Graph:

@@ -37,7 +37,9 @@ def require_constructor(make_model) -> None:
 
 def built(make_model, rng=0) -> nnx.Module:
     """``make_model(nnx.Rngs(rng))``, or ``make_model(rngs=...)`` where it takes ``rngs`` by
-    keyword only; a constructor whose signature needs more is named with what to pass."""
+    keyword only, its annotated parameters plain arrays (the unsharded model's: its layout is
+    the library's, so no mesh is needed); a constructor whose signature needs more is named with
+    what to pass."""
     rngs = nnx.Rngs(rng)
     signature = _signature(make_model)
     keyword = _keyword_only(signature)
@@ -52,7 +54,8 @@ def built(make_model, rng=0) -> nnx.Module:
                 f"it needs more ({err}); pass a function of the rngs that gives the rest, e.g. "
                 f"lambda rngs: {name}(..., rngs=rngs)."
             ) from None
-    model = make_model(rngs=rngs) if keyword else make_model(rngs)
+    with nnx.use_eager_sharding(False):
+        model = make_model(rngs=rngs) if keyword else make_model(rngs)
     if not isinstance(model, nnx.Module):
         raise TypeError(
             f"{_CALLER}: make_model(nnx.Rngs(...)) returned a {type(model).__name__}, not an nnx.Module; "

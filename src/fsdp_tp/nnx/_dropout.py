@@ -64,14 +64,13 @@ def _attending(cls: type, batch_axes: tuple[AxisName, ...], path: str) -> type:
 
     def __call__(self, *args, **kwargs):
         own = self.__dict__["attention_fn"]
-        if own is nnx.dot_product_attention:
-            wrapped = exact_attention(own, batch_axes, where)
-        else:
+        exact = own is nnx.dot_product_attention
+        if not exact:
             warn_folded(where, own)
-            wrapped = folded_attention(own, batch_axes, where)
+        wrapped = (exact_attention if exact else folded_attention)(own, batch_axes, where)
         object.__setattr__(self, "attention_fn", wrapped)
         try:
-            with unfolded() if own is nnx.dot_product_attention else contextlib.nullcontext():
+            with unfolded() if exact else contextlib.nullcontext():
                 return original(self, *args, **kwargs)
         finally:  # the model the step holds keeps its own attention function
             object.__setattr__(self, "attention_fn", own)

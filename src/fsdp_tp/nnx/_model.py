@@ -85,8 +85,7 @@ class ShardedModel:
         self.precision = precision
         self._rules = compile_rules(rules, _CALLER)
         self.batch_axes = checked_batch_axes(batch_axes, _CALLER)
-        with nnx.use_eager_sharding(False):
-            abstract = nnx.eval_shape(lambda: built(make_model))
+        abstract = nnx.eval_shape(lambda: built(make_model))
         self.graphdef, params, rest = _split(abstract)
         self._params = list(nnx.to_flat_state(params))
         self._rest = list(nnx.to_flat_state(rest))
@@ -114,14 +113,8 @@ class ShardedModel:
         """Per device (under ``jax.shard_map``): ``(params, model_state)`` of the model the
         constructor builds from ``nnx.Rngs(rng)``, each parameter this device's block of
         the full value (boxed with its split), so gathered it is the unsharded init."""
-        if extra:
-            raise TypeError(
-                f"{_CALLER}(...).init is called with the rng alone, and init_sharded passed "
-                f"{len(extra)} more argument(s): the model's constructor needs no inputs. Pass "
-                f"init_sharded(sharded.init, mesh, P(), rng)."
-            )
-        with nnx.use_eager_sharding(False):
-            model = built(self._make, rng)
+        _rng_alone(extra, "init")
+        model = built(self._make, rng)
         _, params, rest = _split(model)
         values = {path: variable.get_raw_value() for path, variable in nnx.to_flat_state(params)}
         layout = self._layouts()
@@ -157,12 +150,7 @@ class ShardedModel:
         checked_tx(tx, f"{_CALLER}(...).state_init_fn")
 
         def init_fn(rng, *extra):
-            if extra:  # (a Linen state init takes the batch too; an NNX constructor needs none)
-                raise TypeError(
-                    f"{_CALLER}(...).state_init_fn(tx) is called with the rng alone, and "
-                    f"init_sharded passed {len(extra)} more argument(s): the model's constructor "
-                    f"needs no inputs. Pass init_sharded(sharded.state_init_fn(tx), mesh, P(), rng)."
-                )
+            _rng_alone(extra, "state_init_fn(tx)")
             params, model_state = self.init(rng)
             return TrainState.create(apply_fn=None, params=params, tx=tx, rng=rng, model_state=model_state)
 
@@ -233,6 +221,17 @@ class ShardedModel:
         step returns as its third output (after averaging what differs across devices).
         Rng keys come back as stored (folded only where read); the draws advance the counts."""
         return self._model_state(_split(model)[2])
+
+
+def _rng_alone(extra: tuple, fn: str) -> None:
+    """``sharded.<fn>`` given more than the rng by ``init_sharded`` (a Linen init takes the batch
+    too; an NNX constructor needs none): named, with the call that works."""
+    if extra:
+        raise TypeError(
+            f"{_CALLER}(...).{fn} is called with the rng alone, and init_sharded passed {len(extra)} "
+            f"more argument(s): the model's constructor needs no inputs. Pass "
+            f"init_sharded(sharded.{fn}, mesh, P(), rng)."
+        )
 
 
 def shard_by_rules(

@@ -8,7 +8,6 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,11 +18,11 @@ from jax.sharding import Mesh
 from .._axes import as_axis_tuple
 from .._batch import DEFAULT_BATCH_AXES
 from .._types import AxisNames
-from ..linen.rule_transform import shard_by_rules
+from ..linen._testing import is_linen, linen_pair
 from ..mesh import make_mesh
+from ..nnx._constructor import built as _built
 from ._harness import OPTIMIZERS, Comparison, check_equal
 from ._nnx import NNXSharded, NNXTwin
-from ._nnx import built as _built
 
 __all__ = ["check_sharded"]
 
@@ -31,7 +30,7 @@ _CALLER = "fsdp_tp.testing.check_sharded"
 
 
 def check_sharded(
-    model: nn.Module | Callable[[nnx.Rngs], nnx.Module],
+    model: Any,
     batch: tuple[Any, Any],
     loss: Callable[[Any, Any], jax.Array],
     mesh: Mesh | Mapping[str, int],
@@ -95,7 +94,7 @@ class _Called:
     streams: Mapping[str, jax.Array]
 
     def init(self, rng, x):
-        linen = isinstance(self.model, nn.Module)
+        linen = is_linen(self.model)
         return self.model.init({"params": rng, **self.streams} if linen and self.streams else rng, x)
 
     def apply(self, variables, x):
@@ -106,18 +105,15 @@ def _streams(model, rngs) -> Callable[[], dict]:
     """The keyword arguments of each call of the model: its rng streams, anew each time."""
     if not rngs:
         return dict
-    if isinstance(model, nn.Module):
+    if is_linen(model):
         return lambda: {"rngs": dict(rngs)}
     return lambda: {"rngs": nnx.Rngs(**rngs)}
 
 
 def _pair(model, rules, tp_rules, axes, x) -> tuple[Any, Any]:
     """The sharded model (Linen-faced, per device) and its twin, from the user's model."""
-    if isinstance(model, nn.Module):
-        fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(model) if f.init}
-        fields = {k: v for k, v in fields.items() if k not in ("parent", "name")}
-        cls = shard_by_rules(type(model), rules, batch_axes=axes, tp_rules=tp_rules)
-        return cls(**fields), type(model)(**fields)
+    if is_linen(model):
+        return linen_pair(model, rules, tp_rules, axes)
     if isinstance(model, nnx.Module) or not callable(model):
         raise TypeError(
             f"{_CALLER}: model is a Linen module or an NNX constructor make(rngs); got "

@@ -15,15 +15,9 @@ from __future__ import annotations
 from flax import nnx
 
 from ..nnx import shard_by_rules
+from ..nnx._constructor import built
 
-__all__ = ["NNXSharded", "NNXTwin", "built"]
-
-
-def built(make, rng) -> nnx.Module:
-    """``make(nnx.Rngs(rng))``, its annotated parameters plain arrays (no mesh needed: the
-    unsharded model's, as fsdp_tp.nnx builds the model it lays out)."""
-    with nnx.use_eager_sharding(False):
-        return make(nnx.Rngs(rng))
+__all__ = ["NNXSharded", "NNXTwin"]
 
 
 class NNXSharded:

@@ -41,7 +41,7 @@ from .._context import set_for
 from ..errors import RuleError, UncheckedPlanWarning
 from ._blocks import Blocks, Named, _axes
 from ._graph import Graph
-from ._sites import _FLAX, Site, made_by_jax, site_of_file
+from ._sites import Site, flax_file, made_by_jax, users_file
 
 __all__ = [
     "Graph",
@@ -145,7 +145,7 @@ def _flax_layer(err: Exception) -> str | None:
     while tb is not None:
         file, owner = tb.tb_frame.f_code.co_filename, tb.tb_frame.f_locals.get("self")
         if not made_by_jax(file) and _is_module(owner):  # (a Scope's frame, or a helper's: not one)
-            found = type(owner).__name__ if file.startswith(_FLAX) else None
+            found = type(owner).__name__ if flax_file(file) else None
         tb = tb.tb_next
     return found
 
@@ -178,7 +178,7 @@ def raise_failure(
         unsharded()
     except Exception:
         raise err from None  # (not the plan's doing: the model refuses these inputs itself)
-    line = next((s for s in sites if site_of_file(s.file) and not s.file.startswith(_FLAX)), None)
+    line = next((s for s in sites if users_file(s.file)), None)
     if (layer := _flax_layer(err)) is not None:  # (a Flax layer the rules leave whole)
         raise RuleError(
             f"{where}: under the tp rules {rules}, a {layer} the rules leave whole fails on a device's "

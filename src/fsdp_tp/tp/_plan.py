@@ -29,6 +29,7 @@ from .._einsum import Equation
 from ..errors import LayerLeftWholeWarning, RuleError
 from ._check import checking
 from ._matmul import ColumnParallel, RowParallel
+from ._relations import DRAWN
 from ._rules import compile_tp_rules, role_of
 from .roles import Layer, TPRole
 
@@ -259,7 +260,7 @@ def warn_left_whole(plan: TPPlan, size: int | None, caller: str) -> None:
     if not plan.whole:
         return
     names = "; ".join(f"{path} ({why})" for path, why in plan.whole)
-    noisy = [path for path, why in plan.whole if "random numbers the model draws" in why]
+    noisy = [path for path, why in plan.whole if DRAWN in why]
     numbers = (
         "The numbers are the unsharded model's"
         if not noisy

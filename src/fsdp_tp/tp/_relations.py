@@ -18,7 +18,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["Node", "relate"]
+__all__ = ["DRAWN", "Node", "relate"]
+
+# The reason a split meets the model's own random draws (read back by the left-whole warning).
+DRAWN = "random numbers the model draws"
 
 # Operations that compute each position from the same positions of their operands.
 _ELEMENTWISE = frozenset(
@@ -132,7 +135,7 @@ def relate(node: Node, shapes: dict[int, tuple[int, ...]]) -> None:
     elif name == "iota":
         mix_all("a constant (an iota) along")
     elif name in ("random_bits", "random_wrap", "random_unwrap", "random_seed", "threefry2x32"):
-        mix_all("random numbers the model draws along")
+        mix_all(f"{DRAWN} along")
     elif name == "carry":
         mix_all("a loop's carry, which crosses steps, holds")
     else:

@@ -35,6 +35,7 @@ from ._relations import Node
 
 __all__ = [
     "Site",
+    "flax_file",
     "is_library",
     "made_by_jax",
     "module_of",
@@ -43,6 +44,7 @@ __all__ = [
     "site_of",
     "site_of_file",
     "user_site",
+    "users_file",
 ]
 
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the fsdp_tp package
@@ -91,7 +93,7 @@ def user_site(source) -> Site | None:
     traceback = getattr(source, "traceback", None)
     frames = traceback.frames if traceback is not None else ()
     for frame in frames:
-        if site_of_file(frame.file_name) and not frame.file_name.startswith(_FLAX):
+        if users_file(frame.file_name):
             return Site(frame.file_name, frame.line_num, frame.function_name)
     return site_of(source)
 
@@ -99,6 +101,16 @@ def user_site(source) -> Site | None:
 def made_by_jax(file: str) -> bool:
     """Whether ``file`` is JAX's or Python's own: how an operation was made, not where."""
     return file.startswith(_SKIPPED)
+
+
+def flax_file(file: str) -> bool:
+    """Whether ``file`` is Flax's own (a layer's code, not the model's)."""
+    return file.startswith(_FLAX)
+
+
+def users_file(file: str) -> bool:
+    """Whether a frame of ``file`` is the user's own code: :func:`site_of_file`'s, less Flax's."""
+    return site_of_file(file) and not flax_file(file)
 
 
 def site_of_file(file: str) -> bool:
