@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 import fsdp_tp
 import fsdp_tp.nnx
 from fsdp_tp.errors import RuleError
-from fsdp_tp.linen.tp_rules import ColumnParallel, HeadParallel, RowParallel
+from fsdp_tp.tp import ColumnParallel, HeadParallel, RowParallel
 from fsdp_tp.tp._rules import require_no_tp_axis, with_split
 
 AXES = ("data", "fsdp", "tensor")
@@ -143,7 +143,7 @@ class NNXAnnotatedMLP(nnx.Module):
 
 
 def test_an_nnx_model_annotated_for_megatron_takes_tp_rules():
-    tp = [("up$", fsdp_tp.nnx.ColumnParallel()), ("down$", fsdp_tp.nnx.RowParallel())]
+    tp = [("up$", fsdp_tp.tp.ColumnParallel()), ("down$", fsdp_tp.tp.RowParallel())]
     with nnx.use_eager_sharding(False):
         sharded = fsdp_tp.nnx.shard_by_rules(NNXAnnotatedMLP, tp_rules=tp, logical_axis_rules=LOGICAL)
     assert sharded.specs[("up", "kernel")] == P("fsdp", "tensor")

@@ -35,10 +35,10 @@ from fsdp_tp.models import Transformer
 from fsdp_tp.models.llama import RULES, LlamaLM, NNXLlamaLM
 from fsdp_tp.models.nnx_transformer import NNXTransformer, tp_rules
 from fsdp_tp.testing import NNXSharded as Sharded
-from fsdp_tp.tp import _regions, shared_column_inputs
+from fsdp_tp.tp import ColumnParallel, RowParallel, VocabParallel, _regions
 from fsdp_tp.tp._check import switched_off
 from fsdp_tp.tp._plan import warn_left_whole
-from fsdp_tp.tp.roles import ColumnParallel, RowParallel, VocabParallel
+from fsdp_tp.tp.pieces import shared_column_inputs
 from tests.equivalence import assert_trees_close, check_split
 from tests.nnx_models import lm_maker
 

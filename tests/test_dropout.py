@@ -95,7 +95,7 @@ def test_negative_control_a_key_folded_over_the_batch_draws_no_block_of_the_mask
     mesh = fsdp_tp.make_mesh(MESHES["data x tensor"])
 
     def folded(key):
-        key = fsdp_tp.train.fold_rng_over_axis(key, "data")
+        key = fsdp_tp.dropout.fold_rng_over_axis(key, "data")
         return jax.lax.pcast(jax.random.bernoulli(key, 0.5, (4, 16)), "tensor", to="varying")
 
     blocks = jax.shard_map(folded, mesh=mesh, in_specs=P(), out_specs=P("data", "tensor"))(KEY)
@@ -135,7 +135,7 @@ STORAGE = [("up/kernel", P("fsdp")), ("down/kernel", P(None, "fsdp"))]
 def _linen(sizes: dict):
     """``(init(rng) -> (params, rest), forward(params, rest, x, key) per device, and the
     unsharded forward(params, x, key))``."""
-    tp = [("up$", fsdp_tp.tp_rules.ColumnParallel()), ("down$", fsdp_tp.tp_rules.RowParallel())]
+    tp = [("up$", fsdp_tp.tp.ColumnParallel()), ("down$", fsdp_tp.tp.RowParallel())]
     model = fsdp_tp.shard_by_rules(LinenDropMLP, STORAGE if "fsdp" in sizes else (), tp_rules=tp)()
     init = lambda rng: (model.init({"params": rng, "dropout": rng}, X[:2])["params"], {})
     forward = lambda params, rest, x, key: model.apply({"params": params}, x, rngs={"dropout": key})
@@ -144,7 +144,7 @@ def _linen(sizes: dict):
 
 
 def _nnx(sizes: dict, call_time: bool):
-    tp = [("up$", fsdp_tp.nnx.ColumnParallel()), ("down$", fsdp_tp.nnx.RowParallel())]
+    tp = [("up$", fsdp_tp.tp.ColumnParallel()), ("down$", fsdp_tp.tp.RowParallel())]
     sharded = fsdp_tp.nnx.shard_by_rules(NNXDropMLP, STORAGE if "fsdp" in sizes else (), tp_rules=tp)
     rngs = (lambda key: nnx.Rngs(dropout=key)) if call_time else (lambda key: None)
 
@@ -369,14 +369,14 @@ def test_dropout_after_sequence_parallel_attention_is_the_unsharded_models(api):
     mesh = fsdp_tp.make_mesh({"data": 2, "tensor": 4})
     x = jax.random.normal(jax.random.key(1), (4, 8, 8))  # 8 positions: 2 on each tensor rank
     if api == "linen":
-        rules = [("attn$", fsdp_tp.tp_rules.HeadParallel(sequence_dim=1))]
+        rules = [("attn$", fsdp_tp.tp.HeadParallel(sequence_dim=1))]
         model = fsdp_tp.shard_by_rules(LinenAttentionThenDropout, tp_rules=rules, batch_axes=("data",))()
         init = lambda rng: (model.init(rng, x[:2])["params"], {})
         forward = lambda params, rest, x: model.apply({"params": params}, x, rngs={"dropout": KEY})
         twin = LinenAttentionThenDropout()
         ref = twin.apply(twin.init(jax.random.key(0), x), x, rngs={"dropout": KEY})
     else:
-        rules = [("attn$", fsdp_tp.nnx.HeadParallel(sequence_dim=1))]
+        rules = [("attn$", fsdp_tp.tp.HeadParallel(sequence_dim=1))]
         sharded = fsdp_tp.nnx.shard_by_rules(NNXAttentionThenDropout, tp_rules=rules, batch_axes=("data",))
         init = sharded.init
         forward = lambda params, rest, x: sharded.merge(params, rest)(x, rngs=nnx.Rngs(dropout=KEY))
@@ -466,7 +466,7 @@ def _einsum_attention(drop: str, heads: int = 8):
     return Linen, NNX
 
 
-EINSUM_TP = [("q$", fsdp_tp.tp.roles.ColumnParallel()), ("out$", fsdp_tp.tp.roles.RowParallel())]
+EINSUM_TP = [("q$", fsdp_tp.tp.ColumnParallel()), ("out$", fsdp_tp.tp.RowParallel())]
 
 
 def _einsum_attention_outputs(api: str, drop: str, check_vma: bool):

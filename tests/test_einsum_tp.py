@@ -37,9 +37,9 @@ from fsdp_tp.errors import IndivisibleShapeError, RuleError
 from fsdp_tp.models.llama import FSDP_RULES, RULES, SIZES, LlamaLM, NNXLlamaLM
 from fsdp_tp.testing import NNXSharded as Sharded
 from fsdp_tp.testing import NNXTwin as Twin
+from fsdp_tp.tp import ColumnParallel, RowParallel, register_einsum
 from fsdp_tp.tp import _matmul as tp_matmul
 from fsdp_tp.tp._check import switched_off
-from fsdp_tp.tp.roles import ColumnParallel, RowParallel, register_einsum
 from tests import test_tp_rules
 from tests.equivalence import Case, check_equivalence, check_split
 
@@ -400,7 +400,7 @@ def test_replicated_kv_heads_cost_one_all_reduce_more_per_block():
 
 
 def first_block(param, dim, blocks, axis_name, *_, **__):
-    """:func:`fsdp_tp.tp.kept_block` with every device keeping the first block(s): the negative
+    """:func:`fsdp_tp.tp.pieces.kept_block` with every device keeping the first block(s): the negative
     control of each kept-whole path (a kv head read at the wrong index is another model)."""
     width = param.shape[dim] // blocks
     kept = max(1, blocks // jax.lax.axis_size(axis_name)) * width

@@ -54,7 +54,7 @@ def test_unknown_axis_name_in_module_transform():
 
 def test_axis_name_outside_shard_map():
     with pytest.raises(UnboundAxisNameError, match=r"outside jax\.shard_map"):
-        fsdp_tp.train.fold_rng_over_axis(jax.random.key(0), "data")
+        fsdp_tp.dropout.fold_rng_over_axis(jax.random.key(0), "data")
 
 
 def test_module_instance_is_rejected_with_the_fix():

@@ -52,7 +52,7 @@ def test_xla_attention_equals_the_reference(groups, per_group, seq, causal, seed
 
 def test_auto_attention_is_xla_off_gpu_and_unknown_names_are_refused():
     q = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
-    from fsdp_tp.linen.layers.attention import resolved_implementation
+    from fsdp_tp.attention import resolved_implementation
 
     assert resolved_implementation("auto", q.dtype) == ("cudnn" if jax.default_backend() == "gpu" else "xla")
     assert resolved_implementation("auto", jnp.float32) == "xla"  # cuDNN takes 16-bit inputs only

@@ -40,7 +40,9 @@ def test_gather_inverts_shard(shape, min_size):
     full = {"w": jax.random.normal(jax.random.key(0), shape)}
 
     def roundtrip(full):
-        return fsdp_tp.fsdp.gather_params(fsdp_tp.fsdp.shard_params(full, "fsdp", min_size), "fsdp")
+        return fsdp_tp.linen.fsdp.gather_params(
+            fsdp_tp.linen.fsdp.shard_params(full, "fsdp", min_size), "fsdp"
+        )
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ReplicatedParameterWarning)
@@ -53,7 +55,7 @@ def test_existing_splits_on_other_axes_are_kept():
     captured = {}
 
     def probe(w):
-        out = fsdp_tp.fsdp.shard_params(
+        out = fsdp_tp.linen.fsdp.shard_params(
             {"w": nn.Partitioned(w, ("tensor", None))}, "fsdp", min_weight_size=0
         )["w"]
         captured.update(names=out.names, shape=out.value.shape)
@@ -72,7 +74,7 @@ def test_gathering_the_minor_axis_of_a_shared_dim():
     w = jnp.arange(16.0)
 
     def gather(local):
-        out = fsdp_tp.fsdp.gather_params({"w": nn.Partitioned(local, (("data", "fsdp"),))}, "fsdp")["w"]
+        out = fsdp_tp.linen.fsdp.gather_params({"w": nn.Partitioned(local, (("data", "fsdp"),))}, "fsdp")["w"]
         assert out.names == ("data",)
         return out.value
 
@@ -82,7 +84,7 @@ def test_gathering_the_minor_axis_of_a_shared_dim():
     np.testing.assert_array_equal(got, w)
     with pytest.raises(ValueError, match=r"only be gathered after \('fsdp',\)"):
         jax.shard_map(
-            lambda local: fsdp_tp.fsdp.gather_params(
+            lambda local: fsdp_tp.linen.fsdp.gather_params(
                 {"w": nn.Partitioned(local, (("data", "fsdp"),))}, "data"
             ),
             mesh=mesh,

@@ -10,6 +10,7 @@ front-end module of this package. Read off the source's import statements (the A
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ CORE = (
     "_block_key",
     "_context",
     "_einsum",
+    "_aliases",
     "_gather",
     "_integrity",
     "_layout",
@@ -61,6 +63,7 @@ CORE = (
     "tp._regions",
     "tp._relations",
     "tp._role",
+    "tp._roles",
     "tp._rules",
     "tp._sites",
     "tp._vocab",
@@ -68,6 +71,7 @@ CORE = (
     "tp.pieces",
     "tp.roles",
     "tp_roles",
+    "tp_rules",
     "train",
 )
 
@@ -194,10 +198,9 @@ def test_bench_and_the_cli_share_the_recipe_not_each_other():
 
 # Above the core and the two front ends: the model zoo, the main job's recipe, the CLI, the
 # benchmarks and the equivalence proof users and the suite share (each may use both front
-# ends), the package's own __init__ and __main__, and
-# fsdp_tp.tp_rules (0.1's path to fsdp_tp.linen.tp_rules, until 0.3.0).
+# ends), the package's own __init__ and __main__.
 APPLICATIONS = ("models", "recipe", "cli", "bench", "testing")
-TOP_LEVEL = (TOP, "__main__", "tp_rules")
+TOP_LEVEL = (TOP, "__main__")
 
 
 def _tier(module: str) -> str | None:
@@ -218,11 +221,66 @@ def test_every_module_of_the_package_has_its_tier():
     assert set(CORE) <= set(_all_modules()), sorted(set(CORE) - set(_all_modules()))
 
 
+ARCHITECTURE = PACKAGE.parents[1] / "docs" / "architecture.md"
+_TIERS = {"core": "core", "front ends": "front end", "applications": "application"}
+
+
+def _mapped(text: str) -> dict[str, tuple[int, int, list[str]]]:
+    """``{tier: (count in the intro, count in the section's heading, modules in its rows)}``
+    read off architecture.md's map: a ``### The <tier> (N modules)`` section per tier, one row
+    per module, its path in the first cell (``tp/_check.py``, ``cli/__init__.py``)."""
+    found = {}
+    for title, tier in _TIERS.items():
+        intro = re.search(rf"\*\*The {title}\*\* (?:\([^)]*?)?\(?(\d+) modules\)", text)
+        section = re.search(rf"^### The {title} \((\d+) modules\)\n(.*?)(?=^#)", text, re.S | re.M)
+        if not (intro and section):
+            raise AssertionError(f"architecture.md has no count or no map section for the {title}")
+        rows = re.findall(r"^\| `([\w/]+\.py)` \|", section.group(2), re.M)
+        names = [
+            TOP if r == "__init__.py" else r.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+            for r in rows
+        ]
+        found[tier] = (int(intro.group(1)), int(section.group(1)), names)
+    return found
+
+
+def _map_problems(text: str) -> list[str]:
+    problems = []
+    for tier, (intro, heading, names) in _mapped(text).items():
+        modules = sorted(m for m in _all_modules() if _tier(m) == tier)
+        if sorted(names) != modules:
+            twice = sorted(n for n in set(names) if names.count(n) > 1)
+            missing, extra = sorted(set(modules) - set(names)), sorted(set(names) - set(modules))
+            problems.append(f"{tier}: missing {missing}, not modules {extra}, twice {twice}")
+        if not intro == heading == len(modules):
+            problems.append(f"{tier}: {len(modules)} modules, the page says {intro} and {heading}")
+    long = [row[:60] for row in re.findall(r"^\| `[\w/]+\.py` \| (.*) \|$", text, re.M) if len(row) > 240]
+    return problems + [f"a cell over two sentences' length: {row}..." for row in long]
+
+
+def test_the_architecture_map_lists_every_module_once_in_its_tier_with_true_counts():
+    """Issue 58 point 4: architecture.md is a map, one row per module, a sentence or two each,
+    and its module lists and counts are the tree's (a new, moved or removed module fails here)."""
+    assert not _map_problems(ARCHITECTURE.read_text())
+
+
+def test_negative_control_a_stale_map_is_caught():
+    text = ARCHITECTURE.read_text()
+    row = "| `tp/_ops.py` |"
+    assert row in text
+    assert any("missing ['tp._ops']" in p for p in _map_problems(text.replace(row, "| `tp/_gone.py` |")))
+    assert any(
+        "50 modules, the page says 49" in p
+        for p in _map_problems(text.replace("(50 modules)", "(49 modules)", 1))
+    )
+    line = next(line for line in text.splitlines() if line.startswith(row))
+    assert any("two sentences" in p for p in _map_problems(text.replace(line, line[:-2] + " x" * 120 + " |")))
+
+
 # Outside linen/, the modules that import the Linen front end or flax.linen themselves, and why
 # each needs it. Every other module outside linen/ reaches Linen only through one of these.
 IMPORT_LINEN = {
     TOP: "fsdp_tp's namespace re-exports the Linen front end (shard_module_params, the layers)",
-    "tp_rules": "0.1's path to fsdp_tp.linen.tp_rules",
     "models.layout": "Layout wraps the Linen GPT's classes for FSDP (shard_module_params)",
     "models.transformer": "the GPT written in Linen",
     "models.llama": "the einsum Llama written in both APIs",

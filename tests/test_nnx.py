@@ -56,8 +56,8 @@ def _fsdp_tp_rules(scan: bool) -> tuple[list, list]:
         (r"^(embed|head)/kernel$", P("fsdp")),
     ]
     tp = [
-        (r"blocks(/\d+)?/up$", fsdp_tp.nnx.ColumnParallel()),
-        (r"blocks(/\d+)?/down$", fsdp_tp.nnx.RowParallel()),
+        (r"blocks(/\d+)?/up$", fsdp_tp.tp.ColumnParallel()),
+        (r"blocks(/\d+)?/down$", fsdp_tp.tp.RowParallel()),
     ]
     return storage, tp
 
@@ -95,7 +95,7 @@ def test_negative_control_a_row_layer_without_its_sum(monkeypatch):
 
     def unsummed(self, method, run, layer, args, kwargs):
         bias = layer.bias() if layer.use_bias and layer.bias is not None else None
-        return tp.add_bias_once(run(*args, **kwargs), bias, self.axis, dtype=layer.dtype)
+        return tp.pieces.add_bias_once(run(*args, **kwargs), bias, self.axis, dtype=layer.dtype)
 
     monkeypatch.setattr(tp.RowParallel, "around", unsummed)
     with pytest.raises(AssertionError, match="output"), switched_off():

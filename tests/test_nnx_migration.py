@@ -65,7 +65,7 @@ def _merged_outside_the_step():
 
 def _lora_column():
     fsdp_tp.nnx.shard_by_rules(
-        LoRANet, tp_rules=[("up$", fsdp_tp.nnx.ColumnParallel()), ("down$", fsdp_tp.nnx.RowParallel())]
+        LoRANet, tp_rules=[("up$", fsdp_tp.tp.ColumnParallel()), ("down$", fsdp_tp.tp.RowParallel())]
     )
 
 
@@ -108,7 +108,7 @@ MISTAKES = {
         r"tp_rules='up\$' is a string; give a list of \(pattern, role\) pairs, e\.g\. tp_rules=\[\('up\$'",
     ),
     "tp_rules as one pair": (
-        lambda: fsdp_tp.nnx.shard_by_rules(Net, tp_rules=("up$", fsdp_tp.nnx.ColumnParallel())),
+        lambda: fsdp_tp.nnx.shard_by_rules(Net, tp_rules=("up$", fsdp_tp.tp.ColumnParallel())),
         RuleError,
         r"is one pair; give a list of \(pattern, role\) pairs, e\.g\. tp_rules=\[\('up\$', ColumnParallel",
     ),

@@ -23,8 +23,8 @@ from flax import nnx
 
 from fsdp_tp.errors import LayerLeftWholeWarning, RuleError, UncheckedPlanWarning
 from fsdp_tp.testing import check_sharded
+from fsdp_tp.tp import ColumnParallel, RowParallel
 from fsdp_tp.tp._check import switched_off
-from fsdp_tp.tp.roles import ColumnParallel, RowParallel
 from tests.equivalence import check_split
 
 D, HEADS = 32, 4  # model width and heads: 8 features a head, 2 heads a device on tensor 4

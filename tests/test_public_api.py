@@ -7,10 +7,7 @@ import importlib.util
 import inspect
 import pkgutil
 import re
-import subprocess
-import sys
 import types
-import warnings
 from pathlib import Path
 
 import pytest
@@ -45,34 +42,7 @@ def test_the_front_door_is_the_users_path_and_shadows_no_submodule():
     for info in pkgutil.walk_packages(fsdp_tp.__path__, "fsdp_tp."):
         if info.name == "fsdp_tp.__main__":  # `python -m fsdp_tp`: running it is the command
             continue
-        with warnings.catch_warnings():  # fsdp_tp.tp_rules: 0.1's import path, deprecated
-            warnings.simplefilter("ignore", DeprecationWarning)
-            assert isinstance(getattr(importlib.import_module(info.name), "__all__", None), list), info.name
-
-
-def test_the_0_1_import_path_of_tp_rules_works_with_a_warning_naming_the_new_one():
-    """Issue 46 point 3: ``from fsdp_tp.tp_rules import mlp_rules`` raised ModuleNotFoundError
-    in 0.2.0. A fresh process, so the import really runs."""
-    source = "from fsdp_tp.tp_rules import mlp_rules, ColumnParallel; print(mlp_rules.__module__)"
-    done = subprocess.run(
-        [sys.executable, "-W", "always::DeprecationWarning", "-c", source], capture_output=True, text=True
-    )
-    assert done.returncode == 0 and done.stdout.strip() == "fsdp_tp.linen.tp_rules", done.stderr
-    assert "DeprecationWarning: fsdp_tp.tp_rules moved to fsdp_tp.linen.tp_rules" in done.stderr
-    assert "goes in 0.3.0" in done.stderr
-
-
-def test_the_roles_are_one_module_under_their_0_2_name_too():
-    """Issue 43 point 4: the TP concept is the package fsdp_tp.tp; ``fsdp_tp.tp_roles`` (0.2's
-    spelling) is the same module object as ``fsdp_tp.tp.roles``, so what one name patches or a
-    user registers, the other sees. A fresh process, so the import really runs."""
-    source = (
-        "import fsdp_tp.tp_roles as old, fsdp_tp.tp.roles as new, fsdp_tp.tp as tp; "
-        "print(old is new, tp.ColumnParallel is new.ColumnParallel, "
-        "tp.column_input is tp.pieces.column_input)"
-    )
-    done = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True)
-    assert done.returncode == 0 and done.stdout.split() == ["True", "True", "True"], done.stderr
+        assert isinstance(getattr(importlib.import_module(info.name), "__all__", None), list), info.name
 
 
 def test_ci_runs_the_readme_test_command():
@@ -107,21 +77,21 @@ def _resolves(name: str) -> bool:
         except ImportError:
             continue
         for part in parts[i:]:
-            if not hasattr(obj, part):
+            try:
+                obj = getattr(obj, part)
+            except (AttributeError, DeprecationWarning):  # (an old path's warning, an error here)
                 return False
-            obj = getattr(obj, part)
         return True
     return False
 
 
 def test_every_name_the_docs_and_docstrings_cite_exists():
     """``fsdp_tp.x.y`` in backticks (a Sphinx role or a code span), in the package's source and
-    in docs/: each names a module or an object where it says (moved code leaves none stale)."""
+    in docs/: each names a module or an object where it says (moved code leaves none stale; an
+    old path, which warns, is stale too: pyproject's filters make its warning an error)."""
     files = [*(ROOT / "src").rglob("*.py"), *(ROOT / "docs").rglob("*.md"), ROOT / "README.md"]
-    with warnings.catch_warnings():  # fsdp_tp.tp_rules: 0.1's import path, deprecated
-        warnings.simplefilter("ignore", DeprecationWarning)
-        cited = {m for f in files for m in _REFERENCE.findall(f.read_text())}
-        stale = sorted(name for name in cited if not _resolves(name))
+    cited = {m for f in files for m in _REFERENCE.findall(f.read_text())}
+    stale = sorted(name for name in cited if not _resolves(name))
     assert len(cited) > 50 and not stale, stale  # (89 distinct names when written)
 
 

@@ -34,11 +34,11 @@ from fsdp_tp.errors import IndivisibleShapeError, RuleError
 from fsdp_tp.linen.tp_rules import attention_rules, mlp_rules
 from fsdp_tp.testing import NNXSharded as Sharded
 from fsdp_tp.testing import NNXTwin as Twin
+from fsdp_tp.tp import ColumnParallel, HeadParallel, RowParallel, VocabParallel
 from fsdp_tp.tp import _heads as tp_heads
 from fsdp_tp.tp import _matmul as tp_matmul
 from fsdp_tp.tp import _vocab as tp_vocab
 from fsdp_tp.tp._check import switched_off
-from fsdp_tp.tp.roles import ColumnParallel, HeadParallel, RowParallel, VocabParallel
 from tests.conftest import mesh_of
 from tests.equivalence import Case, check_equivalence
 from tests.nnx_models import lm_maker
@@ -450,7 +450,7 @@ def _plain(tp, rules=(), **sizes):
             r"matches layer_0/LayerNorm_0, a LayerNorm, which has no tensor-parallel role and no submodule "
             r"one computes \(roles compute ColumnParallel: nn.Dense, .*"
             r"VocabParallel: nn.Embed\). If it computes an einsum of its input and one kernel parameter, "
-            r"tell the roles so: fsdp_tp.tp.roles.register_einsum\(LayerNorm, equation, kernel=\.\.\., "
+            r"tell the roles so: fsdp_tp.tp.register_einsum\(LayerNorm, equation, kernel=\.\.\., "
             r"sizes=\.\.\.\); else drop the rule",
         ),
         # a layer another role computes: that role is named

@@ -81,7 +81,7 @@ def test_dropout_masks_differ_over_batch_axes_and_match_over_tensor(check_vma):
     mesh = fsdp_tp.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
 
     def masks(rng):
-        rng = fsdp_tp.train.fold_rng_over_axis(rng, BATCH_AXES)
+        rng = fsdp_tp.dropout.fold_rng_over_axis(rng, BATCH_AXES)
         kept = nn.Dropout(0.5).apply({}, jnp.ones((64,)), deterministic=False, rngs={"dropout": rng})
         if check_vma:  # the mask varies over the batch axes only; say it varies over tensor to stack it
             kept = jax.lax.pcast(kept, "tensor", to="varying")

@@ -2,22 +2,23 @@
 
 The front door holds the user's path: a mesh, a transform (or the tensor-parallel
 layers), the sharded init, the step, the gradient sync, checkpoints and the plan. The
-building blocks live in named submodules. The core, which imports no Linen:
-:mod:`fsdp_tp.collectives` (the custom-gradient collectives), :mod:`fsdp_tp.tp`
-(Megatron's pieces), :mod:`fsdp_tp.precision` (mixed-precision gathers),
-:mod:`fsdp_tp.partitioning` (specs of a state, checks), :mod:`fsdp_tp.rules` (the rule
-grammar, specs for ``jax.jit``), :mod:`fsdp_tp.mesh`, :mod:`fsdp_tp.train`,
-:mod:`fsdp_tp.sharded_init`, :mod:`fsdp_tp.checkpoint`, :mod:`fsdp_tp.analysis`,
-:mod:`fsdp_tp.errors`. The Linen front end, :mod:`fsdp_tp.linen`: ``fsdp_tp.fsdp``
-(``shard_params`` / ``gather_params``), ``fsdp_tp.layers`` (every tensor-parallel layer)
-and ``fsdp_tp.tp_rules`` (Megatron tensor parallelism by rules on a model's submodules)
-are its modules, reachable from here as before. And :mod:`fsdp_tp.models`.
-``docs/architecture.md`` maps them.
+building blocks live in named submodules. The core, which imports no Flax front end:
+:mod:`fsdp_tp.collectives` (the custom-gradient collectives), :mod:`fsdp_tp.tp` (the
+tensor-parallel roles; Megatron's pieces in :mod:`fsdp_tp.tp.pieces`),
+:mod:`fsdp_tp.precision` (mixed-precision gathers), :mod:`fsdp_tp.partitioning` (specs of a
+state, checks), :mod:`fsdp_tp.rules` (the rule grammar, specs for ``jax.jit``),
+:mod:`fsdp_tp.mesh`, :mod:`fsdp_tp.train`, :mod:`fsdp_tp.sharded_init`,
+:mod:`fsdp_tp.checkpoint`, :mod:`fsdp_tp.analysis`, :mod:`fsdp_tp.dropout`,
+:mod:`fsdp_tp.errors`. The front ends: :mod:`fsdp_tp.linen` (its modules
+:mod:`fsdp_tp.linen.fsdp`, :mod:`fsdp_tp.linen.layers`, :mod:`fsdp_tp.linen.tp_rules`) and
+:mod:`fsdp_tp.nnx`. And :mod:`fsdp_tp.models`. Each public name has one path (0.1's and 0.2's
+others warn: :mod:`fsdp_tp._aliases`); ``docs/architecture.md`` maps the modules.
 """
 
 from . import analysis as analysis
 from . import checkpoint as checkpoint
 from . import collectives as collectives
+from . import dropout as dropout
 from . import errors as errors
 from . import linen as linen
 from . import mesh as mesh
@@ -28,11 +29,9 @@ from . import rules as rules
 from . import sharded_init as sharded_init
 from . import tp as tp
 from . import train as train
+from ._aliases import aliases_of
 from .checkpoint import Checkpoints as Checkpoints
 from .gradients import sync_gradients as sync_gradients
-from .linen import fsdp as fsdp  # fsdp_tp.fsdp.gather_params etc., as before the Linen folder
-from .linen import layers as layers
-from .linen import tp_rules as tp_rules
 from .linen.fsdp import shard_module_params as shard_module_params
 from .linen.layers import AttentionBlock as AttentionBlock
 from .linen.layers import ColumnParallelDense as ColumnParallelDense
@@ -45,11 +44,13 @@ from .mesh import simulate_cpu_devices as simulate_cpu_devices
 from .plan import make_plan as make_plan
 from .precision import MixedPrecision as MixedPrecision
 from .sharded_init import init_sharded as init_sharded
-from .tp import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
+from .tp.pieces import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from .train import TrainState as TrainState
 from .train import accumulate_gradients as accumulate_gradients
 from .train import shard_step as shard_step
 from .train import state_init_fn as state_init_fn
+
+__getattr__ = aliases_of(__name__)  # the Linen modules 0.1 reached from here (fsdp_tp._aliases)
 
 __version__ = "0.2.0"
 

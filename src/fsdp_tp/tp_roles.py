@@ -1,10 +1,9 @@
-"""The roles' module under the name 0.1 and 0.2 wrote, ``fsdp_tp.tp_roles``: the very module
-:mod:`fsdp_tp.tp.roles` (one module object under both names, so what one name patches or
-registers, the other sees).
-"""
+"""0.2's spelling of the roles' module: each name here is read from :mod:`fsdp_tp.tp` with a
+``DeprecationWarning`` naming it (``from fsdp_tp.tp import ColumnParallel``), until 0.3.0.
+The paths are rows of :data:`fsdp_tp._aliases.MOVED`."""
 
-import sys
+from ._aliases import aliases_of
 
-from .tp import roles
+__all__: list[str] = []
 
-sys.modules[__name__] = roles
+__getattr__ = aliases_of(__name__)

@@ -1,21 +1,10 @@
-"""Deprecated home of the tp rules: ``from fsdp_tp.tp_rules import mlp_rules`` (0.1's spelling)
-works until 0.3.0 with a ``DeprecationWarning``; the module is :mod:`fsdp_tp.linen.tp_rules`
-(the roles themselves, for both front ends, are :mod:`fsdp_tp.tp.roles`).
+"""0.1's home of the tp rules: each name here is read from where it lives, the roles from
+:mod:`fsdp_tp.tp` and Linen's ready rule sets from :mod:`fsdp_tp.linen.tp_rules`, with a
+``DeprecationWarning`` naming that path, until 0.3.0. The paths are rows of
+:data:`fsdp_tp._aliases.MOVED`."""
 
-The attribute ``fsdp_tp.tp_rules`` has reached the Linen module since 0.2.0 without a warning;
-only this import path warns, since only it would break in 0.3.0.
-"""
+from ._aliases import aliases_of
 
-from __future__ import annotations
+__all__: list[str] = []
 
-import warnings
-
-from .linen.tp_rules import *  # noqa: F403  (the same names, from where they live)
-from .linen.tp_rules import __all__ as __all__
-
-warnings.warn(
-    "fsdp_tp.tp_rules moved to fsdp_tp.linen.tp_rules in 0.2.0 (the roles for both Flax APIs are in "
-    "fsdp_tp.tp.roles); this import path goes in 0.3.0: write `from fsdp_tp.linen.tp_rules import ...`.",
-    DeprecationWarning,
-    stacklevel=2,
-)
+__getattr__ = aliases_of(__name__)

@@ -16,16 +16,18 @@ from flax import struct
 from flax.training import train_state
 from jax.sharding import Mesh, PartitionSpec
 
+from ._aliases import aliases_of
 from ._batch import batch_axes_of, batch_split_over
 from ._layout import require_divisible
 from ._optimizer import checked_tx, per_device_step, refuse_on_shards
 from ._tree import named_shardings
 from ._types import PyTree, Specs
-from .dropout import fold_rng_over_axis as fold_rng_over_axis  # public here since 0.1
 from .partitioning import check_specs
-from .tp import shared_column_inputs
+from .tp.pieces import shared_column_inputs
 
-__all__ = ["TrainState", "accumulate_gradients", "fold_rng_over_axis", "shard_step", "state_init_fn"]
+__all__ = ["TrainState", "accumulate_gradients", "shard_step", "state_init_fn"]
+
+__getattr__ = aliases_of(__name__)  # 0.1's fold_rng_over_axis here (fsdp_tp._aliases)
 
 _REPLICATED = PartitionSpec()
 

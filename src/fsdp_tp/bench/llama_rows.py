@@ -30,7 +30,7 @@ from ..models.llama import FSDP_RULES, RULES, LlamaLM, NNXLlamaLM
 from ..nnx import tp_splits
 from ..sharded_init import init_sharded
 from ..testing import NNXSharded
-from ..tp.roles import ColumnParallel
+from ..tp import ColumnParallel
 from ..train import TrainState, shard_step
 from .figures import median, step_seconds
 from .report import spread

@@ -20,7 +20,7 @@ from ..collectives import gather_from_axis, scatter_to_axis
 from ..linen.layers import MLPBlock
 from ..models import Layout, Transformer
 from ..models.transformer import DecoderBlock
-from ..tp import vocab_parallel_cross_entropy
+from ..tp.pieces import vocab_parallel_cross_entropy
 
 __all__ = ["WORKLOADS", "Workload", "bench_layout"]
 

@@ -10,9 +10,9 @@ import flax.linen as nn
 import jax
 
 from .._tree import static_split
-from ..tp._plan import fitted
+from ..tp._plan import auto_size, fitted, warn_left_whole
 from ..tp._rules import compile_tp_rules
-from ..tp.auto import Graph, TPPlan, auto_size, find_plan, warn_left_whole
+from ..tp.auto import Graph, TPPlan, find_plan
 from ._check import fields_of, traced_as
 from ._traced import traced
 

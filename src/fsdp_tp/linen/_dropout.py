@@ -7,7 +7,7 @@ call the way flax does (``deterministic``, ``rate`` 0 or 1, the rng from ``rng=`
 ``make_rng``), with the mask drawn for this device's block: dim 0 over the batch axes, and
 the dims a tensor-parallel role left split. Pass the model the key the unsharded model gets
 (``rngs={"dropout": rng}``); a key folded over the batch axes per shard
-(:func:`~fsdp_tp.train.fold_rng_over_axis`) still gives every device its own independent
+(:func:`~fsdp_tp.dropout.fold_rng_over_axis`) still gives every device its own independent
 mask, but not the unsharded one.
 """
 

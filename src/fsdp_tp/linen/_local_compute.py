@@ -8,7 +8,7 @@ rule's layout (:func:`fsdp_tp.tp._rules.with_split`). At apply it runs a clone o
 the same scope, with the attributes that make it compute on the local sizes (a
 ``Dense`` with ``features / size``), so flax reads the stored slices as the module's
 own parameters; the role puts the collectives around that call
-(:mod:`fsdp_tp.tp.roles`).
+(:mod:`fsdp_tp.tp`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from flax import errors as flax_errors
 from .._axes import require_axes
 from .._tree import module_path
 from .._types import AxisName
+from ..tp import TPRole
 from ..tp._rules import (
     CompiledRole,
     kind_error,
@@ -34,7 +35,6 @@ from ..tp._rules import (
     role_of,
     slice_error,
 )
-from ..tp.roles import TPRole
 from .tp_rules import LINEN, layer_of, local_attributes
 
 __all__ = ["Seen", "local_compute"]

@@ -12,9 +12,9 @@ import jax
 from flax.core import meta
 
 from .._tree import module_path
+from ..tp import Layer
 from ..tp._plan import calling
 from ..tp.auto import Graph, TPPlan, find_plan
-from ..tp.roles import Layer
 from .tp_rules import LINEN, layer_of
 
 __all__ = ["plan_of", "traced"]

@@ -24,8 +24,8 @@ from .._types import AxisNames
 from ..errors import RuleError
 from ..precision import MixedPrecision, checked_policy
 from ..rules import REPLICATED, CompiledRule, Rules, as_spec, compile_rules, spec_for, unmatched_warning
+from ..tp._plan import AUTO_AXIS
 from ..tp._rules import compile_tp_rules, require_all_matched, require_no_tp_axis, spec_source, with_split
-from ..tp.auto import AUTO_AXIS
 from ._auto import AutoRules
 from ._check import check_call
 from ._gather import gather
@@ -108,7 +108,7 @@ def shard_by_rules(
     ``mixed_precision``: the dtypes the gathers over ``batch_axes`` and their gradients'
     reduce-scatters move (:class:`~fsdp_tp.precision.MixedPrecision`; default: as stored).
     ``tp_rules``: ``(pattern, role)`` pairs naming submodules (by path) that compute on their
-    slices over a mesh axis, Megatron-style (:mod:`fsdp_tp.tp_rules`): the role's split is
+    slices over a mesh axis, Megatron-style (:mod:`fsdp_tp.tp`): the role's split is
     added to the storage rule's layout, and that axis is never gathered. A
     :class:`~fsdp_tp.tp.auto.TPPlan` gives its rules; ``"auto"`` finds them over mesh axis
     ``tensor`` from what the model computes on the call's inputs (:func:`~fsdp_tp.linen.find_tp_rules`),

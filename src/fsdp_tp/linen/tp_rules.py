@@ -2,20 +2,20 @@
 
 A rule is ``(pattern, role)``: ``pattern`` is searched (``re.search``) in a submodule's
 path, as every rule of the library is (:mod:`fsdp_tp.rules`), and ``role`` (one of
-:mod:`fsdp_tp.tp.roles`, the same objects the NNX front end takes) says how that submodule
+:mod:`fsdp_tp.tp`, the same objects the NNX front end takes) says how that submodule
 computes on its slices over a mesh axis. The Linen layers each role computes (:data:`LINEN`):
 
-- :class:`ColumnParallel`, :class:`RowParallel`: ``nn.Dense``, ``nn.DenseGeneral``,
+- :class:`~fsdp_tp.tp.ColumnParallel`, :class:`~fsdp_tp.tp.RowParallel`: ``nn.Dense``, ``nn.DenseGeneral``,
   ``nn.Conv`` (a convolution's channels are its features), ``nn.Einsum`` (a kernel letter
   of the output, or of the inputs only);
-- :class:`HeadParallel`: ``nn.MultiHeadDotProductAttention`` (and ``nn.SelfAttention``);
-- :class:`VocabParallel`: ``nn.Embed`` (``attend``, tied logits, gathers the vocabulary).
+- :class:`~fsdp_tp.tp.HeadParallel`: ``nn.MultiHeadDotProductAttention`` (and ``nn.SelfAttention``);
+- :class:`~fsdp_tp.tp.VocabParallel`: ``nn.Embed`` (``attend``, tied logits, gathers the vocabulary).
 
 :func:`layer_of` shows a Linen layer to a role, :func:`local_attributes` writes the role's
 local sizes as the layer's attributes (``features / size``, ``num_heads / size``).
 Per attention or MLP block that is Megatron's minimum: one all-reduce forward (the row
 sum), one backward (the column input's gradient; a gated MLP's gate and up share it inside
-``shard_step``, :func:`fsdp_tp.tp.shared_column_inputs`). :func:`attention_rules` and
+``shard_step``, :func:`fsdp_tp.tp.pieces.shared_column_inputs`). :func:`attention_rules` and
 :func:`mlp_rules` are the ready sets; pass the rules to :func:`~fsdp_tp.shard_by_rules`
 as ``tp_rules=``, next to its storage rules (FSDP splits another dim).
 
@@ -31,25 +31,25 @@ from typing import Any
 import flax.linen as nn
 from flax.core import meta
 
+from .._aliases import aliases_of
 from .._axes import TENSOR
 from .._einsum import Equation, computes_of
 from .._tree import module_path
+from ..tp import ColumnParallel as _Column
+from ..tp import HeadParallel as _Heads
+from ..tp import Layer
+from ..tp import RowParallel as _Row
 from ..tp._rules import Kinds, dims
-from ..tp.roles import ROLES, ColumnParallel, HeadParallel, Layer, RowParallel, TPRole, VocabParallel
 
 __all__ = [
     "LINEN",
-    "ROLES",
-    "ColumnParallel",
-    "HeadParallel",
-    "RowParallel",
-    "TPRole",
-    "VocabParallel",
     "attention_rules",
     "layer_of",
     "local_attributes",
     "mlp_rules",
 ]
+
+__getattr__ = aliases_of(__name__)  # 0.2 re-exported the roles here (fsdp_tp._aliases)
 
 LINEN = Kinds(
     "nn",
@@ -99,7 +99,7 @@ def layer_of(module: nn.Module, args: tuple, kwargs: dict) -> Layer:
 
 
 def local_attributes(module: nn.Module, local: dict[str, Any], args: tuple, kwargs: dict) -> dict[str, Any]:
-    """A role's local sizes (:meth:`~fsdp_tp.tp.roles.TPRole.local`) as ``module``'s attributes."""
+    """A role's local sizes (:meth:`~fsdp_tp.tp.TPRole.local`) as ``module``'s attributes."""
     out = {k: v for k, v in local.items() if k in ("use_bias", "num_embeddings")}
     if "kernel_shape" in local and (own := computes_of(type(module))) is not None:
         out |= own.attributes(local["kernel_shape"])
@@ -126,7 +126,7 @@ def attention_rules(pattern: str = r"MultiHeadDotProductAttention_\d+$", axis: s
     >>> role
     HeadParallel(axis='tensor', sequence_dim=None, replicated_kv=False, collective_matmul=None)
     """
-    return [(pattern, HeadParallel(axis))]
+    return [(pattern, _Heads(axis))]
 
 
 def mlp_rules(up: str | None = None, down: str | None = None, axis: str = TENSOR):
@@ -145,4 +145,4 @@ def mlp_rules(up: str | None = None, down: str | None = None, axis: str = TENSOR
             f"mlp_rules(r'layer_\\d+/Dense_0$', r'layer_\\d+/Dense_1$'); 'Dense_0$' alone would match "
             f"every Dense_0 of the model."
         )
-    return [(up, ColumnParallel(axis)), (down, RowParallel(axis))]
+    return [(up, _Column(axis)), (down, _Row(axis))]

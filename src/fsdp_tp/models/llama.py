@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from fsdp_tp.tp.roles import ColumnParallel, RowParallel, VocabParallel
+from fsdp_tp.tp import ColumnParallel, RowParallel, VocabParallel
 
 __all__ = ["FSDP_RULES", "RULES", "SIZES", "LlamaLM", "NNXLlamaLM", "attention"]
 

@@ -9,7 +9,7 @@ twin and holds its parameter tree (paths, dtypes, and shapes but the attention k
 (:func:`fsdp_tp.recipe.nnx_gpt.nnx_maker`) and be checked against the Linen twin.
 
 It is split by rules only: :func:`tp_rules` are Megatron's roles on its layers (the core's
-:mod:`fsdp_tp.tp.roles`: sequence parallelism and kv heads kept whole included), and
+:mod:`fsdp_tp.tp`: sequence parallelism and kv heads kept whole included), and
 :func:`storage_rules` puts FSDP where Linen's ``shard_module_params`` puts it, so both APIs
 hold the same bytes on every device.
 """
@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec
 from .._layout import fsdp_dim
 from ..attention import attend
 from ..nnx import tp_splits
-from ..tp.roles import ColumnParallel, HeadParallel, RowParallel, VocabParallel
+from ..tp import ColumnParallel, HeadParallel, RowParallel, VocabParallel
 from .remat import REMAT_POLICIES
 
 __all__ = ["TP_RULES", "NNXTransformer", "storage_rules", "tp_rules"]

@@ -9,21 +9,24 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from .._aliases import aliases_of
 from ..collectives import copy_to_axis
 from ..linen._transform import keep_module_name
 from ..linen.layers import AttentionBlock, ColumnParallelDense, MLPBlock, VocabParallelEmbed
 from .layout import Layout
-from .remat import REMAT_POLICIES
+from .remat import REMAT_POLICIES as _POLICIES
 
-__all__ = ["REMAT_POLICIES", "Transformer"]
+__all__ = ["Transformer"]
+
+__getattr__ = aliases_of(__name__)  # REMAT_POLICIES lives in fsdp_tp.models.remat (fsdp_tp._aliases)
 
 
 def _rematted(block, policy: str):
-    if policy not in REMAT_POLICIES:
-        raise ValueError(f"Transformer: remat={policy!r} is not one of {sorted(REMAT_POLICIES)}.")
+    if policy not in _POLICIES:
+        raise ValueError(f"Transformer: remat={policy!r} is not one of {sorted(_POLICIES)}.")
     if policy == "none":
         return block
-    return nn.remat(block, policy=REMAT_POLICIES[policy])
+    return nn.remat(block, policy=_POLICIES[policy])
 
 
 def _norm(axis_name: str | None, sequence_parallel: bool):
@@ -84,8 +87,8 @@ class Transformer(nn.Module):
     tensor axis.
 
     Embedding, ``num_layers`` decoder blocks under ``nn.scan`` over ``nn.remat`` (what each
-    block keeps for the backward pass: ``remat``, a key of :data:`REMAT_POLICIES`), final
-    norm, vocab-parallel head: train it with
+    block keeps for the backward pass: ``remat``, a key of
+    :data:`~fsdp_tp.models.remat.REMAT_POLICIES`), final norm, vocab-parallel head: train it with
     :func:`~fsdp_tp.vocab_parallel_cross_entropy` on the local logits. ``layout``
     (:class:`~fsdp_tp.models.Layout`) says what is split: tensor parallelism over
     ``layout.tensor``, every layer's large parameters sharded over ``layout.fsdp``,

@@ -261,7 +261,7 @@ def shard_by_rules(
     rounded to its ``gather_dtype`` and gathered in it, its gradient reduce-scattered in its
     ``reduce_dtype``, as for Linen: the numbers of the unsharded model computing on
     ``policy.round(params)``. ``tp_rules``: ``(pattern, role)`` pairs naming the modules that
-    compute on their slices (:mod:`fsdp_tp.tp.roles`), or the plan :func:`~fsdp_tp.nnx.find_tp_rules`
+    compute on their slices (:mod:`fsdp_tp.tp`), or the plan :func:`~fsdp_tp.nnx.find_tp_rules`
     finds from what the model computes, or ``"auto"``: that plan found here, from the model's
     call traced once on ``inputs`` (its positional arguments, arrays or
     ``jax.ShapeDtypeStruct``), over mesh axis ``tensor`` for its size under the mesh (read it as

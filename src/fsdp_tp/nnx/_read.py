@@ -29,9 +29,9 @@ from flax.core.meta import Partitioned
 from .._axes import varying_axes
 from .._gather import gather_box
 from .._types import AxisName
+from ..dropout import fold_rng_over_axis
 from ..errors import RuleError
 from ..precision import MixedPrecision
-from ..train import fold_rng_over_axis
 
 __all__ = ["FoldPlan", "ReadPlan", "on_read", "read_once", "read_type", "unfolded"]
 

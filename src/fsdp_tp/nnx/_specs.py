@@ -19,9 +19,9 @@ from jax.sharding import PartitionSpec
 from .._axes import axes_named, bound_axis_names
 from ..errors import RuleError
 from ..rules import logical_spec, spec_for
-from ..tp._plan import fitted
+from ..tp._plan import AUTO_AXIS, auto_size, fitted, warn_left_whole
 from ..tp._rules import compile_tp_rules, spec_source, with_split
-from ..tp.auto import AUTO_AXIS, TPPlan, auto_size, find_plan, warn_left_whole
+from ..tp.auto import TPPlan, find_plan
 from ._tp import RolePlan, path_text
 from ._traced import traced
 

@@ -1,4 +1,4 @@
-"""tp rules on an NNX model: the core's roles (:mod:`fsdp_tp.tp.roles`) computing NNX layers on
+"""tp rules on an NNX model: the core's roles (:mod:`fsdp_tp.tp`) computing NNX layers on
 their slices.
 
 At :func:`~fsdp_tp.nnx.shard_by_rules` the rules are matched against the module paths of the
@@ -25,6 +25,7 @@ from .._axes import require_axes
 from .._einsum import computes_of
 from .._tree import module_path
 from .._types import AxisName
+from ..tp import Layer, RowParallel, TPRole
 from ..tp._rules import (
     CompiledRole,
     Kinds,
@@ -37,7 +38,6 @@ from ..tp._rules import (
     role_of,
     slice_error,
 )
-from ..tp.roles import Layer, RowParallel, TPRole
 
 __all__ = ["NNX", "RolePlan", "compute_roles", "layer_of", "path_text", "tp_splits"]
 
@@ -231,7 +231,7 @@ def tp_splits(model: nnx.Module, tp_rules) -> dict[str, tuple[int, AxisName]]:
     largest dim tensor parallelism leaves whole, say) read it, so no table repeats the roles.
 
     >>> from flax import nnx
-    >>> from fsdp_tp.tp.roles import ColumnParallel, RowParallel
+    >>> from fsdp_tp.tp import ColumnParallel, RowParallel
     >>> class MLP(nnx.Module):
     ...     def __init__(self, rngs):
     ...         self.up, self.down = nnx.Linear(4, 8, rngs=rngs), nnx.Linear(8, 4, rngs=rngs)

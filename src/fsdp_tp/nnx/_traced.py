@@ -11,9 +11,9 @@ import functools
 import jax
 from flax import nnx
 
+from ..tp import Layer
 from ..tp._graph import Graph
 from ..tp._plan import calling
-from ..tp.roles import Layer
 from ._tp import NNX, layer_of, path_text
 
 __all__ = ["MARK", "scoped", "traced"]

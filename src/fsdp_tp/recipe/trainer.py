@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from ..gradients import sync_gradients
 from ..models import Layout
 from ..sharded_init import init_sharded
-from ..tp import vocab_parallel_cross_entropy
+from ..tp.pieces import vocab_parallel_cross_entropy
 from ..train import accumulate_gradients, shard_step, state_init_fn
 from .config import ModelConfig
 from .data import batch_at, windows_at

@@ -1,26 +1,49 @@
-"""Tensor parallelism, once for every front end: Megatron's pieces and the roles that put them
-around a submodule a tp rule names.
+"""Tensor parallelism, once for every front end: the roles a tp rule gives a submodule.
 
-- :mod:`fsdp_tp.tp.pieces`: what a column, a row and a vocabulary-parallel layer do around
-  their local computation (*f*, *g*, the sequence gathers and reduce-scatters, the bias
-  added once, a kept-whole block, the vocabulary lookup and loss). Every tensor-parallel
-  path computes through them.
-- :mod:`fsdp_tp.tp.roles`: ``ColumnParallel``, ``RowParallel``, ``HeadParallel``,
-  ``VocabParallel``, the ``(pattern, role)`` rules of both front ends (``tp_rules=``), on
-  the ``Layer`` / ``TPRole`` of ``fsdp_tp.tp._role``; ``fsdp_tp.tp._rules`` matches and
-  checks the rules whichever front end applies them.
+``from fsdp_tp.tp import ColumnParallel, RowParallel``: the roles (:class:`ColumnParallel`,
+:class:`RowParallel`, :class:`HeadParallel`, :class:`VocabParallel`), what a role sees of a
+module (:class:`Layer`) and the base of a role of your own (:class:`TPRole`, listed in
+:data:`ROLES`), and :func:`register_einsum` for a module class of your own. The same objects
+serve both Flax APIs: pass ``(pattern, role)`` rules as ``tp_rules=`` to
+:func:`fsdp_tp.shard_by_rules` (Linen) or :func:`fsdp_tp.nnx.shard_by_rules`; each front end's
+``find_tp_rules`` (:func:`fsdp_tp.linen.find_tp_rules`, :func:`fsdp_tp.nnx.find_tp_rules`)
+finds them from what the model computes.
 
-Both are importable from here: ``from fsdp_tp.tp import ColumnParallel, column_input``.
-A front end adds its own module classes (``linen/tp_rules.py``, ``nnx/_tp.py``); a new TP
-feature is a role's field here, and both front ends have it.
+:mod:`fsdp_tp.tp.pieces` holds what a column, a row and a vocabulary-parallel layer do around
+their local computation (Megatron's *f* and *g*, the sequence gathers and reduce-scatters, the
+bias added once, a kept-whole block, the vocabulary lookup): every tensor-parallel path
+computes through them. A new TP feature is a role's field here, and both front ends have it.
+The paths 0.1 and 0.2 wrote elsewhere (a role in the old roles modules, a piece
+read from here) still work, with a warning naming the path above (:mod:`fsdp_tp._aliases`).
 
->>> from fsdp_tp.tp import ColumnParallel, roles
->>> ColumnParallel is roles.ColumnParallel
-True
+>>> from fsdp_tp.tp import ColumnParallel, pieces
+>>> ColumnParallel(sequence_dim=1).axis, pieces.column_input.__name__
+('tensor', 'column_input')
 """
 
-from . import pieces, roles
-from .pieces import *  # noqa: F403  (the pieces' names, re-exported)
-from .roles import *  # noqa: F403  (the roles' names, re-exported)
+from .._aliases import aliases_of
+from . import pieces
+from ._roles import (
+    ROLES,
+    ColumnParallel,
+    HeadParallel,
+    Layer,
+    RowParallel,
+    TPRole,
+    VocabParallel,
+    register_einsum,
+)
 
-__all__ = [*pieces.__all__, *roles.__all__, "pieces", "roles"]
+__all__ = [
+    "ROLES",
+    "ColumnParallel",
+    "HeadParallel",
+    "Layer",
+    "RowParallel",
+    "TPRole",
+    "VocabParallel",
+    "pieces",
+    "register_einsum",
+]
+
+__getattr__ = aliases_of(__name__)

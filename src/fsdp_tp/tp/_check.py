@@ -92,7 +92,7 @@ def check_plan(
     the operations the check does not know that a split reaches.
 
     A model's output may leave split on its last dim (logits over a vocabulary split, for
-    :func:`~fsdp_tp.tp.vocab_parallel_cross_entropy`), never as partial sums. ``hints()``:
+    :func:`~fsdp_tp.vocab_parallel_cross_entropy`), never as partial sums. ``hints()``:
     what a refusal adds (:func:`~fsdp_tp.tp._plan.letter_hints`: the einsum letters the plan
     finder gives), computed only then."""
     refused = None

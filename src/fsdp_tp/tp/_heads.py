@@ -27,7 +27,7 @@ class HeadParallel(TPRole):
     ``replicated_kv`` (a module with ``num_kv_heads``: grouped-query attention with fewer kv
     heads than devices): the key and value projections stay whole on every device, and each
     device projects with the block of kv heads its query heads read
-    (:func:`~fsdp_tp.tp.kept_block`: their gradients are summed over the axis, one more
+    (:func:`~fsdp_tp.tp.pieces.kept_block`: their gradients are summed over the axis, one more
     all-reduce backward per projection than a split). ``collective_matmul`` (with
     ``sequence_dim``): the gather of the inputs and the output projection's reduce-scatter as
     ``ppermute`` rings, the query, key and value projections computed chunk by chunk."""

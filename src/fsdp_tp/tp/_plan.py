@@ -3,7 +3,7 @@ layers left whole with the reason), the axis it splits over and its size where b
 what "auto" says of the layers it leaves whole (:func:`warn_left_whole`).
 :mod:`fsdp_tp.tp.auto` finds the plan and is where these are imported from.
 
->>> from fsdp_tp.tp.roles import ColumnParallel, RowParallel
+>>> from fsdp_tp.tp import ColumnParallel, RowParallel
 >>> plan = TPPlan(((r"^up$", ColumnParallel()), (r"^down$", RowParallel())),
 ...               {"up": ColumnParallel(), "down": RowParallel()}, (("head", "a norm's mean"),),
 ...               ("up", "down", "head"))
@@ -30,8 +30,8 @@ from ..errors import LayerLeftWholeWarning, RuleError
 from ._check import checking
 from ._matmul import ColumnParallel, RowParallel
 from ._relations import DRAWN
+from ._roles import Layer, TPRole
 from ._rules import compile_tp_rules, role_of
-from .roles import Layer, TPRole
 
 __all__ = [
     "AUTO_AXIS",
@@ -207,7 +207,7 @@ def letter_hints(rules, layers: Mapping[str, Layer], found: TPPlan) -> str:
     letter the role took (``letter=``, else the first), the others, and the found role.
 
     >>> from fsdp_tp.tp._rules import compile_tp_rules
-    >>> from fsdp_tp.tp.roles import ColumnParallel
+    >>> from fsdp_tp.tp import ColumnParallel
     >>> kv = Layer("einsum", "kv", equation="BSD,CDKH->CBSKH", kernel_shape=(2, 16, 2, 8))
     >>> found = TPPlan((), {"kv": ColumnParallel(letter="K")})
     >>> rules = compile_tp_rules([("kv$", ColumnParallel())], "demo")

@@ -1,6 +1,6 @@
 """What every tensor-parallel role stands on: :class:`Layer` (a submodule as a role sees it,
 whichever front end built it), :class:`TPRole` (the interface a role implements), and the
-steps the roles of :mod:`fsdp_tp.tp.roles` share around a layer's call (Megatron's *f* once per
+steps the roles of :mod:`fsdp_tp.tp` share around a layer's call (Megatron's *f* once per
 activation, a ring's chunks computed as they arrive, the ``check_vma`` a sequence split needs).
 """
 

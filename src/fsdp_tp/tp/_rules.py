@@ -18,7 +18,7 @@ from .._einsum import computes_of
 from .._types import AxisName
 from ..errors import RuleError
 from ..rules import split_rule
-from .roles import ROLES, ColumnParallel, Layer, RowParallel, TPRole
+from ._roles import ROLES, ColumnParallel, Layer, RowParallel, TPRole
 
 __all__ = [
     "CompiledRole",
@@ -36,7 +36,7 @@ __all__ = [
     "with_split",
 ]
 
-_ROLES = ", ".join(r.__name__ for r in ROLES) + " from fsdp_tp.tp_rules"
+_ROLES = ", ".join(r.__name__ for r in ROLES) + " from fsdp_tp.tp"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +150,7 @@ def kind_error(role: TPRole, pattern: str, cls: type, path: str, modules: Mappin
     return RuleError(
         f"{what}, which has no tensor-parallel role and no submodule one computes (roles compute "
         f"{every}). If it computes an einsum of its input and one kernel parameter, tell the roles so: "
-        f"fsdp_tp.tp.roles.register_einsum({cls.__name__}, equation, kernel=..., sizes=...); else drop "
+        f"fsdp_tp.tp.register_einsum({cls.__name__}, equation, kernel=..., sizes=...); else drop "
         f"the rule (storage rules can still split its parameters)."
     )
 

@@ -5,12 +5,12 @@ The model's forward is traced once, abstractly (:class:`~fsdp_tp.tp._graph.Graph
 split a matmul's parameter could take (a kernel's output features or heads, an
 embedding's rows) grows a region (:func:`~fsdp_tp.tp._regions.grow`): every value that
 split reaches, until row layers sum it away. A region is taken when every parameter it
-splits is one a role splits, on the dim that role splits (:data:`~fsdp_tp.tp.roles.ROLES`);
+splits is one a role splits, on the dim that role splits (:data:`~fsdp_tp.tp.ROLES`);
 then its modules get those roles. Nothing is guessed from a name: a layer no region takes
 is left whole, with the reason.
 
 >>> import jax, jax.numpy as jnp
->>> from fsdp_tp.tp.roles import Layer
+>>> from fsdp_tp.tp import Layer
 >>> def mlp(p, x):  # up -> gelu -> down, with the down layer's bias after its sum
 ...     return jax.nn.gelu(x @ p["up"]["kernel"]) @ p["down"]["kernel"] + p["down"]["bias"]
 >>> params = {"up": {"kernel": jnp.ones((8, 32))}, "down": {"kernel": jnp.ones((32, 8)), "bias": jnp.ones(8)}}
@@ -33,11 +33,12 @@ from .._axes import TENSOR
 from .._einsum import Equation
 from ..errors import IndivisibleShapeError, RuleError
 from ._graph import Graph
-from ._plan import AUTO_AXIS, TPPlan, auto_size, rules_for, spelled, warn_left_whole
+from ._plan import TPPlan, rules_for
 from ._regions import Refused, grow, kernel_operand, kernels_of
-from .roles import ColumnParallel, HeadParallel, Layer, RowParallel, TPRole, VocabParallel
+from ._roles import ColumnParallel, HeadParallel, Layer, RowParallel, TPRole, VocabParallel
 
-__all__ = ["AUTO_AXIS", "Graph", "TPPlan", "auto_size", "find_plan", "spelled", "warn_left_whole"]
+# What a user calls: the plan of a traced function (the front ends' find_tp_rules trace a model)
+__all__ = ["Graph", "TPPlan", "find_plan"]
 
 
 def find_plan(
@@ -51,7 +52,7 @@ def find_plan(
     (``{path: Layer}``, as the front end sees them). ``size``: the ``axis`` size the plan is
     for (each role's sizes must divide it; ``None``: not checked). ``outputs_split``: the
     model's outputs may leave split on their last dim (logits for
-    :func:`~fsdp_tp.tp.vocab_parallel_cross_entropy`); else a column layer whose result is
+    :func:`~fsdp_tp.vocab_parallel_cross_entropy`); else a column layer whose result is
     the output gathers it."""
     kernels = kernels_of(graph)
     taken: set[str] = set()

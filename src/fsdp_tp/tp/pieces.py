@@ -3,7 +3,7 @@ layer do around their local computation. Framework-free (no ``flax.linen``).
 
 Every tensor-parallel path of the library computes through these functions: the layers of
 :mod:`fsdp_tp.linen.layers` (``ColumnParallelDense``, ``RowParallelDense``,
-``VocabParallelEmbed``, the blocks) and the tp-rule roles of :mod:`fsdp_tp.tp.roles`
+``VocabParallelEmbed``, the blocks) and the tp-rule roles of :mod:`fsdp_tp.tp`
 (``ColumnParallel``, ``RowParallel``, ``HeadParallel``, ``VocabParallel``) that put them
 around a module the user did not write, in either front end. A new role composes these; it does not write a
 collective of its own.

@@ -8,16 +8,20 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ..._aliases import aliases_of
 from ..._axes import TENSOR, require_axes
 from ..._layout import require_divisible
 from ..._tree import module_path
 
 # Re-exported from where they live, the framework-free fsdp_tp.attention.
-from ...attention import ATTENTION_IMPLEMENTATIONS, attend, resolved_implementation
-from ...tp import HeadParallel, Layer, kept_block
+from ...attention import attend as _attend
+from ...tp import HeadParallel, Layer
+from ...tp.pieces import kept_block
 from .dense import ColumnParallelDense, RowParallelDense, apply_chunked, split_param
 
-__all__ = ["ATTENTION_IMPLEMENTATIONS", "AttentionBlock", "attend", "resolved_implementation"]
+__all__ = ["AttentionBlock"]
+
+__getattr__ = aliases_of(__name__)  # 0.1 read attention's functions here (fsdp_tp._aliases)
 
 
 class _ReplicatedKV(nn.Module):
@@ -104,7 +108,7 @@ class AttentionBlock(nn.Module):
     def _check_heads(self, role: HeadParallel, layer: Layer, size: int) -> None:
         """The block's own shape (whole kv groups), then its role's one divisibility check;
         kv heads fewer than devices are checked where each device reads its block
-        (:func:`~fsdp_tp.tp.kept_block`)."""
+        (:func:`~fsdp_tp.tp.pieces.kept_block`)."""
         kv, fix = layer.num_kv_heads, "another num_kv_heads"
         require_divisible(layer.path, "num_heads", self.num_heads, "num_kv_heads", kv, fix)
         role.require_divides(layer, size, layer.path, lambda _: f"a smaller {self.axis_name!r} axis")
@@ -118,7 +122,7 @@ class AttentionBlock(nn.Module):
 
         def heads(q, k, v, out: nn.Module) -> jax.Array:
             split = lambda t: t.reshape(*t.shape[:-1], t.shape[-1] // dim, dim)
-            y = attend(split(q), split(k), split(v), self.causal, self.attention)
+            y = _attend(split(q), split(k), split(v), self.causal, self.attention)
             return out(y.reshape(*y.shape[:-2], -1))
 
         if self.axis_name is None:

@@ -5,7 +5,7 @@ full parameter from the layer's own rng and keeps this device's slice, so the
 global tree, shapes, dtypes and the init equal ``nn.Dense``'s, on any mesh, and
 unsharded ``nn.Dense`` params load unchanged.
 
-Megatron is stated once, in :mod:`fsdp_tp.tp.roles`: each layer is its role
+Megatron is stated once, in :mod:`fsdp_tp.tp`: each layer is its role
 (:class:`~fsdp_tp.tp.ColumnParallel`, :class:`~fsdp_tp.tp.RowParallel`) applied to
 an ``nn.Dense`` of this device's slice, as a tp rule applies it to a model's own
 ``nn.Dense`` or ``nnx.Linear``. The role says which dim is split (``splits``) and

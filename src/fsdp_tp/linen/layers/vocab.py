@@ -8,14 +8,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ..._aliases import aliases_of
 from ..._axes import TENSOR
 from ..._tree import module_path
-
-# vocab_parallel_cross_entropy is re-exported from where it lives, the framework-free fsdp_tp.tp.
-from ...tp import Layer, VocabParallel, vocab_parallel_cross_entropy
+from ...tp import Layer, VocabParallel
 from .dense import split_names, split_param
 
-__all__ = ["VocabParallelEmbed", "vocab_parallel_cross_entropy"]
+__all__ = ["VocabParallelEmbed"]
+
+__getattr__ = aliases_of(__name__)  # 0.1's vocab_parallel_cross_entropy here (fsdp_tp._aliases)
 
 
 class VocabParallelEmbed(nn.Module):

@@ -1,0 +1,158 @@
+"""One path to each public name (issue 58 point 2).
+
+A name's canonical path is the shallowest public module whose ``__all__`` lists it; a deeper
+listing is allowed only on the way down to where the name is defined (``fsdp_tp.make_mesh`` and
+``fsdp_tp.mesh.make_mesh``), never beside it (the roles were listed by six modules). Every
+other path 0.1 and 0.2 wrote is a row of :data:`fsdp_tp._aliases.MOVED`: it reads the very
+object with one ``DeprecationWarning`` naming the canonical path, and no page, docstring or
+message of the project names it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import pkgutil
+import re
+import subprocess
+import sys
+import warnings
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+import fsdp_tp
+from fsdp_tp._aliases import _MODULES, MOVED, canonical
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _public_modules() -> list[str]:
+    names = ["fsdp_tp"]
+    for info in pkgutil.walk_packages(fsdp_tp.__path__, "fsdp_tp."):
+        if not any(part.startswith("_") for part in info.name.split(".")) and info.name not in _MODULES:
+            names.append(info.name)
+    return names
+
+
+@functools.cache
+def listings() -> dict[int, list[str]]:
+    """``{id(object): [every 'module.name' whose module's __all__ lists it]}``."""
+    found: dict[int, list[str]] = defaultdict(list)
+    for name in _public_modules():
+        module = importlib.import_module(name)
+        for attr in module.__all__:
+            obj = getattr(module, attr)
+            if not isinstance(obj, str | int | type(fsdp_tp)):  # a module is a path, not a name
+                found[id(obj)].append(f"{name}.{attr}")
+    return found
+
+
+def beside(paths: list[str]) -> list[str]:
+    """The listings of one object that are not on the way down to its deepest one."""
+    deepest = max(paths, key=lambda p: p.count("."))
+    home = deepest.rpartition(".")[0]
+    return [p for p in paths if not (home + ".").startswith(p.rpartition(".")[0] + ".")]
+
+
+def test_every_public_name_is_listed_on_one_path():
+    found = listings()
+    assert len(found) > 100  # (the package's public names when written: 160)
+    several = {tuple(paths): beside(paths) for paths in found.values() if beside(paths)}
+    assert not several, several
+    listed = {p for paths in found.values() for p in paths}
+    assert not listed & {m.old for m in MOVED}, "an old path is still in an __all__"
+
+
+def test_negative_control_a_name_listed_beside_its_home_is_caught():
+    assert beside(
+        ["fsdp_tp.tp.ColumnParallel", "fsdp_tp.nnx.ColumnParallel", "fsdp_tp.tp._matmul.ColumnParallel"]
+    )
+    assert not beside(["fsdp_tp.make_mesh", "fsdp_tp.mesh.make_mesh"])
+
+
+@pytest.mark.parametrize("moved", MOVED, ids=lambda m: m.old)
+def test_each_old_path_reads_the_same_object_with_one_warning_naming_the_new(moved):
+    module, _, name = moved.old.rpartition(".")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = getattr(importlib.import_module(module), name)
+    assert old is canonical(moved.new)
+    assert [str(w.message) for w in caught] == [moved.message], caught
+    assert caught[0].category is DeprecationWarning and caught[0].filename == __file__  # the reader's line
+    assert f"write {moved.new}" in moved.message and moved.removed in moved.message
+    # the path it names is the canonical one: a module, or the shallowest listing of the object
+    paths = listings().get(id(old), [moved.new])
+    assert min(paths, key=lambda p: p.count(".")) == moved.new, paths
+
+
+def test_an_old_import_warns_once_at_the_users_line_in_a_fresh_process():
+    """0.1's ``from fsdp_tp.tp_rules import mlp_rules``, 0.2's ``from fsdp_tp.nnx import
+    ColumnParallel``: they work, each name warning once, from the user's file."""
+    source = (
+        "from fsdp_tp.tp_rules import mlp_rules, ColumnParallel\n"
+        "from fsdp_tp.nnx import RowParallel, shard_by_rules\n"
+        "import fsdp_tp.tp as tp\n"
+        "print(mlp_rules.__module__, ColumnParallel is tp.ColumnParallel, RowParallel is tp.RowParallel)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "always::DeprecationWarning", "-c", source], capture_output=True, text=True
+    )
+    assert done.returncode == 0 and done.stdout.split() == ["fsdp_tp.linen.tp_rules", "True", "True"], (
+        done.stderr
+    )
+    warned = re.findall(r"<string>:\d+: DeprecationWarning: (.*)", done.stderr)
+    says = "is deprecated since 0.2.0 and goes in 0.3.0: write"
+    assert warned == [
+        f"fsdp_tp.tp_rules.mlp_rules {says} fsdp_tp.linen.tp_rules.mlp_rules",
+        f"fsdp_tp.tp_rules.ColumnParallel {says} fsdp_tp.tp.ColumnParallel",
+        f"fsdp_tp.nnx.RowParallel {says} fsdp_tp.tp.RowParallel",
+    ], done.stderr
+
+
+def old_paths_named(text: str) -> set[str]:
+    """The old paths ``text`` writes: ``fsdp_tp.nnx.ColumnParallel``, or ``from fsdp_tp.nnx
+    import (..., ColumnParallel)``, or one of the modules that are nothing but old paths."""
+    named = {m.old for m in MOVED if re.search(rf"\b{re.escape(m.old)}\b", text)}
+    named |= {m for m in _MODULES if re.search(rf"\b{re.escape(m)}\b", text)}
+    for module, inside, line in re.findall(r"from (fsdp_tp[\w.]*) import (?:\(([^)]*)\)|([\w ,]*))", text):
+        for name in re.findall(r"\w+", re.sub(r"#[^\n]*|\bas\b", ",", inside or line)):
+            if f"{module}.{name}" in {m.old for m in MOVED} | set(_MODULES):
+                named.add(f"{module}.{name}")
+    return named
+
+
+# What names old paths on purpose: the table, the changelog's list of them, this test.
+_ON_PURPOSE = {"src/fsdp_tp/_aliases.py", "CHANGELOG.md", "tests/test_one_path.py"}
+
+
+def test_no_page_docstring_or_message_names_an_old_path():
+    files = [
+        *ROOT.glob("*.md"),
+        *(ROOT / "docs").rglob("*.md"),
+        *(ROOT / "src").rglob("*.py"),
+        *(ROOT / "tests").rglob("*.py"),
+        *(ROOT / "examples").rglob("*.py"),
+        ROOT / "conftest.py",
+        ROOT / "pyproject.toml",
+    ]
+    named = {
+        str(f.relative_to(ROOT)): found
+        for f in files
+        if str(f.relative_to(ROOT)) not in _ON_PURPOSE and (found := old_paths_named(f.read_text()))
+    }
+    assert not named, named
+
+
+def test_negative_control_old_paths_in_a_text_are_found():
+    text = (
+        "from fsdp_tp.nnx import (\n    ColumnParallel,\n    shard_by_rules,\n)\nfsdp_tp.tp.column_input(x)\n"
+    )
+    assert old_paths_named(text) == {"fsdp_tp.nnx.ColumnParallel", "fsdp_tp.tp.column_input"}
+    assert old_paths_named("import fsdp_tp.tp_rules") == {"fsdp_tp.tp_rules"}
+    assert old_paths_named("from fsdp_tp import fsdp") == {"fsdp_tp.fsdp"}
+    two = "from fsdp_tp.testing import check_sharded\nfrom fsdp_tp.linen.tp_rules import ColumnParallel\n"
+    assert old_paths_named(two) == {"fsdp_tp.linen.tp_rules.ColumnParallel"}  # (one line read into the next)
+    clean = "from fsdp_tp.tp import ColumnParallel\nfsdp_tp.linen.fsdp.gather_params\nfsdp_tp.linen.tp_rules"
+    assert old_paths_named(clean) == set()
