@@ -25,10 +25,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
-# fsdp_tp/tp_roles.py puts the module fsdp_tp.tp.roles under its 0.2 name (one module object):
-# the doctest collector, importing it by path, would find another file. Its doctests run there.
-collect_ignore = ["src/fsdp_tp/tp_roles.py"]
-
 # XLA's CPU backend generates cheaper code for the tests (and the CLI runs they start) than for a
 # user. The XLA passes before code generation run either way, so every collective, byte and
 # memory figure a test reads is the same; only LLVM's work and the emitted code differ.
@@ -88,6 +84,26 @@ def pytest_sessionfinish(session):
     # The controller (not an xdist worker) removes the run's cache when the run ends.
     if not hasattr(session.config, "workerinput"):
         shutil.rmtree(_compilation_cache(), ignore_errors=True)
+
+
+# Each test file's time (its tests' setup, call and teardown, summed over the workers that ran
+# them), printed after every run, largest first: CI's log shows a file's growth the day it lands.
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    file = report.nodeid.split("::", 1)[0]
+    file = "src/ (the doctests)" if file.startswith("src/") else file
+    _FILE_SECONDS[file] = _FILE_SECONDS.get(file, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if hasattr(terminalreporter.config, "workerinput") or not _FILE_SECONDS:
+        return
+    terminalreporter.write_sep("=", "seconds per test file (summed over workers)")
+    for file, seconds in sorted(_FILE_SECONDS.items(), key=lambda item: -item[1]):
+        terminalreporter.write_line(f"{seconds:8.1f}  {file}")
+    terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f}  in all")
 
 
 # Modules whose tests share a module-scoped fixture that takes a minute to build (the bench's
