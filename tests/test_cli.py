@@ -54,13 +54,23 @@ def test_bf16_compute_trains_f32_params_and_passes_check(tmp_path):
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 2.0
 
 
-@pytest.mark.parametrize("api", ["linen", "nnx"])
-def test_bf16_gathers_pass_check_at_the_f32_tolerance(api):
-    """f32 compute on parameters gathered in bf16, the Linen GPT or the NNX one: the twin reads
-    them rounded the same way (MixedPrecision.round), so the check holds at the f32 tolerance."""
-    code, out = run("train", "--steps", "3", "--gather-dtype", "bf16", "--check", "2", "--api", api)
+@pytest.mark.parametrize(
+    ("api", "flag", "name"),
+    [
+        ("linen", "bf16", "bfloat16"),
+        ("nnx", "bf16", "bfloat16"),
+        ("linen", "fp8", "float8_e4m3fn"),
+        ("nnx", "fp8", "float8_e4m3fn"),
+    ],
+)
+def test_narrow_gathers_pass_check_at_the_f32_tolerance(api, flag, name):
+    """f32 compute on parameters gathered in bf16 or in 8 bits (issue 60), the Linen GPT
+    (nn.scan over nn.remat) or the NNX one: the twin reads them rounded the same way
+    (MixedPrecision.round; 8 bits: each row by its own scale), so the check holds at the f32
+    tolerance."""
+    code, out = run("train", "--steps", "3", "--gather-dtype", flag, "--check", "2", "--api", api)
     assert code == 0 and "(float32 compute)" in out and "-> ok" in out, out
-    assert "FSDP gathers in bfloat16, reduces in float32" in out
+    assert f"FSDP gathers in {name}, reduces in float32" in out
 
 
 def test_a_resume_that_changes_the_gather_dtypes_is_named():

@@ -59,26 +59,27 @@ def _batch(mesh_name: str) -> tuple[str, ...]:
     return tuple(axis for axis in MESHES[mesh_name] if axis != "tensor")
 
 
-def _models(api: str, mesh_name: str, tp=RULES, **options):
+def _models(api: str, mesh_name: str, tp=RULES, policy=None, **options):
     storage = FSDP_RULES if "fsdp" in MESHES[mesh_name] else []
     batch = _batch(mesh_name)
     if api == "nnx":
         make = functools.partial(NNXLlamaLM, **options)
-        return Sharded(make, storage, batch_axes=batch, tp_rules=tp), Twin(make)
-    model = fsdp_tp.shard_by_rules(LlamaLM, storage, batch_axes=batch, tp_rules=tp)
+        return Sharded(make, storage, batch_axes=batch, tp_rules=tp, mixed_precision=policy), Twin(make)
+    model = fsdp_tp.shard_by_rules(LlamaLM, storage, batch_axes=batch, tp_rules=tp, mixed_precision=policy)
     return model(**options), LlamaLM(**options)
 
 
-def _case(api: str, mesh_name: str, check_vma: bool) -> Case:
+def _case(api: str, mesh_name: str, check_vma: bool, policy=None) -> Case:
     # On tensor 4 the model has 8 query heads and 4 kv heads, so the axis divides both.
     heads = dict(heads=8, kv_heads=4) if MESHES[mesh_name]["tensor"] == 4 else {}
     with jax.enable_x64(True):  # an NNX model's constructor runs here, and keeps its dtypes
-        model, twin = _models(api, mesh_name, **EXACT, **heads)
+        model, twin = _models(api, mesh_name, policy=policy, **EXACT, **heads)
     loss = test_tp_rules._next_token_loss
     mesh = fsdp_tp.make_mesh(MESHES[mesh_name])
     batch = _batch(mesh_name)
     tokens = dict(seq_len=SEQ, vocab=SIZES["vocab"])
-    return Case(model, twin, mesh, batch, check_vma, 0, 0, **tokens, loss=loss, reference_loss=loss)
+    case = Case(model, twin, mesh, batch, check_vma, 0, 0, **tokens, loss=loss, reference_loss=loss)
+    return case if policy is None else dataclasses.replace(case, twin_reads=policy.round)
 
 
 @pytest.mark.parametrize("mesh_name, check_vma", [("data2_fsdp2_tensor2", True), ("data2_tensor4", False)])
@@ -86,6 +87,17 @@ def _case(api: str, mesh_name: str, check_vma: bool) -> Case:
 def test_einsum_attention_and_gated_mlp_equal_unsharded(api, mesh_name, check_vma):
     with jax.enable_x64(True):  # (float64: see tests/test_tp_rules.EXACT)
         check_equivalence(_case(api, mesh_name, check_vma))
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_fp8_gathers_compose_with_tensor_parallelism(api):
+    """Issue 60: the Llama-style model (einsum attention, gated MLP, tied logits) under
+    Megatron's rules on data 2 x fsdp 2 x tensor 2 with its FSDP gathers in float8_e4m3fn:
+    the tensor-split parameters gathered in 8 bits over fsdp only, each row scaled by its
+    largest magnitude over every axis that splits the row (fsdp and tensor alike), equal to
+    the twin computing on ``policy.round(params)`` (invariants 1-5)."""
+    with jax.enable_x64(True):
+        check_equivalence(_case(api, "data2_fsdp2_tensor2", True, fsdp_tp.MixedPrecision(jnp.float8_e4m3fn)))
 
 
 def _step(api: str, tp=RULES, mesh_name: str = "fsdp4_tensor2"):

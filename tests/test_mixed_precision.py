@@ -1,5 +1,6 @@
 """Mixed-precision FSDP gathers (issue 15 point 5): parameters all-gathered in a narrower
-dtype, gradients reduce-scattered in f32 or in that dtype, as PyTorch FSDP2's policy does.
+dtype, gradients reduce-scattered in f32 or in that dtype, as PyTorch FSDP2's policy does;
+and in 8 bits with a scale per parameter (issue 60: ``float8_e4m3fn``, ``float8_e5m2``).
 
 What is exact here: the bytes on the wire, and the equality with the unsharded twin that
 computes with the same casts (its large parameters rounded to bf16 on the way in, the
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import re
 
 import flax.linen as nn
 import jax
@@ -44,7 +47,7 @@ def _case(policy, twin_casts: bool, check_vma: bool, shape=(2, 4)) -> Case:
     return Case(
         model=MLP(FEATURES, True, _dense(policy)),
         reference=MLP(FEATURES),
-        twin_reads=fsdp_tp.MixedPrecision(BF16).round if twin_casts else lambda params: params,
+        twin_reads=policy.round if twin_casts and policy is not None else lambda params: params,
         mesh=mesh_of(*shape),
         batch_axes=BATCH_AXES,
         check_vma=check_vma,
@@ -228,3 +231,135 @@ def test_a_policy_where_none_goes_is_refused():
         fsdp_tp.shard_module_params(nn.Dense, mixed_precision="bf16")
     with pytest.raises(ValueError, match=r"Layout: .* casts what FSDP gathers, but fsdp is None"):
         fsdp_tp.models.Layout(mixed_precision=fsdp_tp.MixedPrecision())
+
+
+# ---- 8-bit gathers (issue 60): one byte an element on the wire, one scale per parameter ----
+
+FP8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_fp8_gathers_equal_the_twin_on_the_same_rounding(api, dtype):
+    """Invariants 1-5 at the f32 tolerances (outputs, loss, gradients, SGD and AdamW steps)
+    against the twin computing on ``policy.round(params)``: each parameter scaled by its own
+    largest magnitude, the sharded one by the max over its shards (both front ends; Linen's
+    MLP, NNX's stack in ``nnx.scan`` over ``nnx.remat``)."""
+    check_equivalence(_by_rules(api, fsdp_tp.MixedPrecision(dtype)))
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_negative_control_the_twin_rounding_to_bf16_differs_from_fp8_gathers(api):
+    case = _by_rules(api, fsdp_tp.MixedPrecision(jnp.float8_e4m3fn))
+    with pytest.raises(AssertionError):
+        check_equivalence(dataclasses.replace(case, twin_reads=fsdp_tp.MixedPrecision(BF16).round), steps=1)
+
+
+_SHARDS = st.sampled_from([(2, "fsdp"), (4, "fsdp"), (8, "fsdp")])
+
+
+@st.composite
+def _parameters(draw):
+    """A parameter of any shape whose dim 0 the shard count divides, with values from every
+    range a scale must survive: zeros, one huge value among small ones, subnormals, normals."""
+    shards, _ = draw(_SHARDS)
+    shape = (shards * draw(st.integers(1, 3)), *draw(st.lists(st.integers(1, 5), max_size=2)))
+    kind = draw(st.sampled_from(["zeros", "one huge", "subnormal", "normal"]))
+    values = jax.random.normal(jax.random.key(draw(st.integers(0, 2**16))), shape)
+    if kind == "zeros":
+        values = jnp.zeros(shape)
+    elif kind == "one huge":
+        values = values.at[(draw(st.integers(0, shape[0] - 1)),) + (0,) * (len(shape) - 1)].set(3e38)
+    elif kind == "subnormal":
+        values = values * 1e-39
+    return shards, values
+
+
+@settings(max_examples=max(4, settings().max_examples))
+@given(_parameters(), st.sampled_from(FP8))
+def test_the_scale_and_the_rounding_are_the_unsharded_ones(parameter, dtype):
+    """Gathered from any number of shards, a parameter reads bit for bit what
+    ``policy.round`` gives the whole one (the scale: the max over the shards of each one's
+    largest magnitude), and its gradient passes straight through (the mean over the batch)."""
+    from flax.core.meta import Partitioned
+
+    from fsdp_tp._gather import gather_box
+
+    shards, values = parameter
+    policy = fsdp_tp.MixedPrecision(dtype)
+    mesh = fsdp_tp.make_mesh({"data": 8 // shards, "fsdp": shards})
+
+    def read(block):
+        box = Partitioned(block, ("fsdp",) + (None,) * (block.ndim - 1))
+        return gather_box(box, frozenset({"fsdp"}), frozenset({"fsdp"}), precision=policy)
+
+    sharded = jax.jit(jax.shard_map(read, mesh=mesh, in_specs=P("fsdp"), out_specs=P(), check_vma=False))
+    np.testing.assert_array_equal(np.asarray(sharded(values)), np.asarray(policy.round(values)))
+    grad = jax.jit(
+        jax.shard_map(
+            jax.grad(lambda b: (read(b) * 3.0).sum()),
+            mesh=mesh,
+            in_specs=P("fsdp"),
+            out_specs=P("fsdp"),
+            check_vma=False,
+        )
+    )
+    np.testing.assert_array_equal(np.asarray(grad(values)), np.full(values.shape, 3.0))
+
+
+def test_negative_control_a_scale_from_the_shard_alone_is_not_the_unsharded_one():
+    """Each shard scaled by its own largest magnitude reads another parameter: the property
+    above can fail."""
+    values = jnp.concatenate([jnp.full((4,), 1.0 + 2**-5), jnp.full((4,), 100.0)])
+    policy = fsdp_tp.MixedPrecision(jnp.float8_e4m3fn)
+    per_shard = jnp.concatenate([policy.round(values[:4]), policy.round(values[4:])])
+    assert not np.array_equal(np.asarray(per_shard), np.asarray(policy.round(values)))
+
+
+def _rows(operand_type: str) -> int:
+    """How many rows (every dim but the last) an HLO operand type such as ``u8[16,4]{1,0}`` has."""
+    dims = [int(d) for d in re.match(r"\w+\[([\d,]*)\]", operand_type).group(1).split(",") if d]
+    return math.prod(dims[:-1])
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_fp8_gathers_move_one_byte_an_element_plus_a_scale_a_row(api):
+    """The parameters' all-gathers are uint8 (XLA:CPU would widen an f8 gather to f16): the
+    same gathers as f32's, a quarter of the bytes; each gathered row's scale crosses once
+    (an f32, gathered with its row or maxed over the axis that splits the row); the
+    reduce-scatters are f32's, unchanged."""
+    found = _lowered_by_rules(api, fsdp_tp.MixedPrecision(jnp.float8_e4m3fn))
+    f32 = _lowered_by_rules(api, None)
+    values = [c for c in found if c.kind == "all-gather" and c.operand_types[0].startswith("u8[")]
+    scales = [
+        c
+        for c in found
+        if c.kind in ("all-gather", "all-reduce") and re.match(r"f32\[[\d,]*,1\]", c.operand_types[0])
+    ]
+    assert len(values) + len(scales) == len([c for c in found if c.kind == "all-gather"]) + len(
+        [c for c in scales if c.kind == "all-reduce"]
+    ), "an all-gather that is neither the bits nor their scales"
+    assert len(values) == total(f32, "all-gather", "operands") > 0
+    assert sum(c.operand_bytes for c in values) * 4 == total(f32, "all-gather")
+    assert sum(c.operand_bytes for c in scales) == sum(4 * _rows(c.operand_types[0]) for c in values)
+    assert total(found, "reduce-scatter") == total(f32, "reduce-scatter")
+
+
+def test_the_benchmarks_wire_table_at_small_sizes():
+    """The benchmark's per-element table (fsdp_tp.bench.precision_rows) on the small Llama, exact:
+    over fsdp 4 a ring moves 3/4 of an array a device, so each FSDP-split element costs 3/4 of
+    its gather dtype's bytes to gather and 3/4 of its reduce dtype's to reduce-scatter; 8 bits
+    add their scales (one f32 a row) and stay under 3 bytes an element with bf16 reductions."""
+    from fsdp_tp.bench.precision_rows import wire
+    from fsdp_tp.models.llama import SIZES as SMALL
+
+    widths = {"f32 / f32": (4, 4), "bf16 / f32": (2, 4), "bf16 / bf16": (2, 2), "fp8 / bf16": (1, 2)}
+    for label, (gathered, reduced) in widths.items():
+        row = wire(label, SMALL)
+        assert row.fsdp == 4 and row.elements > 0
+        assert (row.gathers, row.reduce_scatters) == (
+            0.75 * gathered * row.elements,
+            0.75 * reduced * row.elements,
+        )
+        assert (row.scales > 0) == (label == "fp8 / bf16"), row
+    assert row.per_element < 3, row

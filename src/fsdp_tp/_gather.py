@@ -28,14 +28,14 @@ from flax.core.meta import Partitioned
 
 from ._axes import entry_axes, varying_axes
 from ._types import AxisName
-from .collectives import gather_array_with_mean_grads, gather_from_axis
+from .collectives import gather_array_with_mean_grads, gather_from_axis, gather_scaled_with_mean_grads
 from .precision import MixedPrecision
 
 __all__ = ["gather_box"]
 
 
 def _gather_one(
-    leaf: Partitioned, axis: AxisName, vary: frozenset, mean: bool, precision: MixedPrecision | None
+    leaf: Partitioned, axis: AxisName, vary: frozenset, mean: bool, precision: MixedPrecision | None, scale
 ):
     names = tuple(leaf.names)
     dim = next(i for i, entry in enumerate(names) if axis in entry_axes(entry))
@@ -54,13 +54,21 @@ def _gather_one(
         # pcast then psums the shard-sized gradient after the reduce-scatter, instead of
         # the full gradient before it.
         shard = jax.lax.pcast(shard, extra, to="varying")
-    if mean:
+    if (
+        mean and scale is not None and precision is not None
+    ):  # (8 bits: each row's scale, from before any gather)
+        value, scale = gather_scaled_with_mean_grads(
+            shard, scale, dim, axis, *precision.dtypes_for(shard.dtype)
+        )
+    elif mean:
         dtypes = precision.dtypes_for(shard.dtype) if precision is not None else (None, None)
         value = gather_array_with_mean_grads(shard, dim, axis, *dtypes)
     else:  # the backward pass slices: nothing is reduced, so nothing to save in precision
         value = gather_from_axis(shard, dim, axis)
+        if scale is not None and dim < shard.ndim - 1:  # (the rows' scales come along)
+            scale = jax.lax.all_gather(scale, axis, axis=dim, tiled=True)
     new_names = (*names[:dim], rest if len(rest) > 1 else (rest[0] if rest else None), *names[dim + 1 :])
-    return value if all(n is None for n in new_names) else leaf.replace(value=value, names=new_names)
+    return (value if all(n is None for n in new_names) else leaf.replace(value=value, names=new_names)), scale
 
 
 def gather_box(
@@ -79,10 +87,14 @@ def gather_box(
     if not isinstance(leaf, Partitioned):
         return leaf if precision is None else precision.round(leaf)
     order = [a for entry in leaf.names for a in reversed(entry_axes(entry)) if a in axes]
+    # An 8-bit policy scales each row (along the last dim) by its largest magnitude, as its
+    # round does: the max over every axis that splits the last dim, gathered here or not.
+    inner = tuple(a for entry in leaf.names[-1:] for a in entry_axes(entry))
+    scale = precision.scale_of(leaf.value, inner) if precision is not None else None
     if precision is not None and not batch_axes & set(order):
         # Not gathered over a batch axis, so no gather rounds it: the model reads every
         # parameter rounded, on every mesh (whether a dim divides or not).
-        leaf = leaf.replace(value=precision.round(leaf.value))
+        leaf = leaf.replace(value=precision.round_block(leaf.value, scale))
     for axis in order:
-        leaf = _gather_one(leaf, axis, vary, axis in batch_axes, precision)
+        leaf, scale = _gather_one(leaf, axis, vary, axis in batch_axes, precision, scale)
     return leaf

@@ -20,7 +20,7 @@ import numpy as np
 
 from ._types import PyTree
 
-__all__ = ["MixedPrecision", "checked_policy"]
+__all__ = ["MixedPrecision", "checked_policy", "dequantized", "quantized", "scale_for"]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -30,6 +30,45 @@ def _rounded(x: jax.Array, dtype) -> jax.Array:
 
 # Straight through: the value is rounded, its gradient is not (as the gather's backward).
 _rounded.defvjp(lambda x, dtype: (_rounded(x, dtype), None), lambda dtype, _, g: (g,))
+
+
+def scale_for(amax: jax.Array, dtype) -> jax.Array:
+    """The scale an 8-bit ``dtype`` reads a row whose largest magnitude is ``amax`` in:
+    ``amax`` lands on the format's largest finite value (1 for an all-zero row)."""
+    top = np.float32(1) / np.float32(jnp.finfo(dtype).max)
+    return jnp.where(amax > 0, amax * top.astype(amax.dtype), jnp.ones_like(amax))
+
+
+def quantized(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """``x / scale`` in the 8-bit ``dtype`` (clipped to its finite range first: a value one
+    rounding above the largest would become NaN in ``float8_e4m3fn``). Computed as ``x``
+    times the reciprocal of ``scale``, written out: XLA turns a division by a broadcast
+    value into that product in some programs and not in others, which changed the last bit
+    between a sharded program and its twin."""
+    top = jnp.finfo(dtype).max.astype(x.dtype)
+    return jnp.clip(x * (1 / scale), -top, top).astype(dtype)
+
+
+def dequantized(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """The 8-bit ``q`` read back in ``dtype``: ``q * scale``."""
+    return q.astype(dtype) * scale
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _scaled(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    return dequantized(quantized(x, scale, dtype), scale, x.dtype)
+
+
+# Straight through to x; the scale is a statistic of the parameter, not differentiated.
+_scaled.defvjp(lambda x, s, dtype: (_scaled(x, s, dtype), s), lambda dtype, s, g: (g, jnp.zeros_like(s)))
+
+
+def _amax(x: jax.Array) -> jax.Array:
+    """The largest magnitude of each row of ``x`` (along its last dim), kept as a size-1 dim:
+    one scale a row, so a stack of layers (``nn.scan``, ``nnx.scan``: a leading layer dim)
+    has each layer's scales whether it is read stacked or one layer at a time."""
+    dims = (x.ndim - 1,) if x.ndim else ()
+    return jnp.max(jnp.abs(x), axis=dims, keepdims=True, initial=0)
 
 
 def _floating(value: Any, field: str) -> np.dtype:
@@ -98,9 +137,42 @@ class MixedPrecision:
 
         def one(x):
             dtype = self.dtypes_for(x.dtype)[0]
-            return x if dtype is None else _rounded(x, dtype)
+            if dtype is None:
+                return x
+            if self.scaled:  # the leaf's own scale: the whole parameter's largest magnitude
+                return _scaled(x, scale_for(jax.lax.stop_gradient(_amax(x)), dtype), dtype)
+            return _rounded(x, dtype)
 
         return jax.tree.map(one, tree)
+
+    @property
+    def scaled(self) -> bool:
+        """Whether gathers carry 8-bit values with a scale per row (``float8_e4m3fn``,
+        ``float8_e5m2``): ``x`` crosses as ``x / s`` in 8 bits, ``s = max|x| / the format's
+        largest value`` over each row of the parameter (along its last dim), and is read back
+        as ``q * s``."""
+        return self.gather_dtype.itemsize == 1
+
+    def scale_of(self, block: jax.Array, axes: tuple) -> jax.Array | None:
+        """The scales of this device's ``block`` of a parameter, inside ``shard_map``: each
+        row's largest magnitude, the max over ``axes`` (the mesh axes that split the last dim:
+        a ``pmax`` of one scalar a row), as :meth:`round` computes it on the whole parameter.
+        ``None`` where the policy is not :attr:`scaled` or the parameter crosses as stored."""
+        dtype = self.dtypes_for(block.dtype)[0]
+        if not self.scaled or dtype is None:
+            return None
+        amax = jax.lax.stop_gradient(_amax(block))  # (a statistic: pmax has no derivative)
+        if axes:
+            amax = jax.lax.pmax(amax, axes)
+        return scale_for(amax, dtype)
+
+    def round_block(self, block: jax.Array, scale: jax.Array | None) -> jax.Array:
+        """This device's ``block`` of a parameter as :meth:`round` reads the whole one, given the
+        whole parameter's ``scale`` (:meth:`scale_of`; ``None``: unscaled)."""
+        dtype = self.dtypes_for(block.dtype)[0]
+        if dtype is None:
+            return block
+        return _rounded(block, dtype) if scale is None else _scaled(block, scale, dtype)
 
 
 def checked_policy(policy, who: str) -> MixedPrecision | None:

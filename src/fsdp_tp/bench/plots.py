@@ -6,7 +6,7 @@ from pathlib import Path
 
 from .figures import Figures, median
 
-__all__ = ["plot_all"]
+__all__ = ["plot_all", "plot_training_effect"]
 
 
 def _pyplot():
@@ -79,3 +79,26 @@ def plot_all(
         plt.close(fig)
         paths.append(str(path))
     return paths
+
+
+def plot_training_effect(losses: dict[str, list[float]], steps: int, out_dir: Path) -> str:
+    """The main job's held-out loss per precision policy (``{label: [loss per seed]}``), each
+    seed a dot, against bf16 gathers' seed-to-seed range (shaded); returns the PNG's path."""
+    plt = _pyplot()
+    base = losses["bf16 / f32"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.axvspan(min(base), max(base), color="#dddddd", label="bf16 / f32: seed to seed")
+    for row, values in enumerate(losses.values()):
+        ax.plot(
+            values, [row] * len(values), "o", color="#1f77b4" if "fp8" in list(losses)[row] else "#7f7f7f"
+        )
+    ax.set_yticks(range(len(losses)), list(losses), fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"held-out loss after {steps} steps (fsdp-tp train)", fontsize=8)
+    ax.set_title("gather / reduce-scatter dtype: the training effect", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out_dir / "bench_precision.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)

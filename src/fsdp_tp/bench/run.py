@@ -20,6 +20,7 @@ from .figures import Figures, build_seconds, compile_seconds, exact_figures, med
 from .llama_rows import llama_costs, llama_section
 from .nnx_rows import nnx_costs, nnx_section
 from .optimizer import optimizer_costs, optimizer_section
+from .precision_rows import POLICIES, held_out_loss, precision_section, training_section, wire
 from .report import headline, markdown, replace_headline, spread
 from .variants import IMPLEMENTATIONS, STRATEGIES, Strategy, Variant, build_variant
 from .workloads import WORKLOADS, bench_layout, gpt
@@ -84,6 +85,13 @@ def _header(argv: list[str]) -> list[str]:
     ]
 
 
+# Each policy of the wire table as fsdp-tp train's flags, and the main job's runs per policy.
+_FLAGS = {
+    label: (gather.strip(), reduce.strip()) for label in POLICIES for gather, reduce in [label.split("/")]
+}
+_SEEDS, _STEPS = 5, 300
+
+
 def run_benchmarks(
     argv: list[str],
     out_dir: Path,
@@ -122,6 +130,11 @@ def run_benchmarks(
     print("llama: Megatron by tp rules vs storage splits measured", file=out, flush=True)
     found = auto_costs()
     print("auto: the plan found on 32-layer models", file=out, flush=True)
+    wires = [wire(label) for label in POLICIES]
+    losses = {
+        label: [held_out_loss(*_FLAGS[label], seed, _STEPS) for seed in range(_SEEDS)] for label in POLICIES
+    }
+    print("precision: the wire per element and the main job's loss per policy", file=out, flush=True)
     compile_times = {}
     for layers in depths:
         for scan in (True, False) if layers <= max_unrolled else (True,):
@@ -141,13 +154,16 @@ def run_benchmarks(
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     if plots:
-        from .plots import plot_all
+        from .plots import plot_all, plot_training_effect
 
-        paths = plot_all(results, times, compile_times, out_dir)
+        paths = [
+            *plot_all(results, times, compile_times, out_dir),
+            plot_training_effect(losses, _STEPS, out_dir),
+        ]
     titles = {name: WORKLOADS[name].title for name in workloads}
     text = markdown(results, titles, times, compile_times, _header(argv), paths, build_times)
     text += _overhead_section(overhead) + optimizer_section(costs) + nnx_section(nnx) + llama_section(llama)
-    text += auto_section(found)
+    text += auto_section(found) + precision_section(wires) + training_section(losses, _STEPS)
     (out_dir / "benchmarks.md").write_text(text)
     if readme is not None and "gpt" in results:
         replace_headline(readme, headline(results, times))

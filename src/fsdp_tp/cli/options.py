@@ -9,12 +9,14 @@ from ..models.remat import REMAT_POLICIES
 from ..recipe.config import PRESETS
 from ..recipe.trainer import APIS
 
-__all__ = ["DEFAULT_MESH", "DEFAULT_WARMUP", "DTYPES", "PEER_TIMEOUT", "parser"]
+__all__ = ["DEFAULT_MESH", "DEFAULT_WARMUP", "DTYPES", "GATHER_DTYPES", "PEER_TIMEOUT", "parser"]
 
 DEFAULT_MESH = "data=2,fsdp=2,tensor=2"
 PEER_TIMEOUT = 30  # s; heartbeats come from a thread of their own, so compiling never delays them
 DEFAULT_WARMUP = 20  # --warmup's default; shorter runs warm up through all their steps
 DTYPES = {"f32": "float32", "bf16": "bfloat16"}  # the dtype flags' names -> numpy's
+# What FSDP may gather in: the compute dtypes, and 8 bits with a scale a row (MixedPrecision.scaled)
+GATHER_DTYPES = {**DTYPES, "fp8": "float8_e4m3fn", "fp8-e5m2": "float8_e5m2"}
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -89,10 +91,11 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--gather-dtype",
-        choices=list(DTYPES),
+        choices=list(GATHER_DTYPES),
         default="f32",
         help="dtype FSDP all-gathers parameters in; bf16 moves half the bytes and the model reads "
-        "every parameter rounded to bf16 (stored and updated in f32)",
+        "every parameter rounded to bf16 (stored and updated in f32); fp8 (float8_e4m3fn) and "
+        "fp8-e5m2 move a quarter, each row scaled by its largest magnitude",
     )
     p.add_argument(
         "--reduce-dtype",

@@ -13,7 +13,7 @@ from ..recipe.config import preset
 from ..recipe.data import EVAL_FRACTION, check_tokens, check_vocab, load_tokens, split_held_out, vocab_for
 from ..recipe.trainer import Settings
 from .checks import UsageError, check_nnx, check_schedule, check_tensor_split
-from .options import DEFAULT_MESH, DEFAULT_WARMUP, DTYPES
+from .options import DEFAULT_MESH, DEFAULT_WARMUP, DTYPES, GATHER_DTYPES
 
 __all__ = ["mesh_sizes", "settings_of", "tokens_and_settings"]
 
@@ -97,7 +97,7 @@ def _mixed_precision(args) -> MixedPrecision | None:
     """``--gather-dtype`` / ``--reduce-dtype``: a policy where either is narrower than f32."""
     if args.gather_dtype == args.reduce_dtype == "f32":
         return None
-    return MixedPrecision(DTYPES[args.gather_dtype], DTYPES[args.reduce_dtype])
+    return MixedPrecision(GATHER_DTYPES[args.gather_dtype], DTYPES[args.reduce_dtype])
 
 
 def mesh_sizes(text: str) -> dict:

@@ -236,8 +236,18 @@ def compare_with_twin(trainer: Trainer, tokens: np.ndarray, steps: int) -> tuple
     """
     s, config = trainer.settings, trainer.settings.model
     policy = s.layout.mixed_precision
-    # The twin computes on what the sharded model reads: its params rounded as FSDP gathers them.
-    twin_reads = policy.round if policy is not None else (lambda params: params)
+    # The twin computes on what the sharded model reads: its params rounded as FSDP gathers them,
+    # in the shapes the sharded model stores (NNX's attention kernels (d, h, k) where Linen's
+    # are (d, h * k): an 8-bit gather scales each row of the stored shape).
+    stored = [a.shape for a in jax.tree.leaves(trainer.params())]
+
+    def twin_reads(params):
+        if policy is None:
+            return params
+        leaves, tree = jax.tree.flatten(params)
+        rounded = [policy.round(x.reshape(s)).reshape(x.shape) for x, s in zip(leaves, stored, strict=True)]
+        return jax.tree.unflatten(tree, rounded)
+
     state_fn = state_init_fn(trainer.twin, trainer.tx)
     state = jax.jit(state_fn)(jax.random.key(s.seed), np.zeros((s.batch, config.seq_len), np.int32))
 
