@@ -160,8 +160,9 @@ def precision_section(rows: list[Wire]) -> str:
     fsdp = rows[0].fsdp
     lines = [
         "### FSDP's wire per parameter element: f32, bf16 and 8-bit gathers\n",
-        f"`fsdp_tp.models.llama` (as in the Megatron section above) under Megatron's rules on fsdp {fsdp} x tensor "
-        f"{MESHES['fsdp4_tensor2']['tensor']}, AdamW, by `shard_by_rules(mixed_precision=...)`. Per "
+        "`fsdp_tp.models.llama` (as in the Megatron section above) under Megatron's rules on "
+        f"fsdp {fsdp} x tensor {MESHES['fsdp4_tensor2']['tensor']}, AdamW, by "
+        "`shard_by_rules(mixed_precision=...)`. Per "
         "policy (gather / reduce-scatter dtype), ring-model bytes each device sends per step over "
         "`fsdp` for the FSDP-split parameters, per element of them, as the step asks for them (XLA "
         "compiles a bf16 collective to f32 on the CPU, not on a GPU; the 8 bits cross as u8 on both): the "

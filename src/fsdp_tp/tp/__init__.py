@@ -22,28 +22,9 @@ read from here) still work, with a warning naming the path above (:mod:`fsdp_tp.
 """
 
 from .._aliases import aliases_of
-from . import pieces
-from ._roles import (
-    ROLES,
-    ColumnParallel,
-    HeadParallel,
-    Layer,
-    RowParallel,
-    TPRole,
-    VocabParallel,
-    register_einsum,
-)
+from . import _roles, pieces
+from ._roles import *  # noqa: F403  (the roles by the names _roles lists)
 
-__all__ = [
-    "ROLES",
-    "ColumnParallel",
-    "HeadParallel",
-    "Layer",
-    "RowParallel",
-    "TPRole",
-    "VocabParallel",
-    "pieces",
-    "register_einsum",
-]
+__all__ = [*_roles.__all__, "pieces"]
 
 __getattr__ = aliases_of(__name__)
