@@ -54,21 +54,20 @@ def _gather_one(
         # pcast then psums the shard-sized gradient after the reduce-scatter, instead of
         # the full gradient before it.
         shard = jax.lax.pcast(shard, extra, to="varying")
-    if (
-        mean and scale is not None and precision is not None
-    ):  # (8 bits: each row's scale, from before any gather)
-        value, scale = gather_scaled_with_mean_grads(
-            shard, scale, dim, axis, *precision.dtypes_for(shard.dtype)
-        )
+    gathered_scale = scale
+    if scale is not None and dim < shard.ndim - 1:  # a dim of rows: their own scales come along
+        gathered_scale = jax.lax.all_gather(scale, axis, axis=dim, tiled=True)
+    dtypes = precision.dtypes_for(shard.dtype) if precision is not None else (None, None)
+    if mean and scale is not None:  # (8 bits: each row's scale, from before any gather)
+        value = gather_scaled_with_mean_grads(shard, scale, gathered_scale, dim, axis, *dtypes)
     elif mean:
-        dtypes = precision.dtypes_for(shard.dtype) if precision is not None else (None, None)
         value = gather_array_with_mean_grads(shard, dim, axis, *dtypes)
     else:  # the backward pass slices: nothing is reduced, so nothing to save in precision
         value = gather_from_axis(shard, dim, axis)
-        if scale is not None and dim < shard.ndim - 1:  # (the rows' scales come along)
-            scale = jax.lax.all_gather(scale, axis, axis=dim, tiled=True)
     new_names = (*names[:dim], rest if len(rest) > 1 else (rest[0] if rest else None), *names[dim + 1 :])
-    return (value if all(n is None for n in new_names) else leaf.replace(value=value, names=new_names)), scale
+    return (
+        value if all(n is None for n in new_names) else leaf.replace(value=value, names=new_names)
+    ), gathered_scale
 
 
 def gather_box(

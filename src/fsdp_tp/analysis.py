@@ -37,6 +37,7 @@ __all__ = [
     "operand_count",
     "parse_collectives",
     "state_bytes_per_device",
+    "type_bytes",
 ]
 
 _DTYPE_BYTES = {
@@ -95,7 +96,12 @@ class Collective:
         return per_run * self.executions
 
 
-def _type_bytes(text: str) -> int:
+def type_bytes(text: str) -> int:
+    """The bytes of every array type an HLO text names (``f32[4,2]`` is 32; a float8 one byte).
+
+    >>> type_bytes("(f32[4,2]{1,0}, u8[16])")
+    48
+    """
     total = 0
     for dtype, dims in _SHAPE.findall(text):
         size = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
@@ -190,7 +196,7 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
             kind,
             i.name,
             i.computation,
-            sum(_type_bytes(shapes.get(o, "")) for o in i.operands),
+            sum(type_bytes(shapes.get(o, "")) for o in i.operands),
             len(i.operands),
             _group_size(i.rest, num_partitions),
             runs.get(i.computation, 0),

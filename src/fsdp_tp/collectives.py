@@ -75,31 +75,32 @@ _gather_scaled.defvjp(_gather_scaled_fwd, _gather_scaled_bwd)
 
 
 def gather_scaled_with_mean_grads(
-    x: jax.Array, scale: jax.Array, axis: int, axis_name: AxisName, gather_dtype, reduce_dtype=None
-) -> tuple[jax.Array, jax.Array]:
+    x: jax.Array,
+    scale: jax.Array,
+    gathered_scale: jax.Array,
+    axis: int,
+    axis_name: AxisName,
+    gather_dtype,
+    reduce_dtype=None,
+) -> jax.Array:
     """:func:`gather_array_with_mean_grads` in 8 bits with scales: ``x / scale`` crosses the
     wire as one byte an element of ``gather_dtype`` (``float8_e4m3fn``, ``float8_e5m2``), and
-    comes back as ``q * scale`` in ``x``'s dtype; the gradient passes straight through to
-    ``x``, reduce-scattered in ``reduce_dtype`` as the mean over ``axis_name``. ``scale``
-    broadcasts against ``x`` (one a row); where it varies along ``axis`` the devices' scales
-    are gathered with the bits. Returns the value and the gathered value's scales.
+    comes back as ``q * gathered_scale`` in ``x``'s dtype (the scales of the gathered rows:
+    ``scale`` itself unless ``axis`` splits the rows); the gradient passes straight through to
+    ``x``, reduce-scattered in ``reduce_dtype`` as the mean over ``axis_name``.
 
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import PartitionSpec as P
     >>> from fsdp_tp import make_mesh
     >>> mesh = make_mesh({"fsdp": 8})
     >>> def gather(shard):
-    ...     return gather_scaled_with_mean_grads(shard, jnp.float32(0.5), 0, "fsdp", jnp.float8_e4m3fn)[0]
+    ...     half = jnp.float32(0.5)
+    ...     return gather_scaled_with_mean_grads(shard, half, half, 0, "fsdp", jnp.float8_e4m3fn)
     >>> jax.shard_map(gather, mesh=mesh, in_specs=P("fsdp"), out_specs=P(), check_vma=False)(
     ...     jnp.arange(8.0)).tolist()  # each value x / 0.5 is a float8 exactly
     [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
     """
-    scale = jax.lax.stop_gradient(scale)
-    gathered_scale = scale
-    if scale.ndim == x.ndim and axis < x.ndim - 1:  # a dim of rows: each has its own scale
-        gathered_scale = jax.lax.all_gather(scale, axis_name, axis=axis, tiled=True)
-    value = _gather_scaled(x, scale, gathered_scale, axis, axis_name, jnp.dtype(gather_dtype), reduce_dtype)
-    return value, gathered_scale
+    return _gather_scaled(x, scale, gathered_scale, axis, axis_name, jnp.dtype(gather_dtype), reduce_dtype)
 
 
 def gather_array_with_mean_grads(

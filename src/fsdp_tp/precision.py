@@ -135,15 +135,8 @@ class MixedPrecision:
         [1.0]
         """
 
-        def one(x):
-            dtype = self.dtypes_for(x.dtype)[0]
-            if dtype is None:
-                return x
-            if self.scaled:  # the leaf's own scale: the whole parameter's largest magnitude
-                return _scaled(x, scale_for(jax.lax.stop_gradient(_amax(x)), dtype), dtype)
-            return _rounded(x, dtype)
-
-        return jax.tree.map(one, tree)
+        # (a whole leaf is its own block: split over no axis, its rows' scales are its own)
+        return jax.tree.map(lambda x: self.round_block(x, self.scale_of(x, ())), tree)
 
     @property
     def scaled(self) -> bool:

@@ -1,5 +1,5 @@
 """FSDP's wire per parameter element under each precision policy (issue 60): the Gemma/Llama-style
-model under Megatron's rules, its FSDP gathers and reduce-scatters read off the compiled step.
+model under Megatron's rules, its FSDP gathers and reduce-scatters read off its lowered step.
 
 Per policy (gather dtype / reduce-scatter dtype): ring-model bytes each device sends per step for
 the FSDP-split parameters, per element of them (the elements one ``fsdp`` group gathers: a
@@ -24,7 +24,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from ..analysis import parse_collectives
+from ..analysis import parse_collectives, type_bytes
 from ..linen.rule_transform import shard_by_rules
 from ..mesh import make_mesh
 from ..models.llama import LlamaLM
@@ -62,20 +62,9 @@ class Wire:
         return (self.gathers + self.scales + self.reduce_scatters) / self.elements
 
 
-def _operand_bytes(operand_type: str) -> int:
-    found = re.match(r"(\w+)\[([\d,]*)\]", operand_type)
-    if found is None:
-        raise ValueError(f"not an HLO array type: {operand_type!r}")
-    dtype, dims = found.groups()
-    size = 1
-    for d in filter(None, dims.split(",")):
-        size *= int(d)
-    return size * {"f32": 4, "bf16": 2, "u8": 1, "s32": 4}.get(dtype, 4)
-
-
 def wire(label: str, sizes: dict = SIZES, mesh_name: str = "fsdp4_tensor2", batch: int = BATCH) -> Wire:
     """The Linen Llama of ``sizes`` under Megatron's rules on ``MESHES[mesh_name]`` with the
-    policy ``POLICIES[label]``: its AdamW step compiled, its FSDP traffic read off it."""
+    policy ``POLICIES[label]``: its AdamW step lowered, its FSDP traffic read off it."""
     axes = MESHES[mesh_name]
     storage, tp = plan_rules("megatron", axes["tensor"], sizes)
     model = shard_by_rules(
@@ -90,7 +79,7 @@ def wire(label: str, sizes: dict = SIZES, mesh_name: str = "fsdp4_tensor2", batc
     traffic = {"gathers": 0.0, "scales": 0.0, "reduce_scatters": 0.0}
     for c in found:
         for operand in c.operand_types:  # (XLA may combine several gathers into one op)
-            share = c.wire_bytes * _operand_bytes(operand) / c.operand_bytes
+            share = c.wire_bytes * type_bytes(operand) / c.operand_bytes
             if _SCALE.match(operand) and c.kind in ("all-gather", "all-reduce"):
                 traffic["scales"] += share
             elif c.kind == "all-gather" and c.group_size == fsdp:

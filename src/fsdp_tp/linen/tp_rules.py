@@ -31,14 +31,12 @@ from typing import Any
 import flax.linen as nn
 from flax.core import meta
 
+from .. import tp as _tp  # (the roles by the package: a name of their own here would be an old path)
 from .._aliases import aliases_of
 from .._axes import TENSOR
 from .._einsum import Equation, computes_of
 from .._tree import module_path
-from ..tp import ColumnParallel as _Column
-from ..tp import HeadParallel as _Heads
 from ..tp import Layer
-from ..tp import RowParallel as _Row
 from ..tp._rules import Kinds, dims
 
 __all__ = [
@@ -126,7 +124,7 @@ def attention_rules(pattern: str = r"MultiHeadDotProductAttention_\d+$", axis: s
     >>> role
     HeadParallel(axis='tensor', sequence_dim=None, replicated_kv=False, collective_matmul=None)
     """
-    return [(pattern, _Heads(axis))]
+    return [(pattern, _tp.HeadParallel(axis))]
 
 
 def mlp_rules(up: str | None = None, down: str | None = None, axis: str = TENSOR):
@@ -145,4 +143,4 @@ def mlp_rules(up: str | None = None, down: str | None = None, axis: str = TENSOR
             f"mlp_rules(r'layer_\\d+/Dense_0$', r'layer_\\d+/Dense_1$'); 'Dense_0$' alone would match "
             f"every Dense_0 of the model."
         )
-    return [(up, _Column(axis)), (down, _Row(axis))]
+    return [(up, _tp.ColumnParallel(axis)), (down, _tp.RowParallel(axis))]

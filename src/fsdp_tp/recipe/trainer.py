@@ -239,13 +239,15 @@ def compare_with_twin(trainer: Trainer, tokens: np.ndarray, steps: int) -> tuple
     # The twin computes on what the sharded model reads: its params rounded as FSDP gathers them,
     # in the shapes the sharded model stores (NNX's attention kernels (d, h, k) where Linen's
     # are (d, h * k): an 8-bit gather scales each row of the stored shape).
-    stored = [a.shape for a in jax.tree.leaves(trainer.params())]
+    stored = [a.shape for a in jax.tree.leaves(unbox(trainer.state.params))]  # (global shapes: no transfer)
 
     def twin_reads(params):
         if policy is None:
             return params
         leaves, tree = jax.tree.flatten(params)
-        rounded = [policy.round(x.reshape(s)).reshape(x.shape) for x, s in zip(leaves, stored, strict=True)]
+        rounded = [
+            policy.round(x.reshape(shape)).reshape(x.shape) for x, shape in zip(leaves, stored, strict=True)
+        ]
         return jax.tree.unflatten(tree, rounded)
 
     state_fn = state_init_fn(trainer.twin, trainer.tx)
