@@ -171,6 +171,23 @@ def test_plan_of_a_cluster_mesh_prints_the_table():
     assert '    (r"^blocks/mlp/wo$", RowParallel()),' in rules and rules[-1] == "]"
 
 
+def test_plan_prints_fsdps_wire_per_split_element():
+    """Issue 60 point 2: ``fsdp-tp plan`` gives FSDP's bytes per device per step, per split
+    parameter element, from the step's per-device program: over fsdp 4 a ring moves 3/4 of an
+    array a device, so f32 gathers and reduce-scatters are 6 B exactly, and fp8 gathers with bf16
+    reduce-scatters 3/4 x (1 + 2) B plus the scales (an f32 a row of 64): under 3 B."""
+    lines = {}
+    for flags in ((), ("--gather-dtype", "fp8", "--reduce-dtype", "bf16")):
+        code, out = run("plan", "--mesh", "fsdp=4", "--remat", "none", *flags)
+        assert code == 0 and out.count("FSDP over fsdp=4: ") == 1, out
+        lines[flags] = out[out.index("FSDP over fsdp=4: ") :].splitlines()[0]
+        assert "wire of one step's forward and backward, per device" in out
+    f32, fp8 = lines.values()
+    assert f32.startswith("FSDP over fsdp=4: 6.000 B per split parameter element per step (float32 gathers")
+    figure = float(fp8.split()[3])
+    assert 2.25 < figure < 3 and "(float8_e4m3fn gathers, bfloat16 reduce-scatters, remat none" in fp8
+
+
 def test_bad_data_files_exit_2(tmp_path, capsys):
     empty, short = tmp_path / "empty.txt", tmp_path / "short.txt"
     empty.write_text("")

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
+import math
+import re
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -13,9 +18,11 @@ from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
-from fsdp_tp.analysis import state_bytes_per_device
+from fsdp_tp.analysis import parse_collectives, state_bytes_per_device, type_bytes
 from fsdp_tp.cli.fit import plan_of
 from fsdp_tp.models import Layout, Transformer
+from fsdp_tp.plan import Plan
+from fsdp_tp.precision import MixedPrecision
 from fsdp_tp.recipe.config import preset
 from fsdp_tp.recipe.trainer import BATCH as WINDOWS
 from fsdp_tp.recipe.trainer import Settings, step_fn
@@ -86,17 +93,23 @@ def test_plan_of_a_64_by_8_mesh_runs_without_512_devices():
     assert "blocks/mlp/wi/kernel" in text and "P(None, 'fsdp', 'tensor')" in text
 
 
-def _plan_and_step_temp(remat: str) -> tuple[int, int, int]:
-    """For ``fsdp-tp train``'s tiny model on 2 x 2 x 2 with sequence parallelism: the plan's
-    activations, its gradient bytes (the parameters') and the compiled step's temporaries."""
-    layout = Layout("tensor", "fsdp", sequence_parallel=True, min_weight_size=2**10)
-    settings = Settings(
+def _settings(remat: str, policy: MixedPrecision | None = None) -> Settings:
+    """``fsdp-tp train``'s tiny model (two layers in a scan) with sequence parallelism."""
+    layout = Layout("tensor", "fsdp", sequence_parallel=True, min_weight_size=2**10, mixed_precision=policy)
+    return Settings(
         model=dataclasses.replace(preset("tiny"), remat=remat), steps=1, batch=16, microbatches=1,
         lr=1e-3, warmup=1, seed=0, layout=layout, check_vma=True,
     )  # fmt: skip
-    mesh = fsdp_tp.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+
+
+@functools.cache
+def _plan_and_step(remat: str, policy: MixedPrecision | None, sizes: tuple) -> tuple[Plan, Any]:
+    """The plan of ``_settings`` on the mesh of ``sizes`` (``((axis, size), ...)``) and the
+    compiled train step it plans for, shared by the tests that read them."""
+    settings = _settings(remat, policy)
+    mesh = fsdp_tp.make_mesh(dict(sizes))
     plan = plan_of(settings, mesh)
-    model, seq_len = settings.model.model(layout), settings.model.seq_len
+    model, seq_len = settings.model.model(settings.layout), settings.model.seq_len
     ids = jnp.zeros((settings.batch, seq_len), jnp.int32)
     state, specs = fsdp_tp.init_sharded(
         state_init_fn(model, settings.optimizer()), mesh, (P(), WINDOWS), jax.random.key(0), ids
@@ -106,8 +119,17 @@ def _plan_and_step_temp(remat: str) -> tuple[int, int, int]:
     )
     logits = lambda params, ids: model.apply({"params": params}, ids)
     step = jax.jit(shard_step(step_fn(settings, logits), mesh, specs, WINDOWS))
-    temp = step.lower(state, windows).compile().memory_analysis().temp_size_in_bytes
-    return plan.activation_bytes, plan.param_bytes, temp
+    return plan, step.lower(state, windows).compile()
+
+
+CUBE = (("data", 2), ("fsdp", 2), ("tensor", 2))
+
+
+def _plan_and_step_temp(remat: str) -> tuple[int, int, int]:
+    """For the tiny model on 2 x 2 x 2: the plan's activations, its gradient bytes (the
+    parameters') and the compiled step's temporaries."""
+    plan, compiled = _plan_and_step(remat, None, CUBE)
+    return plan.activation_bytes, plan.param_bytes, compiled.memory_analysis().temp_size_in_bytes
 
 
 def test_plan_activations_are_within_10_percent_of_the_compiled_step_for_every_remat_policy():
@@ -120,6 +142,54 @@ def test_plan_activations_are_within_10_percent_of_the_compiled_step_for_every_r
     # another's step (none keeps every block's activations, full one input per block).
     (none_act, grads, none_temp), (full_act, _, full_temp) = figures["none"], figures["full"]
     assert (full_act + grads) / none_temp < 0.9 and (none_act + grads) / full_temp > 1.1, figures
+
+
+def _by_kind_and_group(wire, mesh: dict) -> collections.Counter:
+    out: collections.Counter = collections.Counter()
+    for axes, kinds in wire.items():
+        for kind, n in kinds.items():
+            out[kind, math.prod(mesh[a] for a in axes.split(", "))] += n
+    return out
+
+
+def test_plan_wire_is_the_compiled_steps_gathers_and_reduce_scatters():
+    """Issue 60 point 2: the plan's bytes per device per step, read off its per-device program
+    on an abstract mesh, are the compiled step's: every all-gather (8-bit bits, their scales,
+    sequence parallelism's activations, remat's re-gathers in the backward pass) and every
+    reduce-scatter, per kind and group, to the byte; the all-reduces but for the scalars the
+    step adds outside the forward and backward (its loss and norm). fp8 gathers and f32
+    reduce-scatters: XLA:CPU widens a bf16 collective, not these."""
+    sizes = (("data", 1), ("fsdp", 4), ("tensor", 2))
+    fp8 = MixedPrecision(jnp.float8_e4m3fn, jnp.float32)
+    plan, compiled = _plan_and_step("full", fp8, sizes)
+    mesh = dict(sizes)
+    planned = _by_kind_and_group(plan.wire, mesh)
+    measured: collections.Counter = collections.Counter()
+    scalars: collections.Counter = collections.Counter()
+    for c in parse_collectives(compiled.as_text()):
+        measured[c.kind, c.group_size] += c.wire_bytes
+        for operand in c.operand_types:  # (XLA combines several collectives into one op)
+            if re.fullmatch(r"[a-z]+\d*\[\]", operand):
+                scalars[c.kind, c.group_size] += c.wire_bytes * type_bytes(operand) / c.operand_bytes
+    for key in set(planned) | set(measured):
+        if key[0] == "all-reduce":
+            assert 0 <= measured[key] - planned[key] <= scalars[key], (key, measured[key], planned[key])
+        else:
+            assert planned[key] == measured[key], (key, planned[key], measured[key])
+    assert planned["all-gather", 4] > 0 and planned["reduce-scatter", 4] > 0
+    # FSDP's figure per element one fsdp group gathers (a tensor-split parameter's slice): f32
+    # reduce-scatters 3/4 x 4 B, u8 gathers 3/4 x 1 B once or, for the rematted blocks' weights,
+    # twice, and the scales.
+    named = lambda r, axis: any(axis in (e if isinstance(e, tuple) else (e,)) for e in r.spec)
+    elements = sum(
+        math.prod(r.shape) // (2 if named(r, "tensor") else 1) for r in plan.rows if named(r, "fsdp")
+    )
+    assert plan.per_split_element("fsdp") == sum(plan.wire["fsdp"].values()) / elements
+    assert 3 + 0.75 < plan.per_split_element("fsdp") < 3 + 1.5
+    # Negative control: without remat's re-gathers (a plan of remat "none"), the count is not
+    # the step's.
+    none = plan_of(_settings("none", fp8), fsdp_tp.make_mesh(mesh))
+    assert _by_kind_and_group(none.wire, mesh)["all-gather", 4] < measured["all-gather", 4]
 
 
 @pytest.mark.parametrize(

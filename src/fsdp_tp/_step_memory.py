@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core
 
-__all__ = ["temp_bytes"]
+__all__ = ["is_collective", "temp_bytes"]
 
 # Shape-preserving markers of check_vma's types: no data moves, so no stand-in is needed.
 _TYPE_ONLY = {"pvary", "pcast"}
@@ -56,7 +56,7 @@ def _struct(var) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(var.aval.shape, var.aval.dtype)
 
 
-def _is_collective(eqn) -> bool:
+def is_collective(eqn) -> bool:
     # Every jax collective names its axes: `axis_name` (all_gather, reduce_scatter, ppermute,
     # all_to_all, axis_index) or `axes` on a primitive named p... (psum, pmax, pvary, ...);
     # reduce_sum's `axes` are array dims, and no reduction's name starts with "p".
@@ -89,7 +89,7 @@ def _evaluate(jaxpr: core.Jaxpr, consts, args) -> list:
     env.update(zip(jaxpr.invars, args, strict=True))
     for eqn in jaxpr.eqns:
         operands = [read(v) for v in eqn.invars]
-        if _is_collective(eqn):
+        if is_collective(eqn):
             out = _stand_in(eqn, operands)
         elif eqn.primitive.name in _CALLS:
             body = _closed(eqn.params.get("jaxpr") or eqn.params["call_jaxpr"])

@@ -10,7 +10,7 @@ Given a loss, one device's step is also compiled, not run, for one local device
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec
 from ._axes import entry_axes
 from ._optimizer import optimizer_layout
 from ._step_memory import temp_bytes
+from ._step_wire import step_wire, wire_lines
 from ._trace import trace_per_device
 from ._tree import path_of
 from ._types import Specs
@@ -50,10 +51,27 @@ class Plan:
     # without a loss_fn, or where the backend reports no memory analysis.
     activation_bytes: int | None = None
     replicated: tuple[PlanRow, ...] = field(default=())
+    # Per device, the bytes of one step's forward and backward (fsdp_tp._step_wire.step_wire):
+    # {axes: {kind: bytes}}; None without a loss_fn or where uncounted (wire_note says why).
+    wire: Mapping[str, Mapping[str, float]] | None = None
+    wire_note: str = ""
 
     @property
     def total_bytes(self) -> int:
         return self.param_bytes + self.optimizer_bytes + self.other_bytes
+
+    def per_split_element(self, axis: str) -> float | None:
+        """FSDP's wire per parameter element, for the axis FSDP splits over: the bytes a device
+        sends over ``axis`` alone per step, per element of the parameters split over it as one
+        ``axis`` group gathers them (a tensor-split parameter: its slice); else None."""
+        elements = sum(
+            r.bytes_per_device // jax.numpy.dtype(r.dtype).itemsize * self.mesh[axis]
+            for r in self.rows
+            if any(axis in entry_axes(e) for e in r.spec)
+        )
+        if self.wire is None or not elements:
+            return None
+        return sum(self.wire.get(axis, {}).values()) / elements
 
     def __str__(self) -> str:
         mesh = " x ".join(f"{name}={size}" for name, size in self.mesh.items())
@@ -78,6 +96,7 @@ class Plan:
             f"other {self.other_bytes:,} B, total {self.total_bytes:,} B",
             f"activations and temporaries of one step, per device: {act}",
         ]
+        out += wire_lines(self.wire, self.wire_note)
         if self.replicated:
             out.append(f"replicated on every device ({len(self.replicated)}):")
             out += [f"  {r.path} {r.shape}: {r.note}" for r in self.replicated]
@@ -216,6 +235,7 @@ def make_plan(
     optimizer_bytes = _optimizer_bytes(local, params, pspecs, mesh_sizes, mesh) if global_opt else traced_opt
     other_bytes = sum(_nbytes(s) for _, s, _ in _leaves(local, specs)) - param_bytes - traced_opt
     activations = temp_bytes(step["jaxpr"]) if step else None
+    wire, note = step_wire(step["jaxpr"], mesh_sizes) if step else (None, "")
     return Plan(
         mesh=mesh_sizes,
         rows=tuple(rows),
@@ -224,4 +244,6 @@ def make_plan(
         other_bytes=other_bytes,
         activation_bytes=activations,
         replicated=tuple(r for r in rows if r.note),
+        wire=wire,
+        wire_note=note,
     )

@@ -18,8 +18,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,9 +30,19 @@ from ..linen.rule_transform import shard_by_rules
 from ..mesh import make_mesh
 from ..models.llama import LlamaLM
 from ..precision import MixedPrecision
+from .figures import median, step_seconds
 from .llama_rows import BATCH, MESHES, SEQ, SIZES, lowered_lm_step, plan_rules
+from .report import spread
 
-__all__ = ["POLICIES", "Wire", "held_out_loss", "precision_section", "training_section", "wire"]
+__all__ = [
+    "POLICIES",
+    "Wire",
+    "held_out_loss",
+    "precision_section",
+    "timed_steps",
+    "training_section",
+    "wire",
+]
 
 POLICIES = {
     "f32 / f32": None,
@@ -56,6 +67,11 @@ class Wire:
     gathers: float  # the parameters' all-gathers over fsdp
     scales: float  # their scales (8 bits only)
     reduce_scatters: float  # the gradients' reduce-scatters over fsdp
+    # The step the figures are read off, lowered, and its state and batch: timed by
+    # :func:`timed_steps` (compiled there, so reading the bytes compiles nothing).
+    lowered: Any = field(default=None, repr=False, compare=False)
+    state: Any = field(default=None, repr=False, compare=False)
+    batch: Any = field(default=None, repr=False, compare=False)
 
     @property
     def per_element(self) -> float:
@@ -88,7 +104,22 @@ def wire(label: str, sizes: dict = SIZES, mesh_name: str = "fsdp4_tensor2", batc
                 traffic["reduce_scatters"] += share
     split = [leaf for leaf in jax.tree.leaves(state.params) if "fsdp" in leaf.sharding.spec]
     elements = sum(leaf.size // (tensor if "tensor" in leaf.sharding.spec else 1) for leaf in split)
-    return Wire(label, fsdp, elements, **traffic)
+    return Wire(label, fsdp, elements, **traffic, lowered=lowered, state=state, batch=tokens)
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    label: str
+    step: Any
+    state: Any
+    batch: Any
+
+
+def timed_steps(rows: list[Wire], blocks: int, steps: int) -> dict[str, list[float]]:
+    """Each policy's step compiled and timed, interleaved (:func:`~fsdp_tp.bench.figures.step_seconds`)."""
+    return step_seconds(
+        [_Compiled(w.label, w.lowered.compile(), w.state, w.batch) for w in rows], blocks, steps
+    )
 
 
 def held_out_loss(gather: str, reduce: str, seed: int, steps: int = 300) -> float:
@@ -144,8 +175,9 @@ def training_section(losses: dict[str, list[float]], steps: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def precision_section(rows: list[Wire]) -> str:
-    """The markdown section of the per-element wire table."""
+def precision_section(rows: list[Wire], times: dict[str, list[float]]) -> str:
+    """The markdown section of the per-element wire table, with each policy's step time
+    (``times``: seconds per step by label, from :func:`timed_steps`)."""
     fsdp = rows[0].fsdp
     lines = [
         "### FSDP's wire per parameter element: f32, bf16 and 8-bit gathers\n",
@@ -156,13 +188,17 @@ def precision_section(rows: list[Wire]) -> str:
         "`fsdp` for the FSDP-split parameters, per element of them, as the step asks for them (XLA "
         "compiles a bf16 collective to f32 on the CPU, not on a GPU; the 8 bits cross as u8 on both): the "
         "parameters' all-gathers, the 8-bit policies' scales (an f32 a row) and the gradients' "
-        f"reduce-scatters. A ring over {fsdp} devices moves {fsdp - 1}/{fsdp} of an array a device.\n",
-        "| gather / reduce-scatter | all-gathers | scales | reduce-scatters | in all | ÷ f32 |",
-        "|---|---:|---:|---:|---:|---:|",
+        f"reduce-scatters. A ring over {fsdp} devices moves {fsdp - 1}/{fsdp} of an array a device. "
+        "The same step timed (interleaved blocks; on this page's CPU devices, where the wire is "
+        "memory, not a network, and quantizing is vector work), as a ratio to f32's:\n",
+        "| gather / reduce-scatter | all-gathers | scales | reduce-scatters | in all | ÷ f32 "
+        "| step ms median (min-max) | ÷ f32 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    f32 = rows[0].per_element
+    f32, f32_time = rows[0].per_element, median(times[rows[0].label])
     for w in rows:
         cells = (w.gathers / w.elements, w.scales / w.elements, w.reduce_scatters / w.elements)
         figures = " | ".join(f"{c:.3f}" for c in (*cells, w.per_element, w.per_element / f32))
-        lines.append(f"| {w.label} | {figures} |")
+        step = f"{spread(times[w.label])} | {median(times[w.label]) / f32_time:.3f}"
+        lines.append(f"| {w.label} | {figures} | {step} |")
     return "\n".join(lines) + "\n"

@@ -20,7 +20,14 @@ from .figures import Figures, build_seconds, compile_seconds, exact_figures, med
 from .llama_rows import llama_costs, llama_section
 from .nnx_rows import nnx_costs, nnx_section
 from .optimizer import optimizer_costs, optimizer_section
-from .precision_rows import POLICIES, held_out_loss, precision_section, training_section, wire
+from .precision_rows import (
+    POLICIES,
+    held_out_loss,
+    precision_section,
+    timed_steps,
+    training_section,
+    wire,
+)
 from .report import headline, markdown, replace_headline, spread
 from .variants import IMPLEMENTATIONS, STRATEGIES, Strategy, Variant, build_variant
 from .workloads import WORKLOADS, bench_layout, gpt
@@ -131,6 +138,7 @@ def run_benchmarks(
     found = auto_costs()
     print("auto: the plan found on 32-layer models", file=out, flush=True)
     wires = [wire(label) for label in POLICIES]
+    wire_times = timed_steps(wires, blocks, steps)
     losses = {
         label: [held_out_loss(*_FLAGS[label], seed, _STEPS) for seed in range(_SEEDS)] for label in POLICIES
     }
@@ -163,7 +171,7 @@ def run_benchmarks(
     titles = {name: WORKLOADS[name].title for name in workloads}
     text = markdown(results, titles, times, compile_times, _header(argv), paths, build_times)
     text += _overhead_section(overhead) + optimizer_section(costs) + nnx_section(nnx) + llama_section(llama)
-    text += auto_section(found) + precision_section(wires) + training_section(losses, _STEPS)
+    text += auto_section(found) + precision_section(wires, wire_times) + training_section(losses, _STEPS)
     (out_dir / "benchmarks.md").write_text(text)
     if readme is not None and "gpt" in results:
         replace_headline(readme, headline(results, times))

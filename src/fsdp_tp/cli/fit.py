@@ -13,6 +13,7 @@ import os
 from typing import TextIO
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
@@ -74,9 +75,12 @@ def print_plan(settings: Settings, sizes: dict, out: TextIO) -> None:
     one ``train`` takes depends on the device's memory)."""
     mesh = abstract_mesh(sizes)
     if settings.model.remat != "auto":
-        print(plan_of(settings, mesh), file=out)
-    else:
-        _print_remat_plans(settings, mesh, out)
+        plan = plan_of(settings, mesh)
+        print(plan, file=out)
+    else:  # (the table is full's, and so is its wire: full re-gathers in the backward pass)
+        plan, settings = _print_remat_plans(settings, mesh, out), _with_remat(settings, "full")
+    if sizes.get("fsdp", 1) > 1:
+        print(fsdp_wire_line(plan, settings), file=out)
     if sizes.get("tensor", 1) > 1:
         print(tp_plan_text(settings, sizes), file=out)
 
@@ -110,11 +114,27 @@ def tp_plan_text(settings: Settings, sizes: dict) -> str:
     return f"tensor={tensor}: Megatron's plan, found from what the model computes ({where}):\n{plan}"
 
 
-def _print_remat_plans(settings: Settings, mesh, out: TextIO) -> None:
+def fsdp_wire_line(plan: Plan, settings: Settings) -> str:
+    """FSDP's wire per split parameter element, the figure of ``docs/benchmarks.md``'s table
+    (there read off the lowered step, here off the plan's per-device program)."""
+    policy = settings.layout.mixed_precision
+    gather, reduce = (jnp.float32,) * 2 if policy is None else (policy.gather_dtype, policy.reduce_dtype)
+    names = lambda dtype: jnp.dtype(dtype).name
+    figure = plan.per_split_element("fsdp")
+    return (
+        f"FSDP over fsdp={plan.mesh['fsdp']}: "
+        + ("not counted" if figure is None else f"{figure:.3f} B")
+        + f" per split parameter element per step ({names(gather)} gathers, {names(reduce)} "
+        f"reduce-scatters, remat {settings.model.remat}; a ring over N devices moves (N-1)/N of an array)"
+    )
+
+
+def _print_remat_plans(settings: Settings, mesh, out: TextIO) -> Plan:
     plans = {policy: plan_of(_with_remat(settings, policy), mesh) for policy in _FASTEST_FIRST}
     print(plans["full"], file=out)
     each = ", ".join(f"{policy} {plans[policy].activation_bytes:,} B" for policy in _FASTEST_FIRST)
     print(f"activations per device by --remat: {each}; train's auto takes the first that fits", file=out)
+    return plans["full"]
 
 
 def _with_remat(settings: Settings, policy: str) -> Settings:
