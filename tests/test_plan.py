@@ -18,6 +18,7 @@ from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
+from fsdp_tp._step_wire import step_wire, wire_lines
 from fsdp_tp.analysis import parse_collectives, state_bytes_per_device, type_bytes
 from fsdp_tp.cli.fit import plan_of
 from fsdp_tp.models import Layout, Transformer
@@ -214,3 +215,17 @@ def test_plan_optimizer_bytes_are_the_bytes_the_init_builds(tx):
     state, _ = fsdp_tp.init_sharded(init_fn, mesh, (P(), P()), *args)
     assert set(state_bytes_per_device(state.opt_state).values()) == {plan.optimizer_bytes}
     assert set(state_bytes_per_device(state).values()) == {plan.total_bytes}
+
+
+def test_plan_wire_says_what_it_cannot_count():
+    """A collective inside a loop of unknown trips is not guessed: the wire is None with why,
+    and the plan's text says so; the same collective in a scan is counted once a trip."""
+    summed = lambda x: jax.lax.psum(x, "fsdp")
+    looped = lambda x: jax.lax.while_loop(lambda c: c[1] < 3, lambda c: (summed(c[0]), c[1] + 1), (x, 0))[0]
+    scanned = lambda x: jax.lax.scan(lambda c, _: (summed(c), None), x, length=3)[0]
+    program = lambda f: jax.make_jaxpr(f, axis_env=[("fsdp", 4)])(jnp.ones(256))
+    wire, note = step_wire(program(looped), {"fsdp": 4})
+    assert wire is None and note == "a psum inside a while"
+    assert wire_lines(wire, note) == ["wire of one step, per device: not counted (a psum inside a while)"]
+    # 3 trips of an all-reduce of 1 KiB over 4 devices: 3 x 2 x 3/4 x 1024 B
+    assert step_wire(program(scanned), {"fsdp": 4}) == ({"fsdp": {"all-reduce": 4608.0}}, "")
