@@ -22,13 +22,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax.core import meta
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .._tree import named_shardings
-from ..gradients import sync_gradients
+from ..gradients import batch_mean, sync_gradients
 from ..partitioning import specs_of
 from ..sharded_init import init_sharded
 from ..train import TrainState, shard_step
@@ -85,14 +86,19 @@ def check_equal(
 
     def forward_backward(params, x, y):
         out = c.model.apply({"params": params}, x)
+        # A scalar output (a loss term the model returns, a router's balance) is read as a loss
+        # is: the devices' mean.
+        out = jax.tree.map(lambda o: batch_mean(o, c.batch_axes) if jnp.ndim(o) == 0 else o, out)
         loss, grads = jax.value_and_grad(lambda p: c.loss(c.model, p, x, y))(params)
         return out, jax.lax.pmean(loss, c.batch_axes), sync(grads, c.batch_axes)
 
+    outputs = jax.eval_shape(c.twin.apply, {"params": twin_params}, x)
+    rows = jax.tree.map(lambda o: P() if not o.ndim else batch, outputs)
     sharded = jax.shard_map(
         forward_backward,
         mesh=c.mesh,
         in_specs=(specs, batch, batch),
-        out_specs=(c.output_spec or batch, P(), specs),
+        out_specs=(c.output_spec or rows, P(), specs),
         check_vma=c.check_vma,
     )
     out, loss, grads = jax.jit(sharded)(boxed, x, y)

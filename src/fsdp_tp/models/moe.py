@@ -1,0 +1,251 @@
+"""A mixture of experts in place of the MLP, in Linen and in NNX with the same parameter paths,
+and the Llama-style language model built of it (:mod:`fsdp_tp.models.llama`'s attention).
+
+The block (:class:`LinenMoE`, :class:`NNXMoE`): a router (``router``, a dense layer to E
+logits), token-choice top-k (:mod:`fsdp_tp.routing`: every token's first choice before any
+second, ties to the lower expert), the experts as gated einsums over kernels with an expert dim
+(``experts/gate`` and ``experts/up`` ``(E, d, h)``, ``experts/down`` ``(E, h, d)``) applied to
+buffers ``(groups, E, capacity, d)``, an optional shared expert (``shared``, a gated MLP every
+token takes), the load-balancing loss and the router z-loss. A *group* is ``group_rows``
+consecutive rows of the batch (default one sequence): routing and capacity are a group's, so
+a device holding whole groups routes as the unsharded model does, on any mesh.
+``capacity_factor=None`` is dropless (every choice reaches its expert).
+
+The block returns ``(y, (load_balancing, z))``; the language model returns ``(logits, aux)``
+with ``aux`` the weighted sum of its blocks' losses, the term a training loss adds. The
+load-balancing loss is the global batch's: the experts' shares of the choices are averaged
+over the batch axes before the product (:func:`~fsdp_tp.routing.load_balancing_loss`).
+
+>>> import jax, jax.numpy as jnp
+>>> model = MoELM()
+>>> tokens = jnp.zeros((2, 8), jnp.int32)
+>>> params = model.init(jax.random.key(0), tokens)["params"]
+>>> params["block_0"]["moe"]["experts"]["gate"]["kernel"].shape   # (E, d, h)
+(4, 16, 32)
+>>> logits, aux = model.apply({"params": params}, tokens)
+>>> logits.shape, aux.shape
+((2, 8, 32), ())
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .._axes import bound_axis_names
+from .._batch import resolve_batch_axes
+from ..routing import capacity, combine, dispatch, load_balancing_loss, route, router_z_loss
+from .llama import NNXMLP, LinenAttention, LinenMLP, NNXAttention, rms_norm
+
+__all__ = ["MOE_SIZES", "LinenMoE", "MoELM", "NNXMoE", "NNXMoELM", "mixture"]
+
+MOE_SIZES = dict(
+    vocab=32, d=16, heads=4, kv_heads=2, head_dim=4, hidden=32, layers=2, experts=4, top_k=2,
+    capacity_factor=None, group_rows=1, shared_hidden=0, moe_every=1,
+)  # fmt: skip
+# The losses' weights in the language model's aux term (Switch's and ST-MoE's).
+AUX_WEIGHTS = (1e-2, 1e-3)
+
+
+def mixture(
+    x: jax.Array,
+    router: Callable[[jax.Array], jax.Array],
+    experts: Callable[[jax.Array], jax.Array],
+    *,
+    k: int,
+    capacity_factor: float | None,
+    group_rows: int,
+    normalize: bool = True,
+    batch_axes: tuple | None = None,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """The MoE of ``x`` ``(batch, seq, d)``, either front end's: ``router`` maps tokens to
+    logits, ``experts`` buffers ``(groups, E, capacity, d)`` to outputs of that shape. Returns
+    the output and ``(load_balancing, z)``."""
+    b, s, d = x.shape
+    if group_rows < 1 or b % group_rows:
+        raise ValueError(
+            f"mixture of experts: group_rows={group_rows!r} rows a group, but this device's batch has "
+            f"{b} rows (shape {x.shape}); a group must be whole on one device: pass a group_rows that "
+            f"divides the rows each device holds (1: a group is one sequence)."
+        )
+    groups = x.reshape(b // group_rows, group_rows * s, d)
+    logits = router(groups)
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))  # (the softmax in f32 or wider)
+    tokens, count = groups.shape[1], logits.shape[-1]
+    slots = capacity(tokens, k, count, capacity_factor)
+    routing = jax.vmap(lambda group: route(group, k, slots, normalize))(logits)
+    y = jax.vmap(combine)(experts(jax.vmap(dispatch)(groups, routing)), routing).reshape(b, s, d)
+    fractions = jax.nn.one_hot(routing.chosen, count, dtype=logits.dtype).mean((0, 1, 2))
+    axes = resolve_batch_axes(batch_axes, "mixture of experts") if bound_axis_names() else ()
+    balance = load_balancing_loss(fractions, routing.probs.mean((0, 1)), axes)
+    return y.astype(x.dtype), (balance, router_z_loss(logits.reshape(-1, count)))
+
+
+class LinenExperts(nn.Module):
+    experts: int
+    hidden: int
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):  # (G, E, C, D)
+        d, dtype, shape = x.shape[-1], self.param_dtype, (self.experts, x.shape[-1], self.hidden)
+        gate = nn.Einsum(shape, "GECD,EDH->GECH", False, param_dtype=dtype, name="gate")(x)
+        up = nn.Einsum(shape, "GECD,EDH->GECH", False, param_dtype=dtype, name="up")(x)
+        down = nn.Einsum(
+            (self.experts, self.hidden, d), "GECH,EHD->GECD", False, param_dtype=dtype, name="down"
+        )
+        return down(nn.silu(gate) * up)
+
+
+class LinenMoE(nn.Module):
+    """The Linen block: returns ``(y, (load_balancing, z))``."""
+
+    experts: int = MOE_SIZES["experts"]
+    top_k: int = MOE_SIZES["top_k"]
+    hidden: int = MOE_SIZES["hidden"]
+    capacity_factor: float | None = None
+    group_rows: int = 1
+    shared_hidden: int = 0
+    normalize: bool = True
+    batch_axes: tuple | None = None
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        router = nn.Dense(self.experts, use_bias=False, param_dtype=self.param_dtype, name="router")
+        experts = LinenExperts(self.experts, self.hidden, self.param_dtype, name="experts")
+        y, losses = mixture(
+            x, router, experts, k=self.top_k, capacity_factor=self.capacity_factor,
+            group_rows=self.group_rows, normalize=self.normalize, batch_axes=self.batch_axes,
+        )  # fmt: skip
+        if self.shared_hidden:
+            y = y + LinenMLP(self.shared_hidden, self.param_dtype, name="shared")(x)
+        return y, losses
+
+
+class LinenMoEBlock(nn.Module):
+    sizes: dict
+    mixed: bool
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        s, d, dtype = self.sizes, x.shape[-1], self.param_dtype
+        attn = LinenAttention(s["heads"], s["kv_heads"], s["head_dim"], dtype, name="attn")
+        x = x + attn(rms_norm(x, self.param("attn_norm", nn.initializers.zeros, (d,), dtype)))
+        h = rms_norm(x, self.param("mlp_norm", nn.initializers.zeros, (d,), dtype))
+        if not self.mixed:
+            return x + LinenMLP(s["hidden"], dtype, name="mlp")(h), jnp.zeros((), jnp.float32)
+        y, losses = LinenMoE(**_moe_fields(s), param_dtype=dtype, name="moe")(h)
+        return x + y, _weighted(losses)
+
+
+class MoELM(nn.Module):
+    """The Linen language model: Llama's blocks with the MoE in place of the MLP in every
+    ``moe_every``-th one; returns ``(logits, aux)``."""
+
+    sizes: dict | None = None
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens):
+        s = {**MOE_SIZES, **(self.sizes or {})}
+        embed = nn.Embed(s["vocab"], s["d"], param_dtype=self.param_dtype, name="embed")
+        x, aux = embed(tokens), jnp.zeros((), jnp.float32)
+        for i in range(s["layers"]):
+            mixed = i % s["moe_every"] == s["moe_every"] - 1
+            x, more = LinenMoEBlock(s, mixed, self.param_dtype, name=f"block_{i}")(x)
+            aux = aux + more
+        final = self.param("final_norm", nn.initializers.zeros, (s["d"],), self.param_dtype)
+        return embed.attend(rms_norm(x, final)), aux
+
+
+def _moe_fields(s: dict) -> dict:
+    keys = ("experts", "top_k", "hidden", "capacity_factor", "group_rows", "shared_hidden")
+    return {key: s[key] for key in keys}
+
+
+def _weighted(losses: tuple[jax.Array, jax.Array]) -> jax.Array:
+    return sum(w * loss.astype(jnp.float32) for w, loss in zip(AUX_WEIGHTS, losses, strict=True))
+
+
+class NNXExperts(nnx.Module):
+    def __init__(self, d, experts, hidden, *, rngs, param_dtype=jnp.float32):
+        up_shape, down_shape = (experts, d, hidden), (experts, hidden, d)
+        self.gate = nnx.Einsum("GECD,EDH->GECH", up_shape, param_dtype=param_dtype, rngs=rngs)
+        self.up = nnx.Einsum("GECD,EDH->GECH", up_shape, param_dtype=param_dtype, rngs=rngs)
+        self.down = nnx.Einsum("GECH,EHD->GECD", down_shape, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(nnx.silu(self.gate(x)) * self.up(x))
+
+
+class NNXMoE(nnx.Module):
+    """The NNX block, with :class:`LinenMoE`'s parameter paths: returns ``(y, (load_balancing, z))``."""
+
+    def __init__(
+        self, d, experts, top_k, hidden, *, rngs, capacity_factor=None, group_rows=1, shared_hidden=0,
+        normalize=True, batch_axes=None, param_dtype=jnp.float32,
+    ):  # fmt: skip
+        self.router = nnx.Linear(d, experts, use_bias=False, param_dtype=param_dtype, rngs=rngs)
+        self.experts = NNXExperts(d, experts, hidden, rngs=rngs, param_dtype=param_dtype)
+        self.shared = NNXMLP(d, shared_hidden, rngs=rngs, param_dtype=param_dtype) if shared_hidden else None
+        self.top_k, self.capacity_factor, self.group_rows = top_k, capacity_factor, group_rows
+        self.normalize, self.batch_axes = normalize, batch_axes
+
+    def __call__(self, x):
+        y, losses = mixture(
+            x, self.router, self.experts, k=self.top_k, capacity_factor=self.capacity_factor,
+            group_rows=self.group_rows, normalize=self.normalize, batch_axes=self.batch_axes,
+        )  # fmt: skip
+        return (y + self.shared(x) if self.shared is not None else y), losses
+
+
+class NNXMoEBlock(nnx.Module):
+    def __init__(self, s: dict, mixed: bool, *, rngs, param_dtype=jnp.float32):
+        d = s["d"]
+        self.attn_norm = nnx.Param(jnp.zeros((d,), param_dtype))
+        self.attn = NNXAttention(
+            d, s["heads"], s["kv_heads"], s["head_dim"], rngs=rngs, param_dtype=param_dtype
+        )
+        self.mlp_norm = nnx.Param(jnp.zeros((d,), param_dtype))
+        if mixed:
+            self.moe = NNXMoE(d, **_moe_fields(s), rngs=rngs, param_dtype=param_dtype)
+        else:
+            self.mlp = NNXMLP(d, s["hidden"], rngs=rngs, param_dtype=param_dtype)
+        self.mixed = mixed
+
+    def __call__(self, x):
+        x = x + self.attn(rms_norm(x, self.attn_norm[...]))
+        h = rms_norm(x, self.mlp_norm[...])
+        if not self.mixed:
+            return x + self.mlp(h), jnp.zeros((), jnp.float32)
+        y, losses = self.moe(h)
+        return x + y, _weighted(losses)
+
+
+class NNXMoELM(nnx.Module):
+    """The NNX language model, with :class:`MoELM`'s parameter paths but ``blocks/i`` for
+    ``block_i`` (as :class:`~fsdp_tp.models.llama.NNXLlamaLM`)."""
+
+    def __init__(self, rngs: nnx.Rngs, param_dtype=jnp.float32, **sizes):
+        s = {**MOE_SIZES, **sizes}
+        self.embed = nnx.Embed(s["vocab"], s["d"], param_dtype=param_dtype, rngs=rngs)
+        every = s["moe_every"]
+        blocks = [
+            NNXMoEBlock(s, i % every == every - 1, rngs=rngs, param_dtype=param_dtype)
+            for i in range(s["layers"])
+        ]
+        self.blocks = nnx.List(blocks)
+        self.final_norm = nnx.Param(jnp.zeros((s["d"],), param_dtype))
+
+    def __call__(self, tokens):
+        x, aux = self.embed(tokens), jnp.zeros((), jnp.float32)
+        for block in self.blocks:
+            x, more = block(x)
+            aux = aux + more
+        return self.embed.attend(rms_norm(x, self.final_norm[...])), aux
