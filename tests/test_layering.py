@@ -58,6 +58,7 @@ CORE = (
     "tp._blocks",
     "tp._check",
     "tp._graph",
+    "tp._experts",
     "tp._heads",
     "tp._matmul",
     "tp._ops",

@@ -15,9 +15,15 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp.models.moe as moe
+import fsdp_tp.tp._experts as experts_module
+from fsdp_tp import TrainState, init_sharded, make_mesh, shard_by_rules, shard_step, sync_gradients
+from fsdp_tp.analysis import parse_collectives
+from fsdp_tp.errors import RuleError
 from fsdp_tp.models.moe import LinenMoE, MoELM, NNXMoELM
 from fsdp_tp.routing import capacity, combine, dispatch, route
 from fsdp_tp.testing import check_sharded
+from fsdp_tp.tp import ExpertParallel
+from fsdp_tp.tp._check import switched_off
 
 
 def reference_routing(logits: np.ndarray, k: int, slots: int | None, lower_first: bool = True):
@@ -155,3 +161,117 @@ def test_a_moe_that_cannot_route_is_refused_with_the_fix(make, message):
         check_sharded(
             make(), (x, x), lambda out, y: jnp.mean((out[0] - y) ** 2), MESH, steps=1, optimizers={}
         )
+
+
+# Expert parallelism: the experts' einsums split on their expert letter over `expert`, which
+# splits the batch too; gate and up receive the dispatched buffers, down sends them back.
+EP = [(r"experts/(gate|up)$", ExpertParallel()), (r"experts/down$", ExpertParallel(returns=True))]
+EP_STORAGE = [  # FSDP on the dim the expert split leaves (d), the embedding's on its model dim
+    (r"experts/(gate|up)/kernel$", P(None, "fsdp")),
+    (r"experts/down/kernel$", P(None, None, "fsdp")),
+    (r"embedding$", P(None, "fsdp")),
+]
+
+
+@pytest.mark.parametrize(
+    "api, mesh, sizes",
+    [
+        pytest.param("linen", {"data": 2, "expert": 4}, {}, id="linen-data2-expert4-dropless"),
+        pytest.param(
+            "nnx",
+            {"data": 2, "fsdp": 2, "expert": 2},
+            dict(capacity_factor=1.25, shared_hidden=8),
+            id="nnx-data2-fsdp2-expert2-capacity-shared",
+        ),
+        pytest.param(
+            "linen",
+            {"fsdp": 2, "expert": 4},
+            dict(capacity_factor=1.0, top_k=1, check_vma=False),
+            id="linen-fsdp2-expert4-capacity-top1-unchecked",
+        ),
+    ],
+)
+def test_expert_parallel_moe_lm_is_its_unsharded_twin(api, mesh, sizes):
+    """Invariants 1-5 with the experts split over `expert` and tokens sent to them by
+    all_to_all (composed with FSDP on the experts' model dim): the router's and the experts'
+    gradients the unsharded model's, dropped tokens its dropped tokens."""
+    check_vma = sizes.pop("check_vma", True)
+    storage = EP_STORAGE if "fsdp" in mesh else []
+    axes = tuple(a for a in ("data", "fsdp", "expert") if a in mesh)
+    model = _model(api, **sizes)
+    check_sharded(
+        model,
+        (TOKENS, TOKENS),
+        lm_loss,
+        mesh,
+        storage,
+        tp_rules=EP,
+        batch_axes=axes,
+        steps=2,
+        check_vma=check_vma,
+    )
+
+
+def test_negative_control_experts_gradients_left_as_every_devices_sum_are_caught(monkeypatch):
+    """Without the role's 1/n on the experts' gradients (each device's kernel meets every
+    device's tokens; the sync leaves a split parameter alone on its axis)."""
+    monkeypatch.setattr(experts_module, "_cotangent_times", lambda x, factor: x)
+    with pytest.raises(AssertionError, match=r"grads.*experts"):
+        check_sharded(
+            _model("linen"), (TOKENS, TOKENS), lm_loss, {"data": 2, "expert": 4}, [], tp_rules=EP,
+            batch_axes=("data", "expert"), steps=1, optimizers={},
+        )  # fmt: skip
+
+
+def test_negative_control_a_combine_without_the_return_all_to_all_is_caught():
+    """down left without returns=True: the buffers stay on the experts' devices and the
+    combine reads another layout. The plan check refuses it; switched off, the equality does."""
+    no_return = [(r"experts/(gate|up|down)$", ExpertParallel())]
+    run = lambda: check_sharded(
+        _model("linen"), (TOKENS, TOKENS), lm_loss, {"data": 2, "expert": 4}, [], tp_rules=no_return,
+        batch_axes=("data", "expert"), steps=1, optimizers={},
+    )  # fmt: skip
+    with pytest.raises(RuleError, match="ExpertParallel"):
+        run()
+    with switched_off(), pytest.raises((AssertionError, ValueError, TypeError)):
+        run()
+
+
+def test_expert_parallel_is_refused_where_the_expert_axis_does_not_split_the_batch():
+    with pytest.raises(RuleError, match="'expert' must split the batch"):
+        check_sharded(
+            _model("linen"), (TOKENS, TOKENS), lm_loss, {"data": 2, "expert": 4}, [], tp_rules=EP,
+            batch_axes=("data",), steps=1, optimizers={},
+        )  # fmt: skip
+
+
+def test_expert_parallel_moves_each_buffer_once_each_way_and_never_gathers_an_expert():
+    """HLO of the train step on fsdp 2 x expert 4: per MoE layer four all_to_alls over the 4
+    devices of `expert` (the buffers there and back, forward and backward; gate and up share
+    one), each of one device's buffers (groups, E, capacity, d); every all-gather is FSDP's
+    (over 2 devices): no expert weight gathered over `expert`."""
+    mesh = make_mesh({"fsdp": 2, "expert": 4})
+    axes = ("fsdp", "expert")
+    sizes = {**SIZES, "capacity_factor": 1.0}
+    model = shard_by_rules(MoELM, EP_STORAGE, batch_axes=axes, tp_rules=EP)(sizes)
+    tx = optax.adamw(1e-3)
+    init = lambda rng, x: TrainState.create(
+        apply_fn=model.apply, params=model.init(rng, x)["params"], tx=tx, rng=rng
+    )
+    state, specs = init_sharded(init, mesh, (P(), P(axes)), jax.random.key(0), TOKENS)
+
+    def step(state, tokens):
+        loss = lambda p: lm_loss(model.apply({"params": p}, tokens), tokens)
+        value, grads = jax.value_and_grad(loss)(state.params)
+        return sync_gradients(grads, axes), {"loss": jax.lax.pmean(value, axes)}
+
+    lowered = jax.jit(shard_step(step, mesh, specs, P(axes))).lower(state, TOKENS)
+    found = parse_collectives(lowered.as_text(dialect="hlo"))
+    to_all = [c for c in found if c.kind == "all-to-all"]
+    groups, tokens_per_group = 1, 8  # a device's 1 row of 8 tokens: one group
+    buffer = groups * 4 * capacity(tokens_per_group, 2, 4, 1.0) * 16 * 4  # (G, E, C, d) in f32
+    moe_layers = SIZES["layers"]
+    assert {c.group_size for c in to_all} == {4}
+    assert sum(c.executions for c in to_all) == 4 * moe_layers, [c.operand_types for c in to_all]
+    assert all(c.operand_bytes == buffer for c in to_all), [c.operand_types for c in to_all]
+    assert {c.group_size for c in found if c.kind == "all-gather"} == {2}

@@ -77,6 +77,12 @@ class Equation:
         return "".join(c for c in self.kernel if c in self.inputs and c not in self.output)
 
     @property
+    def batched(self) -> str:
+        """Kernel letters in the inputs and the output both, in the kernel's order: a dim the
+        layer computes one by one (an expert dim: one kernel an expert)."""
+        return "".join(c for c in self.kernel if c in self.output and c in self.inputs)
+
+    @property
     def bias_letters(self) -> str:
         """The bias's dims: the kernel's letters in the output's order."""
         return "".join(c for c in self.output if c in self.kernel)
@@ -93,15 +99,17 @@ class Equation:
             return options[0]
         if letter is not None and len(letter) == 1 and letter in options:
             return letter
-        verb = "splits an output dim" if what == "produced" else "splits a contracted dim"
-        where = "in the output and not the inputs"
-        if what == "contracted":
-            where = "in the inputs and not the output"
+        verb, where = {
+            "produced": ("splits an output dim", "in the output and not the inputs"),
+            "contracted": ("splits a contracted dim", "in the inputs and not the output"),
+            "batched": ("splits the experts", "in the inputs and the output (one kernel an expert)"),
+        }[what]
         given = f"letter {letter!r} is not one of them" if letter is not None else "it has none"
+        other = {"produced": "RowParallel", "contracted": "ColumnParallel", "batched": "ColumnParallel"}[what]
         fix = (
             f"give {role}(letter=...) one of {', '.join(repr(c) for c in options)}"
             if options
-            else f"give it {'RowParallel' if what == 'produced' else 'ColumnParallel'}(), or drop the rule"
+            else f"give it {other}(), or drop the rule"
         )
         raise RuleError(
             f"{self.path}: {role} {verb} of an einsum's kernel: a letter of the kernel {self.kernel!r} "

@@ -138,7 +138,10 @@ def shard_by_rules(
     auto = isinstance(tp_rules, str) and tp_rules == "auto"
     tp = () if auto else compile_tp_rules(tp_rules, "shard_by_rules")
     computes = {"tp_rules='auto'": AUTO_AXIS} if auto else {f"tp rule {r.pattern!r}": r.role.axis for r in tp}
-    _require_separate_axes(computes, frozenset(batch_names or DEFAULT_BATCH_AXES))
+    on_batch = {f"tp rule {r.pattern!r}" for r in tp if r.role.on_batch_axis}
+    _require_separate_axes(
+        {k: a for k, a in computes.items() if k not in on_batch}, batch_names or DEFAULT_BATCH_AXES
+    )
     tp_axes = frozenset(computes.values())
     remake = lambda tp: shard_by_rules(  # (the same transform with a plan's rules: to check it)
         target, rules, default, logical_axis_rules, batch_axes, mixed_precision, tp_rules=tp
@@ -199,7 +202,7 @@ def shard_by_rules(
     return keep_module_name(ByRules, target)
 
 
-def _require_separate_axes(computes: dict[str, str], batch: frozenset) -> None:
+def _require_separate_axes(computes: dict[str, str], batch: tuple) -> None:
     """An axis tp rules compute over (``{which rule: its axis}``) holds slices the modules
     compute on: no batch axis. (A storage rule may name it only on the dim a role splits,
     where it agrees: ``with_split``.)"""

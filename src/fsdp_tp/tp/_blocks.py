@@ -56,6 +56,9 @@ class Blocks:
         self.modelled: set[int] = set()  # values the model's own code made
         self.library: set[int] = set()  # values the library made (collectives, masks, gathers)
         self.undecided: dict[str, None] = {}
+        # Dims of a value that hold other devices' rows (an experts' buffer sent to the devices
+        # of its experts by an all_to_all): any size, computed row by row, never across.
+        self.rows: dict[int, frozenset[int]] = {}
 
     def run(self, split_outputs: tuple[int, ...]) -> None:
         """Every operation, then the outputs (which may leave split on ``split_outputs``)."""
@@ -64,6 +67,8 @@ class Blocks:
         for index, node in enumerate(self.local.nodes):
             if not node.outs:  # (a callback, a print: it computes nothing the model reads)
                 continue
+            if node.prim != "all_to_all":
+                self.rowwise(node, self.reference.nodes[self.pairs[index]] if index in self.pairs else None)
             if index in self.pairs:
                 self.modelled.update(node.outs)
                 self.paired(node, self.reference.nodes[self.pairs[index]])
@@ -95,6 +100,8 @@ class Blocks:
     def carried(self, node: Node) -> None:
         """A library operation (or a loop's carry): a partial sum stays partial unless a
         collective sums it, and a split keeps its origin through anything but a collective."""
+        if node.prim == "all_to_all":
+            self.sent(node)
         if node.prim in COLLECTIVES:
             return
         sums = [self.partial[v] for v in node.ins if v in self.partial]
@@ -104,6 +111,29 @@ class Blocks:
                 self.partial[out] = sums[0]
             if origin is not None:
                 self.origin[out] = origin
+
+    def sent(self, node: Node) -> None:
+        """An all_to_all sends a buffer's rows to the experts' devices (its output holds theirs
+        on ``concat_axis``), or sends them back (the dim it splits held them)."""
+        x, split, concat = node.ins[0], node.params["split_axis"], node.params["concat_axis"]
+        held = self.rows.get(x, frozenset()) if x is not None else frozenset()
+        self.rows[node.outs[0]] = held - {split} if split in held else held | {concat}
+
+    def rowwise(self, node: Node, ref: Node | None) -> None:
+        """Other devices' rows pass row by row to the dims ``node`` keeps; computing across them
+        is refused."""
+        for v in node.ins:
+            for d in self.rows.get(v, ()) if v is not None else ():
+                if (v, d) in node.mixes:
+                    why = f"{node.mixes[(v, d)]}, which holds rows other devices sent to their experts"
+                    self.refuse(
+                        node, ref, self.origin.get(v, scope_of(node)), why, "compute the experts row by row"
+                    )
+        for group in node.same:
+            if any(v in node.ins and d in self.rows.get(v, ()) for v, d in group):
+                for v, d in group:
+                    if v in node.outs:
+                        self.rows[v] = self.rows.get(v, frozenset()) | {d}
 
     def paired(self, node: Node, ref: Node) -> None:
         shapes = paired_shapes(node, ref, self.local, self.reference)
@@ -116,7 +146,10 @@ class Blocks:
         self.rule(node, ref, factors)
 
     def factors(self, node: Node, ref: Node, value: int, held: tuple, whole: tuple) -> tuple[int, ...]:
-        """What a device holds of each dim of ``value``: 1 (all of it) or n (a block, an n-th)."""
+        """What a device holds of each dim of ``value``: 1 (all of it, or other devices' rows)
+        or n (a block, an n-th)."""
+        rows = self.rows.get(value, frozenset())
+        held = tuple(b if d in rows else a for d, (a, b) in enumerate(zip(held, whole, strict=True)))
         for d, (a, b) in enumerate(zip(held, whole, strict=True)):
             if a > b or b % a or self.total % (b // a):
                 self.refuse(

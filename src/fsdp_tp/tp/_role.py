@@ -173,6 +173,9 @@ class TPRole:
     axis: str = TENSOR
     kinds: ClassVar[tuple[str, ...]] = ()
     methods: ClassVar[frozenset[str]] = frozenset({"__call__"})
+    # Whether the axis is one the batch is split over (experts meet every device's tokens
+    # there), where a tensor-parallel axis never is.
+    on_batch_axis: ClassVar[bool] = False
 
     def __post_init__(self):
         # A role with rings (collective_matmul) names a mode the rings have, checked once here.

@@ -14,6 +14,9 @@ submodule computes on its slices over a mesh axis:
   bias added once;
 - :class:`HeadParallel` (multi-head attention): each device computes its share of the heads
   (query/key/value split on the heads dim, the output projection row-parallel);
+- :class:`ExpertParallel` (an einsum over experts' kernels ``(E, d, h)``): the expert dim split
+  over an axis that also splits the batch; each device's tokens go to their experts' devices
+  by ``all_to_all`` and come back on the layer given ``returns=True``;
 - :class:`VocabParallel` (an embedding): the table split on the vocabulary; each device looks
   up the ids in its range and the rows are summed over the axis (``attend``, tied logits,
   gathers the vocabulary).
@@ -47,6 +50,7 @@ embedding) and are all named here; a new role is one :class:`TPRole` subclass, l
 from __future__ import annotations
 
 from .._einsum import register_einsum
+from ._experts import ExpertParallel
 from ._heads import HeadParallel
 from ._matmul import ColumnParallel, RowParallel
 from ._role import Layer, TPRole
@@ -55,6 +59,7 @@ from ._vocab import VocabParallel
 __all__ = [
     "ROLES",
     "ColumnParallel",
+    "ExpertParallel",
     "HeadParallel",
     "Layer",
     "RowParallel",
@@ -64,4 +69,4 @@ __all__ = [
 ]
 
 # Every role a tp rule may name (the rules' errors list what each computes).
-ROLES: tuple[type[TPRole], ...] = (ColumnParallel, RowParallel, HeadParallel, VocabParallel)
+ROLES: tuple[type[TPRole], ...] = (ColumnParallel, RowParallel, HeadParallel, VocabParallel, ExpertParallel)

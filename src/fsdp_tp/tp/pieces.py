@@ -66,7 +66,7 @@ __all__ = [
     "vocab_start",
 ]
 
-# {(id, axis, sequence axis, ring): (activation, trace, its column input)} while a step traces.
+# {(id, what, ...): (activation, trace, what a layer made of it)} while a step traces.
 _SHARED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fsdp_tp_column_inputs", default=None)
 
 
@@ -90,15 +90,22 @@ def column_input(
     """The input of column-parallel layers, once however many layers read it (within
     :func:`shared_column_inputs`): *f*, or the sequence all-gather (``sequence_axis`` set),
     or its ring (``collective_matmul`` set)."""
+    make = lambda: _column_input(x, axis_name, sequence_axis, collective_matmul)
+    return once(x, ("column", axis_name, sequence_axis, collective_matmul), make)
+
+
+def once(x: jax.Array, key: tuple, make: Callable[[], object]):
+    """``make()``, the collective a layer puts on its input ``x``, once for every layer of the
+    trace that reads ``x`` with the same ``key`` (within :func:`shared_column_inputs`)."""
     shared = _SHARED.get()
     if shared is None:
-        return _column_input(x, axis_name, sequence_axis, collective_matmul)
-    key = (id(x), axis_name, sequence_axis, collective_matmul)
+        return make()
+    key = (id(x), *key)
     # Another trace (a remat, a scan body) cannot use this one's value: it computes its own.
     trace = jax.extend.core.get_opaque_trace_state(convention="fsdp_tp")
     if (hit := shared.get(key)) is not None and hit[0] is x and hit[1] == trace:
         return hit[2]
-    shared[key] = (x, trace, _column_input(x, axis_name, sequence_axis, collective_matmul))
+    shared[key] = (x, trace, make())
     return shared[key][2]
 
 

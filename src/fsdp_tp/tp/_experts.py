@@ -1,0 +1,151 @@
+"""Expert parallelism as a role: :class:`ExpertParallel` puts an einsum's expert dim on a mesh
+axis, and the tokens go to the device that holds their expert by ``all_to_all`` and come back
+the same way.
+
+A mixture of experts computes its experts on buffers ``(groups, E, capacity, d)``
+(:mod:`fsdp_tp.models.moe`) with kernels ``(E, d, h)``. With E split over ``axis`` (whose
+devices hold different tokens: it splits the batch), device ``j`` holds experts ``j E/n ..
+(j+1) E/n``. The first expert layer to read a buffer sends each device's slice ``j`` of the
+experts to device ``j`` (``all_to_all``: split on E, concatenated on the groups), once however
+many layers read it (a gated expert's gate and up); the layers compute there on
+``(n groups, E/n, capacity, ·)``; the layer with ``returns=True`` sends the results back (the
+inverse ``all_to_all``). An expert's weights are never gathered over ``axis``.
+
+A device's expert kernel meets every device's tokens, so its gradient is the sum of their
+devices' losses' gradients: the role scales it by ``1/n`` (the loss is their mean), which the
+gradient sync, leaving a split parameter alone on its axis, does not.
+
+>>> layer = Layer(kind="einsum", path="moe/experts/gate", equation="GECD,EDH->GECH",
+...               kernel_shape=(8, 16, 32))
+>>> ExpertParallel().splits(layer), ExpertParallel().local(layer, 4)
+({'kernel': -3, 'bias': -2}, {'kernel_shape': (2, 16, 32)})
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import ClassVar
+
+import jax
+
+from .._batch import step_batch_axes
+from .._einsum import Equation, shrunk
+from ..errors import RuleError
+from ._role import Layer, TPRole
+from .pieces import once
+
+__all__ = ["EXPERT", "ExpertParallel"]
+
+EXPERT = "expert"
+"""The mesh axis :class:`ExpertParallel` splits the experts over unless told another."""
+
+
+@dataclass(frozen=True)
+class ExpertParallel(TPRole):
+    """An einsum layer whose kernel has an expert dim (``letter``, default the kernel's first
+    letter the input and the output share, e.g. the ``E`` of ``'GECD,EDH->GECH'``), split over
+    ``axis``. Its input arrives with every expert (a dispatched buffer: sent to the experts'
+    devices first) or already there (another expert layer's output); ``returns=True`` on the
+    expert MLP's last layer sends the output back. The buffer's rows travel along its first
+    input dim that is neither a kernel dim nor contracted (the groups)."""
+
+    axis: str = EXPERT
+    letter: str | None = None
+    returns: bool = False
+    kinds: ClassVar[tuple[str, ...]] = ("einsum",)
+    on_batch_axis: ClassVar[bool] = True
+
+    def _split(self, layer: Layer) -> tuple[Equation, str, int]:
+        if layer.kind != "einsum":
+            raise RuleError(
+                f"{layer.path}: ExpertParallel splits an einsum's expert dim, and {layer.path} is a "
+                f"{layer.kind} layer; give it to the einsums over the experts' kernels (E, d, h)."
+            )
+        eq = Equation.parse(layer.equation, layer.path)
+        letter = eq.choose(self.letter, "ExpertParallel", "batched")
+        return eq, letter, eq.kernel_dim(letter)
+
+    def splits(self, layer):
+        eq, letter, dim = self._split(layer)
+        kernel, *bias = layer.parameters
+        return {kernel: dim - len(eq.kernel)} | {
+            n: eq.bias_letters.index(letter) - len(eq.bias_letters) for n in bias
+        }
+
+    def divides(self, layer):
+        eq, letter, dim = self._split(layer)
+        return {f"the experts (letter {letter!r} of {eq.text!r})": layer.kernel_shape[dim]}
+
+    def local(self, layer, size):
+        _, _, dim = self._split(layer)
+        return {"kernel_shape": shrunk(layer.kernel_shape, dim, size)}
+
+    def call(self, method, run, layer, args, kwargs):
+        eq, letter, dim = self._split(layer)
+        _require_batch_axis(self.axis, layer.path)
+        x, n = args[0], jax.lax.axis_size(self.axis)
+        expert, rows = eq.dim_of(letter, eq.inputs, x.ndim), _rows_dim(eq, eq.inputs, x.ndim)
+        total = layer.kernel_shape[dim]
+        if x.shape[expert] == total:  # a buffer with every expert: to the experts' devices
+            send = functools.partial(_all_to_all, axis=self.axis, split=expert, concat=rows)
+            x = once(x, ("experts", self.axis, expert, rows), lambda: send(x))
+        elif x.shape[expert] != total // n:
+            raise RuleError(
+                f"{layer.path} (ExpertParallel over {self.axis!r}): its input {tuple(x.shape)} has "
+                f"{x.shape[expert]} on the expert dim (letter {letter!r} of {eq.text!r}), neither the "
+                f"{total} experts nor this device's {total // n}; feed it the experts' buffers."
+            )
+        # The kernel's gradient 1/n (its tokens' losses are averaged over n devices), the
+        # input's as it is: the output's cotangent scaled by 1/n, the input's back by n.
+        out = _cotangent_times(run(_cotangent_times(x, n), *args[1:], **kwargs), 1 / n)
+        if self.returns:
+            back = _rows_dim(eq, eq.output, out.ndim)
+            out = _all_to_all(out, self.axis, split=back, concat=eq.dim_of(letter, eq.output, out.ndim))
+        return out
+
+
+def _require_batch_axis(axis: str, path: str) -> None:
+    """The devices of ``axis`` hold different tokens (it splits the batch): where they held the
+    same, each would send its copy to the experts, and the replicated parameters' gradients,
+    summed over the axis by JAX, would be averaged over the batch axes without it."""
+    step = step_batch_axes()
+    if step is not None and axis not in step and jax.lax.axis_size(axis) > 1:
+        raise RuleError(
+            f"{path}: ExpertParallel over {axis!r} sends each device's tokens to the devices of "
+            f"{axis!r} that hold their experts, so {axis!r} must split the batch; the step splits "
+            f"it over {step!r}. Split the batch over {axis!r} too (batch_specs P({(*step, axis)!r}))."
+        )
+
+
+def _rows_dim(eq: Equation, operand: str, ndim: int) -> int:
+    """The dim the buffer's rows travel along: the operand's first letter outside the kernel
+    that the output keeps (the groups of ``'GECD'``)."""
+    letters = [c for c in operand if c != "." and c not in eq.kernel and c in eq.output and c in eq.inputs]
+    if not letters:
+        raise RuleError(
+            f"{eq.path}: ExpertParallel sends a buffer's rows to the experts' devices along a dim of "
+            f"its input that the kernel does not have (the groups of 'GECD,EDH->GECH'); "
+            f"{eq.text!r} has none. Write the experts' einsums over (groups, experts, capacity, d)."
+        )
+    return eq.dim_of(letters[0], operand, ndim) % ndim
+
+
+def _all_to_all(x: jax.Array, axis: str, split: int, concat: int) -> jax.Array:
+    return jax.lax.all_to_all(x, axis, split % x.ndim, concat % x.ndim, tiled=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _cotangent_times(x: jax.Array, factor: float) -> jax.Array:
+    return x
+
+
+def _cotangent_times_fwd(x, factor):
+    return x, None
+
+
+def _cotangent_times_bwd(factor, _, cotangent):
+    return (cotangent * factor,)
+
+
+_cotangent_times.defvjp(_cotangent_times_fwd, _cotangent_times_bwd)
