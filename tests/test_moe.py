@@ -4,12 +4,14 @@ model laid out over the batch axes and FSDP equal to its unsharded twin, Linen a
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
@@ -18,8 +20,10 @@ import fsdp_tp.models.moe as moe
 import fsdp_tp.tp._experts as experts_module
 from fsdp_tp import TrainState, init_sharded, make_mesh, shard_by_rules, shard_step, sync_gradients
 from fsdp_tp.analysis import parse_collectives
-from fsdp_tp.errors import RuleError
+from fsdp_tp.errors import LayerLeftWholeWarning, RuleError
+from fsdp_tp.models.llama import RULES
 from fsdp_tp.models.moe import LinenMoE, MoELM, NNXMoELM
+from fsdp_tp.nnx import find_tp_rules as nnx_find_tp_rules
 from fsdp_tp.routing import capacity, combine, dispatch, route
 from fsdp_tp.testing import check_sharded
 from fsdp_tp.tp import ExpertParallel
@@ -275,3 +279,44 @@ def test_expert_parallel_moves_each_buffer_once_each_way_and_never_gathers_an_ex
     assert sum(c.executions for c in to_all) == 4 * moe_layers, [c.operand_types for c in to_all]
     assert all(c.operand_bytes == buffer for c in to_all), [c.operand_types for c in to_all]
     assert {c.group_size for c in found if c.kind == "all-gather"} == {2}
+
+
+@pytest.mark.parametrize(
+    "api, mesh, tp, axes",
+    [
+        pytest.param(
+            "linen",
+            {"data": 2, "expert": 2, "tensor": 2},
+            [*RULES, *EP],
+            ("data", "expert"),
+            id="linen-megatron-attention-and-mlp-with-ep",
+        ),
+        pytest.param("nnx", {"data": 4, "tensor": 2}, "auto", ("data",), id="nnx-auto-experts-over-tensor"),
+    ],
+)
+def test_moe_lm_composes_with_tensor_parallelism(api, mesh, tp, axes):
+    """On data x expert x tensor, Megatron's attention and dense MLP (every other layer) over
+    `tensor` beside expert parallelism; on data x tensor, tp_rules="auto" splits each expert's
+    hidden dim over `tensor` (gate and up column, down row) and leaves the routers whole."""
+    model = _model(api, capacity_factor=1.0, moe_every=2 if tp != "auto" else 1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", category=LayerLeftWholeWarning
+        )  # (the routers: a softmax reads them whole)
+        check_sharded(model, (TOKENS, TOKENS), lm_loss, mesh, [], tp_rules=tp, batch_axes=axes, steps=2)
+
+
+def test_the_plan_finder_splits_each_experts_hidden_dim_and_leaves_the_router_whole():
+    """What "auto" runs above: Megatron inside the experts (their hidden letter), the router
+    whole with the softmax's reason."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=LayerLeftWholeWarning)
+        plan = nnx_find_tp_rules(NNXMoELM(nnx.Rngs(0), layers=1), jnp.zeros((2, 8), jnp.int32), size=2)
+    text = str(plan)
+    for line in (
+        '(r"^blocks/0/moe/experts/gate$", ColumnParallel()),',
+        '(r"^blocks/0/moe/experts/up$", ColumnParallel()),',
+        '(r"^blocks/0/moe/experts/down$", RowParallel()),',
+    ):
+        assert line in text, text
+    assert "#   blocks/0/moe/router: blocks/0/moe/router/kernel split on dim -1: reduce_max" in text
