@@ -34,6 +34,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from ._axes import bound_axis_names
+from ._batch import resolve_batch_axes
 from .gradients import batch_mean
 
 __all__ = [
@@ -121,17 +123,19 @@ def combine(y: jax.Array, routing: Routing) -> jax.Array:
     return jnp.einsum("tkd,tk->td", picked, routing.weights.astype(y.dtype))
 
 
-def load_balancing_loss(fractions: jax.Array, probs: jax.Array, batch_axes: tuple = ()) -> jax.Array:
+def load_balancing_loss(fractions: jax.Array, probs: jax.Array, batch_axes: tuple | None = None) -> jax.Array:
     """Switch Transformer's ``E * sum_e f_e * P_e`` over the *global* batch: ``fractions``
     (``f``: the share of this device's choices each expert got; it has no gradient) and
     ``probs`` (``P``: its tokens' mean router probabilities), both ``(experts,)``, each averaged
-    over ``batch_axes`` before the product, so every device holds the global batch's loss and
+    over the batch axes before the product, so every device holds the global batch's loss and
     the mean's transpose gives each device's tokens their share of its gradient. A mean of
     per-device losses ``E * sum_e f_e^i * P_e^i`` is another loss (a product of means is not a
-    mean of products)."""
+    mean of products). ``batch_axes``: left out, the step's (as a transform takes them);
+    outside ``jax.shard_map`` (the unsharded model) nothing is averaged."""
     f = jax.lax.stop_gradient(fractions)
-    if batch_axes:
-        f, probs = batch_mean((f, probs), batch_axes)
+    if bound_axis_names():
+        axes = resolve_batch_axes(batch_axes, "load_balancing_loss")
+        f, probs = batch_mean((f, probs), axes) if axes else (f, probs)
     return probs.shape[-1] * jnp.sum(f * probs)
 
 

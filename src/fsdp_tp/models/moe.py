@@ -36,8 +36,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .._axes import bound_axis_names
-from .._batch import resolve_batch_axes
 from ..routing import capacity, combine, dispatch, load_balancing_loss, route, router_z_loss
 from .llama import NNXMLP, LinenAttention, LinenMLP, NNXAttention, rms_norm
 
@@ -80,8 +78,7 @@ def mixture(
     routing = jax.vmap(lambda group: route(group, k, slots, normalize))(logits)
     y = jax.vmap(combine)(experts(jax.vmap(dispatch)(groups, routing)), routing).reshape(b, s, d)
     fractions = jax.nn.one_hot(routing.chosen, count, dtype=logits.dtype).mean((0, 1, 2))
-    axes = resolve_batch_axes(batch_axes, "mixture of experts") if bound_axis_names() else ()
-    balance = load_balancing_loss(fractions, routing.probs.mean((0, 1)), axes)
+    balance = load_balancing_loss(fractions, routing.probs.mean((0, 1)), batch_axes)
     return y.astype(x.dtype), (balance, router_z_loss(logits.reshape(-1, count)))
 
 
