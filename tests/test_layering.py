@@ -293,6 +293,7 @@ IMPORT_LINEN = {
     "bench.workloads": "Linen models the benchmark builds",
     "bench.llama_rows": "the Linen Llama laid out by shard_by_rules",
     "bench.precision_rows": "the Linen Llama's FSDP wire under each precision policy",
+    "bench.moe_rows": "the Linen MoE LM laid out by shard_by_rules",
     "bench.auto_rows": "finds the Linen Llama's plan (fsdp_tp.linen.find_tp_rules)",
     "cli.fit": "fsdp-tp plan prints the Linen GPT's plan (fsdp_tp.linen.find_tp_rules)",
     "testing._front": "check_sharded lays a user's Linen model out (fsdp_tp.linen._testing)",

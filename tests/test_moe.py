@@ -20,6 +20,8 @@ import fsdp_tp.models.moe as moe
 import fsdp_tp.tp._experts as experts_module
 from fsdp_tp import TrainState, init_sharded, make_mesh, shard_by_rules, shard_step, sync_gradients
 from fsdp_tp.analysis import parse_collectives
+from fsdp_tp.bench.moe_rows import MOE_SIZES as MOE_BENCH_SIZES
+from fsdp_tp.bench.moe_rows import measure_moe, moe_section
 from fsdp_tp.errors import LayerLeftWholeWarning, RuleError
 from fsdp_tp.models.llama import RULES
 from fsdp_tp.models.moe import LinenMoE, MoELM, NNXMoELM
@@ -320,3 +322,21 @@ def test_the_plan_finder_splits_each_experts_hidden_dim_and_leaves_the_router_wh
     ):
         assert line in text, text
     assert "#   blocks/0/moe/router: blocks/0/moe/router/kernel split on dim -1: reduce_max" in text
+
+
+def test_the_benchmarks_expert_parallel_rows_at_small_sizes():
+    """The benchmark's figures (fsdp_tp.bench.moe_rows) on fsdp 2 x expert 4: expert
+    parallelism's all_to_alls are the minimum, it gathers nothing over `expert` and sends
+    less over it than the experts stored split and gathered, at the same state bytes and
+    FLOPs; the stored split moves no all_to_all."""
+    small = {**MOE_BENCH_SIZES, "d": 16, "hidden": 32, "vocab": 32}
+    ep, stored = (
+        measure_moe("fsdp2_expert4", plan, small, batch=8, seq=8)
+        for plan in ("expert parallel", "stored split")
+    )
+    assert ep.all_to_all_bytes == ep.minimum > 0 and stored.all_to_all_bytes == 0
+    assert ep.expert_gathered == 0 < stored.expert_gathered
+    assert ep.expert_wire < stored.expert_wire and ep.state_bytes == stored.state_bytes
+    assert ep.flops == stored.flops
+    section = moe_section([(ep, [1.0]), (stored, [2.0])])
+    assert "| fsdp2_expert4 | expert parallel |" in section and "| 2.000 |" in section

@@ -88,9 +88,10 @@ def plan_rules(plan: str, tensor: int, sizes: dict) -> tuple[list, list]:
     ], []
 
 
-def lowered_lm_step(model, mesh, batch_axes: tuple, tokens, check_vma: bool = True):
+def lowered_lm_step(model, mesh, batch_axes: tuple, tokens, check_vma: bool = True, with_aux: bool = False):
     """One AdamW step of the sharded LM ``model`` (cross-entropy of its logits against
-    ``tokens`` themselves), lowered, and the initial state."""
+    ``tokens`` themselves, plus the ``aux`` term of a model returning ``(logits, aux)`` when
+    ``with_aux``), lowered, and the initial state."""
     tx = optax.adamw(1e-3)
 
     def init_fn(rng, x):
@@ -103,8 +104,9 @@ def lowered_lm_step(model, mesh, batch_axes: tuple, tokens, check_vma: bool = Tr
 
     def step(state, batch):
         def loss(params):
-            logits = model.apply({"params": params}, batch)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch).mean()
+            out = model.apply({"params": params}, batch)
+            logits, aux = out if with_aux else (out, 0.0)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch).mean() + aux
 
         value, grads = jax.value_and_grad(loss)(state.params)
         return sync_gradients(grads, batch_axes), {"loss": jax.lax.pmean(value, batch_axes)}

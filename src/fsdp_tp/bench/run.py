@@ -20,6 +20,7 @@ from .figures import Figures, build_seconds, compile_seconds, exact_figures, med
 from .llama_rows import llama_costs, llama_section
 from .nnx_rows import nnx_costs, nnx_section
 from .optimizer import optimizer_costs, optimizer_section
+from .moe_rows import moe_costs, moe_section
 from .precision_rows import (
     POLICIES,
     held_out_loss,
@@ -137,6 +138,8 @@ def run_benchmarks(
     print("llama: Megatron by tp rules vs storage splits measured", file=out, flush=True)
     found = auto_costs()
     print("auto: the plan found on 32-layer models", file=out, flush=True)
+    moe = moe_costs(blocks, steps)
+    print("moe: expert parallelism vs experts stored split measured", file=out, flush=True)
     wires = [wire(label) for label in POLICIES]
     wire_times = timed_steps(wires, blocks, steps)
     losses = {
@@ -172,6 +175,7 @@ def run_benchmarks(
     text = markdown(results, titles, times, compile_times, _header(argv), paths, build_times)
     text += _overhead_section(overhead) + optimizer_section(costs) + nnx_section(nnx) + llama_section(llama)
     text += auto_section(found) + precision_section(wires, wire_times) + training_section(losses, _STEPS)
+    text += moe_section(moe)
     (out_dir / "benchmarks.md").write_text(text)
     if readme is not None and "gpt" in results:
         replace_headline(readme, headline(results, times))
