@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import warnings
 
+import flax.linen as nn_linen
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,13 +23,13 @@ from fsdp_tp import TrainState, init_sharded, make_mesh, shard_by_rules, shard_s
 from fsdp_tp.analysis import parse_collectives
 from fsdp_tp.bench.moe_rows import MOE_SIZES as MOE_BENCH_SIZES
 from fsdp_tp.bench.moe_rows import measure_moe, moe_section
-from fsdp_tp.errors import LayerLeftWholeWarning, RuleError
+from fsdp_tp.errors import IndivisibleShapeError, LayerLeftWholeWarning, RuleError
 from fsdp_tp.models.llama import RULES
 from fsdp_tp.models.moe import LinenMoE, MoELM, NNXMoELM
 from fsdp_tp.nnx import find_tp_rules as nnx_find_tp_rules
 from fsdp_tp.routing import capacity, combine, dispatch, route
 from fsdp_tp.testing import check_sharded
-from fsdp_tp.tp import ExpertParallel
+from fsdp_tp.tp import ExpertParallel, register_einsum
 from fsdp_tp.tp._check import switched_off
 
 
@@ -340,3 +341,89 @@ def test_the_benchmarks_expert_parallel_rows_at_small_sizes():
     assert ep.flops == stored.flops
     section = moe_section([(ep, [1.0]), (stored, [2.0])])
     assert "| fsdp2_expert4 | expert parallel |" in section and "| 2.000 |" in section
+
+
+class Bank(nn_linen.Module):
+    """A user's expert bank, not a Flax layer: one kernel ``w`` an expert."""
+
+    experts: int
+    features: int
+
+    @nn_linen.compact
+    def __call__(self, x):
+        w = self.param("w", nn_linen.initializers.lecun_normal(), (self.experts, x.shape[-1], self.features))
+        return jnp.einsum("GECD,EDH->GECH", x, w)
+
+
+register_einsum(Bank, "GECD,EDH->GECH", kernel="w", sizes={"experts": "E"})
+
+
+class BankMoE(nn_linen.Module):
+    @nn_linen.compact
+    def __call__(self, x):
+        logits = nn_linen.Dense(4, use_bias=False, name="router")(x)
+        r = jax.vmap(lambda g: route(g, 2, capacity(g.shape[0], 2, 4, 1.0)))(logits)
+        h = Bank(4, 16, name="up")(jax.vmap(dispatch)(x, r))
+        return jax.vmap(combine)(Bank(4, x.shape[-1], name="down")(nn_linen.relu(h)), r)
+
+
+def test_expert_parallel_on_a_users_registered_expert_bank_is_its_unsharded_twin():
+    """The role on a module class of the user's, told what it computes by register_einsum."""
+    rules = [(r"^up$", ExpertParallel()), (r"^down$", ExpertParallel(returns=True))]
+    x = jax.random.normal(jax.random.key(0), (8, 8, 8))
+    mse = lambda out, y: jnp.mean((out - y) ** 2)
+    check_sharded(
+        BankMoE(),
+        (x, x),
+        mse,
+        {"data": 2, "expert": 4},
+        tp_rules=rules,
+        batch_axes=("data", "expert"),
+        steps=2,
+    )
+
+
+@pytest.mark.parametrize(
+    "mesh, rules, error, message",
+    [
+        (
+            {"expert": 8},
+            EP,
+            IndivisibleShapeError,
+            r"the experts \(letter 'E' of 'GECD,EDH->GECH'\) \(size 4\) is not ",
+        ),
+        (
+            {"data": 2, "expert": 4},
+            [("router$", ExpertParallel())],
+            RuleError,
+            "ExpertParallel computes nn.Einsum",
+        ),
+        (
+            {"data": 2, "expert": 4},
+            [("attn/q$", ExpertParallel())],
+            RuleError,
+            "'BTD,DNH->BTNH'; it has none",
+        ),
+        (
+            {"data": 2, "expert": 4},
+            [("experts/gate$", ExpertParallel(letter="H"))],
+            RuleError,
+            r"letter 'H' is not one of them. Fix: give ExpertParallel\(letter=...\) one of 'E'",
+        ),
+    ],
+    ids=["experts-indivisible", "a-dense-layer", "no-expert-letter", "a-letter-not-the-experts"],
+)
+def test_expert_parallel_that_cannot_work_is_refused_with_the_fix(mesh, rules, error, message):
+    axes = tuple(a for a in ("data", "expert") if a in mesh)
+    with pytest.raises(error, match=message):
+        check_sharded(
+            _model("linen"),
+            (TOKENS, TOKENS),
+            lm_loss,
+            mesh,
+            [],
+            tp_rules=rules,
+            batch_axes=axes,
+            steps=1,
+            optimizers={},
+        )
