@@ -161,9 +161,9 @@ def moe_section(costs: list[tuple[MoEMeasured, list[float]]]) -> str:
     for mesh_name in dict.fromkeys(m.label.split("/")[0] for m, _ in costs):
         (ep, _), (stored, _) = by_label[f"{mesh_name}/expert parallel"], by_label[f"{mesh_name}/stored split"]
         lines.append(
-            f"\nOn {mesh_name} expert parallelism sends {stored.expert_wire / ep.expert_wire:.1f} times fewer "
-            f"bytes over `expert` than gathering the experts (its all_to_alls: the minimum exactly), and its "
-            f"step holds {stored.temp_bytes / ep.temp_bytes:.2f} times fewer temporary bytes, at the same "
-            "state and FLOPs."
+            f"\nOn {mesh_name} expert parallelism sends {stored.expert_wire / ep.expert_wire:.1f} times "
+            "fewer bytes over `expert` than gathering the experts (its all_to_alls: the minimum "
+            f"exactly), and its step holds {stored.temp_bytes / ep.temp_bytes:.2f} times fewer "
+            "temporary bytes, at the same state and FLOPs."
         )
     return "\n".join(lines) + "\n"

@@ -18,9 +18,9 @@ import jax
 from .auto_rows import auto_costs, auto_section
 from .figures import Figures, build_seconds, compile_seconds, exact_figures, median, step_seconds
 from .llama_rows import llama_costs, llama_section
+from .moe_rows import moe_costs, moe_section
 from .nnx_rows import nnx_costs, nnx_section
 from .optimizer import optimizer_costs, optimizer_section
-from .moe_rows import moe_costs, moe_section
 from .precision_rows import (
     POLICIES,
     held_out_loss,

@@ -36,7 +36,9 @@ from .._aliases import aliases_of
 from .._axes import TENSOR
 from .._einsum import Equation, computes_of
 from .._tree import module_path
+from ..errors import RuleError
 from ..tp import Layer
+from ..tp._role import Local
 from ..tp._rules import Kinds, dims
 
 __all__ = [
@@ -96,21 +98,29 @@ def layer_of(module: nn.Module, args: tuple, kwargs: dict) -> Layer:
     return Layer(**common, num_embeddings=module.num_embeddings)
 
 
-def local_attributes(module: nn.Module, local: dict[str, Any], args: tuple, kwargs: dict) -> dict[str, Any]:
-    """A role's local sizes (:meth:`~fsdp_tp.tp.TPRole.local`) as ``module``'s attributes."""
-    out = {k: v for k, v in local.items() if k in ("use_bias", "num_embeddings")}
-    if "kernel_shape" in local and (own := computes_of(type(module))) is not None:
-        out |= own.attributes(local["kernel_shape"])
-    elif "kernel_shape" in local:
-        out["shape"] = local["kernel_shape"]
-    if "features" in local:
-        features = local["features"]
-        out["features"] = features if isinstance(module.features, tuple | list) else features[0]
-    if "num_heads" in local:
+def local_attributes(module: nn.Module, local: Local, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """A role's local sizes (:class:`~fsdp_tp.tp._role.Local`) as ``module``'s attributes."""
+    if local.read:  # (no Linen layer a role reads a kept block of: attention has no kv heads)
+        raise RuleError(
+            f"{type(module).__name__}: a role reads a block of {sorted(local.read)} kept whole, which "
+            f"the Linen front end cannot give a Linen module's call; drop the role's kept-whole option."
+        )
+    out: dict[str, Any] = {}
+    if local.use_bias is not None:
+        out["use_bias"] = local.use_bias
+    if local.num_embeddings is not None:
+        out["num_embeddings"] = local.num_embeddings
+    if local.kernel_shape is not None and (own := computes_of(type(module))) is not None:
+        out |= own.attributes(local.kernel_shape)
+    elif local.kernel_shape is not None:
+        out["shape"] = local.kernel_shape
+    if local.features is not None:
+        out["features"] = local.features if isinstance(module.features, tuple | list) else local.features[0]
+    if local.num_heads is not None:
         inputs_q = args[0] if args else kwargs["inputs_q"]
         qkv = module.qkv_features or inputs_q.shape[-1]
-        out["num_heads"] = local["num_heads"]
-        out["qkv_features"] = qkv * local["num_heads"] // module.num_heads
+        out["num_heads"] = local.num_heads
+        out["qkv_features"] = qkv * local.num_heads // module.num_heads
         out["out_features"] = module.out_features or inputs_q.shape[-1]
     return out
 

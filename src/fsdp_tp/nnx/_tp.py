@@ -26,6 +26,7 @@ from .._einsum import computes_of
 from .._tree import module_path
 from .._types import AxisName
 from ..tp import Layer, RowParallel, TPRole
+from ..tp._role import Local
 from ..tp._rules import (
     CompiledRole,
     Kinds,
@@ -92,29 +93,28 @@ def layer_of(module: Any, path: str, kernel_shape: tuple[int, ...] = ()) -> Laye
     return Layer(**common, num_embeddings=module.num_embeddings)
 
 
-def _attributes(module: Any, local: dict[str, Any]) -> list[tuple[nnx.Module, str, Any]]:
+def _attributes(module: Any, local: Local) -> list[tuple[nnx.Module, str, Any]]:
     """A role's local sizes as ``(module, attribute, value)``: what the layer's call reads
     (``nnx.LinearGeneral`` reshapes its bias to ``out_features``; a row-parallel
     ``nnx.Linear`` checks ``use_bias`` against its bias, which the role adds after the sum)."""
     out: list[tuple[nnx.Module, str, Any]] = []
-    if "features" in local:
-        features = local["features"]
+    if local.features is not None:
         tuple_valued = isinstance(module.out_features, tuple)  # nnx.LinearGeneral's; Linear's is an int
-        out.append((module, "out_features", features if tuple_valued else features[0]))
-    if "kernel_shape" in local:  # nnx.Einsum reshapes its bias by it; a registered class: its sizes
-        out += _kernel_attributes(module, local["kernel_shape"])
-    if local.get("use_bias") is False:
+        out.append((module, "out_features", local.features if tuple_valued else local.features[0]))
+    if local.kernel_shape is not None:  # nnx.Einsum reshapes its bias by it; a registered class: its sizes
+        out += _kernel_attributes(module, local.kernel_shape)
+    if local.use_bias is False:
         out += [(module, "use_bias", False)] if "use_bias" in module.__dict__ else []
         out.append((module, "bias", None))
-    if "num_embeddings" in local:
-        out.append((module, "num_embeddings", local["num_embeddings"]))
-    for path, read in local.get("read", {}).items():  # a block of a parameter kept whole
+    if local.num_embeddings is not None:
+        out.append((module, "num_embeddings", local.num_embeddings))
+    for path, read in local.read.items():  # a block of a parameter kept whole
         *owners, name = path.split("/")
         owner = functools.reduce(getattr, owners, module)
         if (variable := getattr(owner, name, None)) is not None:
             out.append((owner, name, read(variable[...])))  # the call's `self.kernel[...]` reads it
-    if "num_heads" in local:
-        heads, kv_heads, head_dim = local["num_heads"], local["num_kv_heads"], module.head_dim
+    if local.num_heads is not None:
+        heads, kv_heads, head_dim = local.num_heads, local.num_kv_heads, module.head_dim
         out += [(module, "num_heads", heads), (module, "num_kv_heads", kv_heads)]
         out += [(module, "qkv_features", heads * head_dim), (module.query, "out_features", (heads, head_dim))]
         out += [(getattr(module, p), "out_features", (kv_heads, head_dim)) for p in ("key", "value")]

@@ -18,7 +18,7 @@ gradient sync, leaving a split parameter alone on its axis, does not.
 >>> layer = Layer(kind="einsum", path="moe/experts/gate", equation="GECD,EDH->GECH",
 ...               kernel_shape=(8, 16, 32))
 >>> ExpertParallel().splits(layer), ExpertParallel().local(layer, 4)
-({'kernel': -3, 'bias': -2}, {'kernel_shape': (2, 16, 32)})
+({'kernel': -3, 'bias': -2}, Local(kernel_shape=(2, 16, 32)))
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import jax
 from .._batch import step_batch_axes
 from .._einsum import Equation, shrunk
 from ..errors import RuleError
-from ._role import Layer, TPRole
+from ._role import Layer, Local, TPRole
 from .pieces import once
 
 __all__ = ["EXPERT", "ExpertParallel"]
@@ -79,7 +79,7 @@ class ExpertParallel(TPRole):
 
     def local(self, layer, size):
         _, _, dim = self._split(layer)
-        return {"kernel_shape": shrunk(layer.kernel_shape, dim, size)}
+        return Local(kernel_shape=shrunk(layer.kernel_shape, dim, size))
 
     def call(self, method, run, layer, args, kwargs):
         eq, letter, dim = self._split(layer)

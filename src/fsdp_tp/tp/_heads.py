@@ -10,7 +10,7 @@ from typing import ClassVar
 from ..dropout import split_after, splitting
 from ..errors import RuleError
 from ._matmul import RowParallel
-from ._role import Layer, TPRole, _chunkwise, _copied
+from ._role import Layer, Local, TPRole, _chunkwise, _copied
 from .pieces import kept_block
 
 __all__ = ["HeadParallel"]
@@ -55,15 +55,15 @@ class HeadParallel(TPRole):
     def local(self, layer, size):
         kv_heads = layer.num_kv_heads or layer.num_heads
         if not self._kept(layer):
-            return {"num_heads": layer.num_heads // size, "num_kv_heads": kv_heads // size}
+            return Local(num_heads=layer.num_heads // size, num_kv_heads=kv_heads // size)
         kept = functools.partial(
             kept_block, dim=-2, blocks=kv_heads, axis_name=self.axis, where=layer.path, what="num_kv_heads"
         )
-        return {
-            "num_heads": layer.num_heads // size,
-            "num_kv_heads": max(1, kv_heads // size),
-            "read": dict.fromkeys(self.kept_whole(layer), kept),
-        }
+        return Local(
+            num_heads=layer.num_heads // size,
+            num_kv_heads=max(1, kv_heads // size),
+            read=dict.fromkeys(self.kept_whole(layer), kept),
+        )
 
     def _kept(self, layer: Layer) -> bool:
         if self.replicated_kv and not layer.num_kv_heads:

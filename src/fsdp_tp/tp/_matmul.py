@@ -13,7 +13,7 @@ from ..collective_matmul import ring_reduce_scatter
 from ..collectives import gather_from_axis
 from ..dropout import split_after, unplaceable_after
 from ..errors import RuleError
-from ._role import Layer, TPRole, _chunkwise, _copied, _einsum, _ringable, _ungrouped
+from ._role import Layer, Local, TPRole, _chunkwise, _copied, _einsum, _ringable, _ungrouped
 from .pieces import add_bias_once, kept_block, row_reduce
 
 __all__ = ["ColumnParallel", "RowParallel"]
@@ -73,10 +73,10 @@ class ColumnParallel(TPRole):
     def local(self, layer, size):
         _, letter, dim = _einsum(layer, self, self.letter, "produced")
         if self.replicated:
-            return {}  # it computes every `letter`, with the whole kernel
+            return Local()  # it computes every `letter`, with the whole kernel
         if letter:
-            return {"kernel_shape": shrunk(layer.kernel_shape, dim, size)}
-        return {"features": (layer.features[0] // size, *layer.features[1:])}
+            return Local(kernel_shape=shrunk(layer.kernel_shape, dim, size))
+        return Local(features=(layer.features[0] // size, *layer.features[1:]))
 
     def call(self, method, run, layer, args, kwargs, prepared: bool = False):
         """``prepared``: the inputs already passed *f* or the sequence gather (a caller that
@@ -157,10 +157,10 @@ class RowParallel(TPRole):
 
     def local(self, layer, size):
         _, letter, dim = _einsum(layer, self, self.letter, "contracted")
-        drop_bias = {"use_bias": False} if "bias" in layer.parameters else {}  # added after the sum
-        if letter:
-            return {"kernel_shape": shrunk(layer.kernel_shape, dim, size), **drop_bias}
-        return drop_bias
+        use_bias = False if "bias" in layer.parameters else None  # (added after the sum)
+        return Local(
+            kernel_shape=shrunk(layer.kernel_shape, dim, size) if letter else None, use_bias=use_bias
+        )
 
     def call(self, method, run, layer, args, kwargs):
         eq, letter, dim = _einsum(layer, self, self.letter, "contracted")

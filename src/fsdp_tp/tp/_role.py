@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -24,7 +24,7 @@ from ..collective_matmul import RingChunks, require_mode
 from ..errors import RuleError
 from .pieces import column_input
 
-__all__ = ["Layer", "TPRole", "without_rings"]
+__all__ = ["Layer", "Local", "TPRole", "without_rings"]
 
 _UNRINGED: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_tp_unringed", default=False)
 
@@ -64,6 +64,34 @@ class Layer:
     parameters: tuple[str, ...] = ("kernel", "bias")
     dtype: Any = None
     bias: Callable[[], jax.Array] | None = None
+
+
+@dataclass(frozen=True)
+class Local:
+    """The sizes a role computes a module with on this device, which the front end writes as
+    the module's attributes (``None``: the module's own): ``features`` (a dense or conv
+    layer's output dims), ``kernel_shape`` (an einsum's), ``use_bias`` (``False``: a row layer
+    adds the bias after its sum), ``num_heads`` and ``num_kv_heads`` (attention's),
+    ``num_embeddings`` (an embedding's); ``read``: ``{parameter path under the module: a
+    function of its stored value}``, what the call reads in its place (a block of a parameter
+    kept whole). A size a front end cannot write is an error there, never dropped.
+
+    >>> Local(num_embeddings=8)
+    Local(num_embeddings=8)
+    """
+
+    features: tuple[int, ...] | None = None
+    kernel_shape: tuple[int, ...] | None = None
+    use_bias: bool | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    num_embeddings: int | None = None
+    read: Mapping[str, Callable[[jax.Array], jax.Array]] = dataclasses.field(default_factory=dict)
+
+    def __repr__(self) -> str:  # (the sizes set, as a role's docstring shows them)
+        given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        shown = {k: v for k, v in given.items() if v is not None and v != {}}
+        return f"Local({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
 
 def _copied(
@@ -209,12 +237,10 @@ class TPRole:
         axis, which a front end may do on its FSDP shard rather than on the gathered value."""
         return ()
 
-    def local(self, layer: Layer, size: int) -> dict[str, Any]:
-        """The sizes the module computes with on this device's slices (``features``,
-        ``use_bias``, ``num_heads``, ``num_kv_heads``, ``num_embeddings``), and ``read``:
-        ``{parameter path under the module: a function of its stored value}``, what the call
-        reads in its place (a block of a parameter kept whole)."""
-        return {}
+    def local(self, layer: Layer, size: int) -> Local:
+        """The sizes the module computes with on this device's slices, over an axis of
+        ``size`` devices (:class:`Local`)."""
+        return Local()
 
     def inner(self) -> dict[str, TPRole]:
         """Roles of the module's own children (by name), which it creates itself."""

@@ -44,7 +44,7 @@ embedding) and are all named here; a new role is one :class:`TPRole` subclass, l
 {'kernel': -2}
 >>> q = Layer(kind="einsum", path="attn/q", equation="BTD,NDH->BTNH", kernel_shape=(8, 64, 16))
 >>> ColumnParallel().splits(q), ColumnParallel().local(q, 4)
-({'kernel': -3, 'bias': -2}, {'kernel_shape': (2, 64, 16)})
+({'kernel': -3, 'bias': -2}, Local(kernel_shape=(2, 64, 16)))
 """
 
 from __future__ import annotations

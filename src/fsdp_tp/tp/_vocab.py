@@ -11,7 +11,7 @@ import jax
 from .._tree import module_path
 from ..collectives import gather_from_axis, require_sequence_divisible
 from ..dropout import split_after
-from ._role import TPRole, _copied
+from ._role import Local, TPRole, _copied
 from .pieces import row_reduce, vocab_lookup
 
 __all__ = ["VocabParallel"]
@@ -36,7 +36,7 @@ class VocabParallel(TPRole):
         return {"num_embeddings": layer.num_embeddings}
 
     def local(self, layer, size):
-        return {"num_embeddings": layer.num_embeddings // size}
+        return Local(num_embeddings=layer.num_embeddings // size)
 
     def call(self, method, run, layer, args, kwargs):
         sequence = self.sequence_dim
