@@ -221,10 +221,11 @@ def test_plan_of_a_realistic_preset_shows_each_remat_policy():
         )
         == 0
     )
-    last = out.getvalue().splitlines()[-1]
-    assert (
-        last.startswith("activations per device by --remat: none ") and "not estimated" not in out.getvalue()
-    )
+    *_, activations, wire = out.getvalue().splitlines()
+    assert activations.startswith("activations per device by --remat: none ")
+    assert "not estimated" not in out.getvalue()
+    # the wire is full's, as the table is: its blocks' weights gathered again in the backward pass
+    assert wire.startswith("FSDP over fsdp=64: ") and "remat full;" in wire
 
 
 def test_the_accelerator_benchmark_runs_its_command(tmp_path, capsys):

@@ -39,6 +39,7 @@ from fsdp_tp.tp import _heads as tp_heads
 from fsdp_tp.tp import _matmul as tp_matmul
 from fsdp_tp.tp import _vocab as tp_vocab
 from fsdp_tp.tp._check import switched_off
+from fsdp_tp.tp._role import Local
 from tests.conftest import mesh_of
 from tests.equivalence import Case, check_equivalence
 from tests.nnx_models import lm_maker
@@ -182,7 +183,7 @@ def test_megatron_by_rules_equals_unsharded(mesh_name, scan, check_vma, api):
 def test_negative_control_a_row_bias_added_on_every_device(monkeypatch, api, bias):
     """The row layer computing its own bias: each device adds it, the sum holds it 4 times (the
     init's zero bias hides it in the output; its gradient is 5 times the twin's)."""
-    monkeypatch.setattr(RowParallel, "local", lambda self, *args: {})
+    monkeypatch.setattr(RowParallel, "local", lambda self, *args: Local())
     with pytest.raises(AssertionError, match=re.escape(f"grads{bias}['bias']")), switched_off():
         _check_exact(_case("data2_tensor4", False, True, api=api))
     # The plan check refuses it before anything trains: the bias meets the partial sums.
@@ -449,7 +450,8 @@ def _plain(tp, rules=(), **sizes):
             RuleError,
             r"matches layer_0/LayerNorm_0, a LayerNorm, which has no tensor-parallel role and no submodule "
             r"one computes \(roles compute ColumnParallel: nn.Dense, .*"
-            r"VocabParallel: nn.Embed\). If it computes an einsum of its input and one kernel parameter, "
+            r"VocabParallel: nn.Embed; ExpertParallel: nn.Einsum\). If it computes an einsum of its "
+            r"input and one kernel parameter, "
             r"tell the roles so: fsdp_tp.tp.register_einsum\(LayerNorm, equation, kernel=\.\.\., "
             r"sizes=\.\.\.\); else drop the rule",
         ),
