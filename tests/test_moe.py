@@ -294,19 +294,28 @@ def test_expert_parallel_moves_each_buffer_once_each_way_and_never_gathers_an_ex
             ("data", "expert"),
             id="linen-megatron-attention-and-mlp-with-ep",
         ),
+        pytest.param(
+            "nnx",
+            {"fsdp": 2, "expert": 2, "tensor": 2},
+            [*RULES[:4], *EP],
+            ("fsdp", "expert"),
+            id="nnx-fsdp-expert-tensor-megatron-attention-with-ep",
+        ),
         pytest.param("nnx", {"data": 4, "tensor": 2}, "auto", ("data",), id="nnx-auto-experts-over-tensor"),
     ],
 )
 def test_moe_lm_composes_with_tensor_parallelism(api, mesh, tp, axes):
     """On data x expert x tensor, Megatron's attention and dense MLP (every other layer) over
-    `tensor` beside expert parallelism; on data x tensor, tp_rules="auto" splits each expert's
-    hidden dim over `tensor` (gate and up column, down row) and leaves the routers whole."""
-    model = _model(api, capacity_factor=1.0, moe_every=2 if tp != "auto" else 1)
+    `tensor` beside expert parallelism; on fsdp x expert x tensor, Megatron's attention, the
+    experts expert-parallel and FSDP-split on their model dim; on data x tensor,
+    tp_rules="auto" splits each expert's hidden dim over `tensor` (gate and up column, down row)
+    and leaves the routers whole (a softmax reads them whole: its warning silenced)."""
+    dense = tp != "auto" and len(tp) == len(RULES) + len(EP)  # (the rules of a dense MLP too)
+    model = _model(api, capacity_factor=1.0, moe_every=2 if dense else 1)
+    storage = EP_STORAGE if "fsdp" in mesh else []
     with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", category=LayerLeftWholeWarning
-        )  # (the routers: a softmax reads them whole)
-        check_sharded(model, (TOKENS, TOKENS), lm_loss, mesh, [], tp_rules=tp, batch_axes=axes, steps=2)
+        warnings.filterwarnings("ignore", category=LayerLeftWholeWarning)
+        check_sharded(model, (TOKENS, TOKENS), lm_loss, mesh, storage, tp_rules=tp, batch_axes=axes, steps=2)
 
 
 def test_the_plan_finder_splits_each_experts_hidden_dim_and_leaves_the_router_whole():
