@@ -15,11 +15,12 @@ import pytest
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp.models.moe as moe
 import fsdp_tp.tp._experts as experts_module
-from fsdp_tp import TrainState, init_sharded, make_mesh, shard_by_rules, shard_step, sync_gradients
+from fsdp_tp import TrainState, init_sharded, make_mesh, make_plan, shard_by_rules, shard_step, sync_gradients
 from fsdp_tp.analysis import parse_collectives
 from fsdp_tp.bench.moe_rows import MOE_SIZES as MOE_BENCH_SIZES
 from fsdp_tp.bench.moe_rows import measure_moe, moe_section
@@ -436,3 +437,26 @@ def test_expert_parallel_that_cannot_work_is_refused_with_the_fix(mesh, rules, e
             steps=1,
             optimizers={},
         )
+
+
+def test_the_plan_of_an_expert_parallel_model_on_a_mesh_larger_than_the_machine():
+    """make_plan on data 16 x expert 8 (128 devices, abstractly): each device holds an eighth of
+    the experts, and one step sends four of its buffers a MoE layer over `expert` (ring model:
+    7/8 of each)."""
+    mesh = AbstractMesh((16, 8), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+    sizes = {**SIZES, "experts": 16, "capacity_factor": 1.0}
+    model = shard_by_rules(MoELM, [], batch_axes=("data", "expert"), tp_rules=EP)(sizes)
+    tx = optax.adamw(1e-3)
+    init = lambda rng, x: TrainState.create(
+        apply_fn=model.apply, params=model.init(rng, x)["params"], tx=tx, rng=rng
+    )
+    ids = jax.ShapeDtypeStruct((128, 8), jnp.int32)  # a row (one group of 8 tokens) a device
+    loss = lambda params, ids: lm_loss(model.apply({"params": params}, ids), ids)
+    axes = P(("data", "expert"))
+    plan = make_plan(
+        init, mesh, (P(), axes), jax.random.key(0), ids, loss_fn=loss, batch=ids, batch_specs=axes
+    )
+    gate = next(r for r in plan.rows if r.path == "block_0/moe/experts/gate/kernel")
+    assert gate.shape == (16, 16, 32) and gate.bytes_per_device == 16 * 16 * 32 * 4 // 8
+    buffer = 16 * capacity(8, 2, 16, 1.0) * 16 * 4  # (1 group, E, capacity, d) in f32
+    assert plan.wire["expert"] == {"all-to-all": 4 * SIZES["layers"] * buffer * 7 / 8}

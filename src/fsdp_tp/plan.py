@@ -25,6 +25,7 @@ from ._step_wire import step_wire, wire_lines
 from ._trace import trace_per_device
 from ._tree import path_of
 from ._types import Specs
+from .train import as_a_step
 
 __all__ = ["Plan", "PlanRow", "make_plan"]
 
@@ -203,7 +204,8 @@ def make_plan(
             # One trace: the state, and one device's forward and backward on it.
             state = init_fn(*inner_args)
             params = state.params if hasattr(state, "params") else state
-            step["jaxpr"] = jax.make_jaxpr(jax.value_and_grad(loss))(params, inner_batch)
+            with as_a_step(batch_specs):  # (traced as shard_step traces it)
+                step["jaxpr"] = jax.make_jaxpr(jax.value_and_grad(loss))(params, inner_batch)
             return state
 
         traced = trace_per_device(

@@ -7,7 +7,8 @@ optimizer on global arrays (:mod:`fsdp_tp._optimizer` says why).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -164,6 +165,16 @@ def _refuse_donated(state: PyTree) -> None:
             )
 
 
+@contextlib.contextmanager
+def as_a_step(batch_specs: Specs) -> Iterator[None]:
+    """Within, a per-device trace is a step's, as :func:`shard_step` traces one (and the plan
+    its step): transforms, the sync and dropout average over (and draw for) the axes the batch
+    of ``batch_specs`` is split over, or say that they were told others; layers that read one
+    activation share its collective (Megatron's *f*, an expert layer's dispatch)."""
+    with batch_split_over(batch_axes_of(batch_specs)), shared_column_inputs():
+        yield
+
+
 def shard_step(
     step_fn: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]],
     mesh: Mesh,
@@ -215,13 +226,9 @@ def shard_step(
     model_state = getattr(state_specs, "model_state", None) or {}
     updated = (model_state,) if jax.tree.leaves(model_state) else ()
     inner = per_device_step(step_fn, tuple(model_state) if updated else ())
-    split = batch_axes_of(batch_specs)
 
     def per_device_fn(state, batch):
-        # Told while tracing, so transforms, the sync and dropout average over (and draw for)
-        # the axes this batch is split over, or say that they were told others;
-        # and column-parallel layers that read one activation share its *f*.
-        with batch_split_over(split), shared_column_inputs():
+        with as_a_step(batch_specs):
             return inner(state, batch)
 
     per_device = jax.shard_map(
