@@ -63,7 +63,7 @@ def routings(draw):
     return np.array(logits, np.float32).reshape(tokens, experts), k, factor
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(routings())
 def test_routing_is_token_choice_top_k_with_capacity(case):
     """Route, dispatch and combine against the routing written out: the same experts (ties to
@@ -116,19 +116,15 @@ def _model(api: str, **sizes):
     "api, sizes",
     [
         pytest.param("linen", dict(shared_hidden=8), id="linen-dropless-shared"),
-        pytest.param("linen", dict(capacity_factor=1.0, moe_every=2), id="linen-capacity-every-other"),
-        pytest.param("nnx", dict(top_k=1, check_vma=False), id="nnx-dropless-top1-unchecked"),
         pytest.param("nnx", dict(capacity_factor=1.0, shared_hidden=8), id="nnx-capacity-shared"),
     ],
 )
 def test_the_moe_lm_over_data_and_fsdp_is_its_unsharded_twin(api, sizes):
     """Invariants 1-5 (init, outputs with the aux losses, loss, gradients, SGD and AdamW steps)
     for the MoE LM with its experts stored split over fsdp and gathered: dropless and at
-    capacity 1.0 (tokens dropped), top-1 and top-2, with a shared expert, both check_vma."""
-    check_vma = sizes.pop("check_vma", True)
-    check_sharded(
-        _model(api, **sizes), (TOKENS, TOKENS), lm_loss, MESH, STORAGE, steps=2, check_vma=check_vma
-    )
+    capacity 1.0 (tokens dropped), with a shared expert (top-1, every other layer and
+    check_vma off: in the expert-parallel and composition cases below)."""
+    check_sharded(_model(api, **sizes), (TOKENS, TOKENS), lm_loss, MESH, STORAGE, steps=2)
 
 
 def _per_shard_balance(fractions, probs, batch_axes=()):
@@ -192,10 +188,10 @@ EP_STORAGE = [  # FSDP on the dim the expert split leaves (d), the embedding's o
             id="nnx-data2-fsdp2-expert2-capacity-shared",
         ),
         pytest.param(
-            "linen",
+            "nnx",
             {"fsdp": 2, "expert": 4},
-            dict(capacity_factor=1.0, top_k=1, check_vma=False),
-            id="linen-fsdp2-expert4-capacity-top1-unchecked",
+            dict(top_k=1, check_vma=False),
+            id="nnx-fsdp2-expert4-dropless-top1-unchecked",
         ),
     ],
 )
