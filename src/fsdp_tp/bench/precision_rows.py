@@ -107,8 +107,8 @@ def wire(label: str, sizes: dict = SIZES, mesh_name: str = "fsdp4_tensor2", batc
     return Wire(label, fsdp, elements, **traffic, lowered=lowered, state=state, batch=tokens)
 
 
-@dataclass(frozen=True)
-class _Compiled:
+@dataclass
+class _Compiled:  # (what step_seconds times: its state replaced as it steps)
     label: str
     step: Any
     state: Any

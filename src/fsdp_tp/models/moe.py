@@ -30,6 +30,7 @@ over the batch axes before the product (:func:`~fsdp_tp.routing.load_balancing_l
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -41,7 +42,7 @@ from .llama import NNXMLP, LinenAttention, LinenMLP, NNXAttention, rms_norm
 
 __all__ = ["MOE_SIZES", "LinenMoE", "MoELM", "NNXMoE", "NNXMoELM", "mixture"]
 
-MOE_SIZES = dict(
+MOE_SIZES: dict[str, Any] = dict(
     vocab=32, d=16, heads=4, kv_heads=2, head_dim=4, hidden=32, layers=2, experts=4, top_k=2,
     capacity_factor=None, group_rows=1, shared_hidden=0, moe_every=1,
 )  # fmt: skip
@@ -167,7 +168,8 @@ def _moe_fields(s: dict) -> dict:
 
 
 def _weighted(losses: tuple[jax.Array, jax.Array]) -> jax.Array:
-    return sum(w * loss.astype(jnp.float32) for w, loss in zip(AUX_WEIGHTS, losses, strict=True))
+    (balance, z), (balance_weight, z_weight) = losses, AUX_WEIGHTS
+    return balance_weight * balance.astype(jnp.float32) + z_weight * z.astype(jnp.float32)
 
 
 class NNXExperts(nnx.Module):

@@ -123,7 +123,9 @@ class Blocks:
         """Other devices' rows pass row by row to the dims ``node`` keeps; computing across them
         is refused."""
         for v in node.ins:
-            for d in self.rows.get(v, ()) if v is not None else ():
+            if v is None:  # (a literal)
+                continue
+            for d in self.rows.get(v, ()):
                 if (v, d) in node.mixes:
                     why = f"{node.mixes[(v, d)]}, which holds rows other devices sent to their experts"
                     self.refuse(
