@@ -20,8 +20,9 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp.models.moe as moe
 import fsdp_tp.tp._experts as experts_module
-from fsdp_tp import TrainState, init_sharded, make_mesh, make_plan, shard_by_rules, shard_step, sync_gradients
+from fsdp_tp import TrainState, make_mesh, make_plan, shard_by_rules
 from fsdp_tp.analysis import parse_collectives
+from fsdp_tp.bench.llama_rows import lowered_lm_step
 from fsdp_tp.bench.moe_rows import MOE_SIZES as MOE_BENCH_SIZES
 from fsdp_tp.bench.moe_rows import measure_moe, moe_section
 from fsdp_tp.errors import IndivisibleShapeError, LayerLeftWholeWarning, RuleError
@@ -258,18 +259,7 @@ def test_expert_parallel_moves_each_buffer_once_each_way_and_never_gathers_an_ex
     axes = ("fsdp", "expert")
     sizes = {**SIZES, "capacity_factor": 1.0}
     model = shard_by_rules(MoELM, EP_STORAGE, batch_axes=axes, tp_rules=EP)(sizes)
-    tx = optax.adamw(1e-3)
-    init = lambda rng, x: TrainState.create(
-        apply_fn=model.apply, params=model.init(rng, x)["params"], tx=tx, rng=rng
-    )
-    state, specs = init_sharded(init, mesh, (P(), P(axes)), jax.random.key(0), TOKENS)
-
-    def step(state, tokens):
-        loss = lambda p: lm_loss(model.apply({"params": p}, tokens), tokens)
-        value, grads = jax.value_and_grad(loss)(state.params)
-        return sync_gradients(grads, axes), {"loss": jax.lax.pmean(value, axes)}
-
-    lowered = jax.jit(shard_step(step, mesh, specs, P(axes))).lower(state, TOKENS)
+    lowered, _ = lowered_lm_step(model, mesh, axes, TOKENS, with_aux=True)  # (its loss: lm_loss's)
     found = parse_collectives(lowered.as_text(dialect="hlo"))
     to_all = [c for c in found if c.kind == "all-to-all"]
     groups, tokens_per_group = 1, 8  # a device's 1 row of 8 tokens: one group

@@ -117,8 +117,8 @@ def step_wire(jaxpr, mesh: Mapping[str, int]) -> tuple[dict[str, dict[str, float
     for axes, c in found:
         if not c.wire_bytes:  # (over an axis of size 1)
             continue
-        wire.setdefault(axes, {}).setdefault(c.kind, 0.0)
-        wire[axes][c.kind] += c.wire_bytes
+        kinds = wire.setdefault(axes, {})
+        kinds[c.kind] = kinds.get(c.kind, 0.0) + c.wire_bytes
     by_size = lambda item: -sum(item[1].values())
     return {
         axes: dict(sorted(k.items(), key=lambda kv: -kv[1])) for axes, k in sorted(wire.items(), key=by_size)

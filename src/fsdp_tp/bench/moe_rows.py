@@ -13,7 +13,7 @@ time as a ratio.
 
 from __future__ import annotations
 
-import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,8 +93,7 @@ def measure_moe(
     compiled = lowered.compile()
     found = parse_collectives(compiled.as_text() or "")
     expert = axes["expert"]
-    devices = functools.reduce(lambda n, a: n * axes[a], batch_axes, 1)
-    rows = batch // devices
+    rows = batch // math.prod(axes[a] for a in batch_axes)
     slots = capacity(sizes["group_rows"] * seq, sizes["top_k"], sizes["experts"], sizes["capacity_factor"])
     buffer = (rows // sizes["group_rows"]) * sizes["experts"] * slots * sizes["d"] * 4  # f32
     return MoEMeasured(

@@ -28,12 +28,11 @@ from flax.core import meta
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from .._batch import batch_split_over
 from .._tree import named_shardings
 from ..gradients import batch_mean, sync_gradients
 from ..partitioning import specs_of
 from ..sharded_init import init_sharded
-from ..train import TrainState, shard_step
+from ..train import TrainState, as_a_step, shard_step
 from ._compare import assert_trees_close
 
 __all__ = ["OPTIMIZERS", "Comparison", "check_equal", "twin_steps"]
@@ -85,8 +84,11 @@ def check_equal(
     )
     assert_trees_close(meta.unbox(boxed), twin_params, "init", exact=True)
 
-    @with_batch_split(c.batch_axes)  # (as shard_step says it: to the layers that ask)
     def forward_backward(params, x, y):
+        with as_a_step(batch):  # (traced as shard_step traces the step)
+            return _forward_backward(params, x, y)
+
+    def _forward_backward(params, x, y):
         out = c.model.apply({"params": params}, x)
         # A scalar output (a loss term the model returns, a router's balance) is read as a loss
         # is: the devices' mean.
@@ -123,17 +125,6 @@ def check_equal(
             state, _ = step(state, (x, y))
         want = twin_steps(c, tx, twin_params, data)[0]
         assert_trees_close(meta.unbox(state.params), want, f"{name} params after {len(data)} steps")
-
-
-def with_batch_split(axes: tuple) -> Callable:
-    def decorate(fn):
-        def within(*args):
-            with batch_split_over(axes):
-                return fn(*args)
-
-        return within
-
-    return decorate
 
 
 def train_state(c: Comparison, tx, params, rng) -> tuple[TrainState, Any]:

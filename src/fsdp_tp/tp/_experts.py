@@ -88,8 +88,7 @@ class ExpertParallel(TPRole):
         expert, rows = eq.dim_of(letter, eq.inputs, x.ndim), _rows_dim(eq, eq.inputs, x.ndim)
         total = layer.kernel_shape[dim]
         if x.shape[expert] == total:  # a buffer with every expert: to the experts' devices
-            send = functools.partial(_all_to_all, axis=self.axis, split=expert, concat=rows)
-            x = once(x, ("experts", self.axis, expert, rows), lambda: send(x))
+            x = once(x, ("experts", self.axis, expert, rows), lambda: _all_to_all(x, self.axis, expert, rows))
         elif x.shape[expert] != total // n:
             raise RuleError(
                 f"{layer.path} (ExpertParallel over {self.axis!r}): its input {tuple(x.shape)} has "
