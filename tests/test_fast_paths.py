@@ -229,10 +229,11 @@ def test_plan_of_a_realistic_preset_shows_each_remat_policy():
 
 
 def test_the_accelerator_benchmark_runs_its_command(tmp_path, capsys):
-    """The GPU page's command, at the tiny preset on one CPU device: every column filled,
-    MFU left out (no peak for a CPU), and the command that regenerates it printed on the page."""
+    """The GPU page's command, at the tiny preset on one CPU device: every column filled, a row
+    per gather precision (issue 60: fp8 beside f32), MFU left out (no peak for a CPU), and the
+    command that regenerates it printed on the page."""
     argv = ["bench", "--accelerator", "--presets", "tiny:8", "--vocab-size", "256", "--remat", "none"]
-    argv += ["--blocks", "3"]
+    argv += ["--precisions", "f32/f32,fp8/bf16", "--blocks", "3"]
     out = io.StringIO()
     assert main([*argv, "--steps", "1", "--out", str(tmp_path)], out=out) == 0, out.getvalue()
     page = (tmp_path / "benchmarks_accelerator.md").read_text()
@@ -242,12 +243,20 @@ def test_the_accelerator_benchmark_runs_its_command(tmp_path, capsys):
             jax.eval_shape(PRESETS["tiny"].model().init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
         )
     )
-    row = next(line for line in page.splitlines() if line.startswith("| tiny"))
-    assert row.startswith(f"| tiny ({params / 1e6:,.0f}M params) | 8 x 64 | ") and "| — |" in row
+    rows = [line for line in page.splitlines() if line.startswith("| tiny")]
+    for row, precision in zip(rows, ["f32 / f32", "fp8 / bf16"], strict=True):
+        assert row.startswith(f"| tiny ({params / 1e6:,.0f}M params) | {precision} | 8 x 64 | ")
+        assert "| — |" in row
     assert f"fsdp-tp {' '.join(argv[:-2])}" in page
     assert "remat none, scan_layers False;" in page  # the layers unrolled unless --scan-layers
     assert main(["bench", "--accelerator", "--presets", "huge:8"], out=out) == 2
     assert "--presets item 'huge:8': write PRESET:BATCH" in capsys.readouterr().err
+    bad = ["bench", "--accelerator", "--presets", "tiny:8", "--precisions", "bf16/bf16,fp8"]
+    assert main(bad, out=out) == 2
+    assert (
+        "--precisions item 'fp8': write GATHER/REDUCE with GATHER one of ['bf16', 'f32', 'fp8', "
+        "'fp8-e5m2'] and REDUCE one of ['bf16', 'f32'], e.g. fp8/bf16." in capsys.readouterr().err
+    )
 
 
 @pytest.mark.parametrize("command", ["train", "plan", "bench"])

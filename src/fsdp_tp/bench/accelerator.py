@@ -4,7 +4,10 @@ For each preset: the library's train step (the CLI's: ``shard_step`` at mesh 1 x
 without the non-finite guard) against the plain-flax twin's step (``jax.jit`` of
 ``value_and_grad`` and the same optimizer), timed in interleaved blocks; tokens/s and MFU
 (``ModelConfig.flops_per_token`` over the device's peak from the CLI's table), and the
-compiled step's memory (argument + output - alias + temp). Writes
+compiled step's memory (argument + output - alias + temp). With ``--precisions f32/f32,fp8/bf16``
+each preset is measured once per FSDP gather precision (``MixedPrecision``), the plain-flax
+twin compiled once: on one device nothing is gathered, so the rows show what the rounding
+costs in compute. Writes
 ``benchmarks_accelerator.md``.
 
 On an H100 the issue's command is
@@ -29,6 +32,7 @@ import optax
 from ..analysis import compiled_memory
 from ..mesh import make_mesh
 from ..models import Layout
+from ..precision import MixedPrecision
 from ..recipe.config import PRESETS, ModelConfig
 from ..recipe.throughput import Achieved, peak_tflops
 from ..recipe.trainer import BATCH, Settings, Trainer, step_fn
@@ -41,6 +45,7 @@ __all__ = [
     "bench_settings",
     "measure",
     "parse_presets",
+    "policies_of",
     "write_accelerator_page",
 ]
 
@@ -56,6 +61,7 @@ class _Timed:
 @dataclass(frozen=True)
 class Measured:
     preset: str
+    precision: str  # FSDP's gather / reduce dtypes, e.g. "fp8 / bf16"
     params: int
     batch: int
     seq_len: int
@@ -83,6 +89,32 @@ def parse_presets(text: str) -> list[tuple[str, int]]:
     return found
 
 
+def policies_of(text: str, gather_dtypes: dict, reduce_dtypes: dict) -> dict[str, MixedPrecision | None]:
+    """``--precisions`` (``GATHER/REDUCE`` items, comma-separated) -> each row's label and
+    policy (``None`` for f32 both ways: the library's default). The dicts map the flags' dtype
+    names to numpy's.
+
+    >>> GATHER = {"f32": "float32", "bf16": "bfloat16", "fp8": "float8_e4m3fn"}
+    >>> REDUCE = {"f32": "float32", "bf16": "bfloat16"}
+    >>> found = policies_of("f32/f32, fp8/bf16", GATHER, REDUCE)
+    >>> list(found), found["f32 / f32"], found["fp8 / bf16"].gather_dtype
+    (['f32 / f32', 'fp8 / bf16'], None, dtype(float8_e4m3fn))
+    """
+    found: dict[str, MixedPrecision | None] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        gather, _, reduce = item.partition("/")
+        if gather not in gather_dtypes or reduce not in reduce_dtypes:
+            raise ValueError(
+                f"--precisions item {item!r}: write GATHER/REDUCE with GATHER one of "
+                f"{sorted(gather_dtypes)} and REDUCE one of {sorted(reduce_dtypes)}, e.g. fp8/bf16."
+            )
+        policy = MixedPrecision(gather_dtypes[gather], reduce_dtypes[reduce])
+        found[f"{gather} / {reduce}"] = None if gather == reduce == "f32" else policy
+    if not found:
+        raise ValueError(f"--precisions {text!r} names none: write GATHER/REDUCE items, e.g. fp8/bf16.")
+    return found
+
+
 def _plain_step(config: ModelConfig, tx: optax.GradientTransformation):
     """What a plain flax script compiles: the twin's loss, its gradient and the update."""
     twin = config.model()
@@ -98,59 +130,85 @@ def _plain_step(config: ModelConfig, tx: optax.GradientTransformation):
     return jax.jit(step, donate_argnums=0), state_init_fn(twin, tx)
 
 
-def bench_settings(config: ModelConfig, batch: int) -> Settings:
+def bench_settings(config: ModelConfig, batch: int, policy: MixedPrecision | None = None) -> Settings:
     """The run each preset is measured as (its plan is what ``fsdp-tp bench`` checks first)."""
-    return Settings(config, 1000, batch, 1, 1e-4, 10, 0, Layout("tensor", "fsdp"), check_vma=True)
+    layout = Layout("tensor", "fsdp", mixed_precision=policy)
+    return Settings(config, 1000, batch, 1, 1e-4, 10, 0, layout, check_vma=True)
 
 
-def measure(config: ModelConfig, name: str, batch: int, blocks: int, steps: int) -> Measured:
-    """The library's step and the plain-flax twin's on one device, interleaved."""
+def measure(
+    config: ModelConfig,
+    name: str,
+    batch: int,
+    blocks: int,
+    steps: int,
+    policies: dict[str, MixedPrecision | None] | None = None,
+) -> list[Measured]:
+    """The library's step per gather precision (f32 alone by default) and the plain-flax twin's
+    on one device, interleaved; one record per precision, each timed beside the same twin."""
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
-    settings = bench_settings(config, batch)
-    trainer = Trainer(settings, mesh)
-    step = step_fn(settings, trainer.model.logits)
-    library: Any = shard_step(step, mesh, trainer.specs, BATCH)  # a jit: .lower
     rng = np.random.default_rng(0)
     windows = rng.integers(0, config.vocab_size, (batch, config.seq_len + 1), dtype=np.int32)
     windows = jax.device_put(windows, jax.sharding.NamedSharding(mesh, BATCH))
-    plain, plain_init = _plain_step(config, trainer.tx)
+    timed, memory = [], {}
+    for label, policy in (policies or {"f32 / f32": None}).items():
+        settings = bench_settings(config, batch, policy)
+        trainer = Trainer(settings, mesh)
+        library: Any = shard_step(step_fn(settings, trainer.model.logits), mesh, trainer.specs, BATCH)
+        # Compiled once: the executable whose memory is read is the one timed.
+        compiled = library.lower(trainer.state, windows).compile()
+        memory[label] = compiled_memory(compiled)["total"]
+        timed.append(_Timed(label, trainer.state, compiled, windows))
+        tx = trainer.tx
+        del trainer  # the timed step consumes its state: no second copy
+    plain, plain_init = _plain_step(config, tx)
     plain_state = jax.jit(plain_init)(jax.random.key(0), windows[:, :-1])
-    # Compiled once each: the executables whose memory is read are the ones timed.
-    compiled = {
-        "library": library.lower(trainer.state, windows).compile(),
-        "plain flax": plain.lower(plain_state, windows).compile(),
-    }
-    memory = {label: compiled_memory(c)["total"] for label, c in compiled.items()}
-    timed = [
-        _Timed("library", trainer.state, compiled["library"], windows),
-        _Timed("plain flax", plain_state, compiled["plain flax"], windows),
-    ]
+    compiled = plain.lower(plain_state, windows).compile()
+    memory["plain flax"] = compiled_memory(compiled)["total"]
+    timed.append(_Timed("plain flax", plain_state, compiled, windows))
     params = sum(math.prod(x.shape) for x in jax.tree.leaves(plain_state.params))
-    del trainer, plain_state  # the timed steps consume the two states: no third and fourth copy
+    del plain_state
     times = step_seconds(timed, blocks, steps, copy=False)
-    tokens_per_s = batch * config.seq_len / median(times["library"])
     peak = peak_tflops(jax.devices()[0].device_kind, config.dtype)
-    mfu = Achieved.of(config.flops_per_token(), tokens_per_s, 1, peak).mfu
-    return Measured(name, params, batch, config.seq_len, times, memory, mfu, tokens_per_s)
+    found = []
+    for record in timed[:-1]:
+        tokens_per_s = batch * config.seq_len / median(times[record.label])
+        mfu = Achieved.of(config.flops_per_token(), tokens_per_s, 1, peak).mfu
+        mine = {"library": times[record.label], "plain flax": times["plain flax"]}
+        bytes_ = {"library": memory[record.label], "plain flax": memory["plain flax"]}
+        found.append(
+            Measured(name, record.label, params, batch, config.seq_len, mine, bytes_, mfu, tokens_per_s)
+        )
+    return found
+
+
+def _row(m: Measured) -> str:
+    ratio = [a / b for a, b in zip(m.times["library"], m.times["plain flax"], strict=True)]
+    mfu = "—" if m.mfu is None else f"{100 * m.mfu:.1f} %"
+    gib = {k: f"{v / 2**30:.2f}" for k, v in m.memory.items()}
+    return (
+        f"| {m.preset} ({m.params / 1e6:,.0f}M params) | {m.precision} | {m.batch} x {m.seq_len} | "
+        f"{m.tokens_per_s:,.0f} | {mfu} | {median(ratio):.3f} ({min(ratio):.3f}-{max(ratio):.3f}) | "
+        f"{gib['library']} GiB ({gib['plain flax']}) |"
+    )
 
 
 def accelerator_section(
-    presets: list[tuple[str, int]], overrides: dict, blocks: int, steps: int, argv: list[str], out: TextIO
+    presets: list[tuple[str, int]],
+    overrides: dict,
+    blocks: int,
+    steps: int,
+    argv: list[str],
+    out: TextIO,
+    policies: dict[str, MixedPrecision | None] | None = None,
 ) -> str:
-    """Measures each preset with ``overrides`` (vocab_size, dtype, attention, remat); the page."""
+    """Measures each preset with ``overrides`` (vocab_size, dtype, attention, remat) once per
+    FSDP gather precision of ``policies`` (f32 alone by default); the page."""
     rows = []
     for name, batch in presets:
         config = dataclasses.replace(PRESETS[name], **overrides)
-        m = measure(config, name, batch, blocks, steps)
+        rows += [_row(m) for m in measure(config, name, batch, blocks, steps, policies)]
         print(f"accelerator: {name} at batch {batch} measured", file=out, flush=True)
-        ratio = [a / b for a, b in zip(m.times["library"], m.times["plain flax"], strict=True)]
-        mfu = "—" if m.mfu is None else f"{100 * m.mfu:.1f} %"
-        gib = {k: f"{v / 2**30:.2f}" for k, v in m.memory.items()}
-        rows.append(
-            f"| {name} ({m.params / 1e6:,.0f}M params) | {m.batch} x {m.seq_len} | {m.tokens_per_s:,.0f} | "
-            f"{mfu} | {median(ratio):.3f} ({min(ratio):.3f}-{max(ratio):.3f}) | "
-            f"{gib['library']} GiB ({gib['plain flax']}) |"
-        )
     device = jax.devices()[0]
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     settings = ", ".join(f"{k} {v}" for k, v in overrides.items())
@@ -167,10 +225,13 @@ def accelerator_section(
             "twin's, interleaved blocks, medians (min-max of the per-block ratios in brackets). MFU: "
             "6 x weights + attention FLOPs per token (`ModelConfig.flops_per_token`) over the device's "
             "dense peak in the compute dtype (`fsdp_tp.recipe.throughput.PEAK_TFLOPS`; none on CPU). Memory: "
-            "the compiled step's argument + output - alias + temp, plain flax's in brackets.",
+            "the compiled step's argument + output - alias + temp, plain flax's in brackets. Gather / "
+            "reduce: the dtypes FSDP gathers parameters and reduces gradients in (`MixedPrecision`); on "
+            "one device nothing crosses a wire, so a narrower gather shows only its rounding's cost.",
             "",
-            "| model | batch x seq | tokens/s (library) | MFU | library ÷ plain flax step time | memory |",
-            "|---|---|---|---|---|---|",
+            "| model | gather / reduce | batch x seq | tokens/s (library) | MFU | "
+            "library ÷ plain flax step time | memory |",
+            "|---|---|---|---|---|---|---|",
             *rows,
             "",
         ]

@@ -11,10 +11,11 @@ from .options import DTYPES
 __all__ = ["bench"]
 
 
-def _check_presets_fit(presets: list[tuple[str, int]], overrides: dict) -> None:
+def _check_presets_fit(presets: list[tuple[str, int]], overrides: dict, precisions: int) -> None:
     """Each preset's plan (one abstract trace, no device work) against one device's memory:
     on a CPU machine with jax 0.10 the default presets plan 100 GB (jax 0.12's compiler, 16 GB)
-    and ended in an allocator's traceback."""
+    and ended in an allocator's traceback. ``precisions``: the library's states alive beside plain
+    flax's, one per gather precision."""
     import dataclasses
 
     from ..bench.accelerator import bench_settings
@@ -25,13 +26,15 @@ def _check_presets_fit(presets: list[tuple[str, int]], overrides: dict) -> None:
     fix = "measure smaller presets or batches (e.g. --presets tiny:8), or with --remat full"
     for name, batch in presets:
         settings = bench_settings(dataclasses.replace(PRESETS[name], **overrides), batch)
-        check_fits(plan_of(settings, one_device), f"--presets {name}:{batch}", twin=True, sharing=1, fix=fix)
+        plan = plan_of(settings, one_device)
+        check_fits(plan, f"--presets {name}:{batch}", states=precisions + 1, sharing=1, fix=fix)
 
 
 def _accelerator_bench(args, argv: list[str], out) -> int:
     from pathlib import Path
 
-    from ..bench.accelerator import accelerator_section, parse_presets, write_accelerator_page
+    from ..bench.accelerator import accelerator_section, parse_presets, policies_of, write_accelerator_page
+    from .options import GATHER_DTYPES
 
     overrides = dict(
         vocab_size=args.vocab_size,
@@ -42,11 +45,12 @@ def _accelerator_bench(args, argv: list[str], out) -> int:
     )
     try:
         presets = parse_presets(args.presets)
-        _check_presets_fit(presets, overrides)
+        policies = policies_of(args.precisions, GATHER_DTYPES, DTYPES)
+        _check_presets_fit(presets, overrides, len(policies))
     except (ValueError, UsageError) as err:
         print(f"fsdp-tp: error: {err}", file=sys.stderr)
         return 2
-    text = accelerator_section(presets, overrides, args.blocks, args.steps, argv, out)
+    text = accelerator_section(presets, overrides, args.blocks, args.steps, argv, out, policies)
     print(f"wrote {write_accelerator_page(text, Path(args.out))}", file=out)
     return 0
 

@@ -173,16 +173,19 @@ _FIX = "use a smaller model or batch, --remat full, more --microbatches or more 
 
 
 def check_fits(
-    plan: Plan, what: str = "the run", twin: bool = False, sharing: int | None = None, fix: str = _FIX
+    plan: Plan, what: str = "the run", states: int = 1, sharing: int | None = None, fix: str = _FIX
 ) -> None:
     """Refuses a run whose state, gradients and saved activations exceed a device's memory
     (before the init would allocate them and the kernel or the allocator kill the process).
-    ``twin``: a second state of the same size is alive beside it (the accelerator bench's
-    plain-flax step); ``sharing``: see ``memory_per_device``; ``fix``: the flags that help."""
+    ``states``: how many states of this size are alive at once (the accelerator bench holds the
+    library's, one per gather precision, and plain flax's); ``sharing``: see
+    ``memory_per_device``; ``fix``: the flags that help."""
     limit = memory_per_device(sharing)
-    needed = needed_bytes(plan) + (plan.total_bytes if twin else 0)
+    needed = needed_bytes(plan) + (states - 1) * plan.total_bytes
     activations = f" + activations {mib(plan.activation_bytes)}" if plan.activation_bytes else ""
-    state = f"state {mib(plan.total_bytes)}" + (" x 2 (the library's and plain flax's)" if twin else "")
+    state = f"state {mib(plan.total_bytes)}" + (
+        f" x {states} (the library's and plain flax's)" if states > 1 else ""
+    )
     if limit is not None and needed > limit[0]:
         raise UsageError(
             f"{what} needs at least {mib(needed)} per device ({state} + gradients "

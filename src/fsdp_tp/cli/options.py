@@ -231,6 +231,13 @@ def _bench_flags(bench: argparse.ArgumentParser) -> None:
     acc.add_argument("--presets", default="125m:32,1b:16", help="PRESET:GLOBAL_BATCH, comma-separated")
     acc.add_argument("--vocab-size", type=int, default=32768, help="the presets' vocabulary")
     acc.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="compute dtype")
+    acc.add_argument(
+        "--precisions",
+        default="f32/f32",
+        help=f"one row per GATHER/REDUCE dtype pair FSDP gathers parameters and reduces gradients in, "
+        f"comma-separated (GATHER: {', '.join(GATHER_DTYPES)}; REDUCE: {', '.join(DTYPES)}); one "
+        "device gathers nothing, so a narrower gather shows its rounding's cost",
+    )
     _compute_flags(acc, remat_default="dots")
     _scan_layers_flag(
         acc, default=False, why="unrolled by default, as docs/benchmarks_accelerator.md was measured"
