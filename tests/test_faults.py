@@ -346,8 +346,8 @@ def test_only_the_echoes_of_a_failed_saves_abandoned_writes_are_kept_off_the_ter
 def _poisoned(when):
     """The CLI's step, with nan gradients and loss where ``when(state, windows)`` holds."""
 
-    def step_fn(settings, logits_fn):
-        real = _real_step_fn(settings, logits_fn)
+    def step_fn(settings, model):
+        real = _real_step_fn(settings, model)
 
         def step(state, windows):
             grads, loss = real(state, windows)

@@ -296,6 +296,7 @@ IMPORT_LINEN = {
     "bench.moe_rows": "the Linen MoE LM laid out by shard_by_rules",
     "bench.auto_rows": "finds the Linen Llama's plan (fsdp_tp.linen.find_tp_rules)",
     "cli.fit": "fsdp-tp plan prints the Linen GPT's plan (fsdp_tp.linen.find_tp_rules)",
+    "recipe.moe_lm": "fsdp-tp train --experts --api linen lays the Linen MoE LM out by rules",
     "testing._front": "check_sharded lays a user's Linen model out (fsdp_tp.linen._testing)",
 }
 

@@ -26,7 +26,7 @@ from fsdp_tp.plan import Plan
 from fsdp_tp.precision import MixedPrecision
 from fsdp_tp.recipe.config import preset
 from fsdp_tp.recipe.trainer import BATCH as WINDOWS
-from fsdp_tp.recipe.trainer import Settings, step_fn
+from fsdp_tp.recipe.trainer import Settings, ShardedGPT, step_fn
 from fsdp_tp.train import shard_step, state_init_fn
 
 pytestmark = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")
@@ -119,7 +119,7 @@ def _plan_and_step(remat: str, policy: MixedPrecision | None, sizes: tuple) -> t
         (settings.batch, seq_len + 1), jnp.int32, sharding=jax.sharding.NamedSharding(mesh, WINDOWS)
     )
     logits = lambda params, ids: model.apply({"params": params}, ids)
-    step = jax.jit(shard_step(step_fn(settings, logits), mesh, specs, WINDOWS))
+    step = jax.jit(shard_step(step_fn(settings, ShardedGPT(None, logits, None)), mesh, specs, WINDOWS))
     return plan, step.lower(state, windows).compile()
 
 

@@ -30,6 +30,7 @@ __all__ = ["UncountedWire", "step_collectives", "step_wire", "wire_lines"]
 
 _KINDS = {
     "all_gather": "all-gather",
+    "all_gather_invariant": "all-gather",  # (VocabParallel's logits: the same bytes, another type)
     "reduce_scatter": "reduce-scatter",
     "psum": "all-reduce",
     "psum_invariant": "all-reduce",

@@ -154,7 +154,7 @@ def measure(
     for label, policy in (policies or {"f32 / f32": None}).items():
         settings = bench_settings(config, batch, policy)
         trainer = Trainer(settings, mesh)
-        library: Any = shard_step(step_fn(settings, trainer.model.logits), mesh, trainer.specs, BATCH)
+        library: Any = shard_step(step_fn(settings, trainer.model), mesh, trainer.specs, BATCH)
         # Compiled once: the executable whose memory is read is the one timed.
         compiled = library.lower(trainer.state, windows).compile()
         memory[label] = compiled_memory(compiled)["total"]

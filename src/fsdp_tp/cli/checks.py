@@ -61,6 +61,9 @@ MINIMUM = {
     "process_id": (0, "this process's index"),
     "coordinator_timeout": (1, "seconds to wait for the coordinator"),
     "peer_timeout": (1, "seconds without a heartbeat"),
+    "experts": (1, "experts per MoE layer"),
+    "top_k": (1, "experts each token is routed to"),
+    "moe_every": (1, "layers between MoE layers"),
 }
 # dest: (largest value, why). optax and the train state count steps in int32.
 MAXIMUM = {
@@ -81,6 +84,7 @@ FLOAT_MINIMUM = {
     "lr": (0.0, False, "a learning rate"),
     "clip_norm": (0.0, True, "a norm; 0 turns clipping off"),
     "peak_tflops": (0.0, False, "a device's peak TFLOP/s"),
+    "capacity_factor": (0.0, False, "a multiple of an expert's even share; --dropless for no limit"),
 }
 
 # dest: (largest value, why): past float32's largest, the value the optimizer reads is inf

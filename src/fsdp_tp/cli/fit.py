@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..plan import Plan, make_plan
 from ..recipe.throughput import memory_stats
-from ..recipe.trainer import BATCH, Settings, sharded_gpt, window_loss
+from ..recipe.trainer import Settings, sharded_gpt, window_loss
 from .checks import UsageError
 
 __all__ = [
@@ -52,16 +52,17 @@ def plan_of(settings: Settings, mesh) -> Plan:
     # One microbatch's activations are alive at a time (accumulate_gradients).
     rows = settings.batch // settings.microbatches
     windows = jax.ShapeDtypeStruct((rows, config.seq_len + 1), np.int32)
+    batch = P(settings.batch_axes)
     return make_plan(
         model.init_fn,
         mesh,
-        (P(), BATCH),
+        (P(), batch),
         jax.random.key(0),
         ids,
         check_vma=settings.check_vma,
-        loss_fn=lambda params, batch: window_loss(model.logits, params, batch),
+        loss_fn=lambda params, batch: window_loss(model, params, batch),
         batch=windows,
-        batch_specs=BATCH,
+        batch_specs=batch,
     )
 
 
@@ -81,7 +82,11 @@ def print_plan(settings: Settings, sizes: dict, out: TextIO) -> None:
         plan, settings = _print_remat_plans(settings, mesh, out), _with_remat(settings, "full")
     if sizes.get("fsdp", 1) > 1:
         print(fsdp_wire_line(plan, settings), file=out)
-    if sizes.get("tensor", 1) > 1:
+    if settings.model.experts:
+        from .experts import moe_plan_text
+
+        print(moe_plan_text(settings, sizes, plan), file=out)
+    elif sizes.get("tensor", 1) > 1:
         print(tp_plan_text(settings, sizes), file=out)
 
 

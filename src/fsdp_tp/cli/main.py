@@ -29,6 +29,7 @@ from .agreement import DisagreementError, check_agreement, run_settings
 from .bench_command import bench
 from .checks import UsageError, check_attention, check_paths, check_ranges, resuming
 from .distributed import DistributedError
+from .experts import with_expert_axis
 from .machine import (
     check_cpu_devices,
     check_mesh_fits,
@@ -61,11 +62,11 @@ def _checked_train(args, out) -> int:
     if args.mesh is None and (uses_accelerator(args) or args.cpu_devices):
         check_cpu_devices(args)
         select_devices(args, None)  # checks the multi-process flags first
-        sizes = {"data": 1, "fsdp": jax.device_count(), "tensor": 1}
+        sizes = with_expert_axis({"data": 1, "fsdp": jax.device_count(), "tensor": 1}, args.experts)
         args.mesh, args.mesh_chosen = f"fsdp={jax.device_count()}", True
         train_tokens, eval_tokens, settings = tokens_and_settings(args, sizes)
     else:
-        sizes = mesh_sizes(args.mesh or DEFAULT_MESH)
+        sizes = mesh_sizes(args.mesh or DEFAULT_MESH, args.experts)
         train_tokens, eval_tokens, settings = tokens_and_settings(args, sizes)
         if (total := requested_cpu_devices(args)) is not None:
             check_mesh_fits(sizes, total, settings)  # before the devices are made
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None, out=sys.stdout) -> int:
         if args.command == "plan":
             from .fit import print_plan
 
-            sizes = mesh_sizes(args.mesh or DEFAULT_MESH)
+            sizes = mesh_sizes(args.mesh or DEFAULT_MESH, args.experts)
             print_plan(settings_of(args, sizes), sizes, out)
             return 0
         return _checked_train(args, out)

@@ -19,6 +19,7 @@ from ..recipe.throughput import Achieved, memory_in_use, peak_tflops
 from ..recipe.trainer import Settings, Trainer, compare_with_twin
 from .checks import UsageError, resuming
 from .distributed import coordination_client
+from .experts import experts_text
 from .fit import check_fits, choose_remat, mib, plan_of
 from .output import Output, model_name, run_header
 from .resume import changes, data_identity, data_name, precision_of, record
@@ -43,6 +44,7 @@ def _summary(settings: Settings, sizes: dict, plan, name: str) -> str:
     params = sum(math.prod(r.shape) for r in plan.rows)
     processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
     name += " (NNX)" if settings.api == "nnx" else ""
+    name += experts_text(settings.model)
     return (
         f"mesh {' x '.join(f'{k}={v}' for k, v in sizes.items())} on {jax.device_count()} "
         f"{jax.default_backend()} devices{processes}; model {name}, vocab {settings.model.vocab_size} "
@@ -50,9 +52,13 @@ def _summary(settings: Settings, sizes: dict, plan, name: str) -> str:
         f"optimizer {mib(plan.optimizer_bytes)} ({settings.optimizer_name}, "
         f"{f'clip {settings.clip_norm:g}' if settings.clip_norm else 'no clipping'}), "
         f"activations {mib(plan.activation_bytes or 0)} (remat {settings.model.remat}, "
-        f"{resolved_implementation(settings.model.attention, settings.model.dtype)} attention)"
-        + _precision_text(settings)
+        f"{_attention_text(settings)} attention)" + _precision_text(settings)
     )
+
+
+def _attention_text(settings: Settings) -> str:
+    config = settings.model
+    return "einsum" if config.experts else resolved_implementation(config.attention, config.dtype)
 
 
 def _precision_text(settings: Settings) -> str:

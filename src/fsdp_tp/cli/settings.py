@@ -6,13 +6,14 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import MeshShapeError
-from ..mesh import parse_mesh
+from ..mesh import DEFAULT_AXIS_NAMES, parse_mesh
 from ..models import Layout
 from ..precision import MixedPrecision
 from ..recipe.config import preset
 from ..recipe.data import EVAL_FRACTION, check_tokens, check_vocab, load_tokens, split_held_out, vocab_for
 from ..recipe.trainer import Settings
 from .checks import UsageError, check_nnx, check_schedule, check_tensor_split
+from .experts import check_experts, expert_fields
 from .options import DEFAULT_MESH, DEFAULT_WARMUP, DTYPES, GATHER_DTYPES
 
 __all__ = ["mesh_sizes", "settings_of", "tokens_and_settings"]
@@ -35,15 +36,20 @@ def settings_of(args, mesh: dict, vocab_size: int | None = None) -> Settings:
         args.preset,
         **overrides,
         vocab_size=args.vocab_size or vocab_size,
-        dtype=DTYPES[args.dtype],
-        scan_layers=args.scan_layers,
-        attention=args.attention,
-        remat=args.remat,
+        **{
+            "dtype": DTYPES[args.dtype],
+            "scan_layers": args.scan_layers,
+            "attention": args.attention,
+            "remat": args.remat,
+            **expert_fields(args),  # (the MoE LM's: unrolled, no remat)
+        },
     )
-    shards = mesh.get("data", 1) * mesh.get("fsdp", 1)
+    check_experts(args, mesh, config)
+    shards = mesh.get("data", 1) * mesh.get("fsdp", 1) * mesh.get("expert", 1)
     if args.batch % shards:
+        axes = "data x fsdp x expert" if "expert" in mesh else "data x fsdp"
         raise UsageError(
-            f"--batch {args.batch} is not divisible by the batch shards data x fsdp = {shards}; "
+            f"--batch {args.batch} is not divisible by the batch shards {axes} = {shards}; "
             f"use a multiple of {shards}."
         )
     microbatches = getattr(args, "microbatches", 1)
@@ -63,7 +69,7 @@ def settings_of(args, mesh: dict, vocab_size: int | None = None) -> Settings:
         )
     check_tensor_split(config, args, mesh, _sequence_parallel(args))
     check_schedule(args)
-    if args.api == "nnx":
+    if args.api == "nnx" and not config.experts:
         check_nnx(args, mesh.get("tensor", 1))
     return Settings(
         model=config,
@@ -100,20 +106,27 @@ def _mixed_precision(args) -> MixedPrecision | None:
     return MixedPrecision(GATHER_DTYPES[args.gather_dtype], DTYPES[args.reduce_dtype])
 
 
-def mesh_sizes(text: str) -> dict:
-    """``--mesh`` as sizes over data, fsdp and tensor (1 where not named).
+def mesh_sizes(text: str, experts: int | None = None) -> dict:
+    """``--mesh`` as sizes over data, fsdp and tensor (1 where not named), and ``expert`` where
+    named or the run has ``experts``.
 
     >>> mesh_sizes("fsdp=4,tensor=2")
     {'data': 1, 'fsdp': 4, 'tensor': 2}
+    >>> mesh_sizes("data=2,expert=2,tensor=2", experts=8)
+    {'data': 2, 'fsdp': 1, 'expert': 2, 'tensor': 2}
     """
     sizes = parse_mesh(text)
-    unknown = set(sizes) - {"data", "fsdp", "tensor"}
+    unknown = set(sizes) - {"data", "fsdp", "expert", "tensor"}
     if unknown:
-        raise MeshShapeError(f"--mesh {text!r}: unknown axes {sorted(unknown)}; use data, fsdp and tensor.")
+        raise MeshShapeError(
+            f"--mesh {text!r}: unknown axes {sorted(unknown)}; use data, fsdp and tensor (and expert, "
+            f"with --experts)."
+        )
     bad = {axis: size for axis, size in sizes.items() if size < 1}
     if bad:
         raise MeshShapeError(f"--mesh {text!r}: axis sizes must be >= 1, got {bad}; e.g. {DEFAULT_MESH}.")
-    return {axis: sizes.get(axis, 1) for axis in ("data", "fsdp", "tensor")}
+    axes = ("data", "fsdp", "expert", "tensor") if experts or "expert" in sizes else DEFAULT_AXIS_NAMES
+    return {axis: sizes.get(axis, 1) for axis in axes}
 
 
 def tokens_and_settings(args, mesh: dict):

@@ -1,5 +1,6 @@
 """Model presets for the ``fsdp-tp`` command: one frozen config builds both the sharded
-model and its unsharded twin, so the two never drift apart."""
+model and its unsharded twin, so the two never drift apart. With ``experts`` the model is the
+mixture-of-experts LM of :mod:`fsdp_tp.models.moe` (its twin :meth:`ModelConfig.model` too)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 
 from ..models import Layout, Transformer
+from ..models.moe import MoELM
 
 __all__ = ["PRESETS", "ModelConfig", "preset"]
 
@@ -30,6 +32,15 @@ class ModelConfig:
     scan_layers: bool = True  # False: blocks_0, blocks_1, ... unrolled (another parameter tree)
     attention: str = "reference"  # fsdp_tp.attention.ATTENTION_IMPLEMENTATIONS
     remat: str = "full"  # fsdp_tp.models.remat.REMAT_POLICIES
+    # A mixture of experts in place of the MLP (experts > 0): every moe_every-th layer routes each
+    # token to its top_k of `experts` gated MLPs of width mlp_hidden, at most capacity_factor x the
+    # even share a sequence (None: dropless). The MoE LM computes in f32, unrolled, without remat.
+    experts: int = 0
+    top_k: int = 2
+    capacity_factor: float | None = None
+    moe_every: int = 1
+
+    MOE_FIELDS = ("experts", "top_k", "capacity_factor", "moe_every")
 
     def flops_per_token(self) -> int:
         """Model FLOPs of one trained token (forward and backward, recomputation not counted):
@@ -42,21 +53,43 @@ class ModelConfig:
         '0.774 GFLOP'
         """
         d, heads, kv, dim = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim
-        per_layer = d * (heads + 2 * kv) * dim + heads * dim * d + 2 * d * self.mlp_hidden
+        mlp = 2 * d * self.mlp_hidden
+        if self.experts:  # the MoE LM's layers: gated MLPs (3 matrices), top_k of them where routed
+            routed = self.num_layers // self.moe_every
+            matrices = 3 * d * self.mlp_hidden * (self.top_k * routed + self.num_layers - routed)
+            mlp = (matrices + d * self.experts * routed) // self.num_layers  # (and the routers)
+        per_layer = d * (heads + 2 * kv) * dim + heads * dim * d + mlp
         weights = self.num_layers * per_layer + d * self.vocab_size  # blocks + output head
         return 6 * weights + 12 * self.num_layers * heads * dim * self.seq_len
 
-    def model(self, layout: Layout | None = None) -> Transformer:
+    def model(self, layout: Layout | None = None) -> Transformer | MoELM:
         """The model split as ``layout`` says; without one, the plain flax twin, the reference
-        the sharded one must equal."""
+        the sharded one must equal (with ``experts``, the MoE LM, which rules lay out)."""
+        if self.experts:
+            return MoELM(self.moe_sizes())
         return Transformer(**self.model_sizes(), layout=layout or Layout())
 
     def model_sizes(self) -> dict:
-        """The model's fields (every one but ``seq_len``), as both APIs' GPTs take them."""
+        """The GPT's fields (every one but ``seq_len`` and the MoE's), as both APIs' GPTs take them."""
         fields = dataclasses.asdict(self)
-        del fields["seq_len"]
+        for name in ("seq_len", *self.MOE_FIELDS):
+            del fields[name]
         fields["dtype"] = jnp.dtype(self.dtype)
         return fields
+
+    def moe_sizes(self) -> dict:
+        """The MoE LM's sizes (:data:`fsdp_tp.models.moe.MOE_SIZES`' keys): a group is one sequence.
+
+        >>> sizes = preset("tiny", experts=4).moe_sizes()
+        >>> sizes["experts"], sizes["hidden"], sizes["capacity_factor"]
+        (4, 256, None)
+        """
+        return dict(
+            vocab=self.vocab_size, d=self.d_model, heads=self.num_heads, kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, hidden=self.mlp_hidden, layers=self.num_layers, experts=self.experts,
+            top_k=self.top_k, capacity_factor=self.capacity_factor, group_rows=1, shared_hidden=0,
+            moe_every=self.moe_every,
+        )  # fmt: skip
 
 
 PRESETS = {

@@ -21,6 +21,7 @@ from ..tp.pieces import vocab_parallel_cross_entropy
 from ..train import accumulate_gradients, shard_step, state_init_fn
 from .config import ModelConfig
 from .data import batch_at, windows_at
+from .moe_lm import linen_path, moe_loss, sharded_moe_parts
 
 __all__ = [
     "APIS",
@@ -64,6 +65,12 @@ class Settings:
     clip_norm: float = 1.0  # clip the gradient's global norm to this (0: no clipping)
     api: str = "linen"  # one of APIS: the GPT in Linen (the layout's layers) or NNX (by rules)
 
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes the batch is split over: ``expert`` too for a mixture of experts
+        (expert parallelism sends each device's tokens to the experts over it)."""
+        return (*BATCH_AXES, "expert") if self.model.experts else BATCH_AXES
+
     def optimizer(self) -> optax.GradientTransformation:
         """The optimizer on a warmup-cosine schedule, after global-norm clipping. Both run
         on global arrays (shard_step), so the norm is the whole gradient's."""
@@ -78,11 +85,14 @@ class Settings:
 class ShardedGPT:
     """The GPT of one API on one mesh: ``init_fn(rng, ids)`` builds a device's state (for
     ``init_sharded``, specs ``(P(), BATCH)``), ``logits(params, ids)`` is a device's forward
-    (logits split on the vocabulary over ``tensor``), ``twin_init_fn`` the unsharded state."""
+    (logits split on the vocabulary over ``tensor``), ``twin_init_fn`` the unsharded state,
+    ``objective(out, targets)`` the mean loss of what ``logits`` returns (the MoE LM's: its
+    whole logits and auxiliary losses, :func:`~fsdp_tp.recipe.moe_lm.moe_loss`)."""
 
     init_fn: Callable
     logits: Callable
     twin_init_fn: Callable | None
+    objective: Callable = lambda logits, targets: vocab_parallel_cross_entropy(logits, targets).mean()
 
 
 def nnx_schedule(settings: Settings, sizes: dict) -> tuple[bool, str | None]:
@@ -97,6 +107,10 @@ def sharded_gpt(settings: Settings, sizes: dict, tx: optax.GradientTransformatio
     """The GPT ``settings`` describe on a mesh of axis ``sizes``: Linen's split by its layout,
     or NNX's by rules (:mod:`fsdp_tp.recipe.nnx_gpt`), from the same init."""
     config = settings.model
+    if config.experts:
+        policy = settings.layout.mixed_precision
+        parts = sharded_moe_parts(config, settings.api, sizes, settings.batch_axes, tx, policy)
+        return ShardedGPT(*parts, objective=moe_loss)
     if settings.api == "nnx":
         from .nnx_gpt import sharded_gpt as sharded_nnx_gpt
 
@@ -111,22 +125,22 @@ def sharded_gpt(settings: Settings, sizes: dict, tx: optax.GradientTransformatio
     return ShardedGPT(state_init_fn(model, tx), logits, state_init_fn(config.model(), tx))
 
 
-def window_loss(logits_fn: Callable, params, windows: jax.Array) -> jax.Array:
-    """Mean next-token loss of this device's windows ``(rows, seq_len + 1)``;
-    ``logits_fn(params, ids)`` is :attr:`ShardedGPT.logits`."""
-    logits = logits_fn(params, windows[:, :-1])
-    return vocab_parallel_cross_entropy(logits, windows[:, 1:]).mean()
+def window_loss(model: ShardedGPT, params, windows: jax.Array) -> jax.Array:
+    """Mean next-token loss of this device's windows ``(rows, seq_len + 1)`` under ``model``
+    (its ``logits`` and ``objective``)."""
+    return model.objective(model.logits(params, windows[:, :-1]), windows[:, 1:])
 
 
-def step_fn(settings: Settings, logits_fn: Callable) -> Callable:
+def step_fn(settings: Settings, model: ShardedGPT) -> Callable:
     """The per-device step for ``shard_step``: this device's windows -> synced gradients, loss."""
+    axes = settings.batch_axes
 
     def step(state, windows):
         def loss_fn(params, microbatch, _rng):
-            return window_loss(logits_fn, params, microbatch), None
+            return window_loss(model, params, microbatch), None
 
         (loss, _), grads = accumulate_gradients(loss_fn, state.params, windows, settings.microbatches)
-        return sync_gradients(grads, BATCH_AXES), jax.lax.pmean(loss, BATCH_AXES)
+        return sync_gradients(grads, axes), jax.lax.pmean(loss, axes)
 
     return step
 
@@ -153,8 +167,8 @@ def _guarded(step: Callable) -> Callable:
     return guarded
 
 
-def _eval_fn(logits_fn: Callable) -> Callable:
-    return lambda state, windows: jax.lax.pmean(window_loss(logits_fn, state.params, windows), BATCH_AXES)
+def _eval_fn(model: ShardedGPT, axes: tuple) -> Callable:
+    return lambda state, windows: jax.lax.pmean(window_loss(model, state.params, windows), axes)
 
 
 class Trainer:
@@ -167,28 +181,29 @@ class Trainer:
         self.tx = settings.optimizer()
         self.model = sharded_gpt(settings, dict(mesh.shape), self.tx)
         example = np.zeros((settings.batch, config.seq_len), np.int32)
+        batch = P(settings.batch_axes)
         self.state, self.specs = init_sharded(
             self.model.init_fn,
             mesh,
-            (P(), BATCH),
+            (P(), batch),
             jax.random.key(settings.seed),
             example,
             twin_init_fn=self.model.twin_init_fn,
             check_vma=settings.check_vma,
         )
-        step = step_fn(settings, self.model.logits)
-        step = shard_step(step, mesh, self.specs, BATCH, check_vma=settings.check_vma)
+        step = step_fn(settings, self.model)
+        step = shard_step(step, mesh, self.specs, batch, check_vma=settings.check_vma)
         self.step = jax.jit(_guarded(step), donate_argnums=0)
         self._eval = jax.jit(
             jax.shard_map(
-                _eval_fn(self.model.logits),
+                _eval_fn(self.model, settings.batch_axes),
                 mesh=mesh,
-                in_specs=(self.specs, BATCH),
+                in_specs=(self.specs, batch),
                 out_specs=P(),
                 check_vma=settings.check_vma,
             )
         )
-        self._batch_sharding = NamedSharding(mesh, BATCH)
+        self._batch_sharding = NamedSharding(mesh, batch)
         self.completed = 0  # steps the state has taken (run() counts them)
 
     def windows(self, tokens: np.ndarray, step: int) -> jax.Array:
@@ -256,8 +271,10 @@ def compare_with_twin(trainer: Trainer, tokens: np.ndarray, steps: int) -> tuple
     @jax.jit
     def twin_step(state, ids, targets):
         def loss_fn(params):
-            logits = trainer.twin.apply({"params": twin_reads(params)}, ids)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+            out = trainer.twin.apply({"params": twin_reads(params)}, ids)
+            if config.experts:  # (the MoE LM's logits and auxiliary losses)
+                return moe_loss(out, targets)
+            return optax.softmax_cross_entropy_with_integer_labels(out, targets).mean()
 
         loss, grads = jax.value_and_grad(loss_fn)(state.params)
         return state.apply_gradients(grads=grads), loss
@@ -269,9 +286,18 @@ def compare_with_twin(trainer: Trainer, tokens: np.ndarray, steps: int) -> tuple
         twin_losses.append(float(loss))
     losses = [loss for _, loss, _, _ in trainer.run(tokens, 0, steps)]
     loss_diff = max(abs(a - b) for a, b in zip(losses, twin_losses, strict=True))
-    sharded, twin = trainer.params(), jax.tree.map(np.asarray, state.params)
-    param_diff = max(
-        float(np.max(np.abs(a.reshape(b.shape) - b)))  # NNX's attention kernels: (d, h, k) as (d, h * k)
-        for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(twin), strict=True)
+    sharded, twin = _by_path(trainer.params()), _by_path(jax.tree.map(np.asarray, state.params))
+    if sorted(sharded) != sorted(twin):
+        raise ValueError(f"--check: the sharded model's parameters {sorted(sharded)} are not the twin's")
+    param_diff = max(  # NNX's attention kernels: (d, h, k) as (d, h * k)
+        float(np.max(np.abs(sharded[path].reshape(b.shape) - b))) for path, b in twin.items()
     )
     return loss_diff, param_diff, losses, twin_losses
+
+
+def _by_path(tree) -> dict[tuple, np.ndarray]:
+    """The leaves of a parameter tree by path, NNX's ``blocks/i`` read as Linen's ``block_i``
+    (a layer count past 9 orders the two trees' leaves differently)."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    keys = lambda path: tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
+    return {linen_path(keys(path)): leaf for path, leaf in flat}

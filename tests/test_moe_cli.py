@@ -1,0 +1,105 @@
+"""``fsdp-tp train --experts`` (issue 59 point 4): the MoE LM trained on meshes with an
+``expert`` axis equal to its unsharded twin under ``--check``, with its negative control; the
+plan's expert weights and buffers per device; every mismatch one line naming the fix."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+import fsdp_tp.tp._experts as experts_module
+from fsdp_tp.cli import main
+
+
+def run(*argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    return main(list(argv), out=out), out.getvalue()
+
+
+CHECKED = ["--steps", "2", "--check", "2", "--log-every", "1", "--eval-every", "0"]
+
+
+@pytest.mark.parametrize(
+    "flags, summary",
+    [
+        pytest.param(
+            ["--api", "linen", "--experts", "4", "--mesh", "data=2,expert=2,tensor=2"],
+            "mesh data=2 x fsdp=1 x expert=2 x tensor=2 on 8 cpu devices; model tiny MoE, 4 experts "
+            "(top-2, dropless)",
+            id="linen-data-expert-tensor-dropless",
+        ),
+        pytest.param(
+            [
+                *("--api", "nnx", "--experts", "4", "--top-k", "1", "--capacity-factor", "1.25"),
+                *("--moe-every", "2", "--mesh", "fsdp=2,expert=2,tensor=2"),
+            ],
+            "model tiny (NNX) MoE, 4 experts (top-1, capacity factor 1.25, every 2nd layer)",
+            id="nnx-fsdp-expert-tensor-capacity-top1",
+        ),
+    ],
+)
+def test_train_with_experts_passes_check_against_its_unsharded_twin(flags, summary):
+    """Expert parallelism over `expert` beside Megatron's attention over `tensor` (and FSDP),
+    from the Linen twin's init, equal to the twin after two AdamW steps at the f32 tolerance."""
+    code, out = run("train", *CHECKED, *flags)
+    assert code == 0 and "-> ok" in out, out
+    assert summary in out, out
+
+
+def test_negative_control_experts_gradients_left_unscaled_fail_the_check(monkeypatch):
+    """Without ExpertParallel's 1/n on the experts' gradients, --check fails (exit 1). Under
+    SGD: Adam's update would hide a gradient twice too large (it divides by its scale)."""
+    flags = [*CHECKED, "--optimizer", "sgd", "--lr", "0.5", "--warmup", "0", "--experts", "4"]
+    flags += ["--mesh", "data=4,expert=2"]
+    code, out = run("train", *flags)
+    assert code == 0 and "-> ok" in out, out
+    monkeypatch.setattr(experts_module, "_cotangent_times", lambda x, factor: x)
+    code, out = run("train", *flags)
+    assert code == 1 and "-> FAILED" in out, out
+
+
+def test_the_plan_shows_the_experts_each_device_holds_and_the_rules():
+    code, out = run("plan", "--experts", "8", "--mesh", "data=2,expert=2,tensor=2")
+    assert code == 0, out
+    rows = [line for line in out.splitlines() if "/moe/experts/" in line and "kernel" in line]
+    assert len(rows) == 6 and all("P('expert', None, None)" in row for row in rows), rows
+    assert "experts: 8 in each of 2 MoE layers, 4 per device over expert=2: expert weights 1.50 MiB" in out
+    assert "dispatch buffers (groups, experts, capacity, d) = (4, 8, 64, 64) per MoE layer" in out
+    assert '(r"experts/down$", ExpertParallel(returns=True)),' in out
+    assert "over expert: all-to-all" in out and "not counted" not in out
+
+
+BAD = [
+    (["--experts", "6", "--mesh", "expert=4"], "--experts 6 is not divisible by the mesh's expert=4"),
+    (["--experts", "2", "--top-k", "3"], "--top-k 3 routes each token to more experts than the 2"),
+    (["--experts", "4", "--capacity-factor", "0"], "--capacity-factor 0.0 is out of range"),
+    (["--experts", "0"], "--experts 0 is out of range: expected an integer >= 1"),
+    (["--experts", "4", "--moe-every", "3"], "--moe-every 3 is more than the model's 2 layers"),
+    (["--top-k", "1"], "--top-k 1 configures experts, but this run has none: pass --experts N."),
+    (["--mesh", "data=4,expert=2"], "--mesh names expert=2, which splits experts, but this run has none"),
+    (["--experts", "4", "--dtype", "bf16"], "--dtype bf16: the MoE LM (--experts) computes in"),
+    (["--experts", "4", "--remat", "full"], "--remat full: the MoE LM (--experts) keeps every"),
+    (
+        ["--experts", "4", "--mesh", "data=2,tensor=4", "--kv-heads", "2"],
+        "--kv-heads 2 is not divisible by the mesh's tensor=4: the MoE LM's attention splits",
+    ),
+    (
+        ["--experts", "4", "--mesh", "expert=4,data=2", "--batch", "4"],
+        "--batch 4 is not divisible by the batch shards data x fsdp x expert = 8",
+    ),
+]
+
+
+@pytest.mark.parametrize(("flags", "message"), BAD, ids=[" ".join(f) for f, _ in BAD])
+def test_a_moe_run_that_cannot_work_is_one_line_naming_the_fix(flags, message, capsys):
+    assert main(["train", "--steps", "1", *flags], out=io.StringIO()) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert err.count("\n") == 1 and err.startswith("fsdp-tp: error: "), err
+
+
+def test_capacity_and_dropless_are_one_choice(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--experts", "4", "--capacity-factor", "1.25", "--dropless"])
+    assert "not allowed with argument" in capsys.readouterr().err
