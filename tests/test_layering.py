@@ -59,6 +59,7 @@ CORE = (
     "tp._check",
     "tp._graph",
     "tp._experts",
+    "tp._expert_plan",
     "tp._heads",
     "tp._matmul",
     "tp._ops",

@@ -19,6 +19,7 @@ from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp.models.moe as moe
+import fsdp_tp.tp._expert_plan as expert_plan
 import fsdp_tp.tp._experts as experts_module
 from fsdp_tp import TrainState, make_mesh, make_plan, shard_by_rules
 from fsdp_tp.analysis import parse_collectives
@@ -26,6 +27,7 @@ from fsdp_tp.bench.llama_rows import lowered_lm_step
 from fsdp_tp.bench.moe_rows import MOE_SIZES as MOE_BENCH_SIZES
 from fsdp_tp.bench.moe_rows import measure_moe, moe_section
 from fsdp_tp.errors import IndivisibleShapeError, LayerLeftWholeWarning, RuleError
+from fsdp_tp.linen import find_tp_rules as linen_find_tp_rules
 from fsdp_tp.models.llama import RULES
 from fsdp_tp.models.moe import LinenMoE, MoELM, NNXMoELM
 from fsdp_tp.nnx import find_tp_rules as nnx_find_tp_rules
@@ -289,6 +291,16 @@ def test_expert_parallel_moves_each_buffer_once_each_way_and_never_gathers_an_ex
             id="nnx-fsdp-expert-tensor-megatron-attention-with-ep",
         ),
         pytest.param("nnx", {"data": 4, "tensor": 2}, "auto", ("data",), id="nnx-auto-experts-over-tensor"),
+        pytest.param(
+            "linen",
+            {"data": 2, "expert": 2, "tensor": 2},
+            "auto",
+            ("data", "expert"),
+            id="linen-auto-experts-over-expert-megatron-over-tensor",
+        ),
+        pytest.param(
+            "nnx", {"data": 2, "expert": 4}, "auto", ("data", "expert"), id="nnx-auto-experts-alone"
+        ),
     ],
 )
 def test_moe_lm_composes_with_tensor_parallelism(api, mesh, tp, axes):
@@ -296,7 +308,9 @@ def test_moe_lm_composes_with_tensor_parallelism(api, mesh, tp, axes):
     `tensor` beside expert parallelism; on fsdp x expert x tensor, Megatron's attention, the
     experts expert-parallel and FSDP-split on their model dim; on data x tensor,
     tp_rules="auto" splits each expert's hidden dim over `tensor` (gate and up column, down row)
-    and leaves the routers whole (a softmax reads them whole: its warning silenced)."""
+    and leaves the routers whole (a softmax reads them whole: its warning silenced); with an
+    expert axis that splits the batch, "auto" puts the experts on it (expert parallel, the
+    tokens sent back by down) and Megatron's attention on `tensor` where the mesh has one."""
     dense = tp != "auto" and len(tp) == len(RULES) + len(EP)  # (the rules of a dense MLP too)
     model = _model(api, capacity_factor=1.0, moe_every=2 if dense else 1)
     storage = EP_STORAGE if "fsdp" in mesh else []
@@ -319,6 +333,44 @@ def test_the_plan_finder_splits_each_experts_hidden_dim_and_leaves_the_router_wh
     ):
         assert line in text, text
     assert "#   blocks/0/moe/router: blocks/0/moe/router/kernel split on dim -1: reduce_max" in text
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_the_plan_finder_puts_experts_on_the_expert_axis_and_down_sends_them_back(api):
+    """With expert_size, each expert einsum is expert-parallel; the one whose result no other
+    expert einsum reads (down) returns the tokens; beside Megatron's attention with size, alone
+    without it."""
+    ids = jnp.zeros((2, 8), jnp.int32)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=LayerLeftWholeWarning)
+        if api == "nnx":
+            plans = [nnx_find_tp_rules(NNXMoELM(nnx.Rngs(0), layers=1), ids, size=2, expert_size=2)]
+            plans.append(nnx_find_tp_rules(NNXMoELM(nnx.Rngs(0), layers=1), ids, expert_size=4))
+            prefix = "blocks/0"
+        else:
+            plans = [linen_find_tp_rules(MoELM({"layers": 1}), ids, size=2, expert_size=2)]
+            plans.append(linen_find_tp_rules(MoELM({"layers": 1}), ids, expert_size=4))
+            prefix = "block_0"
+    experts = [
+        f'(r"^{prefix}/moe/experts/gate$", ExpertParallel()),',
+        f'(r"^{prefix}/moe/experts/up$", ExpertParallel()),',
+        f'(r"^{prefix}/moe/experts/down$", ExpertParallel(returns=True)),',
+    ]
+    for plan, with_tensor in zip(plans, (True, False), strict=True):
+        text = str(plan)
+        assert all(line in text for line in experts), text
+        assert (f'(r"^{prefix}/attn/q$", ColumnParallel()),' in text) is with_tensor, text
+    assert f"#   {prefix}/attn/q: the mesh has no tensor axis" in str(plans[1])
+
+
+def test_negative_control_an_expert_bank_that_never_sends_the_tokens_back_is_refused(monkeypatch):
+    """Read as if every expert layer passed its result on (none returns): the plan check
+    refuses the plan (the combine reads the experts' devices' buffers as its own), naming the
+    line of the model that fails."""
+    monkeypatch.setattr(expert_plan, "_passes_on", lambda *_: True)
+    ids = jnp.zeros((2, 8), jnp.int32)
+    with pytest.raises(RuleError, match=r"fails on each device's slices at src/fsdp_tp/models/moe.py"):
+        nnx_find_tp_rules(NNXMoELM(nnx.Rngs(0), layers=1), ids, expert_size=4)
 
 
 def test_the_benchmarks_expert_parallel_rows_at_small_sizes():

@@ -13,6 +13,7 @@ each device holds whole experts; pass --experts 8, or a mesh whose expert axis d
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import numpy as np
@@ -22,6 +23,7 @@ from .checks import UsageError
 
 __all__ = [
     "MOE_DEFAULTS",
+    "add_expert_flags",
     "check_experts",
     "expert_fields",
     "experts_text",
@@ -30,6 +32,32 @@ __all__ = [
 ]
 
 MOE_DEFAULTS = {"top_k": 2, "moe_every": 1}  # what --top-k and --moe-every mean when not given
+
+
+def add_expert_flags(p: argparse.ArgumentParser) -> None:
+    """The mixture of experts: ``--experts N`` trains the MoE LM (fsdp_tp.models.moe) instead
+    of the GPT; the mesh may then name an ``expert`` axis."""
+    moe = p.add_argument_group("mixture of experts: --experts N trains the MoE LM (fsdp_tp.models.moe)")
+    moe.add_argument(
+        "--experts",
+        type=int,
+        help="experts per MoE layer (default: none, the GPT); --mesh may name expert=N, which splits "
+        "the experts and the batch (expert parallelism: tokens reach their experts by all_to_all)",
+    )
+    moe.add_argument("--top-k", type=int, help="experts each token is routed to (default: 2)")
+    modes = moe.add_mutually_exclusive_group()
+    modes.add_argument(
+        "--capacity-factor",
+        type=float,
+        help="each expert takes at most ceil(factor x top-k x tokens / experts) tokens of a sequence, "
+        "the rest dropped (default: --dropless)",
+    )
+    modes.add_argument(
+        "--dropless", action="store_true", help="every token reaches its top-k experts (the default)"
+    )
+    moe.add_argument(
+        "--moe-every", type=int, help="every Nth layer holds experts, the others a dense MLP (default: 1)"
+    )
 
 
 def with_expert_axis(sizes: dict, experts: int | None) -> dict:

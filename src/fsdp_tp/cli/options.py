@@ -8,6 +8,7 @@ from ..attention import ATTENTION_IMPLEMENTATIONS
 from ..models.remat import REMAT_POLICIES
 from ..recipe.config import PRESETS
 from ..recipe.trainer import APIS
+from .experts import add_expert_flags
 
 __all__ = ["DEFAULT_MESH", "DEFAULT_WARMUP", "DTYPES", "GATHER_DTYPES", "PEER_TIMEOUT", "parser"]
 
@@ -85,7 +86,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
     p.add_argument("--vocab-size", type=int, help="default: 256 (bytes), or fitted to a token file")
     p.add_argument("--dtype", choices=list(DTYPES), default="f32", help="compute dtype (params stay f32)")
-    _expert_flags(p)
+    add_expert_flags(p)
     _compute_flags(p, remat_default="auto")
     p.add_argument("--batch", type=int, default=16, help="global batch (sequences per step)")
     p.add_argument(
@@ -243,32 +244,6 @@ def _bench_flags(bench: argparse.ArgumentParser) -> None:
     _compute_flags(acc, remat_default="dots")
     _scan_layers_flag(
         acc, default=False, why="unrolled by default, as docs/benchmarks_accelerator.md was measured"
-    )
-
-
-def _expert_flags(p: argparse.ArgumentParser) -> None:
-    """The mixture of experts: ``--experts N`` trains the MoE LM (fsdp_tp.models.moe) instead
-    of the GPT; the mesh may then name an ``expert`` axis."""
-    moe = p.add_argument_group("mixture of experts: --experts N trains the MoE LM (fsdp_tp.models.moe)")
-    moe.add_argument(
-        "--experts",
-        type=int,
-        help="experts per MoE layer (default: none, the GPT); --mesh may name expert=N, which splits "
-        "the experts and the batch (expert parallelism: tokens reach their experts by all_to_all)",
-    )
-    moe.add_argument("--top-k", type=int, help="experts each token is routed to (default: 2)")
-    modes = moe.add_mutually_exclusive_group()
-    modes.add_argument(
-        "--capacity-factor",
-        type=float,
-        help="each expert takes at most ceil(factor x top-k x tokens / experts) tokens of a sequence, "
-        "the rest dropped (default: --dropless)",
-    )
-    modes.add_argument(
-        "--dropless", action="store_true", help="every token reaches its top-k experts (the default)"
-    )
-    moe.add_argument(
-        "--moe-every", type=int, help="every Nth layer holds experts, the others a dense MLP (default: 1)"
     )
 
 

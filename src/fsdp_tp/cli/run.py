@@ -16,7 +16,8 @@ from ..checkpoint import Checkpoints
 from ..errors import CheckpointMismatchError
 from ..mesh import make_mesh
 from ..recipe.throughput import Achieved, memory_in_use, peak_tflops
-from ..recipe.trainer import Settings, Trainer, compare_with_twin
+from ..recipe.trainer import Settings, Trainer
+from ..recipe.twin import compare_with_twin
 from .checks import UsageError, resuming
 from .distributed import coordination_client
 from .experts import experts_text

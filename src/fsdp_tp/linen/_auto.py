@@ -10,7 +10,8 @@ import flax.linen as nn
 import jax
 
 from .._tree import static_split
-from ..tp._plan import auto_size, fitted, warn_left_whole
+from ..tp._experts import EXPERT
+from ..tp._plan import auto_sizes, fitted, warn_left_whole
 from ..tp._rules import compile_tp_rules
 from ..tp.auto import Graph, TPPlan, find_plan
 from ._check import fields_of, traced_as
@@ -55,17 +56,17 @@ class AutoRules:
         shaped = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a, (args, kwargs)
         )
-        size = auto_size(f"shard_by_rules({self.target.__name__}, tp_rules='auto')")
-        key = repr((fields, shaped, size))
+        axis, size, experts = auto_sizes(f"shard_by_rules({self.target.__name__}, tp_rules='auto')")
+        key = repr((fields, shaped, size, experts))
         if key not in self.found:
             plain, (shaped_args, shaped_kwargs) = self.target(**fields, parent=None), shaped
             graph, layers = traced(plain, shaped_args, shaped_kwargs, ("dropout",))
-            plan = find_plan(graph, layers, size=size)
-            if size is not None:
+            plan = find_plan(graph, layers, axis, size, False, EXPERT if experts else None, experts)
+            if size is not None or experts is not None:
                 plan = fitted(plan, attempt_of(self.make, fields, args, kwargs, ("dropout",), graph))
             self.found[key] = compile_tp_rules(plan.rules, "shard_by_rules(tp_rules='auto')")
             said = self.plans.get(size)  # (a call of other shapes finds the plan again: said once)
             if said is None or [p for p, _ in said.whole] != [p for p, _ in plan.whole]:
-                warn_left_whole(plan, size, f"shard_by_rules({self.target.__name__})")
+                warn_left_whole(plan, size, f"shard_by_rules({self.target.__name__})", axis)
             self.plans[size] = plan
         return self.found[key]

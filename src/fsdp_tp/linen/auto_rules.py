@@ -22,12 +22,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
-from jax.sharding import AbstractMesh, AxisType
 
 from .._axes import TENSOR
 from .._trace import trace_per_device
 from ..errors import RuleError
-from ..tp._plan import fitted, require_size
+from ..tp._experts import EXPERT
+from ..tp._plan import fitted, plan_mesh, require_size
 from ..tp.auto import TPPlan, find_plan
 from ._auto import attempt_of
 from ._check import fields_of
@@ -43,6 +43,8 @@ def find_tp_rules(
     axis: str = TENSOR,
     size: int | None = None,
     outputs_split: bool = False,
+    expert_size: int | None = None,
+    expert_axis: str = EXPERT,
     rngs: Sequence[str] = ("dropout",),
     **kwargs: Any,
 ) -> TPPlan:
@@ -54,7 +56,11 @@ def find_tp_rules(
     against a device's trace on an abstract mesh of that size, and a region the check refuses
     is left whole with its reason); ``outputs_split``: the model's output may leave split on its
     last dim (logits for :func:`fsdp_tp.vocab_parallel_cross_entropy`); ``rngs``: the rng
-    streams the model draws from besides ``params``. Returns a :class:`~fsdp_tp.tp.auto.TPPlan`:
+    streams the model draws from besides ``params``; ``expert_size``: a mixture's expert layers
+    go on ``expert_axis`` of that size (:class:`~fsdp_tp.tp.ExpertParallel`, the bank's last
+    layer sending the tokens back), as ``"auto"`` puts them where the mesh has an expert axis
+    that splits the batch (with ``expert_size`` alone, the plan is the experts').
+    Returns a :class:`~fsdp_tp.tp.auto.TPPlan`:
     its ``rules`` go to :func:`fsdp_tp.shard_by_rules` as ``tp_rules=``, and ``print(plan)``
     shows them, and the layers left whole with the reason."""
     if not isinstance(module, nn.Module):
@@ -68,11 +74,14 @@ def find_tp_rules(
             f"fsdp_tp.linen.find_tp_rules takes a Linen module and its call's inputs; got {got}: {fix}."
         )
     require_size(size, f"find_tp_rules({type(module).__name__})")
+    require_size(expert_size, f"find_tp_rules({type(module).__name__})")
     graph, layers = traced(module, args, kwargs, rngs)
-    plan = find_plan(graph, layers, axis, size, outputs_split)
-    if size is None:
+    experts = expert_axis if expert_size is not None else None
+    tensor = axis if size is not None or expert_size is None else None  # (experts alone)
+    plan = find_plan(graph, layers, tensor, size, outputs_split, experts, expert_size)
+    if size is None and expert_size is None:
         return plan
-    mesh = AbstractMesh((size,), (axis,), axis_types=(AxisType.Auto,))
+    mesh = plan_mesh({axis: size, expert_axis: expert_size})
     make = lambda rules: shard_by_rules(type(module), tp_rules=rules)
     attempt = attempt_of(make, fields_of(module, type(module)), args, kwargs, rngs, graph)
     return fitted(plan, lambda p: trace_per_device(lambda: attempt(p), mesh, (), ()))

@@ -142,7 +142,9 @@ def shard_by_rules(
     _require_separate_axes(
         {k: a for k, a in computes.items() if k not in on_batch}, batch_names or DEFAULT_BATCH_AXES
     )
-    tp_axes = frozenset(computes.values())
+    # The axes the roles split over: under "auto", the tensor axis and those of the plan found
+    # for the call (an expert axis where it holds the experts), set per call below.
+    tp_axes = [frozenset(computes.values())]
     remake = lambda tp: shard_by_rules(  # (the same transform with a plan's rules: to check it)
         target, rules, default, logical_axis_rules, batch_axes, mixed_precision, tp_rules=tp
     )
@@ -152,14 +154,14 @@ def shard_by_rules(
         target,
         trans_in=lambda params: gather(
             params,
-            _rule_axes(compiled, default, _LOGICAL.get()) - tp_axes,  # a role's axis stays split
+            _rule_axes(compiled, default, _LOGICAL.get()) - tp_axes[0],  # a role's axis stays split
             resolve_batch_axes(batch_names, "shard_by_rules"),
             input_varying(),
             policy,
             at_read=True,
-            local=tp_axes,
+            local=tp_axes[0],
         ),
-        trans_out=lambda params: _store_by_rules(params, compiled, default, _LOGICAL.get(), tp_axes),
+        trans_out=lambda params: _store_by_rules(params, compiled, default, _LOGICAL.get(), tp_axes[0]),
         batch_axes=lambda: resolve_batch_axes(batch_names, "shard_by_rules"),
     )
 
@@ -167,6 +169,8 @@ def shard_by_rules(
         @nn.nowrap
         def __call__(self, *args, **kwargs):
             tp_now = found(self, args, kwargs) if found is not None else tp
+            if found is not None:
+                tp_axes[0] = frozenset(computes.values()) | {r.role.axis for r in tp_now}
             seen = Seen()
             tokens = (
                 _LOGICAL.set(

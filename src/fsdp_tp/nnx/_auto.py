@@ -21,13 +21,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import AbstractMesh, AxisType
 
 from .._axes import TENSOR
 from .._trace import trace_per_device
 from ..errors import RuleError
 from ..rules import REPLICATED
-from ..tp._plan import fitted, require_size
+from ..tp._experts import EXPERT
+from ..tp._plan import fitted, plan_mesh, require_size
 from ..tp.auto import TPPlan, find_plan
 from ._check import PlanChecks
 from ._model import ShardedModel
@@ -42,6 +42,8 @@ def find_tp_rules(
     axis: str = TENSOR,
     size: int | None = None,
     outputs_split: bool = False,
+    expert_size: int | None = None,
+    expert_axis: str = EXPERT,
     **kwargs: Any,
 ) -> TPPlan:
     """The tp rules Megatron's plan gives ``model`` (built, or abstract from
@@ -50,7 +52,11 @@ def find_tp_rules(
     dropout off (the library draws each device's block of their masks, whatever the plan).
     ``size``, ``outputs_split`` and the result: as :func:`fsdp_tp.linen.find_tp_rules`'s (with
     ``size``, the plan is checked against a device's trace on an abstract mesh of that size, a
-    region the check refuses left whole with its reason). Its ``rules`` go to
+    region the check refuses left whole with its reason). ``expert_size``: a mixture's expert
+    layers go on ``expert_axis`` of that size (:class:`~fsdp_tp.tp.ExpertParallel`, the
+    bank's last layer sending the tokens back), as ``"auto"`` puts them where the mesh has an
+    expert axis that splits the batch (with ``expert_size`` alone, the plan is the experts'). Its
+    ``rules`` go to
     :func:`fsdp_tp.nnx.shard_by_rules` as ``tp_rules=``."""
     if not isinstance(model, nnx.Module):
         cls = model if isinstance(model, type) else type(model)
@@ -66,15 +72,18 @@ def find_tp_rules(
             f"fsdp_tp.nnx.find_tp_rules takes a built NNX model and its call's inputs; got {got}: {fix}."
         )
     require_size(size, f"fsdp_tp.nnx.find_tp_rules({type(model).__name__})")
+    require_size(expert_size, f"fsdp_tp.nnx.find_tp_rules({type(model).__name__})")
     graph, layers = traced(model, args, kwargs)
-    plan = find_plan(graph, layers, axis, size, outputs_split)
-    if size is None:
+    experts = expert_axis if expert_size is not None else None
+    tensor = axis if size is not None or expert_size is None else None  # (experts alone)
+    plan = find_plan(graph, layers, tensor, size, outputs_split, experts, expert_size)
+    if size is None and expert_size is None:
         return plan
     graphdef, state = nnx.split(model)
     shapes = jax.tree.map(lambda v: jax.ShapeDtypeStruct(jnp.shape(v), v.dtype), state)
     # a constructor of the same model (any values: only shapes are traced)
     make = lambda rngs: nnx.merge(graphdef, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
-    mesh = AbstractMesh((size,), (axis,), axis_types=(AxisType.Auto,))
+    mesh = plan_mesh({axis: size, expert_axis: expert_size})
 
     def attempt(p: TPPlan) -> None:  # (stored whole but for the roles: the plan is what is checked)
         sharded = ShardedModel(make, [(r".", REPLICATED)], p.rules, REPLICATED, None, None)

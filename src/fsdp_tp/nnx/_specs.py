@@ -19,7 +19,8 @@ from jax.sharding import PartitionSpec
 from .._axes import axes_named, bound_axis_names
 from ..errors import RuleError
 from ..rules import logical_spec, spec_for
-from ..tp._plan import AUTO_AXIS, auto_size, fitted, warn_left_whole
+from ..tp._experts import EXPERT
+from ..tp._plan import auto_sizes, fitted, warn_left_whole
 from ..tp._rules import compile_tp_rules, spec_source, with_split
 from ..tp.auto import TPPlan, find_plan
 from ._tp import RolePlan, path_text
@@ -101,7 +102,7 @@ class Layouts:
         self._abstract, self._storage, self._caller = abstract, storage, caller
         self._attempt = attempt  # (): the model initialized, merged and called on inputs=, here
         self.plans: dict[int | None, TPPlan] = {}
-        self._layouts: dict[int | None, Layout] = {}
+        self._layouts: dict = {}  # by (tensor size, expert size) under "auto"; None: the rules' one
         if self.auto:
             self._graph, self._layers = traced(abstract, tuple(inputs), {})
         else:
@@ -114,24 +115,28 @@ class Layouts:
             return self._layouts[None]
         if not bound_axis_names():
             return self._outside()
-        size = auto_size(f"{self._caller} with tp_rules='auto'")
-        if size not in self._layouts:
-            plan = find_plan(self._graph, self._layers, AUTO_AXIS, size, False)
-            if size is not None and self._attempt is not None:  # checked where each device computes
-                plan = fitted(plan, lambda p: self._attempt_with(size, p))
+        axis, size, experts = auto_sizes(f"{self._caller} with tp_rules='auto'")
+        key = (size, experts)
+        if key not in self._layouts:
+            plan = find_plan(
+                self._graph, self._layers, axis, size, False, EXPERT if experts else None, experts
+            )
+            checked = size is not None or experts is not None
+            if checked and self._attempt is not None:  # checked where each device computes
+                plan = fitted(plan, lambda p: self._attempt_with(key, p))
             self.plans[size] = plan
-            warn_left_whole(plan, size, self._caller)
-            self._layouts[size] = Layout(self._abstract, self._storage, plan, self._caller)
-        return self._layouts[size]
+            warn_left_whole(plan, size, self._caller, axis)
+            self._layouts[key] = Layout(self._abstract, self._storage, plan, self._caller)
+        return self._layouts[key]
 
-    def _attempt_with(self, size: int, plan: TPPlan) -> None:
+    def _attempt_with(self, key: tuple, plan: TPPlan) -> None:
         """The model under ``plan`` traced on ``inputs=``, which checks it (the layout for
-        ``size`` is ``plan``'s while it runs)."""
-        self._layouts[size] = Layout(self._abstract, self._storage, plan, self._caller)
+        ``key`` is ``plan``'s while it runs)."""
+        self._layouts[key] = Layout(self._abstract, self._storage, plan, self._caller)
         try:
             self._attempt(self._graph)  # (the unsharded call on inputs=, traced once, here)
         finally:
-            del self._layouts[size]
+            del self._layouts[key]
 
     def _outside(self) -> Layout:
         if len(self._layouts) != 1:

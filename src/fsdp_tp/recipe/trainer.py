@@ -1,4 +1,5 @@
-"""The train loop behind ``fsdp-tp train``: the state, the sharded step, and ``--check``."""
+"""The train loop behind ``fsdp-tp train``: the state and the sharded step (``--check``'s
+twin: :mod:`fsdp_tp.recipe.twin`)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from ..sharded_init import init_sharded
 from ..tp.pieces import vocab_parallel_cross_entropy
 from ..train import accumulate_gradients, shard_step, state_init_fn
 from .config import ModelConfig
-from .data import batch_at, windows_at
-from .moe_lm import linen_path, moe_loss, sharded_moe_parts
+from .data import windows_at
+from .moe_lm import moe_loss, sharded_moe_parts
 
 __all__ = [
     "APIS",
@@ -30,7 +31,6 @@ __all__ = [
     "Settings",
     "ShardedGPT",
     "Trainer",
-    "compare_with_twin",
     "sharded_gpt",
     "step_fn",
     "window_loss",
@@ -242,62 +242,3 @@ class Trainer:
     def params(self) -> dict:
         """The parameters as full numpy arrays (gathered from the devices)."""
         return jax.tree.map(np.asarray, unbox(self.state.params))
-
-
-def compare_with_twin(trainer: Trainer, tokens: np.ndarray, steps: int) -> tuple[float, float, list, list]:
-    """Trains ``steps`` steps sharded and, on one device, the unsharded twin on the same batches.
-
-    Returns the largest loss difference, the largest parameter difference, and both loss curves.
-    """
-    s, config = trainer.settings, trainer.settings.model
-    policy = s.layout.mixed_precision
-    # The twin computes on what the sharded model reads: its params rounded as FSDP gathers them,
-    # in the shapes the sharded model stores (NNX's attention kernels (d, h, k) where Linen's
-    # are (d, h * k): an 8-bit gather scales each row of the stored shape).
-    stored = [a.shape for a in jax.tree.leaves(unbox(trainer.state.params))]  # (global shapes: no transfer)
-
-    def twin_reads(params):
-        if policy is None:
-            return params
-        leaves, tree = jax.tree.flatten(params)
-        rounded = [
-            policy.round(x.reshape(shape)).reshape(x.shape) for x, shape in zip(leaves, stored, strict=True)
-        ]
-        return jax.tree.unflatten(tree, rounded)
-
-    state_fn = state_init_fn(trainer.twin, trainer.tx)
-    state = jax.jit(state_fn)(jax.random.key(s.seed), np.zeros((s.batch, config.seq_len), np.int32))
-
-    @jax.jit
-    def twin_step(state, ids, targets):
-        def loss_fn(params):
-            out = trainer.twin.apply({"params": twin_reads(params)}, ids)
-            if config.experts:  # (the MoE LM's logits and auxiliary losses)
-                return moe_loss(out, targets)
-            return optax.softmax_cross_entropy_with_integer_labels(out, targets).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), loss
-
-    twin_losses = []
-    for step in range(steps):
-        ids, targets = batch_at(tokens, step, s.batch, config.seq_len, s.seed)
-        state, loss = twin_step(state, ids, targets)
-        twin_losses.append(float(loss))
-    losses = [loss for _, loss, _, _ in trainer.run(tokens, 0, steps)]
-    loss_diff = max(abs(a - b) for a, b in zip(losses, twin_losses, strict=True))
-    sharded, twin = _by_path(trainer.params()), _by_path(jax.tree.map(np.asarray, state.params))
-    if sorted(sharded) != sorted(twin):
-        raise ValueError(f"--check: the sharded model's parameters {sorted(sharded)} are not the twin's")
-    param_diff = max(  # NNX's attention kernels: (d, h, k) as (d, h * k)
-        float(np.max(np.abs(sharded[path].reshape(b.shape) - b))) for path, b in twin.items()
-    )
-    return loss_diff, param_diff, losses, twin_losses
-
-
-def _by_path(tree) -> dict[tuple, np.ndarray]:
-    """The leaves of a parameter tree by path, NNX's ``blocks/i`` read as Linen's ``block_i``
-    (a layer count past 9 orders the two trees' leaves differently)."""
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    keys = lambda path: tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
-    return {linen_path(keys(path)): leaf for path, leaf in flat}

@@ -23,11 +23,14 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
+from jax.sharding import AbstractMesh, AxisType
 
 from .._axes import TENSOR, bound_axis_names
+from .._batch import step_batch_axes
 from .._einsum import Equation
 from ..errors import LayerLeftWholeWarning, RuleError
 from ._check import checking
+from ._experts import EXPERT
 from ._matmul import ColumnParallel, RowParallel
 from ._relations import DRAWN
 from ._roles import Layer, TPRole
@@ -36,10 +39,13 @@ from ._rules import compile_tp_rules, role_of
 __all__ = [
     "AUTO_AXIS",
     "TPPlan",
+    "auto_expert_size",
     "auto_size",
+    "auto_sizes",
     "calling",
     "fitted",
     "letter_hints",
+    "plan_mesh",
     "require_size",
     "rules_for",
     "spelled",
@@ -47,6 +53,27 @@ __all__ = [
 ]
 
 AUTO_AXIS = TENSOR  # the mesh axis tp_rules="auto" splits over, in both front ends
+
+
+def auto_expert_size() -> int | None:
+    """The size of the ``expert`` axis ``tp_rules="auto"`` puts a mixture's experts on: where it
+    is bound, larger than 1 and splits the step's batch (an axis that does not cannot hold
+    experts: :class:`~fsdp_tp.tp.ExpertParallel`); else ``None`` (experts are einsums like any
+    other)."""
+    if EXPERT not in bound_axis_names() or jax.lax.axis_size(EXPERT) == 1:
+        return None
+    step = step_batch_axes()
+    return jax.lax.axis_size(EXPERT) if step is None or EXPERT in step else None
+
+
+def auto_sizes(where: str = 'tp_rules="auto"') -> tuple[str | None, int | None, int | None]:
+    """``(tensor axis, its size, expert size)`` ``tp_rules="auto"`` finds its plan for, under
+    the mesh: no tensor axis (``None``) where the mesh's expert axis holds the experts and the
+    mesh has no :data:`AUTO_AXIS`; else :func:`auto_size`'s."""
+    experts = auto_expert_size()
+    if experts is not None and AUTO_AXIS not in bound_axis_names():
+        return None, None, experts
+    return AUTO_AXIS, auto_size(where), experts
 
 
 def auto_size(where: str = 'tp_rules="auto"') -> int | None:
@@ -86,6 +113,12 @@ def calling(name: str, args: tuple, kwargs: dict) -> Iterator[None]:
             f"(find_tp_rules(model, x, train=False), then tp_rules=plan; shard_by_rules(..., "
             f"inputs=) passes positional inputs only)."
         ) from err
+
+
+def plan_mesh(sizes: Mapping[str, int | None]) -> AbstractMesh:
+    """The abstract mesh a plan finder checks its plan on: the axes of ``sizes`` given a size."""
+    given = {axis: size for axis, size in sizes.items() if size is not None}
+    return AbstractMesh(tuple(given.values()), tuple(given), axis_types=(AxisType.Auto,) * len(given))
 
 
 def require_size(size: object, where: str) -> None:
@@ -245,7 +278,7 @@ def spelled(role: TPRole) -> str:
     return f"{type(role).__name__}({', '.join(fields)})"
 
 
-def warn_left_whole(plan: TPPlan, size: int | None, caller: str) -> None:
+def warn_left_whole(plan: TPPlan, size: int | None, caller: str, axis: str | None = TENSOR) -> None:
     """Names, once per plan ``tp_rules="auto"`` finds, each layer it leaves whole and why
     (:class:`~fsdp_tp.errors.LayerLeftWholeWarning`): a user who asked for tensor
     parallelism learns which layers do not get it without reading ``tp_plans``.
@@ -257,7 +290,7 @@ def warn_left_whole(plan: TPPlan, size: int | None, caller: str) -> None:
     >>> str(said[0].message).split(", each")[0]
     "shard_by_rules(LM): tp_rules='auto' on tensor=4 leaves 1 of 1 layers whole"
     """
-    if not plan.whole:
+    if not plan.whole or axis is None:  # (no tensor axis: every layer but the experts is whole)
         return
     names = "; ".join(f"{path} ({why})" for path, why in plan.whole)
     noisy = [path for path, why in plan.whole if DRAWN in why]

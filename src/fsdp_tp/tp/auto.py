@@ -32,6 +32,8 @@ from collections.abc import Mapping
 from .._axes import TENSOR
 from .._einsum import Equation
 from ..errors import IndivisibleShapeError, RuleError
+from ._expert_plan import expert_banks
+from ._experts import ExpertParallel
 from ._graph import Graph
 from ._plan import TPPlan, rules_for
 from ._regions import Refused, grow, kernel_operand, kernels_of
@@ -44,22 +46,33 @@ __all__ = ["Graph", "TPPlan", "find_plan"]
 def find_plan(
     graph: Graph,
     layers: Mapping[str, Layer],
-    axis: str = TENSOR,
+    axis: str | None = TENSOR,
     size: int | None = None,
     outputs_split: bool = False,
+    expert_axis: str | None = None,
+    expert_size: int | None = None,
 ) -> TPPlan:
     """The plan of the traced model ``graph`` whose role-computable modules are ``layers``
     (``{path: Layer}``, as the front end sees them). ``size``: the ``axis`` size the plan is
     for (each role's sizes must divide it; ``None``: not checked). ``outputs_split``: the
     model's outputs may leave split on their last dim (logits for
     :func:`~fsdp_tp.vocab_parallel_cross_entropy`); else a column layer whose result is
-    the output gathers it."""
+    the output gathers it; ``axis=None``: no tensor split (the experts alone).
+    ``expert_axis``: a mixture's expert layers go on it (:class:`~fsdp_tp.tp.ExpertParallel`,
+    :func:`~fsdp_tp.tp._expert_plan.expert_banks`), of ``expert_size`` where given; ``None``:
+    experts are einsums like any other."""
     kernels = kernels_of(graph)
     taken: set[str] = set()
     roles: dict[str, TPRole] = {}
     regions: list[tuple[str, ...]] = []
     reasons: dict[str, str] = {}
-    for value, dim in _seeds(graph, kernels):
+    if expert_axis is not None:
+        banks = _expert_roles(graph, layers, expert_axis, expert_size, reasons)
+        roles |= banks
+        regions += [tuple(banks)] if banks else []
+        taken |= {p for p in graph.params.values() if p.rpartition("/")[0] in banks}
+    tensor = axis if axis is not None else TENSOR  # (no seeds without a tensor axis: unused)
+    for value, dim in _seeds(graph, kernels) if axis is not None else ():
         param = graph.params[kernels[value]]
         if param in taken:
             continue
@@ -67,7 +80,7 @@ def find_plan(
         try:
             region = grow(graph, kernels, (value, dim), outputs_split, size)
             split = region.params(graph)
-            found = _roles(graph, split, region.output, layers, axis, size, outputs_split)
+            found = _roles(graph, split, region.output, layers, tensor, size, outputs_split)
         except Refused as why:
             where = f"{param} split on dim {dim - len(graph.shapes[value])}"
             reasons.setdefault(owner, f"{where}: {why}")
@@ -77,10 +90,27 @@ def find_plan(
         taken |= set(split)
     first = _first_reads(graph, kernels)
     roles = dict(sorted(roles.items(), key=lambda item: first.get(item[0], len(graph.nodes))))
-    left = tuple(
-        (p, reasons.get(p, "no matmul reads its parameters")) for p in layers if _leaf(p, roles, layers)
-    )
+    otherwise = "no matmul reads its parameters" if axis is not None else "the mesh has no tensor axis"
+    left = tuple((p, reasons.get(p, otherwise)) for p in layers if _leaf(p, roles, layers))
     return TPPlan(rules_for(roles, list(layers)), roles, left, tuple(layers), tuple(regions))
+
+
+def _expert_roles(
+    graph: Graph, layers: Mapping[str, Layer], axis: str, size: int | None, reasons: dict[str, str]
+) -> dict[str, TPRole]:
+    """Each expert layer's :class:`ExpertParallel` over ``axis``; one whose experts ``size``
+    does not divide is left to the other roles, its reason kept."""
+    found: dict[str, TPRole] = {}
+    for path, returns in expert_banks(graph, layers).items():
+        role = ExpertParallel(axis, returns=returns)
+        try:
+            if size is not None:
+                role.require_divides(layers[path], size, path, lambda _: "")
+        except IndivisibleShapeError as err:
+            reasons[path] = str(err).split(";")[0]
+            continue
+        found[path] = role
+    return found
 
 
 def _seeds(graph: Graph, kernels: dict[int, int]):
