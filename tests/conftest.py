@@ -1,16 +1,26 @@
-"""What the test files share: the batch axes of the meshes they build, a mesh of the first
-devices, and the bytes a program's collectives move (the root ``conftest.py`` sets up the
-devices before any of this imports jax's backend)."""
+"""What the test files share: the batch axes of the meshes they build, the data x fsdp meshes
+and widths the FSDP properties draw, a mesh of the first devices, and the bytes a program's
+collectives move (the root ``conftest.py`` sets up the devices before any of this imports
+jax's backend)."""
 
 from __future__ import annotations
 
 import jax
+import pytest
+from hypothesis import strategies as st
 
 import fsdp_tp
+from fsdp_tp.models import Layout
+from fsdp_tp.recipe.config import preset
+from fsdp_tp.recipe.trainer import Settings
 
-__all__ = ["BATCH_AXES", "mesh_of", "total"]
+__all__ = ["BATCH_AXES", "MESHES", "WIDTHS", "mesh_of", "replicated_ok", "settings", "total"]
 
 BATCH_AXES = ("data", "fsdp")
+MESHES = [(1, 1), (1, 8), (2, 4), (4, 2), (8, 1)]  # data x fsdp over the 8 devices
+# 3, 5, 6 and 12 do not divide every axis size: those parameters must stay replicated.
+WIDTHS = st.sampled_from([3, 4, 5, 6, 8, 12, 16, 24, 32])
+replicated_ok = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")
 
 
 def mesh_of(data: int, fsdp: int, tensor: int | None = None):
@@ -25,3 +35,19 @@ def total(found, kind: str, attr: str = "operand_bytes", min_group: int = 1) -> 
     (:func:`fsdp_tp.analysis.parse_collectives`), each as often as it runs, in groups of at
     least ``min_group`` devices."""
     return sum(getattr(c, attr) * c.executions for c in found if c.kind == kind and c.group_size >= min_group)
+
+
+def settings(**changes) -> Settings:
+    """The CLI's run of the tiny preset (2 x 2 x 2, sequence parallel), with ``changes``."""
+    fields = dict(
+        model=preset("tiny"),
+        steps=12,
+        batch=16,
+        microbatches=1,
+        lr=3e-3,
+        warmup=20,
+        seed=0,
+        layout=Layout("tensor", "fsdp", sequence_parallel=True, min_weight_size=2**10),
+        check_vma=True,
+    )
+    return Settings(**{**fields, **changes})

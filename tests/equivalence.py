@@ -44,6 +44,7 @@ __all__ = [
     "batches",
     "check_equivalence",
     "mse",
+    "next_token_loss",
     "optimizer_mismatches",
     "step_program",
     "train_state",
@@ -54,6 +55,12 @@ ADAM_EPS = 1e-3  # (fsdp_tp.testing.OPTIMIZERS' AdamW: why, there)
 
 def mse(model: nn.Module, params, x, y):
     return jnp.mean((model.apply({"params": params}, x) - y) ** 2)
+
+
+def next_token_loss(model: nn.Module, params, tokens, targets):
+    """Mean cross-entropy of a language model's (whole) logits against ``targets``."""
+    logits = model.apply({"params": params}, tokens)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 import flax.linen as nn
 
+import fsdp_tp
+
 
 class MLP(nn.Module):
     """Dense layers with tanh between them (smooth, so gradients have no kinks)."""
@@ -70,3 +72,45 @@ class SetupLayer(nn.Module):
 
     def __call__(self, x):
         return self.proj(x) * self.scale
+
+
+class TiedLM(nn.Module):
+    """Tied embeddings (``nn.Embed.attend``) and a ``nn.DenseGeneral`` MLP over two groups."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(32, 16)
+        x = embed(tokens)
+        h = nn.gelu(nn.DenseGeneral((4, 8), name="up")(x))
+        x = x + nn.DenseGeneral(16, axis=(-2, -1), name="down")(h)
+        return embed.attend(nn.LayerNorm()(x))
+
+
+class DenseThen(nn.Module):
+    """A dense layer before the block, so the block's input gradient reaches a parameter."""
+
+    block: nn.Module
+    width: int
+
+    @nn.compact
+    def __call__(self, x):
+        return self.block(nn.Dense(self.width, name="pre")(x))
+
+
+class SequenceParallelAround(nn.Module):
+    """Dense -> enter the SP region (split the sequence) -> block in SP mode -> gather the sequence.
+
+    The unsharded twin (axis_name=None) is Dense -> block. The loss then sees the whole
+    sequence on every tensor device, as after Megatron's final gather."""
+
+    block: nn.Module
+    width: int
+    axis_name: str | None = "tensor"
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(self.width, name="pre")(x)
+        if self.axis_name is None:
+            return self.block(x)
+        y = self.block(fsdp_tp.collectives.scatter_to_axis(x, 1, self.axis_name))
+        return fsdp_tp.collectives.gather_from_axis(y, 1, self.axis_name)

@@ -136,3 +136,18 @@ class LM(nnx.Module):
             for block in self.blocks:
                 x = block(x)
         return self.logits(self.norm(x))
+
+
+class NNXTiedLM(nnx.Module):
+    """TiedLM in NNX: ``nnx.Embed.attend`` and ``nnx.LinearGeneral`` over two groups."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(32, 16, rngs=rngs)
+        self.up = nnx.LinearGeneral(16, (4, 8), rngs=rngs)
+        self.down = nnx.LinearGeneral((4, 8), 16, axis=(-2, -1), rngs=rngs)
+        self.norm = nnx.LayerNorm(16, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        x = x + self.down(nnx.gelu(self.up(x)))
+        return self.embed.attend(self.norm(x))

@@ -40,7 +40,8 @@ from fsdp_tp.tp._check import switched_off
 from fsdp_tp.tp._plan import warn_left_whole
 from fsdp_tp.tp.pieces import shared_column_inputs
 from tests.equivalence import assert_trees_close, check_split
-from tests.nnx_models import lm_maker
+from tests.models import TiedLM
+from tests.nnx_models import NNXTiedLM, lm_maker
 
 APIS = ["linen", "nnx"]
 IDS = jnp.zeros((2, 8), jnp.int32)
@@ -77,10 +78,10 @@ def _tests_models():
         ("linen", lambda: t.PlainLM(**lm, scan=True, remat=True), t.MEGATRON),
         ("nnx", lm_maker(**lm), t.NNX_MEGATRON),
         ("nnx", lm_maker(**lm, scan=True), t.NNX_MEGATRON),
-        ("linen", t.TiedLM, [(r"Embed_0$", VocabParallel()), *mlp_rules(r"up$", r"down$")]),
+        ("linen", TiedLM, [(r"Embed_0$", VocabParallel()), *mlp_rules(r"up$", r"down$")]),
         (
             "nnx",
-            t.NNXTiedLM,
+            NNXTiedLM,
             [(r"embed$", VocabParallel()), (r"up$", ColumnParallel()), (r"down$", RowParallel())],
         ),
         ("linen", t.GatedLM, t.GATED_RULES["linen"]),

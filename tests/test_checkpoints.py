@@ -18,9 +18,9 @@ from fsdp_tp.cli import main
 from fsdp_tp.cli.workdir import saved_steps
 from fsdp_tp.errors import CheckpointMismatchError
 from fsdp_tp.mesh import make_mesh
-from fsdp_tp.models import Layout
 from fsdp_tp.recipe.config import preset
-from fsdp_tp.recipe.trainer import Settings, Trainer
+from fsdp_tp.recipe.trainer import Trainer
+from tests.conftest import settings
 
 pytestmark = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")
 RUN = ["train", "--steps", "12", "--checkpoint-every", "4", "--eval-every", "0", "--log-every", "100"]
@@ -52,21 +52,6 @@ def run(*argv: str) -> int:
 
 def losses(log) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, log.read_text().splitlines()) if "loss" in r}
-
-
-def settings(**changes) -> Settings:
-    fields = dict(
-        model=preset("tiny"),
-        steps=12,
-        batch=16,
-        microbatches=1,
-        lr=3e-3,
-        warmup=20,
-        seed=0,
-        layout=Layout("tensor", "fsdp", sequence_parallel=True, min_weight_size=2**10),
-        check_vma=True,
-    )
-    return Settings(**{**fields, **changes})
 
 
 def test_sigkill_mid_save_keeps_the_last_checkpoint_and_resume_reproduces_the_losses(tmp_path):

@@ -40,8 +40,7 @@ from fsdp_tp.testing import NNXTwin as Twin
 from fsdp_tp.tp import ColumnParallel, RowParallel, register_einsum
 from fsdp_tp.tp import _matmul as tp_matmul
 from fsdp_tp.tp._check import switched_off
-from tests import test_tp_rules
-from tests.equivalence import Case, check_equivalence, check_split
+from tests.equivalence import Case, check_equivalence, check_split, next_token_loss
 
 APIS = ["linen", "nnx"]
 MESHES = {
@@ -74,7 +73,7 @@ def _case(api: str, mesh_name: str, check_vma: bool, policy=None) -> Case:
     heads = dict(heads=8, kv_heads=4) if MESHES[mesh_name]["tensor"] == 4 else {}
     with jax.enable_x64(True):  # an NNX model's constructor runs here, and keeps its dtypes
         model, twin = _models(api, mesh_name, policy=policy, **EXACT, **heads)
-    loss = test_tp_rules._next_token_loss
+    loss = next_token_loss
     mesh = fsdp_tp.make_mesh(MESHES[mesh_name])
     batch = _batch(mesh_name)
     tokens = dict(seq_len=SEQ, vocab=SIZES["vocab"])

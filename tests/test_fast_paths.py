@@ -27,8 +27,8 @@ from fsdp_tp.cli.settings import settings_of
 from fsdp_tp.mesh import parse_mesh
 from fsdp_tp.models import Layout, Transformer
 from fsdp_tp.recipe.config import PRESETS
-from tests.equivalence import check_equivalence
-from tests.test_transformer import CONFIG, reference_loss, transformer_case
+from tests.equivalence import check_equivalence, next_token_loss
+from tests.transformer_case import CONFIG, transformer_case
 
 pytestmark = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")
 
@@ -79,7 +79,7 @@ def test_remat_policies_give_the_same_gradient():
 
     def grad(remat):
         model = Transformer(**CONFIG, remat=remat)
-        return jax.jit(jax.grad(lambda p: reference_loss(model, p, ids, ids)))(params)
+        return jax.jit(jax.grad(lambda p: next_token_loss(model, p, ids, ids)))(params)
 
     full = grad("full")
     for remat in ("dots", "none"):

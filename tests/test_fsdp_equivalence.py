@@ -10,14 +10,9 @@ from hypothesis import strategies as st
 
 import fsdp_tp
 from fsdp_tp.bench.baselines import tutorial_sync_gradients
-from tests.conftest import mesh_of
+from tests.conftest import MESHES, WIDTHS, mesh_of, replicated_ok
 from tests.equivalence import Case, check_equivalence
 from tests.models import MLP, Block, ScanMLP
-
-MESHES = [(1, 1), (1, 8), (2, 4), (4, 2), (8, 1)]
-# 3, 5, 6 and 12 do not divide every axis size: those parameters must stay replicated.
-WIDTHS = st.sampled_from([3, 4, 5, 6, 8, 12, 16, 24, 32])
-replicated_ok = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")
 
 
 def sum_assuming_sync(grads, axis_names):

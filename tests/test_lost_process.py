@@ -15,7 +15,7 @@ import pytest
 
 from fsdp_tp.cli.verdict import DELIBERATE, Identity, verdict
 from fsdp_tp.cli.workdir import saved_steps
-from tests.test_multihost import MESH, free_port, start_two_processes
+from tests.processes import MESH, free_port, start_two_processes
 
 # What jaxlib 0.10.2's coordination service wrote on the survivors here (cut to the words read).
 PROCESS_1_LOST = (

@@ -19,34 +19,15 @@ from fsdp_tp.bench.llama_rows import lowered_lm_step
 from fsdp_tp.nnx import _read
 from fsdp_tp.testing import NNXSharded as Sharded
 from tests.conftest import BATCH_AXES, total
-from tests.models import MLP
-from tests.test_tp_rules import NNXTiedLM, TiedLM
-
-# in 32 -> 64 -> 64 -> 16: every kernel (>= 1024 elements) is sharded, every bias (<= 64) is not.
-FEATURES, IN_DIM, MIN_SIZE = (64, 64, 16), 32, 100
-KERNEL_BYTES = 4 * (32 * 64 + 64 * 64 + 64 * 16)
-BIAS_BYTES = 4 * (64 + 64 + 16)
-
-
-def _init(mesh, tx, check_vma=True, mixed_precision=None):
-    dense = fsdp_tp.shard_module_params(nn.Dense, "fsdp", MIN_SIZE, mixed_precision=mixed_precision)
-    model = MLP(FEATURES, True, dense)
-
-    def init_fn(rng, x):
-        params = model.init(rng, x)["params"]
-        return fsdp_tp.TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=rng)
-
-    x = jax.numpy.ones((16, IN_DIM))
-    state, specs = fsdp_tp.init_sharded(
-        init_fn, mesh, (P(), P(BATCH_AXES)), jax.random.key(0), x, check_vma=check_vma
-    )
-    return model, state, specs, x
+from tests.fsdp_mlp import BIAS_BYTES, FEATURES, IN_DIM, KERNEL_BYTES, init_fsdp_mlp, step_collectives
+from tests.models import MLP, TiedLM
+from tests.nnx_models import NNXTiedLM
 
 
 @pytest.mark.parametrize("shape", [(1, 8), (2, 4), (4, 2)])
 def test_params_and_adamw_state_bytes_are_exactly_the_ideal(shape):
     mesh = fsdp_tp.make_mesh({"data": shape[0], "fsdp": shape[1]})
-    _, state, _, _ = _init(mesh, optax.adamw(1e-3))
+    _, state, _, _ = init_fsdp_mlp(mesh, optax.adamw(1e-3))
     tree = (state.params, state.opt_state)
     per_device = state_bytes_per_device(tree)
     # params, mu and nu: kernels split over fsdp, biases whole; plus AdamW's int32 count.
@@ -59,26 +40,10 @@ def test_params_and_adamw_state_bytes_are_exactly_the_ideal(shape):
 def test_negative_control_memory_check_sees_replication():
     """Unsharded params on the same mesh hold 8x the kernel bytes: the check must notice."""
     mesh = fsdp_tp.make_mesh({"data": 1, "fsdp": 8})
-    _, state, _, _ = _init(mesh, optax.adamw(1e-3))
+    _, state, _, _ = init_fsdp_mlp(mesh, optax.adamw(1e-3))
     replicated = jax.device_put(nn.unbox(state.params), jax.NamedSharding(mesh, P()))
     assert max(state_bytes_per_device(replicated).values()) == KERNEL_BYTES + BIAS_BYTES
     assert KERNEL_BYTES + BIAS_BYTES != KERNEL_BYTES // 8 + BIAS_BYTES
-
-
-def step_collectives(shape, check_vma: bool, mixed_precision=None, lowered: bool = False):
-    """The collectives of the FSDP step, compiled or (``lowered``) as the program asks for them:
-    XLA's CPU backend upcasts bf16 collectives to f32 when it compiles (GPU and TPU run them in
-    bf16), so only the lowered program shows a mixed-precision policy's bytes."""
-    mesh = fsdp_tp.make_mesh({"data": shape[0], "fsdp": shape[1]})
-    model, state, specs, x = _init(mesh, optax.sgd(0.1), check_vma, mixed_precision)
-
-    def train_step(state, batch):
-        grads = jax.grad(lambda p: (model.apply({"params": p}, batch) ** 2).mean())(state.params)
-        return fsdp_tp.sync_gradients(grads, BATCH_AXES), ()
-
-    step = fsdp_tp.shard_step(train_step, mesh, specs, P(BATCH_AXES), check_vma=check_vma)
-    program = step.lower(state, x)
-    return parse_collectives(program.as_text(dialect="hlo") if lowered else program.compile().as_text())
 
 
 @pytest.mark.parametrize("check_vma", [True, False])

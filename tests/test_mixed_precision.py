@@ -27,13 +27,12 @@ import fsdp_tp
 from fsdp_tp.analysis import parse_collectives
 from fsdp_tp.testing import NNXSharded
 from fsdp_tp.testing import NNXTwin as Twin
-from tests.conftest import BATCH_AXES, mesh_of, total
+from tests.conftest import BATCH_AXES, MESHES, WIDTHS, mesh_of, replicated_ok, total
 from tests.equivalence import Case, batches, check_equivalence, step_program, train_state
+from tests.fsdp_mlp import BIAS_BYTES, FEATURES, IN_DIM, KERNEL_BYTES, MIN_SIZE
+from tests.fsdp_mlp import step_collectives as fsdp_step_collectives
 from tests.models import MLP
 from tests.nnx_models import MLPStack
-from tests.test_fsdp_equivalence import MESHES, WIDTHS, replicated_ok
-from tests.test_memory_and_communication import BIAS_BYTES, FEATURES, IN_DIM, KERNEL_BYTES, MIN_SIZE
-from tests.test_memory_and_communication import step_collectives as _fsdp_step_collectives
 
 BF16 = jnp.bfloat16
 
@@ -139,7 +138,7 @@ def test_by_rules_gathers_move_half_the_bytes(api):
 
 
 def _step_collectives(policy, check_vma: bool):
-    return _fsdp_step_collectives((2, 4), check_vma, policy, lowered=True)
+    return fsdp_step_collectives((2, 4), check_vma, policy, lowered=True)
 
 
 @pytest.mark.parametrize("check_vma", [True, False])

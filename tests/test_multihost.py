@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
-import socket
 import subprocess
 import sys
 
@@ -18,54 +16,16 @@ from fsdp_tp.cli import main
 from fsdp_tp.cli.workdir import saved_steps
 from fsdp_tp.mesh import make_mesh
 from fsdp_tp.recipe.trainer import Trainer
-from tests.test_checkpoints import settings
+from tests.conftest import settings
+from tests.processes import MESH, free_port, two_processes
 
 pytestmark = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")
 RUN = ["train", "--steps", "6", "--eval-every", "3", "--eval-batches", "2", "--checkpoint-every", "3"]
 RTOL = 1e-6  # docs/design.md: process layouts differ in the last bits
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def records(log) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines()]
-
-
-def command() -> list[str]:
-    script = shutil.which("fsdp-tp")
-    return [script] if script else [sys.executable, "-m", "fsdp_tp"]
-
-
-MESH = "data=2,fsdp=2,tensor=2"
-
-
-def start_two_processes(argv, port: int, stdout=subprocess.PIPE) -> list:
-    """``fsdp-tp`` started as processes 0 and 1 of one run, 4 CPU devices each; ``argv(i)``
-    gives process i's own flags. Their stderr is piped (text)."""
-    return [
-        subprocess.Popen(
-            [
-                *command(),
-                *argv(i),
-                *("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)),
-                *("--cpu-devices", "4"),
-            ],
-            stdout=stdout,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
-
-
-def two_processes(argv, port: int, timeout: int) -> tuple[list, list[tuple[str, str]]]:
-    """:func:`start_two_processes`, run to their end: the processes and their ``(stdout, stderr)``."""
-    procs = start_two_processes(argv, port)
-    return procs, [p.communicate(timeout=timeout) for p in procs]
 
 
 def test_two_processes_train_like_one_and_write_one_checkpoint(tmp_path):

@@ -22,8 +22,7 @@ from fsdp_tp.analysis import parse_collectives
 from fsdp_tp.errors import OptimizerOnShardsError
 from tests.conftest import BATCH_AXES, mesh_of
 from tests.equivalence import ADAM_EPS, Case, batches, optimizer_mismatches, step_program
-from tests.models import MLP
-from tests.test_tensor_parallel import DenseThen, SequenceParallelAround
+from tests.models import MLP, DenseThen, SequenceParallelAround
 
 LR = 1e-2
 

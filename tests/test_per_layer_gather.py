@@ -13,7 +13,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -25,7 +24,7 @@ from fsdp_tp.linen import _gather, rule_transform
 from fsdp_tp.nnx import _model as nnx_model
 from fsdp_tp.testing import NNXSharded as Sharded
 from tests.conftest import BATCH_AXES
-from tests.equivalence import Case, check_equivalence
+from tests.equivalence import Case, check_equivalence, next_token_loss
 from tests.nnx_models import lm_maker
 from tests.plain_models import PlainLM
 
@@ -139,11 +138,6 @@ def test_negative_control_gathered_at_the_models_call_is_never_regathered(gather
     assert _lowered_gathers(whole) == _lowered_gathers(_models(False, False)[0])
 
 
-def _next_token_loss(model, params, tokens, targets):
-    logits = model.apply({"params": params}, tokens)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-
-
 @pytest.mark.parametrize("scan, check_vma", [(True, True), (False, False)])
 def test_gathered_where_read_equals_unsharded(scan, check_vma):
     """docs/design.md invariants 1-5 (and 6 across the two cases) for the plain LM sharded from outside,
@@ -165,8 +159,8 @@ def test_gathered_where_read_equals_unsharded(scan, check_vma):
                 0,
                 seq_len=8,
                 vocab=32,
-                loss=_next_token_loss,
-                reference_loss=_next_token_loss,
+                loss=next_token_loss,
+                reference_loss=next_token_loss,
             )
         )
 

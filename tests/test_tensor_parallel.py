@@ -18,6 +18,7 @@ from fsdp_tp.analysis import parse_collectives, state_bytes_per_device
 from fsdp_tp.errors import IndivisibleShapeError
 from tests.conftest import BATCH_AXES, mesh_of
 from tests.equivalence import Case, check_equivalence
+from tests.models import DenseThen, SequenceParallelAround
 
 MESHES = [(1, 1, 1), (1, 1, 2), (1, 1, 4), (1, 1, 8), (2, 2, 2), (1, 2, 4), (2, 1, 4), (1, 4, 2)]
 RING_MODES = [None, "unidirectional", "bidirectional"]  # plain collectives, then the two async modes
@@ -270,17 +271,6 @@ def test_heads_the_axis_cannot_split_are_named(heads, kv, tensor, match):
         jax.eval_shape(init, jnp.ones((2, 3, 8)))
 
 
-class DenseThen(nn.Module):
-    """A dense layer before the block, so the block's input gradient reaches a parameter."""
-
-    block: nn.Module
-    width: int
-
-    @nn.compact
-    def __call__(self, x):
-        return self.block(nn.Dense(self.width, name="pre")(x))
-
-
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize(("heads", "kv"), [(8, 8), (8, 2)])
 def test_attention_input_gradient_reaches_upstream_params(heads, kv, check_vma):
@@ -326,25 +316,6 @@ def test_attention_block_moves_the_megatron_minimum(heads, kv, check_vma):
     else:  # plus the gradients of the whole k/v kernels, summed over the axis (XLA may fuse them)
         assert {c.kind for c in found} == {"all-reduce"} and sum(c.operands for c in found) == 4
         assert sum(c.operand_bytes for c in found) == 2 * activation + 2 * 16 * 8 * 4
-
-
-class SequenceParallelAround(nn.Module):
-    """Dense -> enter the SP region (split the sequence) -> block in SP mode -> gather the sequence.
-
-    The unsharded twin (axis_name=None) is Dense -> block. The loss then sees the whole
-    sequence on every tensor device, as after Megatron's final gather."""
-
-    block: nn.Module
-    width: int
-    axis_name: str | None = "tensor"
-
-    @nn.compact
-    def __call__(self, x):
-        x = nn.Dense(self.width, name="pre")(x)
-        if self.axis_name is None:
-            return self.block(x)
-        y = self.block(fsdp_tp.collectives.scatter_to_axis(x, 1, self.axis_name))
-        return fsdp_tp.collectives.gather_from_axis(y, 1, self.axis_name)
 
 
 @replicated_ok

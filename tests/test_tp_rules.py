@@ -22,7 +22,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -41,8 +40,9 @@ from fsdp_tp.tp import _vocab as tp_vocab
 from fsdp_tp.tp._check import switched_off
 from fsdp_tp.tp._role import Local
 from tests.conftest import mesh_of
-from tests.equivalence import Case, check_equivalence
-from tests.nnx_models import lm_maker
+from tests.equivalence import Case, check_equivalence, next_token_loss
+from tests.models import TiedLM
+from tests.nnx_models import NNXTiedLM, lm_maker
 from tests.plain_models import PlainLM
 
 # The MLP's two layers in the blocks (a loop: layer_0/..., layer_1/...; scanned:
@@ -118,11 +118,6 @@ def _batch(mesh_name: str) -> tuple[str, ...]:
     return ("data", "fsdp") if "fsdp" in MESHES[mesh_name] else ("data",)
 
 
-def _next_token_loss(model, params, tokens, targets):
-    logits = model.apply({"params": params}, tokens)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-
-
 SMALL = dict(vocab=32, d_model=16, heads=4, layers=2)
 # The equivalence cases compute in float64 (under jax.enable_x64): they check the algebra of
 # the rules, and in float32 this LM's outputs (up to 3.2) sit at the tolerance's own floor.
@@ -150,8 +145,8 @@ def _case(mesh_name: str, scan: bool, check_vma: bool, model=None, api="linen") 
         0,
         seq_len=8,
         vocab=32,
-        loss=_next_token_loss,
-        reference_loss=_next_token_loss,
+        loss=next_token_loss,
+        reference_loss=next_token_loss,
     )
 
 
@@ -285,33 +280,6 @@ def test_negative_control_storage_only_tp_repeats_the_whole_computation():
     found = parse_collectives(stored.compile().as_text())
     assert _activation_collectives([c for c in found if c.group_size == 4], BATCH // 2) != MEGATRON_MINIMUM
     assert any(c.kind == "all-gather" and c.group_size == 4 for c in found)
-
-
-class TiedLM(nn.Module):
-    """Tied embeddings (``nn.Embed.attend``) and a ``nn.DenseGeneral`` MLP over two groups."""
-
-    @nn.compact
-    def __call__(self, tokens):
-        embed = nn.Embed(32, 16)
-        x = embed(tokens)
-        h = nn.gelu(nn.DenseGeneral((4, 8), name="up")(x))
-        x = x + nn.DenseGeneral(16, axis=(-2, -1), name="down")(h)
-        return embed.attend(nn.LayerNorm()(x))
-
-
-class NNXTiedLM(nnx.Module):
-    """TiedLM in NNX: ``nnx.Embed.attend`` and ``nnx.LinearGeneral`` over two groups."""
-
-    def __init__(self, rngs: nnx.Rngs):
-        self.embed = nnx.Embed(32, 16, rngs=rngs)
-        self.up = nnx.LinearGeneral(16, (4, 8), rngs=rngs)
-        self.down = nnx.LinearGeneral((4, 8), 16, axis=(-2, -1), rngs=rngs)
-        self.norm = nnx.LayerNorm(16, rngs=rngs)
-
-    def __call__(self, tokens):
-        x = self.embed(tokens)
-        x = x + self.down(nnx.gelu(self.up(x)))
-        return self.embed.attend(self.norm(x))
 
 
 @pytest.mark.parametrize("api", APIS)

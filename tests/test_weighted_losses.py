@@ -15,10 +15,9 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 from fsdp_tp.gradients import batch_total, global_mean_loss, global_sum_loss
-from tests.conftest import BATCH_AXES, mesh_of
+from tests.conftest import BATCH_AXES, MESHES, mesh_of
 from tests.equivalence import Case, check_equivalence
 from tests.models import MLP
-from tests.test_fsdp_equivalence import MESHES
 
 
 def _masked(model, params, x, y, density: float):
