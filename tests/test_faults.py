@@ -515,7 +515,7 @@ def test_process_0_refuses_a_coordinator_it_cannot_listen_on(where):
 def test_a_token_file_truncated_during_a_run_ends_it_with_one_line(tmp_path):
     """Issue 34 point 8: truncating the .bin a run reads killed it with SIGBUS and no word (the
     memory map's pages were gone). Every batch now checks the file first: exit 1, one line."""
-    from tests.test_multihost import command
+    from tests.processes import command
 
     data, log = tmp_path / "tokens.bin", tmp_path / "log.jsonl"
     np.random.default_rng(0).integers(0, 200, size=400_000, dtype=np.uint16).tofile(data)
@@ -580,7 +580,7 @@ def test_a_signal_stops_between_steps_with_one_line_naming_the_checkpoint(tmp_pa
     --resume continues from, and the shell's code."""
     import signal
 
-    from tests.test_multihost import command
+    from tests.processes import command
 
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
     argv = [
