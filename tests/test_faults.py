@@ -514,7 +514,7 @@ def test_process_0_refuses_a_coordinator_it_cannot_listen_on(where):
 
 def test_a_token_file_truncated_during_a_run_ends_it_with_one_line(tmp_path):
     """Issue 34 point 8: truncating the .bin a run reads killed it with SIGBUS and no word (the
-    memory map's pages were gone). Every batch now checks the file first: exit 1, one line."""
+    memory map's pages were gone). Tokens are read with ``pread`` now: exit 1, one line."""
     from tests.processes import command
 
     data, log = tmp_path / "tokens.bin", tmp_path / "log.jsonl"
@@ -548,6 +548,36 @@ def test_a_token_file_truncated_during_a_run_ends_it_with_one_line(tmp_path):
         f"fsdp-tp: error: --data {data} was changed while the run read it (800,000 bytes when "
         "opened, 4,096 now); give a run a file nobody writes: write new data to another file."
     )
+
+
+def test_a_truncation_between_the_check_and_the_read_is_an_error_not_sigbus(tmp_path, monkeypatch):
+    """CI once saw the run above die with SIGBUS (-7): the file was truncated after the batch's
+    check and before its read of a memory map. Tokens are now read by ``pread``, whose short read
+    is an error even when the truncation lands after the check (the check is switched off here
+    to put it there). Negative control: a memory map read after the same truncation is SIGBUS."""
+    from fsdp_tp.recipe.data import DataChangedError, load_tokens, windows_at
+    from fsdp_tp.recipe.token_file import TokenFile
+
+    data = tmp_path / "tokens.bin"
+    np.random.default_rng(0).integers(0, 200, size=100_000, dtype=np.uint16).tofile(data)
+    tokens = load_tokens(str(data))
+    first = windows_at(tokens, 0, 8, 64, seed=0)
+    monkeypatch.setattr(TokenFile, "_check_unchanged", lambda self: None)
+    os.truncate(data, 4096)
+    with pytest.raises(DataChangedError, match="200,000 bytes when opened, 4,096 now"):
+        for step in range(1, 50):  # some window of 8 x 49 starts past the first 2,048 tokens
+            windows_at(tokens, step, 8, 64, seed=0)
+    assert first.shape == (8, 65)
+
+    np.random.default_rng(0).integers(0, 200, size=100_000, dtype=np.uint16).tofile(data)
+    mapped = textwrap.dedent(f"""
+        import os, numpy as np
+        tokens = np.memmap({str(data)!r}, dtype=np.uint16, mode="r")
+        os.truncate({str(data)!r}, 4096)
+        print(int(tokens[90_000]))
+    """)
+    done = subprocess.run([sys.executable, "-c", mapped], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -7, (done.returncode, done.stderr[-2000:])
 
 
 # --- asked to stop: SIGINT and SIGTERM ---

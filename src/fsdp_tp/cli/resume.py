@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..recipe.data import Tokens
 from ..recipe.trainer import Settings
 
 __all__ = ["changes", "data_identity", "data_name", "precision_of", "record"]
@@ -29,7 +30,7 @@ def data_name(args) -> str:
     return Path(args.data).name if args.data else "embedded corpus"
 
 
-def data_identity(tokens: np.ndarray, name: str) -> dict:
+def data_identity(tokens: Tokens, name: str) -> dict:
     """The data's name, length and a CRC of evenly spaced tokens: cheap on a 100 GB file, and
     different for another file, another tokenizer or another order with near certainty."""
     stride = max(1, len(tokens) // _SAMPLES)

@@ -15,6 +15,7 @@ from ..attention import resolved_implementation
 from ..checkpoint import Checkpoints
 from ..errors import CheckpointMismatchError
 from ..mesh import make_mesh
+from ..recipe.data import Tokens
 from ..recipe.throughput import Achieved, memory_in_use, peak_tflops
 from ..recipe.trainer import Settings, Trainer
 from ..recipe.twin import compare_with_twin
@@ -69,7 +70,7 @@ def _precision_text(settings: Settings) -> str:
     return f"; FSDP gathers in {precision['gather']}, reduces in {precision['reduce']}"
 
 
-def _check(trainer: Trainer, tokens: np.ndarray, steps: int, dtype: str, say) -> bool:
+def _check(trainer: Trainer, tokens: Tokens, steps: int, dtype: str, say) -> bool:
     """``--check``: ``steps`` steps sharded and unsharded; leaves the trainer at its initial state."""
     initial = jax.tree.map(jnp.copy, trainer.state)  # the step donates the state it is given
     loss_diff, param_diff, losses, twin_losses = compare_with_twin(trainer, tokens, steps)
@@ -130,7 +131,7 @@ def _resume(trainer: Trainer, checkpoints: Checkpoints, args, now: dict, say) ->
 
 
 def train(
-    settings: Settings, sizes: dict, args, tokens: np.ndarray, eval_tokens: np.ndarray | None, out: TextIO
+    settings: Settings, sizes: dict, args, tokens: Tokens, eval_tokens: Tokens | None, out: TextIO
 ) -> int:
     """The ``train`` command after its options and data were checked; the process's exit status.
     ``eval_tokens``: the held-out part for ``--eval-every`` (``None``: no eval)."""

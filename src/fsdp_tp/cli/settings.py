@@ -10,7 +10,15 @@ from ..mesh import DEFAULT_AXIS_NAMES, parse_mesh
 from ..models import Layout
 from ..precision import MixedPrecision
 from ..recipe.config import preset
-from ..recipe.data import EVAL_FRACTION, check_tokens, check_vocab, load_tokens, split_held_out, vocab_for
+from ..recipe.data import (
+    EVAL_FRACTION,
+    check_tokens,
+    check_vocab,
+    load_tokens,
+    split_held_out,
+    token_bounds,
+    vocab_for,
+)
 from ..recipe.trainer import Settings
 from .checks import UsageError, check_nnx, check_schedule, check_tensor_split
 from .experts import check_experts, expert_fields
@@ -133,7 +141,7 @@ def tokens_and_settings(args, mesh: dict):
     """The train and held-out tokens (``None`` without ``--eval-every``) and the settings that
     fit them, checked before anything starts or is written."""
     tokens = load_tokens(args.data)
-    low, top = int(np.min(tokens)), int(np.max(tokens))  # one pass each over a (memory-mapped) file
+    low, top = token_bounds(tokens)
     # A token file's ids may exceed the bytes' 256: fit the vocabulary unless it was given.
     settings = settings_of(args, mesh, None if tokens.dtype == np.uint8 else vocab_for(top))
     name = args.data or "the embedded corpus"

@@ -8,65 +8,32 @@ resumed at step ``s`` sees the same batches as one that never stopped.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
+
+from .token_file import DataChangedError, DataError, TokenFile
 
 __all__ = [
     "EVAL_FRACTION",
     "DataChangedError",
     "DataError",
+    "Tokens",
     "batch_at",
     "check_tokens",
     "check_vocab",
     "embedded_corpus",
     "load_tokens",
     "split_held_out",
+    "token_bounds",
     "vocab_for",
     "windows_at",
 ]
 
 
+Tokens = np.ndarray | TokenFile  # the embedded corpus is an array; a user's file is read per batch
+
 EVAL_FRACTION = 0.05  # the tail of the tokens held out when --eval-every is on
-
-
-class DataError(ValueError):
-    """A data file that is missing, empty, or too short for one batch."""
-
-
-class DataChangedError(DataError):
-    """The memory-mapped data file was truncated or rewritten in place while a run read it."""
-
-
-# Each memory-mapped file's (inode, size, mtime) when it was opened. Reading a mapping whose file
-# was truncated in place kills the process with SIGBUS, and Python cannot catch that: every
-# batch first checks the file is as it was. A file replaced (renamed over) or deleted is not
-# a change to the mapping, which keeps reading the old inode.
-_OPENED: dict[str, tuple[int, int, int]] = {}
-
-
-def _stamp(path: str) -> tuple[int, int, int]:
-    st = os.stat(path)
-    return st.st_ino, st.st_size, st.st_mtime_ns
-
-
-def _check_unchanged(tokens: np.ndarray) -> None:
-    """Raises ``DataChangedError`` if the file ``tokens`` map was changed in place since it was
-    opened (a truncation would otherwise end the process with SIGBUS at the next read)."""
-    name = getattr(tokens, "filename", None)
-    if name is None or name not in _OPENED:
-        return
-    try:
-        now = _stamp(name)
-    except FileNotFoundError:
-        return  # deleted: the mapping still holds the data
-    inode, size, _ = was = _OPENED[name]
-    if now[0] == inode and now != was:
-        raise DataChangedError(
-            f"--data {name} was changed while the run read it ({size:,} bytes when opened, "
-            f"{now[1]:,} now); give a run a file nobody writes: write new data to another file."
-        )
 
 
 _SUBJECTS = ["the cat", "a dog", "my friend", "the old man", "a small bird", "the teacher", "her brother"]
@@ -88,9 +55,10 @@ def embedded_corpus(num_sentences: int = 20_000, seed: int = 0) -> np.ndarray:
     return np.frombuffer("".join(parts).encode(), dtype=np.uint8)
 
 
-def load_tokens(path: str | None) -> np.ndarray:
-    """Tokens from ``path``: ``.npy`` (any int dtype) or ``.bin`` (uint16, nanoGPT-style), both
-    memory-mapped; any other file is UTF-8 text as bytes. ``None``: the embedded corpus."""
+def load_tokens(path: str | None) -> Tokens:
+    """Tokens from ``path``: ``.npy`` (any int dtype) or ``.bin`` (uint16, nanoGPT-style); any
+    other file is UTF-8 text as bytes. A file is read per batch (``TokenFile``), never loaded
+    whole or memory-mapped. ``None``: the embedded corpus (an array)."""
     if path is None:
         return embedded_corpus()
     file = Path(path)
@@ -104,35 +72,35 @@ def load_tokens(path: str | None) -> np.ndarray:
     if file.stat().st_size == 0:
         raise DataError(f"--data {path}: the file is empty.")
     if file.suffix == ".npy":
-        try:
-            tokens = np.load(file, mmap_mode="r")
+        try:  # the header only: the tokens are read by TokenFile, batch by batch
+            header = np.load(file, mmap_mode="r")
         except (ValueError, OSError, EOFError) as err:
             raise DataError(
                 f"--data {path}: not a readable .npy file ({err}); save one with numpy.save."
             ) from err
-        if not np.issubdtype(tokens.dtype, np.integer):
+        if not np.issubdtype(header.dtype, np.integer):
             raise DataError(
-                f"--data {path}: tokens must be integers, got dtype {tokens.dtype}; "
+                f"--data {path}: tokens must be integers, got dtype {header.dtype}; "
                 f"convert with tokens.astype(np.int32) (ids are not rounded for you)."
             )
+        if header.ndim != 1:
+            raise DataError(f"--data {path}: tokens must be a flat array, got shape {header.shape}.")
+        tokens = TokenFile.open(str(file), header.dtype, header.offset)
     elif file.suffix == ".bin":
         if file.stat().st_size % 2:
             raise DataError(
                 f"--data {path}: {file.stat().st_size} bytes is not a whole number of uint16 tokens "
                 f"(2 bytes each); the file is truncated or not a nanoGPT-style .bin."
             )
-        tokens = np.memmap(file, dtype=np.uint16, mode="r")
-    else:  # text: its bytes are the tokens, memory-mapped (a 40 GB file is not read into memory)
-        tokens = np.memmap(file, dtype=np.uint8, mode="r")
-    if tokens.ndim != 1:
-        raise DataError(f"--data {path}: tokens must be a flat array, got shape {tokens.shape}.")
-    _OPENED[tokens.filename] = _stamp(tokens.filename)
-    if tokens.size == 0:
+        tokens = TokenFile.open(str(file), np.uint16)
+    else:  # text: its bytes are the tokens, read per batch (a 40 GB file is not read into memory)
+        tokens = TokenFile.open(str(file), np.uint8)
+    if len(tokens) == 0:
         raise DataError(f"--data {path}: holds no tokens (an empty array).")
     return tokens
 
 
-def check_tokens(tokens: np.ndarray, seq_len: int, what: str = "the data") -> None:
+def check_tokens(tokens: Tokens, seq_len: int, what: str = "the data") -> None:
     """Raises ``DataError`` unless ``tokens`` hold two windows of ``seq_len + 1`` tokens
     (checked up front, so a bad file fails before anything is written)."""
     if len(tokens) < 2 * (seq_len + 1):
@@ -167,26 +135,34 @@ def vocab_for(top_token: int, multiple: int = 128) -> int:
     return -(-(top_token + 1) // multiple) * multiple
 
 
-def split_held_out(tokens: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+def split_held_out(tokens: Tokens, fraction: float) -> tuple[Tokens, Tokens]:
     """``tokens`` cut into a train part and the last ``fraction`` held out for eval."""
     cut = len(tokens) - int(len(tokens) * fraction)
+    if isinstance(tokens, TokenFile):  # views: nothing is read until a batch asks
+        return tokens.part(0, cut), tokens.part(cut, len(tokens))
     return tokens[:cut], tokens[cut:]
 
 
+def token_bounds(tokens: Tokens) -> tuple[int, int]:
+    """The smallest and largest token id, in one pass over a file of any size."""
+    if isinstance(tokens, TokenFile):
+        return tokens.bounds()
+    return int(np.min(tokens)), int(np.max(tokens))
+
+
 def windows_at(
-    tokens: np.ndarray, step: int, batch: int, seq_len: int, seed: int, rows: slice = slice(None)
+    tokens: Tokens, step: int, batch: int, seq_len: int, seed: int, rows: slice = slice(None)
 ) -> np.ndarray:
     """Rows ``rows`` of step ``step``'s global batch: windows of ``seq_len + 1`` tokens (int32).
 
     The window starts depend only on ``(seed, step)``, so every process, mesh and resumed
-    run agrees on the batch; only the requested rows are read from the (memory-mapped) file.
+    run agrees on the batch; only the requested rows are read from the file.
     """
-    _check_unchanged(tokens)
     starts = np.random.default_rng([seed, step]).integers(0, len(tokens) - seq_len - 1, size=batch)
     return np.stack([np.asarray(tokens[s : s + seq_len + 1], dtype=np.int32) for s in starts[rows]])
 
 
-def batch_at(tokens: np.ndarray, step: int, batch: int, seq_len: int, seed: int) -> tuple:
+def batch_at(tokens: Tokens, step: int, batch: int, seq_len: int, seed: int) -> tuple:
     """The whole global batch of ``step`` as ``(ids, targets)``, targets shifted by one."""
     windows = windows_at(tokens, step, batch, seq_len, seed)
     return windows[:, :-1], windows[:, 1:]

@@ -21,7 +21,7 @@ from ..sharded_init import init_sharded
 from ..tp.pieces import vocab_parallel_cross_entropy
 from ..train import accumulate_gradients, shard_step, state_init_fn
 from .config import ModelConfig
-from .data import windows_at
+from .data import Tokens, windows_at
 from .moe_lm import moe_loss, sharded_moe_parts
 
 __all__ = [
@@ -206,7 +206,7 @@ class Trainer:
         self._batch_sharding = NamedSharding(mesh, batch)
         self.completed = 0  # steps the state has taken (run() counts them)
 
-    def windows(self, tokens: np.ndarray, step: int) -> jax.Array:
+    def windows(self, tokens: Tokens, step: int) -> jax.Array:
         """Step ``step``'s global batch of windows, each process reading only the rows its
         devices hold (``jax.make_array_from_callback`` asks for one row block per device)."""
         s, seq_len = self.settings, self.settings.model.seq_len
@@ -220,7 +220,7 @@ class Trainer:
 
         return jax.make_array_from_callback((s.batch, seq_len + 1), self._batch_sharding, rows)
 
-    def run(self, tokens: np.ndarray, start: int, stop: int) -> Iterator[tuple[int, float, float, bool]]:
+    def run(self, tokens: Tokens, start: int, stop: int) -> Iterator[tuple[int, float, float, bool]]:
         """Trains steps ``start .. stop - 1``; yields ``(step, loss, seconds, finite)`` after
         each. A step whose loss or update is not finite leaves the state as it was.
         ``completed``: the steps the state has taken so far."""
@@ -233,7 +233,7 @@ class Trainer:
             self.completed = step + 1
             yield step, loss, time.perf_counter() - began, bool(finite)
 
-    def evaluate(self, tokens: np.ndarray, batches: int) -> float:
+    def evaluate(self, tokens: Tokens, batches: int) -> float:
         """Mean loss over ``batches`` fixed batches of held-out ``tokens`` (the same ones each time)."""
         return float(
             np.mean([float(self._eval(self.state, self.windows(tokens, i))) for i in range(batches)])

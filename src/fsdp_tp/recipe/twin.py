@@ -10,14 +10,14 @@ import optax
 from flax.core.meta import unbox
 
 from ..train import state_init_fn
-from .data import batch_at
+from .data import Tokens, batch_at
 from .moe_lm import linen_path, moe_loss
 from .trainer import Trainer
 
 __all__ = ["compare_with_twin"]
 
 
-def compare_with_twin(trainer: Trainer, tokens: np.ndarray, steps: int) -> tuple[float, float, list, list]:
+def compare_with_twin(trainer: Trainer, tokens: Tokens, steps: int) -> tuple[float, float, list, list]:
     """Trains ``steps`` steps sharded and, on one device, the unsharded twin on the same batches.
 
     Returns the largest loss difference, the largest parameter difference, and both loss curves.
