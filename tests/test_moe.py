@@ -3,6 +3,7 @@ model laid out over the batch axes and FSDP equal to its unsharded twin, Linen a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 
@@ -21,8 +22,9 @@ from jax.sharding import PartitionSpec as P
 import fsdp_tp.models.moe as moe
 import fsdp_tp.tp._expert_plan as expert_plan
 import fsdp_tp.tp._experts as experts_module
+import fsdp_tp.train
 from fsdp_tp import TrainState, make_mesh, make_plan, shard_by_rules
-from fsdp_tp.analysis import parse_collectives
+from fsdp_tp.analysis import operand_count, parse_collectives
 from fsdp_tp.bench.llama_rows import lowered_lm_step
 from fsdp_tp.bench.moe_rows import MOE_SIZES as MOE_BENCH_SIZES
 from fsdp_tp.bench.moe_rows import measure_moe, moe_section
@@ -33,7 +35,7 @@ from fsdp_tp.models.moe import LinenMoE, MoELM, NNXMoELM
 from fsdp_tp.nnx import find_tp_rules as nnx_find_tp_rules
 from fsdp_tp.routing import capacity, combine, dispatch, route
 from fsdp_tp.testing import check_sharded
-from fsdp_tp.tp import ExpertParallel, register_einsum
+from fsdp_tp.tp import ColumnParallel, ExpertParallel, RowParallel, register_einsum
 from fsdp_tp.tp._check import switched_off
 
 
@@ -271,6 +273,35 @@ def test_expert_parallel_moves_each_buffer_once_each_way_and_never_gathers_an_ex
     assert sum(c.executions for c in to_all) == 4 * moe_layers, [c.operand_types for c in to_all]
     assert all(c.operand_bytes == buffer for c in to_all), [c.operand_types for c in to_all]
     assert {c.group_size for c in found if c.kind == "all-gather"} == {2}
+
+
+MEGATRON_EXPERTS = [(r"experts/(gate|up)$", ColumnParallel()), (r"experts/down$", RowParallel())]
+
+
+def _over_tensor(monkeypatch=None) -> list:
+    """The collectives over `tensor` (groups of 2) of the MoE LM's step on data 4 x tensor 2,
+    each expert's hidden dim split (gate and up column, down row), attention whole."""
+    mesh = make_mesh({"data": 4, "tensor": 2})
+    sizes = {**SIZES, "capacity_factor": 1.0}
+    model = shard_by_rules(MoELM, [], batch_axes=("data",), tp_rules=MEGATRON_EXPERTS)(sizes)
+    lowered, _ = lowered_lm_step(model, mesh, ("data",), TOKENS, with_aux=True)
+    return [c for c in parse_collectives(lowered.as_text(dialect="hlo")) if c.group_size == 2]
+
+
+def test_megatron_inside_the_experts_all_reduces_once_each_way_per_layer(monkeypatch):
+    """HLO of the train step: over `tensor`, per MoE layer one all-reduce forward (down's sum)
+    and one backward (gate's and up's input gradients summed first), each of one device's
+    dispatched buffer (groups, E, capacity, d) in f32; nothing else over `tensor`, no weight
+    gathered. Negative control: without the shared *f*, gate and up each all-reduce theirs."""
+    groups, tokens_per_group = 2, 8  # a device's 2 rows of 8 tokens, a group per row
+    buffer = groups * 4 * capacity(tokens_per_group, 2, 4, 1.0) * 16 * 4
+    found = _over_tensor()
+    assert {c.kind for c in found} == {"all-reduce"}, found
+    assert operand_count(found, "all-reduce", 2) == 2 * SIZES["layers"]
+    assert {c.operand_bytes for c in found} == {buffer}, [c.operand_types for c in found]
+
+    monkeypatch.setattr(fsdp_tp.train, "shared_column_inputs", contextlib.nullcontext)
+    assert operand_count(_over_tensor(), "all-reduce", 2) == 3 * SIZES["layers"]
 
 
 @pytest.mark.parametrize(

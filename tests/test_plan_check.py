@@ -274,3 +274,33 @@ def test_a_plan_the_check_cannot_decide_runs_with_one_warning_naming_the_op():
     with pytest.warns(UncheckedPlanWarning, match=said):
         check_sharded(UnknownBetween(), (x, 0 * x), lambda out, y: jnp.mean((out - y) ** 2),
                       {"data": 2, "tensor": 4}, tp_rules=rules, steps=1)  # fmt: skip
+
+
+def _scaled(x, eps):
+    return jnp.asarray(eps, x.dtype) + x.astype(jnp.float32)  # eps converted first, then x
+
+
+def test_an_operation_on_a_literal_made_a_value_does_not_shift_its_lines_pairs(monkeypatch):
+    """Inside ``shard_map`` with ``check_vma`` jax 0.12 makes the ``1e-6`` of a bf16 RMS norm a
+    value (``pvary``) and converts it by an operation the unsharded trace folds away: counted,
+    it paired the norm's next convert with the wrong one, and the plan check refused the bf16
+    MoE LM. Here ``optimization_barrier`` makes the literal a value on both jax lines; the
+    device's convert of ``x`` must pair with the unsharded convert of ``x``. Negative control:
+    counting the operations on literals pairs the literal's convert instead."""
+    from fsdp_tp.tp import _sites
+    from fsdp_tp.tp._graph import Graph
+
+    x = jnp.ones(4, jnp.bfloat16)
+    reference = Graph.trace(lambda x: _scaled(x, 2.0), x)
+    local = Graph.trace(lambda x: _scaled(x, jax.lax.optimization_barrier(2.0)), x)
+
+    def converts_of_x(pairs):
+        return {
+            local.shapes[local.nodes[i].ins[0]]: reference.shapes[reference.nodes[r].ins[0]]
+            for i, r in pairs.items()
+            if local.nodes[i].prim == "convert_element_type"
+        }
+
+    assert converts_of_x(_sites.pair(local, reference)) == {(4,): (4,)}
+    monkeypatch.setattr(_sites, "_on_literals", lambda graph: set())
+    assert converts_of_x(_sites.pair(local, reference)) == {(): (4,)}

@@ -125,10 +125,6 @@ def _unsupported(args) -> list[tuple[bool, str]]:
     why = "the MoE LM (--experts)"
     return [
         (
-            args.dtype != "f32",
-            f"--dtype {args.dtype}: {why} computes in its parameters' dtype, f32; drop --dtype",
-        ),
-        (
             args.remat not in ("auto", "none"),
             f"--remat {args.remat}: {why} keeps every activation (no remat); drop --remat",
         ),

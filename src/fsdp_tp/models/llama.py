@@ -19,6 +19,8 @@ Both front ends' models have the same parameter paths, so :data:`RULES` names bo
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -87,30 +89,28 @@ class LinenAttention(nn.Module):
     kv_heads: int
     head_dim: int
     param_dtype: jnp.dtype = jnp.float32
+    dtype: Any = None  # the computation's (None: the parameters')
 
     @nn.compact
     def __call__(self, x):
-        d, dtype = x.shape[-1], self.param_dtype
-        q = nn.Einsum((d, self.heads, self.head_dim), "BTD,DNH->BTNH", False, param_dtype=dtype, name="q")(x)
-        kv = nn.Einsum((2, d, self.kv_heads, self.head_dim), "BSD,CDKH->CBSKH", param_dtype=dtype, name="kv")(
-            x
-        )
+        d, kw = x.shape[-1], dict(param_dtype=self.param_dtype, dtype=self.dtype)
+        q = nn.Einsum((d, self.heads, self.head_dim), "BTD,DNH->BTNH", False, name="q", **kw)(x)
+        kv = nn.Einsum((2, d, self.kv_heads, self.head_dim), "BSD,CDKH->CBSKH", name="kv", **kw)(x)
         out = attention(q, kv[0], kv[1])
-        return nn.Einsum((self.heads, self.head_dim, d), "BTNH,NHD->BTD", param_dtype=dtype, name="out")(out)
+        return nn.Einsum((self.heads, self.head_dim, d), "BTNH,NHD->BTD", name="out", **kw)(out)
 
 
 class LinenMLP(nn.Module):
     hidden: int
     param_dtype: jnp.dtype = jnp.float32
+    dtype: Any = None  # the computation's (None: the parameters')
 
     @nn.compact
     def __call__(self, x):
-        d, dtype = x.shape[-1], self.param_dtype
-        gate = nn.Einsum((d, self.hidden), "BTD,DF->BTF", False, param_dtype=dtype, name="gate")(x)
-        up = nn.Einsum((d, self.hidden), "BTD,DF->BTF", False, param_dtype=dtype, name="up")(x)
-        return nn.Einsum((self.hidden, d), "BTF,FD->BTD", False, param_dtype=dtype, name="down")(
-            nn.silu(gate) * up
-        )
+        d, kw = x.shape[-1], dict(param_dtype=self.param_dtype, dtype=self.dtype)
+        gate = nn.Einsum((d, self.hidden), "BTD,DF->BTF", False, name="gate", **kw)(x)
+        up = nn.Einsum((d, self.hidden), "BTD,DF->BTF", False, name="up", **kw)(x)
+        return nn.Einsum((self.hidden, d), "BTF,FD->BTD", False, name="down", **kw)(nn.silu(gate) * up)
 
 
 class LinenBlock(nn.Module):
@@ -153,13 +153,11 @@ class LlamaLM(nn.Module):
 
 
 class NNXAttention(nnx.Module):
-    def __init__(self, d, heads, kv_heads, head_dim, *, rngs, param_dtype=jnp.float32):
-        kv_shape = (2, d, kv_heads, head_dim)
-        self.q = nnx.Einsum("BTD,DNH->BTNH", (d, heads, head_dim), param_dtype=param_dtype, rngs=rngs)
-        self.kv = nnx.Einsum(
-            "BSD,CDKH->CBSKH", kv_shape, kv_shape[:1] + kv_shape[2:], param_dtype=param_dtype, rngs=rngs
-        )
-        self.out = nnx.Einsum("BTNH,NHD->BTD", (heads, head_dim, d), (d,), param_dtype=param_dtype, rngs=rngs)
+    def __init__(self, d, heads, kv_heads, head_dim, *, rngs, param_dtype=jnp.float32, dtype=None):
+        kv_shape, kw = (2, d, kv_heads, head_dim), dict(param_dtype=param_dtype, dtype=dtype, rngs=rngs)
+        self.q = nnx.Einsum("BTD,DNH->BTNH", (d, heads, head_dim), **kw)
+        self.kv = nnx.Einsum("BSD,CDKH->CBSKH", kv_shape, kv_shape[:1] + kv_shape[2:], **kw)
+        self.out = nnx.Einsum("BTNH,NHD->BTD", (heads, head_dim, d), (d,), **kw)
 
     def __call__(self, x):
         kv = self.kv(x)
@@ -167,10 +165,11 @@ class NNXAttention(nnx.Module):
 
 
 class NNXMLP(nnx.Module):
-    def __init__(self, d, hidden, *, rngs, param_dtype=jnp.float32):
-        self.gate = nnx.Einsum("BTD,DF->BTF", (d, hidden), param_dtype=param_dtype, rngs=rngs)
-        self.up = nnx.Einsum("BTD,DF->BTF", (d, hidden), param_dtype=param_dtype, rngs=rngs)
-        self.down = nnx.Einsum("BTF,FD->BTD", (hidden, d), param_dtype=param_dtype, rngs=rngs)
+    def __init__(self, d, hidden, *, rngs, param_dtype=jnp.float32, dtype=None):
+        kw = dict(param_dtype=param_dtype, dtype=dtype, rngs=rngs)
+        self.gate = nnx.Einsum("BTD,DF->BTF", (d, hidden), **kw)
+        self.up = nnx.Einsum("BTD,DF->BTF", (d, hidden), **kw)
+        self.down = nnx.Einsum("BTF,FD->BTD", (hidden, d), **kw)
 
     def __call__(self, x):
         return self.down(nnx.silu(self.gate(x)) * self.up(x))

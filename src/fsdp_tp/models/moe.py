@@ -87,15 +87,15 @@ class LinenExperts(nn.Module):
     experts: int
     hidden: int
     param_dtype: jnp.dtype = jnp.float32
+    dtype: Any = None  # the computation's (None: the parameters')
 
     @nn.compact
     def __call__(self, x):  # (G, E, C, D)
-        d, dtype, shape = x.shape[-1], self.param_dtype, (self.experts, x.shape[-1], self.hidden)
-        gate = nn.Einsum(shape, "GECD,EDH->GECH", False, param_dtype=dtype, name="gate")(x)
-        up = nn.Einsum(shape, "GECD,EDH->GECH", False, param_dtype=dtype, name="up")(x)
-        down = nn.Einsum(
-            (self.experts, self.hidden, d), "GECH,EHD->GECD", False, param_dtype=dtype, name="down"
-        )
+        d, shape = x.shape[-1], (self.experts, x.shape[-1], self.hidden)
+        kw = dict(param_dtype=self.param_dtype, dtype=self.dtype)
+        gate = nn.Einsum(shape, "GECD,EDH->GECH", False, name="gate", **kw)(x)
+        up = nn.Einsum(shape, "GECD,EDH->GECH", False, name="up", **kw)(x)
+        down = nn.Einsum((self.experts, self.hidden, d), "GECH,EHD->GECD", False, name="down", **kw)
         return down(nn.silu(gate) * up)
 
 
@@ -111,17 +111,18 @@ class LinenMoE(nn.Module):
     normalize: bool = True
     batch_axes: tuple | None = None
     param_dtype: jnp.dtype = jnp.float32
+    dtype: Any = None  # the experts' computation's (None: the parameters'); the router's is f32 or wider
 
     @nn.compact
     def __call__(self, x):
         router = nn.Dense(self.experts, use_bias=False, param_dtype=self.param_dtype, name="router")
-        experts = LinenExperts(self.experts, self.hidden, self.param_dtype, name="experts")
+        experts = LinenExperts(self.experts, self.hidden, self.param_dtype, self.dtype, name="experts")
         y, losses = mixture(
             x, router, experts, k=self.top_k, capacity_factor=self.capacity_factor,
             group_rows=self.group_rows, normalize=self.normalize, batch_axes=self.batch_axes,
         )  # fmt: skip
         if self.shared_hidden:
-            y = y + LinenMLP(self.shared_hidden, self.param_dtype, name="shared")(x)
+            y = y + LinenMLP(self.shared_hidden, self.param_dtype, self.dtype, name="shared")(x)
         return y, losses
 
 
@@ -129,16 +130,17 @@ class LinenMoEBlock(nn.Module):
     sizes: dict
     mixed: bool
     param_dtype: jnp.dtype = jnp.float32
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, x):
-        s, d, dtype = self.sizes, x.shape[-1], self.param_dtype
-        attn = LinenAttention(s["heads"], s["kv_heads"], s["head_dim"], dtype, name="attn")
+        s, d, dtype, compute = self.sizes, x.shape[-1], self.param_dtype, self.dtype
+        attn = LinenAttention(s["heads"], s["kv_heads"], s["head_dim"], dtype, compute, name="attn")
         x = x + attn(rms_norm(x, self.param("attn_norm", nn.initializers.zeros, (d,), dtype)))
         h = rms_norm(x, self.param("mlp_norm", nn.initializers.zeros, (d,), dtype))
         if not self.mixed:
-            return x + LinenMLP(s["hidden"], dtype, name="mlp")(h), jnp.zeros((), jnp.float32)
-        y, losses = LinenMoE(**_moe_fields(s), param_dtype=dtype, name="moe")(h)
+            return x + LinenMLP(s["hidden"], dtype, compute, name="mlp")(h), jnp.zeros((), jnp.float32)
+        y, losses = LinenMoE(**_moe_fields(s), param_dtype=dtype, dtype=compute, name="moe")(h)
         return x + y, _weighted(losses)
 
 
@@ -148,15 +150,16 @@ class MoELM(nn.Module):
 
     sizes: dict | None = None
     param_dtype: jnp.dtype = jnp.float32
+    dtype: Any = None  # the computation's (None: the parameters'; the routers' is f32 or wider)
 
     @nn.compact
     def __call__(self, tokens):
         s = {**MOE_SIZES, **(self.sizes or {})}
-        embed = nn.Embed(s["vocab"], s["d"], param_dtype=self.param_dtype, name="embed")
+        embed = nn.Embed(s["vocab"], s["d"], param_dtype=self.param_dtype, dtype=self.dtype, name="embed")
         x, aux = embed(tokens), jnp.zeros((), jnp.float32)
         for i in range(s["layers"]):
             mixed = i % s["moe_every"] == s["moe_every"] - 1
-            x, more = LinenMoEBlock(s, mixed, self.param_dtype, name=f"block_{i}")(x)
+            x, more = LinenMoEBlock(s, mixed, self.param_dtype, self.dtype, name=f"block_{i}")(x)
             aux = aux + more
         final = self.param("final_norm", nn.initializers.zeros, (s["d"],), self.param_dtype)
         return embed.attend(rms_norm(x, final)), aux
@@ -173,11 +176,12 @@ def _weighted(losses: tuple[jax.Array, jax.Array]) -> jax.Array:
 
 
 class NNXExperts(nnx.Module):
-    def __init__(self, d, experts, hidden, *, rngs, param_dtype=jnp.float32):
+    def __init__(self, d, experts, hidden, *, rngs, param_dtype=jnp.float32, dtype=None):
         up_shape, down_shape = (experts, d, hidden), (experts, hidden, d)
-        self.gate = nnx.Einsum("GECD,EDH->GECH", up_shape, param_dtype=param_dtype, rngs=rngs)
-        self.up = nnx.Einsum("GECD,EDH->GECH", up_shape, param_dtype=param_dtype, rngs=rngs)
-        self.down = nnx.Einsum("GECH,EHD->GECD", down_shape, param_dtype=param_dtype, rngs=rngs)
+        kw = dict(param_dtype=param_dtype, dtype=dtype, rngs=rngs)
+        self.gate = nnx.Einsum("GECD,EDH->GECH", up_shape, **kw)
+        self.up = nnx.Einsum("GECD,EDH->GECH", up_shape, **kw)
+        self.down = nnx.Einsum("GECH,EHD->GECD", down_shape, **kw)
 
     def __call__(self, x):
         return self.down(nnx.silu(self.gate(x)) * self.up(x))
@@ -188,11 +192,12 @@ class NNXMoE(nnx.Module):
 
     def __init__(
         self, d, experts, top_k, hidden, *, rngs, capacity_factor=None, group_rows=1, shared_hidden=0,
-        normalize=True, batch_axes=None, param_dtype=jnp.float32,
+        normalize=True, batch_axes=None, param_dtype=jnp.float32, dtype=None,
     ):  # fmt: skip
         self.router = nnx.Linear(d, experts, use_bias=False, param_dtype=param_dtype, rngs=rngs)
-        self.experts = NNXExperts(d, experts, hidden, rngs=rngs, param_dtype=param_dtype)
-        self.shared = NNXMLP(d, shared_hidden, rngs=rngs, param_dtype=param_dtype) if shared_hidden else None
+        kw = dict(rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+        self.experts = NNXExperts(d, experts, hidden, **kw)
+        self.shared = NNXMLP(d, shared_hidden, **kw) if shared_hidden else None
         self.top_k, self.capacity_factor, self.group_rows = top_k, capacity_factor, group_rows
         self.normalize, self.batch_axes = normalize, batch_axes
 
@@ -205,17 +210,15 @@ class NNXMoE(nnx.Module):
 
 
 class NNXMoEBlock(nnx.Module):
-    def __init__(self, s: dict, mixed: bool, *, rngs, param_dtype=jnp.float32):
-        d = s["d"]
+    def __init__(self, s: dict, mixed: bool, *, rngs, param_dtype=jnp.float32, dtype=None):
+        d, kw = s["d"], dict(rngs=rngs, param_dtype=param_dtype, dtype=dtype)
         self.attn_norm = nnx.Param(jnp.zeros((d,), param_dtype))
-        self.attn = NNXAttention(
-            d, s["heads"], s["kv_heads"], s["head_dim"], rngs=rngs, param_dtype=param_dtype
-        )
+        self.attn = NNXAttention(d, s["heads"], s["kv_heads"], s["head_dim"], **kw)
         self.mlp_norm = nnx.Param(jnp.zeros((d,), param_dtype))
         if mixed:
-            self.moe = NNXMoE(d, **_moe_fields(s), rngs=rngs, param_dtype=param_dtype)
+            self.moe = NNXMoE(d, **_moe_fields(s), **kw)
         else:
-            self.mlp = NNXMLP(d, s["hidden"], rngs=rngs, param_dtype=param_dtype)
+            self.mlp = NNXMLP(d, s["hidden"], **kw)
         self.mixed = mixed
 
     def __call__(self, x):
@@ -231,12 +234,12 @@ class NNXMoELM(nnx.Module):
     """The NNX language model, with :class:`MoELM`'s parameter paths but ``blocks/i`` for
     ``block_i`` (as :class:`~fsdp_tp.models.llama.NNXLlamaLM`)."""
 
-    def __init__(self, rngs: nnx.Rngs, param_dtype=jnp.float32, **sizes):
+    def __init__(self, rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=None, **sizes):
         s = {**MOE_SIZES, **sizes}
-        self.embed = nnx.Embed(s["vocab"], s["d"], param_dtype=param_dtype, rngs=rngs)
+        self.embed = nnx.Embed(s["vocab"], s["d"], param_dtype=param_dtype, dtype=dtype, rngs=rngs)
         every = s["moe_every"]
         blocks = [
-            NNXMoEBlock(s, i % every == every - 1, rngs=rngs, param_dtype=param_dtype)
+            NNXMoEBlock(s, i % every == every - 1, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
             for i in range(s["layers"])
         ]
         self.blocks = nnx.List(blocks)

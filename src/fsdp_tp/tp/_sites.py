@@ -139,18 +139,34 @@ def pair(local: Graph, reference: Graph) -> dict[int, int]:
     ``reference`` (the library's operations, and those made twice as often in one trace, have
     none)."""
     made: dict[tuple, list[int]] = defaultdict(list)
+    folded = _on_literals(reference)
     for index, node in enumerate(reference.nodes):
-        if (key := _key(node)) is not None:
+        if (key := _key(node)) is not None and index not in folded:
             made[key].append(index)
     seen: dict[tuple, int] = defaultdict(int)
     pairs = {}
+    folded = _on_literals(local)
     for index, node in enumerate(local.nodes):
-        if (key := _key(node)) is None or is_library(node):
+        if (key := _key(node)) is None or is_library(node) or index in folded:
             continue
         nth, seen[key] = seen[key], seen[key] + 1
         if nth < len(made[key]):
             pairs[index] = made[key][nth]
     return pairs
+
+
+def _on_literals(graph: Graph) -> set[int]:
+    """The operations that read only literals (or what such operations made): JAX folds them
+    into a literal in one trace and not in the other. Inside ``shard_map`` with ``check_vma`` a
+    Python scalar becomes a value (``pvary``), so ``x + 1e-6`` in bf16 converts it by an
+    operation the unsharded trace does not have; counting it would shift the line's pairs."""
+    constant: set[int] = set()
+    folded = set()
+    for index, node in enumerate(graph.nodes):
+        if node.ins and all(v is None or v in constant for v in node.ins):
+            folded.add(index)
+            constant.update(node.outs)
+    return folded
 
 
 def _key(node: Node) -> tuple | None:
