@@ -555,8 +555,8 @@ def test_a_truncation_between_the_check_and_the_read_is_an_error_not_sigbus(tmp_
     check and before its read of a memory map. Tokens are now read by ``pread``, whose short read
     is an error even when the truncation lands after the check (the check is switched off here
     to put it there). Negative control: a memory map read after the same truncation is SIGBUS."""
-    from fsdp_tp.recipe.data import DataChangedError, load_tokens, windows_at
-    from fsdp_tp.recipe.token_file import TokenFile
+    from fsdp_tp.recipe.data import load_tokens, windows_at
+    from fsdp_tp.recipe.token_file import DataChangedError, TokenFile
 
     data = tmp_path / "tokens.bin"
     np.random.default_rng(0).integers(0, 200, size=100_000, dtype=np.uint16).tofile(data)

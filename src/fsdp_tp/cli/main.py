@@ -24,7 +24,7 @@ from ..errors import (
     IndivisibleShapeError,
     MeshShapeError,
 )
-from ..recipe.data import DataChangedError, DataError
+from ..recipe.token_file import DataChangedError, DataError
 from .agreement import DisagreementError, check_agreement, run_settings
 from .bench_command import bench
 from .checks import UsageError, check_attention, check_paths, check_ranges, resuming

@@ -12,12 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .token_file import DataChangedError, DataError, TokenFile
+from .token_file import DataError, TokenFile
 
 __all__ = [
     "EVAL_FRACTION",
-    "DataChangedError",
-    "DataError",
     "Tokens",
     "batch_at",
     "check_tokens",
