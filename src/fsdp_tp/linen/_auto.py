@@ -10,7 +10,6 @@ import flax.linen as nn
 import jax
 
 from .._tree import static_split
-from ..tp._experts import EXPERT
 from ..tp._plan import auto_sizes, fitted, warn_left_whole
 from ..tp._rules import compile_tp_rules
 from ..tp.auto import Graph, TPPlan, find_plan
@@ -61,7 +60,7 @@ class AutoRules:
         if key not in self.found:
             plain, (shaped_args, shaped_kwargs) = self.target(**fields, parent=None), shaped
             graph, layers = traced(plain, shaped_args, shaped_kwargs, ("dropout",))
-            plan = find_plan(graph, layers, axis, size, False, EXPERT if experts else None, experts)
+            plan = find_plan(graph, layers, axis, size, expert_size=experts)
             if size is not None or experts is not None:
                 plan = fitted(plan, attempt_of(self.make, fields, args, kwargs, ("dropout",), graph))
             self.found[key] = compile_tp_rules(plan.rules, "shard_by_rules(tp_rules='auto')")

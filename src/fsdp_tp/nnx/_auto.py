@@ -74,9 +74,7 @@ def find_tp_rules(
     require_size(size, f"fsdp_tp.nnx.find_tp_rules({type(model).__name__})")
     require_size(expert_size, f"fsdp_tp.nnx.find_tp_rules({type(model).__name__})")
     graph, layers = traced(model, args, kwargs)
-    experts = expert_axis if expert_size is not None else None
-    tensor = axis if size is not None or expert_size is None else None  # (experts alone)
-    plan = find_plan(graph, layers, tensor, size, outputs_split, experts, expert_size)
+    plan = find_plan(graph, layers, axis, size, outputs_split, expert_axis, expert_size)
     if size is None and expert_size is None:
         return plan
     graphdef, state = nnx.split(model)

@@ -19,7 +19,6 @@ from jax.sharding import PartitionSpec
 from .._axes import axes_named, bound_axis_names
 from ..errors import RuleError
 from ..rules import logical_spec, spec_for
-from ..tp._experts import EXPERT
 from ..tp._plan import auto_sizes, fitted, warn_left_whole
 from ..tp._rules import compile_tp_rules, spec_source, with_split
 from ..tp.auto import TPPlan, find_plan
@@ -118,9 +117,7 @@ class Layouts:
         axis, size, experts = auto_sizes(f"{self._caller} with tp_rules='auto'")
         key = (size, experts)
         if key not in self._layouts:
-            plan = find_plan(
-                self._graph, self._layers, axis, size, False, EXPERT if experts else None, experts
-            )
+            plan = find_plan(self._graph, self._layers, axis, size, expert_size=experts)
             checked = size is not None or experts is not None
             if checked and self._attempt is not None:  # checked where each device computes
                 plan = fitted(plan, lambda p: self._attempt_with(key, p))

@@ -33,7 +33,7 @@ from .._axes import TENSOR
 from .._einsum import Equation
 from ..errors import IndivisibleShapeError, RuleError
 from ._expert_plan import expert_banks
-from ._experts import ExpertParallel
+from ._experts import EXPERT, ExpertParallel
 from ._graph import Graph
 from ._plan import TPPlan, rules_for
 from ._regions import Refused, grow, kernel_operand, kernels_of
@@ -49,7 +49,7 @@ def find_plan(
     axis: str | None = TENSOR,
     size: int | None = None,
     outputs_split: bool = False,
-    expert_axis: str | None = None,
+    expert_axis: str = EXPERT,
     expert_size: int | None = None,
 ) -> TPPlan:
     """The plan of the traced model ``graph`` whose role-computable modules are ``layers``
@@ -57,20 +57,22 @@ def find_plan(
     for (each role's sizes must divide it; ``None``: not checked). ``outputs_split``: the
     model's outputs may leave split on their last dim (logits for
     :func:`~fsdp_tp.vocab_parallel_cross_entropy`); else a column layer whose result is
-    the output gathers it; ``axis=None``: no tensor split (the experts alone).
-    ``expert_axis``: a mixture's expert layers go on it (:class:`~fsdp_tp.tp.ExpertParallel`,
-    :func:`~fsdp_tp.tp._expert_plan.expert_banks`), of ``expert_size`` where given; ``None``:
-    experts are einsums like any other."""
+    the output gathers it. ``expert_size``: a mixture's expert layers go on ``expert_axis``
+    of that size (:class:`~fsdp_tp.tp.ExpertParallel`,
+    :func:`~fsdp_tp.tp._expert_plan.expert_banks`); ``None``: experts are einsums like any
+    other. No tensor split (the experts alone) where ``axis`` is ``None``, or where an expert
+    size is given and no tensor ``size``."""
     kernels = kernels_of(graph)
     taken: set[str] = set()
     roles: dict[str, TPRole] = {}
     regions: list[tuple[str, ...]] = []
     reasons: dict[str, str] = {}
-    if expert_axis is not None:
+    if expert_size is not None:
         banks = _expert_roles(graph, layers, expert_axis, expert_size, reasons)
         roles |= banks
         regions += [tuple(banks)] if banks else []
         taken |= {p for p in graph.params.values() if p.rpartition("/")[0] in banks}
+        axis = axis if size is not None else None
     tensor = axis if axis is not None else TENSOR  # (no seeds without a tensor axis: unused)
     for value, dim in _seeds(graph, kernels) if axis is not None else ():
         param = graph.params[kernels[value]]
@@ -96,7 +98,7 @@ def find_plan(
 
 
 def _expert_roles(
-    graph: Graph, layers: Mapping[str, Layer], axis: str, size: int | None, reasons: dict[str, str]
+    graph: Graph, layers: Mapping[str, Layer], axis: str, size: int, reasons: dict[str, str]
 ) -> dict[str, TPRole]:
     """Each expert layer's :class:`ExpertParallel` over ``axis``; one whose experts ``size``
     does not divide is left to the other roles, its reason kept."""
@@ -104,8 +106,7 @@ def _expert_roles(
     for path, returns in expert_banks(graph, layers).items():
         role = ExpertParallel(axis, returns=returns)
         try:
-            if size is not None:
-                role.require_divides(layers[path], size, path, lambda _: "")
+            role.require_divides(layers[path], size, path, lambda _: "")
         except IndivisibleShapeError as err:
             reasons[path] = str(err).split(";")[0]
             continue
