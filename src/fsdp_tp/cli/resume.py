@@ -34,7 +34,7 @@ def data_identity(tokens: Tokens, name: str) -> dict:
     """The data's name, length and a CRC of evenly spaced tokens: cheap on a 100 GB file, and
     different for another file, another tokenizer or another order with near certainty."""
     stride = max(1, len(tokens) // _SAMPLES)
-    sample = np.asarray(tokens[::stride][:_SAMPLES], dtype=np.int64)
+    sample = np.asarray(tokens[: stride * _SAMPLES : stride], dtype=np.int64)  # (read only these)
     return {"name": name, "tokens": len(tokens), "crc32": zlib.crc32(sample.tobytes())}
 
 

@@ -74,10 +74,6 @@ class TokenFile:
     def __len__(self) -> int:
         return self.length
 
-    @property
-    def ndim(self) -> int:
-        return 1
-
     def part(self, start: int, stop: int) -> TokenFile:
         """Tokens ``start .. stop`` of this view, read later."""
         start, stop, _ = slice(start, stop).indices(self.length)
@@ -97,7 +93,8 @@ class TokenFile:
         start, stop, step = where.indices(self.length)
         if step == 1:
             return self._read(start, max(0, stop - start))
-        return np.concatenate([self._read(i, 1) for i in range(start, stop, step)] or [self._read(0, 0)])
+        strided = [self._read(i, 1) for i in range(start, stop, step)]  # (a sample: one read a token)
+        return np.concatenate(strided) if strided else np.empty(0, self.dtype)
 
     def bounds(self) -> tuple[int, int]:
         """The smallest and largest token, read in chunks (one pass over a file of any size)."""
