@@ -21,7 +21,7 @@ import fsdp_tp
 import fsdp_tp.nnx
 from fsdp_tp.errors import RuleError
 from fsdp_tp.tp import ColumnParallel, HeadParallel, RowParallel
-from fsdp_tp.tp._rules import require_no_tp_axis, with_split
+from fsdp_tp.tp._storage import require_no_tp_axis, with_split
 
 AXES = ("data", "fsdp", "tensor")
 

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 import fsdp_tp.nnx as fsdp_nnx
-from fsdp_tp import _einsum
+from fsdp_tp import _registered
 from fsdp_tp.errors import RuleError, UnboundAxisNameError
 from fsdp_tp.linen import find_tp_rules
 from fsdp_tp.tp import ColumnParallel, RowParallel
@@ -320,10 +320,10 @@ class TwoProjections(nn.Module):
 @pytest.fixture
 def registry():
     """The registry as it was, after the test (a refused registration leaves it unchanged)."""
-    before = dict(_einsum._REGISTERED)
-    yield _einsum.register_einsum
-    _einsum._REGISTERED.clear()
-    _einsum._REGISTERED.update(before)
+    before = dict(_registered._REGISTERED)
+    yield _registered.register_einsum
+    _registered._REGISTERED.clear()
+    _registered._REGISTERED.update(before)
 
 
 ROLES = [(r"^up$", ColumnParallel()), (r"^down$", RowParallel())]
@@ -340,7 +340,7 @@ ROLES = [(r"^up$", ColumnParallel()), (r"^down$", RowParallel())]
 def test_register_einsum_refuses_an_equation_it_cannot_read(registry, equation, said):
     with pytest.raises(RuleError, match=said):
         registry(Projection, equation, kernel="w", sizes={"width": "o"})
-    assert Projection not in _einsum._REGISTERED
+    assert Projection not in _registered._REGISTERED
 
 
 def test_register_einsum_names_a_kernel_or_size_attribute_the_module_lacks(registry):

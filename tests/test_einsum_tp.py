@@ -29,7 +29,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fsdp_tp
-import fsdp_tp._einsum
+import fsdp_tp._registered
 from fsdp_tp.analysis import operand_count, parse_collectives
 from fsdp_tp.bench.llama_rows import llama_section, lowered_lm_step, measure
 from fsdp_tp.collectives import copy_to_axis
@@ -358,7 +358,7 @@ def test_a_registered_module_of_your_own_takes_column_and_row_roles(api, check_v
 @pytest.mark.parametrize("api", APIS)
 def test_negative_control_an_unregistered_module_is_refused_by_name(api, monkeypatch):
     """Without the registration the same rules are refused, naming register_einsum."""
-    monkeypatch.setattr(fsdp_tp._einsum, "_REGISTERED", {})
+    monkeypatch.setattr(fsdp_tp._registered, "_REGISTERED", {})
     with pytest.raises(RuleError, match=r"which has no tensor-parallel role .*register_einsum\(My"):
         check_split(api, _own_mlp(api), OWN_RULES, (8, 3, 6), True)
 

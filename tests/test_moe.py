@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
-import fsdp_tp.models.moe as moe
+import fsdp_tp.models._mixture as mixture_module
 import fsdp_tp.tp._expert_plan as expert_plan
 import fsdp_tp.tp._experts as experts_module
 import fsdp_tp.train
@@ -138,7 +138,7 @@ def _per_shard_balance(fractions, probs, batch_axes=()):
 
 def test_negative_control_a_load_balancing_loss_not_the_global_batchs_is_caught(monkeypatch):
     """A mean of per-device losses (each device's f and P multiplied, then averaged): another loss."""
-    monkeypatch.setattr(moe, "load_balancing_loss", _per_shard_balance)
+    monkeypatch.setattr(mixture_module, "load_balancing_loss", _per_shard_balance)
     for check_vma in (True, False):
         with pytest.raises(AssertionError, match=r"output\[1\]: 1 of 1 elements"):
             check_sharded(
@@ -400,7 +400,7 @@ def test_negative_control_an_expert_bank_that_never_sends_the_tokens_back_is_ref
     line of the model that fails."""
     monkeypatch.setattr(expert_plan, "_passes_on", lambda *_: True)
     ids = jnp.zeros((2, 8), jnp.int32)
-    with pytest.raises(RuleError, match=r"fails on each device's slices at src/fsdp_tp/models/moe.py"):
+    with pytest.raises(RuleError, match=r"fails on each device's slices at src/fsdp_tp/models/_mixture.py"):
         nnx_find_tp_rules(NNXMoELM(nnx.Rngs(0), layers=1), ids, expert_size=4)
 
 

@@ -21,7 +21,7 @@ from fsdp_tp.analysis import parse_collectives
 from fsdp_tp.bench.llama_rows import lowered_lm_step
 from fsdp_tp.errors import RuleError
 from fsdp_tp.linen import _gather, rule_transform
-from fsdp_tp.nnx import _model as nnx_model
+from fsdp_tp.nnx import _state as nnx_state
 from fsdp_tp.testing import NNXSharded as Sharded
 from tests.conftest import BATCH_AXES
 from tests.equivalence import Case, check_equivalence, next_token_loss
@@ -95,7 +95,7 @@ def test_negative_control_gathering_at_the_models_call_holds_every_layer(gather_
 def test_negative_control_an_nnx_model_gathered_at_merge_holds_every_layer(monkeypatch):
     """The NNX model's Variables gathered when the model is merged (before its nnx.scan), not
     where each layer reads them: far over the bound."""
-    monkeypatch.setattr(nnx_model, "on_read", lambda variable, block, plan: variable.copy(plan.read(block)))
+    monkeypatch.setattr(nnx_state, "on_read", lambda variable, block, plan: variable.copy(plan.read(block)))
     whole, _ = _models(scan=True, remat=True, api="nnx")
     assert _temp_bytes(whole) > 1.1 * _hand_wrapped_temp_bytes(True, True)
 

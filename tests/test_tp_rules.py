@@ -190,7 +190,7 @@ def test_negative_control_a_row_bias_added_on_every_device(monkeypatch, api, bia
 def test_negative_control_a_column_input_without_f(monkeypatch, api):
     """Without Megatron's f (psum of the input's gradient) the layers before get a partial gradient."""
     for role_module in (tp_matmul, tp_heads, tp_vocab):  # every role's f, as before the roles' split
-        monkeypatch.setattr(role_module, "_copied", lambda args, kwargs, axis, *_: (args, kwargs))
+        monkeypatch.setattr(role_module, "copied", lambda args, kwargs, axis, *_: (args, kwargs))
     with pytest.raises(AssertionError, match="grads"):
         _check_exact(_case("data2_tensor4", False, False, api=api))
 

@@ -16,7 +16,8 @@ This module holds the two halves of that rule:
   the per-device trace drops the one it built, :func:`without_optimizer_state`). Each
   optimizer leaf is split like its parameter where that fits (Adam's moments); a leaf whose
   shape is not the parameter's (a factored row or column) stays whole;
-- in the step, an update asked for on shards is refused (:func:`refuse_on_shards`).
+- in the step, an update asked for on shards is refused (:func:`refuse_on_shards`);
+- in a plan, the bytes that global optimizer state holds on a device (:func:`optimizer_state_bytes`).
 
 >>> import jax, jax.numpy as jnp, optax
 >>> from fsdp_tp import TrainState, make_mesh
@@ -37,20 +38,25 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 
 import jax
+from flax.core.meta import Partitioned, unbox
 from flax.training import train_state
+from jax.sharding import PartitionSpec
 
-from ._axes import varying_axes
+from ._axes import entry_axes, varying_axes
 from ._trace import specs_of
 from ._tree import first_difference, named_shardings
 from ._types import PyTree
 from .errors import OptimizerOnShardsError
 
 __all__ = [
+    "block_counts",
     "checked_tx",
     "lower_optimizer_state",
     "optimizer_layout",
+    "optimizer_state_bytes",
     "per_device_step",
     "refuse_on_shards",
     "with_optimizer_state",
@@ -181,4 +187,32 @@ def refuse_on_shards(params: PyTree) -> None:
         f"reduces over a leaf, across leaves or over rows (clip_by_global_norm, LAMB, LARS, "
         f"Adafactor) would give a wrong update there, silently. Return (grads, metrics) from the "
         f"per-device step and let fsdp_tp.shard_step apply the optimizer on global arrays."
+    )
+
+
+def block_counts(spec: PartitionSpec, ndim: int, mesh: dict) -> list[int]:
+    """Into how many blocks each of ``ndim`` dims is split."""
+    return [int(math.prod(mesh[a] for a in entry_axes(e))) for e in spec] + [1] * (ndim - len(spec))
+
+
+def _global(struct, spec: PartitionSpec, mesh: dict[str, int]):
+    """The global leaf of a local one, boxed with its spec's names where it is split."""
+    parts = block_counts(spec, len(struct.shape), mesh)
+    full = jax.ShapeDtypeStruct(tuple(n * p for n, p in zip(struct.shape, parts, strict=True)), struct.dtype)
+    return Partitioned(full, tuple(spec) + (None,) * (len(struct.shape) - len(spec))) if len(spec) else full
+
+
+def optimizer_state_bytes(tx, params, pspecs, mesh: dict[str, int], abstract_mesh) -> int:
+    """Per-device bytes of the optimizer state the init builds: ``tx.init`` on the *global*
+    parameters, each leaf split as :func:`~fsdp_tp._optimizer.optimizer_layout` says (the
+    per-device trace's own ``opt_state`` is the state of a block: a factored moment's rows
+    would be a block's rows)."""
+    is_spec = lambda x: isinstance(x, PartitionSpec)
+    boxed = jax.tree.map(lambda s, spec: _global(s, spec, mesh), params, pspecs, is_leaf=is_spec)
+    abstract, specs = optimizer_layout(tx, boxed, abstract_mesh)
+    leaves = jax.tree.leaves(unbox(abstract))
+    flat_specs = jax.tree.leaves(specs, is_leaf=is_spec)
+    return sum(
+        math.prod(x.shape) * x.dtype.itemsize // math.prod(block_counts(spec, len(x.shape), mesh))
+        for x, spec in zip(leaves, flat_specs, strict=True)
     )

@@ -25,87 +25,23 @@ only once ``keep`` newer ones have been read back and verified.
 
 from __future__ import annotations
 
-import errno
-import os
 from pathlib import Path
 
-import jax
-import numpy as np
-import orbax.checkpoint as ocp
-
-from ._integrity import fingerprints, meta_digest, mismatches
-from ._state_tree import abstract, check_saved, global_tree, into
+from ._checkpoint_files import (
+    cause,
+    moved_aside,
+    open_manager,
+    prunable,
+    read_meta,
+    read_verified,
+    require_arrays,
+    save_args,
+)
+from ._state_tree import abstract, global_tree, into
 from ._types import PyTree
 from .errors import CheckpointCorruptError, CheckpointSaveError
 
 __all__ = ["Checkpoints", "global_tree"]
-
-_FINGERPRINTS = "fingerprints"  # the meta key that holds them
-_DIGEST = "digest"  # the meta key that holds the digest of the rest of the meta
-_FILESYSTEM_ERRORS = (
-    errno.EROFS,
-    errno.ENOSPC,
-    errno.EDQUOT,
-    errno.EFBIG,
-    errno.EACCES,
-    errno.EPERM,
-    errno.EIO,
-)
-
-
-def _sealed(meta: dict) -> dict:
-    """The meta with a digest of itself: a resume reads the step and the run's record from it."""
-    return {**meta, _DIGEST: meta_digest(meta)}
-
-
-def _unsealed(meta: dict, step: int) -> dict:
-    """The meta read back, checked against its digest and against the checkpoint's own step
-    (an edited ``"step"`` would resume another step's state under its number)."""
-    digest = meta.pop(_DIGEST, None)  # checkpoints of versions before the digest have none
-    if digest is not None and digest != meta_digest(meta):
-        raise CheckpointCorruptError("its meta/metadata differs from the digest saved with it (edited?)")
-    if meta.get("step", step) != step:
-        raise CheckpointCorruptError(
-            f"its meta/metadata says step {meta['step']}, but it is checkpoint {step}"
-        )
-    return meta
-
-
-def _cause(err: BaseException) -> str:
-    """What went wrong, in one line: the filesystem's own error where orbax or tensorstore
-    wrapped one (their messages run to 150 lines of escaped bytes), else the first line."""
-    inner: BaseException | None = err
-    while inner is not None:
-        if isinstance(inner, OSError) and inner.strerror:
-            return f"{inner.strerror}" + (f" ({inner.filename})" if inner.filename else "")
-        inner = inner.__cause__ or inner.__context__
-    text = str(err)
-    for code in _FILESYSTEM_ERRORS:  # tensorstore reports them as text inside a ValueError
-        if os.strerror(code) in text:
-            return os.strerror(code)
-    lines = text.strip().splitlines()
-    first = lines[0].split(" See full TensorStore details")[0] if lines else ""
-    return f"{type(err).__name__}: {first}"[:300]
-
-
-def _require_arrays(state: PyTree, step: int) -> None:
-    """Every leaf of ``state`` is an array (a checkpoint holds arrays and fingerprints them);
-    a string or another object is named with its path."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        if not isinstance(leaf, jax.Array | np.ndarray | np.generic | int | float | bool | complex):
-            raise TypeError(
-                f"Checkpoints.save({step}, ...): the state's leaf at {jax.tree_util.keystr(path)} is a "
-                f"{type(leaf).__name__} ({leaf!r:.40}); a checkpoint holds arrays. Put it in meta= "
-                f"(JSON, saved and restored with the step), or leave it out of the state."
-            )
-
-
-def _sync(name: str) -> None:
-    """A barrier across the processes of a multi-process run (nothing in a single one)."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
 
 
 class Checkpoints:
@@ -150,17 +86,10 @@ class Checkpoints:
         self.verify_saves = verify_saves
         self._unverified: tuple[int, PyTree] | None = None  # the last save, and what to read it into
         self._verified: set[int] = set()
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=None,  # deleting is ours: only after newer ones verified (_prune)
-            enable_async_checkpointing=async_save,
-            cleanup_tmp_directories=True,  # half-written saves of a killed run
-        )
-        # Handlers named up front, so a new process can read metadata before its first restore.
-        handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
         try:
-            self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+            self._manager = open_manager(self.directory, async_save)
         except OSError as err:
-            raise CheckpointSaveError(f"checkpoint directory {self.directory}: {_cause(err)}") from err
+            raise CheckpointSaveError(f"checkpoint directory {self.directory}: {cause(err)}") from err
 
     def save(self, step: int, state: PyTree, meta: dict | None = None, *, force: bool = False) -> bool:
         """Starts saving ``state`` (and the JSON-able ``meta``) as checkpoint ``step``.
@@ -171,20 +100,13 @@ class Checkpoints:
         """
         if step % self.every and not force:
             return False
-        _require_arrays(state, step)
+        require_arrays(state, step)
         self._settle()
-        tree = global_tree(state)
-        items = ocp.args.Composite(
-            state=ocp.args.StandardSave(tree),
-            meta=ocp.args.JsonSave(
-                _sealed({**(meta or {}), "step": step, _FINGERPRINTS: fingerprints(tree)})
-            ),
-        )
         try:
             # force: orbax would also save the first step of a fresh directory; we decide here.
-            started = self._manager.save(step, args=items, force=True)
+            started = self._manager.save(step, args=save_args(global_tree(state), meta, step), force=True)
         except Exception as err:  # orbax raises what the filesystem raised, in many types
-            raise CheckpointSaveError(f"could not save {self.path(step)}: {_cause(err)}") from err
+            raise CheckpointSaveError(f"could not save {self.path(step)}: {cause(err)}") from err
         if self.verify_saves:
             self._unverified = (step, abstract(state))
         return started
@@ -195,7 +117,7 @@ class Checkpoints:
         try:
             self._manager.check_for_errors()
         except Exception as err:
-            raise CheckpointSaveError(f"could not save in {self.directory}: {_cause(err)}") from err
+            raise CheckpointSaveError(f"could not save in {self.directory}: {cause(err)}") from err
 
     def steps(self) -> list[int]:
         """The steps of the complete checkpoints, oldest first."""
@@ -238,7 +160,7 @@ class Checkpoints:
                 skipped[candidate] = str(err)
                 continue
             for bad in skipped:
-                skipped[bad] += f"; moved it to {self._quarantine(bad).name}"
+                skipped[bad] += f"; moved it to {self.set_aside(bad, 'corrupt').name}"
             return into(like, tree), {**meta, "skipped": skipped} if skipped else meta
         if skipped:
             raise CheckpointCorruptError(
@@ -251,40 +173,13 @@ class Checkpoints:
         """The meta saved with checkpoint ``step``, checked against its digest, without its
         arrays: what a run that cannot restore them reads to say why (another model, another
         ``--api``)."""
-        restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        meta = _unsealed(dict(restored["meta"]), step)
-        meta.pop(_FINGERPRINTS, None)
-        return meta
+        return read_meta(self._manager, step)
 
     def _read(self, step: int, target: PyTree) -> tuple[PyTree, dict]:
         """Checkpoint ``step``'s global arrays and meta, verified against its fingerprints."""
-        where = str(self.path(step))
-        try:
-            saved = self._manager.item_metadata(step)["state"]
-        except Exception as err:
-            raise CheckpointCorruptError(f"its metadata does not read ({_cause(err)})") from err
-        if saved is None:
-            raise CheckpointCorruptError("its array metadata (state/_METADATA) is missing or unreadable")
-        check_saved(saved, target, where)  # another model: the user's mistake, not corruption
-        try:
-            restored = self._manager.restore(
-                step,
-                args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()),
-            )
-        except Exception as err:
-            raise CheckpointCorruptError(f"its arrays do not read ({_cause(err)})") from err
-        meta = _unsealed(dict(restored["meta"]), step)
-        recorded = meta.pop(_FINGERPRINTS, None)
-        if recorded is None:
-            raise CheckpointCorruptError("it records no fingerprints, so its bytes cannot be verified")
-        bad = mismatches(recorded, fingerprints(restored["state"]))
-        if bad:
-            raise CheckpointCorruptError(
-                f"{len(bad)} array(s) differ from the fingerprints saved with them: {', '.join(bad[:4])}"
-                + (", ..." if len(bad) > 4 else "")
-            )
+        state, meta = read_verified(self._manager, step, target, str(self.path(step)))
         self._verified.add(step)
-        return restored["state"], meta
+        return state, meta
 
     def _settle(self) -> None:
         """Waits for the last save, reads it back and verifies it, then deletes old checkpoints."""
@@ -301,7 +196,7 @@ class Checkpoints:
                         f"deleted or moved during the run. Point --checkpoint-dir at a directory "
                         f"that stays, then --resume from what is left."
                     ) from err
-                moved = self._quarantine(step)
+                moved = self.set_aside(step, "corrupt")
                 raise CheckpointSaveError(
                     f"checkpoint {self.path(step)} was written but does not read back: {err}; "
                     f"moved to {moved}."
@@ -313,32 +208,16 @@ class Checkpoints:
         older than one verified here was verified by the run that wrote it (each run reads its
         saves back before its next), so those a resumed run finds count: ``--keep`` holds across
         a resume, not only over this run's saves."""
-        newest = max(self._verified, default=None)
-        verified = [s for s in self.steps() if newest is not None and s <= newest]
-        if self.keep is None or len(verified) <= self.keep:
-            return
-        oldest_kept = verified[-self.keep]
-        for step in self.steps():
-            if step < oldest_kept:
-                self._manager.delete(step)
+        for step in prunable(self.steps(), self._verified, self.keep):
+            self._manager.delete(step)
 
     def set_aside(self, step: int, label: str) -> Path:
         """Moves checkpoint ``step`` to ``<label>-<step>`` in the directory: out of the step list
         (so the step can be saved again), but nothing deleted. Returns the new path."""
-        _sync(f"fsdp_tp set aside {step}")  # every process names the same destination
-        moved, suffix = self.directory / f"{label}-{step}", 0
-        while moved.exists():
-            suffix += 1
-            moved = self.directory / f"{label}-{step}.{suffix}"
-        if jax.process_index() == 0:
-            self.path(step).rename(moved)
-        _sync(f"fsdp_tp set aside {step} done")
+        moved = moved_aside(self.path(step), f"{label}-{step}")
         self._manager.reload()
         self._verified.discard(step)
         return moved
-
-    def _quarantine(self, step: int) -> Path:
-        return self.set_aside(step, "corrupt")
 
     def wait(self) -> None:
         """Blocks until every started save is complete on disk; raises ``CheckpointSaveError``
@@ -346,7 +225,7 @@ class Checkpoints:
         try:
             self._manager.wait_until_finished()
         except Exception as err:
-            raise CheckpointSaveError(f"could not save in {self.directory}: {_cause(err)}") from err
+            raise CheckpointSaveError(f"could not save in {self.directory}: {cause(err)}") from err
 
     def close(self) -> None:
         """Waits for the saves in flight and verifies the last one (see ``verify_saves``)."""

@@ -15,11 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-from flax.core.meta import Partitioned, unbox
 from jax.sharding import PartitionSpec
 
 from ._axes import entry_axes
-from ._optimizer import optimizer_layout
+from ._optimizer import block_counts, optimizer_state_bytes
 from ._step_memory import temp_bytes
 from ._step_wire import step_wire, wire_lines
 from ._trace import trace_per_device
@@ -119,34 +118,6 @@ def _nbytes(struct) -> int:
     return math.prod(struct.shape) * struct.dtype.itemsize
 
 
-def _parts(spec: PartitionSpec, ndim: int, mesh: dict) -> list[int]:
-    """Into how many blocks each of ``ndim`` dims is split."""
-    return [int(math.prod(mesh[a] for a in entry_axes(e))) for e in spec] + [1] * (ndim - len(spec))
-
-
-def _global(struct, spec: PartitionSpec, mesh: dict[str, int]):
-    """The global leaf of a local one, boxed with its spec's names where it is split."""
-    parts = _parts(spec, len(struct.shape), mesh)
-    full = jax.ShapeDtypeStruct(tuple(n * p for n, p in zip(struct.shape, parts, strict=True)), struct.dtype)
-    return Partitioned(full, tuple(spec) + (None,) * (len(struct.shape) - len(spec))) if len(spec) else full
-
-
-def _optimizer_bytes(state, params, pspecs, mesh: dict[str, int], abstract_mesh) -> int:
-    """Per-device bytes of the optimizer state the init builds: ``tx.init`` on the *global*
-    parameters, each leaf split as :func:`~fsdp_tp._optimizer.optimizer_layout` says (the
-    per-device trace's own ``opt_state`` is the state of a block: a factored moment's rows
-    would be a block's rows)."""
-    is_spec = lambda x: isinstance(x, PartitionSpec)
-    boxed = jax.tree.map(lambda s, spec: _global(s, spec, mesh), params, pspecs, is_leaf=is_spec)
-    abstract, specs = optimizer_layout(state.tx, boxed, abstract_mesh)
-    leaves = jax.tree.leaves(unbox(abstract))
-    flat_specs = jax.tree.leaves(specs, is_leaf=is_spec)
-    return sum(
-        _nbytes(x) // math.prod(_parts(spec, len(x.shape), mesh))
-        for x, spec in zip(leaves, flat_specs, strict=True)
-    )
-
-
 def _why_whole(shape, mesh: dict[str, int]) -> str:
     sizes = sorted({s for s in mesh.values() if s > 1})
     if not any(n % s == 0 for n in shape for s in sizes):
@@ -217,7 +188,7 @@ def make_plan(
     pspecs, ospecs = (specs.params, specs.opt_state) if hasattr(specs, "opt_state") else (specs, None)
     rows = []
     for path, struct, spec in _leaves(params, pspecs):
-        parts = _parts(spec, len(struct.shape), mesh_sizes)
+        parts = block_counts(spec, len(struct.shape), mesh_sizes)
         shape = tuple(n * p for n, p in zip(struct.shape, parts, strict=True))
         whole = not any(entry_axes(e) for e in spec) and math.prod(shape) > 1
         rows.append(
@@ -234,7 +205,9 @@ def make_plan(
     traced_opt = sum(_nbytes(s) for _, s, _ in _leaves(opt, ospecs)) if opt is not None else 0
     # The init builds a train state's optimizer state globally (fsdp_tp._optimizer): count that.
     global_opt = opt is not None and hasattr(local, "tx")
-    optimizer_bytes = _optimizer_bytes(local, params, pspecs, mesh_sizes, mesh) if global_opt else traced_opt
+    optimizer_bytes = (
+        optimizer_state_bytes(local.tx, params, pspecs, mesh_sizes, mesh) if global_opt else traced_opt
+    )
     other_bytes = sum(_nbytes(s) for _, s, _ in _leaves(local, specs)) - param_bytes - traced_opt
     activations = temp_bytes(step["jaxpr"]) if step else None
     wire, note = step_wire(step["jaxpr"], mesh_sizes) if step else (None, "")

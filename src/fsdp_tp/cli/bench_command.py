@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import sys
 
-from .checks import UsageError, check_attention, writable_directory
+from .checks import UsageError, check_attention
 from .machine import uses_accelerator
 from .options import DTYPES
+from .workdir import writable_directory
 
 __all__ = ["bench"]
 

@@ -13,20 +13,13 @@ fsdp_tp.cli.checks.UsageError: --batch 0 is out of range: expected an integer >=
 from __future__ import annotations
 
 import math
-import os
-import tempfile
-from pathlib import Path
 
 __all__ = [
     "UsageError",
     "check_attention",
     "check_nnx",
-    "check_paths",
     "check_ranges",
     "check_schedule",
-    "resuming",
-    "writable_directory",
-    "writable_file",
 ]
 
 
@@ -133,53 +126,6 @@ def check_ranges(args) -> None:
             )
 
 
-def _probe_directory(directory: Path, flag: str) -> None:
-    """Raises unless a file can be created in ``directory`` (root ignores permission bits, so
-    asking ``os.access`` is not enough: a read-only mount or a full disk answers only to a write)."""
-    try:
-        with tempfile.TemporaryFile(dir=directory):
-            pass
-    except OSError as err:
-        raise UsageError(
-            f"{flag} {directory}: cannot write there ({err.strerror}); pass a writable path."
-        ) from err
-
-
-def _existing_ancestor(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
-def writable_file(path: str, flag: str) -> None:
-    """Raises unless ``path`` can be appended to (creating it), without creating it."""
-    file = Path(path).absolute()
-    if file.is_dir():
-        raise UsageError(f"{flag} {path} is a directory; pass a file path.")
-    if file.exists():
-        if not os.access(file, os.W_OK):
-            raise UsageError(f"{flag} {path}: the file is not writable; pass a writable path.")
-        return
-    if not file.parent.is_dir():
-        raise UsageError(
-            f"{flag} {path}: directory {file.parent} does not exist; create it or pass another path."
-        )
-    _probe_directory(file.parent, flag)
-
-
-def writable_directory(directory: str, flag: str) -> None:
-    """Raises unless ``directory`` is, or can be made, a directory files can be written in."""
-    path = Path(directory).absolute()
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"{flag} {directory} is a file; pass a directory.")
-    ancestor = _existing_ancestor(path)
-    try:
-        _probe_directory(ancestor, flag)
-    except UsageError as err:
-        where = "" if ancestor == path else f" (it would be made in {ancestor}, where nothing can be)"
-        raise UsageError(f"{flag} {directory}: cannot write there{where}; pass a writable path.") from err
-
-
 def check_attention(attention: str, dtype: str, accelerated: bool) -> None:
     """``--attention cudnn`` is cuDNN's flash attention: an NVIDIA GPU and a 16-bit dtype."""
     if attention != "cudnn":
@@ -194,28 +140,6 @@ def check_attention(attention: str, dtype: str, accelerated: bool) -> None:
             f"--attention cudnn computes in 16 bits; --dtype is {dtype}: pass --dtype bf16, or "
             f"--attention auto (XLA's attention for {dtype})."
         )
-
-
-def resuming(args) -> bool:
-    """Whether the run continues from a checkpoint (``--resume`` or ``--resume-from``)."""
-    return bool(args.resume or args.resume_from is not None)
-
-
-def check_paths(args) -> None:
-    """The log file and checkpoint directory can be written; resume flags make sense."""
-    if getattr(args, "log_file", None):
-        writable_file(args.log_file, "--log-file")
-    directory = getattr(args, "checkpoint_dir", None)
-    if not directory:
-        if resuming(args):
-            raise UsageError("--resume needs --checkpoint-dir DIR: the directory to resume from.")
-        return
-    if resuming(args) and args.overwrite:
-        raise UsageError(
-            "--resume and --overwrite contradict each other: "
-            "resume keeps the checkpoints, overwrite deletes them."
-        )
-    writable_directory(directory, "--checkpoint-dir")
 
 
 def check_schedule(args) -> None:

@@ -27,7 +27,7 @@ from ..errors import (
 from ..recipe.token_file import DataChangedError, DataError
 from .agreement import DisagreementError, check_agreement, run_settings
 from .bench_command import bench
-from .checks import UsageError, check_attention, check_paths, check_ranges, resuming
+from .checks import UsageError, check_attention, check_ranges
 from .distributed import DistributedError
 from .experts import with_expert_axis
 from .machine import (
@@ -43,7 +43,7 @@ from .output import LogWriteError
 from .settings import mesh_sizes, settings_of, tokens_and_settings
 from .stdout_filter import restore_stdout
 from .supervise import adopt, supervisable, supervise, wait_for_verdict
-from .workdir import check_contents
+from .workdir import check_contents, check_paths, resuming
 
 __all__ = ["console", "main"]
 

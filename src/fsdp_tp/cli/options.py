@@ -9,11 +9,12 @@ from ..models.remat import REMAT_POLICIES
 from ..recipe.config import PRESETS
 from ..recipe.trainer import APIS
 from .experts import add_expert_flags
+from .supervise import add_process_flags
+from .workdir import add_checkpoint_flags
 
-__all__ = ["DEFAULT_MESH", "DEFAULT_WARMUP", "DTYPES", "GATHER_DTYPES", "PEER_TIMEOUT", "parser"]
+__all__ = ["DEFAULT_MESH", "DEFAULT_WARMUP", "DTYPES", "GATHER_DTYPES", "parser"]
 
 DEFAULT_MESH = "data=2,fsdp=2,tensor=2"
-PEER_TIMEOUT = 30  # s; heartbeats come from a thread of their own, so compiling never delays them
 DEFAULT_WARMUP = 20  # --warmup's default; shorter runs warm up through all their steps
 DTYPES = {"f32": "float32", "bf16": "bfloat16"}  # the dtype flags' names -> numpy's
 # What FSDP may gather in: the compute dtypes, and 8 bits with a scale a row (MixedPrecision.scaled)
@@ -173,44 +174,11 @@ def _train_flags(train: argparse.ArgumentParser) -> None:
     )
     train.add_argument("--eval-every", type=int, default=100, help="held-out loss every N steps (0: off)")
     train.add_argument("--eval-batches", type=int, default=4, help="held-out batches per eval")
-    ckpt = train.add_argument_group("checkpoints (orbax: async, atomic, verified)")
-    ckpt.add_argument("--checkpoint-dir", help="save sharded checkpoints here")
-    ckpt.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
-    ckpt.add_argument("--keep", type=int, default=3, help="how many verified checkpoints to keep")
-    ckpt.add_argument(
-        "--resume", action="store_true", help="continue from the newest checkpoint that verifies"
-    )
-    ckpt.add_argument("--resume-from", type=int, metavar="STEP", help="continue from this checkpoint")
-    ckpt.add_argument(
-        "--overwrite", action="store_true", help="delete the directory's checkpoints and start over"
-    )
-    ckpt.add_argument(
-        "--allow-changes",
-        action="store_true",
-        help="resume although the data, vocabulary, schedule or optimizer differ from the checkpoint's",
-    )
+    add_checkpoint_flags(train)
     train.add_argument(
         "--cpu-devices", type=int, help="simulate this many CPU devices per process (default: the mesh's)"
     )
-    hosts = train.add_argument_group(
-        "multi-process (also JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)"
-    )
-    hosts.add_argument("--coordinator", help="process 0's HOST:PORT; process 0 listens on HOST only")
-    hosts.add_argument("--num-processes", type=int, help="processes in the run")
-    hosts.add_argument("--process-id", type=int, help="this process's index, 0 .. num-processes - 1")
-    hosts.add_argument(
-        "--coordinator-timeout", type=int, default=300, help="seconds to wait for the other processes"
-    )
-    hosts.add_argument(
-        "--peer-timeout",
-        type=int,
-        default=PEER_TIMEOUT,
-        help="seconds without a heartbeat after which a process is taken for lost: every other one "
-        "then stops, with one line naming it and the checkpoint to --resume from",
-    )
-    hosts.add_argument(
-        "--distributed", action="store_true", help="let JAX detect the cluster (SLURM, Open MPI)"
-    )
+    add_process_flags(train)
 
 
 def _bench_flags(bench: argparse.ArgumentParser) -> None:

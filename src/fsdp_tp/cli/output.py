@@ -24,7 +24,10 @@ from typing import TextIO
 
 import jax
 
-__all__ = ["LogWriteError", "Output", "duration", "library_logs", "model_name", "run_header"]
+from ..recipe.throughput import Achieved, memory_in_use
+from ..recipe.trainer import Settings
+
+__all__ = ["LogWriteError", "Output", "duration", "library_logs", "model_name", "run_header", "what_achieved"]
 
 _SIZES = ("d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_hidden", "seq_len")
 
@@ -206,3 +209,17 @@ class Output:
     def close(self) -> None:
         if self.log:
             self.log.close()
+
+
+def what_achieved(settings: Settings, rate: float | None, peak: float | None) -> tuple[dict, str]:
+    """The log fields and the progress text of what the steps so far achieved."""
+    fields: dict = {}
+    texts = []
+    if rate:
+        achieved = Achieved.of(settings.model.flops_per_token(), rate, jax.device_count(), peak)
+        fields.update(achieved.fields())
+        texts.append(achieved.text())
+    if (memory := memory_in_use()) is not None:
+        fields.update(bytes_in_use=memory[0], peak_bytes_in_use=memory[1])
+        texts.append(f"{memory[0] / 2**30:.2f} GiB in use (peak {memory[1] / 2**30:.2f})")
+    return fields, ", ".join(texts)

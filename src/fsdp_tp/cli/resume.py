@@ -1,4 +1,5 @@
-"""What a checkpoint of ``fsdp-tp train`` records besides its arrays, and what a resume changed.
+"""What a checkpoint of ``fsdp-tp train`` records besides its arrays, what a resume changed,
+and the resume (:func:`resume`).
 
 A resumed run continues the one that wrote the checkpoint only if it draws the same batches
 (data, seed, batch) from the same schedule (learning rate, warmup, steps, optimizer,
@@ -17,10 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checkpoint import Checkpoints
+from ..errors import CheckpointMismatchError
 from ..recipe.data import Tokens
-from ..recipe.trainer import Settings
+from ..recipe.trainer import Settings, Trainer
+from .checks import UsageError
 
-__all__ = ["changes", "data_identity", "data_name", "precision_of", "record"]
+__all__ = ["changes", "data_identity", "data_name", "precision_of", "record", "resume"]
 
 _SAMPLES = 4096  # tokens read to fingerprint a (possibly huge, memory-mapped) token file
 
@@ -78,3 +82,49 @@ def changes(recorded: dict, now: dict) -> list[str]:
     an older version did not record are not compared)."""
     old, new = _flat(recorded), _flat(now)
     return [f"{k}: {old[k]} -> {new.get(k)}" for k in old if k in new and old[k] != new[k]]
+
+
+def _other_api(checkpoints: Checkpoints, step: int | None, now: dict) -> None:
+    """A checkpoint whose arrays do not fit this model, written with another ``--api``, is
+    named by the flag (its trees differ: a list of shapes would not say why)."""
+    step = checkpoints.latest() if step is None else step
+    if step is None:
+        return
+    try:
+        recorded = checkpoints.meta(step).get("api")
+    except Exception:  # unreadable meta: the mismatch's own message stands
+        return
+    if recorded is not None and recorded != now.get("api"):
+        raise UsageError(
+            f"checkpoint {checkpoints.path(step)} was written with --api {recorded}, and this run is "
+            f"--api {now.get('api')}: the two APIs' models are different trees. Resume with --api "
+            f"{recorded}, or start a new --checkpoint-dir."
+        )
+
+
+def resume(trainer: Trainer, checkpoints: Checkpoints, args, now: dict, say) -> int:
+    """Loads the newest checkpoint that verifies (or ``--resume-from``'s) into the trainer,
+    resharding it onto this mesh; refuses one written with other data or schedule. Its step."""
+    try:
+        state, meta = checkpoints.restore(trainer.state, args.resume_from)
+    except CheckpointMismatchError:
+        _other_api(checkpoints, args.resume_from, now)  # the likeliest cause, named as a flag
+        raise
+    for step, why in meta.get("skipped", {}).items():
+        say(f"skipped checkpoint {checkpoints.path(step)}: {why}")
+    changed = changes(meta, now)
+    if changed and not args.allow_changes:
+        raise UsageError(
+            f"checkpoint {checkpoints.path(meta['step'])} was written by another run: "
+            + "; ".join(changed)
+            + ". Pass the recorded values, or --allow-changes to resume anyway."
+        )
+    if changed:
+        say(f"note: resuming with changes: {'; '.join(changed)}")
+    newer = [s for s in checkpoints.steps() if s > meta["step"]]  # --resume-from an older one
+    if newer:
+        moved = [checkpoints.set_aside(s, "superseded").name for s in newer]
+        say(f"checkpoints {newer}, newer than step {meta['step']}, moved to {', '.join(moved)}")
+    trainer.state = state
+    say(f"resumed from {checkpoints.path(meta['step'])} at step {meta['step']}")
+    return int(meta["step"])

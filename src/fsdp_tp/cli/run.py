@@ -13,20 +13,18 @@ import numpy as np
 
 from ..attention import resolved_implementation
 from ..checkpoint import Checkpoints
-from ..errors import CheckpointMismatchError
 from ..mesh import make_mesh
 from ..recipe.data import Tokens
-from ..recipe.throughput import Achieved, memory_in_use, peak_tflops
+from ..recipe.throughput import peak_tflops
 from ..recipe.trainer import Settings, Trainer
 from ..recipe.twin import compare_with_twin
-from .checks import UsageError, resuming
 from .distributed import coordination_client
 from .experts import experts_text
 from .fit import check_fits, choose_remat, mib, plan_of
-from .output import Output, model_name, run_header
-from .resume import changes, data_identity, data_name, precision_of, record
+from .output import Output, model_name, run_header, what_achieved
+from .resume import data_identity, data_name, precision_of, record, resume
 from .stopping import AgreedStopping, Stopped, Stopping, stop_on_signals
-from .workdir import clear, locked
+from .workdir import clear, locked, resuming
 
 __all__ = ["train"]
 
@@ -84,52 +82,6 @@ def _check(trainer: Trainer, tokens: Tokens, steps: int, dtype: str, say) -> boo
     return ok
 
 
-def _other_api(checkpoints: Checkpoints, step: int | None, now: dict) -> None:
-    """A checkpoint whose arrays do not fit this model, written with another ``--api``, is
-    named by the flag (its trees differ: a list of shapes would not say why)."""
-    step = checkpoints.latest() if step is None else step
-    if step is None:
-        return
-    try:
-        recorded = checkpoints.meta(step).get("api")
-    except Exception:  # unreadable meta: the mismatch's own message stands
-        return
-    if recorded is not None and recorded != now.get("api"):
-        raise UsageError(
-            f"checkpoint {checkpoints.path(step)} was written with --api {recorded}, and this run is "
-            f"--api {now.get('api')}: the two APIs' models are different trees. Resume with --api "
-            f"{recorded}, or start a new --checkpoint-dir."
-        )
-
-
-def _resume(trainer: Trainer, checkpoints: Checkpoints, args, now: dict, say) -> int:
-    """Loads the newest checkpoint that verifies (or ``--resume-from``'s) into the trainer,
-    resharding it onto this mesh; refuses one written with other data or schedule. Its step."""
-    try:
-        state, meta = checkpoints.restore(trainer.state, args.resume_from)
-    except CheckpointMismatchError:
-        _other_api(checkpoints, args.resume_from, now)  # the likeliest cause, named as a flag
-        raise
-    for step, why in meta.get("skipped", {}).items():
-        say(f"skipped checkpoint {checkpoints.path(step)}: {why}")
-    changed = changes(meta, now)
-    if changed and not args.allow_changes:
-        raise UsageError(
-            f"checkpoint {checkpoints.path(meta['step'])} was written by another run: "
-            + "; ".join(changed)
-            + ". Pass the recorded values, or --allow-changes to resume anyway."
-        )
-    if changed:
-        say(f"note: resuming with changes: {'; '.join(changed)}")
-    newer = [s for s in checkpoints.steps() if s > meta["step"]]  # --resume-from an older one
-    if newer:
-        moved = [checkpoints.set_aside(s, "superseded").name for s in newer]
-        say(f"checkpoints {newer}, newer than step {meta['step']}, moved to {', '.join(moved)}")
-    trainer.state = state
-    say(f"resumed from {checkpoints.path(meta['step'])} at step {meta['step']}")
-    return int(meta["step"])
-
-
 def train(
     settings: Settings, sizes: dict, args, tokens: Tokens, eval_tokens: Tokens | None, out: TextIO
 ) -> int:
@@ -168,7 +120,7 @@ def _train(
         return 1
     start = 0
     if checkpoints and resuming(args) and checkpoints.latest() is not None:
-        start = _resume(trainer, checkpoints, args, meta, output.say)
+        start = resume(trainer, checkpoints, args, meta, output.say)
     if start >= settings.steps:
         output.say(f"checkpoint step {start} already reached --steps {settings.steps}; pass more steps.")
         return 0
@@ -232,20 +184,6 @@ def _peak(settings: Settings, args) -> float | None:
     return args.peak_tflops or peak_tflops(jax.devices()[0].device_kind, settings.model.dtype)
 
 
-def _achieved(settings: Settings, rate: float | None, peak: float | None) -> tuple[dict, str]:
-    """The log fields and the progress text of what the steps so far achieved."""
-    fields: dict = {}
-    texts = []
-    if rate:
-        achieved = Achieved.of(settings.model.flops_per_token(), rate, jax.device_count(), peak)
-        fields.update(achieved.fields())
-        texts.append(achieved.text())
-    if (memory := memory_in_use()) is not None:
-        fields.update(bytes_in_use=memory[0], peak_bytes_in_use=memory[1])
-        texts.append(f"{memory[0] / 2**30:.2f} GiB in use (peak {memory[1] / 2**30:.2f})")
-    return fields, ", ".join(texts)
-
-
 def _loop(
     trainer,
     tokens,
@@ -273,7 +211,7 @@ def _loop(
         if step > start:  # the first step includes compilation
             timed, counted = timed + seconds, counted + 1
         rate = tokens_per_step * counted / timed if counted else None
-        fields, achieved = _achieved(settings, rate, peak)
+        fields, achieved = what_achieved(settings, rate, peak)
         output.record(step=step + 1, loss=loss, seconds=seconds, tokens_per_s=rate, **fields)
         saved = False
         if checkpoints:

@@ -1,5 +1,5 @@
 """Each process of a multi-process ``fsdp-tp train`` trains in a child of a small parent that
-says how it ended.
+says how it ended (the flags that make a run multi-process: :func:`add_process_flags`).
 
 When one process of a run dies, JAX's coordination service ends every other one with a C++
 abort: a check-failure stack on stderr and SIGABRT, once the lost process has missed
@@ -23,6 +23,7 @@ The parent never imports more than the CLI: it makes no devices and holds no JAX
 
 from __future__ import annotations
 
+import argparse
 import io
 import os
 import re
@@ -38,8 +39,18 @@ from .distributed import DistributedError, this_process
 from .verdict import DELIBERATE, Identity, verdict
 from .workdir import saved_steps
 
-__all__ = ["CHILD", "adopt", "ended_deliberately", "supervisable", "supervise", "wait_for_verdict"]
+__all__ = [
+    "CHILD",
+    "PEER_TIMEOUT",
+    "add_process_flags",
+    "adopt",
+    "ended_deliberately",
+    "supervisable",
+    "supervise",
+    "wait_for_verdict",
+]
 
+PEER_TIMEOUT = 30  # s; heartbeats come from a thread of their own, so compiling never delays them
 CHILD = "FSDP_TP_NATIVE_STDERR"  # set in the child: the pipe its native stderr goes to
 _KEPT = 256 * 1024  # the native log's last bytes, read when the child ends
 _FORWARDED = (signal.SIGINT, signal.SIGTERM)
@@ -171,3 +182,26 @@ def wait_for_verdict(error: Exception, peer_timeout: int) -> None:
     was lost (the parent then names it), and returns if none was, to let ``error`` show."""
     if _adopted and _PEER_WORDS.search(str(error)):
         time.sleep(peer_timeout + 10)
+
+
+def add_process_flags(train: argparse.ArgumentParser) -> None:
+    """``train``'s flags for joining a multi-process run (each also read from the environment)."""
+    hosts = train.add_argument_group(
+        "multi-process (also JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)"
+    )
+    hosts.add_argument("--coordinator", help="process 0's HOST:PORT; process 0 listens on HOST only")
+    hosts.add_argument("--num-processes", type=int, help="processes in the run")
+    hosts.add_argument("--process-id", type=int, help="this process's index, 0 .. num-processes - 1")
+    hosts.add_argument(
+        "--coordinator-timeout", type=int, default=300, help="seconds to wait for the other processes"
+    )
+    hosts.add_argument(
+        "--peer-timeout",
+        type=int,
+        default=PEER_TIMEOUT,
+        help="seconds without a heartbeat after which a process is taken for lost: every other one "
+        "then stops, with one line naming it and the checkpoint to --resume from",
+    )
+    hosts.add_argument(
+        "--distributed", action="store_true", help="let JAX detect the cluster (SLURM, Open MPI)"
+    )

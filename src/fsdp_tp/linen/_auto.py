@@ -10,7 +10,8 @@ import flax.linen as nn
 import jax
 
 from .._tree import static_split
-from ..tp._plan import auto_sizes, fitted, warn_left_whole
+from ..tp._auto_mesh import auto_sizes
+from ..tp._plan import fitted, warn_left_whole
 from ..tp._rules import compile_tp_rules
 from ..tp.auto import Graph, TPPlan, find_plan
 from ._check import fields_of, traced_as

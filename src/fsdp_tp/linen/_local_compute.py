@@ -4,7 +4,7 @@ An ``nn.intercept_methods`` interceptor sees every submodule call of the transfo
 model. At init it lets a named submodule create its full parameters from its own rng
 (so the init is the unsplit model's, bit for bit) and records, per parameter path, the
 dim its role splits, which the transform's :func:`~fsdp_tp.linen._transform.store` adds to the
-rule's layout (:func:`fsdp_tp.tp._rules.with_split`). At apply it runs a clone of the submodule bound to
+rule's layout (:func:`fsdp_tp.tp._storage.with_split`). At apply it runs a clone of the submodule bound to
 the same scope, with the attributes that make it compute on the local sizes (a
 ``Dense`` with ``features / size``), so flax reads the stored slices as the module's
 own parameters; the role puts the collectives around that call

@@ -13,7 +13,7 @@ from flax.core import meta
 
 from .._tree import module_path
 from ..tp import Layer
-from ..tp._plan import calling
+from ..tp._auto_mesh import calling
 from ..tp.auto import Graph, TPPlan, find_plan
 from .tp_rules import LINEN, layer_of
 

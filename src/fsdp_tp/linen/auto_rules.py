@@ -26,8 +26,9 @@ import flax.linen as nn
 from .._axes import TENSOR
 from .._trace import trace_per_device
 from ..errors import RuleError
+from ..tp._auto_mesh import plan_mesh, require_size
 from ..tp._experts import EXPERT
-from ..tp._plan import fitted, plan_mesh, require_size
+from ..tp._plan import fitted
 from ..tp.auto import TPPlan, find_plan
 from ._auto import attempt_of
 from ._check import fields_of

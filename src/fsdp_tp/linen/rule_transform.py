@@ -24,8 +24,9 @@ from .._types import AxisNames
 from ..errors import RuleError
 from ..precision import MixedPrecision, checked_policy
 from ..rules import REPLICATED, CompiledRule, Rules, as_spec, compile_rules, spec_for, unmatched_warning
-from ..tp._plan import AUTO_AXIS
-from ..tp._rules import compile_tp_rules, require_all_matched, require_no_tp_axis, spec_source, with_split
+from ..tp._auto_mesh import AUTO_AXIS
+from ..tp._rules import compile_tp_rules, require_all_matched
+from ..tp._storage import require_no_tp_axis, spec_source, with_split
 from ._auto import AutoRules
 from ._check import check_call
 from ._gather import gather

@@ -34,7 +34,8 @@ from flax.core import meta
 from .. import tp as _tp  # (the roles by the package: a name of their own here would be an old path)
 from .._aliases import aliases_of
 from .._axes import TENSOR
-from .._einsum import Equation, computes_of
+from .._einsum import Equation
+from .._registered import computes_of
 from .._tree import module_path
 from ..errors import RuleError
 from ..tp import Layer

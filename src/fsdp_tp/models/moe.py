@@ -29,58 +29,16 @@ over the batch axes before the product (:func:`~fsdp_tp.routing.load_balancing_l
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..routing import capacity, combine, dispatch, load_balancing_loss, route, router_z_loss
+from ._mixture import MOE_SIZES, mixture, moe_fields, weighted
 from .llama import NNXMLP, LinenAttention, LinenMLP, NNXAttention, rms_norm
 
 __all__ = ["MOE_SIZES", "LinenMoE", "MoELM", "NNXMoE", "NNXMoELM", "mixture"]
-
-MOE_SIZES: dict[str, Any] = dict(
-    vocab=32, d=16, heads=4, kv_heads=2, head_dim=4, hidden=32, layers=2, experts=4, top_k=2,
-    capacity_factor=None, group_rows=1, shared_hidden=0, moe_every=1,
-)  # fmt: skip
-# The losses' weights in the language model's aux term (Switch's and ST-MoE's).
-AUX_WEIGHTS = (1e-2, 1e-3)
-
-
-def mixture(
-    x: jax.Array,
-    router: Callable[[jax.Array], jax.Array],
-    experts: Callable[[jax.Array], jax.Array],
-    *,
-    k: int,
-    capacity_factor: float | None,
-    group_rows: int,
-    normalize: bool = True,
-    batch_axes: tuple | None = None,
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """The MoE of ``x`` ``(batch, seq, d)``, either front end's: ``router`` maps tokens to
-    logits, ``experts`` buffers ``(groups, E, capacity, d)`` to outputs of that shape. Returns
-    the output and ``(load_balancing, z)``."""
-    b, s, d = x.shape
-    if group_rows < 1 or b % group_rows:
-        raise ValueError(
-            f"mixture of experts: group_rows={group_rows!r} rows a group, but this device's batch has "
-            f"{b} rows (shape {x.shape}); a group must be whole on one device: pass a group_rows that "
-            f"divides the rows each device holds (1: a group is one sequence)."
-        )
-    groups = x.reshape(b // group_rows, group_rows * s, d)
-    logits = router(groups)
-    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))  # (the softmax in f32 or wider)
-    tokens, count = groups.shape[1], logits.shape[-1]
-    slots = capacity(tokens, k, count, capacity_factor)
-    routing = jax.vmap(lambda group: route(group, k, slots, normalize))(logits)
-    y = jax.vmap(combine)(experts(jax.vmap(dispatch)(groups, routing)), routing).reshape(b, s, d)
-    fractions = jax.nn.one_hot(routing.chosen, count, dtype=logits.dtype).mean((0, 1, 2))
-    balance = load_balancing_loss(fractions, routing.probs.mean((0, 1)), batch_axes)
-    return y.astype(x.dtype), (balance, router_z_loss(logits.reshape(-1, count)))
 
 
 class LinenExperts(nn.Module):
@@ -140,8 +98,8 @@ class LinenMoEBlock(nn.Module):
         h = rms_norm(x, self.param("mlp_norm", nn.initializers.zeros, (d,), dtype))
         if not self.mixed:
             return x + LinenMLP(s["hidden"], dtype, compute, name="mlp")(h), jnp.zeros((), jnp.float32)
-        y, losses = LinenMoE(**_moe_fields(s), param_dtype=dtype, dtype=compute, name="moe")(h)
-        return x + y, _weighted(losses)
+        y, losses = LinenMoE(**moe_fields(s), param_dtype=dtype, dtype=compute, name="moe")(h)
+        return x + y, weighted(losses)
 
 
 class MoELM(nn.Module):
@@ -163,16 +121,6 @@ class MoELM(nn.Module):
             aux = aux + more
         final = self.param("final_norm", nn.initializers.zeros, (s["d"],), self.param_dtype)
         return embed.attend(rms_norm(x, final)), aux
-
-
-def _moe_fields(s: dict) -> dict:
-    keys = ("experts", "top_k", "hidden", "capacity_factor", "group_rows", "shared_hidden")
-    return {key: s[key] for key in keys}
-
-
-def _weighted(losses: tuple[jax.Array, jax.Array]) -> jax.Array:
-    (balance, z), (balance_weight, z_weight) = losses, AUX_WEIGHTS
-    return balance_weight * balance.astype(jnp.float32) + z_weight * z.astype(jnp.float32)
 
 
 class NNXExperts(nnx.Module):
@@ -216,7 +164,7 @@ class NNXMoEBlock(nnx.Module):
         self.attn = NNXAttention(d, s["heads"], s["kv_heads"], s["head_dim"], **kw)
         self.mlp_norm = nnx.Param(jnp.zeros((d,), param_dtype))
         if mixed:
-            self.moe = NNXMoE(d, **_moe_fields(s), **kw)
+            self.moe = NNXMoE(d, **moe_fields(s), **kw)
         else:
             self.mlp = NNXMLP(d, s["hidden"], **kw)
         self.mixed = mixed
@@ -227,7 +175,7 @@ class NNXMoEBlock(nnx.Module):
         if not self.mixed:
             return x + self.mlp(h), jnp.zeros((), jnp.float32)
         y, losses = self.moe(h)
-        return x + y, _weighted(losses)
+        return x + y, weighted(losses)
 
 
 class NNXMoELM(nnx.Module):

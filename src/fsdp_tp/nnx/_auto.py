@@ -26,8 +26,9 @@ from .._axes import TENSOR
 from .._trace import trace_per_device
 from ..errors import RuleError
 from ..rules import REPLICATED
+from ..tp._auto_mesh import plan_mesh, require_size
 from ..tp._experts import EXPERT
-from ..tp._plan import fitted, plan_mesh, require_size
+from ..tp._plan import fitted
 from ..tp.auto import TPPlan, find_plan
 from ._check import PlanChecks
 from ._model import ShardedModel

@@ -26,7 +26,8 @@ from ..tp._plan import letter_hints, spelled
 from ..tp._role import without_rings
 from ..tp._rules import compile_tp_rules
 from ..tp.auto import find_plan
-from ._tp import RolePlan, path_text
+from ._layers import path_text
+from ._tp import RolePlan
 from ._traced import MARK, scoped, traced
 
 __all__ = ["PlanChecks", "check_call", "checked_class"]

@@ -13,19 +13,17 @@ from the blocks, with Variables that gather on read (:mod:`fsdp_tp.nnx._read`).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import jax
 from flax import nnx
-from flax.core.meta import Partitioned
 from jax.sharding import PartitionSpec
 
-from .._axes import axes_named, bound_axis_names
+from .._axes import bound_axis_names
 from .._batch import checked_batch_axes, resolve_batch_axes
-from .._layout import block_of, check_fit
+from .._layout import check_fit
 from .._optimizer import checked_tx
-from .._types import AxisNames, is_box
+from .._types import AxisNames
 from ..dropout import split_after
 from ..precision import MixedPrecision, checked_policy
 from ..rules import REPLICATED, Rules, as_spec, compile_rules, unmatched_warning
@@ -33,35 +31,21 @@ from ..train import TrainState
 from ._check import PlanChecks, checked_class
 from ._constructor import _CALLER, built, require_constructor, scan_errors_named
 from ._dropout import exact_dropouts
-from ._read import FoldPlan, ReadPlan, on_read
+from ._layers import path_text
 from ._specs import Layouts, storage_specs
-from ._tp import compute_roles, path_text
+from ._state import (
+    Path,
+    flat_tree,
+    model_state_of,
+    nest,
+    other_variables,
+    param_variables,
+    split_model,
+    stored_block,
+)
+from ._tp import compute_roles
 
 __all__ = ["ShardedModel", "shard_by_rules"]
-
-Path = tuple  # a parameter's keys, as nnx.to_flat_state gives them
-
-
-def _nest(items: Iterable[tuple[Path, Any]]) -> dict:
-    """A pure dict (nested by path keys) from ``(path, leaf)`` pairs."""
-    out: dict = {}
-    for path, leaf in items:
-        node = out
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = leaf
-    return out
-
-
-def _flat(tree: dict) -> dict[Path, Any]:
-    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]
-    return {tuple(k.key for k in key_path): leaf for key_path, leaf in leaves}
-
-
-def _split(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
-    """The model's graph, its parameters and every other Variable."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
-    return graphdef, params, rest
 
 
 class ShardedModel:
@@ -86,7 +70,7 @@ class ShardedModel:
         self._rules = compile_rules(rules, _CALLER)
         self.batch_axes = checked_batch_axes(batch_axes, _CALLER)
         abstract = nnx.eval_shape(lambda: built(make_model))
-        self.graphdef, params, rest = _split(abstract)
+        self.graphdef, params, rest = split_model(abstract)
         self._params = list(nnx.to_flat_state(params))
         self._rest = list(nnx.to_flat_state(rest))
         paths = [path_text(path) for path, _ in self._params]
@@ -115,33 +99,17 @@ class ShardedModel:
         the full value (boxed with its split), so gathered it is the unsharded init."""
         _rng_alone(extra, "init")
         model = built(self._make, rng)
-        _, params, rest = _split(model)
+        _, params, rest = split_model(model)
         values = {path: variable.get_raw_value() for path, variable in nnx.to_flat_state(params)}
         layout = self._layouts()
         layout.roles.check_sizes()
         sizes = {axis: jax.lax.axis_size(axis) for axis in bound_axis_names()}
         shapes = ((path_text(p), values[p].shape, s) for p, s in layout.specs.items())
         check_fit(shapes, sizes, "change the rule")
-        stored = _nest((p, self._stored(values[p], spec)) for p, spec in layout.specs.items())
-        model_state = self._model_state(rest)
+        stored = nest((p, stored_block(values[p], spec)) for p, spec in layout.specs.items())
+        model_state = model_state_of(rest)
         self._checks.at_init(stored, model_state)  # (with inputs=: the plan checked here, before any step)
         return stored, model_state
-
-    @staticmethod
-    def _stored(value, spec: PartitionSpec):
-        if not axes_named(spec):
-            return value
-        names = tuple(spec) + (None,) * (value.ndim - len(spec))
-        return Partitioned(block_of(value, spec), names)
-
-    @staticmethod
-    def _model_state(rest) -> dict:
-        """The model's Variables other than parameters (BatchNorm statistics, rng keys and
-        counts), by type name: what a step updates, never the optimizer."""
-        by_type: dict[str, list] = {}
-        for path, variable in nnx.to_flat_state(rest):
-            by_type.setdefault(type(variable).__name__, []).append((path, variable.get_raw_value()))
-        return {name: _nest(items) for name, items in by_type.items()}
 
     def state_init_fn(self, tx) -> Callable[[jax.Array], TrainState]:
         """``init_fn(rng)`` for :func:`fsdp_tp.init_sharded`: a :class:`~fsdp_tp.TrainState` of
@@ -171,7 +139,7 @@ class ShardedModel:
                 f"unsharded model: nnx.update(model, nnx.State(jax.tree.map(lambda b: b.value, "
                 f"params, is_leaf=lambda b: hasattr(b, 'names'))))."
             )
-        flat, layout = _flat(params), self._layouts()
+        flat, layout = flat_tree(params), self._layouts()
         if lacking := [path_text(p) for p, _ in self._params if p not in flat]:
             raise ValueError(
                 f"{_CALLER}(...).merge: the params given lack {len(lacking)} of the model's "
@@ -180,32 +148,8 @@ class ShardedModel:
             )
         batch_axes = resolve_batch_axes(self.batch_axes, _CALLER)
         batch = frozenset(batch_axes)
-        variables = []
-        for path, variable in self._params:
-            leaf, text = flat[path], path_text(path)
-            if is_box(leaf):
-                whole = frozenset([layout.roles.whole[text]]) if text in layout.roles.whole else frozenset()
-                plan = ReadPlan(text, tuple(leaf.names), layout.gathered[path], batch, whole, self.precision)
-                variables.append((path, on_read(variable, leaf.value, plan)))
-            elif self.precision is not None:  # whole, read rounded all the same (no gather rounds it)
-                plan = ReadPlan(text, (None,) * leaf.ndim, frozenset(), batch, precision=self.precision)
-                variables.append((path, on_read(variable, leaf, plan)))
-            else:
-                variables.append((path, variable.copy(leaf)))
-        stored = {name: _flat(tree) for name, tree in (model_state or {}).items()}
-        if missing := sorted({type(v).__name__ for _, v in self._rest} - set(stored)):
-            raise ValueError(
-                f"{_CALLER}(...).merge: the model holds {', '.join(missing)} Variables, and "
-                f"model_state has {sorted(stored) or 'none'}; pass the state's: "
-                f"merge(state.params, state.model_state)."
-            )
-        rest = []
-        for path, variable in self._rest:
-            value = stored[type(variable).__name__][path]
-            if isinstance(variable, nnx.RngKey):
-                rest.append((path, on_read(variable, value, FoldPlan(batch_axes))))
-            else:
-                rest.append((path, variable.copy(value)))
+        variables = param_variables(self._params, flat, layout, batch, self.precision)
+        rest = other_variables(self._rest, model_state, batch_axes, _CALLER)
         model = nnx.merge(self.graphdef, nnx.from_flat_state(variables), nnx.from_flat_state(rest))
         compute_roles(model, layout.roles)
         exact_dropouts(model, batch_axes, path_text)
@@ -220,7 +164,7 @@ class ShardedModel:
         """The model's Variables other than parameters, as :meth:`init` lays them out: what a
         step returns as its third output (after averaging what differs across devices).
         Rng keys come back as stored (folded only where read); the draws advance the counts."""
-        return self._model_state(_split(model)[2])
+        return model_state_of(split_model(model)[2])
 
 
 def _rng_alone(extra: tuple, fn: str) -> None:

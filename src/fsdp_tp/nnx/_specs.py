@@ -19,10 +19,13 @@ from jax.sharding import PartitionSpec
 from .._axes import axes_named, bound_axis_names
 from ..errors import RuleError
 from ..rules import logical_spec, spec_for
-from ..tp._plan import auto_sizes, fitted, warn_left_whole
-from ..tp._rules import compile_tp_rules, spec_source, with_split
+from ..tp._auto_mesh import auto_sizes
+from ..tp._plan import fitted, warn_left_whole
+from ..tp._rules import compile_tp_rules
+from ..tp._storage import spec_source, with_split
 from ..tp.auto import TPPlan, find_plan
-from ._tp import RolePlan, path_text
+from ._layers import path_text
+from ._tp import RolePlan
 from ._traced import traced
 
 __all__ = ["Layout", "Layouts", "storage_specs"]

@@ -13,164 +13,24 @@ survives ``nnx.split`` / ``nnx.merge``, so the roles run inside the model's ``nn
 
 from __future__ import annotations
 
-import contextlib
-import functools
-from collections.abc import Iterator
-from typing import Any
-
 import jax
 from flax import nnx
 
 from .._axes import require_axes
-from .._einsum import computes_of
-from .._tree import module_path
 from .._types import AxisName
-from ..tp import Layer, RowParallel, TPRole
-from ..tp._role import Local
+from ..tp import Layer, TPRole
 from ..tp._rules import (
     CompiledRole,
-    Kinds,
     compile_tp_rules,
-    dims,
     kind_error,
     require_all_matched,
     require_divides,
     require_own_parameters,
     role_of,
-    slice_error,
 )
+from ._layers import NNX, Path, computed, layer_of, path_text
 
-__all__ = ["NNX", "RolePlan", "compute_roles", "layer_of", "path_text", "tp_splits"]
-
-NNX = Kinds(
-    "nnx",
-    {
-        "dense": (nnx.Linear, nnx.LinearGeneral),
-        "conv": (nnx.Conv,),
-        "einsum": (nnx.Einsum,),
-        "attention": (nnx.MultiHeadAttention,),
-        "embed": (nnx.Embed,),
-    },
-)
-
-Path = tuple
-
-
-def path_text(path: Path) -> str:
-    """A path of ``nnx.state`` / ``nnx.iter_graph`` keys as the rules see it: ``blocks/0/up``."""
-    return module_path(tuple(str(k) for k in path))
-
-
-def layer_of(module: Any, path: str, kernel_shape: tuple[int, ...] = ()) -> Layer:
-    """``module`` (an NNX layer of one of :data:`NNX`'s kinds, or a class registered with
-    ``register_einsum``) as a role sees it. ``kernel_shape``: a registered module's, as the
-    abstract model holds it (in the step its parameter is this device's block)."""
-    kind = NNX.of(type(module))
-    common: dict[str, Any] = {"kind": kind, "path": path, "dtype": getattr(module, "dtype", None)}
-    if (own := computes_of(type(module))) is not None:
-        shape = kernel_shape or tuple(own.kernel_of(module, path).shape)
-        return Layer(**common, equation=own.equation, kernel_shape=shape, parameters=(own.kernel,))
-    if kind in ("dense", "conv"):
-        return Layer(
-            **common,
-            features=dims(module.out_features),
-            contracted=len(dims(getattr(module, "axis", -1))),
-            in_size=dims(module.in_features)[0],
-            groups=getattr(module, "feature_group_count", 1),
-            use_bias=module.use_bias,
-            bias=lambda: module.bias[...],
-        )
-    if kind == "einsum":
-        return Layer(
-            **common,
-            equation=module.einsum_str or "",
-            kernel_shape=tuple(module.kernel_shape),
-            use_bias=module.bias is not None,
-            bias=lambda: module.bias[...],
-        )
-    if kind == "attention":
-        return Layer(**common, num_heads=module.num_heads, num_kv_heads=module.num_kv_heads)
-    return Layer(**common, num_embeddings=module.num_embeddings)
-
-
-def _attributes(module: Any, local: Local) -> list[tuple[nnx.Module, str, Any]]:
-    """A role's local sizes as ``(module, attribute, value)``: what the layer's call reads
-    (``nnx.LinearGeneral`` reshapes its bias to ``out_features``; a row-parallel
-    ``nnx.Linear`` checks ``use_bias`` against its bias, which the role adds after the sum)."""
-    out: list[tuple[nnx.Module, str, Any]] = []
-    if local.features is not None:
-        tuple_valued = isinstance(module.out_features, tuple)  # nnx.LinearGeneral's; Linear's is an int
-        out.append((module, "out_features", local.features if tuple_valued else local.features[0]))
-    if local.kernel_shape is not None:  # nnx.Einsum reshapes its bias by it; a registered class: its sizes
-        out += _kernel_attributes(module, local.kernel_shape)
-    if local.use_bias is False:
-        out += [(module, "use_bias", False)] if "use_bias" in module.__dict__ else []
-        out.append((module, "bias", None))
-    if local.num_embeddings is not None:
-        out.append((module, "num_embeddings", local.num_embeddings))
-    for path, read in local.read.items():  # a block of a parameter kept whole
-        *owners, name = path.split("/")
-        owner = functools.reduce(getattr, owners, module)
-        if (variable := getattr(owner, name, None)) is not None:
-            out.append((owner, name, read(variable[...])))  # the call's `self.kernel[...]` reads it
-    if local.num_heads is not None:
-        heads, kv_heads, head_dim = local.num_heads, local.num_kv_heads, module.head_dim
-        out += [(module, "num_heads", heads), (module, "num_kv_heads", kv_heads)]
-        out += [(module, "qkv_features", heads * head_dim), (module.query, "out_features", (heads, head_dim))]
-        out += [(getattr(module, p), "out_features", (kv_heads, head_dim)) for p in ("key", "value")]
-    return out
-
-
-def _kernel_attributes(module: Any, shape: tuple[int, ...]) -> list[tuple[nnx.Module, str, Any]]:
-    if (own := computes_of(type(module))) is None:
-        return [(module, "kernel_shape", shape)]
-    return [(module, attr, size) for attr, size in own.attributes(shape).items()]
-
-
-@contextlib.contextmanager
-def _set(attributes: list[tuple[nnx.Module, str, Any]]) -> Iterator[None]:
-    """The attributes set for one call, then restored: the module the step holds keeps its
-    own (``nnx.split`` after the call sees the model as built). ``object.__setattr__``: the
-    values are this call's sizes, not state NNX should track."""
-    saved = [(m, name, m.__dict__[name]) for m, name, _ in attributes]
-    try:
-        for m, name, value in attributes:
-            object.__setattr__(m, name, value)
-        yield
-    finally:
-        for m, name, value in reversed(saved):
-            object.__setattr__(m, name, value)
-
-
-@functools.cache
-def _computed(cls: type, role: TPRole, path: str, kernel_shape: tuple[int, ...]) -> type:
-    """The subclass of ``cls`` whose methods run ``role`` (one per class, role, path and
-    kernel shape, so graphs that hold it compare equal from step to step)."""
-
-    def method(name: str):
-        original = getattr(cls, name)
-
-        def run_role(self, *args, **kwargs):
-            layer = layer_of(self, path, kernel_shape)
-            attributes = _attributes(self, role.local(layer, jax.lax.axis_size(role.axis)))
-
-            def run(*args, **kwargs):
-                with _set(attributes):
-                    try:
-                        return original(self, *args, **kwargs)
-                    except TypeError as err:
-                        # A matmul's input of other sizes than its slices: a row layer's arrived
-                        # whole, or a column layer's split (another TypeError is the layer's own).
-                        if not (isinstance(role, RowParallel) or "contracting dimensions" in str(err)):
-                            raise
-                        raise slice_error(path, role, err) from None
-
-            return role.around(name, run, layer, args, kwargs)
-
-        return run_role
-
-    namespace = {name: method(name) for name in role.methods if hasattr(cls, name)}
-    return type(cls.__name__, (cls,), {**namespace, "__module__": cls.__module__})
+__all__ = ["RolePlan", "compute_roles", "tp_splits"]
 
 
 class RolePlan:
@@ -249,5 +109,5 @@ def compute_roles(model: nnx.Module, plan: RolePlan) -> None:
     for path, node in nnx.iter_graph(model):
         if path in plan.roles:
             role, _, layer = plan.roles[path]
-            computed = _computed(type(node), role, layer.path, layer.kernel_shape)  # type: ignore[arg-type]
-            object.__setattr__(node, "__class__", computed)
+            swapped = computed(type(node), role, layer.path, layer.kernel_shape)  # type: ignore[arg-type]
+            object.__setattr__(node, "__class__", swapped)

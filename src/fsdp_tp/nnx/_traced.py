@@ -12,9 +12,9 @@ import jax
 from flax import nnx
 
 from ..tp import Layer
+from ..tp._auto_mesh import calling
 from ..tp._graph import Graph
-from ..tp._plan import calling
-from ._tp import NNX, layer_of, path_text
+from ._layers import NNX, layer_of, path_text
 
 __all__ = ["MARK", "scoped", "traced"]
 

@@ -14,32 +14,20 @@ collectives, FSDP's gathers) carry what they receive; a role's ``psum`` complete
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from ..errors import RuleError
 from ._graph import Graph
 from ._ops import COLLECTIVES, FLAX_ATTENTION, RANDOM, is_block, linear, paired_shapes, sums_over
-from ._relations import Node
+from ._refusals import Named, PartialSum, Refusals, axes_text, blaming, mixing_fix
+from ._relations import Node, shape_text
 from ._sites import is_library, pair, scope_of, site_of, user_site
 
-__all__ = ["Blocks"]
-
-Named = Callable[[str], tuple[str, str]]  # a name stack -> (module path, its role as written)
+__all__ = ["Blocks", "Named"]
 
 
-@dataclasses.dataclass(frozen=True)
-class _Sum:
-    """Where a partial sum was made: the operation, its line, the module whose split it sums."""
-
-    what: str
-    site: str
-    module: str
-    contracted: bool  # a matmul's (a row layer's products), not a reduction's (a mean, a norm)
-
-
-class Blocks:
+class Blocks(Refusals):
     """The walk over ``local`` (one device's trace) against ``reference`` (the unsharded
     model's), for roles over ``sizes``' axes; :meth:`run` refuses with a ``RuleError`` (its
     words start with ``where``; ``named`` says a name stack's module and role) and collects in
@@ -50,7 +38,7 @@ class Blocks:
         self.sizes = dict(sizes)
         self.total = math.prod(self.sizes.values())
         self.pairs = pair(local, reference)
-        self.partial: dict[int, _Sum] = {}
+        self.partial: dict[int, PartialSum] = {}
         self.origin: dict[int, str] = {}  # a split value -> the name stack of the op that split it
         self.known: dict[int, tuple[int, ...]] = {}  # a value -> what a device holds of each dim
         self.modelled: set[int] = set()  # values the model's own code made
@@ -159,7 +147,7 @@ class Blocks:
                     ref,
                     self.origin.get(value, scope_of(node)),
                     f"each device computes on dim {d} of size {a} where the unsharded model has {b}, "
-                    f"not a block of it over {_axes(self.sizes)}",
+                    f"not a block of it over {axes_text(self.sizes)}",
                     "split and gather alike in a column layer and its row layer (the same sequence_dim, "
                     "or none), and feed the model whole inputs or its sequence slices",
                 )
@@ -182,7 +170,7 @@ class Blocks:
         if sums or made:
             module = scope_of(node) if self.named(scope_of(node))[0] else origin  # (the row layer's)
             contracted = node.prim in ("dot_general", "conv_general_dilated")
-            made_here = _Sum(made or "", str(user_site(node.source)), module, contracted)
+            made_here = PartialSum(made or "", str(user_site(node.source)), module, contracted)
             record = self.partial[sums[0]] if sums else made_here
             for out in node.outs:
                 self.partial[out] = record
@@ -205,7 +193,7 @@ class Blocks:
                 self.undecided[f"{node.prim} at {user_site(node.source)}"] = None
             else:
                 why = f"{node.mixes[(v, d)]}, of which each device holds 1/{factors[v][d]}"
-                self.refuse(node, ref, origin, why, _mixing_fix(node.prim))
+                self.refuse(node, ref, origin, why, mixing_fix(node.prim))
         for group in node.same:  # (a dim of 1 on both sides is broadcast: no block)
             found = {factors[v][d] for v, d in group if v in factors and self._size(v, d, factors) > 1}
             if len(found) > 1:
@@ -228,29 +216,6 @@ class Blocks:
                 if not is_block(held, whole):
                     self.refuse_reshape(node, ref, origin, group[1][0])
 
-    def refuse_reshape(self, node: Node, ref: Node, origin: str, major: int) -> None:
-        full, held = self.reference.shapes[ref.outs[0]], self.local.shapes[node.outs[0]]
-        fixed = ", ".join("-1" if d == major else str(n) for d, n in enumerate(full))
-        self.refuse(
-            node,
-            ref,
-            origin,
-            f"it regroups each device's block with whole dims: the unsharded model makes "
-            f"{_text(full)}, each device {_text(held)}, not a block of it",
-            f"size the dim the split lands on from the array, not from the module's constants: reshape "
-            f"to ({fixed}), -1 where the unsharded model has {full[major]}, so each device keeps whole ones",
-        )
-
-    def refuse_partial(self, node: Node, ref: Node | None, made: _Sum) -> None:
-        partial = f"the partial sums of {made.what} (at {made.site}: each device's share of a sum)"
-        if node.prim in ("add", "sub", "add_any") and made.contracted:
-            why = f"{node.prim} adds a value whole on every device to {partial}, counted {self.total} times"
-            fix = "add it after the sum (RowParallel adds a module's bias once, after its sum)"
-        else:
-            why = f"{node.prim} reads {partial} before anything sums them over {_axes(self.sizes)}"
-            fix = "a mean, norm or softmax of split features must see them all: compute it after the sum"
-        self.refuse(node, ref, made.module, why, fix)
-
     def outputs(self, split_outputs: tuple[int, ...]) -> None:
         """What leaves the model is whole (or split on ``split_outputs``), never partial sums."""
         for value, full in zip(self.local.outputs, self.reference.outputs, strict=False):
@@ -261,50 +226,8 @@ class Blocks:
                 module, role = self.named(self.origin.get(value, ""))
                 by = f" (by {role} on {module})" if module else ""
                 err = RuleError(
-                    f"{self.where}: the model's output leaves {what}{by}: {_text(held)} on each device, "
-                    f"{_text(whole)} unsharded. Fix: end the region with a RowParallel layer, or give "
+                    f"{self.where}: the model's output leaves {what}{by}: {shape_text(held)} on each device, "
+                    f"{shape_text(whole)} unsharded. Fix: end the region with a RowParallel layer, or give "
                     f"the last ColumnParallel gather_output=True."
                 )
-                raise _blaming(err, module, f"the plan check: the model's output would leave {what}")
-
-    def refuse(self, node: Node, ref: Node | None, origin: str, why: str, fix: str) -> None:
-        module, role = self.named(origin)
-        sides = (("in", node.ins, ref.ins if ref else []), ("out", node.outs, ref.outs if ref else []))
-        shapes = "; ".join(
-            f"{what} {_texts(self.local, vs)} on each device"
-            + (f", {_texts(self.reference, rs)} unsharded" if rs else "")
-            for what, vs, rs in sides
-        )
-        drop = f"; or leave {module} whole (drop its tp rule)" if module else ""
-        at = user_site(node.source) or "a line JAX does not record"
-        err = RuleError(
-            f"{self.where}: {role} on {module or 'the model'} splits what the model's code at {at} "
-            f"does not keep apart: {node.prim} ({shapes}): {why}; the sharded model would compute "
-            f"another function. Fix: {fix}{drop}."
-        )
-        raise _blaming(err, module, f"the plan check: {node.prim} at {at}: {why}")
-
-
-def _blaming(err: RuleError, module: str, reason: str) -> RuleError:
-    """``err`` carrying the module it refuses (``err.module``: a plan finder leaves its region
-    whole) and the reason in a few words (``err.reason``)."""
-    err.module, err.reason = module, reason  # type: ignore[attr-defined]
-    return err
-
-
-def _mixing_fix(prim: str) -> str:
-    if prim in ("slice", "split", "dynamic_slice", "concatenate", "pad", "gather"):
-        return "give each part its own layer (q, k and v apart) and rule, so each device splits each part"
-    return "compute it where that dim is whole (after the row layer's sum)"
-
-
-def _text(shape) -> str:
-    return f"[{','.join(map(str, shape))}]"
-
-
-def _texts(graph: Graph, values) -> str:
-    return " ".join(_text(graph.shapes[v]) for v in values if v is not None)
-
-
-def _axes(sizes: Mapping[str, int]) -> str:
-    return " x ".join(f"{axis!r} ({size})" for axis, size in sizes.items())
+                raise blaming(err, module, f"the plan check: the model's output would leave {what}")

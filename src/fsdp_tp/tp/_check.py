@@ -39,8 +39,9 @@ from typing import Any, NoReturn
 
 from .._context import set_for
 from ..errors import RuleError, UncheckedPlanWarning
-from ._blocks import Blocks, Named, _axes
+from ._blocks import Blocks
 from ._graph import Graph
+from ._refusals import Named, axes_text
 from ._sites import Site, flax_file, made_by_jax, users_file
 
 __all__ = [
@@ -192,7 +193,7 @@ def raise_failure(
     raise RuleError(
         f"{where}: under the tp rules {rules} the model's code fails on each device's slices"
         f"{f' at {line}' if line else ''}: {type(err).__name__}: {err}. Each role computes its "
-        f"module on a block of what it splits over {_axes(sizes)}, and the code around it runs as "
+        f"module on a block of what it splits over {axes_text(sizes)}, and the code around it runs as "
         f"written: a size taken from the module's constants (a head count, a stacked k/v dim) no "
         f"longer fits. Fix: size that code from the arrays it gets (reshape with -1 where the "
         f"split dim lands), give an einsum role the letter the model splits (letter=...), or drop "

@@ -29,8 +29,7 @@ import math
 from collections.abc import Mapping
 
 from .._einsum import Equation
-from ._graph import Graph
-from ._regions import kernel_operand, kernels_of
+from ._graph import Graph, kernel_operand, kernels_of
 from ._role import Layer
 
 __all__ = ["expert_banks"]

@@ -7,7 +7,9 @@ positions (:class:`~fsdp_tp.tp._relations.Node`'s ``same``) and which dims it mi
 A split of one dim of a value is possible only if every operation it reaches keeps that
 dim's positions apart: an elementwise op, a transpose or a reshape that keeps the dim
 major in its group, a matmul's batch dims, a reduction over other dims. The finder
-(:mod:`fsdp_tp.tp.auto`) walks these relations; this module reads the jaxpr.
+(:mod:`fsdp_tp.tp.auto`) walks these relations; this module reads the jaxpr, and says which
+values are parameters moved about (:func:`kernels_of`: a matmul's kernel) and which dims a
+matmul contracts (:func:`contracted_pairs`).
 
 >>> import jax, jax.numpy as jnp
 >>> graph = Graph.trace(lambda p, x: jnp.tanh(x @ p["w"]).sum(-1), {"w": jnp.ones((4, 8))}, jnp.ones((2, 4)))
@@ -28,7 +30,13 @@ import jax.extend.core as jcore
 from .._tree import module_path
 from ._relations import Node, relate
 
-__all__ = ["Graph", "Node"]
+__all__ = ["Graph", "Node", "contracted_pairs", "kernel_operand", "kernels_of"]
+
+# Operations that only move a parameter's values about: a kernel read through them is still
+# the parameter (a cast to the compute dtype, a reshape to heads, a scan's slice of a stack).
+_LAYOUT = frozenset(
+    "convert_element_type reshape transpose squeeze slice scan_slice copy copy_p sharding_constraint".split()
+)
 
 
 class Graph:
@@ -189,3 +197,38 @@ def _call_body(eqn):
     if len(body.invars) != len(eqn.invars) or len(body.outvars) != len(eqn.outvars):
         return None
     return bodies[0]
+
+
+def kernels_of(graph: Graph) -> dict[int, int]:
+    """``{value: the parameter it is}`` for every value that is a parameter moved about (or,
+    in a traced init, a scan step's slice of a parameter it stacks)."""
+    kernels = {v: v for v in graph.params}
+    for node in reversed(graph.nodes):
+        if node.prim == "scan_stack" and node.outs[0] in kernels and node.ins[0] is not None:
+            kernels[node.ins[0]] = kernels[node.outs[0]]
+    for node in graph.nodes:
+        if node.prim in _LAYOUT and node.ins[0] in kernels:
+            kernels[node.outs[0]] = kernels[node.ins[0]]
+    return kernels
+
+
+def kernel_operand(node: Node, kernels: dict[int, int]) -> int | None:
+    """The operand of a matmul that is a parameter (its kernel), when exactly one is."""
+    a, b = node.ins[0], node.ins[1]
+    if (a in kernels) == (b in kernels):
+        return None
+    return a if a in kernels else b
+
+
+def contracted_pairs(node: Node) -> dict[tuple[int, int], tuple[int, int]]:
+    """The pairs of dims a matmul contracts, each way."""
+    if node.prim == "conv_general_dilated":
+        x, k = node.params["contracted"]
+        return {x: k, k: x}
+    (lc, rc), _ = node.params["dimension_numbers"]
+    a, b = node.ins[0], node.ins[1]
+    assert a is not None and b is not None  # (a kernel's matmul: no literal operand)
+    pairs: dict[tuple[int, int], tuple[int, int]] = {}
+    for i, j in zip(lc, rc, strict=True):
+        pairs[(a, i)], pairs[(b, j)] = (b, j), (a, i)
+    return pairs

@@ -9,8 +9,9 @@ from typing import ClassVar
 
 from ..dropout import split_after, splitting
 from ..errors import RuleError
+from ._around import chunkwise, copied
 from ._matmul import RowParallel
-from ._role import Layer, Local, TPRole, _chunkwise, _copied
+from ._role import Layer, Local, TPRole
 from .pieces import kept_block
 
 __all__ = ["HeadParallel"]
@@ -86,7 +87,7 @@ class HeadParallel(TPRole):
     def call(self, method, run, layer, args, kwargs):
         """``run`` computes this device's heads, its projections by their roles (``inner``)."""
         sequence = self.sequence_dim
-        args, kwargs = _copied(args, kwargs, self.axis, sequence, self.collective_matmul)
+        args, kwargs = copied(args, kwargs, self.axis, sequence, self.collective_matmul)
         with splitting({-3: self.axis}):  # (..., heads, queries, keys) weights
             out = run(*args, **kwargs)
         # what leaves: whole, or this device's slice of the sequence (out's reduce-scatter)
@@ -108,4 +109,4 @@ class _ChunkWise(TPRole):
         return {}
 
     def call(self, method, run, layer, args, kwargs):
-        return _chunkwise(run, layer, args, kwargs)
+        return chunkwise(run, layer, args, kwargs)

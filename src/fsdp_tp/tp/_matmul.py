@@ -13,7 +13,8 @@ from ..collective_matmul import ring_reduce_scatter
 from ..collectives import gather_from_axis
 from ..dropout import split_after, unplaceable_after
 from ..errors import RuleError
-from ._role import Layer, Local, TPRole, _chunkwise, _copied, _einsum, _ringable, _ungrouped
+from ._around import chunkwise, copied, einsum_split, ringable, ungrouped
+from ._role import Layer, Local, TPRole
 from .pieces import add_bias_once, kept_block, row_reduce
 
 __all__ = ["ColumnParallel", "RowParallel"]
@@ -44,7 +45,7 @@ class ColumnParallel(TPRole):
     kinds: ClassVar[tuple[str, ...]] = ("dense", "conv", "einsum")
 
     def splits(self, layer):
-        eq, letter, dim = _einsum(layer, self, self.letter, "produced")
+        eq, letter, dim = einsum_split(layer, self, self.letter, "produced")
         if self.replicated:
             _replicable(layer, letter, self.gather_output)
             return {}
@@ -52,12 +53,12 @@ class ColumnParallel(TPRole):
             kernel, *bias = layer.parameters
             splits = {kernel: dim - len(eq.kernel)}
             return splits | {name: eq.bias_letters.index(letter) - len(eq.bias_letters) for name in bias}
-        _ungrouped(layer)
+        ungrouped(layer)
         dim = -len(layer.features)
         return {"kernel": dim, "bias": dim}
 
     def divides(self, layer):
-        eq, letter, dim = _einsum(layer, self, self.letter, "produced")
+        eq, letter, dim = einsum_split(layer, self, self.letter, "produced")
         if self.replicated:
             return {}  # (the axis size and the letter's: one divides the other, checked per call)
         if letter and not layer.kernel_shape[dim]:
@@ -71,7 +72,7 @@ class ColumnParallel(TPRole):
         return {"features": layer.features[0]}
 
     def local(self, layer, size):
-        _, letter, dim = _einsum(layer, self, self.letter, "produced")
+        _, letter, dim = einsum_split(layer, self, self.letter, "produced")
         if self.replicated:
             return Local()  # it computes every `letter`, with the whole kernel
         if letter:
@@ -87,11 +88,11 @@ class ColumnParallel(TPRole):
                 raise RuleError(f"{layer.path}: ColumnParallel(replicated=True) takes no sequence_dim.")
             return self._replicated(run(*args, **kwargs), layer)
         if self.collective_matmul is not None and sequence is not None:
-            _ringable(self, layer, sequence)
+            ringable(self, layer, sequence)
         if not prepared:
-            args, kwargs = _copied(args, kwargs, self.axis, sequence, self.collective_matmul)
-        out = _chunkwise(run, layer, args, kwargs)
-        eq, letter, _ = _einsum(layer, self, self.letter, "produced")
+            args, kwargs = copied(args, kwargs, self.axis, sequence, self.collective_matmul)
+        out = chunkwise(run, layer, args, kwargs)
+        eq, letter, _ = einsum_split(layer, self, self.letter, "produced")
         dim = eq.dim_of(letter, eq.output, out.ndim) if letter else -len(layer.features)
         if self.gather_output:
             split_after({})
@@ -104,7 +105,7 @@ class ColumnParallel(TPRole):
         input's gradient from here is whole, not a share for *f* to sum); *f* on the output
         (its cotangent, zeros outside each device's block, summed over the axis: the kernel's
         and the input's gradients are whole on every device); this device's block kept."""
-        eq, letter, dim = _einsum(layer, self, self.letter, "produced")
+        eq, letter, dim = einsum_split(layer, self, self.letter, "produced")
         n, size = layer.kernel_shape[dim], jax.lax.axis_size(self.axis)
         at = eq.dim_of(letter, eq.output, out.ndim)
         out = kept_block(out, at, n, self.axis, layer.path, f"letter {letter!r} of {eq.text!r}")
@@ -143,27 +144,27 @@ class RowParallel(TPRole):
     kinds: ClassVar[tuple[str, ...]] = ("dense", "conv", "einsum")
 
     def splits(self, layer):
-        eq, letter, dim = _einsum(layer, self, self.letter, "contracted")
+        eq, letter, dim = einsum_split(layer, self, self.letter, "contracted")
         if letter:
             return {layer.parameters[0]: dim - len(eq.kernel)}
-        _ungrouped(layer)
+        ungrouped(layer)
         return {"kernel": -(layer.contracted + len(layer.features))}
 
     def divides(self, layer):
-        eq, letter, dim = _einsum(layer, self, self.letter, "contracted")
+        eq, letter, dim = einsum_split(layer, self, self.letter, "contracted")
         if letter:
             return {f"kernel dim {letter!r} of {eq.text!r}": layer.kernel_shape[dim]}
         return {"input dim": layer.in_size}
 
     def local(self, layer, size):
-        _, letter, dim = _einsum(layer, self, self.letter, "contracted")
+        _, letter, dim = einsum_split(layer, self, self.letter, "contracted")
         use_bias = False if "bias" in layer.parameters else None  # (added after the sum)
         return Local(
             kernel_shape=shrunk(layer.kernel_shape, dim, size) if letter else None, use_bias=use_bias
         )
 
     def call(self, method, run, layer, args, kwargs):
-        eq, letter, dim = _einsum(layer, self, self.letter, "contracted")
+        eq, letter, dim = einsum_split(layer, self, self.letter, "contracted")
         if letter and layer.kernel_shape[dim]:  # (a size the module holds)
             x = args[0] if args else kwargs["inputs"]
             eq.require_slice(letter, x.shape, layer.kernel_shape[dim] // jax.lax.axis_size(self.axis))
@@ -183,7 +184,7 @@ class RowParallel(TPRole):
         mode = self.collective_matmul
         assert mode is not None  # (the caller's test)
         x, *rest = args
-        _ringable(self, layer, sequence)
+        ringable(self, layer, sequence)
         # the rows: the sequence, or the dim before the contracted ones (computed row by row)
         dim = sequence if sequence is not None else x.ndim - layer.contracted - 1
         if dim % x.ndim >= x.ndim - layer.contracted:

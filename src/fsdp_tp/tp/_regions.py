@@ -32,16 +32,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from ._graph import Graph, Node
+from ._graph import Graph, Node, contracted_pairs, kernel_operand
+from ._relations import shape_text
 from ._sites import user_site
 
-__all__ = ["Refused", "Region", "grow", "kernel_operand", "kernels_of"]
-
-# Operations that only move a parameter's values about: a kernel read through them is still
-# the parameter (a cast to the compute dtype, a reshape to heads, a scan's slice of a stack).
-_LAYOUT = frozenset(
-    "convert_element_type reshape transpose squeeze slice scan_slice copy copy_p sharding_constraint".split()
-)
+__all__ = ["Refused", "Region", "grow"]
 
 Split = tuple[int, ...]
 
@@ -72,27 +67,6 @@ class Region:
         return out
 
 
-def kernels_of(graph: Graph) -> dict[int, int]:
-    """``{value: the parameter it is}`` for every value that is a parameter moved about (or,
-    in a traced init, a scan step's slice of a parameter it stacks)."""
-    kernels = {v: v for v in graph.params}
-    for node in reversed(graph.nodes):
-        if node.prim == "scan_stack" and node.outs[0] in kernels and node.ins[0] is not None:
-            kernels[node.ins[0]] = kernels[node.outs[0]]
-    for node in graph.nodes:
-        if node.prim in _LAYOUT and node.ins[0] in kernels:
-            kernels[node.outs[0]] = kernels[node.ins[0]]
-    return kernels
-
-
-def kernel_operand(node: Node, kernels: dict[int, int]) -> int | None:
-    """The operand of a matmul that is a parameter (its kernel), when exactly one is."""
-    a, b = node.ins[0], node.ins[1]
-    if (a in kernels) == (b in kernels):
-        return None
-    return a if a in kernels else b
-
-
 def grow(
     graph: Graph, kernels: dict[int, int], seed: tuple[int, int], outputs_split: bool, size: int | None = None
 ) -> Region:
@@ -107,7 +81,7 @@ def grow(
     if reached := [v for v in graph.outputs if v in region.split]:
         region.output = True
         if not outputs_split and (region.rows or len(region.columns) != 1):
-            raise Refused(f"the model's output {_shape(graph, reached[0])} would leave split")
+            raise Refused(f"the model's output {shape_text(graph.shapes[reached[0]])} would leave split")
     return region
 
 
@@ -246,7 +220,7 @@ class _Grower:
             self.along(node, value, dims)
             return
         x = node.ins[0] if kernel == node.ins[1] else node.ins[1]
-        pairs = _contracted(node)
+        pairs = contracted_pairs(node)
         if (value, dims[0]) in pairs:  # a row layer: the partial products summed over the axis
             other, d = pairs[(value, dims[0])]
             size = self.size
@@ -271,19 +245,5 @@ class _Grower:
         )
 
 
-def _contracted(node: Node) -> dict[tuple[int, int], tuple[int, int]]:
-    """The pairs of dims a matmul contracts, each way."""
-    if node.prim == "conv_general_dilated":
-        x, k = node.params["contracted"]
-        return {x: k, k: x}
-    (lc, rc), _ = node.params["dimension_numbers"]
-    a, b = node.ins[0], node.ins[1]
-    assert a is not None and b is not None  # (a kernel's matmul: no literal operand)
-    pairs: dict[tuple[int, int], tuple[int, int]] = {}
-    for i, j in zip(lc, rc, strict=True):
-        pairs[(a, i)], pairs[(b, j)] = (b, j), (a, i)
-    return pairs
-
-
 def _shape(graph: Graph, value: int) -> str:
-    return f"[{','.join(map(str, graph.shapes[value]))}]"
+    return shape_text(graph.shapes[value])

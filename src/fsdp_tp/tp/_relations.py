@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["DRAWN", "Node", "relate"]
+__all__ = ["DRAWN", "Node", "relate", "shape_text"]
 
 # The reason a split meets the model's own random draws (read back by the left-whole warning).
 DRAWN = "random numbers the model draws"
@@ -35,13 +35,7 @@ _ELEMENTWISE = frozenset(
 _REDUCTIONS = frozenset(
     "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split()
 )
-_ALONG_AXIS = {
-    "cumsum": "axis",
-    "cumprod": "axis",
-    "cummax": "axis",
-    "cummin": "axis",
-    "cumlogsumexp": "axis",
-}
+_ALONG_AXIS = dict.fromkeys(("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"), "axis")
 
 
 @dataclasses.dataclass
@@ -68,7 +62,7 @@ def relate(node: Node, shapes: dict[int, tuple[int, ...]]) -> None:
     p, name = node.params, node.prim
 
     def what(v: int, d: int, does: str) -> str:
-        return f"{does} dim {d} of {_text(shapes[v])}"
+        return f"{does} dim {d} of {shape_text(shapes[v])}"
 
     def mix_all(does: str) -> None:
         for v, shape in ins + outs:
@@ -86,7 +80,7 @@ def relate(node: Node, shapes: dict[int, tuple[int, ...]]) -> None:
         axes = tuple(p["axes"])
         kept = [d for d in range(len(shape)) if d not in axes]
         node.same += [[(x, d), (out, i)] for i, d in enumerate(kept)]
-        node.mixes |= {(x, d): f"{name} over dim {d} of {_text(shape)}" for d in axes}
+        node.mixes |= {(x, d): f"{name} over dim {d} of {shape_text(shape)}" for d in axes}
     elif name in _ALONG_AXIS or name in ("sort", "rev", "top_k"):
         (x, shape), axes = ins[0], _along(name, p, len(ins[0][1]))
         for d in range(len(shape)):
@@ -143,7 +137,8 @@ def relate(node: Node, shapes: dict[int, tuple[int, ...]]) -> None:
         mix_all(f"{name} (an operation the plan finder does not know) computes across")
 
 
-def _text(shape) -> str:
+def shape_text(shape) -> str:
+    """A shape as the refusals write it: ``[2,8]``."""
     return f"[{','.join(map(str, shape))}]"
 
 
@@ -183,8 +178,8 @@ def _reshape(node: Node, x: tuple, out: tuple) -> None:
         if gi and gj:
             groups.append((gi, gj))
             node.same.append([(a, gi[0]), (b, gj[0])])
-            node.mixes |= {(a, d): f"reshape {_text(ashape)} -> {_text(bshape)} merges" for d in gi[1:]}
-            node.mixes |= {(b, d): f"reshape {_text(ashape)} -> {_text(bshape)} merges" for d in gj[1:]}
+            merges = f"reshape {shape_text(ashape)} -> {shape_text(bshape)} merges"
+            node.mixes |= {(a, d): merges for d in gi[1:]} | {(b, d): merges for d in gj[1:]}
         i, j = i + 1, j + 1
 
 
@@ -197,7 +192,7 @@ def _window(node: Node, ins: list, outs: list) -> None:
         if all(s[d] == shapes[0][d] for _, s in ins + outs if len(s) == rank):
             node.same.append(group)
         else:
-            node.mixes |= {m: f"{node.prim} cuts dim {d} of {_text(shapes[0])}" for m in group}
+            node.mixes |= {m: f"{node.prim} cuts dim {d} of {shape_text(shapes[0])}" for m in group}
 
 
 def _dot(node: Node, ins: list, outs: list) -> None:
@@ -211,7 +206,7 @@ def _dot(node: Node, ins: list, outs: list) -> None:
     for v, shape, contracted, batch in ((lhs, ls, lc, lb), (rhs, rs, rc, rb)):
         for d in range(len(shape)):
             if d in contracted:
-                node.mixes[(v, d)] = f"dot_general contracts dim {d} of {_text(shape)}"
+                node.mixes[(v, d)] = f"dot_general contracts dim {d} of {shape_text(shape)}"
             elif d not in batch:
                 node.same.append([(v, d), (out, at)])
                 at += 1
@@ -231,8 +226,8 @@ def _conv(node: Node, ins: list, outs: list) -> None:
     if node.params.get("feature_group_count", 1) == 1 and node.params.get("batch_group_count", 1) == 1:
         del node.mixes[(k, rhs[0])], node.mixes[(out, res[1])]
         node.same.append([(k, rhs[0]), (out, res[1])])
-        node.mixes[(x, lhs[1])] = f"conv_general_dilated contracts dim {lhs[1]} of {_text(xs)}"
-        node.mixes[(k, rhs[1])] = f"conv_general_dilated contracts dim {rhs[1]} of {_text(ks)}"
+        node.mixes[(x, lhs[1])] = f"conv_general_dilated contracts dim {lhs[1]} of {shape_text(xs)}"
+        node.mixes[(k, rhs[1])] = f"conv_general_dilated contracts dim {rhs[1]} of {shape_text(ks)}"
     node.params["contracted"] = ((x, lhs[1]), (k, rhs[1]))
 
 
@@ -245,7 +240,7 @@ def _gather(node: Node, ins: list, outs: list) -> None:
     whole = [d for d in range(len(ts)) if d not in dn.collapsed_slice_dims]
     for v, shape in ins + outs:
         for d in range(len(shape)):
-            node.mixes[(v, d)] = f"gather indexes dim {d} of {_text(shape)}"
+            node.mixes[(v, d)] = f"gather indexes dim {d} of {shape_text(shape)}"
     node.params["looked_up"] = tuple(dn.collapsed_slice_dims)
     for d, o in zip(whole, dn.offset_dims, strict=False):
         if node.params["slice_sizes"][d] == ts[d]:

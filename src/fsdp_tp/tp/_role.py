@@ -1,7 +1,8 @@
 """What every tensor-parallel role stands on: :class:`Layer` (a submodule as a role sees it,
 whichever front end built it), :class:`TPRole` (the interface a role implements), and the
-steps the roles of :mod:`fsdp_tp.tp` share around a layer's call (Megatron's *f* once per
-activation, a ring's chunks computed as they arrive, the ``check_vma`` a sequence split needs).
+steps the roles of :mod:`fsdp_tp.tp` share around a layer's call (the ``check_vma`` a
+sequence split needs; the rest, *f* once per activation and a ring's chunks as they arrive, in
+:mod:`fsdp_tp.tp._around`).
 """
 
 from __future__ import annotations
@@ -14,15 +15,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import jax
-import jax.numpy as jnp
 
 from .._axes import TENSOR, checks_vma
 from .._context import set_for
-from .._einsum import Equation, split_letter
 from .._layout import axis_text, require_divisible
-from ..collective_matmul import RingChunks, require_mode
+from ..collective_matmul import require_mode
 from ..errors import RuleError
-from .pieces import column_input
 
 __all__ = ["Layer", "Local", "TPRole", "without_rings"]
 
@@ -46,7 +44,7 @@ class Layer:
     ``in_size``: the first contracted dim's size; ``groups``: a convolution's feature groups;
     ``equation`` and ``kernel_shape``: an einsum's (0 for a size the module does not hold);
     ``parameters``: the names a role may split, the kernel first (a module registered with
-    :func:`~fsdp_tp._einsum.register_einsum`: its kernel only); ``bias``: reads the stored
+    :func:`~fsdp_tp._registered.register_einsum`: its kernel only); ``bias``: reads the stored
     bias as the module reads it (gathered over FSDP's axes)."""
 
     kind: str
@@ -92,102 +90,6 @@ class Local:
         given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         shown = {k: v for k, v in given.items() if v is not None and v != {}}
         return f"Local({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
-
-
-def _copied(
-    args: tuple, kwargs: dict, axis: str, sequence_dim: int | None = None, ring: str | None = None
-) -> tuple[tuple, dict]:
-    """Megatron's *f* on every floating array input, once per distinct array (self-attention
-    passes one array as q, k and v: one backward all-reduce, not three); with
-    ``sequence_dim``, the all-gather of the sequence slices instead (its backward
-    reduce-scatters), or with ``ring`` its ``ppermute`` ring: the chunks as they arrive
-    (:class:`~fsdp_tp.collective_matmul.RingChunks`), which the layers multiply one by one."""
-    done: dict[int, Any] = {}
-
-    def copy(x):
-        if not (isinstance(x, jax.Array | jax.core.Tracer) and jnp.issubdtype(x.dtype, jnp.floating)):
-            return x
-        if id(x) not in done:
-            done[id(x)] = column_input(x, axis, sequence_dim, ring if sequence_dim is not None else None)
-        return done[id(x)]
-
-    return tuple(map(copy, args)), {k: copy(v) for k, v in kwargs.items()}
-
-
-def _ringable(role: TPRole, layer: Layer, sequence: int | None) -> None:
-    """A ring computes the layer chunk by chunk of the rows: a convolution's window reads its
-    neighbours' rows, and an einsum's rows are the sequence only it names."""
-    if layer.kind == "conv":
-        why, fix = "reads its neighbours' rows", "."
-    elif layer.kind == "einsum" and sequence is None:
-        why, fix = "has no rows without sequence_dim", ", or give the role sequence_dim."
-    else:
-        return
-    mode = getattr(role, "collective_matmul", None)
-    raise RuleError(
-        f"{layer.path}: {type(role).__name__}(collective_matmul={mode!r}) "
-        f"computes the layer on chunks of its rows, and a {layer.kind} layer {why}; pass "
-        f"collective_matmul=None{fix}"
-    )
-
-
-def _chunkwise(run, layer: Layer, args: tuple, kwargs: dict):
-    """``run`` on its input, or on each ring chunk as it arrives (the results in sequence
-    order, where the layer puts the sequence: an einsum may move it): a layer that computes
-    each position alone (a dense layer, an einsum over features)."""
-    if not (args and isinstance(args[0], RingChunks)):
-        return run(*args, **kwargs)
-    chunks = args[0]
-    out_dim = None
-    if layer.kind == "einsum":
-        eq = Equation.parse(layer.equation, layer.path)
-        out_dim = eq.output_dim(chunks.dim, len(chunks.shape))
-    return chunks.map(lambda chunk: run(chunk, *args[1:], **kwargs), out_dim)
-
-
-def _sequence_checked(role: TPRole, layer: Layer) -> int | None:
-    """A role's ``sequence_dim``, once the step is known to run with ``check_vma=True``:
-    between its layers a norm's parameters (or any replicated one) read sequence slices, so
-    their gradients are partial sums over the axis, which JAX's checking sums (its implicit
-    ``pvary``); unchecked, they would be this device's share, silently."""
-    dim = getattr(role, "sequence_dim", None)
-    if dim is not None and not checks_vma(role.axis):
-        raise RuleError(
-            f"{layer.path}: {type(role).__name__}(sequence_dim={dim}) splits the activations between "
-            f"tensor-parallel layers along dim {dim} over {role.axis!r}, where replicated parameters "
-            f"(a norm's scale) read sequence slices and their gradients must be summed over "
-            f"{role.axis!r}: check_vma=True does that, and this step runs with check_vma=False. Run "
-            f"the step (init_sharded and shard_step) with check_vma=True, or drop sequence_dim."
-        )
-    return dim
-
-
-def _sequence_fits(role: TPRole, layer: Layer, args: tuple) -> None:
-    """A ``sequence_dim`` that names a dim of the layer's input other than its features (a
-    dense or conv layer's last dim; an einsum's input may put its sequence anywhere)."""
-    dim = getattr(role, "sequence_dim", None)
-    shape = getattr(args[0], "shape", None) if args else None
-    if dim is None or shape is None:
-        return
-    last = len(shape) - (1 if layer.kind in ("dense", "conv", "attention") else 0)
-    if dim >= last:
-        raise RuleError(
-            f"{layer.path}: {type(role).__name__}(sequence_dim={dim}) names dim {dim} of its input, of "
-            f"shape {tuple(shape)} on this device, whose sequence dim is one of 0..{last - 1}"
-            f"{' (the last is the features)' if last < len(shape) else ''}: pass the dim the sequence "
-            f"is on (1 for (batch, sequence, features)), the same on every role of the plan."
-        )
-
-
-def _ungrouped(layer: Layer) -> None:
-    """A grouped convolution mixes channels within groups only: a channel split would cut
-    across the groups, so it stays whole."""
-    if layer.groups != 1:
-        raise RuleError(
-            f"{layer.path} is a convolution with feature_group_count={layer.groups}: splitting its "
-            f"channels over a mesh axis would cut across its groups. Leave {layer.path} whole (drop "
-            f"it from the tp rules)."
-        )
 
 
 @dataclass(frozen=True)
@@ -263,7 +165,35 @@ class TPRole:
         raise NotImplementedError
 
 
-def _einsum(layer: Layer, role: TPRole, letter: str | None, what: str) -> tuple[Equation, str, int]:
-    """An einsum layer's equation, the letter ``role`` splits and its kernel dim (``""`` and
-    0 for another kind, which takes no ``letter``)."""
-    return split_letter(layer.kind, layer.equation, layer.path, type(role).__name__, letter, what)
+def _sequence_checked(role: TPRole, layer: Layer) -> int | None:
+    """A role's ``sequence_dim``, once the step is known to run with ``check_vma=True``:
+    between its layers a norm's parameters (or any replicated one) read sequence slices, so
+    their gradients are partial sums over the axis, which JAX's checking sums (its implicit
+    ``pvary``); unchecked, they would be this device's share, silently."""
+    dim = getattr(role, "sequence_dim", None)
+    if dim is not None and not checks_vma(role.axis):
+        raise RuleError(
+            f"{layer.path}: {type(role).__name__}(sequence_dim={dim}) splits the activations between "
+            f"tensor-parallel layers along dim {dim} over {role.axis!r}, where replicated parameters "
+            f"(a norm's scale) read sequence slices and their gradients must be summed over "
+            f"{role.axis!r}: check_vma=True does that, and this step runs with check_vma=False. Run "
+            f"the step (init_sharded and shard_step) with check_vma=True, or drop sequence_dim."
+        )
+    return dim
+
+
+def _sequence_fits(role: TPRole, layer: Layer, args: tuple) -> None:
+    """A ``sequence_dim`` that names a dim of the layer's input other than its features (a
+    dense or conv layer's last dim; an einsum's input may put its sequence anywhere)."""
+    dim = getattr(role, "sequence_dim", None)
+    shape = getattr(args[0], "shape", None) if args else None
+    if dim is None or shape is None:
+        return
+    last = len(shape) - (1 if layer.kind in ("dense", "conv", "attention") else 0)
+    if dim >= last:
+        raise RuleError(
+            f"{layer.path}: {type(role).__name__}(sequence_dim={dim}) names dim {dim} of its input, of "
+            f"shape {tuple(shape)} on this device, whose sequence dim is one of 0..{last - 1}"
+            f"{' (the last is the features)' if last < len(shape) else ''}: pass the dim the sequence "
+            f"is on (1 for (batch, sequence, features)), the same on every role of the plan."
+        )

@@ -49,7 +49,7 @@ embedding) and are all named here; a new role is one :class:`TPRole` subclass, l
 
 from __future__ import annotations
 
-from .._einsum import register_einsum
+from .._registered import register_einsum
 from ._experts import ExpertParallel
 from ._heads import HeadParallel
 from ._matmul import ColumnParallel, RowParallel

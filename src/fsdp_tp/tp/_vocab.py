@@ -11,7 +11,8 @@ import jax
 from .._tree import module_path
 from ..collectives import gather_from_axis, require_sequence_divisible
 from ..dropout import split_after
-from ._role import Local, TPRole, _copied
+from ._around import copied
+from ._role import Local, TPRole
 from .pieces import row_reduce, vocab_lookup
 
 __all__ = ["VocabParallel"]
@@ -42,7 +43,7 @@ class VocabParallel(TPRole):
         sequence = self.sequence_dim
         split_after({})  # the logits gathered: whole (the lookup's sum says what it leaves)
         if method == "attend":
-            args, kwargs = _copied(args, kwargs, self.axis, sequence)
+            args, kwargs = copied(args, kwargs, self.axis, sequence)
             return gather_from_axis(run(*args, **kwargs), -1, self.axis)
         ids, *rest = args
         if sequence is not None:

@@ -34,9 +34,9 @@ from .._einsum import Equation
 from ..errors import IndivisibleShapeError, RuleError
 from ._expert_plan import expert_banks
 from ._experts import EXPERT, ExpertParallel
-from ._graph import Graph
+from ._graph import Graph, kernel_operand, kernels_of
 from ._plan import TPPlan, rules_for
-from ._regions import Refused, grow, kernel_operand, kernels_of
+from ._regions import Refused, grow
 from ._roles import ColumnParallel, HeadParallel, Layer, RowParallel, TPRole, VocabParallel
 
 # What a user calls: the plan of a traced function (the front ends' find_tp_rules trace a model)
