@@ -479,3 +479,40 @@ def test_negative_control_a_grown_module_and_a_split_one_are_caught():
     allowed = {"plan": 261}  # (a module still listed may not grow either)
     assert _length_problems(grown, allowed) == ["errors: 251 lines, over 250", "plan: 262 lines, over 261"]
     assert _length_problems(lengths, allowed) == [f"plan: {lengths['plan']} lines, strike it from STILL_LONG"]
+
+
+# Issue 58 point 1: every context variable and class swap is named in architecture.md with why
+# it must be ambient; a new one (or one removed) fails here until the page says so.
+_CONTEXT_VAR = re.compile(r'ContextVar\(\s*"(fsdp_tp_\w+)"')
+_CLASS_SWAP = re.compile(r'object\.__setattr__\(\w+, "__class__"')
+
+
+def _ambient_in_source() -> tuple[set[tuple[str, str]], dict[str, int]]:
+    """``({(context variable, module file)}, {module file: class swap sites})`` of the package."""
+    variables, swaps = set(), {}
+    for name in _all_modules():
+        file = _module_file(name)
+        text, where = file.read_text(), file.relative_to(PACKAGE).as_posix()
+        variables |= {(var, where) for var in _CONTEXT_VAR.findall(text)}
+        if count := len(_CLASS_SWAP.findall(text)):
+            swaps[where] = count
+    return variables, swaps
+
+
+def _ambient_on_page(text: str) -> tuple[set[tuple[str, str]], dict[str, int]]:
+    section = text.split("## State no import shows", 1)[1].split("\n## ", 1)[0]
+    variables = set(re.findall(r"^\| `(fsdp_tp_\w+)` \| `([\w/]+\.py)` \|", section, re.M))
+    swaps = {f: int(n) for f, n in re.findall(r"^\| `([\w/]+\.py)` \| (\d+) \|", section, re.M)}
+    return variables, swaps
+
+
+def test_every_context_variable_and_class_swap_is_on_the_architecture_page():
+    assert _ambient_on_page(ARCHITECTURE.read_text()) == _ambient_in_source()
+
+
+def test_negative_control_an_unlisted_context_variable_is_caught():
+    text = ARCHITECTURE.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| `fsdp_tp_region` |"))
+    assert _ambient_on_page(text.replace(row + "\n", "")) != _ambient_in_source()
+    swaps = _ambient_on_page(text.replace("| `nnx/_tp.py` | 1 |", "| `nnx/_tp.py` | 2 |"))[1]
+    assert swaps != _ambient_in_source()[1]

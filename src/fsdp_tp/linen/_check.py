@@ -23,17 +23,15 @@ import jax
 from .._axes import bound_axis_names
 from .._context import set_for
 from .._tree import static_split
-from ..tp._check import check_plan, checking, raise_failure, references_for
+from ..tp._check import check_plan, checking, own_trace, raise_failure, references_for
 from ..tp._graph import Graph
 from ..tp._plan import letter_hints, spelled
-from ..tp._role import without_rings
 from ..tp._rules import CompiledRole, role_of
 from ..tp._sites import module_of
 from ._traced import plan_of
 
 __all__ = ["check_call", "fields_of", "reference_graph", "traced_as"]
 
-_CHECKING: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_tp_checking_plan", default=False)
 # The unsharded call's graph where a caller has traced it on the inputs the check will see (the
 # plan finder, fitting its plan): the check reads it instead of tracing the model again.
 _TRACED: contextvars.ContextVar[Graph | None] = contextvars.ContextVar("fsdp_tp_traced_call", default=None)
@@ -82,7 +80,7 @@ def check_call(
     """Refuses (``RuleError``) a plan under which ``module``'s call on ``args`` does not compute
     blocks of the unsharded ``target``'s, once per fields, input shapes and axis sizes.
     ``reference``: the unsharded trace on these inputs, where the caller has it."""
-    if _CHECKING.get() or not checking():
+    if not checking():
         return  # (the check's own trace of the call)
     bound = bound_axis_names()
     sizes = {axis: jax.lax.axis_size(axis) for axis in sorted({r.role.axis for r in rules}) if axis in bound}
@@ -128,12 +126,8 @@ def _local_graph(module, fields, arrays, rebuild, streams) -> Graph:
         call_args, call_kwargs = rebuild(values)
         return sharded.apply(variables, *call_args, rngs=rngs, mutable=mutable, **call_kwargs)[0]
 
-    token = _CHECKING.set(True)
-    try:
-        with without_rings():
-            return Graph.trace(call, module.variables, arrays)
-    finally:
-        _CHECKING.reset(token)
+    with own_trace():  # (no check of the check's own trace; roles without rings)
+        return Graph.trace(call, module.variables, arrays)
 
 
 def _named(rules: tuple[CompiledRole, ...]) -> Callable[[str], tuple[str, str]]:

@@ -11,7 +11,6 @@ name their paths (:func:`scoped`): the pairs and the errors say which module mad
 
 from __future__ import annotations
 
-import contextvars
 from typing import Any
 
 import jax
@@ -20,10 +19,9 @@ from flax import nnx
 
 from .._axes import bound_axis_names
 from .._tree import static_split
-from ..tp._check import check_plan, checking, raise_failure, references_for
+from ..tp._check import check_plan, checking, own_trace, raise_failure, references_for
 from ..tp._graph import Graph
 from ..tp._plan import letter_hints, spelled
-from ..tp._role import without_rings
 from ..tp._rules import compile_tp_rules
 from ..tp.auto import find_plan
 from ._layers import path_text
@@ -32,7 +30,6 @@ from ._traced import MARK, scoped, traced
 
 __all__ = ["PlanChecks", "check_call", "checked_class"]
 
-_CHECKING: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_tp_checking_nnx_plan", default=False)
 _CALLER = "fsdp_tp.nnx.shard_by_rules"
 
 
@@ -49,7 +46,7 @@ def check_call(
     """Refuses (``RuleError``) ``plan`` where the merged ``model``'s call on ``args`` does not
     compute blocks of the unsharded ``reference``'s (abstract), once per input shapes and sizes.
     ``traced``: the unsharded call on these inputs, where the caller has traced it."""
-    if _CHECKING.get() or not checking() or not plan.roles:
+    if not checking() or not plan.roles:
         return
     bound = bound_axis_names()
     roles = [role for role, _, _ in plan.roles.values()]
@@ -94,12 +91,8 @@ def _graph(model: nnx.Module, arrays: list, rebuild) -> Graph:
         call_args, call_kwargs = rebuild(values)
         return scoped(nnx.merge(graphdef, state))(*call_args, **call_kwargs)
 
-    token = _CHECKING.set(True)
-    try:
-        with without_rings():
-            return Graph.trace(call, state, arrays)
-    finally:
-        _CHECKING.reset(token)
+    with own_trace():  # (no check of the check's own trace; roles without rings)
+        return Graph.trace(call, state, arrays)
 
 
 def _named(plan: RolePlan):

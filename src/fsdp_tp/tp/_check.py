@@ -34,7 +34,7 @@ import contextvars
 import dataclasses
 import traceback
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
 from .._context import set_for
@@ -42,6 +42,7 @@ from ..errors import RuleError, UncheckedPlanWarning
 from ._blocks import Blocks
 from ._graph import Graph
 from ._refusals import Named, axes_text
+from ._role import without_rings
 from ._sites import Site, flax_file, made_by_jax, users_file
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "Reference",
     "check_plan",
     "checking",
+    "own_trace",
     "raise_failure",
     "references_for",
     "switched_off",
@@ -66,6 +68,14 @@ def switched_off() -> contextlib.AbstractContextManager[None]:
     """Within, no plan is checked: how a test shows that the equality of outputs and gradients
     (its oracle) catches what the check refuses."""
     return set_for(_OFF, True)
+
+
+@contextlib.contextmanager
+def own_trace() -> Iterator[None]:
+    """Within, a front end's trace of the model's call for the check: no plan is checked again
+    in it, and the roles run without their rings (:func:`~fsdp_tp.tp._role.without_rings`)."""
+    with switched_off(), without_rings():
+        yield
 
 
 @dataclasses.dataclass(frozen=True)
