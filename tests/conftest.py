@@ -10,6 +10,7 @@ import pytest
 from hypothesis import strategies as st
 
 import fsdp_tp
+from fsdp_tp.collectives import copy_to_axis
 from fsdp_tp.models import Layout
 from fsdp_tp.recipe.config import preset
 from fsdp_tp.recipe.trainer import Settings
@@ -51,3 +52,11 @@ def settings(**changes) -> Settings:
         check_vma=True,
     )
     return Settings(**{**fields, **changes})
+
+
+def first_block(param, dim, blocks, axis_name, *_, **__):
+    """:func:`fsdp_tp.tp.pieces.kept_block` with every device keeping the first block(s): the negative
+    control of each kept-whole path (a kv head read at the wrong index is another model)."""
+    width = param.shape[dim] // blocks
+    kept = max(1, blocks // jax.lax.axis_size(axis_name)) * width
+    return jax.lax.slice_in_dim(copy_to_axis(param, axis_name), 0, kept, axis=dim)

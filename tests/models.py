@@ -6,8 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import flax.linen as nn
+import jax.numpy as jnp
 
 import fsdp_tp
+from fsdp_tp.tp import ColumnParallel, RowParallel, VocabParallel
 
 
 class MLP(nn.Module):
@@ -114,3 +116,37 @@ class SequenceParallelAround(nn.Module):
             return self.block(x)
         y = self.block(fsdp_tp.collectives.scatter_to_axis(x, 1, self.axis_name))
         return fsdp_tp.collectives.gather_from_axis(y, 1, self.axis_name)
+
+
+class GatedLM(nn.Module):
+    """Llama's MLP, ``down(silu(gate(h)) * up(h))``, in two pre-norm blocks, with tied logits."""
+
+    layers: int = 2
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens):
+        dtype = dict(param_dtype=self.param_dtype)
+        embed = nn.Embed(32, 16, **dtype)
+        x = embed(tokens)
+        for i in range(self.layers):
+            h = nn.LayerNorm(name=f"norm_{i}", **dtype)(x)
+            gated = nn.silu(nn.Dense(32, name=f"gate_{i}", **dtype)(h)) * nn.Dense(
+                32, name=f"up_{i}", **dtype
+            )(h)
+            x = x + nn.Dense(16, name=f"down_{i}", **dtype)(gated)
+        return embed.attend(nn.LayerNorm(name="final", **dtype)(x))
+
+
+GATED_RULES = {
+    "linen": [
+        (r"Embed_0$", VocabParallel()),
+        (r"(gate|up)_\d$", ColumnParallel()),
+        (r"down_\d$", RowParallel()),
+    ],
+    "nnx": [
+        (r"embed$", VocabParallel()),
+        (r"(gates|ups)/\d$", ColumnParallel()),
+        (r"downs/\d$", RowParallel()),
+    ],
+}

@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from fsdp_tp.tp import ColumnParallel, HeadParallel, RowParallel, VocabParallel
+
 
 class Block(nnx.Module):
     """A residual Linear-gelu-Linear MLP with a LayerNorm, as flax's NNX examples write one."""
@@ -151,3 +153,34 @@ class NNXTiedLM(nnx.Module):
         x = self.embed(tokens)
         x = x + self.down(nnx.gelu(self.up(x)))
         return self.embed.attend(self.norm(x))
+
+
+# Megatron's rules on this module's LM (the NNX twin of tests/plain_models.PlainLM, whose
+# rules are plain_models.MEGATRON), on its own paths: the NNX cases run the same test bodies.
+NNX_MEGATRON = [
+    (r"attn$", HeadParallel()),
+    (r"up$", ColumnParallel()),
+    (r"down$", RowParallel()),
+    (r"^embed$", VocabParallel()),
+    (r"^logits$", ColumnParallel(gather_output=True)),
+]
+
+
+class NNXGatedLM(nnx.Module):
+    """GatedLM in NNX."""
+
+    def __init__(self, rngs: nnx.Rngs, layers: int = 2, param_dtype=jnp.float32):
+        dtype = dict(param_dtype=param_dtype, rngs=rngs)
+        self.embed = nnx.Embed(32, 16, **dtype)
+        self.norms = nnx.List([nnx.LayerNorm(16, **dtype) for _ in range(layers)])
+        self.gates = nnx.List([nnx.Linear(16, 32, **dtype) for _ in range(layers)])
+        self.ups = nnx.List([nnx.Linear(16, 32, **dtype) for _ in range(layers)])
+        self.downs = nnx.List([nnx.Linear(32, 16, **dtype) for _ in range(layers)])
+        self.final = nnx.LayerNorm(16, **dtype)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for norm, gate, up, down in zip(self.norms, self.gates, self.ups, self.downs, strict=True):
+            h = norm(x)
+            x = x + down(nnx.silu(gate(h)) * up(h))
+        return self.embed.attend(self.final(x))

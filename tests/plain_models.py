@@ -16,6 +16,9 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from fsdp_tp.linen.tp_rules import attention_rules, mlp_rules
+from fsdp_tp.tp import ColumnParallel, VocabParallel
+
 
 def _same(cls):
     return cls
@@ -118,3 +121,14 @@ class PlainResNet(nn.Module):
         for _ in range(self.units):
             x = ResidualUnit(self.channels, self.train, self.axis_name)(x)
         return nn.Dense(self.classes)(x.mean(axis=(1, 2)))
+
+
+# The MLP's two layers in the blocks (a loop: layer_0/..., layer_1/...; scanned:
+# layers/DecoderBlock_0/...).
+MLP = mlp_rules(r"(layer_\d+|DecoderBlock_0)/Dense_0$", r"(layer_\d+|DecoderBlock_0)/Dense_1$")
+MEGATRON = [
+    *attention_rules(),
+    *MLP,
+    (r"^Embed_0$", VocabParallel()),
+    (r"^logits$", ColumnParallel(gather_output=True)),
+]

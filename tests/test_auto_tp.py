@@ -40,8 +40,9 @@ from fsdp_tp.tp._check import switched_off
 from fsdp_tp.tp._plan import warn_left_whole
 from fsdp_tp.tp.pieces import shared_column_inputs
 from tests.equivalence import assert_trees_close, check_split
-from tests.models import TiedLM
-from tests.nnx_models import NNXTiedLM, lm_maker
+from tests.models import GATED_RULES, GatedLM, TiedLM
+from tests.nnx_models import NNX_MEGATRON, NNXGatedLM, NNXTiedLM, lm_maker
+from tests.plain_models import MEGATRON, PlainLM
 
 APIS = ["linen", "nnx"]
 IDS = jnp.zeros((2, 8), jnp.int32)
@@ -70,22 +71,20 @@ def test_the_llama_plan_is_its_hand_written_rules(api, size):
 
 def _tests_models():
     """``(api, make, hand rules)`` of the LMs the other test modules prove their rules on."""
-    from tests import test_tp_rules as t  # (its models and rules; imported here, not collected)
-
     lm = dict(vocab=32, d_model=16, heads=4, layers=2)
     return [
-        ("linen", lambda: t.PlainLM(**lm), t.MEGATRON),
-        ("linen", lambda: t.PlainLM(**lm, scan=True, remat=True), t.MEGATRON),
-        ("nnx", lm_maker(**lm), t.NNX_MEGATRON),
-        ("nnx", lm_maker(**lm, scan=True), t.NNX_MEGATRON),
+        ("linen", lambda: PlainLM(**lm), MEGATRON),
+        ("linen", lambda: PlainLM(**lm, scan=True, remat=True), MEGATRON),
+        ("nnx", lm_maker(**lm), NNX_MEGATRON),
+        ("nnx", lm_maker(**lm, scan=True), NNX_MEGATRON),
         ("linen", TiedLM, [(r"Embed_0$", VocabParallel()), *mlp_rules(r"up$", r"down$")]),
         (
             "nnx",
             NNXTiedLM,
             [(r"embed$", VocabParallel()), (r"up$", ColumnParallel()), (r"down$", RowParallel())],
         ),
-        ("linen", t.GatedLM, t.GATED_RULES["linen"]),
-        ("nnx", t.NNXGatedLM, t.GATED_RULES["nnx"]),
+        ("linen", GatedLM, GATED_RULES["linen"]),
+        ("nnx", NNXGatedLM, GATED_RULES["nnx"]),
     ]
 
 

@@ -32,7 +32,6 @@ import fsdp_tp
 import fsdp_tp._registered
 from fsdp_tp.analysis import operand_count, parse_collectives
 from fsdp_tp.bench.llama_rows import llama_section, lowered_lm_step, measure
-from fsdp_tp.collectives import copy_to_axis
 from fsdp_tp.errors import IndivisibleShapeError, RuleError
 from fsdp_tp.models.llama import FSDP_RULES, RULES, SIZES, LlamaLM, NNXLlamaLM
 from fsdp_tp.testing import NNXSharded as Sharded
@@ -40,6 +39,7 @@ from fsdp_tp.testing import NNXTwin as Twin
 from fsdp_tp.tp import ColumnParallel, RowParallel, register_einsum
 from fsdp_tp.tp import _matmul as tp_matmul
 from fsdp_tp.tp._check import switched_off
+from tests.conftest import first_block
 from tests.equivalence import Case, check_equivalence, check_split, next_token_loss
 
 APIS = ["linen", "nnx"]
@@ -408,14 +408,6 @@ def test_replicated_kv_heads_cost_one_all_reduce_more_per_block():
     replicated = measure("nnx", "fsdp2_tensor4", "megatron", **TINY)
     assert replicated.tensor_all_reduces == 5 * SIZES["layers"] + 2
     assert replicated.tensor_all_gathers == 1  # the logits
-
-
-def first_block(param, dim, blocks, axis_name, *_, **__):
-    """:func:`fsdp_tp.tp.pieces.kept_block` with every device keeping the first block(s): the negative
-    control of each kept-whole path (a kv head read at the wrong index is another model)."""
-    width = param.shape[dim] // blocks
-    kept = max(1, blocks // jax.lax.axis_size(axis_name)) * width
-    return jax.lax.slice_in_dim(copy_to_axis(param, axis_name), 0, kept, axis=dim)
 
 
 def test_negative_control_replicated_kv_heads_all_at_one_index():

@@ -516,3 +516,30 @@ def test_negative_control_an_unlisted_context_variable_is_caught():
     assert _ambient_on_page(text.replace(row + "\n", "")) != _ambient_in_source()
     swaps = _ambient_on_page(text.replace("| `nnx/_tp.py` | 1 |", "| `nnx/_tp.py` | 2 |"))[1]
     assert swaps != _ambient_in_source()[1]
+
+
+# Issue 58 point 5: what several test files share lives in tests/conftest.py and the tests/
+# helper modules (models, rules, the equivalence harness); no test file imports another.
+TESTS = Path(__file__).parent
+
+
+def _test_files_imported(source: str) -> list[str]:
+    tree = ast.parse(source)
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    names += [
+        f"{n.module}.{a.name}" if n.module == "tests" else n.module
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and n.module
+        for a in n.names
+    ]
+    return sorted({m for m in names if re.match(r"tests\.test_\w+", m)})
+
+
+def test_no_test_file_imports_another():
+    found = {f.name: i for f in TESTS.glob("test_*.py") if (i := _test_files_imported(f.read_text()))}
+    assert not found
+
+
+def test_negative_control_a_test_file_importing_another_is_caught():
+    assert _test_files_imported("from tests import test_tp_rules as t\n") == ["tests.test_tp_rules"]
+    assert _test_files_imported("from tests.test_einsum_tp import first_block\n") == ["tests.test_einsum_tp"]

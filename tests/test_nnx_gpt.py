@@ -186,7 +186,7 @@ def test_negative_control_every_device_reading_the_first_kv_head_fails_the_check
     """Were each device to read kv head 0 (not ``t * K // size``), the query heads of devices
     2 and 3 would attend with another head's keys: --check must notice and exit 1."""
     from fsdp_tp.tp import _heads
-    from tests.test_einsum_tp import first_block
+    from tests.conftest import first_block
 
     monkeypatch.setattr(_heads, "kept_block", first_block)  # (where HeadParallel reads kv blocks)
     code, out = _check("--mesh", "fsdp=2,tensor=4", "--no-sequence-parallel")

@@ -41,19 +41,10 @@ from fsdp_tp.tp._check import switched_off
 from fsdp_tp.tp._role import Local
 from tests.conftest import mesh_of
 from tests.equivalence import Case, check_equivalence, next_token_loss
-from tests.models import TiedLM
-from tests.nnx_models import NNXTiedLM, lm_maker
-from tests.plain_models import PlainLM
+from tests.models import GATED_RULES, GatedLM, TiedLM
+from tests.nnx_models import NNX_MEGATRON, NNXGatedLM, NNXTiedLM, lm_maker
+from tests.plain_models import MEGATRON, MLP, PlainLM
 
-# The MLP's two layers in the blocks (a loop: layer_0/..., layer_1/...; scanned:
-# layers/DecoderBlock_0/...).
-MLP = mlp_rules(r"(layer_\d+|DecoderBlock_0)/Dense_0$", r"(layer_\d+|DecoderBlock_0)/Dense_1$")
-MEGATRON = [
-    *attention_rules(),
-    *MLP,
-    (r"^Embed_0$", VocabParallel()),
-    (r"^logits$", ColumnParallel(gather_output=True)),
-]
 # FSDP over the dim each parameter's tp split leaves whole: in the blocks, then outside them
 # (the embedding and the logits head).
 _IN_BLOCKS = [
@@ -82,15 +73,6 @@ def _storage_rules(scan: bool, fsdp: bool, api: str = "linen"):
     return [(pattern, P(*spec)) for pattern, spec in [*in_blocks[:2], _OUTSIDE[0], in_blocks[2]]]
 
 
-# The same model written in NNX (tests/nnx_models.LM) and its rules, on its own paths: the
-# NNX cases run the same test bodies (api="nnx").
-NNX_MEGATRON = [
-    (r"attn$", HeadParallel()),
-    (r"up$", ColumnParallel()),
-    (r"down$", RowParallel()),
-    (r"^embed$", VocabParallel()),
-    (r"^logits$", ColumnParallel(gather_output=True)),
-]
 APIS = ["linen", "nnx"]
 
 
@@ -291,60 +273,6 @@ def test_tied_embeddings_and_dense_general_equal_unsharded(api):
         rules = [(r"Embed_0$", VocabParallel()), *mlp_rules(r"up$", r"down$")]
         model, twin = fsdp_tp.shard_by_rules(TiedLM, batch_axes=("data",), tp_rules=rules)(), TiedLM()
     check_equivalence(dataclasses.replace(_case("data2_tensor4", False, True, model=model), reference=twin))
-
-
-class GatedLM(nn.Module):
-    """Llama's MLP, ``down(silu(gate(h)) * up(h))``, in two pre-norm blocks, with tied logits."""
-
-    layers: int = 2
-    param_dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, tokens):
-        dtype = dict(param_dtype=self.param_dtype)
-        embed = nn.Embed(32, 16, **dtype)
-        x = embed(tokens)
-        for i in range(self.layers):
-            h = nn.LayerNorm(name=f"norm_{i}", **dtype)(x)
-            gated = nn.silu(nn.Dense(32, name=f"gate_{i}", **dtype)(h)) * nn.Dense(
-                32, name=f"up_{i}", **dtype
-            )(h)
-            x = x + nn.Dense(16, name=f"down_{i}", **dtype)(gated)
-        return embed.attend(nn.LayerNorm(name="final", **dtype)(x))
-
-
-class NNXGatedLM(nnx.Module):
-    """GatedLM in NNX."""
-
-    def __init__(self, rngs: nnx.Rngs, layers: int = 2, param_dtype=jnp.float32):
-        dtype = dict(param_dtype=param_dtype, rngs=rngs)
-        self.embed = nnx.Embed(32, 16, **dtype)
-        self.norms = nnx.List([nnx.LayerNorm(16, **dtype) for _ in range(layers)])
-        self.gates = nnx.List([nnx.Linear(16, 32, **dtype) for _ in range(layers)])
-        self.ups = nnx.List([nnx.Linear(16, 32, **dtype) for _ in range(layers)])
-        self.downs = nnx.List([nnx.Linear(32, 16, **dtype) for _ in range(layers)])
-        self.final = nnx.LayerNorm(16, **dtype)
-
-    def __call__(self, tokens):
-        x = self.embed(tokens)
-        for norm, gate, up, down in zip(self.norms, self.gates, self.ups, self.downs, strict=True):
-            h = norm(x)
-            x = x + down(nnx.silu(gate(h)) * up(h))
-        return self.embed.attend(self.final(x))
-
-
-GATED_RULES = {
-    "linen": [
-        (r"Embed_0$", VocabParallel()),
-        (r"(gate|up)_\d$", ColumnParallel()),
-        (r"down_\d$", RowParallel()),
-    ],
-    "nnx": [
-        (r"embed$", VocabParallel()),
-        (r"(gates|ups)/\d$", ColumnParallel()),
-        (r"downs/\d$", RowParallel()),
-    ],
-}
 
 
 def _all_reduces_over_tensor(model) -> int:
