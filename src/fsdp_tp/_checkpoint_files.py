@@ -30,7 +30,6 @@ from ._types import PyTree
 from .errors import CheckpointCorruptError
 
 __all__ = [
-    "FINGERPRINTS",
     "cause",
     "moved_aside",
     "read_meta",
@@ -40,7 +39,7 @@ __all__ = [
     "unsealed",
 ]
 
-FINGERPRINTS = "fingerprints"  # the meta key that holds them
+_FINGERPRINTS = "fingerprints"  # the meta key that holds them
 _DIGEST = "digest"  # the meta key that holds the digest of the rest of the meta
 _FILESYSTEM_ERRORS = (
     errno.EROFS,
@@ -68,7 +67,7 @@ def open_manager(directory: Path, async_save: bool) -> ocp.CheckpointManager:
 def save_args(tree: PyTree, meta: dict | None, step: int) -> ocp.args.Composite:
     """What orbax saves as checkpoint ``step``: the global arrays ``tree``, and ``meta`` with
     the step and the arrays' fingerprints, sealed."""
-    sealed_meta = sealed({**(meta or {}), "step": step, FINGERPRINTS: fingerprints(tree)})
+    sealed_meta = sealed({**(meta or {}), "step": step, _FINGERPRINTS: fingerprints(tree)})
     return ocp.args.Composite(state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(sealed_meta))
 
 
@@ -124,7 +123,7 @@ def read_verified(
     except Exception as err:
         raise CheckpointCorruptError(f"its arrays do not read ({cause(err)})") from err
     meta = unsealed(dict(restored["meta"]), step)
-    recorded = meta.pop(FINGERPRINTS, None)
+    recorded = meta.pop(_FINGERPRINTS, None)
     if recorded is None:
         raise CheckpointCorruptError("it records no fingerprints, so its bytes cannot be verified")
     bad = mismatches(recorded, fingerprints(restored["state"]))
@@ -141,7 +140,7 @@ def read_meta(manager: ocp.CheckpointManager, step: int) -> dict:
     fingerprints."""
     restored = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
     meta = unsealed(dict(restored["meta"]), step)
-    meta.pop(FINGERPRINTS, None)
+    meta.pop(_FINGERPRINTS, None)
     return meta
 
 

@@ -38,7 +38,7 @@ NNX = Kinds(
     },
 )
 
-Path = tuple
+Path = tuple  # a module's or parameter's keys, as nnx.iter_graph and nnx.to_flat_state give them
 
 
 def path_text(path: Path) -> str:

@@ -24,13 +24,11 @@ from ..tp._plan import fitted, warn_left_whole
 from ..tp._rules import compile_tp_rules
 from ..tp._storage import spec_source, with_split
 from ..tp.auto import TPPlan, find_plan
-from ._layers import path_text
+from ._layers import Path, path_text
 from ._tp import RolePlan
 from ._traced import traced
 
 __all__ = ["Layout", "Layouts", "storage_specs"]
-
-Path = tuple  # a parameter's keys, as nnx.to_flat_state gives them
 
 
 def _annotation(variable: nnx.Variable, logical_axis_rules) -> PartitionSpec | None:

@@ -20,8 +20,9 @@ from .._axes import axes_named
 from .._layout import block_of
 from .._types import AxisName, is_box
 from ..precision import MixedPrecision
-from ._layers import path_text
+from ._layers import Path, path_text
 from ._read import FoldPlan, ReadPlan, on_read
+from ._specs import Layout
 
 __all__ = [
     "Path",
@@ -33,8 +34,6 @@ __all__ = [
     "split_model",
     "stored_block",
 ]
-
-Path = tuple  # a parameter's keys, as nnx.to_flat_state gives them
 
 
 def nest(items: Iterable[tuple[Path, Any]]) -> dict:
@@ -78,7 +77,7 @@ def model_state_of(rest) -> dict:
 
 
 def param_variables(
-    params: list, flat: dict, layout: Any, batch: frozenset, precision: MixedPrecision | None
+    params: list, flat: dict, layout: Layout, batch: frozenset, precision: MixedPrecision | None
 ) -> list:
     """``(path, Variable)`` of each parameter of the model (``params``: the abstract ones),
     holding its stored value from ``flat``: a block gathered where the model reads it, a

@@ -24,7 +24,7 @@ from ._refusals import Named, PartialSum, Refusals, axes_text, blaming, mixing_f
 from ._relations import Node, shape_text
 from ._sites import is_library, pair, scope_of, site_of, user_site
 
-__all__ = ["Blocks", "Named"]
+__all__ = ["Blocks"]
 
 
 class Blocks(Refusals):

@@ -17,7 +17,7 @@ from ._graph import Graph
 from ._relations import Node, shape_text
 from ._sites import user_site
 
-__all__ = ["Named", "PartialSum", "Refusals", "axes_text", "blaming", "mixing_fix", "texts"]
+__all__ = ["Named", "PartialSum", "Refusals", "axes_text", "blaming", "mixing_fix"]
 
 Named = Callable[[str], tuple[str, str]]  # a name stack -> (module path, its role as written)
 
@@ -71,8 +71,8 @@ class Refusals:
         module, role = self.named(origin)
         sides = (("in", node.ins, ref.ins if ref else []), ("out", node.outs, ref.outs if ref else []))
         shapes = "; ".join(
-            f"{what} {texts(self.local, vs)} on each device"
-            + (f", {texts(self.reference, rs)} unsharded" if rs else "")
+            f"{what} {_texts(self.local, vs)} on each device"
+            + (f", {_texts(self.reference, rs)} unsharded" if rs else "")
             for what, vs, rs in sides
         )
         drop = f"; or leave {module} whole (drop its tp rule)" if module else ""
@@ -98,7 +98,7 @@ def mixing_fix(prim: str) -> str:
     return "compute it where that dim is whole (after the row layer's sum)"
 
 
-def texts(graph: Graph, values) -> str:
+def _texts(graph: Graph, values) -> str:
     return " ".join(shape_text(graph.shapes[v]) for v in values if v is not None)
 
 
