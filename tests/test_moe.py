@@ -112,9 +112,42 @@ def lm_loss(out, targets):
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean() + aux
 
 
-def _model(api: str, **sizes):
+def _model(api: str, remat: str = "none", **sizes):
     sizes, wide = {**SIZES, **sizes}, jnp.float64  # (check_sharded computes in float64)
-    return MoELM(sizes, wide) if api == "linen" else (lambda rngs: NNXMoELM(rngs, wide, **sizes))
+    if api == "linen":
+        return MoELM(sizes, wide, remat=remat)
+    return lambda rngs: NNXMoELM(rngs, wide, remat=remat, **sizes)
+
+
+def _rematerialized(jaxpr) -> int:
+    """The regions ``jax.checkpoint`` recomputes in ``jaxpr``, at any depth."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name in ("checkpoint", "remat", "remat2")
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(inner, "jaxpr", inner)  # (a closed jaxpr's)
+                count += _rematerialized(inner) if hasattr(inner, "eqns") else 0
+    return count
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_the_moe_lm_rematerializes_each_block_as_its_remat_says(api):
+    """The gradient's trace holds one rematerialized region per block under "full" and "dots",
+    none under "none" (the negative control: the count reads the model's setting)."""
+
+    def gradient(remat: str):
+        if api == "linen":
+            linen = MoELM(SIZES, remat=remat)
+            params = linen.init(jax.random.key(0), TOKENS)["params"]
+            loss = lambda p: lm_loss(linen.apply({"params": p}, TOKENS), TOKENS)
+        else:
+            graphdef, params = nnx.split(NNXMoELM(nnx.Rngs(0), remat=remat, **SIZES))
+            loss = lambda p: lm_loss(nnx.merge(graphdef, p)(TOKENS), TOKENS)
+        return jax.make_jaxpr(jax.grad(loss))(params).jaxpr
+
+    found = {remat: _rematerialized(gradient(remat)) for remat in ("none", "full", "dots")}
+    assert found == {"none": 0, "full": SIZES["layers"], "dots": SIZES["layers"]}, found
 
 
 @pytest.mark.parametrize(
@@ -305,45 +338,51 @@ def test_megatron_inside_the_experts_all_reduces_once_each_way_per_layer(monkeyp
 
 
 @pytest.mark.parametrize(
-    "api, mesh, tp, axes",
+    "api, mesh, tp, axes, remat",
     [
         pytest.param(
             "linen",
             {"data": 2, "expert": 2, "tensor": 2},
             [*RULES, *EP],
             ("data", "expert"),
-            id="linen-megatron-attention-and-mlp-with-ep",
+            "full",
+            id="linen-megatron-attention-and-mlp-with-ep-remat-full",
         ),
         pytest.param(
             "nnx",
             {"fsdp": 2, "expert": 2, "tensor": 2},
             [*RULES[:4], *EP],
             ("fsdp", "expert"),
-            id="nnx-fsdp-expert-tensor-megatron-attention-with-ep",
+            "dots",
+            id="nnx-fsdp-expert-tensor-megatron-attention-with-ep-remat-dots",
         ),
-        pytest.param("nnx", {"data": 4, "tensor": 2}, "auto", ("data",), id="nnx-auto-experts-over-tensor"),
+        pytest.param(
+            "nnx", {"data": 4, "tensor": 2}, "auto", ("data",), "none", id="nnx-auto-experts-over-tensor"
+        ),
         pytest.param(
             "linen",
             {"data": 2, "expert": 2, "tensor": 2},
             "auto",
             ("data", "expert"),
+            "none",
             id="linen-auto-experts-over-expert-megatron-over-tensor",
         ),
         pytest.param(
-            "nnx", {"data": 2, "expert": 4}, "auto", ("data", "expert"), id="nnx-auto-experts-alone"
+            "nnx", {"data": 2, "expert": 4}, "auto", ("data", "expert"), "none", id="nnx-auto-experts-alone"
         ),
     ],
 )
-def test_moe_lm_composes_with_tensor_parallelism(api, mesh, tp, axes):
+def test_moe_lm_composes_with_tensor_parallelism(api, mesh, tp, axes, remat):
     """On data x expert x tensor, Megatron's attention and dense MLP (every other layer) over
     `tensor` beside expert parallelism; on fsdp x expert x tensor, Megatron's attention, the
     experts expert-parallel and FSDP-split on their model dim; on data x tensor,
     tp_rules="auto" splits each expert's hidden dim over `tensor` (gate and up column, down row)
     and leaves the routers whole (a softmax reads them whole: its warning silenced); with an
     expert axis that splits the batch, "auto" puts the experts on it (expert parallel, the
-    tokens sent back by down) and Megatron's attention on `tensor` where the mesh has one."""
+    tokens sent back by down) and Megatron's attention on `tensor` where the mesh has one. The
+    first two with each block rematerialized (the roles' collectives recomputed in the backward)."""
     dense = tp != "auto" and len(tp) == len(RULES) + len(EP)  # (the rules of a dense MLP too)
-    model = _model(api, capacity_factor=1.0, moe_every=2 if dense else 1)
+    model = _model(api, remat, capacity_factor=1.0, moe_every=2 if dense else 1)
     storage = EP_STORAGE if "fsdp" in mesh else []
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=LayerLeftWholeWarning)

@@ -5,6 +5,7 @@ plan's expert weights and buffers per device; every mismatch one line naming the
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 
@@ -24,7 +25,10 @@ CHECKED = ["--steps", "2", "--check", "2", "--log-every", "1", "--eval-every", "
     "flags, summary",
     [
         pytest.param(
-            ["--api", "linen", "--experts", "4", "--mesh", "data=2,expert=2,tensor=2", "--dtype", "bf16"],
+            [
+                *("--api", "linen", "--experts", "4", "--mesh", "data=2,expert=2,tensor=2"),
+                *("--dtype", "bf16", "--remat", "full"),
+            ],
             "mesh data=2 x fsdp=1 x expert=2 x tensor=2 on 8 cpu devices; model tiny MoE, 4 experts "
             "(top-2, dropless), vocab 256 (bfloat16 compute)",
             id="linen-data-expert-tensor-dropless-bf16",
@@ -32,7 +36,7 @@ CHECKED = ["--steps", "2", "--check", "2", "--log-every", "1", "--eval-every", "
         pytest.param(
             [
                 *("--api", "nnx", "--experts", "4", "--top-k", "1", "--capacity-factor", "1.25"),
-                *("--moe-every", "2", "--mesh", "fsdp=2,expert=2,tensor=2"),
+                *("--moe-every", "2", "--mesh", "fsdp=2,expert=2,tensor=2", "--remat", "dots"),
             ],
             "model tiny (NNX) MoE, 4 experts (top-1, capacity factor 1.25, every 2nd layer)",
             id="nnx-fsdp-expert-tensor-capacity-top1",
@@ -41,11 +45,12 @@ CHECKED = ["--steps", "2", "--check", "2", "--log-every", "1", "--eval-every", "
 )
 def test_train_with_experts_passes_check_against_its_unsharded_twin(flags, summary):
     """Expert parallelism over `expert` beside Megatron's attention over `tensor` (and FSDP),
-    from the Linen twin's init, equal to the twin after two AdamW steps at the tolerance of the
-    compute dtype (bf16: the routers and the loss in f32)."""
+    each block rematerialized (all of it, or all but its weight matmuls), from the Linen twin's
+    init, equal to the twin after two AdamW steps at the tolerance of the compute dtype (bf16:
+    the routers and the loss in f32)."""
     code, out = run("train", *CHECKED, *flags)
     assert code == 0 and "-> ok" in out, out
-    assert summary in out, out
+    assert summary in out and f"(remat {flags[flags.index('--remat') + 1]}," in out, out
 
 
 def test_negative_control_experts_gradients_left_unscaled_fail_the_check(monkeypatch):
@@ -69,6 +74,11 @@ def test_the_plan_shows_the_experts_each_device_holds_and_the_rules():
     assert "dispatch buffers (groups, experts, capacity, d) = (4, 8, 64, 64) per MoE layer" in out
     assert '(r"experts/down$", ExpertParallel(returns=True)),' in out
     assert "over expert: all-to-all" in out and "not counted" not in out
+    # --remat auto, the default: each policy's step measured, as the GPT's; full's below none's
+    by_policy = r"activations per device by --remat: none ([\d,]+) B, dots [\d,]+ B, full ([\d,]+) B"
+    (each,) = re.findall(by_policy, out)
+    none, full = (int(figure.replace(",", "")) for figure in each)
+    assert full < none, each
 
 
 BAD = [
@@ -79,7 +89,6 @@ BAD = [
     (["--experts", "4", "--moe-every", "3"], "--moe-every 3 is more than the model's 2 layers"),
     (["--top-k", "1"], "--top-k 1 configures experts, but this run has none: pass --experts N."),
     (["--mesh", "data=4,expert=2"], "--mesh names expert=2, which splits experts, but this run has none"),
-    (["--experts", "4", "--remat", "full"], "--remat full: the MoE LM (--experts) keeps every"),
     (
         ["--experts", "4", "--mesh", "data=2,tensor=4", "--kv-heads", "2"],
         "--kv-heads 2 is not divisible by the mesh's tensor=4: the MoE LM's attention splits",

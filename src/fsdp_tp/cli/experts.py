@@ -71,7 +71,8 @@ def with_expert_axis(sizes: dict, experts: int | None) -> dict:
 
 def expert_fields(args) -> dict:
     """The :class:`~fsdp_tp.recipe.config.ModelConfig` fields of ``--experts`` and its flags
-    (none without it); the MoE LM computes unrolled, without remat."""
+    (none without it); the MoE LM computes unrolled, its blocks under ``--remat`` as the GPT's
+    (``auto``: the fastest policy whose measured step fits a device, :mod:`fsdp_tp.cli.fit`)."""
     if not args.experts:
         return {}
     given = {key: getattr(args, key) for key in MOE_DEFAULTS}
@@ -79,7 +80,7 @@ def expert_fields(args) -> dict:
         experts=args.experts,
         capacity_factor=args.capacity_factor,
         **{key: MOE_DEFAULTS[key] if value is None else value for key, value in given.items()},
-        remat="none",
+        remat=args.remat,
         scan_layers=False,
     )
 
@@ -124,10 +125,6 @@ def _unsupported(args) -> list[tuple[bool, str]]:
     """The GPT's flags the MoE LM has no use for, with why."""
     why = "the MoE LM (--experts)"
     return [
-        (
-            args.remat not in ("auto", "none"),
-            f"--remat {args.remat}: {why} keeps every activation (no remat); drop --remat",
-        ),
         (
             args.attention != "auto",
             f"--attention {args.attention}: {why} computes its attention with its own einsums; "

@@ -49,7 +49,7 @@ def settings_of(args, mesh: dict, vocab_size: int | None = None) -> Settings:
             "scan_layers": args.scan_layers,
             "attention": args.attention,
             "remat": args.remat,
-            **expert_fields(args),  # (the MoE LM's: unrolled, no remat)
+            **expert_fields(args),  # (the MoE LM's: unrolled)
         },
     )
     check_experts(args, mesh, config)

@@ -12,7 +12,9 @@ a device holding whole groups routes as the unsharded model does, on any mesh.
 ``capacity_factor=None`` is dropless (every choice reaches its expert).
 
 The block returns ``(y, (load_balancing, z))``; the language model returns ``(logits, aux)``
-with ``aux`` the weighted sum of its blocks' losses, the term a training loss adds. The
+with ``aux`` the weighted sum of its blocks' losses, the term a training loss adds. Its
+``remat`` (a key of :data:`~fsdp_tp.models.remat.REMAT_POLICIES`, default ``"none"``) says
+what each block keeps for the backward pass, as the GPT's does: the same function either way. The
 load-balancing loss is the global batch's: the experts' shares of the choices are averaged
 over the batch axes before the product (:func:`~fsdp_tp.routing.load_balancing_loss`).
 
@@ -37,6 +39,7 @@ from flax import nnx
 
 from ._mixture import MOE_SIZES, mixture, moe_fields, weighted
 from .llama import NNXMLP, LinenAttention, LinenMLP, NNXAttention, rms_norm
+from .remat import remat_policy
 
 __all__ = ["MOE_SIZES", "LinenMoE", "MoELM", "NNXMoE", "NNXMoELM", "mixture"]
 
@@ -109,15 +112,18 @@ class MoELM(nn.Module):
     sizes: dict | None = None
     param_dtype: jnp.dtype = jnp.float32
     dtype: Any = None  # the computation's (None: the parameters'; the routers' is f32 or wider)
+    remat: str = "none"  # fsdp_tp.models.remat.REMAT_POLICIES: what each block keeps for the backward
 
     @nn.compact
     def __call__(self, tokens):
         s = {**MOE_SIZES, **(self.sizes or {})}
+        policy = remat_policy(self.remat, "MoELM")
+        block = LinenMoEBlock if self.remat == "none" else nn.remat(LinenMoEBlock, policy=policy)
         embed = nn.Embed(s["vocab"], s["d"], param_dtype=self.param_dtype, dtype=self.dtype, name="embed")
         x, aux = embed(tokens), jnp.zeros((), jnp.float32)
         for i in range(s["layers"]):
             mixed = i % s["moe_every"] == s["moe_every"] - 1
-            x, more = LinenMoEBlock(s, mixed, self.param_dtype, self.dtype, name=f"block_{i}")(x)
+            x, more = block(s, mixed, self.param_dtype, self.dtype, name=f"block_{i}")(x)
             aux = aux + more
         final = self.param("final_norm", nn.initializers.zeros, (s["d"],), self.param_dtype)
         return embed.attend(rms_norm(x, final)), aux
@@ -182,8 +188,10 @@ class NNXMoELM(nnx.Module):
     """The NNX language model, with :class:`MoELM`'s parameter paths but ``blocks/i`` for
     ``block_i`` (as :class:`~fsdp_tp.models.llama.NNXLlamaLM`)."""
 
-    def __init__(self, rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=None, **sizes):
+    def __init__(self, rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=None, remat="none", **sizes):
         s = {**MOE_SIZES, **sizes}
+        remat_policy(remat, "NNXMoELM")
+        self.remat = remat
         self.embed = nnx.Embed(s["vocab"], s["d"], param_dtype=param_dtype, dtype=dtype, rngs=rngs)
         every = s["moe_every"]
         blocks = [
@@ -195,7 +203,10 @@ class NNXMoELM(nnx.Module):
 
     def __call__(self, tokens):
         x, aux = self.embed(tokens), jnp.zeros((), jnp.float32)
+        run = lambda block, x: block(x)
+        if self.remat != "none":
+            run = nnx.remat(run, policy=remat_policy(self.remat, "NNXMoELM"))
         for block in self.blocks:
-            x, more = block(x)
+            x, more = run(block, x)
             aux = aux + more
         return self.embed.attend(rms_norm(x, self.final_norm[...])), aux

@@ -31,7 +31,7 @@ from .._layout import fsdp_dim
 from ..attention import attend
 from ..nnx import tp_splits
 from ..tp import ColumnParallel, HeadParallel, RowParallel, VocabParallel
-from .remat import REMAT_POLICIES
+from .remat import remat_policy
 
 __all__ = ["TP_RULES", "NNXTransformer", "storage_rules", "tp_rules"]
 
@@ -143,8 +143,7 @@ class NNXTransformer(nnx.Module):
         remat: str = "full",
         rngs: nnx.Rngs,
     ):
-        if remat not in REMAT_POLICIES:
-            raise ValueError(f"NNXTransformer: remat={remat!r} is not one of {sorted(REMAT_POLICIES)}.")
+        remat_policy(remat, "NNXTransformer")
         self.num_layers, self.scan_layers, self.remat = num_layers, scan_layers, remat
         self.embed = nnx.Embed(vocab_size, d_model, dtype=dtype, rngs=rngs)
         sizes = (d_model, num_heads, head_dim, num_kv_heads, mlp_hidden)
@@ -167,7 +166,7 @@ class NNXTransformer(nnx.Module):
         x = self.embed(ids)
         run = lambda block, x: block(x)
         if self.remat != "none":
-            run = nnx.remat(run, policy=REMAT_POLICIES[self.remat])
+            run = nnx.remat(run, policy=remat_policy(self.remat, "NNXTransformer"))
         if self.scan_layers:
             x = nnx.scan(run, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(self.blocks, x)
         else:

@@ -14,19 +14,16 @@ from ..collectives import copy_to_axis
 from ..linen._transform import keep_module_name
 from ..linen.layers import AttentionBlock, ColumnParallelDense, MLPBlock, VocabParallelEmbed
 from .layout import Layout
-from .remat import REMAT_POLICIES as _POLICIES
+from .remat import remat_policy
 
 __all__ = ["Transformer"]
 
 __getattr__ = aliases_of(__name__)  # REMAT_POLICIES lives in fsdp_tp.models.remat (fsdp_tp._aliases)
 
 
-def _rematted(block, policy: str):
-    if policy not in _POLICIES:
-        raise ValueError(f"Transformer: remat={policy!r} is not one of {sorted(_POLICIES)}.")
-    if policy == "none":
-        return block
-    return nn.remat(block, policy=_POLICIES[policy])
+def _rematted(block, name: str):
+    policy = remat_policy(name, "Transformer")
+    return block if name == "none" else nn.remat(block, policy=policy)
 
 
 def _norm(axis_name: str | None, sequence_parallel: bool):

@@ -35,7 +35,7 @@ class ModelConfig:
     # A mixture of experts in place of the MLP (experts > 0): every moe_every-th layer routes each
     # token to its top_k of `experts` gated MLPs of width mlp_hidden, at most capacity_factor x the
     # even share a sequence (None: dropless). The MoE LM computes in `dtype` (its routers in f32),
-    # unrolled, without remat.
+    # unrolled, each block under `remat` as the GPT's.
     experts: int = 0
     top_k: int = 2
     capacity_factor: float | None = None
@@ -67,7 +67,7 @@ class ModelConfig:
         """The model split as ``layout`` says; without one, the plain flax twin, the reference
         the sharded one must equal (with ``experts``, the MoE LM, which rules lay out)."""
         if self.experts:
-            return MoELM(self.moe_sizes(), dtype=jnp.dtype(self.dtype))
+            return MoELM(self.moe_sizes(), dtype=jnp.dtype(self.dtype), remat=self.remat)
         return Transformer(**self.model_sizes(), layout=layout or Layout())
 
     def model_sizes(self) -> dict:

@@ -98,7 +98,7 @@ def nnx_moe_maker(config: ModelConfig) -> Callable[[nnx.Rngs], NNXMoELM]:
     sizes, twin = config.moe_sizes(), config.model()
 
     def make(rngs: nnx.Rngs) -> NNXMoELM:
-        model = NNXMoELM(rngs, dtype=jnp.dtype(config.dtype), **sizes)
+        model = NNXMoELM(rngs, dtype=jnp.dtype(config.dtype), remat=config.remat, **sizes)
         linen = twin.init(rngs.default.key[...], jnp.zeros((1, config.seq_len), jnp.int32))["params"]
         for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
             value = linen
@@ -131,6 +131,6 @@ def sharded_moe_parts(
         return (lambda rng, _ids: init(rng)), (lambda p, ids: sharded.merge(p)(ids)), None
     model = linen_shard_by_rules(
         MoELM, storage, batch_axes=batch_axes, mixed_precision=mixed_precision, tp_rules=tp
-    )(config.moe_sizes(), dtype=jnp.dtype(config.dtype))
+    )(config.moe_sizes(), dtype=jnp.dtype(config.dtype), remat=config.remat)
     logits = lambda p, ids: model.apply({"params": p}, ids)
     return state_init_fn(model, tx), logits, state_init_fn(config.model(), tx)
