@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import warnings
 
 import flax.linen as nn_linen
@@ -27,7 +28,7 @@ from fsdp_tp import TrainState, make_mesh, make_plan, shard_by_rules
 from fsdp_tp.analysis import operand_count, parse_collectives
 from fsdp_tp.bench.llama_rows import lowered_lm_step
 from fsdp_tp.bench.moe_rows import MOE_SIZES as MOE_BENCH_SIZES
-from fsdp_tp.bench.moe_rows import measure_moe, moe_section
+from fsdp_tp.bench.moe_rows import PLANS, WITHIN, measure_moe, moe_section
 from fsdp_tp.errors import IndivisibleShapeError, LayerLeftWholeWarning, RuleError
 from fsdp_tp.linen import find_tp_rules as linen_find_tp_rules
 from fsdp_tp.models.llama import RULES
@@ -308,33 +309,51 @@ def test_expert_parallel_moves_each_buffer_once_each_way_and_never_gathers_an_ex
     assert {c.group_size for c in found if c.kind == "all-gather"} == {2}
 
 
+# Each expert's hidden dim over `tensor` (gate and up column, down row): on every device, or on the
+# experts' devices of `expert` (ExpertParallel(within=...)).
 MEGATRON_EXPERTS = [(r"experts/(gate|up)$", ColumnParallel()), (r"experts/down$", RowParallel())]
+EP_WITHIN = [
+    (r"experts/(gate|up)$", ExpertParallel(within=ColumnParallel())),
+    (r"experts/down$", ExpertParallel(returns=True, within=RowParallel())),
+]
+PLACED = {  # (mesh, batch axes, tp rules): `tensor` the only axis of size 2
+    "experts-over-tensor": ({"data": 4, "tensor": 2}, ("data",), MEGATRON_EXPERTS),
+    "experts-over-expert-hidden-over-tensor": ({"expert": 4, "tensor": 2}, ("expert",), EP_WITHIN),
+}
 
 
-def _over_tensor(monkeypatch=None) -> list:
-    """The collectives over `tensor` (groups of 2) of the MoE LM's step on data 4 x tensor 2,
-    each expert's hidden dim split (gate and up column, down row), attention whole."""
-    mesh = make_mesh({"data": 4, "tensor": 2})
+def _collectives(placed: str) -> list:
+    """The collectives of the MoE LM's step under one of ``PLACED``, attention whole."""
+    mesh, axes, rules = PLACED[placed]
     sizes = {**SIZES, "capacity_factor": 1.0}
-    model = shard_by_rules(MoELM, [], batch_axes=("data",), tp_rules=MEGATRON_EXPERTS)(sizes)
-    lowered, _ = lowered_lm_step(model, mesh, ("data",), TOKENS, with_aux=True)
-    return [c for c in parse_collectives(lowered.as_text(dialect="hlo")) if c.group_size == 2]
+    model = shard_by_rules(MoELM, [], batch_axes=axes, tp_rules=rules)(sizes)
+    lowered, _ = lowered_lm_step(model, make_mesh(mesh), axes, TOKENS, with_aux=True)
+    return parse_collectives(lowered.as_text(dialect="hlo"))
 
 
-def test_megatron_inside_the_experts_all_reduces_once_each_way_per_layer(monkeypatch):
+@pytest.mark.parametrize("placed", PLACED)
+def test_megatron_inside_the_experts_all_reduces_once_each_way_per_layer(placed, monkeypatch):
     """HLO of the train step: over `tensor`, per MoE layer one all-reduce forward (down's sum)
     and one backward (gate's and up's input gradients summed first), each of one device's
-    dispatched buffer (groups, E, capacity, d) in f32; nothing else over `tensor`, no weight
-    gathered. Negative control: without the shared *f*, gate and up each all-reduce theirs."""
+    dispatched buffer (groups, E, capacity, d) in f32 (on the experts' devices: the groups of
+    every device of `expert`, its experts); nothing else over `tensor`, no weight gathered; with
+    an expert axis, its four all_to_alls per layer. Negative control: without the shared *f*,
+    gate and up each all-reduce theirs."""
     groups, tokens_per_group = 2, 8  # a device's 2 rows of 8 tokens, a group per row
     buffer = groups * 4 * capacity(tokens_per_group, 2, 4, 1.0) * 16 * 4
-    found = _over_tensor()
-    assert {c.kind for c in found} == {"all-reduce"}, found
-    assert operand_count(found, "all-reduce", 2) == 2 * SIZES["layers"]
-    assert {c.operand_bytes for c in found} == {buffer}, [c.operand_types for c in found]
+    found = _collectives(placed)
+    over_tensor = [c for c in found if c.group_size == 2]
+    assert {c.kind for c in over_tensor} == {"all-reduce"}, over_tensor
+    assert operand_count(over_tensor, "all-reduce", 2) == 2 * SIZES["layers"]
+    assert {c.operand_bytes for c in over_tensor} == {buffer}, [c.operand_types for c in over_tensor]
+    to_all = [c for c in found if c.kind == "all-to-all"]
+    assert sum(c.executions for c in to_all) == (4 * SIZES["layers"] if "expert" in PLACED[placed][0] else 0)
+    assert {c.group_size for c in to_all} <= {4} and all(c.operand_bytes == buffer for c in to_all)
+    assert not [c for c in found if c.kind == "all-gather"], found
 
     monkeypatch.setattr(fsdp_tp.train, "shared_column_inputs", contextlib.nullcontext)
-    assert operand_count(_over_tensor(), "all-reduce", 2) == 3 * SIZES["layers"]
+    unshared = [c for c in _collectives(placed) if c.group_size == 2]
+    assert operand_count(unshared, "all-reduce", 2) == 3 * SIZES["layers"]
 
 
 @pytest.mark.parametrize(
@@ -343,18 +362,18 @@ def test_megatron_inside_the_experts_all_reduces_once_each_way_per_layer(monkeyp
         pytest.param(
             "linen",
             {"data": 2, "expert": 2, "tensor": 2},
-            [*RULES, *EP],
+            [*RULES, *EP_WITHIN],
             ("data", "expert"),
             "full",
-            id="linen-megatron-attention-and-mlp-with-ep-remat-full",
+            id="linen-megatron-attention-and-mlp-with-ep-and-tensor-within-remat-full",
         ),
         pytest.param(
             "nnx",
             {"fsdp": 2, "expert": 2, "tensor": 2},
-            [*RULES[:4], *EP],
+            [*RULES[:4], *EP_WITHIN],
             ("fsdp", "expert"),
             "dots",
-            id="nnx-fsdp-expert-tensor-megatron-attention-with-ep-remat-dots",
+            id="nnx-fsdp-expert-tensor-megatron-attention-with-ep-and-tensor-within-remat-dots",
         ),
         pytest.param(
             "nnx", {"data": 4, "tensor": 2}, "auto", ("data",), "none", id="nnx-auto-experts-over-tensor"
@@ -374,19 +393,34 @@ def test_megatron_inside_the_experts_all_reduces_once_each_way_per_layer(monkeyp
 )
 def test_moe_lm_composes_with_tensor_parallelism(api, mesh, tp, axes, remat):
     """On data x expert x tensor, Megatron's attention and dense MLP (every other layer) over
-    `tensor` beside expert parallelism; on fsdp x expert x tensor, Megatron's attention, the
-    experts expert-parallel and FSDP-split on their model dim; on data x tensor,
+    `tensor` beside expert parallelism, each expert's hidden dim split over `tensor` on its
+    device; on fsdp x expert x tensor, Megatron's attention, the experts expert-parallel, their
+    hidden dim over `tensor` and their model dim FSDP-split (a kernel on three axes); on data x tensor,
     tp_rules="auto" splits each expert's hidden dim over `tensor` (gate and up column, down row)
     and leaves the routers whole (a softmax reads them whole: its warning silenced); with an
     expert axis that splits the batch, "auto" puts the experts on it (expert parallel, the
-    tokens sent back by down) and Megatron's attention on `tensor` where the mesh has one. The
+    tokens sent back by down) and Megatron's attention and each expert's hidden dim (within) on
+    `tensor` where the mesh has one. The
     first two with each block rematerialized (the roles' collectives recomputed in the backward)."""
-    dense = tp != "auto" and len(tp) == len(RULES) + len(EP)  # (the rules of a dense MLP too)
+    dense = tp != "auto" and len(tp) == len(RULES) + len(EP_WITHIN)  # (the rules of a dense MLP too)
     model = _model(api, remat, capacity_factor=1.0, moe_every=2 if dense else 1)
     storage = EP_STORAGE if "fsdp" in mesh else []
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=LayerLeftWholeWarning)
         check_sharded(model, (TOKENS, TOKENS), lm_loss, mesh, storage, tp_rules=tp, batch_axes=axes, steps=2)
+
+
+@pytest.mark.parametrize(
+    "within, message",
+    [
+        (ColumnParallel(sequence_dim=1), "within is each expert's Megatron split over another axis"),
+        (ColumnParallel(axis="expert"), "on an axis other than 'expert'"),
+        (ExpertParallel(axis="tensor"), "ColumnParallel() for gate and up, RowParallel() for down"),
+    ],
+)
+def test_a_split_within_the_experts_that_cannot_work_is_refused_with_the_fix(within, message):
+    with pytest.raises(RuleError, match=re.escape(message)):
+        ExpertParallel(within=within)
 
 
 def test_the_plan_finder_splits_each_experts_hidden_dim_and_leaves_the_router_whole():
@@ -408,8 +442,9 @@ def test_the_plan_finder_splits_each_experts_hidden_dim_and_leaves_the_router_wh
 @pytest.mark.parametrize("api", ["linen", "nnx"])
 def test_the_plan_finder_puts_experts_on_the_expert_axis_and_down_sends_them_back(api):
     """With expert_size, each expert einsum is expert-parallel; the one whose result no other
-    expert einsum reads (down) returns the tokens; beside Megatron's attention with size, alone
-    without it."""
+    expert einsum reads (down) returns the tokens; with size, beside Megatron's attention and
+    with each expert's hidden dim over the tensor axis within (gate and up column, down row);
+    alone without it."""
     ids = jnp.zeros((2, 8), jnp.int32)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=LayerLeftWholeWarning)
@@ -421,12 +456,13 @@ def test_the_plan_finder_puts_experts_on_the_expert_axis_and_down_sends_them_bac
             plans = [linen_find_tp_rules(MoELM({"layers": 1}), ids, size=2, expert_size=2)]
             plans.append(linen_find_tp_rules(MoELM({"layers": 1}), ids, expert_size=4))
             prefix = "block_0"
-    experts = [
-        f'(r"^{prefix}/moe/experts/gate$", ExpertParallel()),',
-        f'(r"^{prefix}/moe/experts/up$", ExpertParallel()),',
-        f'(r"^{prefix}/moe/experts/down$", ExpertParallel(returns=True)),',
-    ]
     for plan, with_tensor in zip(plans, (True, False), strict=True):
+        column, row = ("within=ColumnParallel()", ", within=RowParallel()") if with_tensor else ("", "")
+        experts = [
+            f'(r"^{prefix}/moe/experts/gate$", ExpertParallel({column})),',
+            f'(r"^{prefix}/moe/experts/up$", ExpertParallel({column})),',
+            f'(r"^{prefix}/moe/experts/down$", ExpertParallel(returns=True{row})),',
+        ]
         text = str(plan)
         assert all(line in text for line in experts), text
         assert (f'(r"^{prefix}/attn/q$", ColumnParallel()),' in text) is with_tensor, text
@@ -447,7 +483,8 @@ def test_the_benchmarks_expert_parallel_rows_at_small_sizes():
     """The benchmark's figures (fsdp_tp.bench.moe_rows) on fsdp 2 x expert 4: expert
     parallelism's all_to_alls are the minimum, it gathers nothing over `expert` and sends
     less over it than the experts stored split and gathered, at the same state bytes and
-    FLOPs; the stored split moves no all_to_all."""
+    FLOPs; the stored split moves no all_to_all. On expert 4 x tensor 2, the plan with each
+    expert's hidden dim over tensor within against expert parallelism alone."""
     small = {**MOE_BENCH_SIZES, "d": 16, "hidden": 32, "vocab": 32}
     ep, stored = (
         measure_moe("fsdp2_expert4", plan, small, batch=8, seq=8)
@@ -457,6 +494,14 @@ def test_the_benchmarks_expert_parallel_rows_at_small_sizes():
     assert ep.expert_gathered == 0 < stored.expert_gathered
     assert ep.expert_wire < stored.expert_wire and ep.state_bytes == stored.state_bytes
     assert ep.flops == stored.flops
+    # on expert 4 x tensor 2, the hidden dim over tensor within: fewer bytes and FLOPs a device
+    # than expert parallelism alone (whose tensor devices compute the same experts), the same
+    # all_to_alls, no expert gathered
+    alone, within = (
+        measure_moe("expert4_tensor2", plan, small, batch=8, seq=8) for plan in (PLANS[0], WITHIN)
+    )
+    assert within.all_to_all_bytes == alone.all_to_all_bytes == within.minimum and within.expert_gathered == 0
+    assert within.state_bytes < alone.state_bytes and within.flops < alone.flops
     section = moe_section([(ep, [1.0]), (stored, [2.0])])
     assert "| fsdp2_expert4 | expert parallel |" in section and "| 2.000 |" in section
 

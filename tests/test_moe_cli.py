@@ -66,13 +66,20 @@ def test_negative_control_experts_gradients_left_unscaled_fail_the_check(monkeyp
 
 
 def test_the_plan_shows_the_experts_each_device_holds_and_the_rules():
+    """On data x expert x tensor: each expert kernel over expert and its hidden dim over tensor
+    (gate and up column, down row), the bytes a device holds, its buffers, the rules."""
     code, out = run("plan", "--experts", "8", "--mesh", "data=2,expert=2,tensor=2")
     assert code == 0, out
     rows = [line for line in out.splitlines() if "/moe/experts/" in line and "kernel" in line]
-    assert len(rows) == 6 and all("P('expert', None, None)" in row for row in rows), rows
-    assert "experts: 8 in each of 2 MoE layers, 4 per device over expert=2: expert weights 1.50 MiB" in out
+    hidden = {"gate": "P('expert', None, 'tensor')", "up": "P('expert', None, 'tensor')"}
+    assert len(rows) == 6, rows  # (experts over expert, each one's hidden dim over tensor)
+    assert all(hidden.get(row.split("/")[3], "P('expert', 'tensor', None)") in row for row in rows), rows
+    assert (
+        "experts: 8 in each of 2 MoE layers, 4 per device over expert=2, each one's hidden dim split over "
+        "tensor=2: expert weights 0.75 MiB per device before FSDP, 0.75 MiB stored (of 3.00 MiB)"
+    ) in out
     assert "dispatch buffers (groups, experts, capacity, d) = (4, 8, 64, 64) per MoE layer" in out
-    assert '(r"experts/down$", ExpertParallel(returns=True)),' in out
+    assert '(r"experts/down$", ExpertParallel(returns=True, within=RowParallel())),' in out
     assert "over expert: all-to-all" in out and "not counted" not in out
     # --remat auto, the default: each policy's step measured, as the GPT's; full's below none's
     by_policy = r"activations per device by --remat: none ([\d,]+) B, dots [\d,]+ B, full ([\d,]+) B"

@@ -56,7 +56,7 @@ def _megatron_split(pattern: str, spec: P, splits: dict, shapes: dict, head_dim_
     :data:`~fsdp_tp.models.llama.RULES` split (read off the roles: :func:`fsdp_tp.nnx.tp_splits`),
     or on the last, the kv kernel's head dim 'H', where ``tensor`` does not divide the kv heads."""
     path = next(path for path in splits if re.search(pattern, path))
-    dim = -1 if head_dim_instead else splits[path][0]
+    ((dim, _),) = ((-1, None),) if head_dim_instead else splits[path]  # (RULES: one split each)
     entries = [*spec, *[None] * (len(shapes[path]) - len(spec))]
     entries[dim] = "tensor"
     return P(*entries)

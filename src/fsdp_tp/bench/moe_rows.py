@@ -2,7 +2,9 @@
 model (:mod:`fsdp_tp.models.moe`) on meshes with an ``expert`` axis, its experts split over
 it by :class:`~fsdp_tp.tp.ExpertParallel` (the tokens sent to them by ``all_to_all``), or
 stored split over it and gathered whole on every device before each layer (storage rules:
-FSDP over ``expert``).
+FSDP over ``expert``); on a mesh with a ``tensor`` axis too, expert parallelism with each
+expert's hidden dim split over ``tensor`` on its devices (``ExpertParallel(within=...)``),
+against expert parallelism alone (whose ``tensor`` devices compute the same experts).
 
 Per variant, from its compiled step: state bytes on the fullest device, the all_to_alls'
 operand bytes against the minimum (one device's buffers ``(groups, E, capacity, d)`` sent to
@@ -26,22 +28,31 @@ from ..linen.rule_transform import shard_by_rules
 from ..mesh import make_mesh
 from ..models.moe import MoELM
 from ..routing import capacity
-from ..tp import ExpertParallel
+from ..tp import ColumnParallel, ExpertParallel, RowParallel
 from .figures import median, step_seconds
 from .llama_rows import lowered_lm_step
 from .report import spread
 
-__all__ = ["MOE_MESHES", "MOE_SIZES", "MoEMeasured", "measure_moe", "moe_costs", "moe_section"]
+__all__ = ["MOE_MESHES", "MOE_SIZES", "MoEMeasured", "measure_moe", "moe_costs", "moe_section", "plans_of"]
 
 MOE_SIZES = dict(
     vocab=256, d=64, heads=4, kv_heads=2, head_dim=16, hidden=128, layers=2, experts=8, top_k=2,
     capacity_factor=1.25, group_rows=1,
 )  # fmt: skip
 BATCH, SEQ = 16, 32
-MOE_MESHES = {"data2_expert4": {"data": 2, "expert": 4}, "fsdp2_expert4": {"fsdp": 2, "expert": 4}}
+MOE_MESHES = {
+    "data2_expert4": {"data": 2, "expert": 4},
+    "fsdp2_expert4": {"fsdp": 2, "expert": 4},
+    "expert4_tensor2": {"expert": 4, "tensor": 2},
+}
 PLANS = ("expert parallel", "stored split")
+WITHIN = "expert parallel, tensor within"  # (a plan of the meshes with a tensor axis)
 
 _EP = [(r"experts/(gate|up)$", ExpertParallel()), (r"experts/down$", ExpertParallel(returns=True))]
+_EP_WITHIN = [
+    (r"experts/(gate|up)$", ExpertParallel(within=ColumnParallel())),
+    (r"experts/down$", ExpertParallel(returns=True, within=RowParallel())),
+]
 _FSDP = [  # on the model dim the expert split leaves, where the mesh has fsdp
     (r"experts/(gate|up)/kernel$", P(None, "fsdp")),
     (r"experts/down/kernel$", P(None, None, "fsdp")),
@@ -73,8 +84,8 @@ class MoEMeasured:
 
 def _rules(mesh: dict, plan: str) -> tuple[list, list]:
     fsdp = "fsdp" in mesh
-    if plan == "expert parallel":
-        return (_FSDP if fsdp else []), _EP
+    if plan in ("expert parallel", WITHIN):
+        return (_FSDP if fsdp else []), (_EP if plan == "expert parallel" else _EP_WITHIN)
     stored = [(pattern, P(*(a if a != "fsdp" or fsdp else None for a in spec))) for pattern, spec in _STORED]
     return stored, []
 
@@ -115,11 +126,16 @@ def measure_moe(
     )
 
 
+def plans_of(mesh_name: str) -> tuple[str, ...]:
+    """The plans measured on a mesh: with a ``tensor`` axis, the experts' hidden dim over it too."""
+    return (PLANS[0], WITHIN, PLANS[1]) if "tensor" in MOE_MESHES[mesh_name] else PLANS
+
+
 def moe_costs(blocks: int, steps: int) -> list[tuple[MoEMeasured, list[float]]]:
-    """Every mesh under both plans, each mesh's two steps timed interleaved."""
+    """Every mesh under its plans, each mesh's steps timed interleaved."""
     out = []
     for mesh_name in MOE_MESHES:
-        built = [measure_moe(mesh_name, plan) for plan in PLANS]
+        built = [measure_moe(mesh_name, plan) for plan in plans_of(mesh_name)]
         times = step_seconds(built, blocks, steps)
         out += [(m, times[m.label]) for m in built]
     return out
@@ -136,12 +152,15 @@ def moe_section(costs: list[tuple[MoEMeasured, list[float]]]) -> str:
         "the experts' einsums under `ExpertParallel` over `expert`, the tokens sent to them by "
         "`all_to_all` (with fsdp: FSDP on their model dim). *Stored split*: storage rules split the "
         "expert dim over `expert` and each layer gathers every expert on every device (what a user "
-        "gets without the role). All-to-all bytes: operand bytes of every all_to_all in the compiled "
-        "step, against the minimum, four of one device's buffers (groups, E, capacity, d) a layer "
-        "(there and back, forward and backward). Gathered over expert: the bytes all-gathers over "
-        "`expert` bring a device; wire over expert: ring-model bytes a device sends over `expert` a "
-        "step, every collective. Temp: the compiled step's temporaries (`memory_analysis()`). FLOPs: "
-        "matmul FLOPs a device, ÷ the stored-split plan's.\n",
+        f"gets without the role). *{WITHIN.capitalize()}* (on a mesh with `tensor`): expert parallel, "
+        "each expert's hidden dim split over `tensor` on its devices, gate and up "
+        "`ExpertParallel(within=ColumnParallel())`, down `within=RowParallel()` (expert parallel alone "
+        "has every `tensor` device compute the same experts). All-to-all bytes: operand bytes of every "
+        "all_to_all in the compiled step, against the minimum, four of one device's buffers (groups, E, "
+        "capacity, d) a layer (there and back, forward and backward). Gathered over expert: the bytes "
+        "all-gathers over `expert` bring a device; wire over expert: ring-model bytes a device sends over"
+        " `expert` a step, every collective. Temp: the compiled step's temporaries (`memory_analysis()`)."
+        " FLOPs: matmul FLOPs a device, ÷ the stored-split plan's.\n",
         "| mesh | plan | state B/device | temp B | all-to-all B (minimum) | gathered over expert B "
         "| wire over expert B | FLOPs ÷ stored | step ms median (min-max) | ÷ expert parallel |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -158,11 +177,22 @@ def moe_section(costs: list[tuple[MoEMeasured, list[float]]]) -> str:
             f"{median(times) / median(ep_times):.3f} |"
         )
     for mesh_name in dict.fromkeys(m.label.split("/")[0] for m, _ in costs):
-        (ep, _), (stored, _) = by_label[f"{mesh_name}/expert parallel"], by_label[f"{mesh_name}/stored split"]
+        (ep, ep_times), (stored, _) = (
+            by_label[f"{mesh_name}/expert parallel"],
+            by_label[f"{mesh_name}/stored split"],
+        )
         lines.append(
             f"\nOn {mesh_name} expert parallelism sends {stored.expert_wire / ep.expert_wire:.1f} times "
             "fewer bytes over `expert` than gathering the experts (its all_to_alls: the minimum "
             f"exactly), and its step holds {stored.temp_bytes / ep.temp_bytes:.2f} times fewer "
             "temporary bytes, at the same state and FLOPs."
         )
+        if (found := by_label.get(f"{mesh_name}/{WITHIN}")) is not None:
+            within, times = found
+            lines[-1] += (
+                f" With each expert's hidden dim over `tensor` within, a device holds "
+                f"{ep.state_bytes / within.state_bytes:.2f} times fewer state bytes and computes "
+                f"{ep.flops / within.flops:.2f} times fewer matmul FLOPs than expert parallelism alone, "
+                f"at the same all_to_alls, its step {median(times) / median(ep_times):.2f} of the time."
+            )
     return "\n".join(lines) + "\n"

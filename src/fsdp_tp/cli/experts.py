@@ -188,7 +188,7 @@ def moe_plan_text(settings, sizes: dict, plan) -> str:
     from ..recipe.moe_lm import moe_rules
     from ..tp.auto import TPPlan
 
-    config, expert = settings.model, sizes.get("expert", 1)
+    config, expert, tensor = settings.model, sizes.get("expert", 1), sizes.get("tensor", 1)
     rows = [r for r in plan.rows if "/experts/" in r.path]
     held = sum(r.bytes_per_device for r in rows)
     whole = sum(math.prod(r.shape) * np.dtype(r.dtype).itemsize for r in rows)
@@ -199,8 +199,10 @@ def moe_plan_text(settings, sizes: dict, plan) -> str:
     buffer = per_device * config.experts * slots * config.d_model * 4  # f32, one sequence a group
     lines = [
         f"experts: {config.experts} in each of {moe_layers} MoE layers, {config.experts // expert} per "
-        f"device over expert={expert}: expert weights {whole / expert / 2**20:,.2f} MiB per device before "
-        f"FSDP, {held / 2**20:,.2f} MiB stored (of {whole / 2**20:,.2f} MiB)",
+        f"device over expert={expert}"
+        + (f", each one's hidden dim split over tensor={tensor}" if tensor > 1 else "")
+        + f": expert weights {whole / expert / tensor / 2**20:,.2f} MiB per device before FSDP, "
+        f"{held / 2**20:,.2f} MiB stored (of {whole / 2**20:,.2f} MiB)",
         f"dispatch buffers (groups, experts, capacity, d) = ({per_device}, {config.experts}, {slots}, "
         f"{config.d_model}) per MoE layer per device: {buffer / 2**20:,.2f} MiB"
         + (", sent to their experts and back by all_to_all over expert" if expert > 1 else ""),

@@ -83,7 +83,8 @@ def check_call(
     if not checking():
         return  # (the check's own trace of the call)
     bound = bound_axis_names()
-    sizes = {axis: jax.lax.axis_size(axis) for axis in sorted({r.role.axis for r in rules}) if axis in bound}
+    axes = {part.axis for r in rules for part in r.role.parts()}
+    sizes = {axis: jax.lax.axis_size(axis) for axis in sorted(axes) if axis in bound}
     fields = fields_of(module, target)
     arrays, rebuild = static_split(args, kwargs)
     key = repr((fields, [(a.shape, a.dtype) for a in arrays], rebuild([None] * len(arrays)), sizes))

@@ -27,6 +27,7 @@ from .._axes import require_axes
 from .._tree import module_path
 from .._types import AxisName
 from ..tp import TPRole
+from ..tp._role import placements
 from ..tp._rules import (
     CompiledRole,
     kind_error,
@@ -43,12 +44,12 @@ __all__ = ["Seen", "local_compute"]
 @dataclasses.dataclass
 class Seen:
     """What one init of the model saw: every submodule (path -> class), the splits the
-    roles make (parameter path -> (dim, axis, pattern)), the rules that matched, the
+    roles make (parameter path -> its ``(dim, axis, pattern)`` splits), the rules that matched, the
     parameter paths the transform stored; and the local clones of one call."""
 
     modules: dict[str, type] = dataclasses.field(default_factory=dict)
     params: list[str] = dataclasses.field(default_factory=list)
-    splits: dict[str, tuple[int, AxisName, str]] = dataclasses.field(default_factory=dict)
+    splits: dict[str, tuple[tuple[int, AxisName, str], ...]] = dataclasses.field(default_factory=dict)
     used: set[int] = dataclasses.field(default_factory=set)
     clones: dict[tuple, tuple[nn.Module, nn.Module]] = dataclasses.field(default_factory=dict)
 
@@ -101,9 +102,11 @@ def _intercept(rules, seen: Seen, next_fun, args, kwargs, context):
             if index is not None:
                 seen.used.add(index)
             layer = layer_of(module, args, kwargs)
-            require_divides(role, pattern, layer, size)
-            for name, dim in role.splits(layer).items():
-                seen.splits[f"{path}/{name}"] = (dim, axis, pattern)
+            for part in role.parts():  # (each over its own axis: an expert kernel's split within)
+                (within,) = require_axes(part.axis, f"tp rule {pattern!r}")
+                require_divides(part, pattern, layer, jax.lax.axis_size(within))
+            for name, dim, on in placements(role, layer):
+                seen.splits[f"{path}/{name}"] = (*seen.splits.get(f"{path}/{name}", ()), (dim, on, pattern))
             out = next_fun(*args, **kwargs)
             # (a layer that made parameters the role does not split is refused, as NNX's is)
             require_own_parameters(

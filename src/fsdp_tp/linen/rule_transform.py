@@ -57,8 +57,10 @@ def _by_rules(rules: tuple[CompiledRule, ...], default: PartitionSpec, logical, 
         if index is not None:
             used.add(index)
         source = spec_source(index, rules, logical_names is not None)
-        if split := seen.splits.get(path):
-            return with_split(path, spec, len(shape), split, source)
+        if splits := seen.splits.get(path):
+            for split in splits:
+                spec = with_split(path, spec, len(shape), split, source)
+            return spec
         require_no_tp_axis(path, spec, tp_axes, source)
         return spec
 
@@ -138,8 +140,13 @@ def shard_by_rules(
     policy = checked_policy(mixed_precision, "shard_by_rules")
     auto = isinstance(tp_rules, str) and tp_rules == "auto"
     tp = () if auto else compile_tp_rules(tp_rules, "shard_by_rules")
-    computes = {"tp_rules='auto'": AUTO_AXIS} if auto else {f"tp rule {r.pattern!r}": r.role.axis for r in tp}
-    on_batch = {f"tp rule {r.pattern!r}" for r in tp if r.role.on_batch_axis}
+    parts = [
+        (f"tp rule {r.pattern!r}{' (within)' * bool(i)}", part)
+        for r in tp
+        for i, part in enumerate(r.role.parts())
+    ]
+    computes = {"tp_rules='auto'": AUTO_AXIS} if auto else {label: part.axis for label, part in parts}
+    on_batch = {label for label, part in parts if part.on_batch_axis}
     _require_separate_axes(
         {k: a for k, a in computes.items() if k not in on_batch}, batch_names or DEFAULT_BATCH_AXES
     )
@@ -171,7 +178,7 @@ def shard_by_rules(
         def __call__(self, *args, **kwargs):
             tp_now = found(self, args, kwargs) if found is not None else tp
             if found is not None:
-                tp_axes[0] = frozenset(computes.values()) | {r.role.axis for r in tp_now}
+                tp_axes[0] = frozenset(computes.values()) | {p.axis for r in tp_now for p in r.role.parts()}
             seen = Seen()
             tokens = (
                 _LOGICAL.set(

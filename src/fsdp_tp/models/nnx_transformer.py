@@ -200,10 +200,9 @@ def storage_rules(
         local: list[int] = list(shape[stacked:])
         names: list[str | None] = [None] * len(local)
         text = "/".join(str(key) for key in path)
-        if (split := splits.get(text)) is not None:  # (dim from the end, axis): the role's
-            dim, axis = split[0], str(split[1])
-            local[dim] //= sizes.get(axis, 1)
-            names[dim] = axis
+        for dim, axis in splits.get(text, ()):  # (dim from the end, axis): the roles'
+            local[dim] //= sizes.get(str(axis), 1)
+            names[dim] = str(axis)
         chosen = fsdp_dim(tuple(local), tuple(names), fsdp) if np.prod(local) > min_weight_size else None
         spec = [None] * stacked + ["fsdp" if i == chosen else None for i in range(len(local))]
         rules.append((f"^{re.escape(text)}$", PartitionSpec(*spec)))

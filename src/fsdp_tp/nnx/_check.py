@@ -50,7 +50,8 @@ def check_call(
         return
     bound = bound_axis_names()
     roles = [role for role, _, _ in plan.roles.values()]
-    sizes = {axis: jax.lax.axis_size(axis) for axis in sorted({r.axis for r in roles}) if axis in bound}
+    axes = {part.axis for role in roles for part in role.parts()}
+    sizes = {axis: jax.lax.axis_size(axis) for axis in sorted(axes) if axis in bound}
     arrays, rebuild = static_split(args, kwargs)
     key = repr(([(a.shape, a.dtype) for a in arrays], rebuild([None] * len(arrays)), sizes))
     if not sizes or key in checked:

@@ -76,12 +76,12 @@ class Layout:
         self.roles = RolePlan(abstract, compile_tp_rules(tp_rules, caller), [path_text(p) for p in storage])
         self.specs: dict[Path, PartitionSpec] = {}
         for path, (spec, ndim, source) in storage.items():
-            if split := self.roles.splits.get(path_text(path)):  # (others are gathered over any axis)
+            for split in self.roles.splits.get(path_text(path), ()):  # (others: gathered over any axis)
                 spec = with_split(path_text(path), spec, ndim, split, source)
             self.specs[path] = spec
         axes = frozenset(a for spec in self.specs.values() for a in axes_named(spec))
         self.gathered = {
-            path: axes - {split[1]} if (split := self.roles.splits.get(path_text(path))) else axes
+            path: axes - {axis for _, axis, _ in self.roles.splits.get(path_text(path), ())}
             for path in self.specs
         }
         self.first_split = tuple(

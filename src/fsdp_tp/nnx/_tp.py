@@ -19,6 +19,7 @@ from flax import nnx
 from .._axes import require_axes
 from .._types import AxisName
 from ..tp import Layer, TPRole
+from ..tp._role import placements
 from ..tp._rules import (
     CompiledRole,
     compile_tp_rules,
@@ -35,10 +36,10 @@ __all__ = ["RolePlan", "compute_roles", "tp_splits"]
 
 class RolePlan:
     """The roles the tp rules give an NNX model's submodules, read off the abstract model:
-    ``roles`` (module path -> (role, pattern, layer)), ``splits`` (parameter path -> (dim,
-    axis, pattern)), ``whole`` (parameter path -> the axis a role reads blocks of it over, the
-    parameter stored whole there). A rule that names a module no role computes, or nothing,
-    is refused."""
+    ``roles`` (module path -> (role, pattern, layer)), ``splits`` (parameter path -> its
+    ``(dim, axis, pattern)`` splits: two for an expert kernel split within), ``whole``
+    (parameter path -> the axis a role reads blocks of it over, the parameter stored whole
+    there). A rule that names a module no role computes, or nothing, is refused."""
 
     def __init__(self, model: nnx.Module, rules: tuple[CompiledRole, ...], params: list[str]):
         modules = sorted(
@@ -47,7 +48,7 @@ class RolePlan:
         )
         types = {path_text(path): type(node) for path, node in modules}
         self.roles: dict[Path, tuple[TPRole, str, Layer]] = {}
-        self.splits: dict[str, tuple[int, AxisName, str]] = {}
+        self.splits: dict[str, tuple[tuple[int, AxisName, str], ...]] = {}
         self.whole: dict[str, AxisName] = {}
         used: set[int] = set()
         for path, node in modules:
@@ -69,9 +70,9 @@ class RolePlan:
         own = [p[len(text) + 1 :] for p in params if p.startswith(text + "/")]
         require_own_parameters(role, pattern, layer, type(node), own)
         self.roles[path] = (role, pattern, layer)
-        for name, dim in role.splits(layer).items():
+        for name, dim, axis in placements(role, layer):
             if f"{text}/{name}" in params:  # a layer without a bias has no bias to split
-                self.splits[f"{text}/{name}"] = (dim, role.axis, pattern)
+                self.splits[f"{text}/{name}"] = (*self.splits.get(f"{text}/{name}", ()), (dim, axis, pattern))
         kept = (f"{text}/{name}" for name in role.kept_whole(layer))
         self.whole |= {path: role.axis for path in kept if path in params}
         for name, inner in role.inner().items():
@@ -80,13 +81,15 @@ class RolePlan:
     def check_sizes(self) -> None:
         """Per device: every role's axis is a mesh axis whose size divides what it splits."""
         for role, pattern, layer in self.roles.values():
-            (axis,) = require_axes(role.axis, f"tp rule {pattern!r}")
-            require_divides(role, pattern, layer, jax.lax.axis_size(axis))
+            for part in role.parts():
+                (axis,) = require_axes(part.axis, f"tp rule {pattern!r}")
+                require_divides(part, pattern, layer, jax.lax.axis_size(axis))
 
 
-def tp_splits(model: nnx.Module, tp_rules) -> dict[str, tuple[int, AxisName]]:
+def tp_splits(model: nnx.Module, tp_rules) -> dict[str, tuple[tuple[int, AxisName], ...]]:
     """Where the roles of ``tp_rules`` split each parameter of ``model`` (abstract is enough):
-    ``{parameter path: (dim counted from the end, mesh axis)}``, what :func:`shard_by_rules`
+    ``{parameter path: ((dim counted from the end, mesh axis), ...)}`` (two for an expert
+    kernel whose hidden dim is split within: ``ExpertParallel(within=...)``), what :func:`shard_by_rules`
     adds to each storage spec. Storage rules that must leave those dims alone (FSDP on the
     largest dim tensor parallelism leaves whole, say) read it, so no table repeats the roles.
 
@@ -97,11 +100,11 @@ def tp_splits(model: nnx.Module, tp_rules) -> dict[str, tuple[int, AxisName]]:
     ...         self.up, self.down = nnx.Linear(4, 8, rngs=rngs), nnx.Linear(8, 4, rngs=rngs)
     >>> model = nnx.eval_shape(lambda: MLP(nnx.Rngs(0)))
     >>> tp_splits(model, [("up$", ColumnParallel()), ("down$", RowParallel())])
-    {'down/kernel': (-2, 'tensor'), 'up/kernel': (-1, 'tensor'), 'up/bias': (-1, 'tensor')}
+    {'down/kernel': ((-2, 'tensor'),), 'up/kernel': ((-1, 'tensor'),), 'up/bias': ((-1, 'tensor'),)}
     """
     params = [path_text(path) for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))]
     plan = RolePlan(model, compile_tp_rules(tp_rules, "fsdp_tp.nnx.tp_splits"), params)
-    return {path: (dim, axis) for path, (dim, axis, _) in plan.splits.items()}
+    return {path: tuple((dim, axis) for dim, axis, _ in splits) for path, splits in plan.splits.items()}
 
 
 def compute_roles(model: nnx.Module, plan: RolePlan) -> None:

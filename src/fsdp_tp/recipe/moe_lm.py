@@ -8,8 +8,9 @@ The plan, by mesh axis (each only where its size is above 1):
   their experts by ``all_to_all``;
 - ``tensor``: Megatron's attention (query heads and kv heads split, the output projection
   summed), the tied embedding split on its vocabulary, the dense MLPs of the layers without
-  experts column then row, and, where no ``expert`` axis holds the experts, each expert's
-  hidden dim split the same way (gate and up column, down row);
+  experts column then row, and each expert's hidden dim split the same way (gate and up
+  column, down row): on the experts' devices where ``expert`` holds them
+  (``ExpertParallel(within=...)``), else on every device;
 - ``fsdp``: every kernel and the embedding stored split on its model dim (the one no role
   splits) and gathered per layer.
 
@@ -20,8 +21,8 @@ train its numbers: ``--check N`` compares them.
 >>> storage, tp = moe_rules({"data": 2, "expert": 2, "tensor": 2})
 >>> [pattern for pattern, _ in tp][-2:]
 ['experts/(gate|up)$', 'experts/down$']
->>> type(tp[-1][1]).__name__, storage
-('ExpertParallel', [])
+>>> type(tp[-1][1].within).__name__, tp[-1][1].within.axis, storage
+('RowParallel', 'tensor', [])
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ _EXPERT_PARALLEL = [
     (r"experts/down$", ExpertParallel(returns=True)),
 ]
 _EXPERTS_OVER_TENSOR = [(r"experts/(gate|up)$", ColumnParallel()), (r"experts/down$", RowParallel())]
+_EXPERTS_OVER_BOTH = [  # (each expert's hidden dim split over tensor on the experts' devices)
+    (r"experts/(gate|up)$", ExpertParallel(within=ColumnParallel())),
+    (r"experts/down$", ExpertParallel(returns=True, within=RowParallel())),
+]
 # FSDP on the experts' model dim: the one neither the expert split nor the hidden split takes.
 _EXPERTS_FSDP = [
     (r"experts/(gate|up)/kernel$", jax.sharding.PartitionSpec(None, "fsdp")),
@@ -64,7 +69,7 @@ def moe_rules(sizes: Mapping[str, int], dense: bool = False) -> tuple[list, list
     if sizes.get("tensor", 1) > 1:
         tp += keep(RULES)
     if sizes.get("expert", 1) > 1:
-        tp += _EXPERT_PARALLEL
+        tp += _EXPERTS_OVER_BOTH if sizes.get("tensor", 1) > 1 else _EXPERT_PARALLEL
     elif sizes.get("tensor", 1) > 1:
         tp += _EXPERTS_OVER_TENSOR
     storage = [*keep(FSDP_RULES), *_EXPERTS_FSDP] if sizes.get("fsdp", 1) > 1 else []

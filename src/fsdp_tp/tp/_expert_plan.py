@@ -3,6 +3,8 @@ layer that computes one kernel per expert (a kernel letter in its input and its 
 :attr:`~fsdp_tp._einsum.Equation.batched`) gets :class:`~fsdp_tp.tp.ExpertParallel`, and the
 bank's last layer sends the tokens back (``returns=True``).
 
+With a tensor axis too, each expert's hidden dim goes over it within (:func:`with_within`).
+
 Which layer is last is read from the trace, not from a name: a layer whose result reaches
 another expert layer's matmul through operations that keep every element where it is
 (elementwise ops, a transpose, a reshape, a cast: a gate's ``silu(gate) * up``) passes its
@@ -25,14 +27,17 @@ buffers on; a layer whose result reaches none sends them back.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 
 from .._einsum import Equation
+from ..errors import IndivisibleShapeError, RuleError
+from ._experts import ExpertParallel
 from ._graph import Graph, kernel_operand, kernels_of
-from ._role import Layer
+from ._role import Layer, TPRole
 
-__all__ = ["expert_banks"]
+__all__ = ["expert_banks", "expert_roles", "with_within"]
 
 _MATMUL = ("dot_general",)
 
@@ -84,3 +89,29 @@ def expert_banks(graph: Graph, layers: Mapping[str, Layer]) -> dict[str, bool]:
     for index, module in matmuls.items():
         banks[module] = banks.get(module, True) and not _passes_on(graph, index, module, matmuls)
     return banks
+
+
+def expert_roles(
+    graph: Graph, layers: Mapping[str, Layer], axis: str, size: int, reasons: dict[str, str]
+) -> dict[str, ExpertParallel]:
+    """Each expert layer's :class:`ExpertParallel` over ``axis``; one whose experts ``size``
+    does not divide is left to the other roles, its reason kept."""
+    found: dict[str, ExpertParallel] = {}
+    for path, returns in expert_banks(graph, layers).items():
+        role = ExpertParallel(axis, returns=returns)
+        try:
+            role.require_divides(layers[path], size, path, lambda _: "")
+        except IndivisibleShapeError as err:
+            reasons[path] = str(err).split(";")[0]
+            continue
+        found[path] = role
+    return found
+
+
+def with_within(bank: ExpertParallel, found: TPRole | None) -> TPRole:
+    """An expert layer's role: its :class:`ExpertParallel`, with the column or row role the
+    tensor axis gives its einsum (each expert's hidden dim) inside, where it found one."""
+    try:
+        return dataclasses.replace(bank, within=found) if found is not None else bank
+    except RuleError:  # (a split the experts' devices cannot take: the experts alone)
+        return bank

@@ -19,10 +19,17 @@ gradient sync, leaving a split parameter alone on its axis, does not.
 ...               kernel_shape=(8, 16, 32))
 >>> ExpertParallel().splits(layer), ExpertParallel().local(layer, 4)
 ({'kernel': -3, 'bias': -2}, Local(kernel_shape=(2, 16, 32)))
+
+With ``within``, each expert's hidden dim split over ``tensor`` as well, a kernel on two axes:
+
+>>> from fsdp_tp.tp._role import placements
+>>> placements(ExpertParallel(within=ColumnParallel()), layer)[::2]
+[('kernel', -3, 'expert'), ('kernel', -1, 'tensor')]
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import ClassVar
@@ -32,6 +39,7 @@ import jax
 from .._batch import step_batch_axes
 from .._einsum import Equation, shrunk
 from ..errors import RuleError
+from ._matmul import ColumnParallel, RowParallel
 from ._role import Layer, Local, TPRole
 from .pieces import once
 
@@ -48,13 +56,25 @@ class ExpertParallel(TPRole):
     ``axis``. Its input arrives with every expert (a dispatched buffer: sent to the experts'
     devices first) or already there (another expert layer's output); ``returns=True`` on the
     expert MLP's last layer sends the output back. The buffer's rows travel along its first
-    input dim that is neither a kernel dim nor contracted (the groups)."""
+    input dim that is neither a kernel dim nor contracted (the groups). ``within``: each
+    expert's own Megatron split over another axis, on the experts' devices (gate and up
+    ``ColumnParallel()``, down ``RowParallel()`` over ``tensor``: the hidden dim split there too,
+    one all-reduce forward and one backward per expert MLP)."""
 
     axis: str = EXPERT
     letter: str | None = None
     returns: bool = False
+    within: TPRole | None = None
     kinds: ClassVar[tuple[str, ...]] = ("einsum",)
     on_batch_axis: ClassVar[bool] = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.within is not None:
+            _require_within(self.within, self.axis)
+
+    def parts(self):
+        return (self,) if self.within is None else (self, self.within)
 
     def _split(self, layer: Layer) -> tuple[Equation, str, int]:
         if layer.kind != "einsum":
@@ -79,7 +99,12 @@ class ExpertParallel(TPRole):
 
     def local(self, layer, size):
         _, _, dim = self._split(layer)
-        return Local(kernel_shape=shrunk(layer.kernel_shape, dim, size))
+        own = Local(kernel_shape=shrunk(layer.kernel_shape, dim, size))
+        if self.within is None:
+            return own
+        # (the hidden split of this device's experts: sizes over the within role's own axis)
+        experts = dataclasses.replace(layer, kernel_shape=own.kernel_shape)
+        return self.within.local(experts, jax.lax.axis_size(self.within.axis))
 
     def call(self, method, run, layer, args, kwargs):
         eq, letter, dim = self._split(layer)
@@ -95,13 +120,34 @@ class ExpertParallel(TPRole):
                 f"{x.shape[expert]} on the expert dim (letter {letter!r} of {eq.text!r}), neither the "
                 f"{total} experts nor this device's {total // n}; feed it the experts' buffers."
             )
+        if self.within is not None:  # each expert's Megatron split, on its device
+            run = functools.partial(_around, self.within, method, run, layer)
         # The kernel's gradient 1/n (its tokens' losses are averaged over n devices), the
-        # input's as it is: the output's cotangent scaled by 1/n, the input's back by n.
-        out = _cotangent_times(run(_cotangent_times(x, n), *args[1:], **kwargs), 1 / n)
+        # input's as it is: the output's cotangent scaled by 1/n, the input's back by n (once
+        # per buffer, so a within column role's f is shared by the layers that read it).
+        scaled = once(x, ("expert-scale", self.axis), lambda: _cotangent_times(x, n))
+        out = _cotangent_times(run(scaled, *args[1:], **kwargs), 1 / n)
         if self.returns:
             back = _rows_dim(eq, eq.output, out.ndim)
             out = _all_to_all(out, self.axis, split=back, concat=eq.dim_of(letter, eq.output, out.ndim))
         return out
+
+
+def _around(role: TPRole, method: str, run, layer: Layer, *args, **kwargs):
+    return role.around(method, run, layer, args, kwargs)
+
+
+def _require_within(role: TPRole, axis: str) -> None:
+    """``within`` is a plain column or row role over another axis: a buffer of experts has no
+    sequence to split or ring over, and its output is the experts' (no gather, no kept block)."""
+    kind = type(role)
+    plain = kind in (ColumnParallel, RowParallel) and role == kind(role.axis, letter=role.letter)  # type: ignore[call-arg, attr-defined]
+    if not plain or role.axis == axis:
+        raise RuleError(
+            f"ExpertParallel(within={role!r}) over {axis!r}: within is each expert's Megatron split over "
+            f"another axis, ColumnParallel() for gate and up, RowParallel() for down (a letter= at most), "
+            f"on an axis other than {axis!r}; e.g. ExpertParallel(within=ColumnParallel(axis='tensor'))."
+        )
 
 
 def _require_batch_axis(axis: str, path: str) -> None:

@@ -180,9 +180,11 @@ def letter_hints(rules, layers: Mapping[str, Layer], found: TPPlan) -> str:
 
 
 def spelled(role: TPRole) -> str:
-    """A role as a user writes it: its fields that differ from the defaults."""
+    """A role as a user writes it: its fields that differ from the defaults (a role inside it,
+    ``within``, spelled so too)."""
+    said = lambda value: spelled(value) if isinstance(value, TPRole) else repr(value)
     fields = [
-        f"{f.name}={getattr(role, f.name)!r}"
+        f"{f.name}={said(getattr(role, f.name))}"
         for f in dataclasses.fields(role)
         if getattr(role, f.name) != f.default
     ]

@@ -31,6 +31,8 @@ _ELEMENTWISE = frozenset(
     reduce_precision rem round rsqrt select_n sign sin sinh sqrt square stop_gradient sub tan tanh
     xor optimization_barrier sharding_constraint shift_left shift_right_logical shift_right_arithmetic
     population_count clz bitcast_convert_type""".split()
+    # (and what moves no position: check_vma's type markers, a sum or max over devices)
+    + "pvary pcast psum psum_invariant psum2 pmax pmin".split()
 )
 _REDUCTIONS = frozenset(
     "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split()

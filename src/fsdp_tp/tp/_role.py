@@ -22,7 +22,7 @@ from .._layout import axis_text, require_divisible
 from ..collective_matmul import require_mode
 from ..errors import RuleError
 
-__all__ = ["Layer", "Local", "TPRole", "without_rings"]
+__all__ = ["Layer", "Local", "TPRole", "placements", "without_rings"]
 
 _UNRINGED: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_tp_unringed", default=False)
 
@@ -148,6 +148,12 @@ class TPRole:
         """Roles of the module's own children (by name), which it creates itself."""
         return {}
 
+    def parts(self) -> tuple[TPRole, ...]:
+        """This role, then any it runs inside itself on the same module over another axis
+        (:class:`~fsdp_tp.tp.ExpertParallel`'s ``within``): a front end checks, places and
+        sizes each over its own axis (:func:`placements`)."""
+        return (self,)
+
     def around(self, method: str, run, layer: Layer, args: tuple, kwargs: dict):
         """The call: ``run(*args, **kwargs)`` is the module's ``method`` on its slices, with
         the collectives :meth:`call` puts around it, once the step is known to run with the
@@ -163,6 +169,13 @@ class TPRole:
         """:meth:`around` without its ``check_vma`` guard: for a front end whose blocks sum their
         norms' gradients themselves (Linen's layers, which are these roles)."""
         raise NotImplementedError
+
+
+def placements(role: TPRole, layer: Layer) -> list[tuple[str, int, str]]:
+    """``(parameter path under the module, dim, mesh axis)`` of every split ``role`` and its
+    parts (:meth:`TPRole.parts`) make, in their order: a parameter may be split on two dims over
+    two axes (an expert kernel's experts and hidden dim)."""
+    return [(name, dim, part.axis) for part in role.parts() for name, dim in part.splits(layer).items()]
 
 
 def _sequence_checked(role: TPRole, layer: Layer) -> int | None:

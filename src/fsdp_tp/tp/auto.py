@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from .._axes import TENSOR
 from .._einsum import Equation
 from ..errors import IndivisibleShapeError, RuleError
-from ._expert_plan import expert_banks
+from ._expert_plan import expert_roles, with_within
 from ._experts import EXPERT, ExpertParallel
 from ._graph import Graph, kernel_operand, kernels_of
 from ._plan import TPPlan, rules_for
@@ -67,12 +67,13 @@ def find_plan(
     roles: dict[str, TPRole] = {}
     regions: list[tuple[str, ...]] = []
     reasons: dict[str, str] = {}
+    banks: dict[str, ExpertParallel] = {}
     if expert_size is not None:
-        banks = _expert_roles(graph, layers, expert_axis, expert_size, reasons)
-        roles |= banks
+        banks = expert_roles(graph, layers, expert_axis, expert_size, reasons)
         regions += [tuple(banks)] if banks else []
-        taken |= {p for p in graph.params.values() if p.rpartition("/")[0] in banks}
         axis = axis if size is not None else None
+        if axis is None:  # (else each expert's hidden dim may go over the tensor axis within)
+            taken |= {p for p in graph.params.values() if p.rpartition("/")[0] in banks}
     tensor = axis if axis is not None else TENSOR  # (no seeds without a tensor axis: unused)
     for value, dim in _seeds(graph, kernels) if axis is not None else ():
         param = graph.params[kernels[value]]
@@ -90,28 +91,12 @@ def find_plan(
         roles |= found
         regions.append(tuple(found))
         taken |= set(split)
+    roles |= {path: with_within(bank, roles.get(path)) for path, bank in banks.items()}
     first = _first_reads(graph, kernels)
     roles = dict(sorted(roles.items(), key=lambda item: first.get(item[0], len(graph.nodes))))
     otherwise = "no matmul reads its parameters" if axis is not None else "the mesh has no tensor axis"
     left = tuple((p, reasons.get(p, otherwise)) for p in layers if _leaf(p, roles, layers))
     return TPPlan(rules_for(roles, list(layers)), roles, left, tuple(layers), tuple(regions))
-
-
-def _expert_roles(
-    graph: Graph, layers: Mapping[str, Layer], axis: str, size: int, reasons: dict[str, str]
-) -> dict[str, TPRole]:
-    """Each expert layer's :class:`ExpertParallel` over ``axis``; one whose experts ``size``
-    does not divide is left to the other roles, its reason kept."""
-    found: dict[str, TPRole] = {}
-    for path, returns in expert_banks(graph, layers).items():
-        role = ExpertParallel(axis, returns=returns)
-        try:
-            role.require_divides(layers[path], size, path, lambda _: "")
-        except IndivisibleShapeError as err:
-            reasons[path] = str(err).split(";")[0]
-            continue
-        found[path] = role
-    return found
 
 
 def _seeds(graph: Graph, kernels: dict[int, int]):
