@@ -357,7 +357,7 @@ def test_megatron_inside_the_experts_all_reduces_once_each_way_per_layer(placed,
 
 
 @pytest.mark.parametrize(
-    "api, mesh, tp, axes, remat",
+    "api, mesh, tp, axes, remat, check_vma",
     [
         pytest.param(
             "linen",
@@ -365,7 +365,8 @@ def test_megatron_inside_the_experts_all_reduces_once_each_way_per_layer(placed,
             [*RULES, *EP_WITHIN],
             ("data", "expert"),
             "full",
-            id="linen-megatron-attention-and-mlp-with-ep-and-tensor-within-remat-full",
+            False,
+            id="linen-megatron-attention-and-mlp-with-ep-and-tensor-within-remat-full-unchecked",
         ),
         pytest.param(
             "nnx",
@@ -373,10 +374,12 @@ def test_megatron_inside_the_experts_all_reduces_once_each_way_per_layer(placed,
             [*RULES[:4], *EP_WITHIN],
             ("fsdp", "expert"),
             "dots",
+            True,
             id="nnx-fsdp-expert-tensor-megatron-attention-with-ep-and-tensor-within-remat-dots",
         ),
         pytest.param(
-            "nnx", {"data": 4, "tensor": 2}, "auto", ("data",), "none", id="nnx-auto-experts-over-tensor"
+            *("nnx", {"data": 4, "tensor": 2}, "auto", ("data",), "none", True),
+            id="nnx-auto-experts-over-tensor",
         ),
         pytest.param(
             "linen",
@@ -384,14 +387,16 @@ def test_megatron_inside_the_experts_all_reduces_once_each_way_per_layer(placed,
             "auto",
             ("data", "expert"),
             "none",
+            True,
             id="linen-auto-experts-over-expert-megatron-over-tensor",
         ),
         pytest.param(
-            "nnx", {"data": 2, "expert": 4}, "auto", ("data", "expert"), "none", id="nnx-auto-experts-alone"
+            *("nnx", {"data": 2, "expert": 4}, "auto", ("data", "expert"), "none", True),
+            id="nnx-auto-experts-alone",
         ),
     ],
 )
-def test_moe_lm_composes_with_tensor_parallelism(api, mesh, tp, axes, remat):
+def test_moe_lm_composes_with_tensor_parallelism(api, mesh, tp, axes, remat, check_vma):
     """On data x expert x tensor, Megatron's attention and dense MLP (every other layer) over
     `tensor` beside expert parallelism, each expert's hidden dim split over `tensor` on its
     device; on fsdp x expert x tensor, Megatron's attention, the experts expert-parallel, their
@@ -401,13 +406,17 @@ def test_moe_lm_composes_with_tensor_parallelism(api, mesh, tp, axes, remat):
     expert axis that splits the batch, "auto" puts the experts on it (expert parallel, the
     tokens sent back by down) and Megatron's attention and each expert's hidden dim (within) on
     `tensor` where the mesh has one. The
-    first two with each block rematerialized (the roles' collectives recomputed in the backward)."""
+    first two with each block rematerialized (the roles' collectives recomputed in the backward),
+    the first with check_vma off."""
     dense = tp != "auto" and len(tp) == len(RULES) + len(EP_WITHIN)  # (the rules of a dense MLP too)
     model = _model(api, remat, capacity_factor=1.0, moe_every=2 if dense else 1)
     storage = EP_STORAGE if "fsdp" in mesh else []
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=LayerLeftWholeWarning)
-        check_sharded(model, (TOKENS, TOKENS), lm_loss, mesh, storage, tp_rules=tp, batch_axes=axes, steps=2)
+        check_sharded(
+            model, (TOKENS, TOKENS), lm_loss, mesh, storage, tp_rules=tp, batch_axes=axes, steps=2,
+            check_vma=check_vma,
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize(
