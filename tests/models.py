@@ -102,20 +102,20 @@ class DenseThen(nn.Module):
 class SequenceParallelAround(nn.Module):
     """Dense -> enter the SP region (split the sequence) -> block in SP mode -> gather the sequence.
 
-    The unsharded twin (axis_name=None) is Dense -> block. The loss then sees the whole
+    The unsharded twin (axis=None) is Dense -> block. The loss then sees the whole
     sequence on every tensor device, as after Megatron's final gather."""
 
     block: nn.Module
     width: int
-    axis_name: str | None = "tensor"
+    axis: str | None = "tensor"
 
     @nn.compact
     def __call__(self, x):
         x = nn.Dense(self.width, name="pre")(x)
-        if self.axis_name is None:
+        if self.axis is None:
             return self.block(x)
-        y = self.block(fsdp_tp.collectives.scatter_to_axis(x, 1, self.axis_name))
-        return fsdp_tp.collectives.gather_from_axis(y, 1, self.axis_name)
+        y = self.block(fsdp_tp.collectives.scatter_to_axis(x, 1, self.axis))
+        return fsdp_tp.collectives.gather_from_axis(y, 1, self.axis)
 
 
 class GatedLM(nn.Module):

@@ -306,7 +306,7 @@ class SequenceParallelDrop(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        y = fsdp_tp.MLPBlock(32, axis_name=self.axis_name, sequence_parallel=self.axis_name is not None)(x)
+        y = fsdp_tp.MLPBlock(32, axis=self.axis_name, sequence_dim=None if self.axis_name is None else 1)(x)
         return x + nn.Dropout(0.5, deterministic=False)(y)
 
 

@@ -5,7 +5,8 @@ listing is allowed only on the way down to where the name is defined (``fsdp_tp.
 ``fsdp_tp.mesh.make_mesh``), never beside it (the roles were listed by six modules). Every
 other path 0.1 and 0.2 wrote is a row of :data:`fsdp_tp._aliases.MOVED`: it reads the very
 object with one ``DeprecationWarning`` naming the canonical path, and no page, docstring or
-message of the project names it.
+message of the project names it. So with a Linen layer's field 0.2 named another way
+(:data:`fsdp_tp._aliases.RENAMED`: ``axis_name``, ``sequence_axis``, ``sequence_parallel``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import fsdp_tp
-from fsdp_tp._aliases import _MODULES, MOVED, canonical
+from fsdp_tp._aliases import _MODULES, MOVED, RENAMED, canonical
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -156,3 +157,54 @@ def test_negative_control_old_paths_in_a_text_are_found():
     assert old_paths_named(two) == {"fsdp_tp.linen.tp_rules.ColumnParallel"}  # (one line read into the next)
     clean = "from fsdp_tp.tp import ColumnParallel\nfsdp_tp.linen.fsdp.gather_params\nfsdp_tp.linen.tp_rules"
     assert old_paths_named(clean) == set()
+
+
+_OLD_VALUE = {"axis_name": "tensor", "sequence_axis": 1, "sequence_parallel": True}
+
+
+@pytest.mark.parametrize("row", RENAMED, ids=lambda r: f"{r.owner}.{r.old}")
+def test_each_renamed_field_sets_the_new_one_with_one_warning_naming_it(row):
+    """The layer built with the old field name is the layer built with the new one (its value
+    converted: ``sequence_parallel=True`` is ``sequence_dim=1``), after one warning; both
+    names at once, a TypeError naming both."""
+    layer = getattr(fsdp_tp, row.owner)
+    size = (4, 2) if row.owner == "VocabParallelEmbed" else (4,)
+    if row.owner == "AttentionBlock":
+        size = (2, 4)
+    given = _OLD_VALUE[row.old]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = layer(*size, **{row.old: given})
+    assert [str(w.message) for w in caught] == [row.message(given)], caught
+    assert f"write {row.owner}({row.new}=" in row.message(given) and "0.3.0" in row.message(given)
+    assert old == layer(*size, **{row.new: row.value(given)}) and getattr(old, row.old) is not given
+    with pytest.raises(TypeError, match=f"{row.old}={given!r} and {row.new}="):
+        layer(*size, **{row.old: given, row.new: 0 if row.new == "sequence_dim" else "expert"})
+
+
+def renamed_fields_named(text: str) -> set[str]:
+    """The old field names ``text`` passes to a Linen layer of :data:`RENAMED` on one line."""
+    owners = "|".join(sorted({row.owner for row in RENAMED}))
+    return {
+        f"{owner}.{row.old}"
+        for owner, call in re.findall(rf"\b({owners})\(([^\n]*)", text)
+        for row in RENAMED
+        if row.owner == owner and re.search(rf"\b{row.old}=", call)
+    }
+
+
+def test_no_page_or_example_passes_a_renamed_field():
+    files = [*ROOT.glob("*.md"), *(ROOT / "docs").rglob("*.md"), *(ROOT / "src").rglob("*.py")]
+    files += [*(ROOT / "tests").rglob("*.py"), *(ROOT / "examples").rglob("*.py")]
+    named = {
+        str(f.relative_to(ROOT)): found
+        for f in files
+        if str(f.relative_to(ROOT)) not in _ON_PURPOSE and (found := renamed_fields_named(f.read_text()))
+    }
+    assert not named, named
+    # negative control: 0.2's spelling is found, the new one is not
+    assert renamed_fields_named("fsdp_tp.MLPBlock(16, axis_name=None, sequence_parallel=True)") == {
+        "MLPBlock.axis_name",
+        "MLPBlock.sequence_parallel",
+    }
+    assert renamed_fields_named("ColumnParallelDense(32, axis='tensor', sequence_dim=1)") == set()

@@ -56,14 +56,12 @@ def _strategy(name: str, check_vma: bool) -> Case:
         return Case(model, reference, mesh_of(2, 4, 1), BATCH_AXES, check_vma, in_dim=8, out_dim=4)
     if name == "tp":
         model = DenseThen(fsdp_tp.MLPBlock(16, out_features=8), 8)
-        reference = DenseThen(fsdp_tp.MLPBlock(16, out_features=8, axis_name=None), 8)
+        reference = DenseThen(fsdp_tp.MLPBlock(16, out_features=8, axis=None), 8)
         return Case(model, reference, mesh_of(2, 1, 4), BATCH_AXES, check_vma, in_dim=8, out_dim=8)
     # FSDP x TP x SP: an FSDP-sharded MLP block in sequence-parallel mode, on 2 x 2 x 2.
     block = fsdp_tp.shard_module_params(fsdp_tp.MLPBlock, "fsdp", min_weight_size=0)
-    model = SequenceParallelAround(block(16, out_features=8, sequence_parallel=True), 8)
-    reference = SequenceParallelAround(
-        fsdp_tp.MLPBlock(16, out_features=8, axis_name=None), 8, axis_name=None
-    )
+    model = SequenceParallelAround(block(16, out_features=8, sequence_dim=1), 8)
+    reference = SequenceParallelAround(fsdp_tp.MLPBlock(16, out_features=8, axis=None), 8, axis=None)
     return Case(
         model,
         reference,

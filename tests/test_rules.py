@@ -201,7 +201,7 @@ def test_rules_add_fsdp_to_a_tensor_parallel_block(check_vma):
     check_equivalence(
         Case(
             model(16, out_features=8),
-            fsdp_tp.MLPBlock(16, out_features=8, axis_name=None),
+            fsdp_tp.MLPBlock(16, out_features=8, axis=None),
             mesh_of(2, 2, 2),
             BATCH_AXES,
             check_vma,

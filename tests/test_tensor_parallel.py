@@ -36,7 +36,7 @@ class ColumnThenGather(nn.Module):
         if self.axis_name is None:
             return nn.Dense(self.features, name="col")(x)
         return fsdp_tp.ColumnParallelDense(
-            self.features, axis_name=self.axis_name, gather_output=True, name="col"
+            self.features, axis=self.axis_name, gather_output=True, name="col"
         )(x)
 
 
@@ -57,7 +57,7 @@ def test_mlp_block_equals_unsharded(mesh, check_vma, fsdp, use_bias, hidden_mult
     if fsdp:
         block = fsdp_tp.shard_module_params(fsdp_tp.MLPBlock, "fsdp", min_weight_size=0)
     model = block(hidden, out_features=4, use_bias=use_bias, collective_matmul=ring)
-    reference = fsdp_tp.MLPBlock(hidden, out_features=4, use_bias=use_bias, axis_name=None)
+    reference = fsdp_tp.MLPBlock(hidden, out_features=4, use_bias=use_bias, axis=None)
     check_equivalence(
         Case(model, reference, mesh_of(*mesh), BATCH_AXES, check_vma, in_dim=in_dim, out_dim=4, seed=seed)
     )
@@ -86,7 +86,7 @@ def test_negative_control_plain_psum_in_unchecked_mode_is_caught(check_vma, monk
     monkeypatch.setattr(tp, "reduce_from_axis", lambda x, axis_name: jax.lax.psum(x, axis_name))
     case = Case(
         fsdp_tp.MLPBlock(16, 4),
-        fsdp_tp.MLPBlock(16, 4, axis_name=None),
+        fsdp_tp.MLPBlock(16, 4, axis=None),
         mesh_of(1, 1, 4),
         BATCH_AXES,
         check_vma,
@@ -103,7 +103,7 @@ def test_negative_control_plain_psum_in_unchecked_mode_is_caught(check_vma, monk
 def test_unsharded_dense_params_load_into_parallel_layers():
     mesh = mesh_of(1, 1, 4)
     x = jax.random.normal(jax.random.key(1), (8, 6))
-    plain = fsdp_tp.MLPBlock(16, 4, axis_name=None)
+    plain = fsdp_tp.MLPBlock(16, 4, axis=None)
     params = plain.init(jax.random.key(7), x)["params"]
     _, specs = fsdp_tp.init_sharded(
         lambda r, x: fsdp_tp.MLPBlock(16, 4).init(r, x)["params"], mesh, (P(), P()), jax.random.key(0), x
@@ -203,7 +203,7 @@ def attention_cases(draw):
     model = cls(**kw, collective_matmul=ring)
     return Case(
         model,
-        fsdp_tp.AttentionBlock(**kw, axis_name=None),
+        fsdp_tp.AttentionBlock(**kw, axis=None),
         mesh_of(*mesh),
         BATCH_AXES,
         draw(st.booleans()),
@@ -228,7 +228,7 @@ def test_gqa_with_fewer_kv_heads_than_devices(check_vma):
     check_equivalence(
         Case(
             fsdp_tp.AttentionBlock(**kw),
-            fsdp_tp.AttentionBlock(**kw, axis_name=None),
+            fsdp_tp.AttentionBlock(**kw, axis=None),
             mesh_of(1, 1, 8),
             BATCH_AXES,
             check_vma,
@@ -276,7 +276,7 @@ def test_heads_the_axis_cannot_split_are_named(heads, kv, tensor, match):
 def test_attention_input_gradient_reaches_upstream_params(heads, kv, check_vma):
     kw = dict(num_heads=heads, head_dim=4, num_kv_heads=kv, use_bias=True)
     model = DenseThen(fsdp_tp.AttentionBlock(**kw), 8)
-    reference = DenseThen(fsdp_tp.AttentionBlock(**kw, axis_name=None), 8)
+    reference = DenseThen(fsdp_tp.AttentionBlock(**kw, axis=None), 8)
     check_equivalence(
         Case(
             model,
@@ -338,8 +338,8 @@ def test_sequence_parallel_blocks_equal_unsharded(mesh, check_vma, fsdp, kind, r
             dict(num_heads=2 * tensor, head_dim=4, num_kv_heads=kv, use_bias=True),
         )
     block_cls = fsdp_tp.shard_module_params(cls, "fsdp", min_weight_size=0) if fsdp else cls
-    model = SequenceParallelAround(block_cls(**kw, sequence_parallel=True, collective_matmul=ring), 8)
-    reference = SequenceParallelAround(cls(**kw, axis_name=None), 8, axis_name=None)
+    model = SequenceParallelAround(block_cls(**kw, sequence_dim=1, collective_matmul=ring), 8)
+    reference = SequenceParallelAround(cls(**kw, axis=None), 8, axis=None)
     check_equivalence(
         Case(
             model,
@@ -360,7 +360,7 @@ def test_sequence_parallel_blocks_equal_unsharded(mesh, check_vma, fsdp, kind, r
 def test_sequence_parallel_mlp_block_moves_gather_and_reduce_scatter(check_vma):
     """SP MLP block forward + backward: all-gather + reduce-scatter each way, nothing else."""
     mesh = mesh_of(1, 1, 8)
-    block = fsdp_tp.MLPBlock(64, out_features=32, sequence_parallel=True)
+    block = fsdp_tp.MLPBlock(64, out_features=32, sequence_dim=1)
     x = jnp.ones((2, 16, 32))  # global; each device holds 2 of the 16 positions
     params, specs = fsdp_tp.init_sharded(
         lambda r, x: block.init(r, x)["params"],
@@ -431,7 +431,7 @@ def test_collective_matmul_moves_only_ring_steps(ring, check_vma):
     """Async SP MLP block, forward + backward on 8 devices: the all-gathers and reduce-scatters
     are gone, replaced by ppermute ring steps carrying the same bytes in chunks."""
     mesh = mesh_of(1, 1, 8)
-    block = fsdp_tp.MLPBlock(64, out_features=32, sequence_parallel=True, collective_matmul=ring)
+    block = fsdp_tp.MLPBlock(64, out_features=32, sequence_dim=1, collective_matmul=ring)
     x = jnp.ones((2, 16, 32))
     spec = P(None, "tensor")
     params, specs = fsdp_tp.init_sharded(
@@ -472,10 +472,8 @@ def test_negative_control_ring_turning_the_wrong_way_is_caught(ring, monkeypatch
     monkeypatch.setattr(collective_matmul, "_shift", lambda x, axis, step: right(x, axis, -step))
     kw = dict(num_heads=4, head_dim=4)
     case = Case(
-        SequenceParallelAround(
-            fsdp_tp.AttentionBlock(**kw, sequence_parallel=True, collective_matmul=ring), 8
-        ),
-        SequenceParallelAround(fsdp_tp.AttentionBlock(**kw, axis_name=None), 8, axis_name=None),
+        SequenceParallelAround(fsdp_tp.AttentionBlock(**kw, sequence_dim=1, collective_matmul=ring), 8),
+        SequenceParallelAround(fsdp_tp.AttentionBlock(**kw, axis=None), 8, axis=None),
         mesh_of(1, 1, 4),
         BATCH_AXES,
         True,

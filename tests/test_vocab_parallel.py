@@ -82,8 +82,8 @@ class TinyLM(nn.Module):
         if self.axis_name is None:
             h = nn.Embed(self.vocab, self.width, name="embed")(ids)
             return nn.Dense(self.vocab, name="head")(nn.tanh(h))
-        h = fsdp_tp.VocabParallelEmbed(self.vocab, self.width, axis_name=self.axis_name, name="embed")(ids)
-        return fsdp_tp.ColumnParallelDense(self.vocab, axis_name=self.axis_name, name="head")(nn.tanh(h))
+        h = fsdp_tp.VocabParallelEmbed(self.vocab, self.width, axis=self.axis_name, name="embed")(ids)
+        return fsdp_tp.ColumnParallelDense(self.vocab, axis=self.axis_name, name="head")(nn.tanh(h))
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
@@ -135,7 +135,7 @@ def test_tiny_vocab_parallel_lm_equals_unsharded(mesh, check_vma):
 def test_an_indivisible_sequence_is_named_with_the_embedding():
     """The role checks the sequence it reduce-scatters, for the Linen layer (which computes
     through it) as for any embedding a rule gives it: the error names the table."""
-    embed = fsdp_tp.VocabParallelEmbed(16, 4, sequence_axis=1)
+    embed = fsdp_tp.VocabParallelEmbed(16, 4, sequence_dim=1)
     lookup = jax.shard_map(
         lambda ids: embed.init(jax.random.key(0), ids),
         mesh=mesh_of(1, 1, 4),

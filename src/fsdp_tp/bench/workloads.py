@@ -44,7 +44,7 @@ class Classifier(nn.Module):
             x = lay.shard(MLPBlock)(
                 self.hidden,
                 self.width,
-                axis_name=lay.tensor,
+                axis=lay.tensor,
                 collective_matmul=lay.ring,
                 name=f"mlp_{i}",
             )(x)

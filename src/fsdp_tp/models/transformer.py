@@ -62,8 +62,8 @@ class DecoderBlock(nn.Module):
             self.head_dim,
             self.num_kv_heads,
             name="attn",
-            axis_name=lay.tensor,
-            sequence_parallel=lay.sequence_split,
+            axis=lay.tensor,
+            sequence_dim=1 if lay.sequence_split else None,
             collective_matmul=lay.ring,
             dtype=self.dtype,
             attention=self.attention,
@@ -72,8 +72,8 @@ class DecoderBlock(nn.Module):
         return x + MLPBlock(
             self.mlp_hidden,
             name="mlp",
-            axis_name=lay.tensor,
-            sequence_parallel=lay.sequence_split,
+            axis=lay.tensor,
+            sequence_dim=1 if lay.sequence_split else None,
             collective_matmul=lay.ring,
             dtype=self.dtype,
         )(h), None
@@ -121,8 +121,8 @@ class Transformer(nn.Module):
             x = lay.shard(VocabParallelEmbed)(
                 self.vocab_size,
                 self.d_model,
-                axis_name=lay.tensor,
-                sequence_axis=1 if sp else None,
+                axis=lay.tensor,
+                sequence_dim=1 if sp else None,
                 dtype=self.dtype,
                 name="embed",
             )(ids)
@@ -157,8 +157,8 @@ class Transformer(nn.Module):
         head = lay.shard(ColumnParallelDense)(
             self.vocab_size,
             use_bias=False,
-            axis_name=lay.tensor,
-            sequence_axis=1 if sp else None,
+            axis=lay.tensor,
+            sequence_dim=1 if sp else None,
             collective_matmul=lay.ring if sp else None,
             dtype=self.dtype,
             name="head",

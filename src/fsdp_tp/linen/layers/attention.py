@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ..._aliases import aliases_of
+from ..._aliases import DEPRECATED, aliases_of, renamed_fields
 from ..._axes import TENSOR, require_axes
 from ..._layout import require_divisible
 from ..._tree import module_path
@@ -32,7 +32,7 @@ class _ReplicatedKV(nn.Module):
     head_dim: int
     use_bias: bool
     param_dtype: Any
-    axis_name: str
+    axis: str
     dtype: Any = None
 
     @nn.compact
@@ -55,8 +55,8 @@ class _ReplicatedKV(nn.Module):
         # Device t reads kv head t * groups // size; its gradient is summed over the axis.
         # (A kv count and axis size that do not divide one another: named at the block.)
         groups, where = self.features // self.head_dim, module_path(self.path[:-1]) or "AttentionBlock"
-        kernel = kept_block(kernel, 1, groups, self.axis_name, where, "num_kv_heads")
-        bias = None if bias is None else kept_block(bias, 0, groups, self.axis_name, where, "num_kv_heads")
+        kernel = kept_block(kernel, 1, groups, self.axis, where, "num_kv_heads")
+        bias = None if bias is None else kept_block(bias, 0, groups, self.axis, where, "num_kv_heads")
 
         def project(chunk):
             chunk, k, b = nn.dtypes.promote_dtype(chunk, kernel, bias, dtype=self.dtype)
@@ -66,12 +66,12 @@ class _ReplicatedKV(nn.Module):
 
 
 class AttentionBlock(nn.Module):
-    """Multi-head (or grouped-query) self-attention, heads split over ``axis_name``.
+    """Multi-head (or grouped-query) self-attention, heads split over ``axis``.
 
     ``query``/``key``/``value`` are column-parallel (whole heads per device),
     ``out`` is row-parallel: one all-reduce forward and one backward. With
     ``num_kv_heads`` smaller than the axis size (it must divide it), k and v
-    stay whole on every device. ``axis_name=None`` is the unsharded twin,
+    stay whole on every device. ``axis=None`` is the unsharded twin,
     with the same parameter tree: ``query``, ``key``, ``value``, ``out``, each
     an ``nn.Dense``.
 
@@ -98,12 +98,18 @@ class AttentionBlock(nn.Module):
     causal: bool = True
     dtype: Any = None  # the computation's dtype (bf16 compute on f32 params: jnp.bfloat16)
     param_dtype: Any = jnp.float32
-    axis_name: str | None = TENSOR
-    sequence_parallel: bool = False  # input and output split along dim -2 (the sequence) over axis_name
+    axis: str | None = TENSOR
+    sequence_dim: int | None = None  # input and output split along this dim (the sequence) over axis
     collective_matmul: str | None = (
         None  # None, "unidirectional" or "bidirectional" (see ColumnParallelDense)
     )
     attention: str = "reference"  # one of ATTENTION_IMPLEMENTATIONS (see attend)
+    axis_name: Any = DEPRECATED  # 0.2's name of `axis`
+    sequence_parallel: Any = DEPRECATED  # 0.2's sequence_dim=1 (True)
+
+    def __post_init__(self):
+        renamed_fields(self)  # (0.2's names, deprecated: fsdp_tp._aliases.RENAMED)
+        super().__post_init__()
 
     def _check_heads(self, role: HeadParallel, layer: Layer, size: int) -> None:
         """The block's own shape (whole kv groups), then its role's one divisibility check;
@@ -111,7 +117,7 @@ class AttentionBlock(nn.Module):
         (:func:`~fsdp_tp.tp.pieces.kept_block`)."""
         kv, fix = layer.num_kv_heads, "another num_kv_heads"
         require_divisible(layer.path, "num_heads", self.num_heads, "num_kv_heads", kv, fix)
-        role.require_divides(layer, size, layer.path, lambda _: f"a smaller {self.axis_name!r} axis")
+        role.require_divides(layer, size, layer.path, lambda _: f"a smaller {self.axis!r} axis")
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -125,22 +131,22 @@ class AttentionBlock(nn.Module):
             y = _attend(split(q), split(k), split(v), self.causal, self.attention)
             return out(y.reshape(*y.shape[:-2], -1))
 
-        if self.axis_name is None:
+        if self.axis is None:
             q = nn.Dense(self.num_heads * dim, name="query", **kw)(x)
             k = nn.Dense(kv * dim, name="key", **no_bias)(x)
             v = nn.Dense(kv * dim, name="value", **kw)(x)
             return heads(q, k, v, nn.Dense(d_model, name="out", **kw))
-        require_axes(self.axis_name, "AttentionBlock")
-        axis = self.axis_name
+        require_axes(self.axis, "AttentionBlock")
+        axis = self.axis
         size = jax.lax.axis_size(axis)
-        seq = x.ndim - 2 if self.sequence_parallel else None
+        seq = self.sequence_dim
         ring = self.collective_matmul
         kept = kv % size != 0  # fewer kv heads than devices: each device the one its queries read
         role = HeadParallel(axis, sequence_dim=seq, replicated_kv=kept, collective_matmul=ring)
         where = module_path(self.path) or "AttentionBlock"
         layer = Layer(kind="attention", path=where, num_heads=self.num_heads, num_kv_heads=kv)
         self._check_heads(role, layer, size)
-        query = ColumnParallelDense(self.num_heads * dim, axis_name=axis, name="query", **kw)
+        query = ColumnParallelDense(self.num_heads * dim, axis=axis, name="query", **kw)
         key: nn.Module
         value: nn.Module
         if kept:
@@ -149,11 +155,9 @@ class AttentionBlock(nn.Module):
                 kv * dim, dim, self.use_bias, self.param_dtype, axis, self.dtype, name="value"
             )
         else:
-            key = ColumnParallelDense(kv * dim, axis_name=axis, name="key", **no_bias)
-            value = ColumnParallelDense(kv * dim, axis_name=axis, name="value", **kw)
-        out = RowParallelDense(
-            d_model, axis_name=axis, sequence_axis=seq, collective_matmul=ring, name="out", **kw
-        )
+            key = ColumnParallelDense(kv * dim, axis=axis, name="key", **no_bias)
+            value = ColumnParallelDense(kv * dim, axis=axis, name="value", **kw)
+        out = RowParallelDense(d_model, axis=axis, sequence_dim=seq, collective_matmul=ring, name="out", **kw)
 
         # The role gives q, k and v one f (or one all-gather, or one ring): their input
         # gradients are summed locally, then reduced over the axis once.

@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ..._aliases import DEPRECATED, renamed_fields
 from ..._axes import TENSOR
 from .dense import ColumnParallelDense, RowParallelDense
 
@@ -18,9 +19,9 @@ __all__ = ["MLPBlock"]
 class MLPBlock(nn.Module):
     """Dense(hidden) → activation → Dense(out): the transformer MLP, split Megatron-style.
 
-    With ``axis_name`` set, ``wi`` is column-parallel and ``wo`` row-parallel
+    With ``axis`` set, ``wi`` is column-parallel and ``wo`` row-parallel
     over it: one all-reduce forward and one backward per block. With
-    ``axis_name=None`` it is the plain ``nn.Dense`` block, the unsharded twin
+    ``axis=None`` it is the plain ``nn.Dense`` block, the unsharded twin
     with the same parameter tree.
 
     >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -28,7 +29,7 @@ class MLPBlock(nn.Module):
     >>> from fsdp_tp import init_sharded, make_mesh
     >>> mesh = make_mesh({"tensor": 8})
     >>> x = jnp.ones((2, 16))
-    >>> plain = MLPBlock(64, axis_name=None).init(jax.random.key(0), x)["params"]
+    >>> plain = MLPBlock(64, axis=None).init(jax.random.key(0), x)["params"]
     >>> split, specs = init_sharded(lambda rng, x: MLPBlock(64).init(rng, x)["params"], mesh,
     ...                             (P(), P()), jax.random.key(0), x)
     >>> specs["wi"]["kernel"], specs["wo"]["kernel"]
@@ -43,9 +44,15 @@ class MLPBlock(nn.Module):
     use_bias: bool = True
     dtype: Any = None
     param_dtype: Any = jnp.float32
-    axis_name: str | None = TENSOR
-    sequence_parallel: bool = False  # input and output split along dim -2 (the sequence) over axis_name
+    axis: str | None = TENSOR
+    sequence_dim: int | None = None  # input and output split along this dim (the sequence) over axis
     collective_matmul: str | None = None  # None, "unidirectional" or "bidirectional" (see RowParallelDense)
+    axis_name: Any = DEPRECATED  # 0.2's name of `axis`
+    sequence_parallel: Any = DEPRECATED  # 0.2's sequence_dim=1 (True)
+
+    def __post_init__(self):
+        renamed_fields(self)  # (0.2's names, deprecated: fsdp_tp._aliases.RENAMED)
+        super().__post_init__()
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -53,13 +60,11 @@ class MLPBlock(nn.Module):
         kw = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
         wi: nn.Module
         wo: nn.Module
-        if self.axis_name is None:
+        if self.axis is None:
             wi, wo = nn.Dense(self.hidden_features, name="wi", **kw), nn.Dense(out, name="wo", **kw)
         else:
-            seq = x.ndim - 2 if self.sequence_parallel else None
-            tp = dict(
-                kw, axis_name=self.axis_name, sequence_axis=seq, collective_matmul=self.collective_matmul
-            )
+            ring = self.collective_matmul
+            tp = dict(kw, axis=self.axis, sequence_dim=self.sequence_dim, collective_matmul=ring)
             wi = ColumnParallelDense(self.hidden_features, name="wi", **tp)
             wo = RowParallelDense(out, name="wo", **tp)
         return wo(self.activation(wi(x)))

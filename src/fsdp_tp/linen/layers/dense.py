@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from ..._aliases import DEPRECATED, renamed_fields
 from ..._axes import TENSOR, require_axes
 from ..._layout import check_fit, sliced_init
 from ..._tree import module_path
@@ -77,10 +78,15 @@ class _ParallelDense(nn.Module):
     precision: Any = None
     kernel_init: _Init = nn.linear.default_kernel_init
     bias_init: _Init = nn.initializers.zeros_init()
-    axis_name: str = TENSOR
+    axis: str = TENSOR
     # None: plain collectives; "unidirectional" / "bidirectional": the sequence-parallel
     # all-gather / reduce-scatter as a ppermute ring overlapped with per-chunk matmuls.
     collective_matmul: str | None = None
+    axis_name: Any = DEPRECATED  # 0.2's name of `axis`
+
+    def __post_init__(self):
+        renamed_fields(self)  # (0.2's names, deprecated: fsdp_tp._aliases.RENAMED)
+        super().__post_init__()
 
     def _layer(self, in_size: int) -> Layer:
         """This layer as its role sees it (the roles' ``"dense"`` kind, as an ``nn.Dense``
@@ -104,11 +110,11 @@ class _ParallelDense(nn.Module):
             self.kernel_init,
             kernel_shape,
             self.param_dtype,
-            split_names(splits, "kernel", 2, self.axis_name),
+            split_names(splits, "kernel", 2, self.axis),
         )
         if not self.use_bias:
             return kernel, None
-        names = split_names(splits, "bias", 1, self.axis_name)
+        names = split_names(splits, "bias", 1, self.axis)
         return kernel, split_param(self, "bias", self.bias_init, (self.features,), self.param_dtype, names)
 
 
@@ -128,13 +134,13 @@ def split_names(splits: dict[str, int], name: str, ndim: int, axis: str) -> tupl
 
 
 class ColumnParallelDense(_ParallelDense):
-    """``nn.Dense`` with the kernel split on its output dim over ``axis_name``.
+    """``nn.Dense`` with the kernel split on its output dim over ``axis``.
 
     Input: the same on every device of the axis. Output: this device's slice of
     the features (last dim), or all of them with ``gather_output=True``.
     Backward: the input's gradient is summed over the axis (Megatron's *f*).
 
-    Sequence parallelism: with ``sequence_axis`` set, the input is this
+    Sequence parallelism: with ``sequence_dim`` set, the input is this
     device's slice of that dim, and the layer all-gathers it (the gather's
     backward reduce-scatters the gradient, so *f* is not applied). Call with
     ``prepared=True`` when the caller already passed the input through *f*
@@ -150,7 +156,7 @@ class ColumnParallelDense(_ParallelDense):
     >>> from jax.sharding import PartitionSpec as P
     >>> from fsdp_tp import make_mesh
     >>> mesh, x = make_mesh({"data": 2, "tensor": 4}), jnp.ones((2, 16))
-    >>> layer = ColumnParallelDense(32, axis_name="tensor")
+    >>> layer = ColumnParallelDense(32, axis="tensor")
     >>> def run(x):
     ...     params = layer.init(jax.random.key(0), x)
     ...     return layer.apply(params, x)
@@ -161,15 +167,16 @@ class ColumnParallelDense(_ParallelDense):
     """
 
     gather_output: bool = False
-    sequence_axis: int | None = None
+    sequence_dim: int | None = None
+    sequence_axis: Any = DEPRECATED  # 0.2's name of `sequence_dim`
 
     @nn.compact
     def __call__(self, x: jax.Array | RingChunks, prepared: bool = False) -> jax.Array:
         require_mode(self.collective_matmul, type(self).__name__)
         role = ColumnParallel(
-            self.axis_name,
+            self.axis,
             gather_output=self.gather_output,
-            sequence_dim=self.sequence_axis,
+            sequence_dim=self.sequence_dim,
             collective_matmul=self.collective_matmul,
         )
         layer = self._layer(x.shape[-1])
@@ -184,12 +191,12 @@ class ColumnParallelDense(_ParallelDense):
 
 
 class RowParallelDense(_ParallelDense):
-    """``nn.Dense`` with the kernel split on its input dim over ``axis_name``.
+    """``nn.Dense`` with the kernel split on its input dim over ``axis``.
 
     Input: this device's slice of the last dim (e.g. a column-parallel output).
     Output: the full result, the same on every device of the axis; the partial
     products are summed (Megatron's *g*) and the bias is added once, after.
-    With ``sequence_axis`` set (sequence parallelism) they are reduce-scattered
+    With ``sequence_dim`` set (sequence parallelism) they are reduce-scattered
     along that dim instead: each device leaves with its slice of the sequence.
 
     ``collective_matmul``: the reduce-scatter becomes a ``ppermute`` ring fused
@@ -200,7 +207,7 @@ class RowParallelDense(_ParallelDense):
     >>> from jax.sharding import PartitionSpec as P
     >>> from fsdp_tp import make_mesh
     >>> mesh, x = make_mesh({"data": 2, "tensor": 4}), jnp.arange(32.0).reshape(2, 16) / 32
-    >>> layer = RowParallelDense(8, axis_name="tensor")
+    >>> layer = RowParallelDense(8, axis="tensor")
     >>> def run(x_slice):   # each device gets 4 of the 16 input features
     ...     params = layer.init(jax.random.key(0), x_slice)
     ...     return layer.apply(params, x_slice)
@@ -210,16 +217,17 @@ class RowParallelDense(_ParallelDense):
     True
     """
 
-    sequence_axis: int | None = None
+    sequence_dim: int | None = None
+    sequence_axis: Any = DEPRECATED  # 0.2's name of `sequence_dim`
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         require_mode(self.collective_matmul, type(self).__name__)
-        require_axes(self.axis_name, type(self).__name__)
+        require_axes(self.axis, type(self).__name__)
         role = RowParallel(
-            self.axis_name, sequence_dim=self.sequence_axis, collective_matmul=self.collective_matmul
+            self.axis, sequence_dim=self.sequence_dim, collective_matmul=self.collective_matmul
         )
-        layer = self._layer(x.shape[-1] * jax.lax.axis_size(self.axis_name))
+        layer = self._layer(x.shape[-1] * jax.lax.axis_size(self.axis))
         kernel, bias = self._params(role, layer, (layer.in_size, self.features))
 
         def partial_products(rows):

@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ..._aliases import aliases_of
+from ..._aliases import DEPRECATED, aliases_of, renamed_fields
 from ..._axes import TENSOR
 from ..._tree import module_path
 from ...tp import Layer, VocabParallel
@@ -20,12 +20,12 @@ __getattr__ = aliases_of(__name__)  # 0.1's vocab_parallel_cross_entropy here (f
 
 
 class VocabParallelEmbed(nn.Module):
-    """``nn.Embed`` with the table split on the vocab dim over ``axis_name``: the role
+    """``nn.Embed`` with the table split on the vocab dim over ``axis``: the role
     :class:`~fsdp_tp.tp.VocabParallel` on this device's rows of the table.
 
     Each device looks the ids up in its rows, zeros the ids it does not hold,
     and the partial rows are summed over the axis — or, with
-    ``sequence_axis`` set (sequence parallelism), reduce-scattered along that
+    ``sequence_dim`` set (sequence parallelism), reduce-scattered along that
     dim, so each device leaves with its slice of the sequence.
     Same tree (``embedding``: (vocab, features)) and init as ``nn.Embed``.
 
@@ -48,16 +48,22 @@ class VocabParallelEmbed(nn.Module):
     dtype: Any = None  # the output's dtype, as nn.Embed's
     param_dtype: Any = jnp.float32
     embedding_init: Any = nn.linear.default_embed_init
-    axis_name: str = TENSOR
-    sequence_axis: int | None = None
+    axis: str = TENSOR
+    sequence_dim: int | None = None
+    axis_name: Any = DEPRECATED  # 0.2's name of `axis`
+    sequence_axis: Any = DEPRECATED  # 0.2's name of `sequence_dim`
+
+    def __post_init__(self):
+        renamed_fields(self)  # (0.2's names, deprecated: fsdp_tp._aliases.RENAMED)
+        super().__post_init__()
 
     @nn.compact
     def __call__(self, ids: jax.Array) -> jax.Array:
-        role = VocabParallel(self.axis_name, sequence_dim=self.sequence_axis)
+        role = VocabParallel(self.axis, sequence_dim=self.sequence_dim)
         path = module_path(self.path) or type(self).__name__  # (errors name a top-level layer by class)
         layer = Layer(kind="embed", path=path, num_embeddings=self.num_embeddings)
         shape = (self.num_embeddings, self.features)
-        names = split_names(role.splits(layer), "embedding", 2, self.axis_name)
+        names = split_names(role.splits(layer), "embedding", 2, self.axis)
         table = split_param(self, "embedding", self.embedding_init, shape, self.param_dtype, names)
         (table,) = nn.dtypes.promote_dtype(table, dtype=self.dtype, inexact=False)
         return role.call("__call__", lambda i: jnp.take(table, i, axis=0), layer, (ids,), {})
