@@ -176,6 +176,7 @@ def test_each_renamed_field_sets_the_new_one_with_one_warning_naming_it(row):
         warnings.simplefilter("always")
         old = layer(*size, **{row.old: given})
     assert [str(w.message) for w in caught] == [row.message(given)], caught
+    assert caught[0].filename == __file__  # the line that built it: shown by default in __main__
     assert f"write {row.owner}({row.new}=" in row.message(given) and "0.3.0" in row.message(given)
     assert old == layer(*size, **{row.new: row.value(given)}) and getattr(old, row.old) is not given
     with pytest.raises(TypeError, match=f"{row.old}={given!r} and {row.new}="):

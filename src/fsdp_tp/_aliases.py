@@ -165,9 +165,22 @@ def renamed_fields(layer: Any) -> None:
                 f"{row.owner}: {row.old}={given!r} and {row.new}={getattr(layer, row.new)!r} name one "
                 f"setting twice; {row.old} is deprecated: pass {row.new} alone."
             )
-        warnings.warn(row.message(given), DeprecationWarning, stacklevel=4)
+        warnings.warn(row.message(given), DeprecationWarning, stacklevel=_callers_level())
         object.__setattr__(layer, row.new, row.value(given))
         object.__setattr__(layer, row.old, DEPRECATED)
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` of the first frame outside this function's caller, flax and a
+    dataclass's generated ``__init__``: the line that built the layer (Python shows a
+    ``DeprecationWarning`` by default only where it is ``__main__``'s)."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and (
+        frame.f_code.co_filename.startswith("<") or "/flax/" in frame.f_code.co_filename
+        or frame.f_code.co_name == "__post_init__"
+    ):  # fmt: skip
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def canonical(path: str) -> Any:
