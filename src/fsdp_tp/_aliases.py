@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import sys
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -174,7 +175,8 @@ def _callers_level() -> int:
     """The ``stacklevel`` of the first frame outside this function's caller, flax and a
     dataclass's generated ``__init__``: the line that built the layer (Python shows a
     ``DeprecationWarning`` by default only where it is ``__main__``'s)."""
-    frame, level = sys._getframe(2), 2
+    frame: types.FrameType | None = sys._getframe(2)
+    level = 2
     while frame is not None and (
         frame.f_code.co_filename.startswith("<") or "/flax/" in frame.f_code.co_filename
         or frame.f_code.co_name == "__post_init__"
