@@ -32,7 +32,17 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["DEPRECATED", "MOVED", "RENAMED", "Moved", "Renamed", "aliases_of", "canonical", "renamed_fields"]
+__all__ = [
+    "DEPRECATED",
+    "MOVED",
+    "RENAMED",
+    "Moved",
+    "Renamed",
+    "RenamedFields",
+    "aliases_of",
+    "canonical",
+    "renamed_fields",
+]
 
 REMOVED_IN = "0.3.0"
 
@@ -152,9 +162,9 @@ RENAMED: tuple[Renamed, ...] = (
 
 
 def renamed_fields(layer: Any) -> None:
-    """In a Linen layer's ``__post_init__``: each renamed field the caller set warns, naming the
-    new one, and sets it (the old one unset again, so a clone does not warn twice); set with its
-    new name too, a ``TypeError``."""
+    """In a Linen layer's ``__post_init__`` (:class:`RenamedFields`): each renamed field the
+    caller set warns, naming the new one, and sets it (the old one unset again, so a clone does
+    not warn twice); set with its new name too, a ``TypeError``."""
     names = {cls.__name__ for cls in type(layer).__mro__}
     for row in RENAMED:
         given = getattr(layer, row.old, DEPRECATED) if row.owner in names else DEPRECATED
@@ -169,6 +179,15 @@ def renamed_fields(layer: Any) -> None:
         warnings.warn(row.message(given), DeprecationWarning, stacklevel=_callers_level())
         object.__setattr__(layer, row.new, row.value(given))
         object.__setattr__(layer, row.old, DEPRECATED)
+
+
+class RenamedFields:
+    """A Linen layer's base, before ``nn.Module``, whose ``__post_init__`` takes the fields
+    :data:`RENAMED` lists for it (:func:`renamed_fields`)."""
+
+    def __post_init__(self):
+        renamed_fields(self)
+        super().__post_init__()  # type: ignore[misc]  # (nn.Module's, next in the MRO)
 
 
 def _callers_level() -> int:

@@ -84,8 +84,8 @@ class MoEMeasured:
 
 def _rules(mesh: dict, plan: str) -> tuple[list, list]:
     fsdp = "fsdp" in mesh
-    if plan in ("expert parallel", WITHIN):
-        return (_FSDP if fsdp else []), (_EP if plan == "expert parallel" else _EP_WITHIN)
+    if (tp := {"expert parallel": _EP, WITHIN: _EP_WITHIN}.get(plan)) is not None:
+        return (_FSDP if fsdp else []), tp
     stored = [(pattern, P(*(a if a != "fsdp" or fsdp else None for a in spec))) for pattern, spec in _STORED]
     return stored, []
 

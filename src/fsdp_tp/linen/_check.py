@@ -26,6 +26,7 @@ from .._tree import static_split
 from ..tp._check import check_plan, checking, own_trace, raise_failure, references_for
 from ..tp._graph import Graph
 from ..tp._plan import letter_hints, spelled
+from ..tp._role import axes_of
 from ..tp._rules import CompiledRole, role_of
 from ..tp._sites import module_of
 from ._traced import plan_of
@@ -83,7 +84,7 @@ def check_call(
     if not checking():
         return  # (the check's own trace of the call)
     bound = bound_axis_names()
-    axes = {part.axis for r in rules for part in r.role.parts()}
+    axes = axes_of(r.role for r in rules)
     sizes = {axis: jax.lax.axis_size(axis) for axis in sorted(axes) if axis in bound}
     fields = fields_of(module, target)
     arrays, rebuild = static_split(args, kwargs)

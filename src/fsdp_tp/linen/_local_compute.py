@@ -27,9 +27,9 @@ from .._axes import require_axes
 from .._tree import module_path
 from .._types import AxisName
 from ..tp import TPRole
-from ..tp._role import placements
 from ..tp._rules import (
     CompiledRole,
+    add_placements,
     kind_error,
     require_divides,
     require_own_parameters,
@@ -102,11 +102,8 @@ def _intercept(rules, seen: Seen, next_fun, args, kwargs, context):
             if index is not None:
                 seen.used.add(index)
             layer = layer_of(module, args, kwargs)
-            for part in role.parts():  # (each over its own axis: an expert kernel's split within)
-                (within,) = require_axes(part.axis, f"tp rule {pattern!r}")
-                require_divides(part, pattern, layer, jax.lax.axis_size(within))
-            for name, dim, on in placements(role, layer):
-                seen.splits[f"{path}/{name}"] = (*seen.splits.get(f"{path}/{name}", ()), (dim, on, pattern))
+            require_divides(role, pattern, layer)
+            add_placements(seen.splits, path, role, layer, pattern)
             out = next_fun(*args, **kwargs)
             # (a layer that made parameters the role does not split is refused, as NNX's is)
             require_own_parameters(

@@ -25,6 +25,7 @@ from ..errors import RuleError
 from ..precision import MixedPrecision, checked_policy
 from ..rules import REPLICATED, CompiledRule, Rules, as_spec, compile_rules, spec_for, unmatched_warning
 from ..tp._auto_mesh import AUTO_AXIS
+from ..tp._role import axes_of
 from ..tp._rules import compile_tp_rules, require_all_matched
 from ..tp._storage import require_no_tp_axis, spec_source, with_split
 from ._auto import AutoRules
@@ -178,7 +179,7 @@ def shard_by_rules(
         def __call__(self, *args, **kwargs):
             tp_now = found(self, args, kwargs) if found is not None else tp
             if found is not None:
-                tp_axes[0] = frozenset(computes.values()) | {p.axis for r in tp_now for p in r.role.parts()}
+                tp_axes[0] = frozenset(computes.values()) | axes_of(r.role for r in tp_now)
             seen = Seen()
             tokens = (
                 _LOGICAL.set(

@@ -22,6 +22,7 @@ from .._tree import static_split
 from ..tp._check import check_plan, checking, own_trace, raise_failure, references_for
 from ..tp._graph import Graph
 from ..tp._plan import letter_hints, spelled
+from ..tp._role import axes_of
 from ..tp._rules import compile_tp_rules
 from ..tp.auto import find_plan
 from ._layers import path_text
@@ -50,7 +51,7 @@ def check_call(
         return
     bound = bound_axis_names()
     roles = [role for role, _, _ in plan.roles.values()]
-    axes = {part.axis for role in roles for part in role.parts()}
+    axes = axes_of(roles)
     sizes = {axis: jax.lax.axis_size(axis) for axis in sorted(axes) if axis in bound}
     arrays, rebuild = static_split(args, kwargs)
     key = repr(([(a.shape, a.dtype) for a in arrays], rebuild([None] * len(arrays)), sizes))

@@ -13,15 +13,13 @@ survives ``nnx.split`` / ``nnx.merge``, so the roles run inside the model's ``nn
 
 from __future__ import annotations
 
-import jax
 from flax import nnx
 
-from .._axes import require_axes
 from .._types import AxisName
 from ..tp import Layer, TPRole
-from ..tp._role import placements
 from ..tp._rules import (
     CompiledRole,
+    add_placements,
     compile_tp_rules,
     kind_error,
     require_all_matched,
@@ -70,9 +68,7 @@ class RolePlan:
         own = [p[len(text) + 1 :] for p in params if p.startswith(text + "/")]
         require_own_parameters(role, pattern, layer, type(node), own)
         self.roles[path] = (role, pattern, layer)
-        for name, dim, axis in placements(role, layer):
-            if f"{text}/{name}" in params:  # a layer without a bias has no bias to split
-                self.splits[f"{text}/{name}"] = (*self.splits.get(f"{text}/{name}", ()), (dim, axis, pattern))
+        add_placements(self.splits, text, role, layer, pattern, params)
         kept = (f"{text}/{name}" for name in role.kept_whole(layer))
         self.whole |= {path: role.axis for path in kept if path in params}
         for name, inner in role.inner().items():
@@ -81,9 +77,7 @@ class RolePlan:
     def check_sizes(self) -> None:
         """Per device: every role's axis is a mesh axis whose size divides what it splits."""
         for role, pattern, layer in self.roles.values():
-            for part in role.parts():
-                (axis,) = require_axes(part.axis, f"tp rule {pattern!r}")
-                require_divides(part, pattern, layer, jax.lax.axis_size(axis))
+            require_divides(role, pattern, layer)
 
 
 def tp_splits(model: nnx.Module, tp_rules) -> dict[str, tuple[tuple[int, AxisName], ...]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -22,7 +22,7 @@ from .._layout import axis_text, require_divisible
 from ..collective_matmul import require_mode
 from ..errors import RuleError
 
-__all__ = ["Layer", "Local", "TPRole", "placements", "without_rings"]
+__all__ = ["Layer", "Local", "TPRole", "axes_of", "placements", "without_rings"]
 
 _UNRINGED: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_tp_unringed", default=False)
 
@@ -169,6 +169,11 @@ class TPRole:
         """:meth:`around` without its ``check_vma`` guard: for a front end whose blocks sum their
         norms' gradients themselves (Linen's layers, which are these roles)."""
         raise NotImplementedError
+
+
+def axes_of(roles: Iterable[TPRole]) -> set[str]:
+    """The mesh axes ``roles`` and their parts (:meth:`TPRole.parts`) compute over."""
+    return {part.axis for role in roles for part in role.parts()}
 
 
 def placements(role: TPRole, layer: Layer) -> list[tuple[str, int, str]]:

@@ -8,12 +8,16 @@ rest (which rule names which submodule, the splits, every error's wording) is he
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
+import jax
+
+from .._axes import require_axes
 from .._registered import computes_of
 from ..errors import RuleError
 from ..rules import split_rule
+from ._role import placements
 from ._roles import ROLES, ColumnParallel, Layer, RowParallel, TPRole
 
 __all__ = [
@@ -166,20 +170,35 @@ def _listed(nameable: list[tuple[str, list[str]]], most: int = 8) -> str:
     return (text or "none") + (", ..." if len(nameable) > most else "")
 
 
-def require_divides(role: TPRole, pattern: str, layer: Layer, size: int) -> None:
-    """:meth:`TPRole.require_divides` for a tp rule: the rule named, the fix to change the
-    axis or drop the rule."""
+def require_divides(role: TPRole, pattern: str, layer: Layer) -> None:
+    """:meth:`TPRole.require_divides` for a tp rule, in the step (where its axes are bound):
+    the role and each of its parts over its own mesh axis (an expert kernel's split within), the
+    rule named, the fix to change the axis or drop the rule."""
+    for part in role.parts():
+        (axis,) = require_axes(part.axis, f"tp rule {pattern!r}")
+        size = jax.lax.axis_size(axis)
 
-    def fix(value: int) -> str:
-        # An einsum's letter the axis is larger than (kv heads) can be kept whole, a block each.
-        kept = layer.kind == "einsum" and isinstance(role, ColumnParallel) and size % value == 0
-        whole = ", or keep its kernel whole with each device's block of the letter: replicated=True"
-        return (
-            f"use a {role.axis!r} size that divides {value}, or leave {layer.path} whole "
-            f"(drop it from the rules)" + (whole if kept else "")
-        )
+        def fix(value: int, part: TPRole = part, size: int = size) -> str:
+            # An einsum's letter the axis is larger than (kv heads) can be kept whole, a block each.
+            kept = layer.kind == "einsum" and isinstance(part, ColumnParallel) and size % value == 0
+            whole = ", or keep its kernel whole with each device's block of the letter: replicated=True"
+            return (
+                f"use a {part.axis!r} size that divides {value}, or leave {layer.path} whole "
+                f"(drop it from the rules)" + (whole if kept else "")
+            )
 
-    role.require_divides(layer, size, f"tp rule {pattern!r} -> {type(role).__name__}: {layer.path}", fix)
+        part.require_divides(layer, size, f"tp rule {pattern!r} -> {type(part).__name__}: {layer.path}", fix)
+
+
+def add_placements(
+    splits: dict, path: str, role: TPRole, layer: Layer, pattern: str, present: Container[str] | None = None
+) -> None:
+    """Records in ``splits`` (parameter path -> its ``(dim, axis, pattern)`` splits) each split
+    ``role`` and its parts make of the parameters of ``layer`` at module ``path`` (of those in
+    ``present`` where given: a layer without a bias has no bias to split)."""
+    for name, dim, axis in placements(role, layer):
+        if present is None or f"{path}/{name}" in present:
+            splits[f"{path}/{name}"] = (*splits.get(f"{path}/{name}", ()), (dim, axis, pattern))
 
 
 def require_own_parameters(role: TPRole, pattern: str, layer: Layer, cls: type, names: Sequence[str]) -> None:

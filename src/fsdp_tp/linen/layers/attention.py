@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ..._aliases import DEPRECATED, aliases_of, renamed_fields
+from ..._aliases import DEPRECATED, RenamedFields, aliases_of
 from ..._axes import TENSOR, require_axes
 from ..._layout import require_divisible
 from ..._tree import module_path
@@ -65,7 +65,7 @@ class _ReplicatedKV(nn.Module):
         return apply_chunked(x, project)
 
 
-class AttentionBlock(nn.Module):
+class AttentionBlock(RenamedFields, nn.Module):
     """Multi-head (or grouped-query) self-attention, heads split over ``axis``.
 
     ``query``/``key``/``value`` are column-parallel (whole heads per device),
@@ -106,10 +106,6 @@ class AttentionBlock(nn.Module):
     attention: str = "reference"  # one of ATTENTION_IMPLEMENTATIONS (see attend)
     axis_name: Any = DEPRECATED  # 0.2's name of `axis`
     sequence_parallel: Any = DEPRECATED  # 0.2's sequence_dim=1 (True)
-
-    def __post_init__(self):
-        renamed_fields(self)  # (0.2's names, deprecated: fsdp_tp._aliases.RENAMED)
-        super().__post_init__()
 
     def _check_heads(self, role: HeadParallel, layer: Layer, size: int) -> None:
         """The block's own shape (whole kv groups), then its role's one divisibility check;

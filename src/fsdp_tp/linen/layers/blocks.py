@@ -9,14 +9,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ..._aliases import DEPRECATED, renamed_fields
+from ..._aliases import DEPRECATED, RenamedFields
 from ..._axes import TENSOR
 from .dense import ColumnParallelDense, RowParallelDense
 
 __all__ = ["MLPBlock"]
 
 
-class MLPBlock(nn.Module):
+class MLPBlock(RenamedFields, nn.Module):
     """Dense(hidden) → activation → Dense(out): the transformer MLP, split Megatron-style.
 
     With ``axis`` set, ``wi`` is column-parallel and ``wo`` row-parallel
@@ -49,10 +49,6 @@ class MLPBlock(nn.Module):
     collective_matmul: str | None = None  # None, "unidirectional" or "bidirectional" (see RowParallelDense)
     axis_name: Any = DEPRECATED  # 0.2's name of `axis`
     sequence_parallel: Any = DEPRECATED  # 0.2's sequence_dim=1 (True)
-
-    def __post_init__(self):
-        renamed_fields(self)  # (0.2's names, deprecated: fsdp_tp._aliases.RENAMED)
-        super().__post_init__()
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from ..._aliases import DEPRECATED, renamed_fields
+from ..._aliases import DEPRECATED, RenamedFields
 from ..._axes import TENSOR, require_axes
 from ..._layout import check_fit, sliced_init
 from ..._tree import module_path
@@ -68,7 +68,7 @@ def _matmul(x, kernel, precision):
     return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
 
 
-class _ParallelDense(nn.Module):
+class _ParallelDense(RenamedFields, nn.Module):
     """``nn.Dense``'s arguments plus the mesh axis the kernel is split over."""
 
     features: int
@@ -83,10 +83,6 @@ class _ParallelDense(nn.Module):
     # all-gather / reduce-scatter as a ppermute ring overlapped with per-chunk matmuls.
     collective_matmul: str | None = None
     axis_name: Any = DEPRECATED  # 0.2's name of `axis`
-
-    def __post_init__(self):
-        renamed_fields(self)  # (0.2's names, deprecated: fsdp_tp._aliases.RENAMED)
-        super().__post_init__()
 
     def _layer(self, in_size: int) -> Layer:
         """This layer as its role sees it (the roles' ``"dense"`` kind, as an ``nn.Dense``

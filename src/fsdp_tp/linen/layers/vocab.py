@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ..._aliases import DEPRECATED, aliases_of, renamed_fields
+from ..._aliases import DEPRECATED, RenamedFields, aliases_of
 from ..._axes import TENSOR
 from ..._tree import module_path
 from ...tp import Layer, VocabParallel
@@ -19,7 +19,7 @@ __all__ = ["VocabParallelEmbed"]
 __getattr__ = aliases_of(__name__)  # 0.1's vocab_parallel_cross_entropy here (fsdp_tp._aliases)
 
 
-class VocabParallelEmbed(nn.Module):
+class VocabParallelEmbed(RenamedFields, nn.Module):
     """``nn.Embed`` with the table split on the vocab dim over ``axis``: the role
     :class:`~fsdp_tp.tp.VocabParallel` on this device's rows of the table.
 
@@ -52,10 +52,6 @@ class VocabParallelEmbed(nn.Module):
     sequence_dim: int | None = None
     axis_name: Any = DEPRECATED  # 0.2's name of `axis`
     sequence_axis: Any = DEPRECATED  # 0.2's name of `sequence_dim`
-
-    def __post_init__(self):
-        renamed_fields(self)  # (0.2's names, deprecated: fsdp_tp._aliases.RENAMED)
-        super().__post_init__()
 
     @nn.compact
     def __call__(self, ids: jax.Array) -> jax.Array:
