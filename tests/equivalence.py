@@ -189,7 +189,8 @@ def optimizer_mismatches(
 
 
 def check_split(api, cls, rules, x_shape, check_vma: bool):
-    """``cls`` (a constructor taking ``rngs`` in NNX, a module class in Linen) split by ``rules``
+    """``cls`` (a constructor taking ``rngs`` in NNX, a module class in Linen; for ``"layers"``, a
+    Linen class of Megatron layers whose ``sharded=False`` twin has ``nn.Dense``) split by ``rules``
     on data 2 x tensor 4: its outputs and synced gradients are the unsharded model's. Returns
     the sharded model and its parameters' specs."""
     with jax.enable_x64(True):
@@ -197,6 +198,8 @@ def check_split(api, cls, rules, x_shape, check_vma: bool):
             # ("auto" traces the call: its input, as a shape)
             inputs = dict(inputs=(jax.ShapeDtypeStruct(x_shape, jnp.float64),)) if rules == "auto" else {}
             model, twin = NNXSharded(cls, batch_axes=("data",), tp_rules=rules, **inputs), NNXTwin(cls)
+        elif api == "layers":  # the Linen Megatron layers in the model's code; its twin has nn.Dense
+            model, twin = cls(), cls(sharded=False)
         else:
             model, twin = fsdp_tp.shard_by_rules(cls, batch_axes=("data",), tp_rules=rules)(), cls()
         mesh = fsdp_tp.make_mesh({"data": 2, "tensor": 4})

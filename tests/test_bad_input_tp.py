@@ -226,7 +226,8 @@ def test_a_norm_between_a_column_and_its_row_is_named(api):
     """A ScopeParamShapeError (Linen) or a reshape's TypeError (NNX) with advice about head counts."""
     said = (
         r"a LayerNorm the rules leave whole fails on a device's slice of the features a column layer "
-        r"splits at .*test_bad_input_tp.py:\d+ .* Fix: drop the rules of the column and row layers around it"
+        r"splits at .*test_bad_input_tp.py:\d+ .* Fix: leave the column and row layers around it whole "
+        r"\(drop its tp rule\)"
     )
     rules = [(r"^up$", ColumnParallel()), (r"^down$", RowParallel())]
     with pytest.raises(RuleError, match=said):

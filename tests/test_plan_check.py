@@ -20,7 +20,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+import fsdp_tp
+from fsdp_tp import ColumnParallelDense, RowParallelDense
 from fsdp_tp.errors import LayerLeftWholeWarning, RuleError, UncheckedPlanWarning
 from fsdp_tp.testing import check_sharded
 from fsdp_tp.tp import ColumnParallel, RowParallel
@@ -120,6 +123,25 @@ def _linen(way: str) -> type[nn.Module]:
     return LinenAttention
 
 
+def _layers(way: str) -> type[nn.Module]:
+    """The same attention of the Linen Megatron layers, written by hand (its twin: ``nn.Dense``)."""
+
+    class LayersAttention(nn.Module):
+        sharded: bool = True
+
+        @nn.compact
+        def __call__(self, x):
+            column, row = (ColumnParallelDense, RowParallelDense) if self.sharded else (nn.Dense, nn.Dense)
+            dense = lambda kind, width, name: kind(width, param_dtype=jnp.float64, name=name)
+            if way == "fused_qkv_split":
+                q, k, v = split_fused(dense(column, 3 * D, "qkv")(x))
+            else:
+                q, k, v = (WAYS[way](dense(column, D, name)(x)) for name in ("q", "k", "v"))
+            return dense(row, D, "out")(attend(q, k, v))
+
+    return LayersAttention
+
+
 def _nnx(way: str):
     class NNXAttention(nnx.Module):
         def __init__(self, rngs):
@@ -148,13 +170,14 @@ def _refused_at(way: str) -> int | None:
 
 
 def _model(api: str, way: str):
-    return _linen(way) if api == "linen" else _nnx(way)
+    return {"linen": _linen, "nnx": _nnx, "layers": _layers}[api](way)
 
 
 @pytest.mark.parametrize("way", list(WAYS))
-@pytest.mark.parametrize("api", ["linen", "nnx"])
+@pytest.mark.parametrize("api", ["linen", "nnx", "layers"])
 def test_attention_as_people_write_it_is_refused_at_its_line_or_equal(api, way):
-    """Hand rules: refused naming the line, or equal to unsharded."""
+    """Hand rules, or the Linen Megatron layers in the model's own code (``"layers"``, checked at
+    ``init_sharded``): refused naming the line, or equal to unsharded."""
     rules = FUSED_RULES if way == "fused_qkv_split" else RULES
     line = _refused_at(way)
     if line is None:
@@ -190,13 +213,16 @@ def test_auto_splits_attention_where_the_check_passes_else_leaves_it_whole_namin
 REFUSED_AND_RUNNING = [w for w in WAYS if _refused_at(w) is not None and w != "heads_by_both_sizes"]
 
 
-@pytest.mark.parametrize("way", REFUSED_AND_RUNNING)
-def test_negative_control_unchecked_the_refused_ways_train_another_model(way):
+@pytest.mark.parametrize(
+    ("api", "way"),
+    [("linen", w) for w in REFUSED_AND_RUNNING] + [("layers", "heads_by_count"), ("layers", "softmaxed")],
+)
+def test_negative_control_unchecked_the_refused_ways_train_another_model(api, way):
     """With the check off, each refused way (but the one that cannot run on its slices) gives
     other outputs than the unsharded model: the check refuses real differences."""
     rules = FUSED_RULES if way == "fused_qkv_split" else RULES
     with switched_off(), pytest.raises(AssertionError, match="output"):
-        check_split("linen", _linen(way), rules, X, check_vma=True)
+        check_split(api, _model(api, way), rules, X, check_vma=True)
 
 
 def test_nnx_with_inputs_is_checked_at_init_before_any_step():
@@ -304,3 +330,34 @@ def test_an_operation_on_a_literal_made_a_value_does_not_shift_its_lines_pairs(m
     assert converts_of_x(_sites.pair(local, reference)) == {(4,): (4,)}
     monkeypatch.setattr(_sites, "_on_literals", lambda graph: set())
     assert converts_of_x(_sites.pair(local, reference)) == {(): (4,)}
+
+
+@pytest.mark.parametrize(
+    ("sequence_parallel", "ring", "kv_heads", "scan"),
+    [(True, "bidirectional", 2, True), (False, None, 1, False), (True, None, 1, True)],
+)
+def test_the_megatron_layers_check_passes_the_librarys_own_models(
+    monkeypatch, sequence_parallel, ring, kv_heads, scan
+):
+    """No false refusal: the library's Linen transformer (its attention and MLP blocks, the
+    vocabulary-parallel embedding and head; sequence parallel, rings, kv heads kept whole, a
+    scan over layers), which the layers' check skips (the suite proves it equal), passes it
+    when checked like a user's model. The check traced it (its two graphs)."""
+    from fsdp_tp.linen import _layers_check
+    from fsdp_tp.models import Layout, Transformer
+    from tests.transformer_case import CONFIG
+
+    traced = []
+    graph = _layers_check._graph
+    monkeypatch.setattr(_layers_check, "_library_model", lambda module: False)
+    monkeypatch.setattr(_layers_check, "_graph", lambda *a: traced.append(a[3]) or graph(*a))
+    layout = Layout("tensor", "fsdp", sequence_parallel, collective_matmul=ring, min_weight_size=0)
+    config = {**CONFIG, "num_kv_heads": kv_heads}
+    model = Transformer(**config, layout=layout, scan_layers=scan)
+    ids = jnp.zeros((8, 8), jnp.int32)
+    mesh = fsdp_tp.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fsdp_tp.errors.ReplicatedParameterWarning)
+        fsdp_tp.init_sharded(lambda r, x: model.init(r, x)["params"], mesh, (P(), P(("data", "fsdp"))),
+                             jax.random.key(0), ids)  # fmt: skip
+    assert [dict(m.shape)["tensor"] for m in traced][:2] == [2, 1], traced

@@ -26,6 +26,7 @@ from ._trace import specs_of, trace_per_device
 from ._types import PyTree, Specs
 from .errors import SpecTreeMismatchError
 from .partitioning import check_specs
+from .tp._check import watched_init
 
 __all__ = ["init_sharded", "lower_init"]
 
@@ -152,7 +153,8 @@ def _programs(init_fn, mesh, in_specs, args, twin_init_fn, one_leaf_at_a_time, c
         raise TypeError(f"init_sharded: twin_init_fn must be a function like init_fn, got {twin_init_fn!r}.")
     check_specs(args, in_specs, mesh, "init argument")
     init_fn = without_optimizer_state(init_fn)
-    traced = trace_per_device(init_fn, mesh, in_specs, args, check_vma=check_vma)
+    with watched_init(mesh, check_vma):  # (a front end's layers checked against the model, after)
+        traced = trace_per_device(init_fn, mesh, in_specs, args, check_vma=check_vma)
     count = len(traced.flat_specs)
     groups = _groups(count, 1 if one_leaf_at_a_time else _LEAVES_PER_PROGRAM)
     if twin_init_fn is None:

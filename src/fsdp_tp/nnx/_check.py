@@ -72,7 +72,7 @@ def check_call(
     except Exception as err:
         said = {f"({pattern!r}, {spelled(role)})": None for role, pattern, _ in plan.roles.values()}
         written = ", ".join(said)  # (each rule once, as matched: a role's children say "(inside)")
-        raise_failure(err, unsharded, where, f"[{written}]", sizes, hinted)
+        raise_failure(err, unsharded, where, f"the tp rules [{written}]", sizes, hinted)
     check_plan(local, references_for(unsharded, roles, sizes), sizes, where, _named(plan), hinted)
     checked.add(key)
 

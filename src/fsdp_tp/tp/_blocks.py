@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from ..errors import RuleError
 from ._graph import Graph
 from ._ops import COLLECTIVES, FLAX_ATTENTION, RANDOM, is_block, linear, paired_shapes, sums_over
-from ._refusals import Named, PartialSum, Refusals, axes_text, blaming, mixing_fix
+from ._refusals import RULE_DROPPED, Named, PartialSum, Refusals, axes_text, blaming, mixing_fix
 from ._relations import Node, shape_text
 from ._sites import is_library, pair, scope_of, site_of, user_site
 
@@ -30,11 +30,20 @@ __all__ = ["Blocks"]
 class Blocks(Refusals):
     """The walk over ``local`` (one device's trace) against ``reference`` (the unsharded
     model's), for roles over ``sizes``' axes; :meth:`run` refuses with a ``RuleError`` (its
-    words start with ``where``; ``named`` says a name stack's module and role) and collects in
+    words start with ``where``; ``named`` says a name stack's module and role, ``whole`` how
+    the user leaves a module whole) and collects in
     ``undecided`` the operations it does not know that a split reaches."""
 
-    def __init__(self, local: Graph, reference: Graph, sizes: Mapping[str, int], where: str, named: Named):
-        self.local, self.reference, self.where, self.named = local, reference, where, named
+    def __init__(
+        self,
+        local: Graph,
+        reference: Graph,
+        sizes: Mapping[str, int],
+        where: str,
+        named: Named,
+        whole: str = RULE_DROPPED,
+    ):
+        self.local, self.reference, self.where, self.named, self.whole = local, reference, where, named, whole
         self.sizes = dict(sizes)
         self.total = math.prod(self.sizes.values())
         self.pairs = pair(local, reference)
@@ -94,6 +103,8 @@ class Blocks(Refusals):
             return
         sums = [self.partial[v] for v in node.ins if v in self.partial]
         origin = next((self.origin[v] for v in node.ins if v in self.origin), None)
+        if origin is None and node.prim == "dot_general":  # (a Linen Megatron layer's own matmul)
+            origin = scope_of(node)
         for out in node.outs:
             if sums:
                 self.partial[out] = sums[0]

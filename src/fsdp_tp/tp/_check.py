@@ -41,7 +41,7 @@ from .._context import set_for
 from ..errors import RuleError, UncheckedPlanWarning
 from ._blocks import Blocks
 from ._graph import Graph
-from ._refusals import Named, axes_text
+from ._refusals import RULE_DROPPED, Named, axes_text
 from ._role import without_rings
 from ._sites import Site, flax_file, made_by_jax, users_file
 
@@ -54,6 +54,8 @@ __all__ = [
     "raise_failure",
     "references_for",
     "switched_off",
+    "watch_inits",
+    "watched_init",
 ]
 
 _OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_tp_plan_check_off", default=False)
@@ -78,6 +80,41 @@ def own_trace() -> Iterator[None]:
         yield
 
 
+# What a front end checks after the per-device init's trace: its own layers that run their
+# roles themselves (Linen's Megatron layers) are seen only there, in a model the core's
+# init_sharded cannot name. A watcher is entered around that trace and gives the check to run
+# after it (outside any mesh): check(mesh, check_vma, error), error what the trace raised.
+Watcher = Callable[[], contextlib.AbstractContextManager[Callable[[Any, bool, Exception | None], None]]]
+_WATCHERS: list[Watcher] = []
+
+
+def watch_inits(watcher: Watcher) -> None:
+    """Has ``watcher`` watch every per-device init's trace (a front end's, once at its import)."""
+    if watcher not in _WATCHERS:
+        _WATCHERS.append(watcher)
+
+
+@contextlib.contextmanager
+def watched_init(mesh: Any, check_vma: bool) -> Iterator[None]:
+    """Within, the per-device init is traced under every watcher; after, each one's check runs
+    (a :class:`~fsdp_tp.errors.RuleError` before anything is compiled), and where the trace
+    failed, each may say why (the model's code on a device's slices) before the error passes."""
+    if not checking() or not _WATCHERS:
+        yield
+        return
+    failed = None
+    with contextlib.ExitStack() as stack:
+        checks = [stack.enter_context(watch()) for watch in _WATCHERS]
+        try:
+            yield
+        except Exception as err:
+            failed = err
+    for check in checks:
+        check(mesh, check_vma, failed)
+    if failed is not None:
+        raise failed
+
+
 @dataclasses.dataclass(frozen=True)
 class Reference:
     """How to trace the unsharded model (``build``), and the dims its outputs may leave split
@@ -94,6 +131,7 @@ def check_plan(
     where: str,
     named: Named,
     hints: Callable[[], str] = str,
+    whole: str = RULE_DROPPED,
 ) -> list[str]:
     """Raises :class:`~fsdp_tp.errors.RuleError` where ``local`` (one device's trace under the
     plan, whose roles split over ``sizes``' axes) does not compute blocks of the unsharded
@@ -105,10 +143,10 @@ def check_plan(
     A model's output may leave split on its last dim (logits over a vocabulary split, for
     :func:`~fsdp_tp.vocab_parallel_cross_entropy`), never as partial sums. ``hints()``:
     what a refusal adds (:func:`~fsdp_tp.tp._plan.letter_hints`: the einsum letters the plan
-    finder gives), computed only then."""
+    finder gives), computed only then; ``whole``: how the user leaves a module whole."""
     refused = None
     for reference in references:
-        blocks = Blocks(local, reference.build(), sizes, where, named)
+        blocks = Blocks(local, reference.build(), sizes, where, named, whole)
         try:
             blocks.run(reference.split_outputs)
         except RuleError as err:
@@ -172,12 +210,14 @@ def raise_failure(
     rules: str,
     sizes: Mapping[str, int],
     hints: Callable[[], str] = str,
+    whole: str = RULE_DROPPED,
 ) -> NoReturn:
     """Raises what fits an error of the model's code on a device's slices under the plan
-    (``rules``: the rules as written): the library's own errors as they are (they name their
-    fix), and the model's own as they are where the unsharded model (``unsharded()`` traces it)
-    fails too; else a :class:`~fsdp_tp.errors.RuleError` naming the line that failed, with
-    ``hints()`` (:func:`~fsdp_tp.tp._plan.letter_hints`) after it."""
+    (``rules``: the plan as written, ``"the tp rules [...]"``): the library's own errors as they
+    are (they name their fix), and the model's own as they are where the unsharded model
+    (``unsharded()`` traces it) fails too; else a :class:`~fsdp_tp.errors.RuleError` naming the
+    line that failed, with ``hints()`` (:func:`~fsdp_tp.tp._plan.letter_hints`) after it and
+    ``whole``, how a module is left whole."""
     frames = traceback.extract_tb(err.__traceback__)
     sites = [Site(f.filename, f.lineno or 0, f.name) for f in reversed(frames)]
     raiser = next((s for s in sites if not made_by_jax(s.file)), None)
@@ -192,20 +232,19 @@ def raise_failure(
     line = next((s for s in sites if users_file(s.file)), None)
     if (layer := _flax_layer(err)) is not None:  # (a Flax layer the rules leave whole)
         raise RuleError(
-            f"{where}: under the tp rules {rules}, a {layer} the rules leave whole fails on a device's "
+            f"{where}: under {rules}, a {layer} the rules leave whole fails on a device's "
             f"slice of the features a column layer splits{f' at {line}' if line else ''}: "
             f"{type(err).__name__}: {err}. Its own sizes (its parameters') are the unsharded "
             f"model's, and a layer that reads the features whole (a norm over them) between a "
-            f"column layer and its row layer is not the unsharded model's on a slice. Fix: drop the "
-            f"rules of the column and row layers around it, so they stay whole (or move it out of "
-            f"the pair).{hints()}"
+            f"column layer and its row layer is not the unsharded model's on a slice. Fix: leave the "
+            f"column and row layers around it whole ({whole}), or move it out of the pair.{hints()}"
         ) from err
     raise RuleError(
-        f"{where}: under the tp rules {rules} the model's code fails on each device's slices"
+        f"{where}: under {rules} the model's code fails on each device's slices"
         f"{f' at {line}' if line else ''}: {type(err).__name__}: {err}. Each role computes its "
         f"module on a block of what it splits over {axes_text(sizes)}, and the code around it runs as "
         f"written: a size taken from the module's constants (a head count, a stacked k/v dim) no "
         f"longer fits. Fix: size that code from the arrays it gets (reshape with -1 where the "
-        f"split dim lands), give an einsum role the letter the model splits (letter=...), or drop "
-        f"the rule for the modules around that line, so they stay whole.{hints()}"
+        f"split dim lands), give an einsum role the letter the model splits (letter=...), or leave "
+        f"the modules around that line whole ({whole}).{hints()}"
     ) from err

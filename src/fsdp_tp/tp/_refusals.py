@@ -17,9 +17,10 @@ from ._graph import Graph
 from ._relations import Node, shape_text
 from ._sites import user_site
 
-__all__ = ["Named", "PartialSum", "Refusals", "axes_text", "blaming", "mixing_fix"]
+__all__ = ["RULE_DROPPED", "Named", "PartialSum", "Refusals", "axes_text", "blaming", "mixing_fix"]
 
 Named = Callable[[str], tuple[str, str]]  # a name stack -> (module path, its role as written)
+RULE_DROPPED = "drop its tp rule"  # how a module under tp rules is left whole
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,7 @@ class Refusals:
     total: int
     where: str
     named: Named
+    whole: str  # how the user leaves a module whole (RULE_DROPPED under tp rules)
 
     def refuse_reshape(self, node: Node, ref: Node, origin: str, major: int) -> None:
         full, held = self.reference.shapes[ref.outs[0]], self.local.shapes[node.outs[0]]
@@ -75,7 +77,7 @@ class Refusals:
             + (f", {_texts(self.reference, rs)} unsharded" if rs else "")
             for what, vs, rs in sides
         )
-        drop = f"; or leave {module} whole (drop its tp rule)" if module else ""
+        drop = f"; or leave {module} whole ({self.whole})" if module else ""
         at = user_site(node.source) or "a line JAX does not record"
         err = RuleError(
             f"{self.where}: {role} on {module or 'the model'} splits what the model's code at {at} "

@@ -17,4 +17,6 @@ __all__ = [
     "split_param",
 ]
 
+from .. import _layers_check  # noqa: F401  (init_sharded checks these layers in the model)
+
 __getattr__ = aliases_of(__name__)  # 0.1's vocab_parallel_cross_entropy here (fsdp_tp._aliases)
