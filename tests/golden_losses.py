@@ -86,8 +86,13 @@ def mismatch(run: dict, recorded: dict) -> str:
 
 
 def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "")
-    return f"{platform.machine()} {cpu}".strip()
+    """The CPU's name, and on x86 its widest vector instructions: one model name (``AMD EPYC``)
+    is sold with and without AVX-512, and XLA's code, so the losses, differ between them."""
+    info = _cpuinfo()
+    cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "")
+    flags = set(next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), []))
+    isa = next((name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2")) if flag in flags), None)
+    return f"{platform.machine()} {cpu}{f' ({isa})' if isa else ''}".strip()
 
 
 def _cpuinfo() -> list[str]:

@@ -361,3 +361,15 @@ def test_the_megatron_layers_check_passes_the_librarys_own_models(
         fsdp_tp.init_sharded(lambda r, x: model.init(r, x)["params"], mesh, (P(), P(("data", "fsdp"))),
                              jax.random.key(0), ids)  # fmt: skip
     assert [dict(m.shape)["tensor"] for m in traced][:2] == [2, 1], traced
+
+
+def test_the_layers_check_sees_a_users_model_through_the_librarys_wrappers():
+    """The user's attention of Megatron layers wrapped for FSDP (``shard_module_params``, a
+    class of the library's module) is still the user's code: refused at its line."""
+    model = fsdp_tp.shard_module_params(_layers("heads_by_count"), min_weight_size=64)()
+    mesh = fsdp_tp.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    said = rf"test_plan_check\.py:{_refused_at('heads_by_count')} \("
+    with jax.enable_x64(True), pytest.raises(RuleError, match=said):
+        x = jnp.ones((4, *X[1:]), jnp.float64)
+        fsdp_tp.init_sharded(lambda r, x: model.init(r, x)["params"], mesh, (P(), P(("data", "fsdp"))),
+                             jax.random.key(0), x)  # fmt: skip

@@ -11,7 +11,7 @@ then holds and computes everything), so both traces run the same lines and pair.
 :func:`recording` watches :func:`~fsdp_tp.init_sharded`'s per-device trace (the core's
 :func:`~fsdp_tp.tp._check.watched_init`): each top module called there whose call runs one of
 these layers is checked after it, on its inputs' shapes, once per fields, shapes and sizes
-(but the library's own models, :mod:`fsdp_tp.models`, which its suite proves equal). The check
+(but the library's own models and layers, which its suite proves equal). The check
 costs two abstract traces of the model's call, at init only.
 """
 
@@ -40,7 +40,8 @@ __all__ = ["recording"]
 
 _LAYERS = (ColumnParallelDense, RowParallelDense, VocabParallelEmbed, AttentionBlock, MLPBlock)
 _WHOLE = "write it as nn.Dense / nn.Embed, whole on every device"
-_CHECKED: set[tuple[type, str]] = set()  # (models checked in this process: a test suite inits one many times)
+_CHECKED: set[tuple[type, str]] = set()  # (models checked in this process: a suite inits one often)
+_NOT_USERS = frozenset({"fsdp_tp", "flax", "builtins", "abc", "typing"})  # (classes' top packages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,9 +108,11 @@ def recording() -> Iterator[Callable[[Any, bool, Exception | None], None]]:
 
 
 def _library_model(module: nn.Module) -> bool:
-    """Whether ``module`` is one of :mod:`fsdp_tp.models`: the suite proves those equal to
-    unsharded on every mesh it runs, and the CLI inits them often; they are not traced again."""
-    return type(module).__module__.startswith("fsdp_tp.models.")
+    """Whether ``module`` is the library's own (one of :mod:`fsdp_tp.models`, or a layer or
+    block called alone), wrapped or not: no code of the user's runs between its layers, the
+    suite proves it equal to unsharded on every mesh it runs, and the CLI inits it often; not
+    traced again. A user's class the library wraps (``shard_module_params(Model)``) is not."""
+    return all(c.__module__.split(".")[0] in _NOT_USERS for c in type(module).__mro__)
 
 
 def _check(call: _Call, mesh: Any, check_vma: bool, error: Exception | None) -> None:
