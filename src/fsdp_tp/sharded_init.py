@@ -14,8 +14,10 @@ would have unsharded.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 from jax.extend.core import jaxpr_as_fun
@@ -26,9 +28,44 @@ from ._trace import specs_of, trace_per_device
 from ._types import PyTree, Specs
 from .errors import SpecTreeMismatchError
 from .partitioning import check_specs
-from .tp._check import watched_init
+from .tp._check import checking
 
-__all__ = ["init_sharded", "lower_init"]
+__all__ = ["init_sharded", "lower_init", "watch_inits"]
+
+# What a front end checks after the per-device init's trace: its own layers that run their
+# roles themselves (Linen's Megatron layers) are seen only there, in a model the core's
+# init_sharded cannot name. A watcher is entered around that trace and gives the check to run
+# after it (outside any mesh): check(mesh, check_vma, error), error what the trace raised.
+Watcher = Callable[[], contextlib.AbstractContextManager[Callable[[Any, bool, Exception | None], None]]]
+_WATCHERS: list[Watcher] = []
+
+
+def watch_inits(watcher: Watcher) -> None:
+    """Has ``watcher`` watch every per-device init's trace (a front end's, once at its import)."""
+    if watcher not in _WATCHERS:
+        _WATCHERS.append(watcher)
+
+
+@contextlib.contextmanager
+def _watched_init(mesh: Any, check_vma: bool) -> Iterator[None]:
+    """Within, the per-device init is traced under every watcher; after, each one's check runs
+    (a :class:`~fsdp_tp.errors.RuleError` before anything is compiled), and where the trace
+    failed, each may say why (the model's code on a device's slices) before the error passes."""
+    if not checking() or not _WATCHERS:
+        yield
+        return
+    failed = None
+    with contextlib.ExitStack() as stack:
+        checks = [stack.enter_context(watch()) for watch in _WATCHERS]
+        try:
+            yield
+        except Exception as err:
+            failed = err
+    for check in checks:
+        check(mesh, check_vma, failed)
+    if failed is not None:
+        raise failed
+
 
 # XLA's compile time grows faster than the program it compiles, so the init is cut into
 # programs of at most this many leaves (each computes only its leaves' values; the bits are
@@ -153,7 +190,7 @@ def _programs(init_fn, mesh, in_specs, args, twin_init_fn, one_leaf_at_a_time, c
         raise TypeError(f"init_sharded: twin_init_fn must be a function like init_fn, got {twin_init_fn!r}.")
     check_specs(args, in_specs, mesh, "init argument")
     init_fn = without_optimizer_state(init_fn)
-    with watched_init(mesh, check_vma):  # (a front end's layers checked against the model, after)
+    with _watched_init(mesh, check_vma):  # (a front end's layers checked against the model, after)
         traced = trace_per_device(init_fn, mesh, in_specs, args, check_vma=check_vma)
     count = len(traced.flat_specs)
     groups = _groups(count, 1 if one_leaf_at_a_time else _LEAVES_PER_PROGRAM)

@@ -9,7 +9,7 @@ the unsharded model is the same model on a mesh whose tensor axes have one devic
 then holds and computes everything), so both traces run the same lines and pair.
 
 :func:`recording` watches :func:`~fsdp_tp.init_sharded`'s per-device trace (the core's
-:func:`~fsdp_tp.tp._check.watched_init`): each top module called there whose call runs one of
+:func:`~fsdp_tp.sharded_init.watch_inits`): each top module called there whose call runs one of
 these layers is checked after it, on its inputs' shapes, once per fields, shapes and sizes
 (but the library's own models and layers, which its suite proves equal). The check
 costs two abstract traces of the model's call, at init only.
@@ -26,9 +26,11 @@ import flax.linen as nn
 import jax
 from jax.sharding import PartitionSpec
 
+from .._trace import trace_per_device
 from .._tree import module_path, static_split
+from ..sharded_init import watch_inits
 from ..tp._auto_mesh import plan_mesh
-from ..tp._check import check_plan, own_trace, raise_failure, references_for, watch_inits
+from ..tp._check import check_plan, own_trace, raise_failure, references_for
 from ..tp._graph import Graph
 from ..tp._sites import module_of
 from .layers.attention import AttentionBlock
@@ -136,12 +138,14 @@ def _check(call: _Call, mesh: Any, check_vma: bool, error: Exception | None) -> 
     layers = list(call.layers.values())
     written = f"the Megatron layers [{', '.join(f'{layer.role} at {layer.path}' for layer in layers)}]"
     try:
-        if error is not None:
+        if error is not None:  # (the device's trace failed: said as a trace of the check's fails)
             raise error
         local = _graph(call, rebuild, shapes, plan_mesh(shape), check_vma)
     except Exception as err:
         raise_failure(err, unsharded, where, written, sizes, whole=_WHOLE)
-    check_plan(local, references_for(unsharded, layers, sizes), sizes, where, _named(call), whole=_WHOLE)
+    references = references_for(unsharded, layers, sizes)
+    # (the layers' own matmuls, the library's code, split: a split's origin names its layer)
+    check_plan(local, references, sizes, where, _named(call), whole=_WHOLE, split_by=("dot_general",))
     _CHECKED.add(key)
 
 
@@ -156,14 +160,13 @@ def _graph(call: _Call, rebuild, shapes: list, mesh, check_vma: bool) -> Graph:
         out, variables = call.module.init_with_output(streams, *args, method=call.method, **kwargs)
         return out, variables.get("params", {})
 
-    def probe(*values):
+    def traced(*values):
         found.append(Graph.trace_init(init, list(values)))
         return ()
 
     specs = tuple(PartitionSpec() for _ in shapes)
     with own_trace():  # (no check of the check's own trace; roles without rings)
-        per_device = jax.shard_map(probe, mesh=mesh, in_specs=specs, out_specs=(), check_vma=check_vma)
-        jax.eval_shape(per_device, *shapes)
+        trace_per_device(traced, mesh, specs, tuple(shapes), check_vma=check_vma)
     return found[0]
 
 

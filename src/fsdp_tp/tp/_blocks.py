@@ -15,7 +15,7 @@ collectives, FSDP's gathers) carry what they receive; a role's ``psum`` complete
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from ..errors import RuleError
 from ._graph import Graph
@@ -31,7 +31,8 @@ class Blocks(Refusals):
     """The walk over ``local`` (one device's trace) against ``reference`` (the unsharded
     model's), for roles over ``sizes``' axes; :meth:`run` refuses with a ``RuleError`` (its
     words start with ``where``; ``named`` says a name stack's module and role, ``whole`` how
-    the user leaves a module whole) and collects in
+    the user leaves a module whole; a library operation of a primitive in ``split_by`` starts a
+    split's origin, as the Linen Megatron layers' own matmuls do) and collects in
     ``undecided`` the operations it does not know that a split reaches."""
 
     def __init__(
@@ -42,8 +43,10 @@ class Blocks(Refusals):
         where: str,
         named: Named,
         whole: str = RULE_DROPPED,
+        split_by: Collection[str] = (),
     ):
         self.local, self.reference, self.where, self.named, self.whole = local, reference, where, named, whole
+        self.split_by = split_by
         self.sizes = dict(sizes)
         self.total = math.prod(self.sizes.values())
         self.pairs = pair(local, reference)
@@ -103,7 +106,7 @@ class Blocks(Refusals):
             return
         sums = [self.partial[v] for v in node.ins if v in self.partial]
         origin = next((self.origin[v] for v in node.ins if v in self.origin), None)
-        if origin is None and node.prim == "dot_general":  # (a Linen Megatron layer's own matmul)
+        if origin is None and node.prim in self.split_by:  # (a library layer's own matmul)
             origin = scope_of(node)
         for out in node.outs:
             if sums:

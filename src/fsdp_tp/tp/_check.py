@@ -34,7 +34,7 @@ import contextvars
 import dataclasses
 import traceback
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
 from .._context import set_for
@@ -54,8 +54,6 @@ __all__ = [
     "raise_failure",
     "references_for",
     "switched_off",
-    "watch_inits",
-    "watched_init",
 ]
 
 _OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_tp_plan_check_off", default=False)
@@ -80,41 +78,6 @@ def own_trace() -> Iterator[None]:
         yield
 
 
-# What a front end checks after the per-device init's trace: its own layers that run their
-# roles themselves (Linen's Megatron layers) are seen only there, in a model the core's
-# init_sharded cannot name. A watcher is entered around that trace and gives the check to run
-# after it (outside any mesh): check(mesh, check_vma, error), error what the trace raised.
-Watcher = Callable[[], contextlib.AbstractContextManager[Callable[[Any, bool, Exception | None], None]]]
-_WATCHERS: list[Watcher] = []
-
-
-def watch_inits(watcher: Watcher) -> None:
-    """Has ``watcher`` watch every per-device init's trace (a front end's, once at its import)."""
-    if watcher not in _WATCHERS:
-        _WATCHERS.append(watcher)
-
-
-@contextlib.contextmanager
-def watched_init(mesh: Any, check_vma: bool) -> Iterator[None]:
-    """Within, the per-device init is traced under every watcher; after, each one's check runs
-    (a :class:`~fsdp_tp.errors.RuleError` before anything is compiled), and where the trace
-    failed, each may say why (the model's code on a device's slices) before the error passes."""
-    if not checking() or not _WATCHERS:
-        yield
-        return
-    failed = None
-    with contextlib.ExitStack() as stack:
-        checks = [stack.enter_context(watch()) for watch in _WATCHERS]
-        try:
-            yield
-        except Exception as err:
-            failed = err
-    for check in checks:
-        check(mesh, check_vma, failed)
-    if failed is not None:
-        raise failed
-
-
 @dataclasses.dataclass(frozen=True)
 class Reference:
     """How to trace the unsharded model (``build``), and the dims its outputs may leave split
@@ -132,6 +95,7 @@ def check_plan(
     named: Named,
     hints: Callable[[], str] = str,
     whole: str = RULE_DROPPED,
+    split_by: Collection[str] = (),
 ) -> list[str]:
     """Raises :class:`~fsdp_tp.errors.RuleError` where ``local`` (one device's trace under the
     plan, whose roles split over ``sizes``' axes) does not compute blocks of the unsharded
@@ -143,10 +107,11 @@ def check_plan(
     A model's output may leave split on its last dim (logits over a vocabulary split, for
     :func:`~fsdp_tp.vocab_parallel_cross_entropy`), never as partial sums. ``hints()``:
     what a refusal adds (:func:`~fsdp_tp.tp._plan.letter_hints`: the einsum letters the plan
-    finder gives), computed only then; ``whole``: how the user leaves a module whole."""
+    finder gives), computed only then; ``whole``: how the user leaves a module whole;
+    ``split_by``: the primitives by which the library's own layers split (:class:`Blocks`)."""
     refused = None
     for reference in references:
-        blocks = Blocks(local, reference.build(), sizes, where, named, whole)
+        blocks = Blocks(local, reference.build(), sizes, where, named, whole, split_by)
         try:
             blocks.run(reference.split_outputs)
         except RuleError as err:
