@@ -115,30 +115,36 @@ def check_equivalence(case: Case, sync: Callable = fsdp_tp.sync_gradients, steps
 
 
 def step_program(
-    case: Case, specs, naive: bool = False, donate: bool = True, sync: Callable = fsdp_tp.sync_gradients
+    case: Case,
+    specs,
+    naive: bool = False,
+    donate: bool = True,
+    sync: Callable = fsdp_tp.sync_gradients,
+    reads=None,
 ):
     """The jitted train step of ``case`` (a ``TrainState`` laid out by ``specs``), with the
-    mean loss as metric. ``naive=True`` is the negative control: the optax update runs per
-    device on its shards, inside ``shard_map``, as a hand-written step would."""
+    mean loss as metric (with ``reads``, the output's specs: ``(outputs, loss, gradients)``, as
+    :func:`fsdp_tp.testing._harness.sharded_step` gives them). ``naive=True`` is the negative
+    control: the optax update runs per device on its shards, inside ``shard_map``, as a
+    hand-written step would."""
     if not naive:
-        return sharded_step(case.comparison, specs, sync, donate)
+        return sharded_step(case.comparison, specs, sync, donate, reads)
     batch_spec = P(case.batch_axes)
 
     def naive_step_fn(state, batch):
         x, y = batch
         loss, grads = jax.value_and_grad(lambda p: case.loss(case.model, p, x, y))(state.params)
-        grads = sync(grads, case.batch_axes)
+        grads, loss = sync(grads, case.batch_axes), jax.lax.pmean(loss, case.batch_axes)
         updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), jax.lax.pmean(
-            loss, case.batch_axes
-        )
+        metrics = loss if reads is None else (case.model.apply({"params": state.params}, x), loss, grads)
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     per_device = jax.shard_map(
         naive_step_fn,
         mesh=case.mesh,
         in_specs=(specs, (batch_spec, batch_spec)),
-        out_specs=(specs, P()),
+        out_specs=(specs, P() if reads is None else (reads, P(), specs.params)),
         check_vma=case.check_vma,
     )
     return jax.jit(per_device)

@@ -103,7 +103,8 @@ def test_negative_control_a_per_device_optimizer_fails_naming_a_parameter(monkey
     mesh = fsdp_tp.make_mesh({"data": 2, "fsdp": 4})
     pair = _nnx_pair(mesh, check_vma=False)  # (a per-device update: what check_vma=False lets through)
     case = Case(pair.model, pair.twin, mesh, pair.batch_axes, False, D, D, loss=pair.loss)
-    monkeypatch.setattr(_harness, "sharded_step", lambda c, specs, *_: step_program(case, specs, naive=True))
+    naive = lambda c, specs, *_, reads=None: step_program(case, specs, naive=True, reads=reads)
+    monkeypatch.setattr(_harness, "sharded_step", naive)
     clipped = {"clipped": lambda: optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(0.1))}
     with pytest.raises(AssertionError, match=r"^clipped params after 2 steps\['layers'\]"):
         check_equal(pair, [BATCH, BATCH], KEY, optimizers=clipped)
