@@ -87,19 +87,19 @@ def check_equal(
     # The outputs, loss and synced gradients on data[0] are read off the first optimizer's first
     # step (the program shard_step runs, before its update), not from programs of their own: the
     # check compiles one program fewer on each side. With no optimizer, a step that moves nothing.
+    rows = lambda out: jax.tree.map(lambda o: P() if not jnp.ndim(o) else batch, out)  # (a scalar: P())
     runs, batches = (dict(optimizers), data) if optimizers else ({"": optax.set_to_zero}, data[:1])
     for i, (name, make) in enumerate(runs.items()):
         tx = make()
         want, _, read = _twin_run(c, tx, twin_params, batches, reads=i == 0)
         state, state_specs = train_state(c, tx, boxed, rng)
-        rows = None if read is None else jax.tree.map(lambda o: P() if not jnp.ndim(o) else batch, read[0])
-        step = sharded_step(c, state_specs, sync, reads=None if rows is None else c.output_spec or rows)
+        step = sharded_step(c, state_specs, sync, reads=read and (c.output_spec or rows(read[0])))
         for j, (x, y) in enumerate(batches):
             state, metrics = step(state, (x, y))
-            if read is not None and j == 0:
+            if read and j == 0:
                 for what, got, wanted in zip(("output", "loss", "grads"), metrics, read, strict=True):
                     assert_trees_close(meta.unbox(got), wanted, what)
-        if name:
+        if optimizers:
             assert_trees_close(meta.unbox(state.params), want, f"{name} params after {len(data)} steps")
 
 
@@ -158,11 +158,12 @@ def _twin_run(c: Comparison, tx, params, data, reads: bool = False):
     def step(params, opt_state, x, y):
         loss, grads = jax.value_and_grad(lambda p: twin_loss(c.twin, c.twin_reads(p), x, y))(params)
         updates, opt_state = tx.update(grads, opt_state, params)
-        out = c.twin.apply({"params": c.twin_reads(params)}, x) if reads else None
-        return optax.apply_updates(params, updates), opt_state, (out, loss, grads)
+        # (only a reading step returns what it read: the others' programs keep their outputs)
+        read = (c.twin.apply({"params": c.twin_reads(params)}, x), loss, grads) if reads else None
+        return optax.apply_updates(params, updates), opt_state, read
 
     opt_state, first = tx.init(params), None
     for x, y in data:
         params, opt_state, read = step(params, opt_state, x, y)
-        first = read if first is None else first
-    return params, opt_state, first if reads else None
+        first = first or read
+    return params, opt_state, first
