@@ -33,7 +33,7 @@ from fsdp_tp.testing import (
     assert_trees_close,
     check_equal,
 )
-from fsdp_tp.testing._harness import sharded_step, train_state, twin_steps
+from fsdp_tp.testing._harness import alongside, kept_updates, sharded_step, train_state, twin_run
 
 __all__ = [
     "ADAM_EPS",
@@ -154,13 +154,16 @@ def optimizer_mismatches(
     case: Case, optimizers: dict[str, Callable], steps: int = 3, naive: bool = False, references=None
 ) -> dict[str, str]:
     """Invariant 5 for many optax transforms on one case: the name and the assertion message
-    of each transform whose params or optimizer state after ``steps`` sharded steps differ
-    from the unsharded run's (empty: all equal).
+    of each transform whose update at some step, or whose state after ``steps`` sharded steps,
+    differs from the unsharded run's (empty: all equal).
 
-    The parameters are initialized sharded once; each transform's train state is built from
-    them on global arrays (``TrainState.create`` under ``jax.jit``, outside ``shard_map``,
-    specs from ``specs_of(state, mesh)``). ``references`` (a dict) keeps the unsharded runs by name,
-    to share them between cases that differ only in how they shard.
+    All the transforms run in one step program a side (:func:`fsdp_tp.testing._harness.alongside`),
+    each updating from the same gradients at the same parameters, which an element-wise SGD
+    (its own parameters compared too) moves: a transform that computes wrongly on shards is
+    named alone, not every one after it. The parameters are initialized sharded once; the train
+    state is built from them on global arrays (``TrainState.create`` under ``jax.jit``, outside
+    ``shard_map``, specs from ``specs_of(state, mesh)``). ``references`` (a dict) keeps the
+    unsharded run, to share it between cases that differ only in how they shard.
     """
     data = list(batches(case, steps))
     rng = jax.random.key(case.seed)
@@ -172,26 +175,39 @@ def optimizer_mismatches(
         data[0][0],
         check_vma=case.check_vma,
     )
+    tx = alongside({_APPLIED: optax.sgd(0.1)} | {name: make() for name, make in optimizers.items()})
     references = {} if references is None else references
-    # The twin's init, compiled once and only if some unsharded run is not yet kept.
-    reference_params = functools.cache(lambda: jax.jit(case.reference.init)(rng, data[0][0])["params"])
+    key = tuple(optimizers)
+    if key not in references:
+        twin_params = jax.jit(case.reference.init)(rng, data[0][0])["params"]
+        references[key] = twin_run(case.comparison, tx, twin_params, data)
+    want, twin_states, _ = references[key]
+    state, specs = train_state(case.comparison, tx, params, rng)
+    step = step_program(case, specs, naive, donate=False)
     mismatches = {}
-    for name, make in optimizers.items():
-        tx = make()
-        state, specs = train_state(case.comparison, tx, params, rng)
-        step = step_program(case, specs, naive, donate=False)
-        for x, y in data:
-            state, _ = step(state, (x, y))
-        if name not in references:
-            references[name] = twin_steps(case.comparison, tx, reference_params(), data)
-        try:
-            assert_trees_close(
-                nn.unbox(state.params), references[name][0], f"{name}: params after {steps} steps"
-            )
-            assert_trees_close(nn.unbox(state.opt_state), references[name][1], f"{name}: optimizer state")
-        except AssertionError as err:
-            mismatches[name] = str(err)
+    for j, ((x, y), twin_state) in enumerate(zip(data, twin_states, strict=True)):
+        state, _ = step(state, (x, y))
+        wanted = kept_updates(twin_state)
+        for name, update in kept_updates(state.opt_state).items():
+            if name not in mismatches:
+                mismatches |= _mismatch(name, update, wanted[name], f"{name}: update at step {j + 1}")
+    for name in optimizers:
+        if name not in mismatches:
+            got, wanted = state.opt_state[0][name], twin_states[-1][0][name]
+            mismatches |= _mismatch(name, got, wanted, f"{name}: optimizer state")
+    assert_trees_close(nn.unbox(state.params), want, f"{_APPLIED}: params after {steps} steps")
     return mismatches
+
+
+_APPLIED = "sgd (the one applied)"
+
+
+def _mismatch(name: str, got, wanted, what: str) -> dict[str, str]:
+    try:
+        assert_trees_close(nn.unbox(got), wanted, what)
+    except AssertionError as err:
+        return {name: str(err)}
+    return {}
 
 
 def check_split(api, cls, rules, x_shape, check_vma: bool):

@@ -98,16 +98,24 @@ def test_negative_control_a_missing_sync_fails_naming_a_gradient():
         check_equal(_nnx_pair(mesh), [BATCH], KEY, sync=lambda grads, axes: grads)
 
 
-def test_negative_control_a_per_device_optimizer_fails_naming_a_parameter(monkeypatch):
-    """Global-norm clipping computed per device on its shards (tests/equivalence.py's naive step)."""
+@pytest.mark.parametrize(
+    ("first", "failure"),
+    [(False, r"^clipped params after 2 steps\['layers'\]"), (True, r"^clipped update at step 1\['layers'\]")],
+    ids=["applied", "alongside"],
+)
+def test_negative_control_a_per_device_optimizer_fails_naming_a_parameter(monkeypatch, first, failure):
+    """Global-norm clipping computed per device on its shards (tests/equivalence.py's naive step):
+    caught in the parameters where its update is the one applied, and in its own update where
+    an element-wise SGD (the same on shards) is applied and it runs alongside."""
     mesh = fsdp_tp.make_mesh({"data": 2, "fsdp": 4})
     pair = _nnx_pair(mesh, check_vma=False)  # (a per-device update: what check_vma=False lets through)
     case = Case(pair.model, pair.twin, mesh, pair.batch_axes, False, D, D, loss=pair.loss)
     naive = lambda c, specs, *_, reads=None: step_program(case, specs, naive=True, reads=reads)
     monkeypatch.setattr(_harness, "sharded_step", naive)
     clipped = {"clipped": lambda: optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(0.1))}
-    with pytest.raises(AssertionError, match=r"^clipped params after 2 steps\['layers'\]"):
-        check_equal(pair, [BATCH, BATCH], KEY, optimizers=clipped)
+    optimizers = {"sgd": lambda: optax.sgd(0.1)} | clipped if first else clipped
+    with pytest.raises(AssertionError, match=failure):
+        check_equal(pair, [BATCH, BATCH], KEY, optimizers=optimizers)
 
 
 @settings(max_examples=4, deadline=None, database=None, derandomize=True)

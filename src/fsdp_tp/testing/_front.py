@@ -49,10 +49,12 @@ def check_sharded(
     model, or raises ``AssertionError`` naming the first leaf that differs (its path, both
     values, the largest difference). The checks: the init bit for bit; on ``batch`` (``(inputs,
     targets)``, split over ``batch_axes`` on dim 0) the outputs, ``loss(outputs, targets)`` (a
-    mean over the rows) and the synced gradients; the parameters after ``steps`` steps of each
-    of ``optimizers`` (default SGD and AdamW). ``model``: a Linen module (the sharded one is
-    ``fsdp_tp.shard_by_rules(type(model), rules, tp_rules=...)`` with its fields) or an NNX
-    constructor ``make(rngs)`` (``fsdp_tp.nnx.shard_by_rules(make, rules, tp_rules=...)``).
+    mean over the rows) and the synced gradients; the parameters after ``steps`` steps of the
+    first of ``optimizers`` (default SGD, then AdamW) and, at each step, every other one's update
+    of the same gradients (one compiled step a side for them all). ``model``: a Linen module
+    (the sharded one is ``fsdp_tp.shard_by_rules(type(model), rules, tp_rules=...)`` with its
+    fields) or an NNX constructor ``make(rngs)`` (``fsdp_tp.nnx.shard_by_rules(make, rules,
+    tp_rules=...)``).
     ``float64``: computed in float64 (inputs cast; the model promotes), where rounding is far
     below the tolerance. ``rngs`` (``{"dropout": key}``): the streams the model draws from at
     its call, the same for both (the sharded model draws the twin's dropout masks): a Linen

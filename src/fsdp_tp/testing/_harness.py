@@ -8,8 +8,10 @@ tolerance named (:func:`~fsdp_tp.testing.assert_trees_close`):
 
 1. the tree and the init, bit for bit (``init``);
 2. outputs, loss and synced gradients on the first batch (``output``, ``loss``, ``grads``);
-3. the parameters after a step per batch of each optimizer (``sgd params after 3 steps``), the
-   update on global arrays as :func:`~fsdp_tp.shard_step` runs it.
+3. the parameters after a step per batch of the first optimizer (``sgd params after 3 steps``),
+   and at each of those steps every other optimizer's update of the same gradients at the same
+   parameters (``adamw update at step 2``): the update on global arrays as
+   :func:`~fsdp_tp.shard_step` runs it, all the optimizers' in one compiled step a side.
 
 This is the suite's own proof (``tests/equivalence.py`` calls it) and the user's
 (:func:`~fsdp_tp.testing.check_sharded` builds the pair from a model and rules).
@@ -35,7 +37,7 @@ from ..sharded_init import init_sharded
 from ..train import TrainState, shard_step
 from ._compare import assert_trees_close
 
-__all__ = ["OPTIMIZERS", "Comparison", "check_equal", "twin_steps"]
+__all__ = ["OPTIMIZERS", "Comparison", "alongside", "check_equal", "kept_updates", "twin_run"]
 
 # Adam's update lr * g / (|g| + eps) turns on the sign of g where |g| ~ eps: a gradient that
 # cancels to ~1e-7 then moves by a different lr-sized step in two runs whose g differ by
@@ -73,8 +75,10 @@ def check_equal(
     sync: Callable = sync_gradients,
 ) -> None:
     """Raises ``AssertionError`` naming the first leaf where ``c.model`` is not ``c.twin``: init,
-    then outputs, loss and gradients on ``data[0]``, then parameters after a step per batch of
-    each of ``optimizers``. ``sync``: the gradient sync the sharded step uses."""
+    then outputs, loss and gradients on ``data[0]``, then, at each step of a batch, every
+    optimizer's update but the first's, and the parameters after the first's steps (all of
+    ``optimizers`` in one program a side: :func:`alongside`). ``sync``: the gradient sync the
+    sharded step uses."""
     x, y = data[0]
     # (a model's own boxes, nn.with_logical_partitioning's, are metadata: its parameters are their values)
     twin_params = meta.unbox(jax.jit(c.twin.init)(rng, x)["params"])
@@ -84,23 +88,61 @@ def check_equal(
     )
     assert_trees_close(meta.unbox(boxed), twin_params, "init", exact=True)
 
-    # The outputs, loss and synced gradients on data[0] are read off the first optimizer's first
-    # step (the program shard_step runs, before its update), not from programs of their own: the
-    # check compiles one program fewer on each side. With no optimizer, a step that moves nothing.
+    # One step program a side for every optimizer (the first's update applied, the others' kept
+    # in the state: see alongside), and the outputs, loss and synced gradients on data[0] read
+    # off its first step (the program shard_step runs, before its update), not from programs of
+    # their own. With no optimizer, one step that moves nothing reads them.
+    named = dict(optimizers) if optimizers else {"": optax.set_to_zero}
+    batches = data if optimizers else data[:1]
+    tx = alongside({name: make() for name, make in named.items()})
+    want, states, read = twin_run(c, tx, twin_params, batches, reads=True)
     rows = lambda out: jax.tree.map(lambda o: P() if not jnp.ndim(o) else batch, out)  # (a scalar: P())
-    runs, batches = (dict(optimizers), data) if optimizers else ({"": optax.set_to_zero}, data[:1])
-    for i, (name, make) in enumerate(runs.items()):
-        tx = make()
-        want, _, read = _twin_run(c, tx, twin_params, batches, reads=i == 0)
-        state, state_specs = train_state(c, tx, boxed, rng)
-        step = sharded_step(c, state_specs, sync, reads=read and (c.output_spec or rows(read[0])))
-        for j, (x, y) in enumerate(batches):
-            state, metrics = step(state, (x, y))
-            if read and j == 0:
-                for what, got, wanted in zip(("output", "loss", "grads"), metrics, read, strict=True):
-                    assert_trees_close(meta.unbox(got), wanted, what)
-        if optimizers:
-            assert_trees_close(meta.unbox(state.params), want, f"{name} params after {len(data)} steps")
+    state, state_specs = train_state(c, tx, boxed, rng)
+    step = sharded_step(c, state_specs, sync, reads=c.output_spec or rows(read[0]))
+    for j, ((x, y), twin_state) in enumerate(zip(batches, states, strict=True)):
+        state, metrics = step(state, (x, y))
+        if j == 0:
+            for what, got, expected in zip(("output", "loss", "grads"), metrics, read, strict=True):
+                assert_trees_close(meta.unbox(got), expected, what)
+        wanted = kept_updates(twin_state)
+        for name, update in kept_updates(state.opt_state).items():
+            assert_trees_close(meta.unbox(update), wanted[name], f"{name} update at step {j + 1}")
+    if optimizers:
+        first = next(iter(named))
+        assert_trees_close(meta.unbox(state.params), want, f"{first} params after {len(data)} steps")
+
+
+def alongside(txs: Mapping[str, optax.GradientTransformation]) -> optax.GradientTransformation:
+    """The first of ``txs``, with every other one's update of the same gradients at the same
+    parameters computed too and kept in the state (:func:`kept_updates` reads them): one program
+    checks them all, each update its own assertion (not their sum, which could hide one behind
+    another). The others' states follow the first one's parameters.
+
+    >>> import jax.numpy as jnp, optax
+    >>> tx = alongside({"sgd": optax.sgd(1.0), "double": optax.sgd(2.0)})
+    >>> params = {"w": jnp.ones(2)}
+    >>> updates, state = tx.update({"w": jnp.ones(2)}, tx.init(params), params)
+    >>> updates["w"], kept_updates(state)["double"]["w"]
+    (Array([-1., -1.], dtype=float32), Array([-2., -2.], dtype=float32))
+    """
+    first, *others = txs
+
+    def init(params):
+        kept = {name: jax.tree.map(jnp.zeros_like, params) for name in others}
+        return {name: tx.init(params) for name, tx in txs.items()}, kept
+
+    def update(grads, state, params=None):
+        states, kept = dict(state[0]), {}
+        for name, tx in txs.items():
+            kept[name], states[name] = tx.update(grads, states[name], params)
+        return kept.pop(first), (states, kept)
+
+    return optax.GradientTransformation(init, update)
+
+
+def kept_updates(opt_state) -> dict[str, Any]:
+    """The updates :func:`alongside` kept in its state, by optimizer."""
+    return opt_state[1]
 
 
 def train_state(c: Comparison, tx, params, rng) -> tuple[TrainState, Any]:
@@ -142,28 +184,21 @@ def sharded_step(c: Comparison, specs, sync: Callable = sync_gradients, donate: 
     )
 
 
-def twin_steps(c: Comparison, tx, params, data) -> tuple[Any, Any]:
-    """The twin's ``(params, optimizer state)`` after a step per batch."""
-    params, opt_state, _ = _twin_run(c, tx, params, data)
-    return params, opt_state
-
-
-def _twin_run(c: Comparison, tx, params, data, reads: bool = False):
-    """The twin's ``(params, optimizer state)`` after a step per batch, and, with ``reads``,
-    ``(outputs, loss, gradients)`` on the first batch at ``params`` (read off the first step, as
-    :func:`sharded_step` reads the sharded model's)."""
+def twin_run(c: Comparison, tx, params, data, reads: bool = False):
+    """The twin's parameters after a step per batch, its optimizer state after each step, and,
+    with ``reads``, ``(outputs, loss, gradients)`` on the first batch at ``params`` (read off the
+    first step, as :func:`sharded_step` reads the sharded model's)."""
     twin_loss = c.twin_loss or c.loss
 
     @jax.jit
     def step(params, opt_state, x, y):
         loss, grads = jax.value_and_grad(lambda p: twin_loss(c.twin, c.twin_reads(p), x, y))(params)
         updates, opt_state = tx.update(grads, opt_state, params)
-        # (only a reading step returns what it read: the others' programs keep their outputs)
         read = (c.twin.apply({"params": c.twin_reads(params)}, x), loss, grads) if reads else None
         return optax.apply_updates(params, updates), opt_state, read
 
-    opt_state, first = tx.init(params), None
+    opt_state, first, states = tx.init(params), None, list[Any]()
     for x, y in data:
         params, opt_state, read = step(params, opt_state, x, y)
-        first = first or read
-    return params, opt_state, first
+        first, states = first or read, [*states, opt_state]
+    return params, states, first
