@@ -332,6 +332,29 @@ def test_an_operation_on_a_literal_made_a_value_does_not_shift_its_lines_pairs(m
     assert converts_of_x(_sites.pair(local, reference)) == {(): (4,)}
 
 
+def _norm(x, scale):
+    return x * (1 + scale)  # (an RMS norm's scale, read through a literal)
+
+
+def test_a_parameter_an_initializer_makes_of_literals_is_paired_as_the_model_reads_it():
+    """Linen's unsharded trace is its ``init``'s, where a norm's scale is ``ones``: made of
+    literals alone, it was taken for a literal folded away, so ``1 + scale`` had no pair and
+    the plan check warned it could not decide the sequence-parallel Llama's RMS norm. A device's
+    trace reads the scale as the argument it is; each op of the norm pairs with its own.
+    Negative control: without the parameters told apart, the norm's ops are left unpaired."""
+    from fsdp_tp.tp import _sites
+    from fsdp_tp.tp._graph import Graph
+
+    x = jnp.ones((2, 4))
+    init = lambda x, scale: (_norm(x, scale), {"scale": scale})
+    reference = Graph.trace_init(lambda x: init(x, jnp.ones(4)), x)
+    local = Graph.trace(lambda p, x: _norm(x, p["scale"]), {"scale": jnp.ones(4)}, x)
+    paired = lambda: {local.nodes[i].prim for i in _sites.pair(local, reference)}
+    assert paired() == {node.prim for node in local.nodes} >= {"add", "mul"}
+    reference.params.clear()
+    assert "add" not in paired()
+
+
 @pytest.mark.parametrize(
     ("sequence_parallel", "ring", "kv_heads", "scan"),
     [(True, "bidirectional", 2, True), (False, None, 1, False), (True, None, 1, True)],

@@ -159,13 +159,15 @@ def _on_literals(graph: Graph) -> set[int]:
     """The operations that read only literals (or what such operations made): JAX folds them
     into a literal in one trace and not in the other. Inside ``shard_map`` with ``check_vma`` a
     Python scalar becomes a value (``pvary``), so ``x + 1e-6`` in bf16 converts it by an
-    operation the unsharded trace does not have; counting it would shift the line's pairs."""
+    operation the unsharded trace does not have; counting it would shift the line's pairs.
+    A parameter is never such a value, though an initializer made it of literals alone (Linen's
+    trace of ``init``: ``ones`` for a norm's scale): the model reads it as one."""
     constant: set[int] = set()
     folded = set()
     for index, node in enumerate(graph.nodes):
         if node.ins and all(v is None or v in constant for v in node.ins):
             folded.add(index)
-            constant.update(node.outs)
+            constant.update(v for v in node.outs if v not in graph.params)
     return folded
 
 
