@@ -33,7 +33,7 @@ from fsdp_tp.testing import (
     assert_trees_close,
     check_equal,
 )
-from fsdp_tp.testing._harness import alongside, kept_updates, sharded_step, train_state, twin_run
+from fsdp_tp.testing._harness import alongside, sharded_step, train_state, twin_run
 
 __all__ = [
     "ADAM_EPS",
@@ -187,13 +187,13 @@ def optimizer_mismatches(
     mismatches = {}
     for j, ((x, y), twin_state) in enumerate(zip(data, twin_states, strict=True)):
         state, _ = step(state, (x, y))
-        wanted = kept_updates(twin_state)
-        for name, update in kept_updates(state.opt_state).items():
+        for name, update in state.opt_state.updates.items():
             if name not in mismatches:
-                mismatches |= _mismatch(name, update, wanted[name], f"{name}: update at step {j + 1}")
+                wanted = twin_state.updates[name]
+                mismatches |= _mismatch(name, update, wanted, f"{name}: update at step {j + 1}")
     for name in optimizers:
         if name not in mismatches:
-            got, wanted = state.opt_state[0][name], twin_states[-1][0][name]
+            got, wanted = state.opt_state.states[name], twin_states[-1].states[name]
             mismatches |= _mismatch(name, got, wanted, f"{name}: optimizer state")
     assert_trees_close(nn.unbox(state.params), want, f"{_APPLIED}: params after {steps} steps")
     return mismatches

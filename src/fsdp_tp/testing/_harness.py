@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +37,7 @@ from ..sharded_init import init_sharded
 from ..train import TrainState, shard_step
 from ._compare import assert_trees_close
 
-__all__ = ["OPTIMIZERS", "Comparison", "alongside", "check_equal", "kept_updates", "twin_run"]
+__all__ = ["OPTIMIZERS", "AlongsideState", "Comparison", "alongside", "check_equal", "twin_run"]
 
 # Adam's update lr * g / (|g| + eps) turns on the sign of g where |g| ~ eps: a gradient that
 # cancels to ~1e-7 then moves by a different lr-sized step in two runs whose g differ by
@@ -104,45 +104,48 @@ def check_equal(
         if j == 0:
             for what, got, expected in zip(("output", "loss", "grads"), metrics, read, strict=True):
                 assert_trees_close(meta.unbox(got), expected, what)
-        wanted = kept_updates(twin_state)
-        for name, update in kept_updates(state.opt_state).items():
-            assert_trees_close(meta.unbox(update), wanted[name], f"{name} update at step {j + 1}")
+        for name, update in state.opt_state.updates.items():
+            wanted = twin_state.updates[name]
+            assert_trees_close(meta.unbox(update), wanted, f"{name} update at step {j + 1}")
     if optimizers:
         first = next(iter(named))
         assert_trees_close(meta.unbox(state.params), want, f"{first} params after {len(data)} steps")
 
 
+class AlongsideState(NamedTuple):
+    """:func:`alongside`'s state: each optimizer's own (``states``), and every one's update but
+    the first's at the last step (``updates``), by name."""
+
+    states: dict[str, Any]
+    updates: dict[str, Any]
+
+
 def alongside(txs: Mapping[str, optax.GradientTransformation]) -> optax.GradientTransformation:
     """The first of ``txs``, with every other one's update of the same gradients at the same
-    parameters computed too and kept in the state (:func:`kept_updates` reads them): one program
-    checks them all, each update its own assertion (not their sum, which could hide one behind
+    parameters computed too and kept in the state (:class:`AlongsideState`): one program checks
+    them all, each update its own assertion (not their sum, which could hide one behind
     another). The others' states follow the first one's parameters.
 
     >>> import jax.numpy as jnp, optax
     >>> tx = alongside({"sgd": optax.sgd(1.0), "double": optax.sgd(2.0)})
     >>> params = {"w": jnp.ones(2)}
     >>> updates, state = tx.update({"w": jnp.ones(2)}, tx.init(params), params)
-    >>> updates["w"], kept_updates(state)["double"]["w"]
+    >>> updates["w"], state.updates["double"]["w"]
     (Array([-1., -1.], dtype=float32), Array([-2., -2.], dtype=float32))
     """
     first, *others = txs
 
     def init(params):
         kept = {name: jax.tree.map(jnp.zeros_like, params) for name in others}
-        return {name: tx.init(params) for name, tx in txs.items()}, kept
+        return AlongsideState({name: tx.init(params) for name, tx in txs.items()}, kept)
 
     def update(grads, state, params=None):
-        states, kept = dict(state[0]), {}
+        states, kept = dict(state.states), {}
         for name, tx in txs.items():
             kept[name], states[name] = tx.update(grads, states[name], params)
-        return kept.pop(first), (states, kept)
+        return kept.pop(first), AlongsideState(states, kept)
 
     return optax.GradientTransformation(init, update)
-
-
-def kept_updates(opt_state) -> dict[str, Any]:
-    """The updates :func:`alongside` kept in its state, by optimizer."""
-    return opt_state[1]
 
 
 def train_state(c: Comparison, tx, params, rng) -> tuple[TrainState, Any]:
