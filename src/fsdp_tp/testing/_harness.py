@@ -200,8 +200,9 @@ def twin_run(c: Comparison, tx, params, data, reads: bool = False):
         read = (c.twin.apply({"params": c.twin_reads(params)}, x), loss, grads) if reads else None
         return optax.apply_updates(params, updates), opt_state, read
 
-    opt_state, first, states = tx.init(params), None, list[Any]()
+    opt_state, first, states = tx.init(params), None, []
     for x, y in data:
         params, opt_state, read = step(params, opt_state, x, y)
-        first, states = first or read, [*states, opt_state]
+        first = first or read
+        states.append(opt_state)
     return params, states, first
