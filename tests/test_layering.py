@@ -10,12 +10,16 @@ front-end module of this package. Read off the source's import statements (the A
 from __future__ import annotations
 
 import ast
+import inspect
 import re
 from pathlib import Path
 
 import pytest
 
 import fsdp_tp
+import fsdp_tp.linen
+import fsdp_tp.nnx
+from fsdp_tp.tp._role import TPRole
 
 PACKAGE = Path(fsdp_tp.__file__).parent
 
@@ -543,3 +547,46 @@ def test_no_test_file_imports_another():
 def test_negative_control_a_test_file_importing_another_is_caught():
     assert _test_files_imported("from tests import test_tp_rules as t\n") == ["tests.test_tp_rules"]
     assert _test_files_imported("from tests.test_einsum_tp import first_block\n") == ["tests.test_einsum_tp"]
+
+
+# Issue 58 point 3: a role runs one way. Every front end (the rules of Linen and NNX, the
+# experts, Linen's own Megatron layers) enters a role through TPRole.around, and a role's call
+# takes exactly the base class's arguments (0.2's ColumnParallel.call(prepared=) did not).
+def _role_calls(source: str, where: str) -> list[str]:
+    """``where:line`` of each ``<x>.call(method, run, layer, args, kwargs)`` in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        is_call = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+        if is_call and node.func.attr == "call" and len(node.args) >= 5:  # (the role's signature)
+            found.append(f"{where}:{node.lineno}")
+    return found
+
+
+def test_every_front_end_runs_a_role_through_around():
+    found = []
+    for name in _all_modules():
+        file = _module_file(name)
+        found += _role_calls(file.read_text(), file.relative_to(PACKAGE).as_posix())
+    lines, first = inspect.getsourcelines(TPRole.around)
+    (around,) = [first + i for i, line in enumerate(lines) if ".call(" in line]
+    assert found == [f"tp/_role.py:{around}"]
+    # (negative control) a layer calling its role's call directly is seen
+    assert _role_calls('role.call("__call__", run, layer, (x,), {})\n', "m") == ["m:1"]
+
+
+def _call_arguments(role: type) -> list[str]:
+    return list(inspect.signature(role.call).parameters)
+
+
+def test_no_role_s_call_takes_an_argument_the_base_class_lacks():
+    def subclasses(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from subclasses(sub)
+
+    assert fsdp_tp.linen and fsdp_tp.nnx  # (imported: every role class is defined)
+    odd = {c.__name__: a for c in subclasses(TPRole) if (a := _call_arguments(c)) != _call_arguments(TPRole)}
+    assert odd == {}
+    # (negative control) a call with a flag of its own is seen
+    flagged = type("Flagged", (TPRole,), {"call": lambda self, m, run, layer, args, kw, prepared=False: 0})
+    assert _call_arguments(flagged) != _call_arguments(TPRole)

@@ -209,3 +209,52 @@ def test_no_page_or_example_passes_a_renamed_field():
         "MLPBlock.sequence_parallel",
     }
     assert renamed_fields_named("ColumnParallelDense(32, axis='tensor', sequence_dim=1)") == set()
+
+
+def test_a_column_layer_called_prepared_computes_as_before_with_one_warning():
+    """0.1's ``ColumnParallelDense(...)(x, prepared=True)`` (the caller passed the input through
+    *f*) still computes the layer on the input as it is, the same numbers and gradients as the
+    layer applying *f* itself, after one ``DeprecationWarning`` at the caller's line naming
+    0.3.0 and what to write; a role's call no longer takes the flag (tests/test_layering.py)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from fsdp_tp.tp.pieces import column_input
+
+    mesh, layer = fsdp_tp.make_mesh({"data": 2, "tensor": 4}), fsdp_tp.ColumnParallelDense(8)
+    x = jnp.arange(24.0).reshape(2, 12) / 24
+    params = jax.jit(jax.shard_map(layer.init, mesh=mesh, in_specs=(P(), P()), out_specs=P("tensor")))
+    variables = params(jax.random.key(0), x)
+
+    def loss(variables, x, prepared):
+        def local(variables, x):
+            x = column_input(x, "tensor") if prepared else x
+            return jnp.sum(layer.apply(variables, x, prepared=prepared) ** 2)[None]
+
+        specs = (P("tensor"), P())
+        run = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P("tensor"), check_vma=False)
+        return run(variables, x).sum()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = jax.value_and_grad(loss, argnums=(0, 1))(variables, x, True)
+    assert [w.category for w in caught] == [DeprecationWarning], caught
+    assert "prepared=True" in str(caught[0].message) and "0.3.0" in str(caught[0].message)
+    assert "HeadParallel" in str(caught[0].message)
+    want = jax.value_and_grad(loss, argnums=(0, 1))(variables, x, False)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), got, want))
+    # (negative control) the prepared layer given the input without f: its input gradient is
+    # this device's share only, not the sum (unchecked, nothing else sums it)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        unprepared = jax.grad(
+            lambda x: jax.shard_map(
+                lambda v, x: jnp.sum(layer.apply(v, x, prepared=True) ** 2)[None],
+                mesh=mesh,
+                in_specs=(P("tensor"), P()),
+                out_specs=P("tensor"),
+                check_vma=False,
+            )(variables, x).sum()
+        )(x)
+    assert not jnp.allclose(unprepared, want[1][1])

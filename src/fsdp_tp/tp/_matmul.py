@@ -79,9 +79,7 @@ class ColumnParallel(TPRole):
             return Local(kernel_shape=shrunk(layer.kernel_shape, dim, size))
         return Local(features=(layer.features[0] // size, *layer.features[1:]))
 
-    def call(self, method, run, layer, args, kwargs, prepared: bool = False):
-        """``prepared``: the inputs already passed *f* or the sequence gather (a caller that
-        shares it between layers: Linen's attention for q, k and v)."""
+    def call(self, method, run, layer, args, kwargs):
         sequence = self.sequence_dim
         if self.replicated:
             if sequence is not None:
@@ -89,8 +87,7 @@ class ColumnParallel(TPRole):
             return self._replicated(run(*args, **kwargs), layer)
         if self.collective_matmul is not None and sequence is not None:
             ringable(self, layer, sequence)
-        if not prepared:
-            args, kwargs = copied(args, kwargs, self.axis, sequence, self.collective_matmul)
+        args, kwargs = self._copied(args, kwargs)
         out = chunkwise(run, layer, args, kwargs)
         eq, letter, _ = einsum_split(layer, self, self.letter, "produced")
         dim = eq.dim_of(letter, eq.output, out.ndim) if letter else -len(layer.features)
@@ -99,6 +96,10 @@ class ColumnParallel(TPRole):
             return gather_from_axis(out, dim % out.ndim, self.axis)
         split_after({dim: self.axis}, out.shape, add=True)  # dropout until the row layer: its slice
         return out
+
+    def _copied(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The inputs through *f*, or the sequence gather (or its ring)."""
+        return copied(args, kwargs, self.axis, self.sequence_dim, self.collective_matmul)
 
     def _replicated(self, out: jax.Array, layer: Layer) -> jax.Array:
         """Every ``letter`` computed from the whole kernel and the input as it is (so the

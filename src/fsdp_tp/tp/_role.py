@@ -45,7 +45,10 @@ class Layer:
     ``equation`` and ``kernel_shape``: an einsum's (0 for a size the module does not hold);
     ``parameters``: the names a role may split, the kernel first (a module registered with
     :func:`~fsdp_tp._registered.register_einsum`: its kernel only); ``bias``: reads the stored
-    bias as the module reads it (gathered over FSDP's axes)."""
+    bias as the module reads it (gathered over FSDP's axes); ``norms_summed``: the model sums
+    its replicated parameters' gradients over the axis itself (a model of Linen's Megatron
+    layers, whose norms apply *f* to their parameters), so a ``sequence_dim`` needs no
+    ``check_vma``."""
 
     kind: str
     path: str
@@ -62,6 +65,7 @@ class Layer:
     parameters: tuple[str, ...] = ("kernel", "bias")
     dtype: Any = None
     bias: Callable[[], jax.Array] | None = None
+    norms_summed: bool = False
 
 
 @dataclass(frozen=True)
@@ -155,10 +159,13 @@ class TPRole:
         return (self,)
 
     def around(self, method: str, run, layer: Layer, args: tuple, kwargs: dict):
-        """The call: ``run(*args, **kwargs)`` is the module's ``method`` on its slices, with
-        the collectives :meth:`call` puts around it, once the step is known to run with the
-        ``check_vma`` a ``sequence_dim`` needs."""
-        _sequence_checked(self, layer)
+        """The call, the one way every front end runs a role: ``run(*args, **kwargs)`` is the
+        module's ``method`` on its slices, with the collectives :meth:`call` puts around it, once
+        the step is known to run with the ``check_vma`` a ``sequence_dim`` needs (or the model
+        sums its norms' gradients itself: ``layer.norms_summed``); inside the plan check's trace
+        (:func:`without_rings`), without rings."""
+        if not layer.norms_summed:
+            _sequence_checked(self, layer)
         _sequence_fits(self, layer, args)
         role = self
         if _UNRINGED.get() and getattr(self, "collective_matmul", None) is not None:
@@ -166,8 +173,8 @@ class TPRole:
         return role.call(method, run, layer, args, kwargs)
 
     def call(self, method: str, run, layer: Layer, args: tuple, kwargs: dict):
-        """:meth:`around` without its ``check_vma`` guard: for a front end whose blocks sum their
-        norms' gradients themselves (Linen's layers, which are these roles)."""
+        """What a role puts around ``run``, the part each role writes; called by :meth:`around`
+        alone."""
         raise NotImplementedError
 
 

@@ -16,47 +16,41 @@ from ..._tree import module_path
 # Re-exported from where they live, the framework-free fsdp_tp.attention.
 from ...attention import attend as _attend
 from ...tp import HeadParallel, Layer
-from ...tp.pieces import kept_block
-from .dense import ColumnParallelDense, RowParallelDense, apply_chunked, split_param
+from .dense import RowParallelDense, apply_chunked, split_param
 
 __all__ = ["AttentionBlock"]
 
 __getattr__ = aliases_of(__name__)  # 0.1 read attention's functions here (fsdp_tp._aliases)
 
 
-class _ReplicatedKV(nn.Module):
-    """A k or v projection kept whole on every device (fewer kv heads than devices); each
-    device uses the columns of the one kv head its query heads read."""
+class _Projection(nn.Module):
+    """Query, key or value on this device, in the (heads, head_dim) layout
+    :class:`~fsdp_tp.tp.HeadParallel` states it in: the columns of this device's heads
+    (``split``), or the block of kv heads its query heads read of a kernel kept whole
+    (``read``, the role's :meth:`~fsdp_tp.tp.TPRole.local` read), computed on the input the
+    role prepared (*f* once for q, k and v, or each ring chunk as it arrives)."""
 
     features: int
     head_dim: int
     use_bias: bool
     param_dtype: Any
     axis: str
+    split: bool
+    read: Any = None  # HeadParallel's read of a kv kernel and bias kept whole (one function), or None
     dtype: Any = None
+
+    def _param(self, name: str, init, shape: tuple[int, ...]) -> jax.Array:
+        names = (*(None,) * (len(shape) - 1), self.axis if self.split else None)
+        value = split_param(self, name, init, shape, self.param_dtype, names)
+        if self.read is None:
+            return value
+        heads = value.reshape(*value.shape[:-1], -1, self.head_dim)  # (..., kv heads, head_dim)
+        return self.read(heads).reshape(*value.shape[:-1], -1)
 
     @nn.compact
     def __call__(self, x):
-        kernel = split_param(
-            self,
-            "kernel",
-            nn.linear.default_kernel_init,
-            (x.shape[-1], self.features),
-            self.param_dtype,
-            (None, None),
-        )
-        bias = (
-            split_param(
-                self, "bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype, (None,)
-            )
-            if self.use_bias
-            else None
-        )
-        # Device t reads kv head t * groups // size; its gradient is summed over the axis.
-        # (A kv count and axis size that do not divide one another: named at the block.)
-        groups, where = self.features // self.head_dim, module_path(self.path[:-1]) or "AttentionBlock"
-        kernel = kept_block(kernel, 1, groups, self.axis, where, "num_kv_heads")
-        bias = None if bias is None else kept_block(bias, 0, groups, self.axis, where, "num_kv_heads")
+        kernel = self._param("kernel", nn.linear.default_kernel_init, (x.shape[-1], self.features))
+        bias = self._param("bias", nn.initializers.zeros_init(), (self.features,)) if self.use_bias else None
 
         def project(chunk):
             chunk, k, b = nn.dtypes.promote_dtype(chunk, kernel, bias, dtype=self.dtype)
@@ -140,25 +134,26 @@ class AttentionBlock(RenamedFields, nn.Module):
         kept = kv % size != 0  # fewer kv heads than devices: each device the one its queries read
         role = HeadParallel(axis, sequence_dim=seq, replicated_kv=kept, collective_matmul=ring)
         where = module_path(self.path) or "AttentionBlock"
-        layer = Layer(kind="attention", path=where, num_heads=self.num_heads, num_kv_heads=kv)
+        layer = Layer(
+            kind="attention", path=where, num_heads=self.num_heads, num_kv_heads=kv, norms_summed=True
+        )
         self._check_heads(role, layer, size)
-        query = ColumnParallelDense(self.num_heads * dim, axis=axis, name="query", **kw)
-        key: nn.Module
-        value: nn.Module
-        if kept:
-            key = _ReplicatedKV(kv * dim, dim, False, self.param_dtype, axis, self.dtype, name="key")
-            value = _ReplicatedKV(
-                kv * dim, dim, self.use_bias, self.param_dtype, axis, self.dtype, name="value"
-            )
-        else:
-            key = ColumnParallelDense(kv * dim, axis=axis, name="key", **no_bias)
-            value = ColumnParallelDense(kv * dim, axis=axis, name="value", **kw)
+        # The role states the split: q, k and v on their heads, or k and v kept whole with
+        # the block each device reads (HeadParallel.local's read).
+        splits, reads = role.splits(layer), role.local(layer, size).read
+        proj = dict(head_dim=dim, param_dtype=self.param_dtype, axis=axis, dtype=self.dtype)
+
+        def projection(name: str, features: int, use_bias: bool) -> _Projection:
+            split, read = f"{name}/kernel" in splits, reads.get(f"{name}/kernel")
+            return _Projection(features, use_bias=use_bias, split=split, read=read, name=name, **proj)
+
+        query = projection("query", self.num_heads * dim, self.use_bias)
+        key, value = projection("key", kv * dim, False), projection("value", kv * dim, self.use_bias)
         out = RowParallelDense(d_model, axis=axis, sequence_dim=seq, collective_matmul=ring, name="out", **kw)
 
         # The role gives q, k and v one f (or one all-gather, or one ring): their input
         # gradients are summed locally, then reduced over the axis once.
         def run(shared):
-            kv_args = (shared,) if kept else (shared, True)
-            return heads(query(shared, True), key(*kv_args), value(*kv_args), out)
+            return heads(query(shared), key(shared), value(shared), out)
 
-        return role.call("__call__", run, layer, (x,), {})
+        return role.around("__call__", run, layer, (x,), {})

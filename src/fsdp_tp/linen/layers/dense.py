@@ -16,6 +16,7 @@ what dropout reads); the layer holds only its parameters and the matmul.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -42,17 +43,13 @@ def split_param(
 ) -> jax.Array:
     """Creates parameter ``name`` of global ``shape`` split as ``names`` says; returns the local slice.
 
-    ``names[i]`` is the mesh axis dim ``i`` is split over, or ``None``. The
-    full parameter is initialized (same rng as an unsplit layer) and sliced, so
-    the gathered init equals the unsplit init bit for bit. Stored boxed as
-    ``nn.Partitioned``; read without unboxing, since unboxing inside
-    ``shard_map`` applies a sharding constraint on manual axes.
-    """
+    ``names[i]`` is the mesh axis dim ``i`` is split over, or ``None``. The full parameter is
+    initialized (same rng as an unsplit layer) and sliced, so the gathered init equals the
+    unsplit init bit for bit. Stored boxed as ``nn.Partitioned``; read without unboxing, since
+    unboxing inside ``shard_map`` applies a sharding constraint on manual axes."""
     spec = PartitionSpec(*names)
-    axes = [axis for axis in names if axis is not None]
-    sizes = (
-        {axis: jax.lax.axis_size(axis) for axis in require_axes(axes, type(module).__name__)} if axes else {}
-    )
+    axes = require_axes([axis for axis in names if axis is not None], type(module).__name__)
+    sizes = {axis: jax.lax.axis_size(axis) for axis in axes}
     check_fit([(module_path(module.path, name), shape, spec)], sizes, "use a smaller mesh axis")
     init = sliced_init(init_fn, lambda _shape, _names: spec)
     boxed = param_boxed(module, name, lambda: module.param(name, init, shape, dtype, unbox=False))
@@ -95,6 +92,7 @@ class _ParallelDense(RenamedFields, nn.Module):
             in_size=in_size,
             use_bias=self.use_bias,
             dtype=self.dtype,
+            norms_summed=True,  # (a model of these layers sums its norms' gradients: _norm)
         )
 
     def _params(self, role: TPRole, layer: Layer, kernel_shape: tuple[int, int]):
@@ -138,10 +136,11 @@ class ColumnParallelDense(_ParallelDense):
 
     Sequence parallelism: with ``sequence_dim`` set, the input is this
     device's slice of that dim, and the layer all-gathers it (the gather's
-    backward reduce-scatters the gradient, so *f* is not applied). Call with
-    ``prepared=True`` when the caller already passed the input through *f*
-    (``copy_to_axis``) or the all-gather, so that several layers share one
-    backward reduction, as the q/k/v projections of attention do.
+    backward reduce-scatters the gradient, so *f* is not applied). (0.1's
+    ``prepared=True``, the input already through *f*, is deprecated and goes in
+    0.3.0: several layers that share one *f* are one module with its role, as
+    :class:`~fsdp_tp.linen.layers.AttentionBlock`'s q, k and v under
+    :class:`~fsdp_tp.tp.HeadParallel`.)
 
     ``collective_matmul`` (sequence-parallel mode only; elsewhere the layer has
     no forward collective): the all-gather becomes a ``ppermute`` ring, each
@@ -169,7 +168,9 @@ class ColumnParallelDense(_ParallelDense):
     @nn.compact
     def __call__(self, x: jax.Array | RingChunks, prepared: bool = False) -> jax.Array:
         require_mode(self.collective_matmul, type(self).__name__)
-        role = ColumnParallel(
+        if prepared:
+            warnings.warn(_PREPARED, DeprecationWarning, stacklevel=2)
+        role = (_Prepared if prepared else ColumnParallel)(
             self.axis,
             gather_output=self.gather_output,
             sequence_dim=self.sequence_dim,
@@ -183,7 +184,21 @@ class ColumnParallelDense(_ParallelDense):
             y = _matmul(chunk, k, self.precision)
             return y if b is None else y + b
 
-        return role.call("__call__", dense, layer, (x,), {}, prepared=prepared)
+        return role.around("__call__", dense, layer, (x,), {})
+
+
+_PREPARED = (
+    "ColumnParallelDense(...)(x, prepared=True) is deprecated and goes in fsdp_tp 0.3.0: layers that "
+    "share one f are one module with its role (fsdp_tp.tp.HeadParallel: AttentionBlock's q, k, v)."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prepared(ColumnParallel):
+    """0.1's ``prepared=True``: the column's call on an input that already passed *f*."""
+
+    def _copied(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return args, kwargs
 
 
 class RowParallelDense(_ParallelDense):
@@ -230,6 +245,6 @@ class RowParallelDense(_ParallelDense):
             rows, k = nn.dtypes.promote_dtype(rows, kernel, dtype=self.dtype)
             return _matmul(rows, k, self.precision)
 
-        return role.call(
+        return role.around(
             "__call__", partial_products, dataclasses.replace(layer, bias=lambda: bias), (x,), {}
         )

@@ -57,9 +57,9 @@ class VocabParallelEmbed(RenamedFields, nn.Module):
     def __call__(self, ids: jax.Array) -> jax.Array:
         role = VocabParallel(self.axis, sequence_dim=self.sequence_dim)
         path = module_path(self.path) or type(self).__name__  # (errors name a top-level layer by class)
-        layer = Layer(kind="embed", path=path, num_embeddings=self.num_embeddings)
+        layer = Layer(kind="embed", path=path, num_embeddings=self.num_embeddings, norms_summed=True)
         shape = (self.num_embeddings, self.features)
         names = split_names(role.splits(layer), "embedding", 2, self.axis)
         table = split_param(self, "embedding", self.embedding_init, shape, self.param_dtype, names)
         (table,) = nn.dtypes.promote_dtype(table, dtype=self.dtype, inexact=False)
-        return role.call("__call__", lambda i: jnp.take(table, i, axis=0), layer, (ids,), {})
+        return role.around("__call__", lambda i: jnp.take(table, i, axis=0), layer, (ids,), {})
