@@ -80,6 +80,7 @@ CORE = (
     "tp._regions",
     "tp._relations",
     "tp._role",
+    "tp._role_plan",
     "tp._roles",
     "tp._rules",
     "tp._sites",

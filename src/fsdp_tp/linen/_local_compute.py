@@ -25,17 +25,9 @@ from flax import errors as flax_errors
 
 from .._axes import require_axes
 from .._tree import module_path
-from .._types import AxisName
 from ..tp import TPRole
-from ..tp._rules import (
-    CompiledRole,
-    add_placements,
-    kind_error,
-    require_divides,
-    require_own_parameters,
-    role_of,
-    slice_error,
-)
+from ..tp._role_plan import RolePlan
+from ..tp._rules import kind_error, require_divides, require_own_parameters, slice_error
 from .tp_rules import LINEN, layer_of, local_attributes
 
 __all__ = ["Seen", "local_compute"]
@@ -43,79 +35,60 @@ __all__ = ["Seen", "local_compute"]
 
 @dataclasses.dataclass
 class Seen:
-    """What one init of the model saw: every submodule (path -> class), the splits the
-    roles make (parameter path -> its ``(dim, axis, pattern)`` splits), the rules that matched, the
-    parameter paths the transform stored; and the local clones of one call."""
+    """What one call of the model saw: the role plan it fills (the core's: every submodule, the
+    role each computes with, the splits the roles make, the rules that matched), the parameter
+    paths the transform stored (at init), and the local clones of the call."""
 
-    modules: dict[str, type] = dataclasses.field(default_factory=dict)
+    plan: RolePlan
     params: list[str] = dataclasses.field(default_factory=list)
-    splits: dict[str, tuple[tuple[int, AxisName, str], ...]] = dataclasses.field(default_factory=dict)
-    used: set[int] = dataclasses.field(default_factory=set)
     clones: dict[tuple, tuple[nn.Module, nn.Module]] = dataclasses.field(default_factory=dict)
 
 
-# Clones running on slices pass through the interceptor; the children of a module a role
-# governs get their roles from it (``inner``), not from the rules.
+# Clones running on slices pass through the interceptor again, and are let through.
 _LOCAL: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("fsdp_tp_local", default=frozenset())
-_WITHIN: contextvars.ContextVar[tuple[str, dict]] = contextvars.ContextVar("fsdp_tp_within", default=("", {}))
 
 
 @contextlib.contextmanager
-def local_compute(rules: tuple[CompiledRole, ...], seen: Seen) -> Iterator[None]:
-    """Within: every submodule a rule names computes on its slices (records ``seen`` at init)."""
-    with nn.intercept_methods(functools.partial(_intercept, rules, seen)):
+def local_compute(seen: Seen) -> Iterator[None]:
+    """Within: every submodule a rule names (or its module's role, ``inner``) computes on its
+    slices, and ``seen.plan`` records it as the call reaches it."""
+    with nn.intercept_methods(functools.partial(_intercept, seen)):
         yield
 
 
-def _role_of(path: str, rules: tuple[CompiledRole, ...]) -> tuple[TPRole, str, int | None] | None:
-    within, inner = _WITHIN.get()
-    if within and path.startswith(within + "/"):
-        name = path[len(within) + 1 :]
-        return (inner[name], f"{within} (inside)", None) if name in inner else None
-    return role_of(path, rules)
-
-
-def _intercept(rules, seen: Seen, next_fun, args, kwargs, context):
+def _intercept(seen: Seen, next_fun, args, kwargs, context):
     module: nn.Module = context.module
     if id(module) in _LOCAL.get():
         return next_fun(*args, **kwargs)
-    path = module_path(module.path)
+    path, plan = module_path(module.path), seen.plan
     initializing = module.is_initializing()
     if initializing and context.method_name == "__call__":
-        seen.modules.setdefault(path, type(module))
-    found = _role_of(path, rules)
+        plan.modules.setdefault(path, type(module))
+    found = plan.role_of(path)
     if found is not None and context.method_name == "setup" and not initializing:
         # flax runs a setup-style module's setup (nn.Embed reads its table there) before any
         # interceptor sees the call; the clone runs its own, on the local sizes.
         return None
     if found is None or context.method_name not in found[0].methods:
         return next_fun(*args, **kwargs)
-    role, pattern, index = found
+    role, pattern, _ = found
     if LINEN.of(type(module)) not in role.kinds:
         next_fun(*args, **kwargs)  # to name the module's children in the error
-        raise kind_error(role, pattern, type(module), path, seen.modules, LINEN)
+        raise kind_error(role, pattern, type(module), path, plan.modules, LINEN)
     (axis,) = require_axes(role.axis, f"tp rule {pattern!r}")
-    size = jax.lax.axis_size(axis)
-    token = _WITHIN.set((path, role.inner()))
-    try:
-        if initializing:
-            if index is not None:
-                seen.used.add(index)
-            layer = layer_of(module, args, kwargs)
-            require_divides(role, pattern, layer)
-            add_placements(seen.splits, path, role, layer, pattern)
-            out = next_fun(*args, **kwargs)
-            # (a layer that made parameters the role does not split is refused, as NNX's is)
-            require_own_parameters(
-                role, pattern, layer, type(module), list(module.variables.get("params", {}))
-            )
-            return out
-        layer = layer_of(module, args, kwargs)
-        local = _clone(seen, module, local_attributes(module, role.local(layer, size), args, kwargs))
-        run = _runner(local, context.method_name, role, path)
-        return role.around(context.method_name, run, layer, args, kwargs)
-    finally:
-        _WITHIN.reset(token)
+    layer = layer_of(module, args, kwargs)
+    if initializing:
+        require_divides(role, pattern, layer)
+    plan.give(path, found, layer)  # (before the call: its children's roles are its role's)
+    if initializing:
+        out = next_fun(*args, **kwargs)
+        # (a layer that made parameters the role does not split is refused, as NNX's is)
+        require_own_parameters(role, pattern, layer, type(module), list(module.variables.get("params", {})))
+        return out
+    local = role.local(layer, jax.lax.axis_size(axis))
+    local_module = _clone(seen, module, local_attributes(module, local, args, kwargs))
+    run = _runner(local_module, context.method_name, role, path)
+    return role.around(context.method_name, run, layer, args, kwargs)
 
 
 def _clone(seen: Seen, module: nn.Module, attributes: dict) -> nn.Module:

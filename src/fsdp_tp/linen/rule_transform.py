@@ -26,7 +26,8 @@ from ..precision import MixedPrecision, checked_policy
 from ..rules import REPLICATED, CompiledRule, Rules, as_spec, compile_rules, spec_for, unmatched_warning
 from ..tp._auto_mesh import AUTO_AXIS
 from ..tp._role import axes_of
-from ..tp._rules import compile_tp_rules, require_all_matched
+from ..tp._role_plan import RolePlan
+from ..tp._rules import compile_tp_rules
 from ..tp._storage import require_no_tp_axis, spec_source, with_split
 from ._auto import AutoRules
 from ._check import check_call
@@ -58,7 +59,7 @@ def _by_rules(rules: tuple[CompiledRule, ...], default: PartitionSpec, logical, 
         if index is not None:
             used.add(index)
         source = spec_source(index, rules, logical_names is not None)
-        if splits := seen.splits.get(path):
+        if splits := seen.plan.splits.get(path):
             for split in splits:
                 spec = with_split(path, spec, len(shape), split, source)
             return spec
@@ -180,7 +181,7 @@ def shard_by_rules(
             tp_now = found(self, args, kwargs) if found is not None else tp
             if found is not None:
                 tp_axes[0] = frozenset(computes.values()) | axes_of(r.role for r in tp_now)
-            seen = Seen()
+            seen = Seen(RolePlan(tp_now, LINEN))
             tokens = (
                 _LOGICAL.set(
                     logical_axis_rules if logical_axis_rules is not None else nn.get_logical_axis_rules()
@@ -193,11 +194,11 @@ def shard_by_rules(
                 # there; the transform has read the rules and lays the params out itself.
                 with (
                     nn.logical_axis_rules(()),
-                    local_compute(tp_now, seen) if tp_now else contextlib.nullcontext(),
+                    local_compute(seen) if tp_now else contextlib.nullcontext(),
                 ):
                     out = super().__call__(*args, **kwargs)
                 if tp_now and seen.params:  # an init: every tp rule must have named a submodule
-                    require_all_matched(tp_now, seen.used, seen.modules, seen.params, LINEN)
+                    seen.plan.require_all_matched(seen.params)
                 if tp_now:  # before anything trains: the plan computes the unsharded model
                     check_call(self, target, args, kwargs, tp_now, checked)
                 return out

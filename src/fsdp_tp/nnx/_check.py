@@ -23,10 +23,9 @@ from ..tp._check import check_plan, checking, own_trace, raise_failure, referenc
 from ..tp._graph import Graph
 from ..tp._plan import letter_hints, spelled
 from ..tp._role import axes_of
+from ..tp._role_plan import RolePlan
 from ..tp._rules import compile_tp_rules
 from ..tp.auto import find_plan
-from ._layers import path_text
-from ._tp import RolePlan
 from ._traced import MARK, scoped, traced
 
 __all__ = ["PlanChecks", "check_call", "checked_class"]
@@ -100,7 +99,7 @@ def _graph(model: nnx.Module, arrays: list, rebuild) -> Graph:
 def _named(plan: RolePlan):
     """A name stack of :func:`scoped` modules as the innermost module a rule names there and
     its role as written."""
-    roles = {path_text(path): (role, pattern) for path, (role, pattern, _) in plan.roles.items()}
+    roles = {path: (role, pattern) for path, (role, pattern, _) in plan.roles.items()}
 
     def named(scope: str) -> tuple[str, str]:
         modules = [part[len(MARK) :] for part in scope.split("/") if part.startswith(MARK)]

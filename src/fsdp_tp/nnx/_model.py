@@ -102,7 +102,7 @@ class ShardedModel:
         _, params, rest = split_model(model)
         values = {path: variable.get_raw_value() for path, variable in nnx.to_flat_state(params)}
         layout = self._layouts()
-        layout.roles.check_sizes()
+        layout.roles.require_divides()
         sizes = {axis: jax.lax.axis_size(axis) for axis in bound_axis_names()}
         shapes = ((path_text(p), values[p].shape, s) for p, s in layout.specs.items())
         check_fit(shapes, sizes, "change the rule")

@@ -25,7 +25,7 @@ from ..tp._rules import compile_tp_rules
 from ..tp._storage import spec_source, with_split
 from ..tp.auto import TPPlan, find_plan
 from ._layers import Path, path_text
-from ._tp import RolePlan
+from ._tp import role_plan
 from ._traced import traced
 
 __all__ = ["Layout", "Layouts", "storage_specs"]
@@ -68,12 +68,12 @@ def storage_specs(params: list, rules, default, logical_axis_rules) -> tuple[dic
 class Layout:
     """``specs`` (parameter path -> its storage spec with its role's split), ``gathered`` (the
     axes each is gathered over where read: all its spec names but the one its role computes
-    its slice over), ``roles`` (:class:`~fsdp_tp.nnx._tp.RolePlan`) and ``first_split`` (the
+    its slice over), ``roles`` (:class:`~fsdp_tp.tp._role_plan.RolePlan`) and ``first_split`` (the
     parameters a rule splits on their first dim, which ``nnx.scan`` cannot take as a layer
     dim: its error names them)."""
 
     def __init__(self, abstract: nnx.Module, storage: dict[Path, tuple], tp_rules: Any, caller: str):
-        self.roles = RolePlan(abstract, compile_tp_rules(tp_rules, caller), [path_text(p) for p in storage])
+        self.roles = role_plan(abstract, compile_tp_rules(tp_rules, caller), [path_text(p) for p in storage])
         self.specs: dict[Path, PartitionSpec] = {}
         for path, (spec, ndim, source) in storage.items():
             for split in self.roles.splits.get(path_text(path), ()):  # (others: gathered over any axis)

@@ -1,0 +1,97 @@
+"""The role plan of one model (:class:`RolePlan`): which role each submodule computes with,
+where the roles split its parameters and which they keep whole, built here for both front
+ends as each meets the model's modules (NNX: the abstract model's tree, before anything runs;
+Linen: its interceptor, as the call reaches each module, whose children are created only then).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .._types import AxisName
+from ._role import Layer, TPRole
+from ._rules import (
+    CompiledRole,
+    Kinds,
+    add_placements,
+    kind_error,
+    require_all_matched,
+    require_divides,
+    role_of,
+)
+
+__all__ = ["RolePlan"]
+
+
+class RolePlan:
+    """The roles ``rules`` give one model's submodules, for the front end ``kinds`` names:
+    ``modules`` (every submodule met: path -> class, for errors that list them), ``roles``
+    (module path -> ``(role, pattern, layer)``), ``splits`` (parameter path -> its ``(dim,
+    axis, pattern)`` splits: two for an expert kernel split within), ``whole`` (parameter path
+    -> the axis a role reads blocks of it over, stored whole there) and the rules that named a
+    module.
+
+    >>> from fsdp_tp.nnx._layers import NNX
+    >>> from fsdp_tp.tp import ColumnParallel, HeadParallel, Layer
+    >>> from fsdp_tp.tp._rules import compile_tp_rules
+    >>> plan = RolePlan(compile_tp_rules([("attn$", HeadParallel())], "example"), NNX)
+    >>> plan.role_of("block/attn")[1], plan.role_of("block/mlp")
+    ('attn$', None)
+    >>> plan.give("block/attn", plan.role_of("block/attn"), Layer("attention", "block/attn", num_heads=4))
+    >>> type(plan.role_of("block/attn/out")[0]).__name__   # a child's role is its module's role's
+    'RowParallel'
+    >>> sorted(plan.splits)[:2]
+    ['block/attn/key/bias', 'block/attn/key/kernel']
+    """
+
+    def __init__(self, rules: tuple[CompiledRole, ...], kinds: Kinds):
+        self.rules, self.kinds = rules, kinds
+        self.modules: dict[str, type] = {}
+        self.roles: dict[str, tuple[TPRole, str, Layer]] = {}
+        self.splits: dict[str, tuple[tuple[int, AxisName, str], ...]] = {}
+        self.whole: dict[str, AxisName] = {}
+        self.used: set[int] = set()
+
+    def role_of(self, path: str) -> tuple[TPRole, str, int | None] | None:
+        """``(role, pattern, rule index)`` of the module at ``path``: inside a module a role
+        computes, what that role gives its child of that name (``inner``), never the rules (the
+        role computes its module's children; index None); elsewhere the first rule naming it."""
+        parts = path.split("/")
+        for k in range(1, len(parts)):
+            governing = "/".join(parts[:k])
+            if governing in self.roles:
+                inner = self.roles[governing][0].inner()
+                name = "/".join(parts[k:])
+                return (inner[name], f"{governing} (inside)", None) if name in inner else None
+        return role_of(path, self.rules)
+
+    def give(
+        self,
+        path: str,
+        found: tuple[TPRole, str, int | None],
+        layer: Layer,
+        cls: type | None = None,
+        params: Sequence[str] | None = None,
+    ) -> None:
+        """The module at ``path`` (class ``cls``: refused where the role takes no such kind)
+        computes with the role ``found`` names: its splits of ``layer``'s parameters (of
+        ``params`` where given: a layer without a bias has none to split) and those it keeps
+        whole are recorded."""
+        role, pattern, index = found
+        if cls is not None and self.kinds.of(cls) not in role.kinds:
+            raise kind_error(role, pattern, cls, path, self.modules, self.kinds)
+        if index is not None:
+            self.used.add(index)
+        self.roles[path] = (role, pattern, layer)
+        add_placements(self.splits, path, role, layer, pattern, params)
+        kept = (f"{path}/{name}" for name in role.kept_whole(layer))
+        self.whole |= {name: role.axis for name in kept if params is None or name in params}
+
+    def require_divides(self) -> None:
+        """Per device (the axes bound): every role's axis divides what it splits."""
+        for role, pattern, layer in self.roles.values():
+            require_divides(role, pattern, layer)
+
+    def require_all_matched(self, params: Sequence[str]) -> None:
+        """Every rule named a submodule (of those met, whose parameters are ``params``)."""
+        require_all_matched(self.rules, self.used, self.modules, params, self.kinds)
