@@ -31,10 +31,9 @@ class RolePlan:
     -> the axis a role reads blocks of it over, stored whole there) and the rules that named a
     module.
 
-    >>> from fsdp_tp.nnx._layers import NNX
-    >>> from fsdp_tp.tp import ColumnParallel, HeadParallel, Layer
-    >>> from fsdp_tp.tp._rules import compile_tp_rules
-    >>> plan = RolePlan(compile_tp_rules([("attn$", HeadParallel())], "example"), NNX)
+    >>> from fsdp_tp.tp import HeadParallel, Layer
+    >>> from fsdp_tp.tp._rules import Kinds, compile_tp_rules
+    >>> plan = RolePlan(compile_tp_rules([("attn$", HeadParallel())], "example"), Kinds("nnx", {}))
     >>> plan.role_of("block/attn")[1], plan.role_of("block/mlp")
     ('attn$', None)
     >>> plan.give("block/attn", plan.role_of("block/attn"), Layer("attention", "block/attn", num_heads=4))
