@@ -27,7 +27,7 @@ from .._axes import require_axes
 from .._tree import module_path
 from ..tp import TPRole
 from ..tp._role_plan import RolePlan
-from ..tp._rules import kind_error, require_divides, require_own_parameters, slice_error
+from ..tp._rules import require_divides, require_own_parameters, slice_error
 from .tp_rules import LINEN, layer_of, local_attributes
 
 __all__ = ["Seen", "local_compute"]
@@ -74,7 +74,7 @@ def _intercept(seen: Seen, next_fun, args, kwargs, context):
     role, pattern, _ = found
     if LINEN.of(type(module)) not in role.kinds:
         next_fun(*args, **kwargs)  # to name the module's children in the error
-        raise kind_error(role, pattern, type(module), path, plan.modules, LINEN)
+        plan.require_kind(path, found, type(module))
     (axis,) = require_axes(role.axis, f"tp rule {pattern!r}")
     layer = layer_of(module, args, kwargs)
     if initializing:

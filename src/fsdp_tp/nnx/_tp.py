@@ -16,7 +16,6 @@ from __future__ import annotations
 from flax import nnx
 
 from .._types import AxisName
-from ..tp import Layer
 from ..tp._role_plan import RolePlan
 from ..tp._rules import CompiledRole, compile_tp_rules, require_own_parameters
 from ._layers import NNX, computed, layer_of, path_text
@@ -38,9 +37,10 @@ def role_plan(model: nnx.Module, rules: tuple[CompiledRole, ...], params: list[s
         text = path_text(path)
         if (found := plan.role_of(text)) is None:
             continue
-        layer = layer_of(node, text) if NNX.of(type(node)) in found[0].kinds else Layer("", text)
+        plan.require_kind(text, found, type(node))
+        layer = layer_of(node, text)
         own = [p[len(text) + 1 :] for p in params if p.startswith(text + "/")]
-        plan.give(text, found, layer, type(node), params)  # (the kind first: its error names it)
+        plan.give(text, found, layer, params)
         require_own_parameters(found[0], found[1], layer, type(node), own)
     plan.require_all_matched(params)
     return plan

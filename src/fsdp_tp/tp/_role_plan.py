@@ -22,6 +22,9 @@ from ._rules import (
 
 __all__ = ["RolePlan"]
 
+# (role, pattern, the rule's index: None for a role a module's role gives its child)
+Found = tuple[TPRole, str, int | None]
+
 
 class RolePlan:
     """The roles ``rules`` give one model's submodules, for the front end ``kinds`` names:
@@ -51,7 +54,7 @@ class RolePlan:
         self.whole: dict[str, AxisName] = {}
         self.used: set[int] = set()
 
-    def role_of(self, path: str) -> tuple[TPRole, str, int | None] | None:
+    def role_of(self, path: str) -> Found | None:
         """``(role, pattern, rule index)`` of the module at ``path``: inside a module a role
         computes, what that role gives its child of that name (``inner``), never the rules (the
         role computes its module's children; index None); elsewhere the first rule naming it."""
@@ -64,21 +67,18 @@ class RolePlan:
                 return (inner[name], f"{governing} (inside)", None) if name in inner else None
         return role_of(path, self.rules)
 
-    def give(
-        self,
-        path: str,
-        found: tuple[TPRole, str, int | None],
-        layer: Layer,
-        cls: type | None = None,
-        params: Sequence[str] | None = None,
-    ) -> None:
-        """The module at ``path`` (class ``cls``: refused where the role takes no such kind)
-        computes with the role ``found`` names: its splits of ``layer``'s parameters (of
-        ``params`` where given: a layer without a bias has none to split) and those it keeps
-        whole are recorded."""
-        role, pattern, index = found
-        if cls is not None and self.kinds.of(cls) not in role.kinds:
+    def require_kind(self, path: str, found: Found, cls: type) -> None:
+        """The role ``found`` names computes a module of class ``cls`` (at ``path``); else the
+        error that names a rule that works, from the modules met so far."""
+        role, pattern, _ = found
+        if self.kinds.of(cls) not in role.kinds:
             raise kind_error(role, pattern, cls, path, self.modules, self.kinds)
+
+    def give(self, path: str, found: Found, layer: Layer, params: Sequence[str] | None = None) -> None:
+        """The module at ``path`` computes with the role ``found`` names: its splits of
+        ``layer``'s parameters (of ``params`` where given: a layer without a bias has none to
+        split) and those it keeps whole are recorded."""
+        role, pattern, index = found
         if index is not None:
             self.used.add(index)
         self.roles[path] = (role, pattern, layer)
