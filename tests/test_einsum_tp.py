@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import functools
 import re
+from collections import Counter
 
 import flax.linen as nn
 import jax
@@ -401,12 +402,25 @@ def test_fewer_kv_heads_than_devices_each_device_keeps_the_kv_head_its_queries_r
         check_equivalence(case)
 
 
-def test_replicated_kv_heads_cost_one_all_reduce_more_per_block():
-    """Per block one more all-reduce backward over `tensor` (the kv output's cotangent) than
-    Megatron's split; no weight moves over `tensor` (the benchmark's plan for 2 kv heads on
-    tensor 4)."""
-    replicated = measure("nnx", "fsdp2_tensor4", "megatron", **TINY)
-    assert replicated.tensor_all_reduces == 5 * SIZES["layers"] + 2
+@pytest.mark.parametrize("api", APIS)
+def test_kept_kv_heads_are_projected_from_each_device_s_block_of_the_kernel(api):
+    """2 kv heads on tensor 4 (the benchmark's plan): each device projects only the kv head
+    its query head reads, from its block of the kernel kept whole (the kv matmuls 1/2 of
+    the model's, every other matmul 1/4); over `tensor` Megatron's activation all-reduces
+    (4 x layers + 2) and one more sum per kept parameter, its gradient on its FSDP block (the
+    kv kernel and bias of each block); no weight moves over `tensor`."""
+    s = SIZES
+    replicated = measure(api, "fsdp2_tensor4", "megatron", **TINY)
+    storage = measure(api, "fsdp2_tensor4", "storage", **TINY)
+    # the kv einsum 'BSD,CDKH->CBSKH', forward and two backward, on a device's batch of 4
+    kv = 3 * 2 * (BATCH // 2) * SEQ * s["d"] * 2 * s["kv_heads"] * s["head_dim"] * s["layers"]
+    assert replicated.flops == (storage.flops - kv) // 4 + kv // 2
+    tensor = [c for c in replicated.collectives if c.kind == "all-reduce" and c.group_size == 4]
+    summed = Counter(t.split("{")[0] for c in tensor for t in c.operand_types)
+    d, kv_shape = s["d"] // 2, f"{s['kv_heads']},{s['head_dim']}"  # (the kernel's D over fsdp 2)
+    kept = Counter({f"f32[2,{kv_shape}]": s["layers"], f"f32[2,{d},{kv_shape}]": s["layers"]})
+    assert summed & kept == kept and (summed - kept).total() == 4 * s["layers"] + 2
+    assert replicated.tensor_all_reduces == replicated.megatron_all_reduces == summed.total()
     assert replicated.tensor_all_gathers == 1  # the logits
 
 

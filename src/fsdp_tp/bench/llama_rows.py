@@ -162,9 +162,10 @@ def measure(
         tokens,
         max(state_bytes_per_device(state).values()),
         operand_count(found, "all-reduce", tensor),
-        # per block one forward and one backward for the attention and for the MLP, one more
-        # backward for kv heads kept whole; the embedding's sum and the tied logits' gradient
-        (4 if sizes["kv_heads"] % tensor == 0 else 5) * sizes["layers"] + 2,
+        # per block one forward and one backward for the attention and for the MLP, and with kv
+        # heads kept whole the gradient of the kv kernel and of its bias, each device having read
+        # its block; the embedding's sum and the tied logits' gradient
+        (4 if sizes["kv_heads"] % tensor == 0 else 6) * sizes["layers"] + 2,
         operand_count(found, "all-gather", tensor),
         sum(c.operand_bytes * c.group_size * c.executions for c in gathers),
         sum(leaf.nbytes // (tensor if "tensor" in leaf.sharding.spec else 1) for leaf in split),
@@ -218,14 +219,15 @@ def llama_section(costs: Costs) -> str:
         'kept whole: `ColumnParallel(letter="K", replicated=True)`); *storage*: no tp rules, the '
         "tensor axis splits each parameter where Megatron would, so weights are gathered over it "
         "and every tensor device computes the whole model. Per device: all-reduce operands over "
-        "`tensor` (in brackets Megatron's minimum: 4 x layers + 2, one more per block for kept-whole "
-        "kv heads), all-gather operands over `tensor` (Megatron's one: the tied logits), FSDP "
-        "gather bytes ÷ W_min, reduce-scatter operands over `fsdp` / FSDP-split parameters (the "
-        "tied embedding's gradient once), matmul FLOPs ÷ the storage plan's, and step time, each "
-        "mesh's four steps interleaved. On tensor 4 the megatron plan's matmul FLOPs are above "
-        "1/4 of the storage plan's, and its state larger: every device computes the whole kv "
-        "projection of the kv heads it keeps whole (their kernel and its AdamW moments are split "
-        "over `fsdp` only).\n\n"
+        "`tensor` (in brackets Megatron's minimum: 4 x layers + 2, and with kv heads kept whole the "
+        "kv kernel's and bias's gradients, 2 a block), all-gather operands over `tensor` "
+        "(Megatron's one: the tied logits), FSDP gather bytes ÷ W_min, reduce-scatter operands "
+        "over `fsdp` / FSDP-split parameters (the tied embedding's gradient once), matmul FLOPs "
+        "÷ the storage plan's, and step time, each mesh's four steps interleaved. On tensor 4 the "
+        "megatron plan's matmul FLOPs are above 1/4 of the storage plan's, and its state larger: "
+        "each device projects the kv head its query heads read, 1/2 of the kv heads, from its "
+        "block of the kv kernel kept whole (the kernel and its AdamW moments are split over "
+        "`fsdp` only).\n\n"
         "| mesh | API | plan | state B/device | all-reduces over tensor | all-gathers over tensor "
         "| FSDP gather ÷ W_min | reduce-scatters / FSDP params | matmul FLOPs ÷ storage "
         "| step ms median (min-max) | ÷ megatron |\n"

@@ -17,17 +17,19 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import flax.linen as nn
 import jax
 from flax import errors as flax_errors
+from flax.core import meta
 
-from .._axes import require_axes
+from .._axes import require_axes, varying_axes
 from .._tree import module_path
 from ..tp import TPRole
 from ..tp._role_plan import RolePlan
 from ..tp._rules import require_divides, require_own_parameters, slice_error
+from ._gather import GatheredOnRead
 from .tp_rules import LINEN, layer_of, local_attributes
 
 __all__ = ["Seen", "local_compute"]
@@ -87,7 +89,7 @@ def _intercept(seen: Seen, next_fun, args, kwargs, context):
         return out
     local = role.local(layer, jax.lax.axis_size(axis))
     local_module = _clone(seen, module, local_attributes(module, local, args, kwargs))
-    run = _runner(local_module, context.method_name, role, path)
+    run = _runner(local_module, context.method_name, role, path, local.read)
     return role.around(context.method_name, run, layer, args, kwargs)
 
 
@@ -100,14 +102,41 @@ def _clone(seen: Seen, module: nn.Module, attributes: dict) -> nn.Module:
     return seen.clones[key][1]
 
 
-def _runner(local: nn.Module, method: str, role: TPRole, path: str):
-    def run(*args, **kwargs):
-        token = _LOCAL.set(_LOCAL.get() | {id(local)})
+def _runner(local: nn.Module, method: str, role: TPRole, path: str, read: Mapping[str, Callable]):
+    """``local``'s ``method``, reading each parameter ``read`` names through its function (a
+    block of a parameter kept whole: flax's ``map_variables`` over the module's own scope)."""
+
+    def call(module: nn.Module, *args, **kwargs):
+        token = _LOCAL.set(_LOCAL.get() | {id(module)})
         try:
-            return getattr(local, method)(*args, **kwargs)
-        except flax_errors.ScopeParamShapeError as err:
-            raise slice_error(path, role, err) from None
+            return getattr(module, method)(*args, **kwargs)
         finally:
             _LOCAL.reset(token)
 
+    if read:
+        call = nn.map_variables(call, "params", trans_in_fn=functools.partial(_read, read, role.axis))
+
+    def run(*args, **kwargs):
+        try:
+            return call(local, *args, **kwargs)
+        except flax_errors.ScopeParamShapeError as err:
+            raise slice_error(path, role, err) from None
+
     return run
+
+
+def _read(read: Mapping[str, Callable], axis: str, variables: dict) -> dict:
+    """``variables`` (``{"params": the module's own}``) with each parameter ``read`` names
+    replaced by its function of the stored value, unboxed (a block the transform gathers at
+    read is gathered first, its gradient then summed over ``axis`` on the block, under
+    ``check_vma=True``, as NNX's ``ReadPlan.read_whole_over`` does: W_min over fsdp stays)."""
+    params = variables["params"]
+    for name, fn in read.items():
+        *owners, leaf = name.split("/")
+        owner = functools.reduce(lambda tree, key: tree[key], owners, params)
+        if leaf in owner:
+            stored = owner[leaf]
+            if isinstance(stored, GatheredOnRead) and varying_axes(stored.block.value):
+                stored = stored.replace(vary=stored.vary | {axis})
+            owner[leaf] = fn(meta.unbox(stored))
+    return variables

@@ -37,7 +37,6 @@ from .._axes import TENSOR
 from .._einsum import Equation
 from .._registered import computes_of
 from .._tree import module_path
-from ..errors import RuleError
 from ..tp import Layer
 from ..tp._role import Local
 from ..tp._rules import Kinds, dims
@@ -100,12 +99,8 @@ def layer_of(module: nn.Module, args: tuple, kwargs: dict) -> Layer:
 
 
 def local_attributes(module: nn.Module, local: Local, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """A role's local sizes (:class:`~fsdp_tp.tp._role.Local`) as ``module``'s attributes."""
-    if local.read:  # (no Linen layer a role reads a kept block of: attention has no kv heads)
-        raise RuleError(
-            f"{type(module).__name__}: a role reads a block of {sorted(local.read)} kept whole, which "
-            f"the Linen front end cannot give a Linen module's call; drop the role's kept-whole option."
-        )
+    """A role's local sizes (:class:`~fsdp_tp.tp._role.Local`) as ``module``'s attributes (its
+    ``read`` is :mod:`~fsdp_tp.linen._local_compute`'s, around the call)."""
     out: dict[str, Any] = {}
     if local.use_bias is not None:
         out["use_bias"] = local.use_bias

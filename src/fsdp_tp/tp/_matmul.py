@@ -3,6 +3,7 @@ convolution, an einsum): :class:`ColumnParallel` and :class:`RowParallel`, Megat
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -28,12 +29,14 @@ class ColumnParallel(TPRole):
     loss reads whole); otherwise the next layer must be :class:`RowParallel`. ``letter``
     (an einsum's): the kernel letter to split, one the output has and the inputs do not
     (default: the kernel's first such letter, e.g. the heads of ``'BTD,NDH->BTNH'``).
-    ``replicated`` (an einsum's): the kernel stays whole over the axis; each device computes
-    every ``letter`` and keeps its block, ``size / axis`` of them, or the one its position
-    needs when the axis is larger (grouped-query attention with fewer kv heads than devices:
-    device t's query heads read kv head ``t * K // axis``). One more all-reduce backward (the
-    output's cotangent) than a split. ``sequence_dim``: the input arrives as this device's
-    slice of that dim and is all-gathered first (sequence parallelism); ``collective_matmul``
+    ``replicated`` (an einsum's): the kernel stays whole over the axis and each device computes
+    with its block of ``letter`` (:func:`~fsdp_tp.tp.pieces.kept_block`, as
+    :class:`~fsdp_tp.tp.HeadParallel`'s ``replicated_kv`` reads its kv kernels), ``size / axis``
+    of them, or the one its position needs when the axis is larger (grouped-query attention
+    with fewer kv heads than devices: device t's query heads read kv head ``t * K // axis``).
+    One more all-reduce backward (the kernel's gradient) than a split. ``sequence_dim``: the
+    input arrives as this device's slice of that dim and is all-gathered first (sequence
+    parallelism); ``collective_matmul``
     (``"unidirectional"`` / ``"bidirectional"``, with ``sequence_dim``): that gather as a
     ``ppermute`` ring, each arriving chunk multiplied at once (:mod:`fsdp_tp.collective_matmul`)."""
 
@@ -45,17 +48,30 @@ class ColumnParallel(TPRole):
     kinds: ClassVar[tuple[str, ...]] = ("dense", "conv", "einsum")
 
     def splits(self, layer):
-        eq, letter, dim = einsum_split(layer, self, self.letter, "produced")
         if self.replicated:
-            _replicable(layer, letter, self.gather_output)
             return {}
-        if letter:
-            kernel, *bias = layer.parameters
-            splits = {kernel: dim - len(eq.kernel)}
-            return splits | {name: eq.bias_letters.index(letter) - len(eq.bias_letters) for name in bias}
+        if dims := self._letter_dims(layer):
+            return dims
         ungrouped(layer)
         dim = -len(layer.features)
         return {"kernel": dim, "bias": dim}
+
+    def _letter_dims(self, layer: Layer) -> dict[str, int]:
+        """An einsum's parameters and their dim of the letter, from the end (``{}``: no letter)."""
+        eq, letter, dim = einsum_split(layer, self, self.letter, "produced")
+        if not letter:
+            return {}
+        kernel, *bias = layer.parameters
+        return {kernel: dim - len(eq.kernel)} | {
+            name: eq.bias_letters.index(letter) - len(eq.bias_letters) for name in bias
+        }
+
+    def kept_whole(self, layer):
+        if not self.replicated:
+            return ()
+        _, letter, _ = einsum_split(layer, self, self.letter, "produced")
+        _replicable(layer, letter, self.gather_output)
+        return tuple(self._letter_dims(layer))
 
     def divides(self, layer):
         eq, letter, dim = einsum_split(layer, self, self.letter, "produced")
@@ -72,25 +88,30 @@ class ColumnParallel(TPRole):
         return {"features": layer.features[0]}
 
     def local(self, layer, size):
-        _, letter, dim = einsum_split(layer, self, self.letter, "produced")
-        if self.replicated:
-            return Local()  # it computes every `letter`, with the whole kernel
+        eq, letter, dim = einsum_split(layer, self, self.letter, "produced")
+        if self.replicated:  # its block of every kept parameter, read through kept_block
+            n, what = layer.kernel_shape[dim], f"letter {letter!r} of {eq.text!r}"
+            kept = functools.partial(kept_block, blocks=n, axis_name=self.axis, where=layer.path, what=what)
+            reads = {name: functools.partial(kept, dim=at) for name, at in self._letter_dims(layer).items()}
+            shape = tuple(max(1, n // size) if i == dim else k for i, k in enumerate(layer.kernel_shape))
+            return Local(kernel_shape=shape, read=reads)
         if letter:
             return Local(kernel_shape=shrunk(layer.kernel_shape, dim, size))
         return Local(features=(layer.features[0] // size, *layer.features[1:]))
 
     def call(self, method, run, layer, args, kwargs):
         sequence = self.sequence_dim
-        if self.replicated:
-            if sequence is not None:
-                raise RuleError(f"{layer.path}: ColumnParallel(replicated=True) takes no sequence_dim.")
-            return self._replicated(run(*args, **kwargs), layer)
+        if self.replicated and sequence is not None:
+            raise RuleError(f"{layer.path}: ColumnParallel(replicated=True) takes no sequence_dim.")
         if self.collective_matmul is not None and sequence is not None:
             ringable(self, layer, sequence)
         args, kwargs = self._copied(args, kwargs)
         out = chunkwise(run, layer, args, kwargs)
         eq, letter, _ = einsum_split(layer, self, self.letter, "produced")
         dim = eq.dim_of(letter, eq.output, out.ndim) if letter else -len(layer.features)
+        if self.replicated:
+            _placed(layer.kernel_shape[eq.kernel_dim(letter)], dim, out.shape, self.axis)
+            return out
         if self.gather_output:
             split_after({})
             return gather_from_axis(out, dim % out.ndim, self.axis)
@@ -101,20 +122,13 @@ class ColumnParallel(TPRole):
         """The inputs through *f*, or the sequence gather (or its ring)."""
         return copied(args, kwargs, self.axis, self.sequence_dim, self.collective_matmul)
 
-    def _replicated(self, out: jax.Array, layer: Layer) -> jax.Array:
-        """Every ``letter`` computed from the whole kernel and the input as it is (so the
-        input's gradient from here is whole, not a share for *f* to sum); *f* on the output
-        (its cotangent, zeros outside each device's block, summed over the axis: the kernel's
-        and the input's gradients are whole on every device); this device's block kept."""
-        eq, letter, dim = einsum_split(layer, self, self.letter, "produced")
-        n, size = layer.kernel_shape[dim], jax.lax.axis_size(self.axis)
-        at = eq.dim_of(letter, eq.output, out.ndim)
-        out = kept_block(out, at, n, self.axis, layer.path, f"letter {letter!r} of {eq.text!r}")
-        if n >= size:  # each device its own block: a split
-            split_after({at: self.axis}, out.shape, add=True)
-        else:  # blocks shared by neighbours: no mask of the unsharded model's is drawn on them
-            unplaceable_after(out.shape)
-        return out
+
+def _placed(n: int, dim: int, shape: tuple[int, ...], axis: str) -> None:
+    """Where dropout finds a kept block of ``n`` along ``dim`` (:func:`fsdp_tp.dropout.split_after`)."""
+    if n >= jax.lax.axis_size(axis):  # each device its own block: a split
+        split_after({dim: axis}, shape, add=True)
+    else:  # blocks shared by neighbours: no mask of the unsharded model's is drawn on them
+        unplaceable_after(shape)
 
 
 def _replicable(layer: Layer, letter: str, gather_output: bool) -> None:
