@@ -434,6 +434,34 @@ def test_negative_control_replicated_kv_heads_all_at_one_index():
             check_equivalence(case)
 
 
+class _KeptBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        h = nn.Einsum((6, 8, 3), "BTD,DKH->BTKH", name="kv")(x)
+        return x + nn.Einsum((8, 3, 6), "BTKH,KHD->BTD", name="out")(jnp.tanh(h)), None
+
+
+class _ScannedKept(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        scan = nn.scan(_KeptBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=2)
+        return scan(name="blocks")(x, None)[0]
+
+
+KEPT_IN_SCAN = [(r"kv$", ColumnParallel(letter="K", replicated=True)), (r"out$", RowParallel(letter="K"))]
+
+
+def test_a_kept_kernel_is_read_by_its_block_inside_a_linen_scan():
+    """Linen reads a kept kernel's block through ``nn.map_variables`` over the module's scope,
+    which composes with ``nn.scan`` (each layer's slice of the stacked kernel, then its block):
+    8 letters on tensor 4, equal to unsharded; control: every device reading block 0."""
+    check_split("linen", _ScannedKept, KEPT_IN_SCAN, (8, 3, 6), True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tp_matmul, "kept_block", first_block)
+        with pytest.raises(AssertionError, match="output"):
+            check_split("linen", _ScannedKept, KEPT_IN_SCAN, (8, 3, 6), False)
+
+
 # --- sequence parallelism by roles (issue 43 point 2) ------------------------------------------
 
 SEQUENCE_RULES = [(pattern, dataclasses.replace(role, sequence_dim=1)) for pattern, role in RULES]
