@@ -462,6 +462,29 @@ def test_a_kept_kernel_is_read_by_its_block_inside_a_linen_scan():
             check_split("linen", _ScannedKept, KEPT_IN_SCAN, (8, 3, 6), False)
 
 
+class _NNXDenses(nnx.Module):
+    def __init__(self, rngs):
+        self.up, self.down = nnx.Linear(6, 8, rngs=rngs), nnx.Linear(8, 6, rngs=rngs)
+
+
+class _Denses(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(6, name="down")(nn.Dense(8, name="up")(x))
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_a_kept_kernel_on_a_dense_layer_is_refused_with_the_fix(api):
+    """``replicated=True`` reads a block along an einsum letter; a dense layer has none."""
+    rules = [("up$", ColumnParallel(replicated=True)), ("down$", RowParallel())]
+    refused = r"up: ColumnParallel\(replicated=True\) reads .* Drop replicated=True"
+    with pytest.raises(RuleError, match=refused):
+        if api == "nnx":
+            fsdp_tp.nnx.tp_splits(nnx.eval_shape(lambda: _NNXDenses(nnx.Rngs(0))), rules)
+        else:
+            check_split("linen", _Denses, rules, (8, 3, 6), True)
+
+
 # --- sequence parallelism by roles (issue 43 point 2) ------------------------------------------
 
 SEQUENCE_RULES = [(pattern, dataclasses.replace(role, sequence_dim=1)) for pattern, role in RULES]

@@ -36,9 +36,9 @@ class ColumnParallel(TPRole):
     with fewer kv heads than devices: device t's query heads read kv head ``t * K // axis``).
     One more all-reduce backward (the kernel's gradient) than a split. ``sequence_dim``: the
     input arrives as this device's slice of that dim and is all-gathered first (sequence
-    parallelism); ``collective_matmul``
-    (``"unidirectional"`` / ``"bidirectional"``, with ``sequence_dim``): that gather as a
-    ``ppermute`` ring, each arriving chunk multiplied at once (:mod:`fsdp_tp.collective_matmul`)."""
+    parallelism); ``collective_matmul`` (``"unidirectional"`` / ``"bidirectional"``, with
+    ``sequence_dim``): that gather as a ``ppermute`` ring, each arriving chunk multiplied at
+    once (:mod:`fsdp_tp.collective_matmul`)."""
 
     gather_output: bool = False
     letter: str | None = None
@@ -69,9 +69,9 @@ class ColumnParallel(TPRole):
     def kept_whole(self, layer):
         if not self.replicated:
             return ()
-        _, letter, _ = einsum_split(layer, self, self.letter, "produced")
-        _replicable(layer, letter, self.gather_output)
-        return tuple(self._letter_dims(layer))
+        dims = self._letter_dims(layer)
+        _replicable(layer, bool(dims), self.gather_output)
+        return tuple(dims)
 
     def divides(self, layer):
         eq, letter, dim = einsum_split(layer, self, self.letter, "produced")
@@ -107,10 +107,10 @@ class ColumnParallel(TPRole):
             ringable(self, layer, sequence)
         args, kwargs = self._copied(args, kwargs)
         out = chunkwise(run, layer, args, kwargs)
-        eq, letter, _ = einsum_split(layer, self, self.letter, "produced")
+        eq, letter, kernel_dim = einsum_split(layer, self, self.letter, "produced")
         dim = eq.dim_of(letter, eq.output, out.ndim) if letter else -len(layer.features)
         if self.replicated:
-            _placed(layer.kernel_shape[eq.kernel_dim(letter)], dim, out.shape, self.axis)
+            _placed(layer.kernel_shape[kernel_dim], dim, out.shape, self.axis)
             return out
         if self.gather_output:
             split_after({})
@@ -131,11 +131,11 @@ def _placed(n: int, dim: int, shape: tuple[int, ...], axis: str) -> None:
         unplaceable_after(shape)
 
 
-def _replicable(layer: Layer, letter: str, gather_output: bool) -> None:
-    if not letter or gather_output:
+def _replicable(layer: Layer, einsum: bool, gather_output: bool) -> None:
+    if not einsum or gather_output:
         raise RuleError(
-            f"{layer.path}: ColumnParallel(replicated=True) keeps each device's block of an einsum's "
-            f"output letter (kv heads fewer than the axis size); it takes an einsum layer and no "
+            f"{layer.path}: ColumnParallel(replicated=True) reads each device's block of an einsum "
+            f"kernel's output letter (kv heads fewer than the axis size); it takes an einsum layer and no "
             f"gather_output. Drop replicated=True."
         )
 
