@@ -69,6 +69,16 @@ def routings(draw):
     return np.array(logits, np.float32).reshape(tokens, experts), k, factor
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _routed(logits, k: int, slots: int | None, x):
+    """Route, dispatch, and combine of the buffers each expert e multiplies by e + 1, in one
+    program, as a model runs them (under jit: one compile an example, not one an op)."""
+    r = route(logits, k, slots)
+    buffers = dispatch(x, r)
+    scale = jnp.arange(1.0, logits.shape[-1] + 1)[:, None, None]
+    return r, buffers, combine(buffers * scale, r)
+
+
 @settings(max_examples=40, deadline=None)
 @given(routings())
 def test_routing_is_token_choice_top_k_with_capacity(case):
@@ -78,18 +88,18 @@ def test_routing_is_token_choice_top_k_with_capacity(case):
     logits, k, factor = case
     tokens, experts = logits.shape
     slots = capacity(tokens, k, experts, factor)
-    r = route(jnp.asarray(logits), k, slots)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(tokens, 3)), jnp.float32)
+    r, buffers, combined = _routed(jnp.asarray(logits), k, slots, x)
     chosen, kept, position = reference_routing(logits, k, slots)
     np.testing.assert_array_equal(r.chosen, chosen)
     np.testing.assert_array_equal(r.kept, kept)
-    x = jnp.asarray(np.random.default_rng(0).normal(size=(tokens, 3)), jnp.float32)
-    buffers = np.asarray(dispatch(x, r))
+    buffers = np.asarray(buffers)
     for t, j in zip(*np.nonzero(kept), strict=True):
         np.testing.assert_array_equal(buffers[chosen[t, j], position[t, j]], x[t])
     assert np.count_nonzero(np.abs(buffers).sum(-1)) == kept.sum()  # nothing else in the buffers
-    scale = jnp.arange(1.0, experts + 1)[:, None, None]  # expert e multiplies by e + 1
-    want = (np.asarray(r.weights) * kept * np.asarray(scale).ravel()[chosen]).sum(-1)[:, None] * np.asarray(x)
-    np.testing.assert_allclose(combine(dispatch(x, r) * scale, r), want, rtol=1e-6, atol=1e-6)
+    scale = np.arange(1.0, experts + 1)  # expert e multiplies by e + 1
+    want = (np.asarray(r.weights) * kept * scale[chosen]).sum(-1)[:, None] * np.asarray(x)
+    np.testing.assert_allclose(combined, want, rtol=1e-6, atol=1e-6)
 
 
 def test_negative_control_a_tie_broken_the_other_way_is_caught():
