@@ -75,6 +75,7 @@ def _with_cheap_codegen(flags: str) -> str:
 os.environ["XLA_FLAGS"] = _with_cheap_codegen(os.environ.get("XLA_FLAGS", ""))
 
 import jax  # noqa: E402  (after the environment above: jax reads it at import)
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
@@ -88,22 +89,56 @@ def pytest_sessionfinish(session):
 
 # Each test file's time (its tests' setup, call and teardown, summed over the workers that ran
 # them), printed after every run, largest first: CI's log shows a file's growth the day it lands.
-_FILE_SECONDS: dict[str, float] = {}
+# Beside it, the seconds JAX spent in the test processes (not in the CLI processes a test
+# starts) tracing jitted functions, lowering them to MLIR and compiling them with XLA: the suite
+# is compile-bound (test_einsum_tp and test_tp_rules, -n 0: 124 s of XLA compiles, 45 s of
+# tracing and 21 s of lowering in 206 s), so the columns say what a file's time is made of. A
+# jit traced inside another's trace is counted in both: the trace column is an upper bound.
+_JAX_EVENTS = {
+    "/jax/core/compile/jaxpr_trace_duration": 0,
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": 1,
+    "/jax/core/compile/backend_compile_duration": 2,
+}
+_JAX_SECONDS = [0.0, 0.0, 0.0]  # this process's, since its last test report
+_FILE_SECONDS: dict[str, list[float]] = {}  # file: [seconds, trace, lower, compile]
+
+
+def _count_jax_seconds(event: str, duration: float, **_) -> None:
+    if (column := _JAX_EVENTS.get(event)) is not None:
+        _JAX_SECONDS[column] += duration
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_jax_seconds)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    # Made where the test ran (an xdist worker), then sent to the controller with its
+    # user_properties: each phase's report carries the JAX seconds since the last one.
+    report = (yield).get_result()
+    report.user_properties.append(("jax_seconds", tuple(_JAX_SECONDS)))
+    _JAX_SECONDS[:] = [0.0, 0.0, 0.0]
 
 
 def pytest_runtest_logreport(report):
     file = report.nodeid.split("::", 1)[0]
     file = "src/ (the doctests)" if file.startswith("src/") else file
-    _FILE_SECONDS[file] = _FILE_SECONDS.get(file, 0.0) + report.duration
+    jax_seconds = dict(report.user_properties).get("jax_seconds", (0.0, 0.0, 0.0))
+    row = _FILE_SECONDS.setdefault(file, [0.0, 0.0, 0.0, 0.0])
+    for i, seconds in enumerate((report.duration, *jax_seconds)):
+        row[i] += seconds
 
 
 def pytest_terminal_summary(terminalreporter):
     if hasattr(terminalreporter.config, "workerinput") or not _FILE_SECONDS:
         return
     terminalreporter.write_sep("=", "seconds per test file (summed over workers)")
-    for file, seconds in sorted(_FILE_SECONDS.items(), key=lambda item: -item[1]):
-        terminalreporter.write_line(f"{seconds:8.1f}  {file}")
-    terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f}  in all")
+    heading = f"{'all':>8}  {'trace':>7}  {'lower':>7}  {'compile':>7}  (jax's, in the test processes)"
+    terminalreporter.write_line(heading)
+    rows = sorted(_FILE_SECONDS.items(), key=lambda item: -item[1][0])
+    total = [sum(column) for column in zip(*_FILE_SECONDS.values(), strict=True)]
+    for file, row in [*rows, ("in all", total)]:
+        terminalreporter.write_line(f"{row[0]:8.1f}  {row[1]:7.1f}  {row[2]:7.1f}  {row[3]:7.1f}  {file}")
 
 
 # Modules whose tests share a module-scoped fixture that takes a minute to build (the bench's
