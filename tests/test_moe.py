@@ -88,8 +88,8 @@ def test_routing_is_token_choice_top_k_with_capacity(case):
     logits, k, factor = case
     tokens, experts = logits.shape
     slots = capacity(tokens, k, experts, factor)
-    x = jnp.asarray(np.random.default_rng(0).normal(size=(tokens, 3)), jnp.float32)
-    r, buffers, combined = _routed(jnp.asarray(logits), k, slots, x)
+    x = np.random.default_rng(0).normal(size=(tokens, 3)).astype(np.float32)  # (read back row by row)
+    r, buffers, combined = _routed(logits, k, slots, x)
     chosen, kept, position = reference_routing(logits, k, slots)
     np.testing.assert_array_equal(r.chosen, chosen)
     np.testing.assert_array_equal(r.kept, kept)
@@ -98,7 +98,7 @@ def test_routing_is_token_choice_top_k_with_capacity(case):
         np.testing.assert_array_equal(buffers[chosen[t, j], position[t, j]], x[t])
     assert np.count_nonzero(np.abs(buffers).sum(-1)) == kept.sum()  # nothing else in the buffers
     scale = np.arange(1.0, experts + 1)  # expert e multiplies by e + 1
-    want = (np.asarray(r.weights) * kept * scale[chosen]).sum(-1)[:, None] * np.asarray(x)
+    want = (np.asarray(r.weights) * kept * scale[chosen]).sum(-1)[:, None] * x
     np.testing.assert_allclose(combined, want, rtol=1e-6, atol=1e-6)
 
 
