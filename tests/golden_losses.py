@@ -34,7 +34,7 @@ import jax
 import jaxlib
 import optax
 
-__all__ = ["COMMAND", "golden_file", "main_job", "matching", "mismatch", "record"]
+__all__ = ["COMMAND", "golden_file", "main_job", "matching", "mismatch", "record", "recorded"]
 
 COMMAND = ("train", "--steps", "30")
 GOLDEN = Path(__file__).parent / "golden"
@@ -44,6 +44,16 @@ X86_CAPS = ("AVX2", "SSE4_2")
 
 def golden_file() -> Path:
     return GOLDEN / f"jax-{jax.__version__}.json"
+
+
+def recorded() -> dict:
+    """This jax version's file: the main job's runs, one per instruction set cap."""
+    path = golden_file()
+    assert path.is_file(), (
+        f"no golden losses for jax {jax.__version__} ({path} is missing): run `python -m "
+        "tests.golden_losses` on a machine where the suite passes, and commit the file"
+    )
+    return json.loads(path.read_text())
 
 
 def main_job(where: Path, max_isa: str | None = None) -> dict:

@@ -4,21 +4,9 @@ record again when a change of the numbers is intended)."""
 
 from __future__ import annotations
 
-import json
-
-import jax
 import numpy as np
 
-from tests.golden_losses import COMMAND, golden_file, main_job, matching, mismatch
-
-
-def recorded() -> dict:
-    path = golden_file()
-    assert path.is_file(), (
-        f"no golden losses for jax {jax.__version__} ({path} is missing): run `python -m "
-        "tests.golden_losses` on a machine where the suite passes, and commit the file"
-    )
-    return json.loads(path.read_text())
+from tests.golden_losses import COMMAND, main_job, matching, mismatch, recorded
 
 
 def test_the_main_job_trains_the_recorded_losses_bit_for_bit(tmp_path):
