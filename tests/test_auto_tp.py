@@ -440,7 +440,7 @@ def _check_gpt(tensor: int) -> None:
         step = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(specs, P("data")), out_specs=out_specs))
         out, grads = step(params, ids)
         twin, whole = Transformer(**config), nn.unbox(params)
-        (_, want), want_grads = jax.value_and_grad(lambda p: loss(twin, p, ids), has_aux=True)(whole)
+        (_, want), want_grads = jax.jit(jax.value_and_grad(lambda p: loss(twin, p, ids), has_aux=True))(whole)
         assert_trees_close(out, want, "output")
         assert_trees_close(nn.unbox(grads), want_grads, "grads")
 
