@@ -141,7 +141,7 @@ def test_train_api_nnx_trains_the_linen_losses_from_the_same_seed(tmp_path):
     ours, out = _losses(tmp_path, "--api", "nnx", "--check", "2")
     assert "model tiny (NNX)" in out and "check: 2 steps sharded vs unsharded" in out and "-> ok" in out
     for name, linen in _linen_runs().items():
-        assert len(ours) == len(linen) == 30
+        assert len(ours) == len(linen) == int(COMMAND[-1])
         np.testing.assert_allclose(ours, linen, rtol=LOSS_RTOL, atol=0, err_msg=name)
 
 
