@@ -5,7 +5,7 @@ attention from ``nn.MultiHeadDotProductAttention``, MLPs of ``nn.Dense``, ``nn.E
 ``wrap`` (identity by default) exists only for the comparison the tests make: the same
 model with every layer wrapped by hand, the edit a user of the per-layer API would make.
 The train step the tests measure such a model by is the benchmark's,
-:func:`fsdp_tp.bench.llama_rows.lowered_lm_step`.
+:func:`fsdp_tp.bench.lm_step.lowered_lm_step`.
 """
 
 from __future__ import annotations

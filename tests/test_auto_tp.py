@@ -34,6 +34,7 @@ from fsdp_tp.linen.tp_rules import mlp_rules
 from fsdp_tp.models import Transformer
 from fsdp_tp.models.llama import RULES, LlamaLM, NNXLlamaLM
 from fsdp_tp.models.nnx_transformer import NNXTransformer, tp_rules
+from fsdp_tp.sharded_init import abstract_init
 from fsdp_tp.testing import NNXSharded as Sharded
 from fsdp_tp.tp import ColumnParallel, RowParallel, VocabParallel, _regions
 from fsdp_tp.tp._check import switched_off
@@ -352,7 +353,7 @@ def _lowered_grad_step(model, sizes: dict[str, int], x) -> jax.stages.Lowered:
     of ``sizes``, lowered as ``shard_step`` traces it (column layers reading one activation
     share its *f*)."""
     mesh = fsdp_tp.make_mesh(sizes)
-    params, specs = fsdp_tp.init_sharded(
+    params, specs = abstract_init(  # (the parameters' shapes: all lowering needs)
         lambda r, x: model.init(r, x)["params"], mesh, (P(), P("data")), jax.random.key(0), x
     )
 

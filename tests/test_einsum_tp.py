@@ -32,7 +32,8 @@ from hypothesis import strategies as st
 import fsdp_tp
 import fsdp_tp._registered
 from fsdp_tp.analysis import operand_count, parse_collectives
-from fsdp_tp.bench.llama_rows import llama_section, lowered_lm_step, measure
+from fsdp_tp.bench.llama_rows import llama_section, measure
+from fsdp_tp.bench.lm_step import lowered_lm_step
 from fsdp_tp.errors import IndivisibleShapeError, RuleError
 from fsdp_tp.models.llama import FSDP_RULES, RULES, SIZES, LlamaLM, NNXLlamaLM
 from fsdp_tp.testing import NNXSharded as Sharded
@@ -101,7 +102,7 @@ def test_fp8_gathers_compose_with_tensor_parallelism(api):
 
 
 def _step(api: str, tp=RULES, mesh_name: str = "fsdp4_tensor2"):
-    """One lowered AdamW step of the model and its initial state."""
+    """One lowered AdamW step of the model, and its state's shapes."""
     model, _ = _models(api, mesh_name, tp=tp)
     mesh = fsdp_tp.make_mesh(MESHES[mesh_name])
     return lowered_lm_step(model, mesh, _batch(mesh_name), jnp.zeros((BATCH, SEQ), jnp.int32))
@@ -525,7 +526,7 @@ def test_sequence_parallel_roles_gather_and_scatter_and_all_reduce_only_the_row_
     reduce-scatter and its backward all-gather; the tied logits' sequence all-gather, its
     backward reduce-scatter and the logits' vocabulary gather. The only all-reduces over
     `tensor` are the output einsums' bias gradients (the bias read on sequence slices)."""
-    lowered, _ = _step("nnx", tp=SEQUENCE_RULES)
+    lowered = _step("nnx", tp=SEQUENCE_RULES).lowered
     found = parse_collectives(lowered.compile().as_text())
     layers = SIZES["layers"]
     assert operand_count(found, "all-gather", 2) == 4 * layers + 3

@@ -37,6 +37,7 @@ CORE = (
     "_aliases",
     "_gather",
     "_hlo",
+    "_init_watch",
     "_integrity",
     "_layout",
     "_mean_grad_gather",

@@ -26,7 +26,7 @@ import fsdp_tp.tp._experts as experts_module
 import fsdp_tp.train
 from fsdp_tp import TrainState, make_mesh, make_plan, shard_by_rules
 from fsdp_tp.analysis import operand_count, parse_collectives
-from fsdp_tp.bench.llama_rows import lowered_lm_step
+from fsdp_tp.bench.lm_step import lowered_lm_step
 from fsdp_tp.bench.moe_rows import MOE_SIZES as MOE_BENCH_SIZES
 from fsdp_tp.bench.moe_rows import PLANS, WITHIN, measure_moe, moe_section
 from fsdp_tp.errors import IndivisibleShapeError, LayerLeftWholeWarning, RuleError
@@ -307,7 +307,7 @@ def test_expert_parallel_moves_each_buffer_once_each_way_and_never_gathers_an_ex
     axes = ("fsdp", "expert")
     sizes = {**SIZES, "capacity_factor": 1.0}
     model = shard_by_rules(MoELM, EP_STORAGE, batch_axes=axes, tp_rules=EP)(sizes)
-    lowered, _ = lowered_lm_step(model, mesh, axes, TOKENS, with_aux=True)  # (its loss: lm_loss's)
+    lowered = lowered_lm_step(model, mesh, axes, TOKENS, with_aux=True).lowered  # (its loss: lm_loss's)
     found = parse_collectives(lowered.as_text(dialect="hlo"))
     to_all = [c for c in found if c.kind == "all-to-all"]
     groups, tokens_per_group = 1, 8  # a device's 1 row of 8 tokens: one group
@@ -337,7 +337,7 @@ def _collectives(placed: str) -> list:
     mesh, axes, rules = PLACED[placed]
     sizes = {**SIZES, "capacity_factor": 1.0}
     model = shard_by_rules(MoELM, [], batch_axes=axes, tp_rules=rules)(sizes)
-    lowered, _ = lowered_lm_step(model, make_mesh(mesh), axes, TOKENS, with_aux=True)
+    lowered = lowered_lm_step(model, make_mesh(mesh), axes, TOKENS, with_aux=True).lowered
     return parse_collectives(lowered.as_text(dialect="hlo"))
 
 

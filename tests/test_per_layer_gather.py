@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 from fsdp_tp.analysis import parse_collectives
-from fsdp_tp.bench.llama_rows import lowered_lm_step
+from fsdp_tp.bench.lm_step import lowered_lm_step
 from fsdp_tp.errors import RuleError
 from fsdp_tp.linen import _gather, rule_transform
 from fsdp_tp.nnx import _state as nnx_state
@@ -57,7 +57,7 @@ def _models(scan: bool, remat: bool, sizes=None, api="linen"):
 
 def _lowered_step(model, check_vma: bool = True):
     mesh, tokens = fsdp_tp.make_mesh({"data": 2, "fsdp": 4}), jnp.zeros((BATCH, SEQ), jnp.int32)
-    return lowered_lm_step(model, mesh, BATCH_AXES, tokens, check_vma)[0]
+    return lowered_lm_step(model, mesh, BATCH_AXES, tokens, check_vma).lowered
 
 
 def _temp_bytes(model) -> int:

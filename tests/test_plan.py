@@ -27,6 +27,7 @@ from fsdp_tp.precision import MixedPrecision
 from fsdp_tp.recipe.config import preset
 from fsdp_tp.recipe.trainer import BATCH as WINDOWS
 from fsdp_tp.recipe.trainer import Settings, ShardedGPT, step_fn
+from fsdp_tp.sharded_init import abstract_init
 from fsdp_tp.train import shard_step, state_init_fn
 
 pytestmark = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")
@@ -112,7 +113,7 @@ def _plan_and_step(remat: str, policy: MixedPrecision | None, sizes: tuple) -> t
     plan = plan_of(settings, mesh)
     model, seq_len = settings.model.model(settings.layout), settings.model.seq_len
     ids = jnp.zeros((settings.batch, seq_len), jnp.int32)
-    state, specs = fsdp_tp.init_sharded(
+    state, specs = abstract_init(  # (the state's shapes: all the compiled step needs)
         state_init_fn(model, settings.optimizer()), mesh, (P(), WINDOWS), jax.random.key(0), ids
     )
     windows = jax.ShapeDtypeStruct(

@@ -10,13 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 from fsdp_tp.analysis import ideal_bytes_per_device, state_bytes_per_device
 from fsdp_tp.models import Layout, Transformer
 from fsdp_tp.partitioning import specs_of
-from fsdp_tp.sharded_init import lower_init
+from fsdp_tp.sharded_init import abstract_init, lower_init
 
 pytestmark = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")
 BATCH = P(("data", "fsdp"))
@@ -235,3 +236,64 @@ def test_a_state_of_many_leaves_is_built_by_programs_of_at_most_100_leaves(with_
     state, _ = fsdp_tp.init_sharded(*run, **twin)
     expected = jax.jit(init_fn)(jax.random.key(0))
     jax.tree.map(np.testing.assert_array_equal, nn.unbox(state), expected)
+
+
+class _LinenBlock(nn.Module):  # an MLP of 16 -> 32 -> 16 features, in each front end
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(16, name="down")(nn.relu(nn.Dense(32, name="up")(x)))
+
+
+class _NNXBlock(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.up, self.down = nnx.Linear(16, 32, rngs=rngs), nnx.Linear(32, 16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(nnx.relu(self.up(x)))
+
+
+def _block_state(api: str, tx) -> tuple:
+    """``(init_fn, apply(params, x))`` of the block's train state, every weight split."""
+    rules, batch = [("kernel$", P("fsdp", "tensor")), ("bias$", P("tensor"))], ("data", "fsdp")
+    if api == "linen":
+        block = fsdp_tp.shard_by_rules(_LinenBlock, rules, batch_axes=batch)()
+        init = fsdp_tp.state_init_fn(block, tx)
+        return (lambda rng: init(rng, jnp.ones((8, 16)))), lambda p, x: block.apply({"params": p}, x)
+    sharded = fsdp_tp.nnx.shard_by_rules(_NNXBlock, rules, batch_axes=batch)
+    return sharded.state_init_fn(tx), lambda p, x: sharded.merge(p)(x)
+
+
+def _layout(tree) -> list:
+    return [(leaf.shape, leaf.dtype, leaf.sharding.spec) for leaf in jax.tree.leaves(tree)]
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_the_abstract_init_is_the_states_layout_and_lowers_the_same_step(api):
+    """abstract_init's state is init_sharded's, as shapes: the same tree, each leaf's shape,
+    dtype and sharding, the same bytes per device; a step lowered against it is the program
+    lowered against the state. Negative control: one kernel laid out whole is told apart by
+    each of the three comparisons."""
+    mesh = fsdp_tp.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    init_fn, apply = _block_state(api, optax.adamw(1e-3))
+    state, specs = fsdp_tp.init_sharded(init_fn, mesh, P(), jax.random.key(0))
+    shapes, shape_specs = abstract_init(init_fn, mesh, P(), jax.random.key(0))
+
+    def step(state, x):
+        grads = jax.grad(lambda p: jnp.mean(apply(p, x) ** 2))(state.params)
+        return fsdp_tp.sync_gradients(grads, ("data", "fsdp")), {}
+
+    # (not donating: the negative control's whole kernel could not be given to a split one)
+    program = fsdp_tp.shard_step(step, mesh, specs, BATCH, donate_state=False)
+    lowered = lambda tree: program.lower(tree, jnp.ones((8, 16)))
+    same = lambda tree: (
+        jax.tree.structure(tree) == jax.tree.structure(state) and _layout(tree) == _layout(state),
+        state_bytes_per_device(tree) == state_bytes_per_device(state),
+        lowered(tree).as_text() == lowered(state).as_text(),
+    )
+    assert shape_specs == specs and not any(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(shapes))
+    assert same(shapes) == (True, True, True)
+    leaves, treedef = jax.tree.flatten(shapes)
+    kernel = next(i for i, leaf in enumerate(leaves) if leaf.ndim == 2)
+    whole = jax.sharding.NamedSharding(mesh, P())
+    leaves[kernel] = jax.ShapeDtypeStruct(leaves[kernel].shape, leaves[kernel].dtype, sharding=whole)
+    assert same(jax.tree.unflatten(treedef, leaves)) == (False, False, False)

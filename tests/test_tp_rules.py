@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 from fsdp_tp.analysis import collective_summary, dot_flops, parse_collectives, state_bytes_per_device
-from fsdp_tp.bench.llama_rows import lowered_lm_step
+from fsdp_tp.bench.lm_step import lowered_lm_step
 from fsdp_tp.errors import IndivisibleShapeError, RuleError
 from fsdp_tp.linen.tp_rules import attention_rules, mlp_rules
 from fsdp_tp.testing import NNXSharded as Sharded
@@ -39,7 +39,7 @@ from fsdp_tp.tp import _matmul as tp_matmul
 from fsdp_tp.tp import _vocab as tp_vocab
 from fsdp_tp.tp._check import switched_off
 from fsdp_tp.tp._role import Local
-from tests.conftest import mesh_of
+from tests.conftest import mesh_of, nbytes
 from tests.equivalence import Case, check_equivalence, next_token_loss
 from tests.models import GATED_RULES, GatedLM, TiedLM
 from tests.nnx_models import NNX_MEGATRON, NNXGatedLM, NNXTiedLM, lm_maker
@@ -206,7 +206,7 @@ MEGATRON_MINIMUM = {"all-reduce": 4 * LM["layers"] + 2, "all-gather": 1}
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("api", APIS)
 def test_the_step_has_megatrons_activation_collectives_and_no_weight_gather(check_vma, api):
-    lowered, _ = _lowered_step(_model("data2_tensor4", LM, api=api), "data2_tensor4", check_vma)
+    lowered = _lowered_step(_model("data2_tensor4", LM, api=api), "data2_tensor4", check_vma).lowered
     found = parse_collectives(lowered.compile().as_text())
     over_tensor = [c for c in found if c.group_size == 4]
     assert _activation_collectives(over_tensor, BATCH // 2) == MEGATRON_MINIMUM
@@ -224,7 +224,7 @@ def test_with_fsdp_weights_are_gathered_over_fsdp_only_and_nnx_moves_the_linen_b
     model's bytes: state per device, and every collective kind's count and wire bytes."""
     held, moved = {}, {}
     for api in APIS:
-        lowered, state = _lowered_step(
+        lowered, state, _ = _lowered_step(
             _model("data2_fsdp2_tensor2", LM, api=api), "data2_fsdp2_tensor2", False
         )
         found = parse_collectives(lowered.compile().as_text())
@@ -235,7 +235,7 @@ def test_with_fsdp_weights_are_gathered_over_fsdp_only_and_nnx_moves_the_linen_b
         for leaf in jax.tree.leaves(state.params):
             spec = leaf.sharding.spec
             if "fsdp" in spec:
-                expected += leaf.nbytes // (2 if "tensor" in spec else 1)
+                expected += nbytes(leaf) // (2 if "tensor" in spec else 1)
         assert gathered - logits == expected, api
         held[api] = sorted(state_bytes_per_device(state).values())
         moved[api] = collective_summary(found)
@@ -247,8 +247,8 @@ def test_with_fsdp_weights_are_gathered_over_fsdp_only_and_nnx_moves_the_linen_b
 def test_matmuls_are_a_quarter_the_size(api):
     """Every matmul of the step (forward and backward, attention included) on data 2 x tensor 4
     is 1/4 of the same model's without tp rules: the dot FLOPs, exactly."""
-    plain, _ = _lowered_step(_model("data2_tensor4", LM, tp=(), api=api), "data2_tensor4")
-    split, _ = _lowered_step(_model("data2_tensor4", LM, api=api), "data2_tensor4")
+    plain = _lowered_step(_model("data2_tensor4", LM, tp=(), api=api), "data2_tensor4").lowered
+    split = _lowered_step(_model("data2_tensor4", LM, api=api), "data2_tensor4").lowered
     assert dot_flops(plain.as_text(dialect="hlo")) == 4 * dot_flops(split.as_text(dialect="hlo"))
 
 
@@ -256,8 +256,8 @@ def test_negative_control_storage_only_tp_repeats_the_whole_computation():
     """The issue's measured state: kernels stored on `tensor` by plain rules are all-gathered
     and every tensor device computes all of it (full-size matmuls)."""
     storage = [(r"(query|key|value)/kernel$", P(None, "tensor")), (r"kernel$|embedding$", P("tensor"))]
-    plain, _ = _lowered_step(_model("data2_tensor4", LM, tp=()), "data2_tensor4")
-    stored, _ = _lowered_step(_model("data2_tensor4", LM, tp=(), rules=storage), "data2_tensor4")
+    plain = _lowered_step(_model("data2_tensor4", LM, tp=()), "data2_tensor4").lowered
+    stored = _lowered_step(_model("data2_tensor4", LM, tp=(), rules=storage), "data2_tensor4").lowered
     assert dot_flops(stored.as_text(dialect="hlo")) == dot_flops(plain.as_text(dialect="hlo"))
     found = parse_collectives(stored.compile().as_text())
     assert _activation_collectives([c for c in found if c.group_size == 4], BATCH // 2) != MEGATRON_MINIMUM
@@ -278,7 +278,7 @@ def test_tied_embeddings_and_dense_general_equal_unsharded(api):
 def _all_reduces_over_tensor(model) -> int:
     """All-reduce operands over `tensor` (size 4) in one step of ``model`` on data 2 x tensor 4."""
     mesh = fsdp_tp.make_mesh(MESHES["data2_tensor4"])
-    lowered, _ = lowered_lm_step(model, mesh, ("data",), jnp.zeros((8, 8), jnp.int32))
+    lowered = lowered_lm_step(model, mesh, ("data",), jnp.zeros((8, 8), jnp.int32)).lowered
     found = parse_collectives(lowered.compile().as_text())
     return sum(c.operands * c.executions for c in found if c.kind == "all-reduce" and c.group_size == 4)
 

@@ -57,6 +57,7 @@ __all__ = [
     "lower_optimizer_state",
     "optimizer_layout",
     "optimizer_state_bytes",
+    "optimizer_state_shapes",
     "per_device_step",
     "refuse_on_shards",
     "with_optimizer_state",
@@ -117,6 +118,13 @@ def with_optimizer_state(tree: PyTree, mesh) -> PyTree:
     parameters (see :func:`_init_program`)."""
     init = lambda s: s.replace(opt_state=_init_program(s, mesh)(s.params)) if _is_state(s) else s
     return jax.tree.map(init, tree, is_leaf=_is_state)
+
+
+def optimizer_state_shapes(tree: PyTree, mesh) -> PyTree:
+    """:func:`with_optimizer_state` of ``tree``'s shapes (shape structs with their shardings):
+    each train state's ``opt_state`` as the shapes and shardings it would have, nothing run."""
+    shaped = lambda s: s.replace(opt_state=jax.eval_shape(_init_program(s, mesh), s.params))
+    return jax.tree.map(lambda s: shaped(s) if _is_state(s) else s, tree, is_leaf=_is_state)
 
 
 def lower_optimizer_state(tree: PyTree, mesh) -> list[jax.stages.Lowered]:

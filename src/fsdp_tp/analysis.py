@@ -161,11 +161,17 @@ def compiled_memory(compiled) -> dict[str, int]:
 
 
 def state_bytes_per_device(tree: PyTree) -> dict[jax.Device, int]:
-    """Bytes each device actually stores for the arrays of ``tree`` (its addressable shards)."""
+    """Bytes each device actually stores for the arrays of ``tree`` (its addressable shards),
+    or would store for its shape structs with their shardings (``abstract_init``'s)."""
     totals: dict[jax.Device, int] = collections.defaultdict(int)
     for leaf in jax.tree.leaves(tree):
-        for shard in leaf.addressable_shards:
-            totals[shard.device] += shard.data.nbytes
+        if isinstance(leaf, jax.Array):
+            for shard in leaf.addressable_shards:
+                totals[shard.device] += shard.data.nbytes
+            continue
+        for device, index in leaf.sharding.addressable_devices_indices_map(leaf.shape).items():
+            block = (len(range(*i.indices(n))) for i, n in zip(index, leaf.shape, strict=True))
+            totals[device] += math.prod(block) * leaf.dtype.itemsize
     return dict(totals)
 
 

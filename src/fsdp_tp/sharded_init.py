@@ -14,58 +14,26 @@ would have unsharded.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import jax
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-from ._optimizer import lower_optimizer_state, with_optimizer_state, without_optimizer_state
+from ._init_watch import watched_init
+from ._optimizer import (
+    lower_optimizer_state,
+    optimizer_state_shapes,
+    with_optimizer_state,
+    without_optimizer_state,
+)
 from ._trace import specs_of, trace_per_device
 from ._types import PyTree, Specs
 from .errors import SpecTreeMismatchError
 from .partitioning import check_specs
-from .tp._check import checking
 
-__all__ = ["init_sharded", "lower_init", "watch_inits"]
-
-# What a front end checks after the per-device init's trace: its own layers that run their
-# roles themselves (Linen's Megatron layers) are seen only there, in a model the core's
-# init_sharded cannot name. A watcher is entered around that trace and gives the check to run
-# after it (outside any mesh): check(mesh, check_vma, error), error what the trace raised.
-Watcher = Callable[[], contextlib.AbstractContextManager[Callable[[Any, bool, Exception | None], None]]]
-_WATCHERS: list[Watcher] = []
-
-
-def watch_inits(watcher: Watcher) -> None:
-    """Has ``watcher`` watch every per-device init's trace (a front end's, once at its import)."""
-    if watcher not in _WATCHERS:
-        _WATCHERS.append(watcher)
-
-
-@contextlib.contextmanager
-def _watched_init(mesh: Any, check_vma: bool) -> Iterator[None]:
-    """Within, the per-device init is traced under every watcher; after, each one's check runs
-    (a :class:`~fsdp_tp.errors.RuleError` before anything is compiled), and where the trace
-    failed, each may say why (the model's code on a device's slices) before the error passes."""
-    if not checking() or not _WATCHERS:
-        yield
-        return
-    failed = None
-    with contextlib.ExitStack() as stack:
-        checks = [stack.enter_context(watch()) for watch in _WATCHERS]
-        try:
-            yield
-        except Exception as err:
-            failed = err
-    for check in checks:
-        check(mesh, check_vma, failed)
-    if failed is not None:
-        raise failed
-
+__all__ = ["abstract_init", "init_sharded", "lower_init"]
 
 # XLA's compile time grows faster than the program it compiles, so the init is cut into
 # programs of at most this many leaves (each computes only its leaves' values; the bits are
@@ -170,12 +138,43 @@ def lower_init(
     # The optimizer's state is built from the global parameters: lower it from their shapes
     # (the lowered programs' outputs; tracing the programs again would only repeat them).
     leaves = [leaf for low in lowered for leaf in jax.tree.leaves(low.out_info)]
+    return lowered + lower_optimizer_state(_laid_out(traced, leaves, mesh), mesh)
+
+
+def abstract_init(
+    init_fn: Callable, mesh: Mesh, in_specs: Specs, *args, check_vma: bool = True
+) -> tuple[PyTree, PyTree]:
+    """:func:`init_sharded`'s ``(state, specs)`` with ``jax.ShapeDtypeStruct`` leaves: each
+    array's global shape, dtype and sharding, the same tree and boxes. Nothing is compiled,
+    run or allocated: lower a step against it (``jax.jit(step).lower(state, batch)``) to read
+    the compiled program's collectives or memory before building the state. Arguments as
+    :func:`init_sharded`'s.
+
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from fsdp_tp import make_mesh, shard_module_params
+    >>> model = shard_module_params(nn.Dense, min_weight_size=0)(64)
+    >>> state, specs = abstract_init(lambda r, x: model.init(r, x)["params"], make_mesh({"fsdp": 8}),
+    ...                              (P(), P()), jax.random.key(0), jnp.ones((2, 32)))
+    >>> kernel = state["kernel"].value
+    >>> kernel.shape, kernel.sharding.spec, kernel.sharding.shard_shape(kernel.shape)
+    ((32, 64), P(None, 'fsdp'), (32, 8))
+    """
+    _require_init_fn(init_fn)
+    traced, programs = _programs(init_fn, mesh, in_specs, args, None, False, check_vma)
+    # (each program evaluated on shapes: the traced init runs again abstractly, no model call)
+    leaves = [leaf for program in programs for leaf in jax.eval_shape(program, *args)]
+    state = optimizer_state_shapes(_laid_out(traced, leaves, mesh), mesh)
+    return state, specs_of(state, mesh)
+
+
+def _laid_out(traced, leaves: list, mesh) -> PyTree:
+    """The init's tree of ``leaves``' shapes, each with its sharding on ``mesh``."""
     laid_out = [
         jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
         for leaf, spec in zip(leaves, traced.flat_specs, strict=True)
     ]
-    abstract = jax.tree.unflatten(traced.treedef, laid_out)
-    return lowered + lower_optimizer_state(abstract, mesh)
+    return jax.tree.unflatten(traced.treedef, laid_out)
 
 
 def _programs(init_fn, mesh, in_specs, args, twin_init_fn, one_leaf_at_a_time, check_vma):
@@ -190,7 +189,7 @@ def _programs(init_fn, mesh, in_specs, args, twin_init_fn, one_leaf_at_a_time, c
         raise TypeError(f"init_sharded: twin_init_fn must be a function like init_fn, got {twin_init_fn!r}.")
     check_specs(args, in_specs, mesh, "init argument")
     init_fn = without_optimizer_state(init_fn)
-    with _watched_init(mesh, check_vma):  # (a front end's layers checked against the model, after)
+    with watched_init(mesh, check_vma):  # (a front end's layers checked against the model, after)
         traced = trace_per_device(init_fn, mesh, in_specs, args, check_vma=check_vma)
     count = len(traced.flat_specs)
     groups = _groups(count, 1 if one_leaf_at_a_time else _LEAVES_PER_PROGRAM)

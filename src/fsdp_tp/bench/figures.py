@@ -7,6 +7,7 @@ ratios from interleaved blocks in one process, with the spread of the blocks.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import statistics
@@ -29,6 +30,7 @@ from .variants import STRATEGIES, Variant, build_variant, plain_flax_build
 from .workloads import WORKLOADS, gpt
 
 __all__ = [
+    "BuiltWhenTimed",
     "Figures",
     "Timed",
     "build_seconds",
@@ -154,13 +156,26 @@ def exact_figures(variant: Variant, library_state=None) -> Figures:
     )
 
 
+class BuiltWhenTimed:
+    """A timed step whose state ``init()`` builds when it is first run: its figures are read off
+    the lowered step and the state's shapes, so reading them builds nothing."""
+
+    init: Callable[[], Any]
+
+    @functools.cached_property
+    def state(self) -> Any:
+        return self.init()
+
+
 class Timed(Protocol):
     """What ``step_seconds`` runs: a labelled step, its (donated) state and its batch."""
 
     @property
     def label(self) -> str: ...
 
-    state: Any
+    @property
+    def state(self) -> Any: ...
+
     step: Callable
     batch: Any
 

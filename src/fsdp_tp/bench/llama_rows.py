@@ -13,26 +13,24 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from ..analysis import Collective, dot_flops, operand_count, parse_collectives, state_bytes_per_device
-from ..gradients import sync_gradients
 from ..linen.rule_transform import shard_by_rules
 from ..mesh import make_mesh
 from ..models.llama import FSDP_RULES, RULES, LlamaLM, NNXLlamaLM
 from ..nnx import tp_splits
-from ..sharded_init import init_sharded
 from ..testing import NNXSharded
 from ..tp import ColumnParallel
-from ..train import TrainState, shard_step
-from .figures import median, step_seconds
+from .figures import BuiltWhenTimed, median, step_seconds
+from .lm_step import lowered_lm_step
 from .report import spread
 
 __all__ = [
@@ -41,7 +39,6 @@ __all__ = [
     "Measured",
     "llama_costs",
     "llama_section",
-    "lowered_lm_step",
     "measure",
 ]
 
@@ -88,41 +85,13 @@ def plan_rules(plan: str, tensor: int, sizes: dict) -> tuple[list, list]:
     ], []
 
 
-def lowered_lm_step(model, mesh, batch_axes: tuple, tokens, check_vma: bool = True, with_aux: bool = False):
-    """One AdamW step of the sharded LM ``model`` (cross-entropy of its logits against
-    ``tokens`` themselves, plus the ``aux`` term of a model returning ``(logits, aux)`` when
-    ``with_aux``), lowered, and the initial state."""
-    tx = optax.adamw(1e-3)
-
-    def init_fn(rng, x):
-        params = model.init(rng, x)["params"]
-        return TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=rng)
-
-    state, specs = init_sharded(
-        init_fn, mesh, (P(), P(batch_axes)), jax.random.key(0), tokens, check_vma=check_vma
-    )
-
-    def step(state, batch):
-        def loss(params):
-            out = model.apply({"params": params}, batch)
-            logits, aux = out if with_aux else (out, 0.0)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch).mean() + aux
-
-        value, grads = jax.value_and_grad(loss)(state.params)
-        return sync_gradients(grads, batch_axes), {"loss": jax.lax.pmean(value, batch_axes)}
-
-    step_fn = shard_step(step, mesh, specs, P(batch_axes), check_vma=check_vma)
-    # jitted (donating the state) as shard_step's own: one program, typed as a jit
-    return jax.jit(step_fn, donate_argnums=0).lower(state, tokens), state
-
-
 @dataclass
-class Measured:
+class Measured(BuiltWhenTimed):
     """One API and plan on one mesh: its compiled step, state and exact figures."""
 
     label: str
     step: Any  # the compiled step, (state, tokens) -> (state, metrics), what is timed
-    state: Any
+    init: Callable[[], Any]  # builds its state (BuiltWhenTimed)
     batch: Any
     state_bytes: int  # on the fullest device
     tensor_all_reduces: int  # operands over `tensor`
@@ -149,7 +118,7 @@ def measure(
         model = shard_by_rules(LlamaLM, storage, batch_axes=("fsdp",), tp_rules=tp)(**sizes)
     mesh = make_mesh(axes)
     tokens = jax.random.randint(jax.random.key(1), (batch, seq), 0, sizes["vocab"], jnp.int32)
-    lowered, state = lowered_lm_step(model, mesh, ("fsdp",), tokens)
+    lowered, state, init = lowered_lm_step(model, mesh, ("fsdp",), tokens)
     compiled = lowered.compile()
     found = parse_collectives(compiled.as_text() or "")
     split = [leaf for leaf in jax.tree.leaves(state.params) if "fsdp" in leaf.sharding.spec]
@@ -158,7 +127,7 @@ def measure(
     return Measured(
         f"{mesh_name}/{api}/{plan}",
         compiled,
-        state,
+        init,
         tokens,
         max(state_bytes_per_device(state).values()),
         operand_count(found, "all-reduce", tensor),
@@ -168,12 +137,19 @@ def measure(
         (4 if sizes["kv_heads"] % tensor == 0 else 6) * sizes["layers"] + 2,
         operand_count(found, "all-gather", tensor),
         sum(c.operand_bytes * c.group_size * c.executions for c in gathers),
-        sum(leaf.nbytes // (tensor if "tensor" in leaf.sharding.spec else 1) for leaf in split),
+        sum(
+            leaf.size * leaf.dtype.itemsize // (tensor if "tensor" in leaf.sharding.spec else 1)
+            for leaf in split
+        ),
         operand_count(found, "reduce-scatter", fsdp),
         len(split),
         dot_flops(lowered.as_text(dialect="hlo")),
         found,
     )
+
+
+def _bytes(leaf) -> int:  # (a shape struct has no nbytes)
+    return leaf.size * leaf.dtype.itemsize
 
 
 Costs = list[tuple[Measured, list[float]]]

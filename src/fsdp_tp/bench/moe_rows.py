@@ -16,6 +16,7 @@ time as a ratio.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,14 +24,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ..analysis import dot_flops, parse_collectives, state_bytes_per_device
+from ..analysis import compiled_memory, dot_flops, parse_collectives, state_bytes_per_device
 from ..linen.rule_transform import shard_by_rules
 from ..mesh import make_mesh
 from ..models.moe import MoELM
 from ..routing import capacity
 from ..tp import ColumnParallel, ExpertParallel, RowParallel
-from .figures import median, step_seconds
-from .llama_rows import lowered_lm_step
+from .figures import BuiltWhenTimed, median, step_seconds
+from .lm_step import lowered_lm_step
 from .report import spread
 
 __all__ = ["MOE_MESHES", "MOE_SIZES", "MoEMeasured", "measure_moe", "moe_costs", "moe_section", "plans_of"]
@@ -66,12 +67,12 @@ _STORED = [  # what a user gets without expert parallelism: the expert dim store
 
 
 @dataclass
-class MoEMeasured:
+class MoEMeasured(BuiltWhenTimed):
     """One mesh and plan: its compiled step, state and exact figures."""
 
     label: str
     step: Any
-    state: Any
+    init: Callable[[], Any]  # builds its state (BuiltWhenTimed)
     batch: Any
     state_bytes: int
     all_to_all_bytes: int  # operand bytes, every execution
@@ -100,7 +101,7 @@ def measure_moe(
     storage, tp = _rules(axes, plan)
     model = shard_by_rules(MoELM, storage, batch_axes=batch_axes, tp_rules=tp)(sizes)
     tokens = jax.random.randint(jax.random.key(1), (batch, seq), 0, sizes["vocab"], jnp.int32)
-    lowered, state = lowered_lm_step(model, make_mesh(axes), batch_axes, tokens, with_aux=True)
+    lowered, state, init = lowered_lm_step(model, make_mesh(axes), batch_axes, tokens, with_aux=True)
     compiled = lowered.compile()
     found = parse_collectives(compiled.as_text() or "")
     expert = axes["expert"]
@@ -110,7 +111,7 @@ def measure_moe(
     return MoEMeasured(
         f"{mesh_name}/{plan}",
         compiled,
-        state,
+        init,
         tokens,
         max(state_bytes_per_device(state).values()),
         sum(c.operand_bytes * c.executions for c in found if c.kind == "all-to-all"),
@@ -121,7 +122,7 @@ def measure_moe(
             if c.kind == "all-gather" and c.group_size == expert
         ),
         sum(c.wire_bytes for c in found if c.group_size == expert),
-        compiled.memory_analysis().temp_size_in_bytes,
+        compiled_memory(compiled)["temp"],
         dot_flops(lowered.as_text(dialect="hlo")),
     )
 

@@ -31,7 +31,8 @@ from ..mesh import make_mesh
 from ..models.llama import LlamaLM
 from ..precision import MixedPrecision
 from .figures import median, step_seconds
-from .llama_rows import BATCH, MESHES, SEQ, SIZES, lowered_lm_step, plan_rules
+from .llama_rows import BATCH, MESHES, SEQ, SIZES, plan_rules
+from .lm_step import lowered_lm_step
 from .report import spread
 
 __all__ = [
@@ -67,10 +68,10 @@ class Wire:
     gathers: float  # the parameters' all-gathers over fsdp
     scales: float  # their scales (8 bits only)
     reduce_scatters: float  # the gradients' reduce-scatters over fsdp
-    # The step the figures are read off, lowered, and its state and batch: timed by
-    # :func:`timed_steps` (compiled there, so reading the bytes compiles nothing).
+    # The step the figures are read off, lowered, what builds its state, and its batch: timed
+    # by :func:`timed_steps` (compiled and built there: reading the bytes compiles nothing).
     lowered: Any = field(default=None, repr=False, compare=False)
-    state: Any = field(default=None, repr=False, compare=False)
+    init: Any = field(default=None, repr=False, compare=False)
     batch: Any = field(default=None, repr=False, compare=False)
 
     @property
@@ -87,7 +88,7 @@ def wire(label: str, sizes: dict = SIZES, mesh_name: str = "fsdp4_tensor2", batc
         LlamaLM, storage, batch_axes=("fsdp",), tp_rules=tp, mixed_precision=POLICIES[label]
     )
     tokens = jax.random.randint(jax.random.key(1), (batch, SEQ), 0, sizes["vocab"], jnp.int32)
-    lowered, state = lowered_lm_step(model(**sizes), make_mesh(axes), ("fsdp",), tokens)
+    lowered, state, init = lowered_lm_step(model(**sizes), make_mesh(axes), ("fsdp",), tokens)
     # The collectives as the step asks for them: compiling for the CPU widens a bf16 gather or
     # reduce-scatter to f32 (a GPU moves bf16); the 8-bit bits are u8 either way.
     found = parse_collectives(lowered.as_text(dialect="hlo"))
@@ -104,7 +105,7 @@ def wire(label: str, sizes: dict = SIZES, mesh_name: str = "fsdp4_tensor2", batc
                 traffic["reduce_scatters"] += share
     split = [leaf for leaf in jax.tree.leaves(state.params) if "fsdp" in leaf.sharding.spec]
     elements = sum(leaf.size // (tensor if "tensor" in leaf.sharding.spec else 1) for leaf in split)
-    return Wire(label, fsdp, elements, **traffic, lowered=lowered, state=state, batch=tokens)
+    return Wire(label, fsdp, elements, **traffic, lowered=lowered, init=init, batch=tokens)
 
 
 @dataclass
@@ -118,7 +119,7 @@ class _Compiled:  # (what step_seconds times: its state replaced as it steps)
 def timed_steps(rows: list[Wire], blocks: int, steps: int) -> dict[str, list[float]]:
     """Each policy's step compiled and timed, interleaved (:func:`~fsdp_tp.bench.figures.step_seconds`)."""
     return step_seconds(
-        [_Compiled(w.label, w.lowered.compile(), w.state, w.batch) for w in rows], blocks, steps
+        [_Compiled(w.label, w.lowered.compile(), w.init(), w.batch) for w in rows], blocks, steps
     )
 
 

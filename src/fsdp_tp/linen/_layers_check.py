@@ -9,7 +9,7 @@ the unsharded model is the same model on a mesh whose tensor axes have one devic
 then holds and computes everything), so both traces run the same lines and pair.
 
 :func:`recording` watches :func:`~fsdp_tp.init_sharded`'s per-device trace (the core's
-:func:`~fsdp_tp.sharded_init.watch_inits`): each top module called there whose call runs one of
+:func:`~fsdp_tp._init_watch.watch_inits`): each top module called there whose call runs one of
 these layers is checked after it, on its inputs' shapes, once per fields, shapes and sizes
 (but the library's own models and layers, which its suite proves equal). The check
 costs two abstract traces of the model's call, at init only.
@@ -26,9 +26,9 @@ import flax.linen as nn
 import jax
 from jax.sharding import PartitionSpec
 
+from .._init_watch import watch_inits
 from .._trace import trace_per_device
 from .._tree import module_path, static_split
-from ..sharded_init import watch_inits
 from ..tp._auto_mesh import plan_mesh
 from ..tp._check import check_plan, own_trace, raise_failure, references_for
 from ..tp._graph import Graph
