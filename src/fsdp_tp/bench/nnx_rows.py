@@ -9,6 +9,7 @@ what Linen's ``shard_module_params`` splits (:func:`fsdp_tp.models.nnx_transform
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,9 +21,10 @@ from ..analysis import collective_summary, parse_collectives, state_bytes_per_de
 from ..mesh import make_mesh
 from ..models import Layout
 from ..recipe.config import ModelConfig, preset
-from ..recipe.trainer import BATCH, Settings, Trainer, step_fn
+from ..recipe.trainer import BATCH, Settings, init_arguments, sharded_gpt, step_fn
+from ..sharded_init import abstract_init, init_sharded
 from ..train import shard_step
-from .figures import median, step_seconds
+from .figures import BuiltWhenTimed, median, step_seconds
 from .report import spread
 
 __all__ = ["MESHES", "Built", "against_linen", "build", "nnx_costs", "nnx_section"]
@@ -41,12 +43,12 @@ PRESET, BATCH_SIZE, MIN_WEIGHT_SIZE = "small", 16, 2**10  # the CLI's defaults b
 
 
 @dataclass
-class Built:
+class Built(BuiltWhenTimed):
     """One API's GPT on one mesh: what :func:`~fsdp_tp.bench.figures.step_seconds` times, and
     its exact figures (state bytes on each device, the compiled step's collectives)."""
 
     label: str
-    state: Any
+    init: Callable[[], Any]  # builds its state (BuiltWhenTimed)
     step: Any  # the compiled step: (state, batch) -> (state, loss)
     batch: Any
     state_bytes: dict
@@ -62,19 +64,24 @@ def build(
     sequence_parallel: bool,
     collective_matmul: str | None = None,
 ) -> Built:
-    """The CLI's GPT of ``config`` in ``api`` on a mesh of ``sizes``: initialized, its step
-    compiled, and its bytes and collectives read."""
+    """The CLI's GPT of ``config`` in ``api`` on a mesh of ``sizes``: its step compiled against
+    the state's shapes, its bytes and collectives read; the state is built (as the CLI's
+    ``Trainer`` builds it) only when the step is timed."""
     layout = Layout("tensor", "fsdp", sequence_parallel, collective_matmul, min_weight_size)
     settings = Settings(config, 100, batch, 1, 1e-3, 1, 0, layout, True, api=api)
-    trainer = Trainer(settings, make_mesh(sizes))  # the CLI's model, state and specs
-    step = shard_step(step_fn(settings, trainer.model), trainer.mesh, trainer.specs, BATCH)
+    mesh = make_mesh(sizes)
+    model = sharded_gpt(settings, sizes, settings.optimizer())  # the CLI's model
+    arguments = init_arguments(settings, mesh, model)
+    shapes, specs = abstract_init(*arguments, check_vma=settings.check_vma)
+    init = lambda: init_sharded(*arguments, twin_init_fn=model.twin_init_fn, check_vma=settings.check_vma)[0]
+    step = shard_step(step_fn(settings, model), mesh, specs, BATCH)
     windows = np.random.default_rng(0).integers(0, config.vocab_size, (batch, config.seq_len + 1))
-    windows = jax.device_put(windows.astype(np.int32), NamedSharding(trainer.mesh, BATCH))
+    windows = jax.device_put(windows.astype(np.int32), NamedSharding(mesh, BATCH))
     # Compiled once: the executable whose collectives are read is the one timed.
-    compiled = jax.jit(step, donate_argnums=0).lower(trainer.state, windows).compile()
+    compiled = jax.jit(step, donate_argnums=0).lower(shapes, windows).compile()
     summary = collective_summary(parse_collectives(compiled.as_text() or ""))
     label = f"{'x'.join(str(n) for n in sizes.values())}/{api}"
-    return Built(label, trainer.state, compiled, windows, state_bytes_per_device(trainer.state), summary)
+    return Built(label, init, compiled, windows, state_bytes_per_device(shapes), summary)
 
 
 Costs = list[tuple[str, Built, Built, list[float], list[float]]]

@@ -31,6 +31,7 @@ __all__ = [
     "Settings",
     "ShardedGPT",
     "Trainer",
+    "init_arguments",
     "sharded_gpt",
     "step_fn",
     "window_loss",
@@ -171,6 +172,13 @@ def _eval_fn(model: ShardedGPT, axes: tuple) -> Callable:
     return lambda state, windows: jax.lax.pmean(window_loss(model, state.params, windows), axes)
 
 
+def init_arguments(settings: Settings, mesh, model: ShardedGPT) -> tuple:
+    """``init_sharded``'s arguments for the run's state: ``model``'s per-device init, the mesh,
+    the specs of its arguments, the seed's key and example ids."""
+    ids = np.zeros((settings.batch, settings.model.seq_len), np.int32)
+    return model.init_fn, mesh, (P(), P(settings.batch_axes)), jax.random.key(settings.seed), ids
+
+
 class Trainer:
     """The sharded model, its state (initialized straight into its shardings) and step."""
 
@@ -180,14 +188,9 @@ class Trainer:
         self.twin = config.model()  # the Linen twin: both APIs start from its init and equal it
         self.tx = settings.optimizer()
         self.model = sharded_gpt(settings, dict(mesh.shape), self.tx)
-        example = np.zeros((settings.batch, config.seq_len), np.int32)
         batch = P(settings.batch_axes)
         self.state, self.specs = init_sharded(
-            self.model.init_fn,
-            mesh,
-            (P(), batch),
-            jax.random.key(settings.seed),
-            example,
+            *init_arguments(settings, mesh, self.model),
             twin_init_fn=self.model.twin_init_fn,
             check_vma=settings.check_vma,
         )
