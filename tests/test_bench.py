@@ -8,10 +8,13 @@ shardings misses W_min and all-reduces a full gradient, which the same checks ca
 
 from __future__ import annotations
 
+import optax
 import pytest
 
+from fsdp_tp.analysis import state_bytes_per_device
 from fsdp_tp.bench.auto_rows import auto_costs, auto_section
-from fsdp_tp.bench.figures import exact_figures
+from fsdp_tp.bench.figures import exact_figures, step_seconds
+from fsdp_tp.bench.llama_rows import SIZES, measure
 from fsdp_tp.bench.report import headline, markdown
 from fsdp_tp.bench.run import workload_variants
 from fsdp_tp.bench.variants import STRATEGIES, build_variant
@@ -126,3 +129,28 @@ def test_the_plan_finding_section_times_each_model_and_compares_its_rules():
         ("Gemma/Llama-style", "nnx", []),
     ]
     assert text.count(" | yes |") == 4 and "| Gemma/Llama-style | linen | 2 | " in text
+
+
+def test_a_row_builds_its_state_only_when_timed_and_its_compiled_step_takes_it():
+    """A row's figures are read off its step lowered against the state's shapes
+    (``abstract_init``): measuring builds no state. Timing builds it, as ``init_sharded`` does,
+    and the step compiled for the shapes runs on it; the bytes read off the shapes are the
+    built state's. Negative control: the built state under another optimizer is refused by
+    the compiled step."""
+    small = {
+        **SIZES,
+        "d": 32,
+        "hidden": 64,
+        "vocab": 32,
+        "layers": 1,
+        "heads": 4,
+        "kv_heads": 2,
+        "head_dim": 8,
+    }
+    row = measure("nnx", "fsdp4_tensor2", "megatron", sizes=small, batch=8, seq=8)
+    assert "state" not in vars(row)  # (BuiltWhenTimed: nothing built yet)
+    (seconds,) = step_seconds([row], blocks=1, steps=1)[row.label]
+    assert seconds > 0 and max(state_bytes_per_device(row.state).values()) == row.state_bytes
+    other = row.state.replace(tx=optax.sgd(0.1), opt_state=optax.sgd(0.1).init(row.state.params))
+    with pytest.raises((TypeError, ValueError)):
+        row.step(other, row.batch)
