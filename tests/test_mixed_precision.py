@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 from fsdp_tp.analysis import parse_collectives
+from fsdp_tp.sharded_init import abstract_init
 from fsdp_tp.testing import NNXSharded
 from fsdp_tp.testing import NNXTwin as Twin
 from tests.conftest import BATCH_AXES, MESHES, WIDTHS, mesh_of, replicated_ok, total
@@ -122,7 +123,8 @@ def _lowered_by_rules(api: str, policy) -> list:
     x, y = next(batches(case, 1))
     rng = jax.random.key(0)
     init = lambda r, x: case.model.init(r, x)["params"]
-    params, _ = fsdp_tp.init_sharded(init, case.mesh, (P(), P(BATCH_AXES)), rng, x, check_vma=False)
+    # (the parameters' and the state's shapes: all lowering needs)
+    params, _ = abstract_init(init, case.mesh, (P(), P(BATCH_AXES)), rng, x, check_vma=False)
     state, specs = train_state(case.comparison, optax.sgd(0.1), params, rng)
     return parse_collectives(step_program(case, specs).lower(state, (x, y)).as_text(dialect="hlo"))
 

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 import fsdp_tp
 from fsdp_tp.analysis import parse_collectives, state_bytes_per_device
 from fsdp_tp.errors import IndivisibleShapeError
+from fsdp_tp.sharded_init import abstract_init
 from tests.conftest import BATCH_AXES, mesh_of
 from tests.equivalence import Case, check_equivalence
 from tests.models import DenseThen, SequenceParallelAround
@@ -105,7 +106,7 @@ def test_unsharded_dense_params_load_into_parallel_layers():
     x = jax.random.normal(jax.random.key(1), (8, 6))
     plain = fsdp_tp.MLPBlock(16, 4, axis=None)
     params = plain.init(jax.random.key(7), x)["params"]
-    _, specs = fsdp_tp.init_sharded(
+    _, specs = abstract_init(
         lambda r, x: fsdp_tp.MLPBlock(16, 4).init(r, x)["params"], mesh, (P(), P()), jax.random.key(0), x
     )
     run = jax.shard_map(

@@ -151,10 +151,13 @@ def alongside(txs: Mapping[str, optax.GradientTransformation]) -> optax.Gradient
 def train_state(c: Comparison, tx, params, rng) -> tuple[TrainState, Any]:
     """A train state for ``tx`` on the sharded ``params``, and its specs: ``TrainState.create``
     under ``jax.jit`` on global arrays into the specs' shardings, as ``init_sharded`` builds an
-    optimizer state (so the step compiles once, not again for an eager state's Python step)."""
+    optimizer state (so the step compiles once, not again for an eager state's Python step).
+    On ``params``' shapes (``abstract_init``'s), the state's shapes: nothing runs."""
     create = lambda p: TrainState.create(apply_fn=c.model.apply, params=p, tx=tx, rng=rng)
     specs = specs_of(jax.eval_shape(create, params), c.mesh)
-    return jax.jit(create, out_shardings=named_shardings(specs, c.mesh))(params), specs
+    program = jax.jit(create, out_shardings=named_shardings(specs, c.mesh))
+    shapes = all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(params))
+    return (jax.eval_shape(program, params) if shapes else program(params)), specs
 
 
 def sharded_step(c: Comparison, specs, sync: Callable = sync_gradients, donate: bool = False, reads=None):
