@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 import fsdp_tp
 from fsdp_tp.analysis import parse_collectives
 from fsdp_tp.errors import OptimizerOnShardsError
+from fsdp_tp.sharded_init import abstract_init
 from tests.conftest import BATCH_AXES, mesh_of
 from tests.equivalence import ADAM_EPS, Case, batches, optimizer_mismatches, step_program
 from tests.models import MLP, DenseThen, SequenceParallelAround
@@ -196,7 +197,7 @@ def _step_collectives(strategy: str, optimizer: str, check_vma: bool, naive: boo
     case = _strategy(strategy, check_vma)
     tx, batch = OPTIMIZERS[optimizer](), next(batches(case, 1))
 
-    state, specs = fsdp_tp.init_sharded(
+    state, specs = abstract_init(  # (the state's shapes: all the compiled step needs)
         fsdp_tp.state_init_fn(case.model, tx),
         case.mesh,
         (P(), P(case.batch_axes)),

@@ -131,7 +131,7 @@ def test_mlp_block_moves_the_megatron_minimum(check_vma):
     mesh = mesh_of(1, 1, 8)
     block = fsdp_tp.MLPBlock(64, out_features=32)
     x = jnp.ones((16, 32))
-    params, specs = fsdp_tp.init_sharded(
+    params, specs = abstract_init(
         lambda r, x: block.init(r, x)["params"], mesh, (P(), P()), jax.random.key(0), x, check_vma=check_vma
     )
 
@@ -299,7 +299,7 @@ def test_attention_block_moves_the_megatron_minimum(heads, kv, check_vma):
     mesh = mesh_of(1, 1, 8)
     block = fsdp_tp.AttentionBlock(num_heads=heads, head_dim=4, num_kv_heads=kv)
     x = jnp.ones((2, 5, 16))
-    params, specs = fsdp_tp.init_sharded(
+    params, specs = abstract_init(
         lambda r, x: block.init(r, x)["params"], mesh, (P(), P()), jax.random.key(0), x, check_vma=check_vma
     )
 
@@ -363,7 +363,7 @@ def test_sequence_parallel_mlp_block_moves_gather_and_reduce_scatter(check_vma):
     mesh = mesh_of(1, 1, 8)
     block = fsdp_tp.MLPBlock(64, out_features=32, sequence_dim=1)
     x = jnp.ones((2, 16, 32))  # global; each device holds 2 of the 16 positions
-    params, specs = fsdp_tp.init_sharded(
+    params, specs = abstract_init(
         lambda r, x: block.init(r, x)["params"],
         mesh,
         (P(), P(None, "tensor")),
@@ -435,7 +435,7 @@ def test_collective_matmul_moves_only_ring_steps(ring, check_vma):
     block = fsdp_tp.MLPBlock(64, out_features=32, sequence_dim=1, collective_matmul=ring)
     x = jnp.ones((2, 16, 32))
     spec = P(None, "tensor")
-    params, specs = fsdp_tp.init_sharded(
+    params, specs = abstract_init(
         lambda r, x: block.init(r, x)["params"], mesh, (P(), spec), jax.random.key(0), x, check_vma=check_vma
     )
 
