@@ -147,13 +147,13 @@ def test_the_moe_lm_rematerializes_each_block_as_its_remat_says(api):
     """The gradient's trace holds one rematerialized region per block under "full" and "dots",
     none under "none" (the negative control: the count reads the model's setting)."""
 
-    def gradient(remat: str):
+    def gradient(remat: str):  # (traced on the parameters' shapes: no init runs)
         if api == "linen":
             linen = MoELM(SIZES, remat=remat)
-            params = linen.init(jax.random.key(0), TOKENS)["params"]
+            params = jax.eval_shape(linen.init, jax.random.key(0), TOKENS)["params"]
             loss = lambda p: lm_loss(linen.apply({"params": p}, TOKENS), TOKENS)
         else:
-            graphdef, params = nnx.split(NNXMoELM(nnx.Rngs(0), remat=remat, **SIZES))
+            graphdef, params = nnx.split(nnx.eval_shape(lambda: NNXMoELM(nnx.Rngs(0), remat=remat, **SIZES)))
             loss = lambda p: lm_loss(nnx.merge(graphdef, p)(TOKENS), TOKENS)
         return jax.make_jaxpr(jax.grad(loss))(params).jaxpr
 
