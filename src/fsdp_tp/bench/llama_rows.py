@@ -137,10 +137,7 @@ def measure(
         (4 if sizes["kv_heads"] % tensor == 0 else 6) * sizes["layers"] + 2,
         operand_count(found, "all-gather", tensor),
         sum(c.operand_bytes * c.group_size * c.executions for c in gathers),
-        sum(
-            leaf.size * leaf.dtype.itemsize // (tensor if "tensor" in leaf.sharding.spec else 1)
-            for leaf in split
-        ),
+        sum(_bytes(leaf) // (tensor if "tensor" in leaf.sharding.spec else 1) for leaf in split),
         operand_count(found, "reduce-scatter", fsdp),
         len(split),
         dot_flops(lowered.as_text(dialect="hlo")),
