@@ -1,6 +1,6 @@
 """What the test files share: the batch axes of the meshes they build, the data x fsdp meshes
-and widths the FSDP properties draw, a mesh of the first devices, the bytes a program's
-collectives move and an array's (the root ``conftest.py`` sets up the devices before any of this imports
+and widths the FSDP properties draw, a mesh of the first devices, and the bytes a program's
+collectives move (the root ``conftest.py`` sets up the devices before any of this imports
 jax's backend)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from fsdp_tp.models import Layout
 from fsdp_tp.recipe.config import preset
 from fsdp_tp.recipe.trainer import Settings
 
-__all__ = ["BATCH_AXES", "MESHES", "WIDTHS", "mesh_of", "nbytes", "replicated_ok", "settings", "total"]
+__all__ = ["BATCH_AXES", "MESHES", "WIDTHS", "mesh_of", "replicated_ok", "settings", "total"]
 
 BATCH_AXES = ("data", "fsdp")
 MESHES = [(1, 1), (1, 8), (2, 4), (4, 2), (8, 1)]  # data x fsdp over the 8 devices
@@ -29,12 +29,6 @@ def mesh_of(data: int, fsdp: int, tensor: int | None = None):
     sizes = {"data": data, "fsdp": fsdp} | ({} if tensor is None else {"tensor": tensor})
     n = data * fsdp * (tensor or 1)
     return fsdp_tp.make_mesh(sizes, devices=jax.devices()[:n])
-
-
-def nbytes(leaf) -> int:
-    """The global bytes of an array or of a shape struct (a lowered step's state,
-    :func:`fsdp_tp.sharded_init.abstract_init`'s, has no ``nbytes``)."""
-    return leaf.size * leaf.dtype.itemsize
 
 
 def total(found, kind: str, attr: str = "operand_bytes", min_group: int = 1) -> int:

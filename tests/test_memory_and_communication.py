@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 from fsdp_tp.analysis import (
+    array_bytes,
     collective_summary,
     ideal_bytes_per_device,
     parse_collectives,
@@ -18,7 +19,7 @@ from fsdp_tp.analysis import (
 from fsdp_tp.bench.lm_step import lowered_lm_step
 from fsdp_tp.nnx import _read
 from fsdp_tp.testing import NNXSharded as Sharded
-from tests.conftest import BATCH_AXES, nbytes, total
+from tests.conftest import BATCH_AXES, total
 from tests.fsdp_mlp import BIAS_BYTES, FEATURES, IN_DIM, KERNEL_BYTES, init_fsdp_mlp, step_collectives
 from tests.models import MLP, TiedLM
 from tests.nnx_models import NNXTiedLM
@@ -121,10 +122,10 @@ def test_a_parameter_read_twice_is_reduce_scattered_once(api):
     gradient reduce-scattered once: one reduce-scatter per FSDP-split parameter, each moving
     that parameter's gradient (W_min), on both front ends."""
     found, split = _tied_step_collectives(api)
-    assert _scattered(found) == (len(split), sum(nbytes(leaf) for leaf in split))
+    assert _scattered(found) == (len(split), sum(array_bytes(leaf) for leaf in split))
     gathers = [c for c in found if c.kind == "all-gather"]
     assert sum(c.operand_bytes * c.group_size * c.executions for c in gathers) == sum(
-        nbytes(leaf) for leaf in split
+        array_bytes(leaf) for leaf in split
     )
 
 
@@ -135,5 +136,5 @@ def test_negative_control_a_gather_per_read_reduce_scatters_the_tied_embedding_t
         _read, "read_once", lambda variable, block: variable.get_metadata(_read._PLAN).read(block)
     )
     found, split = _tied_step_collectives("nnx")
-    embedding = nbytes(next(leaf for leaf in split if leaf.ndim == 2))
-    assert _scattered(found) == (len(split) + 1, sum(nbytes(leaf) for leaf in split) + embedding)
+    embedding = array_bytes(next(leaf for leaf in split if leaf.ndim == 2))
+    assert _scattered(found) == (len(split) + 1, sum(array_bytes(leaf) for leaf in split) + embedding)

@@ -27,7 +27,13 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
-from fsdp_tp.analysis import collective_summary, dot_flops, parse_collectives, state_bytes_per_device
+from fsdp_tp.analysis import (
+    array_bytes,
+    collective_summary,
+    dot_flops,
+    parse_collectives,
+    state_bytes_per_device,
+)
 from fsdp_tp.bench.lm_step import lowered_lm_step
 from fsdp_tp.errors import IndivisibleShapeError, RuleError
 from fsdp_tp.linen.tp_rules import attention_rules, mlp_rules
@@ -39,7 +45,7 @@ from fsdp_tp.tp import _matmul as tp_matmul
 from fsdp_tp.tp import _vocab as tp_vocab
 from fsdp_tp.tp._check import switched_off
 from fsdp_tp.tp._role import Local
-from tests.conftest import mesh_of, nbytes
+from tests.conftest import mesh_of
 from tests.equivalence import Case, check_equivalence, next_token_loss
 from tests.models import GATED_RULES, GatedLM, TiedLM
 from tests.nnx_models import NNX_MEGATRON, NNXGatedLM, NNXTiedLM, lm_maker
@@ -235,7 +241,7 @@ def test_with_fsdp_weights_are_gathered_over_fsdp_only_and_nnx_moves_the_linen_b
         for leaf in jax.tree.leaves(state.params):
             spec = leaf.sharding.spec
             if "fsdp" in spec:
-                expected += nbytes(leaf) // (2 if "tensor" in spec else 1)
+                expected += array_bytes(leaf) // (2 if "tensor" in spec else 1)
         assert gathered - logits == expected, api
         held[api] = sorted(state_bytes_per_device(state).values())
         moved[api] = collective_summary(found)

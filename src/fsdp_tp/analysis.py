@@ -23,7 +23,6 @@ import math
 import re
 
 import jax
-import numpy as np
 
 from ._axes import entry_axes
 from ._hlo import SHAPE, group_size, parse_hlo, type_bytes
@@ -31,6 +30,7 @@ from ._types import PyTree
 
 __all__ = [
     "Collective",
+    "array_bytes",
     "collective_summary",
     "compiled_memory",
     "dot_flops",
@@ -175,6 +175,17 @@ def state_bytes_per_device(tree: PyTree) -> dict[jax.Device, int]:
     return dict(totals)
 
 
+def array_bytes(leaf) -> int:
+    """The global bytes of an array, or of a shape struct (which has no ``nbytes``): a state
+    that :func:`~fsdp_tp.sharded_init.abstract_init` gives as shapes.
+
+    >>> import jax, jax.numpy as jnp
+    >>> array_bytes(jnp.ones((4, 8))), array_bytes(jax.ShapeDtypeStruct((4, 8), jnp.bfloat16))
+    (128, 64)
+    """
+    return math.prod(leaf.shape) * leaf.dtype.itemsize
+
+
 def ideal_bytes_per_device(tree: PyTree) -> int:
     """Sum over arrays of nbytes / (product of the sizes of the mesh axes it is split over)."""
     total = 0
@@ -182,5 +193,5 @@ def ideal_bytes_per_device(tree: PyTree) -> int:
         sharding = leaf.sharding
         axes = [a for entry in sharding.spec for a in entry_axes(entry)]
         parts = math.prod(sharding.mesh.shape[a] for a in axes)
-        total += int(np.prod(leaf.shape)) * leaf.dtype.itemsize // parts
+        total += array_bytes(leaf) // parts
     return total

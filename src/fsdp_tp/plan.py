@@ -24,6 +24,7 @@ from ._step_wire import step_wire, wire_lines
 from ._trace import trace_per_device
 from ._tree import path_of
 from ._types import Specs
+from .analysis import array_bytes
 from .train import as_a_step
 
 __all__ = ["Plan", "PlanRow", "make_plan"]
@@ -114,10 +115,6 @@ def _leaves(local, specs):
     return [(path_of(p), s, spec) for (p, s), spec in zip(flat_local, flat_specs, strict=True)]
 
 
-def _nbytes(struct) -> int:
-    return math.prod(struct.shape) * struct.dtype.itemsize
-
-
 def _why_whole(shape, mesh: dict[str, int]) -> str:
     sizes = sorted({s for s in mesh.values() if s > 1})
     if not any(n % s == 0 for n in shape for s in sizes):
@@ -197,18 +194,18 @@ def make_plan(
                 shape,
                 str(struct.dtype),
                 spec,
-                _nbytes(struct),
+                array_bytes(struct),
                 _why_whole(shape, mesh_sizes) if whole else "",
             )
         )
     param_bytes = sum(r.bytes_per_device for r in rows)
-    traced_opt = sum(_nbytes(s) for _, s, _ in _leaves(opt, ospecs)) if opt is not None else 0
+    traced_opt = sum(array_bytes(s) for _, s, _ in _leaves(opt, ospecs)) if opt is not None else 0
     # The init builds a train state's optimizer state globally (fsdp_tp._optimizer): count that.
     global_opt = opt is not None and hasattr(local, "tx")
     optimizer_bytes = (
         optimizer_state_bytes(local.tx, params, pspecs, mesh_sizes, mesh) if global_opt else traced_opt
     )
-    other_bytes = sum(_nbytes(s) for _, s, _ in _leaves(local, specs)) - param_bytes - traced_opt
+    other_bytes = sum(array_bytes(s) for _, s, _ in _leaves(local, specs)) - param_bytes - traced_opt
     activations = temp_bytes(step["jaxpr"]) if step else None
     wire, note = step_wire(step["jaxpr"], mesh_sizes) if step else (None, "")
     return Plan(

@@ -22,7 +22,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from ..analysis import Collective, dot_flops, operand_count, parse_collectives, state_bytes_per_device
+from ..analysis import (
+    Collective,
+    array_bytes,
+    dot_flops,
+    operand_count,
+    parse_collectives,
+    state_bytes_per_device,
+)
 from ..linen.rule_transform import shard_by_rules
 from ..mesh import make_mesh
 from ..models.llama import FSDP_RULES, RULES, LlamaLM, NNXLlamaLM
@@ -137,16 +144,12 @@ def measure(
         (4 if sizes["kv_heads"] % tensor == 0 else 6) * sizes["layers"] + 2,
         operand_count(found, "all-gather", tensor),
         sum(c.operand_bytes * c.group_size * c.executions for c in gathers),
-        sum(_bytes(leaf) // (tensor if "tensor" in leaf.sharding.spec else 1) for leaf in split),
+        sum(array_bytes(leaf) // (tensor if "tensor" in leaf.sharding.spec else 1) for leaf in split),
         operand_count(found, "reduce-scatter", fsdp),
         len(split),
         dot_flops(lowered.as_text(dialect="hlo")),
         found,
     )
-
-
-def _bytes(leaf) -> int:  # (a shape struct has no nbytes)
-    return leaf.size * leaf.dtype.itemsize
 
 
 Costs = list[tuple[Measured, list[float]]]
