@@ -113,6 +113,31 @@ def test_a_large_indivisible_parameter_is_reported_once_by_path_and_shape():
     assert any("parameter kernel of shape (7, 3)" in m and "'fsdp' (size 8)" in m for m in messages)
 
 
+def test_a_parameter_whose_divisible_dims_another_axis_splits_is_named_with_that_axis():
+    """A bias a Megatron layer already split over tensor (its one dim, 8192, divisible by fsdp's
+    8): the warning says which axis holds the dim FSDP could have split, and does not tell the
+    user to pad a dim that divides (what `fsdp-tp plan --preset 1b --mesh fsdp=8` printed). The
+    negative control: a dim no axis holds and 8 does not divide still gets the padding advice."""
+    mesh = fsdp_tp.make_mesh({"fsdp": 8, "tensor": 1})
+
+    def warned(shape: tuple, names: tuple) -> str:
+        def probe(w):
+            fsdp_tp.linen.fsdp.shard_params({"w": nn.Partitioned(w, names)}, "fsdp", min_weight_size=0)
+            return ()
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=P(), out_specs=()), jnp.ones(shape))
+        (message,) = [str(w.message) for w in caught if issubclass(w.category, ReplicatedParameterWarning)]
+        return message
+
+    held = warned((8192,), ("tensor",))
+    assert "parameter w of shape (8192,)" in held and "dim 0 (8192) is split over 'tensor'" in held, held
+    assert "Pad" not in held and "Raise min_weight_size above 8192" in held, held
+    indivisible = warned((7,), (None,))
+    assert "Pad a dim to a multiple of 8" in indivisible and "split over" not in indivisible, indivisible
+
+
 def test_shard_module_params_keeps_flax_auto_names():
     dense = fsdp_tp.shard_module_params(nn.Dense)
     assert dense.__name__ == "Dense"

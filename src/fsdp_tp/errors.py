@@ -69,7 +69,8 @@ class SpecTreeMismatchError(ValueError):
 
 
 class ReplicatedParameterWarning(UserWarning):
-    """A parameter large enough to shard stayed replicated: no dim divides the axis size."""
+    """A parameter large enough to shard stayed replicated: no dim divides the axis size, or
+    each dim it divides is already split over another axis (a tensor-parallel layer's)."""
 
 
 class LayerLeftWholeWarning(UserWarning):

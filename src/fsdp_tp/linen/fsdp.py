@@ -33,19 +33,29 @@ def _largest_dim(axis_name: AxisName, axis_size: int, min_weight_size: int):
             return None
         dim = fsdp_dim(shape, names, axis_size)
         if dim is None:
-            warn_once(
-                (path, shape, axis_name, axis_size),
-                ReplicatedParameterWarning(
-                    f"shard_params: parameter {path} of shape {shape} has no unsplit dim divisible by "
-                    f"mesh axis {axis_name!r} (size {axis_size}); it stays replicated on every device. "
-                    f"Pad a dim to a multiple of {axis_size}, or raise min_weight_size above "
-                    f"{int(np.prod(shape))} to keep it replicated without this warning."
-                ),
-            )
+            warning = _replicated(path, shape, names, axis_name, axis_size)
+            warn_once((path, shape, axis_name, axis_size), warning)
             return None
         return PartitionSpec(*(axis_name if i == dim else None for i in range(len(shape))))
 
     return choose
+
+
+def _replicated(path: str, shape: tuple, names: tuple, axis_name: AxisName, size: int) -> Warning:
+    """Why ``path`` stays replicated over ``axis_name``: no dim ``size`` divides (pad one), or
+    the dims it divides are another axis's (a layer's own split: padding would not help)."""
+    held = [
+        f"dim {i} ({n}) is split over {names[i]!r}" for i, n in enumerate(shape) if names[i] and not n % size
+    ]
+    if held:
+        why = f"{'; '.join(held)} by its layer, and FSDP splits only a dim no other axis splits. Raise"
+    else:
+        why = f"it has no unsplit dim divisible by {size}. Pad a dim to a multiple of {size}, or raise"
+    return ReplicatedParameterWarning(
+        f"shard_params: parameter {path} of shape {shape} stays replicated over mesh axis {axis_name!r} "
+        f"(size {size}) on every device: {why} min_weight_size above {int(np.prod(shape))} to keep it "
+        f"replicated without this warning."
+    )
 
 
 def shard_params(params: PyTree, axis_name: AxisName, min_weight_size: int = 2**18) -> PyTree:
