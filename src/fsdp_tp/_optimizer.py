@@ -49,6 +49,7 @@ from ._axes import entry_axes, varying_axes
 from ._trace import specs_of
 from ._tree import first_difference, named_shardings
 from ._types import PyTree
+from .analysis import array_bytes
 from .errors import OptimizerOnShardsError
 
 __all__ = [
@@ -221,6 +222,6 @@ def optimizer_state_bytes(tx, params, pspecs, mesh: dict[str, int], abstract_mes
     leaves = jax.tree.leaves(unbox(abstract))
     flat_specs = jax.tree.leaves(specs, is_leaf=is_spec)
     return sum(
-        math.prod(x.shape) * x.dtype.itemsize // math.prod(block_counts(spec, len(x.shape), mesh))
+        array_bytes(x) // math.prod(block_counts(spec, len(x.shape), mesh))
         for x, spec in zip(leaves, flat_specs, strict=True)
     )

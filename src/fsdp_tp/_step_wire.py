@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from jax.extend import core
 
 from ._step_memory import is_collective
-from .analysis import Collective
+from .analysis import Collective, array_bytes
 
 __all__ = ["UncountedWire", "step_collectives", "step_wire", "wire_lines"]
 
@@ -86,7 +86,7 @@ def _collective(eqn, mesh: dict, times: int) -> tuple[str, Collective]:
         kind=_KINDS[name],
         name=name,
         computation="",
-        operand_bytes=sum(math.prod(a.shape) * a.dtype.itemsize for a in operands),
+        operand_bytes=sum(array_bytes(a) for a in operands),
         operands=len(operands),
         group_size=math.prod(mesh[a] for a in axes),
         executions=times,

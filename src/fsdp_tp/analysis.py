@@ -176,8 +176,9 @@ def state_bytes_per_device(tree: PyTree) -> dict[jax.Device, int]:
 
 
 def array_bytes(leaf) -> int:
-    """The global bytes of an array, or of a shape struct (which has no ``nbytes``): a state
-    that :func:`~fsdp_tp.sharded_init.abstract_init` gives as shapes.
+    """The global bytes of an array, or of what has only a shape and a dtype (a shape struct,
+    which has no ``nbytes``: a state :func:`~fsdp_tp.sharded_init.abstract_init` gives as
+    shapes; a traced value's aval).
 
     >>> import jax, jax.numpy as jnp
     >>> array_bytes(jnp.ones((4, 8))), array_bytes(jax.ShapeDtypeStruct((4, 8), jnp.bfloat16))

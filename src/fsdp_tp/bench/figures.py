@@ -8,7 +8,6 @@ ratios from interleaved blocks in one process, with the spread of the blocks.
 from __future__ import annotations
 
 import functools
-import math
 import re
 import statistics
 import time
@@ -20,6 +19,7 @@ import flax.linen as nn
 import jax
 
 from ..analysis import (
+    array_bytes,
     collective_summary,
     compiled_memory,
     ideal_bytes_per_device,
@@ -90,7 +90,7 @@ def _param_bytes(state) -> tuple[int, int, int]:
     )[0]
     for path, leaf in flat:
         value = leaf.value if isinstance(leaf, nn.Partitioned) else leaf
-        nbytes = math.prod(value.shape) * value.dtype.itemsize
+        nbytes = array_bytes(value)
         split = isinstance(leaf, nn.Partitioned) and any(n is not None for n in leaf.names)
         in_blocks = str(getattr(path[0], "key", "")).startswith("blocks")
         if not split:
@@ -120,7 +120,7 @@ def minimum_wire_bytes(variant: Variant, library_state) -> float | None:
         return (n - 1) / n * (remat_factor * remat + 2 * (other + replicated))
     if name == "tp" and variant.workload in ("mlp", "block"):
         x = variant.batch[0]
-        activation = math.prod(x.shape) * x.dtype.itemsize  # (B, [S,] d): the residual width
+        activation = array_bytes(x)  # (B, [S,] d): the residual width
         all_reduces = 3 if variant.workload == "mlp" else 4
         return all_reduces * 2 * (n - 1) / n * activation
     return None
