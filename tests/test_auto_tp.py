@@ -388,8 +388,9 @@ def test_the_linen_gpt_keeps_heads_whole_where_the_axis_would_cut_one():
     )
     _check_gpt(2)  # every layer split: no warning (the suite makes one an error)
     said = r"tensor=4 leaves 4 of 8 layers whole, .*: blocks/attn/query"
-    with pytest.warns(LayerLeftWholeWarning, match=said):
+    with pytest.warns(LayerLeftWholeWarning, match=said) as caught:
         _check_gpt(4)
+    assert {w.filename for w in caught} == {__file__}  # shown at the user's line, not the library's
 
 
 def test_the_linen_gpts_plan_moves_what_its_megatron_layers_move():

@@ -293,9 +293,12 @@ def test_an_attention_function_the_library_does_not_own_folds_and_says_so(api):
         return flax_fn(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
                        deterministic, **rest)  # fmt: skip
 
-    with pytest.warns(FoldedDropoutWarning, match=r"attention_fn=.*own is not flax's dot_product_attention"):
+    with pytest.warns(
+        FoldedDropoutWarning, match=r"attention_fn=.*own is not flax's dot_product_attention"
+    ) as caught:
         with pytest.raises(AssertionError, match=r"^output: "):  # (not the unsharded mask)
             _check_attention(api, *ATTENTION_MESHES[0], broadcast=False, attention_fn=own)
+    assert {w.filename for w in caught} == {__file__}  # shown at the user's line, not the library's
 
 
 class SequenceParallelDrop(nn.Module):

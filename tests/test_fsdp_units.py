@@ -128,8 +128,9 @@ def test_a_parameter_whose_divisible_dims_another_axis_splits_is_named_with_that
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=P(), out_specs=()), jnp.ones(shape))
-        (message,) = [str(w.message) for w in caught if issubclass(w.category, ReplicatedParameterWarning)]
-        return message
+        (said,) = [w for w in caught if issubclass(w.category, ReplicatedParameterWarning)]
+        assert said.filename == __file__, said.filename  # the user's line (probe's), not the library's
+        return str(said.message)
 
     held = warned((8192,), ("tensor",))
     assert "parameter w of shape (8192,)" in held and "dim 0 (8192) is split over 'tensor'" in held, held

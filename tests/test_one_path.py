@@ -240,6 +240,7 @@ def test_a_column_layer_called_prepared_computes_as_before_with_one_warning():
         warnings.simplefilter("always")
         got = jax.value_and_grad(loss, argnums=(0, 1))(variables, x, True)
     assert [w.category for w in caught] == [DeprecationWarning], caught
+    assert caught[0].filename == __file__, caught[0].filename  # (the line that called the layer)
     assert "prepared=True" in str(caught[0].message) and "0.3.0" in str(caught[0].message)
     assert "HeadParallel" in str(caught[0].message)
     want = jax.value_and_grad(loss, argnums=(0, 1))(variables, x, False)

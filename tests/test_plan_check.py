@@ -297,9 +297,10 @@ def test_a_plan_the_check_cannot_decide_runs_with_one_warning_naming_the_op():
     line = _refused_at_line(UnknownBetween, "# unknown")
     x = jax.random.normal(jax.random.key(4), X)
     said = rf"bessel_i1e at tests/test_plan_check\.py:{line} .*check_sharded"
-    with pytest.warns(UncheckedPlanWarning, match=said):
+    with pytest.warns(UncheckedPlanWarning, match=said) as caught:
         check_sharded(UnknownBetween(), (x, 0 * x), lambda out, y: jnp.mean((out - y) ** 2),
                       {"data": 2, "tensor": 4}, tp_rules=rules, steps=1)  # fmt: skip
+    assert {w.filename for w in caught} == {__file__}  # shown at the user's line, not the library's
 
 
 def _scaled(x, eps):

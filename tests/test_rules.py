@@ -160,8 +160,9 @@ def test_bad_rules_each_get_a_clear_message():
     tree = {"wi": {"kernel": jnp.ones((8, 6))}}
     with pytest.warns(
         UnmatchedRuleWarning, match=r"rules matching no parameter: \['wq/kernel'\]; .* wi/kernel"
-    ):
+    ) as caught:
         fsdp_tp.rules.specs_from_rules(tree, [("wi/kernel", P()), ("wq/kernel", P("fsdp"))], mesh)
+    assert caught[0].filename == __file__
     with pytest.raises(SpecError, match=r"wi/kernel: spec .* names mesh axis 'model', but the mesh has axes"):
         fsdp_tp.rules.specs_from_rules(tree, [("kernel", P("model"))], mesh)
     with pytest.raises(

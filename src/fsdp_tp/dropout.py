@@ -31,7 +31,6 @@ True
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable, Sequence
 
 import jax
@@ -41,7 +40,7 @@ from ._activation_split import Split, activation_split, split_after, splitting, 
 from ._axes import bound_axis_names, checks_vma, entry_axes, require_axes, varying_axes
 from ._block_key import block_key, is_block_key, keep_mask, wide_index
 from ._types import AxisName, AxisNames
-from .errors import FoldedDropoutWarning
+from .errors import FoldedDropoutWarning, warn
 
 __all__ = [
     "activation_split",
@@ -137,14 +136,13 @@ def warn_folded(where: str, attention_fn: Callable) -> None:
     if where not in _FOLDED:
         _FOLDED.add(where)
         name = getattr(attention_fn, "__qualname__", type(attention_fn).__name__)
-        warnings.warn(
+        warn(
             FoldedDropoutWarning(
                 f"{where}: attention_fn={name} is not flax's dot_product_attention, so its dropout "
                 f"mask is drawn inside it: each block draws an independent one (the unsharded "
                 f"model's distribution, not its mask). With flax's own function each device draws "
                 f"its block of the unsharded mask."
-            ),
-            stacklevel=4,
+            )
         )
 
 

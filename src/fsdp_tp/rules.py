@@ -26,7 +26,6 @@ Flax's logical annotations are the second source: a leaf boxed by
 from __future__ import annotations
 
 import re
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +38,7 @@ from ._layout import check_fit
 from ._tree import named_shardings as named_shardings
 from ._tree import path_of as path_of
 from ._types import PyTree, is_box, logical_names
-from .errors import RuleError, UnmatchedRuleWarning
+from .errors import RuleError, UnmatchedRuleWarning, warn
 
 __all__ = [
     "REPLICATED",
@@ -238,5 +237,5 @@ def specs_from_rules(
     specs = jax.tree_util.tree_map_with_path(leaf_spec, tree, is_leaf=is_box)
     check_fit(checks, mesh.shape, "change the rule")  # every leaf that does not fit, at once
     if warning := unmatched_warning(compiled, used, [c[0] for c in checks], "specs_from_rules"):
-        warnings.warn(warning, stacklevel=2)
+        warn(warning)
     return specs

@@ -21,7 +21,6 @@ over them; the tensor-parallel layers use the same layout core
 from __future__ import annotations
 
 import contextvars
-import warnings
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -34,7 +33,7 @@ from .._batch import resolve_batch_axes
 from .._layout import block_of, check_fit
 from .._tree import module_path, path_of
 from .._types import PyTree, is_box
-from ..errors import RuleError
+from ..errors import RuleError, warn
 from ._dropout import exact_dropout
 
 __all__ = [
@@ -59,7 +58,7 @@ def warn_once(key, warning: Warning) -> None:
     """Warns once per process for ``key`` (a model is traced many times; one warning is enough)."""
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(warning, stacklevel=3)
+        warn(warning)
 
 
 def _merge(path: str, names: tuple, spec: PartitionSpec) -> tuple:

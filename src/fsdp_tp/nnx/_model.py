@@ -12,7 +12,6 @@ from the blocks, with Variables that gather on read (:mod:`fsdp_tp.nnx._read`).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 
 import jax
@@ -25,6 +24,7 @@ from .._layout import check_fit
 from .._optimizer import checked_tx
 from .._types import AxisNames
 from ..dropout import split_after
+from ..errors import warn
 from ..precision import MixedPrecision, checked_policy
 from ..rules import REPLICATED, Rules, as_spec, compile_rules, unmatched_warning
 from ..train import TrainState
@@ -76,7 +76,7 @@ class ShardedModel:
         paths = [path_text(path) for path, _ in self._params]
         storage, used = storage_specs(self._params, self._rules, default, logical_axis_rules)
         if warning := unmatched_warning(self._rules, used, paths, _CALLER):
-            warnings.warn(warning, stacklevel=3)
+            warn(warning)
         self._checks = PlanChecks(self, inputs)
         self._layouts = Layouts(abstract, storage, tp_rules, inputs, _CALLER, self._checks.attempt)
 

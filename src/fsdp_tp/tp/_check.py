@@ -33,12 +33,11 @@ import contextlib
 import contextvars
 import dataclasses
 import traceback
-import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
 from .._context import set_for
-from ..errors import RuleError, UncheckedPlanWarning
+from ..errors import RuleError, UncheckedPlanWarning, warn
 from ._blocks import Blocks
 from ._graph import Graph
 from ._refusals import RULE_DROPPED, Named, axes_text
@@ -118,14 +117,13 @@ def check_plan(
             refused = refused or err
             continue
         if blocks.undecided:
-            warnings.warn(
+            warn(
                 UncheckedPlanWarning(
                     f"{where}: the tp plan could not be checked at {'; '.join(blocks.undecided)}: the "
                     f"check does not know what these do to a split dim. Prove the model equal to "
                     f"unsharded on a batch: fsdp_tp.testing.check_sharded(model, batch, loss, mesh, "
                     f"rules, tp_rules=...)."
-                ),
-                stacklevel=5,
+                )
             )
         return list(blocks.undecided)
     assert refused is not None  # (no reference: nothing to fit)

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from .._axes import TENSOR
 from .._einsum import Equation
-from ..errors import LayerLeftWholeWarning, RuleError
+from ..errors import LayerLeftWholeWarning, RuleError, warn
 from ._auto_mesh import AUTO_AXIS
 from ._check import checking
 from ._matmul import ColumnParallel, RowParallel
@@ -196,6 +195,7 @@ def warn_left_whole(plan: TPPlan, size: int | None, caller: str, axis: str | Non
     (:class:`~fsdp_tp.errors.LayerLeftWholeWarning`): a user who asked for tensor
     parallelism learns which layers do not get it without reading ``tp_plans``.
 
+    >>> import warnings
     >>> plan = TPPlan((), {}, (("head", "a norm's mean over its features"),), ("head",))
     >>> with warnings.catch_warnings(record=True) as said:
     ...     warnings.simplefilter("always")
@@ -215,13 +215,12 @@ def warn_left_whole(plan: TPPlan, size: int | None, caller: str, axis: str | Non
         f"draws block by block) is made on each device's block from the key that device is "
         f"given, another draw than the unsharded model's, whether or not the layer is split"
     )
-    warnings.warn(
+    warn(
         LayerLeftWholeWarning(
             f"{caller}: tp_rules='auto' on {AUTO_AXIS}={size} leaves {len(plan.whole)} of "
             f"{len(plan.layers)} layers whole, each held and computed in full on every {AUTO_AXIS} "
             f"device: {names}. {numbers}; to split a layer, change "
             f"what its split meets (the plan: .tp_plans[{size}]), or silence this with "
             f"warnings.filterwarnings('ignore', category=fsdp_tp.errors.LayerLeftWholeWarning)."
-        ),
-        stacklevel=2,
+        )
     )

@@ -16,7 +16,6 @@ what dropout reads); the layer holds only its parameters and the matmul.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +29,7 @@ from ..._axes import TENSOR, require_axes
 from ..._layout import check_fit, sliced_init
 from ..._tree import module_path
 from ...collective_matmul import RingChunks, require_mode
+from ...errors import warn
 from ...tp import ColumnParallel, Layer, RowParallel, TPRole
 from .._gather import param_boxed
 
@@ -169,7 +169,7 @@ class ColumnParallelDense(_ParallelDense):
     def __call__(self, x: jax.Array | RingChunks, prepared: bool = False) -> jax.Array:
         require_mode(self.collective_matmul, type(self).__name__)
         if prepared:
-            warnings.warn(_PREPARED, DeprecationWarning, stacklevel=2)
+            warn(DeprecationWarning(_PREPARED))
         role = (_Prepared if prepared else ColumnParallel)(
             self.axis,
             gather_output=self.gather_output,
