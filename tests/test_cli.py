@@ -8,12 +8,16 @@ import re
 import shlex
 import subprocess
 import sys
+import warnings
 
 import jax
 import numpy as np
 import pytest
 
-from fsdp_tp.cli import main
+import fsdp_tp.linen._transform
+from fsdp_tp.cli import console, main
+from fsdp_tp.cli.main import _one_line
+from fsdp_tp.errors import ReplicatedParameterWarning
 from fsdp_tp.recipe import trainer as trainer_module
 
 pytestmark = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")
@@ -222,3 +226,30 @@ def test_a_reader_that_stops_reading_is_not_an_error():
         timeout=300,
     )
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_the_command_prints_a_library_warning_in_one_line_as_it_prints_an_error(monkeypatch, capsys):
+    """The executable (``console()``) prints a warning of the library's as ``fsdp-tp: warning:
+    <kind>: <message>``, without the console script's file and line (the user of a command wrote
+    no line to point at); another warning keeps Python's form, and after the command Python's
+    display is back. Negative control: ``main()`` in process leaves warnings to its caller
+    (here the suite records it: nothing printed)."""
+    argv = ["plan", "--mesh", "fsdp=4", "--remat", "none", "--min-weight-size", "0"]
+    said = "fsdp-tp: warning: ReplicatedParameterWarning: shard_params: parameter blocks/mlp/wi/bias"
+    monkeypatch.setattr(sys, "argv", ["fsdp-tp", *argv])
+    monkeypatch.setattr(fsdp_tp.linen._transform, "_warned", set())  # (said once a process: here)
+    python_s = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        with pytest.raises(SystemExit) as exit_info:
+            console()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 0 and said in err and "sys.exit(console())" not in err, err[-2000:]
+    assert warnings.showwarning is python_s
+    others = []
+    _one_line(lambda *shown: others.append(shown[1]))(UserWarning("x"), UserWarning, "f.py", 1)
+    assert others == [UserWarning]
+    monkeypatch.setattr(fsdp_tp.linen._transform, "_warned", set())
+    with pytest.warns(ReplicatedParameterWarning):
+        assert run(*argv)[0] == 0
+    assert "fsdp-tp: warning" not in capsys.readouterr().err

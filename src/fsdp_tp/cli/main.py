@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import warnings
 
 from jax.errors import JaxRuntimeError
 
@@ -21,6 +22,7 @@ from ..errors import (
     CheckpointCorruptError,
     CheckpointMismatchError,
     CheckpointSaveError,
+    FsdpTpWarning,
     IndivisibleShapeError,
     MeshShapeError,
 )
@@ -145,18 +147,33 @@ def console() -> None:
     such a child that failed leaves at once too: JAX's clean shutdown would wait at a barrier
     the other processes, stuck in the next step's collectives, never reach. Gone, it is a lost
     process: they stop within --peer-timeout, naming it."""
-    if supervised := adopt():
-        code = main()
-    elif (args := supervisable(argv := _with_command(sys.argv[1:]), _parse)) is not None:
-        sys.exit(supervise(argv, args))
-    else:
-        code = main()
+    with warnings.catch_warnings():  # (the process's: restored for a caller in process)
+        warnings.showwarning = _one_line(warnings.showwarning)
+        if supervised := adopt():
+            code = main()
+        elif (args := supervisable(argv := _with_command(sys.argv[1:]), _parse)) is not None:
+            sys.exit(supervise(argv, args))
+        else:
+            code = main()
     stuck = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
     if (code and stuck) or (supervised and code in (1, 2)):
         restore_stdout()  # flushes stdout, and passes on what the gloo-line filter holds
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
+
+
+def _one_line(shown):
+    """``warnings.showwarning`` that prints the library's warnings as the command prints its
+    errors, one line, ``fsdp-tp: warning: ...``: the file and line Python adds would point at
+    the console script, not at code the command's user wrote. Other warnings as ``shown``."""
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if not issubclass(category, FsdpTpWarning):
+            return shown(message, category, filename, lineno, file, line)
+        print(f"fsdp-tp: warning: {category.__name__}: {message}", file=sys.stderr if file is None else file)
+
+    return show
 
 
 if __name__ == "__main__":
