@@ -114,29 +114,35 @@ def test_a_large_indivisible_parameter_is_reported_once_by_path_and_shape():
 
 
 def test_a_parameter_whose_divisible_dims_another_axis_splits_is_named_with_that_axis():
-    """A bias a Megatron layer already split over tensor (its one dim, 8192, divisible by fsdp's
-    8): the warning says which axis holds the dim FSDP could have split, and does not tell the
-    user to pad a dim that divides (what `fsdp-tp plan --preset 1b --mesh fsdp=8` printed). The
-    negative control: a dim no axis holds and 8 does not divide still gets the padding advice."""
-    mesh = fsdp_tp.make_mesh({"fsdp": 8, "tensor": 1})
+    """A bias a Megatron layer splits over tensor (its one dim, 8192, divisible by fsdp's 4): the
+    warning says which axis holds the dim FSDP could have split, and does not tell the user to
+    pad a dim that divides (what `fsdp-tp plan --preset 1b --mesh fsdp=8` printed). On a mesh
+    whose tensor axis has size 1 (that command's) the dim is whole, and the warning says so
+    rather than "split". The negative control: a dim no axis holds and 4 does not divide still
+    gets the padding advice."""
 
-    def warned(shape: tuple, names: tuple) -> str:
+    def warned(shape: tuple, names: tuple, tensor: int) -> str:
         def probe(w):
             fsdp_tp.linen.fsdp.shard_params({"w": nn.Partitioned(w, names)}, "fsdp", min_weight_size=0)
             return ()
 
+        mesh = fsdp_tp.make_mesh({"fsdp": 4, "tensor": tensor}, devices=jax.devices()[: 4 * tensor])
+        local = P(*names)  # (the layer's split: each device holds its block of the dim)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=P(), out_specs=()), jnp.ones(shape))
+            jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=local, out_specs=()), jnp.ones(shape))
         (said,) = [w for w in caught if issubclass(w.category, ReplicatedParameterWarning)]
         assert said.filename == __file__, said.filename  # the user's line (probe's), not the library's
         return str(said.message)
 
-    held = warned((8192,), ("tensor",))
-    assert "parameter w of shape (8192,)" in held and "dim 0 (8192) is split over 'tensor'" in held, held
-    assert "Pad" not in held and "Raise min_weight_size above 8192" in held, held
-    indivisible = warned((7,), (None,))
-    assert "Pad a dim to a multiple of 8" in indivisible and "split over" not in indivisible, indivisible
+    split = warned((8192,), ("tensor",), tensor=2)
+    assert "parameter w of shape (4096,)" in split and "dim 0 (4096) is split over 'tensor'" in split, split
+    assert "Pad" not in split and "Raise min_weight_size above 4096" in split, split
+    whole = warned((8192,), ("tensor",), tensor=1)
+    assert "dim 0 (8192) is its layer's dim over 'tensor', of size 1 on this mesh" in whole, whole
+    assert "split over" not in whole and "Pad" not in whole, whole
+    indivisible = warned((7,), (None,), tensor=1)
+    assert "Pad a dim to a multiple of 4" in indivisible and "'tensor'" not in indivisible, indivisible
 
 
 def test_shard_module_params_keeps_flax_auto_names():

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from .._axes import axes_named, require_axes
+from .._axes import axes_named, axis_size, require_axes
 from .._layout import fsdp_dim
 from .._types import AxisName, AxisNames, PyTree
 from ..errors import ReplicatedParameterWarning
@@ -43,12 +43,11 @@ def _largest_dim(axis_name: AxisName, axis_size: int, min_weight_size: int):
 
 def _replicated(path: str, shape: tuple, names: tuple, axis_name: AxisName, size: int) -> Warning:
     """Why ``path`` stays replicated over ``axis_name``: no dim ``size`` divides (pad one), or
-    the dims it divides are another axis's (a layer's own split: padding would not help)."""
-    held = [
-        f"dim {i} ({n}) is split over {names[i]!r}" for i, n in enumerate(shape) if names[i] and not n % size
-    ]
+    the dims it divides are another axis's (a layer's own split: padding would not help; on a
+    mesh where that axis has size 1 the dim is whole, and is said to be)."""
+    held = [_held(i, n, names[i]) for i, n in enumerate(shape) if names[i] and not n % size]
     if held:
-        why = f"{'; '.join(held)} by its layer, and FSDP splits only a dim no other axis splits. Raise"
+        why = f"{'; '.join(held)}, and FSDP splits only a dim no other axis names. Raise"
     else:
         why = f"it has no unsplit dim divisible by {size}. Pad a dim to a multiple of {size}, or raise"
     return ReplicatedParameterWarning(
@@ -56,6 +55,12 @@ def _replicated(path: str, shape: tuple, names: tuple, axis_name: AxisName, size
         f"(size {size}) on every device: {why} min_weight_size above {int(np.prod(shape))} to keep it "
         f"replicated without this warning."
     )
+
+
+def _held(dim: int, n: int, name) -> str:
+    if axis_size(name) == 1:
+        return f"dim {dim} ({n}) is its layer's dim over {name!r}, of size 1 on this mesh"
+    return f"dim {dim} ({n}) is split over {name!r} by its layer"
 
 
 def shard_params(params: PyTree, axis_name: AxisName, min_weight_size: int = 2**18) -> PyTree:
