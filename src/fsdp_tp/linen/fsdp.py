@@ -25,16 +25,16 @@ from ._transform import check_module_class, input_varying, map_params, store, wa
 __all__ = ["gather_params", "shard_module_params", "shard_params"]
 
 
-def _largest_dim(axis_name: AxisName, axis_size: int, min_weight_size: int):
+def _largest_dim(axis_name: AxisName, size: int, min_weight_size: int):
     """FSDP's layout choice: split the largest divisible dim of every leaf over ``min_weight_size``."""
 
     def choose(path: str, shape: tuple, names: tuple, _logical) -> PartitionSpec | None:
         if axis_name in axes_named(names) or int(np.prod(shape)) <= min_weight_size:
             return None
-        dim = fsdp_dim(shape, names, axis_size)
+        dim = fsdp_dim(shape, names, size)
         if dim is None:
-            warning = _replicated(path, shape, names, axis_name, axis_size)
-            warn_once((path, shape, axis_name, axis_size), warning)
+            warning = _replicated(path, shape, names, axis_name, size)
+            warn_once((path, shape, axis_name, size), warning)
             return None
         return PartitionSpec(*(axis_name if i == dim else None for i in range(len(shape))))
 
