@@ -24,8 +24,8 @@ from fsdp_tp import errors
 from fsdp_tp.errors import FsdpTpWarning, UnmatchedRuleWarning
 
 PACKAGE = pathlib.Path(fsdp_tp.__file__).parent
-# _aliases's DeprecationWarnings point at the exact frame that read an old path, the library's
-# own included, so the suite's filter by module catches the library reading one.
+# _aliases's module __getattr__ warns at the exact frame that read an old path (stacklevel 2:
+# its reader, never a walk), the library's own included.
 EXACT = {"errors.py", "_aliases.py"}
 
 

@@ -27,10 +27,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import sys
-import types
 import warnings
 from collections.abc import Callable
 from typing import Any
+
+from .errors import warn
 
 __all__ = [
     "DEPRECATED",
@@ -176,7 +177,7 @@ def renamed_fields(layer: Any) -> None:
                 f"{row.owner}: {row.old}={given!r} and {row.new}={getattr(layer, row.new)!r} name one "
                 f"setting twice; {row.old} is deprecated: pass {row.new} alone."
             )
-        warnings.warn(row.message(given), DeprecationWarning, stacklevel=_callers_level())
+        warn(DeprecationWarning(row.message(given)))  # (at the line that built the layer)
         object.__setattr__(layer, row.new, row.value(given))
         object.__setattr__(layer, row.old, DEPRECATED)
 
@@ -188,20 +189,6 @@ class RenamedFields:
     def __post_init__(self):
         renamed_fields(self)
         super().__post_init__()  # type: ignore[misc]  # (nn.Module's, next in the MRO)
-
-
-def _callers_level() -> int:
-    """The ``stacklevel`` of the first frame outside this function's caller, flax and a
-    dataclass's generated ``__init__``: the line that built the layer (Python shows a
-    ``DeprecationWarning`` by default only where it is ``__main__``'s)."""
-    frame: types.FrameType | None = sys._getframe(2)
-    level = 2
-    while frame is not None and (
-        frame.f_code.co_filename.startswith("<") or "/flax/" in frame.f_code.co_filename
-        or frame.f_code.co_name == "__post_init__"
-    ):  # fmt: skip
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def canonical(path: str) -> Any:
