@@ -27,8 +27,9 @@ import fsdp_tp
 import fsdp_tp.linen._dropout
 import fsdp_tp.nnx
 from fsdp_tp.dropout import fold_over_block, keep_mask, wide_index
-from fsdp_tp.errors import FoldedDropoutWarning
+from fsdp_tp.errors import FoldedDropoutWarning, RuleError
 from fsdp_tp.testing import check_sharded
+from fsdp_tp.tp._check import switched_off
 from tests.equivalence import ATOL, RTOL
 
 MESHES = {
@@ -200,14 +201,18 @@ def test_dropout_is_the_unsharded_models_under_fsdp_and_tp(api, mesh, check_vma)
 @pytest.mark.parametrize("api", ["linen", "nnx"])
 def test_negative_control_flax_s_own_dropout_on_blocks_is_not_the_unsharded_models(api, monkeypatch):
     """With the exact draw patched out (flax's Dropout on each device's block, from the key as
-    given), the same check fails: the masks are not the unsharded model's."""
+    given), the plan check refuses the draw on a split dim (jax.random.bernoulli's body, read at
+    its call), and with the check off too the same equality fails: the masks are not the
+    unsharded model's."""
     from fsdp_tp.linen import _dropout as linen_dropout
     from fsdp_tp.nnx import _model as nnx_model
 
     untouched = lambda _, next_fun, args, kwargs, context: next_fun(*args, **kwargs)
     monkeypatch.setattr(linen_dropout, "_intercept", untouched)
     monkeypatch.setattr(nnx_model, "exact_dropouts", lambda *args: None)
-    with pytest.raises(AssertionError):
+    with pytest.raises(RuleError, match=r"hidden_drop .*random numbers the model draws along dim 2"):
+        test_dropout_is_the_unsharded_models_under_fsdp_and_tp(api, "data x tensor", check_vma=False)
+    with switched_off(), pytest.raises(AssertionError):
         test_dropout_is_the_unsharded_models_under_fsdp_and_tp(api, "data x tensor", check_vma=False)
 
 

@@ -26,7 +26,7 @@ import fsdp_tp
 from fsdp_tp import ColumnParallelDense, RowParallelDense
 from fsdp_tp.errors import LayerLeftWholeWarning, RuleError, UncheckedPlanWarning
 from fsdp_tp.testing import check_sharded
-from fsdp_tp.tp import ColumnParallel, RowParallel
+from fsdp_tp.tp import ColumnParallel, RowParallel, VocabParallel
 from fsdp_tp.tp._check import switched_off
 from tests.equivalence import check_split
 
@@ -275,9 +275,9 @@ def test_an_einsum_role_that_takes_the_wrong_letter_names_the_letter_that_works(
     prove()
 
 
-def _refused_at_line(cls, marker: str = "# refused") -> int:
+def _refused_at_line(cls, marker: str = "# refused") -> int | None:
     source, first = inspect.getsourcelines(cls)
-    return next(first + i for i, line in enumerate(source) if marker in line)
+    return next((first + i for i, line in enumerate(source) if marker in line), None)
 
 
 class UnknownBetween(nn.Module):
@@ -397,3 +397,94 @@ def test_the_layers_check_sees_a_users_model_through_the_librarys_wrappers():
         x = jnp.ones((4, *X[1:]), jnp.float64)
         fsdp_tp.init_sharded(lambda r, x: model.init(r, x)["params"], mesh, (P(), P(("data", "fsdp"))),
                              jax.random.key(0), x)  # fmt: skip
+
+
+# Sequence parallelism: between the layers each device holds its slice of the sequence, handed
+# to the model's code by the library's own collective (the embedding's reduce-scatter). The
+# model's code then often calls a jnp function JAX jits (jnp.roll, jnp.cumsum), whose traced
+# body records no line of the model's: the check reads it at the line that calls it.
+VOCAB, SEQUENCE = 16, 8
+SEQUENCE_RULES = [
+    ("^embed$", VocabParallel(sequence_dim=1)),
+    ("^up$", ColumnParallel(sequence_dim=1)),
+    ("^down$", RowParallel(sequence_dim=1)),
+    ("^head$", ColumnParallel(sequence_dim=1, gather_output=True)),
+]
+
+
+def token_shift(x, positions):  # RWKV's: each position mixed with the one before it
+    return x + jnp.roll(x, 1, axis=1)  # refused: rolls each device's slice of the sequence
+
+
+def running_sum(x, positions):
+    return jnp.cumsum(x, axis=1)  # refused: sums along each device's slice of the sequence
+
+
+def positions_by_length(x, positions):  # learned positions, as many as the activations have
+    return x + positions[: x.shape[1]]  # refused: the first rows, on every device
+
+
+def feature_sum(x, positions):  # along the features, which every device holds whole here
+    return jnp.cumsum(x, axis=-1)
+
+
+SEQUENCE_WAYS = {f.__name__: f for f in (token_shift, running_sum, positions_by_length, feature_sum)}
+
+
+def _sequence_lm(api: str, way: str):
+    mix = SEQUENCE_WAYS[way]
+    if api == "linen":
+
+        class LinenLM(nn.Module):
+            @nn.compact
+            def __call__(self, ids):
+                positions = self.param("positions", nn.initializers.normal(1.0), (SEQUENCE, D), jnp.float64)
+                x = mix(nn.Embed(VOCAB, D, param_dtype=jnp.float64, name="embed")(ids), positions)
+                dense = lambda width, name: nn.Dense(width, param_dtype=jnp.float64, name=name)
+                x = x + dense(D, "down")(nn.gelu(dense(4 * D, "up")(x)))
+                return dense(VOCAB, "head")(x)
+
+        return LinenLM()
+
+    class NNXLM(nnx.Module):
+        def __init__(self, rngs):
+            dense = lambda a, b: nnx.Linear(a, b, param_dtype=jnp.float64, rngs=rngs)
+            self.embed = nnx.Embed(VOCAB, D, param_dtype=jnp.float64, rngs=rngs)
+            self.positions = nnx.Param(jax.random.normal(rngs.params(), (SEQUENCE, D), jnp.float64))
+            self.up, self.down, self.head = dense(D, 4 * D), dense(4 * D, D), dense(D, VOCAB)
+
+        def __call__(self, ids):
+            x = mix(self.embed(ids), self.positions[...])
+            return self.head(x + self.down(nnx.gelu(self.up(x))))
+
+    return NNXLM
+
+
+def _prove_sequence_lm(api: str, way: str) -> None:
+    ids = jax.random.randint(jax.random.key(5), (4, SEQUENCE), 0, VOCAB)
+    loss = lambda logits, y: -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[..., None], -1))
+    check_sharded(_sequence_lm(api, way), (ids, ids), loss, {"data": 2, "tensor": 4},
+                  tp_rules=SEQUENCE_RULES, steps=1)  # fmt: skip
+
+
+@pytest.mark.parametrize("way", list(SEQUENCE_WAYS))
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_a_jitted_jnp_function_on_the_sequence_slices_is_refused_at_its_line_or_equal(api, way):
+    """``jnp.roll`` and ``jnp.cumsum`` along the sequence a device holds a slice of are refused,
+    naming the line that calls them (their traced bodies record none: read at the call) and
+    where the sequence is whole; so are learned positions cut to a device's length, a slice
+    the unsharded model does not make (the same rows on every device); along the features,
+    whole there, the model equals unsharded."""
+    if (line := _refused_at_line(SEQUENCE_WAYS[way])) is None:
+        _prove_sequence_lm(api, way)
+        return
+    why = "each device makes the same" if way == "positions_by_length" else "dim 1 of"
+    fix = "Fix: (size and )?compute it where that dim is whole: a sequence split by the roles' sequence_dim"
+    with pytest.raises(RuleError, match=rf"test_plan_check\.py:{line} \(.*{why} .*{fix}"):
+        _prove_sequence_lm(api, way)
+
+
+@pytest.mark.parametrize("way", [w for w in SEQUENCE_WAYS if w != "feature_sum"])
+def test_negative_control_unchecked_a_jnp_function_on_the_sequence_slices_trains_another_model(way):
+    with switched_off(), pytest.raises(AssertionError, match="output"):
+        _prove_sequence_lm("linen", way)

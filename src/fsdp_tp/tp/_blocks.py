@@ -17,12 +17,11 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Mapping
 
-from ..errors import RuleError
 from ._graph import Graph
 from ._ops import COLLECTIVES, FLAX_ATTENTION, RANDOM, is_block, linear, paired_shapes, sums_over
-from ._refusals import RULE_DROPPED, Named, PartialSum, Refusals, axes_text, blaming, mixing_fix
-from ._relations import Node, shape_text
-from ._sites import is_library, pair, scope_of, site_of, user_site
+from ._refusals import RULE_DROPPED, Named, PartialSum, Refusals, axes_text, mixing_fix
+from ._relations import Node
+from ._sites import is_library, pair, scope_of, site_of, source_of, user_site
 
 __all__ = ["Blocks"]
 
@@ -59,10 +58,13 @@ class Blocks(Refusals):
         # Dims of a value that hold other devices' rows (an experts' buffer sent to the devices
         # of its experts by an all_to_all): any size, computed row by row, never across.
         self.rows: dict[int, frozenset[int]] = {}
+        # Values the model's code made from whole ones by an operation the unsharded model does
+        # not run (``pos[:x.shape[1]]``, a whole slice there): the same on every device.
+        self.alike: dict[int, Node] = {}
 
     def run(self, split_outputs: tuple[int, ...]) -> None:
         """Every operation, then the outputs (which may leave split on ``split_outputs``)."""
-        if not self.pairs and any(site_of(n.source) and not is_library(n) for n in self.local.nodes):
+        if not self.pairs and any(site_of(source_of(n)) and not is_library(n) for n in self.local.nodes):
             self.undecided["every operation (none of the device's pairs with the unsharded model's)"] = None
         for index, node in enumerate(self.local.nodes):
             if not node.outs:  # (a callback, a print: it computes nothing the model reads)
@@ -72,14 +74,17 @@ class Blocks(Refusals):
             if index in self.pairs:
                 self.modelled.update(node.outs)
                 self.paired(node, self.reference.nodes[self.pairs[index]])
-            elif node.source is None or is_library(node):
+            elif source_of(node) is None or is_library(node):
                 self.library.update(node.outs)
                 self.carried(node)
-            elif site_of(node.source) is None:
+            elif site_of(source_of(node)) is None:
                 self.unplaced(node)
             elif self.touched(node):
                 self.modelled.update(node.outs)
-                self.undecided[f"{node.prim} at {user_site(node.source)} (not in the unsharded trace)"] = None
+                where = user_site(source_of(node))
+                self.undecided[f"{node.prim} at {where} (not in the unsharded trace)"] = None
+            elif node.prim in ("slice", "dynamic_slice") and self.cut_whole(node):
+                self.alike |= dict.fromkeys(node.outs, node)
         self.outputs(split_outputs)
 
     def unplaced(self, node: Node) -> None:
@@ -94,6 +99,13 @@ class Blocks(Refusals):
         self.modelled.update(node.outs)
         self.rule(node, None, {v: self.known[v] for v in node.ins if v in self.known})
 
+    def cut_whole(self, node: Node) -> bool:
+        """Whether ``node`` cuts values every device holds whole (not literals, the model's
+        inputs, what the library made or a known block)."""
+        ins = [v for v in node.ins if v is not None]
+        split = lambda v: v in self.library or v in self.local.inputs or max(self.known.get(v, (1,))) > 1
+        return bool(ins) and not any(split(v) for v in ins)
+
     def touched(self, node: Node) -> bool:
         return any(v in self.partial or v in self.origin for v in node.ins)
 
@@ -102,6 +114,8 @@ class Blocks(Refusals):
         collective sums it, and a split keeps its origin through anything but a collective."""
         if node.prim == "all_to_all":
             self.sent(node)
+        if node.prim in ("pvary", "pcast") and node.ins[0] in self.alike:  # (a retype: the same numbers)
+            self.alike[node.outs[0]] = self.alike[node.ins[0]]
         if node.prim in COLLECTIVES:
             return
         sums = [self.partial[v] for v in node.ins if v in self.partial]
@@ -143,9 +157,12 @@ class Blocks(Refusals):
         shapes = paired_shapes(node, ref, self.local, self.reference)
         if shapes is None:  # (the same line made something else: traced under other conditions)
             if self.touched(node):
-                self.undecided[f"{node.prim} at {user_site(node.source)} (another op unsharded)"] = None
+                self.undecided[f"{node.prim} at {user_site(source_of(node))} (another op unsharded)"] = None
             return
         factors = {v: self.factors(node, ref, v, *held_whole) for v, held_whole in shapes.items()}
+        for v in node.ins:
+            if v in self.alike and any(n > 1 for n in factors.get(v, ())):
+                self.refuse_alike(self.alike[v], v, factors[v], scope_of(node))
         self.known |= factors
         self.rule(node, ref, factors)
 
@@ -184,7 +201,7 @@ class Blocks(Refusals):
         if sums or made:
             module = scope_of(node) if self.named(scope_of(node))[0] else origin  # (the row layer's)
             contracted = node.prim in ("dot_general", "conv_general_dilated")
-            made_here = PartialSum(made or "", str(user_site(node.source)), module, contracted)
+            made_here = PartialSum(made or "", str(user_site(source_of(node))), module, contracted)
             record = self.partial[sums[0]] if sums else made_here
             for out in node.outs:
                 self.partial[out] = record
@@ -201,13 +218,14 @@ class Blocks(Refusals):
                 continue
             if sums_over(node, v, d):
                 made = node.mixes[(v, d)]
-            elif node.prim in RANDOM and str(site_of(node.source)).startswith(FLAX_ATTENTION):
+            elif node.prim in RANDOM and str(site_of(source_of(node))).startswith(FLAX_ATTENTION):
                 continue
             elif not node.known:
-                self.undecided[f"{node.prim} at {user_site(node.source)}"] = None
+                self.undecided[f"{node.prim} at {user_site(source_of(node))}"] = None
             else:
                 why = f"{node.mixes[(v, d)]}, of which each device holds 1/{factors[v][d]}"
-                self.refuse(node, ref, origin, why, mixing_fix(node.prim))
+                features = d == len(self.local.shapes[v]) - 1
+                self.refuse(node, ref, origin, why, mixing_fix(node.prim, features))
         for group in node.same:  # (a dim of 1 on both sides is broadcast: no block)
             found = {factors[v][d] for v, d in group if v in factors and self._size(v, d, factors) > 1}
             if len(found) > 1:
@@ -229,19 +247,3 @@ class Blocks(Refusals):
                 whole = [self.reference.shapes[full][d] for d in group[side]]
                 if not is_block(held, whole):
                     self.refuse_reshape(node, ref, origin, group[1][0])
-
-    def outputs(self, split_outputs: tuple[int, ...]) -> None:
-        """What leaves the model is whole (or split on ``split_outputs``), never partial sums."""
-        for value, full in zip(self.local.outputs, self.reference.outputs, strict=False):
-            held, whole = self.local.shapes[value], self.reference.shapes[full]
-            split = {d for d, (a, b) in enumerate(zip(held, whole, strict=False)) if a != b}
-            if value in self.partial or not split <= {d % max(len(held), 1) for d in split_outputs}:
-                what = "partial sums" if value in self.partial else f"split on dim {min(split)}"
-                module, role = self.named(self.origin.get(value, ""))
-                by = f" (by {role} on {module})" if module else ""
-                err = RuleError(
-                    f"{self.where}: the model's output leaves {what}{by}: {shape_text(held)} on each device, "
-                    f"{shape_text(whole)} unsharded. Fix: end the region with a RowParallel layer, or give "
-                    f"the last ColumnParallel gather_output=True."
-                )
-                raise blaming(err, module, f"the plan check: the model's output would leave {what}")

@@ -109,8 +109,14 @@ def check_plan(
     finder gives), computed only then; ``whole``: how the user leaves a module whole;
     ``split_by``: the primitives by which the library's own layers split (:class:`Blocks`)."""
     refused = None
-    for reference in references:
-        blocks = Blocks(local, reference.build(), sizes, where, named, whole, split_by)
+    for index, reference in enumerate(references):
+        try:
+            graph = reference.build()
+        except Exception:
+            if index == 0:  # (the unsharded model on the device's own inputs: its own error)
+                raise
+            continue  # (the model cannot run on this reference's inputs: not what it computes)
+        blocks = Blocks(local, graph, sizes, where, named, whole, split_by)
         try:
             blocks.run(reference.split_outputs)
         except RuleError as err:

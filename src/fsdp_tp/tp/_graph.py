@@ -114,26 +114,26 @@ class Graph:
     def _id(env: dict, var) -> int | None:
         return None if isinstance(var, jcore.Literal) else env[var]
 
-    def _inline(self, jaxpr, env: dict) -> None:
+    def _inline(self, jaxpr, env: dict, callers: tuple = ()) -> None:
         for eqn in jaxpr.eqns:
             ins = [self._id(env, v) for v in eqn.invars]
             name = eqn.primitive.name
             if name == "scan":
-                self._scan(eqn, self._values(eqn, ins), env)
+                self._scan(eqn, self._values(eqn, ins), env, callers)
                 continue
             inner = _call_body(eqn)
             if inner is not None:  # a jit, a custom derivative, a remat: its body, inline
                 body = inner.jaxpr if isinstance(inner, jcore.ClosedJaxpr) else inner
                 scope = {v: self._constant(v.aval.shape) for v in body.constvars}
                 scope |= dict(zip(body.invars, self._values(eqn, ins), strict=True))
-                self._inline(body, scope)
+                self._inline(body, scope, (eqn.source_info, *callers))
                 for outer, v in zip(eqn.outvars, body.outvars, strict=True):
                     literal = isinstance(v, jcore.Literal)  # (a constant result: a value of its own)
                     env[outer] = self._constant(outer.aval.shape) if literal else scope[v]
                 continue
             outs = [self._new(v.aval.shape) for v in eqn.outvars]
             env.update(zip(eqn.outvars, outs, strict=True))
-            self._add(Node(name, ins, outs, dict(eqn.params), source=eqn.source_info))
+            self._add(Node(name, ins, outs, dict(eqn.params), source=eqn.source_info, callers=callers))
 
     def _values(self, eqn, ins: list[int | None]) -> list[int]:
         """An operation's operands as values, a literal as a constant of its own (a body's input)."""
@@ -141,7 +141,7 @@ class Graph:
             self._constant(v.aval.shape) if i is None else i for i, v in zip(ins, eqn.invars, strict=True)
         ]
 
-    def _scan(self, eqn, ins: list[int], env: dict) -> None:
+    def _scan(self, eqn, ins: list[int], env: dict, callers: tuple) -> None:
         """A scan's body read once: its consts are the outer values, each step's slice of an
         ``xs`` a value one dim smaller (dims matched past the scanned dim), its ``ys`` stacked
         likewise; the carry crosses steps, so it takes no split (a ``carry`` node, all dims mixed)."""
@@ -155,7 +155,7 @@ class Graph:
             scope[var] = self._new(var.aval.shape)
             kind = "carry" if i < consts + carry else "scan_slice"
             self._add(Node(kind, [ins[i]], [scope[var]], {}))
-        self._inline(body, scope)
+        self._inline(body, scope, callers)
         for j, (outer, var) in enumerate(zip(eqn.outvars, body.outvars, strict=True)):
             env[outer] = self._new(outer.aval.shape)
             self._add(Node("carry" if j < carry else "scan_stack", [self._id(scope, var)], [env[outer]], {}))

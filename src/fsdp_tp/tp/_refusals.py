@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from ..errors import RuleError
 from ._graph import Graph
 from ._relations import Node, shape_text
-from ._sites import user_site
+from ._sites import source_of, user_site
 
 __all__ = ["RULE_DROPPED", "Named", "PartialSum", "Refusals", "axes_text", "blaming", "mixing_fix"]
 
@@ -45,6 +45,24 @@ class Refusals:
     where: str
     named: Named
     whole: str  # how the user leaves a module whole (RULE_DROPPED under tp rules)
+    partial: dict[int, PartialSum]  # a value -> where the partial sum it holds was made
+    origin: dict[int, str]  # a split value -> the name stack of the op that split it
+
+    def outputs(self, split_outputs: tuple[int, ...]) -> None:
+        """What leaves the model is whole (or split on ``split_outputs``), never partial sums."""
+        for value, full in zip(self.local.outputs, self.reference.outputs, strict=False):
+            held, whole = self.local.shapes[value], self.reference.shapes[full]
+            split = {d for d, (a, b) in enumerate(zip(held, whole, strict=False)) if a != b}
+            if value in self.partial or not split <= {d % max(len(held), 1) for d in split_outputs}:
+                what = "partial sums" if value in self.partial else f"split on dim {min(split)}"
+                module, role = self.named(self.origin.get(value, ""))
+                by = f" (by {role} on {module})" if module else ""
+                err = RuleError(
+                    f"{self.where}: the model's output leaves {what}{by}: {shape_text(held)} on each device, "
+                    f"{shape_text(whole)} unsharded. Fix: end the region with a RowParallel layer, or give "
+                    f"the last ColumnParallel gather_output=True."
+                )
+                raise blaming(err, module, f"the plan check: the model's output would leave {what}")
 
     def refuse_reshape(self, node: Node, ref: Node, origin: str, major: int) -> None:
         full, held = self.reference.shapes[ref.outs[0]], self.local.shapes[node.outs[0]]
@@ -69,6 +87,19 @@ class Refusals:
             fix = "a mean, norm or softmax of split features must see them all: compute it after the sum"
         self.refuse(node, ref, made.module, why, fix)
 
+    def refuse_alike(self, node: Node, value: int, factors: tuple[int, ...], origin: str) -> None:
+        """``node`` made ``value`` from values whole on every device, smaller than the unsharded
+        model's (which ``factors`` says): every device holds the same part, as if its block."""
+        held = self.local.shapes[value]
+        dim = next(d for d, n in enumerate(factors) if n > 1)
+        whole = shape_text(tuple(h * n for h, n in zip(held, factors, strict=True)))
+        why = (
+            f"each device makes the same {shape_text(held)} of values it holds whole, read as its block of "
+            f"{whole} (the unsharded model's), which differs from device to device"
+        )
+        fix = mixing_fix(node.prim, dim == len(held) - 1).replace("compute it", "size and compute it", 1)
+        self.refuse(node, None, origin, why, fix)
+
     def refuse(self, node: Node, ref: Node | None, origin: str, why: str, fix: str) -> None:
         module, role = self.named(origin)
         sides = (("in", node.ins, ref.ins if ref else []), ("out", node.outs, ref.outs if ref else []))
@@ -78,9 +109,10 @@ class Refusals:
             for what, vs, rs in sides
         )
         drop = f"; or leave {module} whole ({self.whole})" if module else ""
-        at = user_site(node.source) or "a line JAX does not record"
+        at = user_site(source_of(node)) or "a line JAX does not record"
+        verb = "split" if role.startswith("the ") else "splits"  # ("the tp rules", "the Megatron layers")
         err = RuleError(
-            f"{self.where}: {role} on {module or 'the model'} splits what the model's code at {at} "
+            f"{self.where}: {role} on {module or 'the model'} {verb} what the model's code at {at} "
             f"does not keep apart: {node.prim} ({shapes}): {why}; the sharded model would compute "
             f"another function. Fix: {fix}{drop}."
         )
@@ -94,7 +126,15 @@ def blaming(err: RuleError, module: str, reason: str) -> RuleError:
     return err
 
 
-def mixing_fix(prim: str) -> str:
+def mixing_fix(prim: str, features: bool = True) -> str:
+    """The fix for ``prim`` computing across a split dim: the features (a value's last dim,
+    split between a column layer and its row layer) or another (the sequence a role's
+    ``sequence_dim`` splits between the layers, whole from a column layer to its row layer)."""
+    if not features:
+        return (
+            "compute it where that dim is whole: a sequence split by the roles' sequence_dim is whole "
+            "from a column layer to its row layer, and everywhere without sequence_dim"
+        )
     if prim in ("slice", "split", "dynamic_slice", "concatenate", "pad", "gather"):
         return "give each part its own layer (q, k and v apart) and rule, so each device splits each part"
     return "compute it where that dim is whole (after the row layer's sum)"

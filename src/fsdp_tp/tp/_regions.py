@@ -34,7 +34,7 @@ import dataclasses
 
 from ._graph import Graph, Node, contracted_pairs, kernel_operand
 from ._relations import shape_text
-from ._sites import user_site
+from ._sites import source_of, user_site
 
 __all__ = ["Refused", "Region", "grow"]
 
@@ -133,7 +133,7 @@ class _Grower:
         try:
             self._visit(index, node, value, dims)
         except Refused as why:
-            site = user_site(node.source)
+            site = user_site(source_of(node))
             if site is None or getattr(why, "placed", False):
                 raise
             placed = Refused(f"{why} at {site}")  # (the model's line that refuses the split)

@@ -55,6 +55,7 @@ class Node:
     mixes: dict[tuple[int, int], str] = dataclasses.field(default_factory=dict)
     known: bool = True  # False: a primitive this module does not know (it mixes every dim)
     source: Any = None  # the equation's source_info (its traceback and name stack), if any
+    callers: tuple = ()  # the source_infos of the calls it was traced in (a jnp function JAX jits)
 
 
 def relate(node: Node, shapes: dict[int, tuple[int, ...]]) -> None:
@@ -63,8 +64,7 @@ def relate(node: Node, shapes: dict[int, tuple[int, ...]]) -> None:
     outs = [(v, shapes[v]) for v in node.outs]
     p, name = node.params, node.prim
 
-    def what(v: int, d: int, does: str) -> str:
-        return f"{does} dim {d} of {shape_text(shapes[v])}"
+    what = lambda v, d, does: f"{does} dim {d} of {shape_text(shapes[v])}"
 
     def mix_all(does: str) -> None:
         for v, shape in ins + outs:

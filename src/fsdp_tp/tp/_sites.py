@@ -23,6 +23,7 @@ trace is the n-th in the other.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sysconfig
 from collections import defaultdict
@@ -43,6 +44,7 @@ __all__ = [
     "scope_of",
     "site_of",
     "site_of_file",
+    "source_of",
     "user_site",
     "users_file",
 ]
@@ -78,12 +80,33 @@ class Site:
 def site_of(source) -> Site | None:
     """The :class:`Site` of an equation's ``source_info`` (``None``: no traceback, or JAX's own)."""
     traceback = getattr(source, "traceback", None)
-    if traceback is None:
-        return None
+    return None if traceback is None else _site(traceback)
+
+
+@functools.lru_cache(maxsize=1 << 14)  # (each node's is asked for several times, its callers' too)
+def _site(traceback) -> Site | None:
     for frame in traceback.frames:  # innermost first
         if not made_by_jax(frame.file_name):
             return Site(frame.file_name, frame.line_num, frame.function_name)
     return None
+
+
+def source_of(node: Node):
+    """Where ``node`` was made, as a ``source_info``: its own, or, where that holds no line
+    outside JAX (the body of a function JAX jits: ``jnp.cumsum``, ``jnp.roll``), the innermost
+    call's that does. So a ``jnp`` function the model calls is the model's line (paired with
+    the unsharded trace's, checked like the model's own), and one the library calls is the
+    library's.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from fsdp_tp.tp._graph import Graph
+    >>> [cumsum] = Graph.trace(lambda p, x: jnp.cumsum(x, axis=1), {}, jnp.ones((2, 4))).nodes
+    >>> site_of(cumsum.source), site_of(source_of(cumsum)).function
+    (None, '<lambda>')
+    """
+    if site_of(node.source) is not None:
+        return node.source
+    return next((caller for caller in node.callers if site_of(caller) is not None), node.source)
 
 
 def user_site(source) -> Site | None:
@@ -121,7 +144,7 @@ def site_of_file(file: str) -> bool:
 
 def scope_of(node: Node) -> str:
     """The name stack the operation was made under (Linen's module path; an NNX role's)."""
-    return str(getattr(node.source, "name_stack", "") or "")
+    return str(getattr(source_of(node), "name_stack", "") or "")
 
 
 def is_library(node: Node) -> bool:
@@ -129,7 +152,7 @@ def is_library(node: Node) -> bool:
     the unsharded model's trace."""
     if node.prim in _RETYPES:
         return True
-    site = site_of(node.source)
+    site = site_of(source_of(node))
     return site is not None and site.library
 
 
@@ -174,7 +197,7 @@ def _on_literals(graph: Graph) -> set[int]:
 def _key(node: Node) -> tuple | None:
     """The primitive, the line and the module: a role may run a module's line less often
     (a row layer adds its bias after the sum), which must not shift the other modules' pairs."""
-    site = site_of(node.source)
+    site = site_of(source_of(node))
     if site is None:
         return None
     return node.prim, site.file, site.line, site.function, module_of(scope_of(node))
