@@ -150,3 +150,30 @@ def test_bad_input_is_one_line_with_the_fix(model, batch, loss, mesh, error, mat
     linen = isinstance(model, nn.Module)
     with pytest.raises(error, match=match):
         check_sharded(model, batch, loss, mesh, tp_rules=RULES if linen else (), rngs=DROP if linen else None)
+
+
+class Head(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(2 * D, name="head")(x)
+
+
+class NNXHead(nnx.Module):
+    def __init__(self, rngs):
+        self.head = nnx.Linear(D, 2 * D, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(x)
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_an_output_left_split_is_refused_naming_gather_output(api):
+    """A last ColumnParallel leaves the output split over ``tensor`` (logits for a
+    vocabulary-parallel loss), which the twin's loss cannot read: one line naming both shapes
+    and the fix; with the fix the model is proved equal."""
+    model = Head() if api == "linen" else NNXHead
+    batch = (X, jnp.zeros((8, 6, 2 * D)))
+    said = r"output has shape \(4, 6, 8\) on each device, where .* is \(4, 6, 32\).*gather_output=True\."
+    with pytest.raises(ValueError, match=said):
+        check_sharded(model, batch, mse, MESH, tp_rules=[("^head$", ColumnParallel())], steps=1)
+    check_sharded(model, batch, mse, MESH, tp_rules=[("^head$", ColumnParallel(gather_output=True))], steps=1)

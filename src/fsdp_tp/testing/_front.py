@@ -80,8 +80,10 @@ def check_sharded(
         x, y = (jax.tree.map(_wide, t) for t in (x, y)) if float64 else (x, y)
         call = _streams(model, rngs)
         sharded, twin = (_Called(m, call, rngs or {}) for m in _pair(model, rules, tp_rules, axes, x))
-        _require_scalar_loss(twin, loss, x, y, seed)
-        per_device = lambda m, p, x, y: loss(m.apply({"params": p}, x), y)
+        shapes = _require_scalar_loss(twin, loss, x, y, seed)
+        shards = int(np.prod([mesh.shape[a] for a in axes]))
+        whole = lambda m, out: _whole(out, shapes, shards) if m is sharded else out
+        per_device = lambda m, p, x, y: loss(whole(m, m.apply({"params": p}, x)), y)
         pair = Comparison(sharded, twin, mesh, axes, per_device, check_vma=check_vma)
         check_equal(pair, [(x, y)] * steps, jax.random.key(seed), optimizers)
 
@@ -139,7 +141,8 @@ def _require_splittable(x, y, mesh: Mesh, axes: tuple) -> None:
                 )
 
 
-def _require_scalar_loss(twin, loss, x, y, seed: int) -> None:
+def _require_scalar_loss(twin, loss, x, y, seed: int) -> list[tuple[int, ...]]:
+    """The twin's output shapes, once its loss is known to be a scalar."""
     params = jax.eval_shape(lambda: twin.init(jax.random.key(seed), x)["params"])
     value = jax.eval_shape(lambda p: loss(twin.apply({"params": p}, x), y), params)
     if np.shape(value) != ():
@@ -147,6 +150,26 @@ def _require_scalar_loss(twin, loss, x, y, seed: int) -> None:
             f"{_CALLER}: loss(outputs, targets) returns shape {np.shape(value)}; the check needs the "
             f"batch's mean loss, a scalar: reduce it, e.g. lambda out, y: jnp.mean(...)."
         )
+    outputs = jax.eval_shape(lambda p: twin.apply({"params": p}, x), params)
+    return [tuple(leaf.shape) for leaf in jax.tree.leaves(outputs)]
+
+
+def _whole(outputs, shapes: list[tuple[int, ...]], shards: int):
+    """``outputs`` (one device's), refused where a leaf is left split beyond its rows, which
+    the batch axes split ``shards`` ways (a last ColumnParallel without ``gather_output``,
+    whose logits only a vocabulary-parallel loss reads): ``loss`` is the twin's, of whole outputs."""
+    for leaf, shape in zip(jax.tree.leaves(outputs), shapes, strict=True):
+        rows = (shape[0] // shards, *shape[1:]) if shape else shape
+        if tuple(np.shape(leaf)) != rows:
+            raise ValueError(
+                f"{_CALLER}: the sharded model's output has shape {tuple(np.shape(leaf))} on each device, "
+                f"where the unsharded model's {shape} with its rows split over the batch axes is {rows}: "
+                f"it is left split over a tp axis (a last ColumnParallel without gather_output, whose "
+                f"logits only a vocabulary-parallel loss reads), and the loss, as the twin's, reads whole "
+                f"outputs. Prove the model with its output whole: give its last ColumnParallel "
+                f"gather_output=True."
+            )
+    return outputs
 
 
 def _require_seeded(make) -> None:
