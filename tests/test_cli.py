@@ -231,9 +231,9 @@ def test_a_reader_that_stops_reading_is_not_an_error():
 def test_the_command_prints_a_library_warning_in_one_line_as_it_prints_an_error(monkeypatch, capsys):
     """The executable (``console()``) prints a warning of the library's as ``fsdp-tp: warning:
     <kind>: <message>``, without the console script's file and line (the user of a command wrote
-    no line to point at); another warning keeps Python's form, and after the command Python's
-    display is back. Negative control: ``main()`` in process leaves warnings to its caller
-    (here the suite records it: nothing printed)."""
+    no line to point at), its advice naming the command's flag; another warning keeps Python's
+    form, and after the command Python's display is back. Negative control: ``main()`` in
+    process leaves warnings to its caller (here the suite records it: nothing printed)."""
     argv = ["plan", "--mesh", "fsdp=4", "--remat", "none", "--min-weight-size", "0"]
     said = "fsdp-tp: warning: ReplicatedParameterWarning: shard_params: parameter blocks/mlp/wi/bias"
     monkeypatch.setattr(sys, "argv", ["fsdp-tp", *argv])
@@ -245,6 +245,7 @@ def test_the_command_prints_a_library_warning_in_one_line_as_it_prints_an_error(
             console()
     err = capsys.readouterr().err
     assert exit_info.value.code == 0 and said in err and "sys.exit(console())" not in err, err[-2000:]
+    assert "Raise --min-weight-size above " in err and " min_weight_size" not in err, err[-2000:]
     assert warnings.showwarning is python_s
     others = []
     _one_line(lambda *shown: others.append(shown[1]))(UserWarning("x"), UserWarning, "f.py", 1)

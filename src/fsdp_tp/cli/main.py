@@ -166,12 +166,15 @@ def console() -> None:
 def _one_line(shown):
     """``warnings.showwarning`` that prints the library's warnings as the command prints its
     errors, one line, ``fsdp-tp: warning: ...``: the file and line Python adds would point at
-    the console script, not at code the command's user wrote. Other warnings as ``shown``."""
+    the console script, not at code the command's user wrote; an argument the advice names is
+    the command's flag. Other warnings as ``shown``."""
 
     def show(message, category, filename, lineno, file=None, line=None):
         if not issubclass(category, FsdpTpWarning):
             return shown(message, category, filename, lineno, file, line)
-        print(f"fsdp-tp: warning: {category.__name__}: {message}", file=sys.stderr if file is None else file)
+        # (the advice names the library's argument; the command's user types its flag)
+        text = str(message).replace("min_weight_size", "--min-weight-size")
+        print(f"fsdp-tp: warning: {category.__name__}: {text}", file=sys.stderr if file is None else file)
 
     return show
 
