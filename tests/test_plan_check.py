@@ -479,7 +479,7 @@ def test_a_jitted_jnp_function_on_the_sequence_slices_is_refused_at_its_line_or_
         _prove_sequence_lm(api, way)
         return
     why = "each device makes the same" if way == "positions_by_length" else "dim 1 of"
-    fix = "Fix: (size and )?compute it where that dim is whole: a sequence split by the roles' sequence_dim"
+    fix = "compute it where that dim is whole: a sequence split by the roles' sequence_dim"
     with pytest.raises(RuleError, match=rf"test_plan_check\.py:{line} \(.*{why} .*{fix}"):
         _prove_sequence_lm(api, way)
 
@@ -488,3 +488,32 @@ def test_a_jitted_jnp_function_on_the_sequence_slices_is_refused_at_its_line_or_
 def test_negative_control_unchecked_a_jnp_function_on_the_sequence_slices_trains_another_model(way):
     with switched_off(), pytest.raises(AssertionError, match="output"):
         _prove_sequence_lm("linen", way)
+
+
+class SlopesByHeads(nn.Module):
+    """ALiBi's per-head slopes, cut to the heads q holds: on a device, the first heads' slopes."""
+
+    @nn.compact
+    def __call__(self, x):
+        b, s, _ = x.shape
+        dense = lambda name: nn.Dense(D, param_dtype=jnp.float64, name=name)
+        q, k, v = (heads_by_width(dense(name)(x)) for name in ("q", "k", "v"))
+        slopes = self.param("slopes", nn.initializers.normal(1.0), (HEADS,), jnp.float64)
+        distance = jnp.arange(s)[None, :] - jnp.arange(s)[:, None]
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) + slopes[: q.shape[2], None, None] * distance  # refused
+        out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, -1), v)
+        return dense("out")(out.reshape(b, s, -1))
+
+
+def test_a_per_head_value_cut_to_a_devices_heads_is_refused_at_its_line():
+    """``slopes[: q.shape[2]]`` is no operation unsharded and each device's first heads' slopes
+    under the plan: refused at its line, with the fix; with the check off, another model."""
+    x = jax.random.normal(jax.random.key(6), X)
+    prove = lambda: check_sharded(SlopesByHeads(), (x, 0 * x), lambda out, y: jnp.mean((out - y) ** 2),
+                                  {"data": 2, "tensor": 4}, tp_rules=RULES, steps=1)  # fmt: skip
+    line = _refused_at_line(SlopesByHeads)
+    said = rf"test_plan_check\.py:{line} .*each device makes the same \[1\] .*Fix: cut it"
+    with pytest.raises(RuleError, match=said):
+        prove()
+    with switched_off(), pytest.raises(AssertionError, match="output"):
+        prove()

@@ -97,7 +97,9 @@ class Refusals:
             f"each device makes the same {shape_text(held)} of values it holds whole, read as its block of "
             f"{whole} (the unsharded model's), which differs from device to device"
         )
-        fix = mixing_fix(node.prim, dim == len(held) - 1).replace("compute it", "size and compute it", 1)
+        where = mixing_fix("", False) if dim < len(held) - 1 else "compute it where that dim is whole"
+        cut = "cut it by the model's sizes, not a split value's shape (no device cuts its own block)"
+        fix = f"{cut}; {where}"
         self.refuse(node, None, origin, why, fix)
 
     def refuse(self, node: Node, ref: Node | None, origin: str, why: str, fix: str) -> None:
