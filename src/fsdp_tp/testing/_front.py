@@ -144,13 +144,13 @@ def _require_splittable(x, y, mesh: Mesh, axes: tuple) -> None:
 def _require_scalar_loss(twin, loss, x, y, seed: int) -> list[tuple[int, ...]]:
     """The twin's output shapes, once its loss is known to be a scalar."""
     params = jax.eval_shape(lambda: twin.init(jax.random.key(seed), x)["params"])
-    value = jax.eval_shape(lambda p: loss(twin.apply({"params": p}, x), y), params)
+    applied = lambda p: (out := twin.apply({"params": p}, x), loss(out, y))
+    outputs, value = jax.eval_shape(applied, params)  # (one trace for both)
     if np.shape(value) != ():
         raise ValueError(
             f"{_CALLER}: loss(outputs, targets) returns shape {np.shape(value)}; the check needs the "
             f"batch's mean loss, a scalar: reduce it, e.g. lambda out, y: jnp.mean(...)."
         )
-    outputs = jax.eval_shape(lambda p: twin.apply({"params": p}, x), params)
     return [tuple(leaf.shape) for leaf in jax.tree.leaves(outputs)]
 
 

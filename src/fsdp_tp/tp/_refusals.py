@@ -21,6 +21,11 @@ __all__ = ["RULE_DROPPED", "Named", "PartialSum", "Refusals", "axes_text", "blam
 
 Named = Callable[[str], tuple[str, str]]  # a name stack -> (module path, its role as written)
 RULE_DROPPED = "drop its tp rule"  # how a module under tp rules is left whole
+# Where a dim other than the features (the sequence a role's sequence_dim splits) is whole.
+_SEQUENCE_WHOLE = (
+    "compute it where that dim is whole: a sequence split by the roles' sequence_dim is whole "
+    "from a column layer to its row layer, and everywhere without sequence_dim"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +102,7 @@ class Refusals:
             f"each device makes the same {shape_text(held)} of values it holds whole, read as its block of "
             f"{whole} (the unsharded model's), which differs from device to device"
         )
-        where = mixing_fix("", False) if dim < len(held) - 1 else "compute it where that dim is whole"
+        where = _SEQUENCE_WHOLE if dim < len(held) - 1 else "compute it where that dim is whole"
         cut = "cut it by the model's sizes, not a split value's shape (no device cuts its own block)"
         fix = f"{cut}; {where}"
         self.refuse(node, None, origin, why, fix)
@@ -133,10 +138,7 @@ def mixing_fix(prim: str, features: bool = True) -> str:
     split between a column layer and its row layer) or another (the sequence a role's
     ``sequence_dim`` splits between the layers, whole from a column layer to its row layer)."""
     if not features:
-        return (
-            "compute it where that dim is whole: a sequence split by the roles' sequence_dim is whole "
-            "from a column layer to its row layer, and everywhere without sequence_dim"
-        )
+        return _SEQUENCE_WHOLE
     if prim in ("slice", "split", "dynamic_slice", "concatenate", "pad", "gather"):
         return "give each part its own layer (q, k and v apart) and rule, so each device splits each part"
     return "compute it where that dim is whole (after the row layer's sum)"
