@@ -73,6 +73,7 @@ CORE = (
     "tp._graph",
     "tp._experts",
     "tp._expert_plan",
+    "tp._front",
     "tp._heads",
     "tp._matmul",
     "tp._ops",
@@ -574,6 +575,45 @@ def test_every_front_end_runs_a_role_through_around():
     assert found == [f"tp/_role.py:{around}"]
     # (negative control) a layer calling its role's call directly is seen
     assert _role_calls('role.call("__call__", run, layer, (x,), {})\n', "m") == ["m:1"]
+
+
+# Issue 58 point 1: the seam. A module a rule names computes through tp/_front.compute (its local
+# sizes for the axis, the front end's method on them, the role around it), which each front end
+# reaches through its adapter of the FrontEnd protocol; no front end sizes a role's call itself.
+# The roles call a part's local (ExpertParallel's within), and Linen's own attention layer, which
+# is the layer itself and no front end's module, reads its kept blocks off its role's local.
+_SIZES_THEMSELVES = {"tp/_front.py", "tp/_experts.py", "linen/layers/attention.py"}
+
+
+def _local_sizes(source: str, where: str) -> list[str]:
+    """``where:line`` of each ``<x>.local(layer, size)`` in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        is_call = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+        if is_call and node.func.attr == "local" and len(node.args) == 2:
+            found.append(f"{where}:{node.lineno}")
+    return found
+
+
+def test_both_front_ends_compute_a_named_module_through_the_seam():
+    from fsdp_tp.linen._local_compute import LinenFront, Seen
+    from fsdp_tp.nnx._layers import NNXFront
+    from fsdp_tp.tp._front import FrontEnd
+    from fsdp_tp.tp._role_plan import RolePlan
+    from fsdp_tp.tp._rules import compile_tp_rules
+
+    plan = RolePlan(compile_tp_rules([], "test"), LinenFront.kinds)
+    assert isinstance(NNXFront(object), FrontEnd) and isinstance(LinenFront(Seen(plan)), FrontEnd)
+    found = set()
+    for name in _all_modules():
+        file = _module_file(name)
+        where = file.relative_to(PACKAGE).as_posix()
+        found |= {hit.split(":")[0] for hit in _local_sizes(file.read_text(), where)}
+    assert found == _SIZES_THEMSELVES
+    # (negative controls) a front end sizing a role's call itself is seen; an adapter without
+    # with_local is no FrontEnd
+    assert _local_sizes("local = role.local(layer, jax.lax.axis_size(role.axis))\n", "m") == ["m:1"]
+    assert not isinstance(type("Half", (), {"kinds": None, "layer_of": lambda self: 0})(), FrontEnd)
 
 
 def _call_arguments(role: type) -> list[str]:

@@ -18,21 +18,23 @@ import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping
+from typing import ClassVar
 
 import flax.linen as nn
-import jax
 from flax import errors as flax_errors
 from flax.core import meta
 
 from .._axes import require_axes, varying_axes
 from .._tree import module_path
-from ..tp import TPRole
+from ..tp import Layer, TPRole
+from ..tp._front import compute
+from ..tp._role import Local
 from ..tp._role_plan import RolePlan
-from ..tp._rules import require_divides, require_own_parameters, slice_error
+from ..tp._rules import Kinds, require_divides, require_own_parameters, slice_error
 from ._gather import GatheredOnRead
 from .tp_rules import LINEN, layer_of, local_attributes
 
-__all__ = ["Seen", "local_compute"]
+__all__ = ["LinenFront", "Seen", "local_compute"]
 
 
 @dataclasses.dataclass
@@ -77,20 +79,37 @@ def _intercept(seen: Seen, next_fun, args, kwargs, context):
     if LINEN.of(type(module)) not in role.kinds:
         next_fun(*args, **kwargs)  # to name the module's children in the error
         plan.require_kind(path, found, type(module))
-    (axis,) = require_axes(role.axis, f"tp rule {pattern!r}")
-    layer = layer_of(module, args, kwargs)
+    require_axes(role.axis, f"tp rule {pattern!r}")
+    front = LinenFront(seen)
+    # (met before the call: its children's roles are its role's)
+    layer = plan.meet(front, module, path, found, (args, kwargs))
     if initializing:
         require_divides(role, pattern, layer)
-    plan.give(path, found, layer)  # (before the call: its children's roles are its role's)
-    if initializing:
         out = next_fun(*args, **kwargs)
         # (a layer that made parameters the role does not split is refused, as NNX's is)
         require_own_parameters(role, pattern, layer, type(module), list(module.variables.get("params", {})))
         return out
-    local = role.local(layer, jax.lax.axis_size(axis))
-    local_module = _clone(seen, module, local_attributes(module, local, args, kwargs))
-    run = _runner(local_module, context.method_name, role, path, local.read)
-    return role.around(context.method_name, run, layer, args, kwargs)
+    return compute(front, role, module, context.method_name, layer, args, kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinenFront:
+    """The Linen front end as the core's roles see it (:class:`~fsdp_tp.tp._front.FrontEnd`),
+    within one call of the model (``seen``: its local clones)."""
+
+    seen: Seen
+    kinds: ClassVar[Kinds] = LINEN
+
+    def layer_of(self, module: nn.Module, path: str, args: tuple, kwargs: dict) -> Layer:
+        return layer_of(module, args, kwargs)  # (its path is the module's own, as flax names it)
+
+    def with_local(
+        self, module: nn.Module, method: str, role: TPRole, layer: Layer, local: Local, args, kwargs
+    ):
+        """A clone of ``module`` with ``local``'s sizes as its attributes, bound to its scope
+        (flax reads the stored blocks as its own parameters), running ``method``."""
+        clone = _clone(self.seen, module, local_attributes(module, local, args, kwargs))
+        return _runner(clone, method, role, layer.path, local.read)
 
 
 def _clone(seen: Seen, module: nn.Module, attributes: dict) -> nn.Module:

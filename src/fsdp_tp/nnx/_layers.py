@@ -12,20 +12,21 @@ written as the module's attributes for that call (:func:`computed`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
-import jax
 from flax import nnx
 
 from .._registered import computes_of
 from .._tree import module_path
 from ..tp import Layer, RowParallel, TPRole
+from ..tp._front import compute
 from ..tp._role import Local
 from ..tp._rules import Kinds, dims, slice_error
 
-__all__ = ["NNX", "Path", "computed", "layer_of", "path_text"]
+__all__ = ["NNX", "NNXFront", "Path", "computed", "layer_of", "path_text"]
 
 NNX = Kinds(
     "nnx",
@@ -127,30 +128,47 @@ def _set(attributes: list[tuple[nnx.Module, str, Any]]) -> Iterator[None]:
             object.__setattr__(m, name, value)
 
 
+@dataclasses.dataclass(frozen=True)
+class NNXFront:
+    """The NNX front end as the core's roles see it (:class:`~fsdp_tp.tp._front.FrontEnd`):
+    ``cls``, the module's own class (its methods, before the swap); ``kernel_shape``, a
+    registered module's kernel as the abstract model holds it."""
+
+    cls: type
+    kernel_shape: tuple[int, ...] = ()
+    kinds: ClassVar[Kinds] = NNX
+
+    def layer_of(self, module: Any, path: str, args: tuple, kwargs: dict) -> Layer:
+        return layer_of(module, path, self.kernel_shape)
+
+    def with_local(self, module, method: str, role: TPRole, layer: Layer, local: Local, args, kwargs):
+        """``module``'s ``method`` with ``local``'s sizes set as its attributes for the call."""
+        attributes, original = _attributes(module, local), getattr(self.cls, method)
+
+        def run(*args, **kwargs):
+            with _set(attributes):
+                try:
+                    return original(module, *args, **kwargs)
+                except TypeError as err:
+                    # A matmul's input of other sizes than its slices: a row layer's arrived
+                    # whole, or a column layer's split (another TypeError is the layer's own).
+                    if not (isinstance(role, RowParallel) or "contracting dimensions" in str(err)):
+                        raise
+                    raise slice_error(layer.path, role, err) from None
+
+        return run
+
+
 @functools.cache
 def computed(cls: type, role: TPRole, path: str, kernel_shape: tuple[int, ...]) -> type:
     """The subclass of ``cls`` whose methods run ``role`` (one per class, role, path and
     kernel shape, so graphs that hold it compare equal from step to step)."""
+    front = NNXFront(cls, kernel_shape)
 
     def method(name: str):
-        original = getattr(cls, name)
-
         def run_role(self, *args, **kwargs):
-            layer = layer_of(self, path, kernel_shape)
-            attributes = _attributes(self, role.local(layer, jax.lax.axis_size(role.axis)))
-
-            def run(*args, **kwargs):
-                with _set(attributes):
-                    try:
-                        return original(self, *args, **kwargs)
-                    except TypeError as err:
-                        # A matmul's input of other sizes than its slices: a row layer's arrived
-                        # whole, or a column layer's split (another TypeError is the layer's own).
-                        if not (isinstance(role, RowParallel) or "contracting dimensions" in str(err)):
-                            raise
-                        raise slice_error(path, role, err) from None
-
-            return role.around(name, run, layer, args, kwargs)
+            layer = front.layer_of(self, path, args, kwargs)
+            return compute(front, role, self, name, layer, args, kwargs)
 
         return run_role
 

@@ -18,7 +18,7 @@ from flax import nnx
 from .._types import AxisName
 from ..tp._role_plan import RolePlan
 from ..tp._rules import CompiledRole, compile_tp_rules, require_own_parameters
-from ._layers import NNX, computed, layer_of, path_text
+from ._layers import NNX, NNXFront, computed, path_text
 
 __all__ = ["compute_roles", "role_plan", "tp_splits"]
 
@@ -37,10 +37,8 @@ def role_plan(model: nnx.Module, rules: tuple[CompiledRole, ...], params: list[s
         text = path_text(path)
         if (found := plan.role_of(text)) is None:
             continue
-        plan.require_kind(text, found, type(node))
-        layer = layer_of(node, text)
+        layer = plan.meet(NNXFront(type(node)), node, text, found, ((), {}), params)
         own = [p[len(text) + 1 :] for p in params if p.startswith(text + "/")]
-        plan.give(text, found, layer, params)
         require_own_parameters(found[0], found[1], layer, type(node), own)
     plan.require_all_matched(params)
     return plan

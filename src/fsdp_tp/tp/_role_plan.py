@@ -7,8 +7,10 @@ Linen: its interceptor, as the call reaches each module, whose children are crea
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from .._types import AxisName
+from ._front import FrontEnd
 from ._role import Layer, TPRole
 from ._rules import (
     CompiledRole,
@@ -73,6 +75,24 @@ class RolePlan:
         role, pattern, _ = found
         if self.kinds.of(cls) not in role.kinds:
             raise kind_error(role, pattern, cls, path, self.modules, self.kinds)
+
+    def meet(
+        self,
+        front: FrontEnd,
+        module: Any,
+        path: str,
+        found: Found,
+        call: tuple[tuple, dict],
+        params: Sequence[str] | None = None,
+    ) -> Layer:
+        """The module at ``path``, called with ``call``'s ``(args, kwargs)``, computes with the role
+        ``found`` names (:meth:`role_of`): its kind checked, the layer ``front`` sees, then given
+        (:meth:`give`, ``params`` as there) and returned. The one way a front end records a module
+        a rule names."""
+        self.require_kind(path, found, type(module))
+        layer = front.layer_of(module, path, *call)
+        self.give(path, found, layer, params)
+        return layer
 
     def give(self, path: str, found: Found, layer: Layer, params: Sequence[str] | None = None) -> None:
         """The module at ``path`` computes with the role ``found`` names: its splits of
