@@ -237,6 +237,16 @@ FAILING_SAVE = textwrap.dedent(
                 import resource, signal
                 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
                 resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
+            elif os.environ["HOW"] == "cut-short":
+                # What the file-size limit's run left under load: a write the failure cut short,
+                # never awaited, alive until the interpreter's exit reports it (on stderr).
+                async def write():
+                    pass
+                global CUT_SHORT
+                CUT_SHORT = write()
+                def refuse(*a, **k):
+                    raise OSError(27, "File too large")
+                self._manager.save = refuse
             else:
                 subprocess.run(os.environ["HOW"], shell=True, check=True)
         return save(self, step, *args, **kwargs)
@@ -270,7 +280,7 @@ def _read_only(directory: Path) -> str | None:
     return command.format(directory) if works else None
 
 
-@pytest.mark.parametrize("how", ["read-only", "raise", "file-size-limit"])
+@pytest.mark.parametrize("how", ["read-only", "raise", "file-size-limit", "cut-short"])
 def test_a_failing_save_ends_the_run_in_seconds_with_one_line(tmp_path, how):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -285,7 +295,11 @@ def test_a_failing_save_ends_the_run_in_seconds_with_one_line(tmp_path, how):
         assert done.returncode == 1, done.stderr[-3000:]
         assert len(errors) == 1 and str(ckpt) in errors[0], done.stderr[-3000:]
         assert done.stderr.strip() == errors[0], done.stderr[-3000:]  # no orbax/absl logs (issue 34.11)
-        cause = {"read-only": "Read-only file system", "file-size-limit": "File too large"}
+        cause = {
+            "read-only": "Read-only file system",
+            "file-size-limit": "File too large",
+            "cut-short": "File too large",
+        }
         assert cause.get(how, "No space left on device") in errors[0]
         assert seconds < 120 and "done: loss" not in done.stdout
         assert saved_steps(ckpt) == [2]  # the good checkpoint stays

@@ -143,20 +143,23 @@ def main(argv: list[str] | None = None, out=sys.stdout) -> int:
 def console() -> None:
     """The ``fsdp-tp`` executable: ``main``, then exit even if a failed save left orbax threads
     waiting for signals that will never come (they would hold the interpreter for 20 minutes).
-    A multi-process run trains in a child process that a parent watches (``supervise.py``);
-    such a child that failed leaves at once too: JAX's clean shutdown would wait at a barrier
-    the other processes, stuck in the next step's collectives, never reach. Gone, it is a lost
-    process: they stop within --peer-timeout, naming it."""
+    A failed run (1: an error; 2: a bad argument) leaves at once, its one line said: a
+    multi-process run's process (a child a parent watches, ``supervise.py``) would otherwise
+    wait in JAX's clean shutdown at a barrier the other processes, stuck in the next step's
+    collectives, never reach (gone, it is a lost process: they stop within --peer-timeout,
+    naming it); and the interpreter's exit would report, after that line, the writes a failed
+    save cut short (coroutines orbax never awaited, seen under load). A run stopped by a signal
+    exits cleanly, as the other processes do."""
     with warnings.catch_warnings():  # (the process's: restored for a caller in process)
         warnings.showwarning = _one_line(warnings.showwarning)
-        if supervised := adopt():
+        if adopt():
             code = main()
         elif (args := supervisable(argv := _with_command(sys.argv[1:]), _parse)) is not None:
             sys.exit(supervise(argv, args))
         else:
             code = main()
     stuck = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
-    if (code and stuck) or (supervised and code in (1, 2)):
+    if (code and stuck) or code in (1, 2):
         restore_stdout()  # flushes stdout, and passes on what the gloo-line filter holds
         sys.stderr.flush()
         os._exit(code)
