@@ -38,8 +38,9 @@ from .._einsum import Equation
 from .._registered import computes_of
 from .._tree import module_path
 from ..tp import Layer
+from ..tp._front import Kinds
 from ..tp._role import Local
-from ..tp._rules import Kinds, dims
+from ..tp._rules import dims
 
 __all__ = [
     "LINEN",

@@ -16,7 +16,6 @@ multiplies by its kernel, split on its features over a ``tensor`` axis of eight 
 >>> from jax.sharding import PartitionSpec as P
 >>> from fsdp_tp import make_mesh
 >>> from fsdp_tp.tp import ColumnParallel
->>> from fsdp_tp.tp._rules import Kinds
 >>> @dataclasses.dataclass
 ... class Dense:                 # the other library's layer: its size, and its kernel as the step holds it
 ...     features: int
@@ -43,21 +42,51 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import jax
 
+from .._registered import computes_of
 from ._role import Layer, Local, TPRole
-from ._rules import Kinds
+from ._roles import ROLES
 
-__all__ = ["FrontEnd", "compute"]
+__all__ = ["FrontEnd", "Kinds", "compute"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Kinds:
+    """A front end's module classes per layer kind (``"dense"``: ``nn.Dense``, ...) and the
+    prefix its users write them with (``nn``, ``nnx``): what the plan's errors spell.
+
+    >>> class Dense: ...
+    >>> plain = Kinds("plain", {"dense": (Dense,)})
+    >>> plain.of(Dense), plain.spelled(["dense", "embed"]), plain.roles_for(Dense)
+    ('dense', 'plain.Dense', ['ColumnParallel', 'RowParallel'])
+    """
+
+    prefix: str
+    classes: Mapping[str, tuple[type, ...]]
+
+    def of(self, cls: type) -> str | None:
+        if computes_of(cls) is not None:  # a class of the user's, registered
+            return "einsum"
+        return next((kind for kind, types in self.classes.items() if issubclass(cls, types)), None)
+
+    def spelled(self, kinds: Sequence[str], sep: str = " or ") -> str:
+        types = [t for kind in kinds for t in self.classes.get(kind, ())]
+        return sep.join(f"{self.prefix}.{t.__name__}" for t in types)
+
+    def roles_for(self, cls: type) -> list[str]:
+        kind = self.of(cls)
+        return [r.__name__ for r in ROLES if kind in r.kinds]
 
 
 @runtime_checkable
 class FrontEnd(Protocol):
-    """What a front end does for the roles: ``kinds``, its module classes per layer kind (the
-    plan refuses a role on a module of another kind, naming the classes it takes);
+    """What a front end does for the roles: ``kinds``, its module classes per layer kind
+    (:class:`Kinds`; the plan refuses a role on a module of another kind, naming the classes it takes);
     :meth:`layer_of`, a module as a role sees it; :meth:`with_local`, the module's method
     computing on the sizes a role gives it on this device. The roles, the plan, the checks and
     every error's wording are the core's, the same for every front end."""

@@ -1,8 +1,9 @@
 """tp rules, whichever front end applies them: the rules checked, and the errors that name a
 rule that works (a role's split added to a storage spec: :mod:`fsdp_tp.tp._storage`).
 
-A front end says which of its module classes are which layer kind (:class:`Kinds`); the
-rest (which rule names which submodule, the splits, every error's wording) is here, once.
+A front end says which of its module classes are which layer kind
+(:class:`~fsdp_tp.tp._front.Kinds`); the rest (which rule names which submodule, the splits,
+every error's wording) is here, once.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from .._axes import require_axes
 from .._registered import computes_of
 from ..errors import RuleError
 from ..rules import split_rule
+from ._front import Kinds
 from ._role import placements
 from ._roles import ROLES, ColumnParallel, Layer, RowParallel, TPRole
 
 __all__ = [
     "CompiledRole",
-    "Kinds",
     "compile_tp_rules",
     "dims",
     "kind_error",
@@ -41,28 +42,6 @@ class CompiledRole:
     pattern: str
     regex: Any
     role: TPRole
-
-
-@dataclasses.dataclass(frozen=True)
-class Kinds:
-    """A front end's module classes per layer kind (``"dense"``: ``nn.Dense``, ...) and the
-    prefix its users write them with (``nn``, ``nnx``)."""
-
-    prefix: str
-    classes: Mapping[str, tuple[type, ...]]
-
-    def of(self, cls: type) -> str | None:
-        if computes_of(cls) is not None:  # a class of the user's, registered
-            return "einsum"
-        return next((kind for kind, types in self.classes.items() if issubclass(cls, types)), None)
-
-    def spelled(self, kinds: Sequence[str], sep: str = " or ") -> str:
-        types = [t for kind in kinds for t in self.classes.get(kind, ())]
-        return sep.join(f"{self.prefix}.{t.__name__}" for t in types)
-
-    def roles_for(self, cls: type) -> list[str]:
-        kind = self.of(cls)
-        return [r.__name__ for r in ROLES if kind in r.kinds]
 
 
 def compile_tp_rules(rules: Sequence, caller: str) -> tuple[CompiledRole, ...]:
