@@ -56,15 +56,15 @@ _LOCAL: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("fsdp_tp
 def local_compute(seen: Seen) -> Iterator[None]:
     """Within: every submodule a rule names (or its module's role, ``inner``) computes on its
     slices, and ``seen.plan`` records it as the call reaches it."""
-    with nn.intercept_methods(functools.partial(_intercept, seen)):
+    with nn.intercept_methods(functools.partial(_intercept, LinenFront(seen))):
         yield
 
 
-def _intercept(seen: Seen, next_fun, args, kwargs, context):
+def _intercept(front: LinenFront, next_fun, args, kwargs, context):
     module: nn.Module = context.module
     if id(module) in _LOCAL.get():
         return next_fun(*args, **kwargs)
-    path, plan = module_path(module.path), seen.plan
+    path, plan = module_path(module.path), front.seen.plan
     initializing = module.is_initializing()
     if initializing and context.method_name == "__call__":
         plan.modules.setdefault(path, type(module))
@@ -76,11 +76,10 @@ def _intercept(seen: Seen, next_fun, args, kwargs, context):
     if found is None or context.method_name not in found[0].methods:
         return next_fun(*args, **kwargs)
     role, pattern, _ = found
-    if LINEN.of(type(module)) not in role.kinds:
+    if front.kinds.of(type(module)) not in role.kinds:
         next_fun(*args, **kwargs)  # to name the module's children in the error
         plan.require_kind(path, found, type(module))
     require_axes(role.axis, f"tp rule {pattern!r}")
-    front = LinenFront(seen)
     # (met before the call: its children's roles are its role's)
     layer = plan.meet(front, module, path, found, (args, kwargs))
     if initializing:
