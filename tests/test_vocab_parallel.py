@@ -50,6 +50,36 @@ def test_cross_entropy_and_its_gradient_equal_optax(tensor, vocab_mult, tokens, 
     np.testing.assert_allclose(grad, ref_grad, rtol=RTOL, atol=ATOL)
 
 
+def _whole_logits_loss(tensor: int, check_vma: bool):
+    """The cross-entropy and its gradient of logits whole on every device of ``tensor``."""
+    weights = jnp.arange(6, dtype=jnp.float32).reshape(2, 3)
+    loss = lambda lg, lb: (fsdp_tp.vocab_parallel_cross_entropy(lg, lb, "tensor") * weights).sum()
+    f = jax.shard_map(jax.value_and_grad(loss), mesh=mesh_of(1, 1, tensor), in_specs=(P(), P()),
+                      out_specs=(P(), P()), check_vma=check_vma)  # fmt: skip
+    ref = lambda lg, lb: (optax.softmax_cross_entropy_with_integer_labels(lg, lb) * weights).sum()
+    return jax.jit(f), jax.jit(jax.value_and_grad(ref))
+
+
+def test_whole_logits_are_one_devices_slice_on_one_device_and_refused_on_more():
+    """A whole head's logits (a layout without tensor parallelism) on a tensor axis of one device
+    are that device's slice: the loss and gradient are optax's, under JAX's checking too (whose
+    custom rule once failed on the type). On 4 devices they would count the vocabulary 4 times:
+    refused with the shape, axis and fix where checking can tell."""
+    logits = 3 * jax.random.normal(jax.random.key(1), (2, 3, 16))
+    labels = jnp.array([[1, 15, 3], [0, 7, 8]])
+    for check_vma in (True, False):
+        sharded, ref = _whole_logits_loss(1, check_vma)
+        assert_trees_close(sharded(logits, labels), ref(logits, labels), f"check_vma={check_vma}")
+    sharded, ref = _whole_logits_loss(4, True)
+    said = r"logits of shape \(2, 3, 16\) are the same on every device of mesh axis 'tensor' \(size 4\).*Pass"
+    with pytest.raises(fsdp_tp.errors.SpecError, match=said):
+        sharded(logits, labels)
+    # Negative control: unchecked, the same logits give another loss (log 4 too much a token).
+    sharded, _ = _whole_logits_loss(4, False)
+    value, want = sharded(logits, labels)[0], ref(logits, labels)[0]
+    np.testing.assert_allclose(value - want, np.log(4) * 15, rtol=1e-5)
+
+
 def test_cross_entropy_moves_per_token_scalars_only():
     mesh = mesh_of(1, 1, 8)
     logits, labels = jnp.ones((4, 16, 1024)), jnp.zeros((4, 16), jnp.int32)

@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._axes import TENSOR, require_axes
+from .._axes import TENSOR, checks_vma, require_axes, varying_axes
 from .._types import AxisName
+from ..errors import SpecError
 
 __all__ = ["vocab_lookup", "vocab_parallel_cross_entropy", "vocab_start"]
 
@@ -83,6 +84,24 @@ def vocab_parallel_cross_entropy(logits: jax.Array, labels: jax.Array, axis_name
     >>> ref = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     >>> bool(jnp.allclose(f(logits, labels), ref, rtol=1e-6))
     True
+
+    Logits the same on every device of the axis (a whole head's) are refused where JAX's
+    checking can tell (``check_vma=True``): read as slices, the vocabulary would count once per
+    device. On an axis of one device they are that device's slice, and the loss is the plain one.
     """
     require_axes(axis_name, "vocab_parallel_cross_entropy")
+    if checks_vma(axis_name) and axis_name not in varying_axes(logits):
+        size = jax.lax.axis_size(axis_name)
+        if size > 1:
+            raise SpecError(
+                f"vocab_parallel_cross_entropy: logits of shape {tuple(logits.shape)} are the same on "
+                f"every device of mesh axis {axis_name!r} (size {size}), not each device's slice of the "
+                f"vocabulary: read as slices, each token's vocabulary would count {size} times. Pass each "
+                f"device's slice (a ColumnParallel head without gather_output, logits split by P(..., "
+                f"{axis_name!r})), or take a plain cross-entropy of whole logits "
+                f"(optax.softmax_cross_entropy_with_integer_labels)."
+            )
+        # Typed as the slice a device holds: the gradient's type is then the logits' (the
+        # cast's transpose sums over the one device), as JAX's checking asks of a custom rule.
+        logits = jax.lax.pcast(logits, axis_name, to="varying")
     return _cross_entropy(logits, labels, axis_name)
