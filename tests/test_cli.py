@@ -228,13 +228,28 @@ def test_a_reader_that_stops_reading_is_not_an_error():
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
 
 
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_a_tensor_axis_of_one_device_leaves_every_dim_to_fsdp_and_passes_check(api):
+    """On a mesh whose tensor axis has one device (a GPU run's default: every device on fsdp)
+    the GPT has no Megatron layers: no spec names 'tensor', FSDP splits a column layer's bias
+    too (it stayed whole over fsdp, warned of as its layer's dim over 'tensor'), the loss reads
+    whole logits as the one device's slice, and the run equals its twin. Negative control: the
+    test below, where tensor=2 leaves that bias whole over fsdp and says so."""
+    flags = ["--api", api, "--mesh", "fsdp=8", "--min-weight-size", "0"]
+    code, out = run("plan", *flags, "--remat", "none")
+    assert code == 0 and "'tensor'" not in out, out
+    assert re.search(r"blocks/mlp/wi/bias .* P\(None, 'fsdp'\) ", out), out
+    code, out = run("train", *flags, "--steps", "1", "--check", "2", "--eval-every", "0")
+    assert code == 0 and "mesh data=1 x fsdp=8 x tensor=1" in out and "-> ok" in out, out
+
+
 def test_the_command_prints_a_library_warning_in_one_line_as_it_prints_an_error(monkeypatch, capsys):
     """The executable (``console()``) prints a warning of the library's as ``fsdp-tp: warning:
     <kind>: <message>``, without the console script's file and line (the user of a command wrote
     no line to point at), its advice naming the command's flag; another warning keeps Python's
     form, and after the command Python's display is back. Negative control: ``main()`` in
     process leaves warnings to its caller (here the suite records it: nothing printed)."""
-    argv = ["plan", "--mesh", "fsdp=4", "--remat", "none", "--min-weight-size", "0"]
+    argv = ["plan", "--mesh", "fsdp=4,tensor=2", "--remat", "none", "--min-weight-size", "0"]
     said = "fsdp-tp: warning: ReplicatedParameterWarning: shard_params: parameter blocks/mlp/wi/bias"
     monkeypatch.setattr(sys, "argv", ["fsdp-tp", *argv])
     monkeypatch.setattr(fsdp_tp.linen._transform, "_warned", set())  # (said once a process: here)

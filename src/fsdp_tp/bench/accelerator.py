@@ -131,7 +131,9 @@ def _plain_step(config: ModelConfig, tx: optax.GradientTransformation):
 
 
 def bench_settings(config: ModelConfig, batch: int, policy: MixedPrecision | None = None) -> Settings:
-    """The run each preset is measured as (its plan is what ``fsdp-tp bench`` checks first)."""
+    """The run each preset is measured as (its plan is what ``fsdp-tp bench`` checks first):
+    every layer of the library's, Megatron's over a tensor axis of one device too, against plain
+    flax (``fsdp-tp train`` builds no Megatron layers on such a mesh: this is the dearer case)."""
     layout = Layout("tensor", "fsdp", mixed_precision=policy)
     return Settings(config, 1000, batch, 1, 1e-4, 10, 0, layout, check_vma=True)
 

@@ -87,8 +87,10 @@ def settings_of(args, mesh: dict, vocab_size: int | None = None) -> Settings:
         lr=getattr(args, "lr", 0.0),
         warmup=DEFAULT_WARMUP if getattr(args, "warmup", None) is None else args.warmup,
         seed=getattr(args, "seed", 0),
+        # A tensor axis of size 1 splits nothing: the model computes without Megatron's layers,
+        # so FSDP may split every dim (a layer's dim over 'tensor' is not FSDP's to split).
         layout=Layout(
-            tensor="tensor",
+            tensor="tensor" if mesh.get("tensor", 1) > 1 else None,
             fsdp="fsdp",
             sequence_parallel=_sequence_parallel(args),
             collective_matmul=None if args.async_tp == "off" else args.async_tp,

@@ -102,14 +102,17 @@ def sharded_gpt(
     mixed_precision: MixedPrecision | None = None,
 ) -> ShardedModel:
     """The NNX GPT of ``config`` laid out on a mesh of ``sizes`` as the Linen GPT's layout
-    lays it out: Megatron TP over ``tensor`` by the rules of :func:`run_plan` (the plan
-    :func:`~fsdp_tp.nnx.find_tp_rules` finds: kv heads kept whole where ``tensor`` does not
-    divide them, as Linen's attention keeps them; the logits left split for the vocab-parallel
-    loss), FSDP over ``fsdp`` where the Linen GPT has it
+    lays it out: Megatron TP over ``tensor`` (where it has more than one device) by the rules
+    of :func:`run_plan` (the plan :func:`~fsdp_tp.nnx.find_tp_rules` finds: kv heads kept
+    whole where ``tensor`` does not divide them, as Linen's attention keeps them; the logits
+    left split for the vocab-parallel loss), FSDP over ``fsdp`` where the Linen GPT has it
     (:func:`~fsdp_tp.models.nnx_transformer.storage_rules`), its gathers in
     ``mixed_precision``'s dtypes where given, as the Linen layout's."""
     make = nnx_maker(config)
     abstract = abstract_gpt(config)
-    tp = run_plan(config, sizes, sequence_parallel, collective_matmul, abstract)[0].rules
+    # On a tensor axis of one device no rule splits anything: none, as the Linen layout has no
+    # Megatron layers there, so FSDP may split every dim.
+    tensor = sizes.get("tensor", 1) > 1
+    tp = run_plan(config, sizes, sequence_parallel, collective_matmul, abstract)[0].rules if tensor else ()
     rules = storage_rules(abstract, sizes, min_weight_size, tp)
     return shard_by_rules(make, rules, tp_rules=tp, batch_axes=batch_axes, mixed_precision=mixed_precision)
