@@ -233,14 +233,16 @@ def test_a_tensor_axis_of_one_device_leaves_every_dim_to_fsdp_and_passes_check(a
     """On a mesh whose tensor axis has one device (a GPU run's default: every device on fsdp)
     the GPT has no Megatron layers: no spec names 'tensor', FSDP splits a column layer's bias
     too (it stayed whole over fsdp, warned of as its layer's dim over 'tensor'), the loss reads
-    whole logits as the one device's slice, and the run equals its twin. Negative control: the
-    test below, where tensor=2 leaves that bias whole over fsdp and says so."""
+    whole logits as the one device's slice, and the run equals its twin. Negative control: on
+    fsdp=4,tensor=2 the specs name 'tensor' (the bias over ('tensor', 'fsdp'))."""
     flags = ["--api", api, "--mesh", "fsdp=8", "--min-weight-size", "0"]
     code, out = run("plan", *flags, "--remat", "none")
     assert code == 0 and "'tensor'" not in out, out
     assert re.search(r"blocks/mlp/wi/bias .* P\(None, 'fsdp'\) ", out), out
     code, out = run("train", *flags, "--steps", "1", "--check", "2", "--eval-every", "0")
     assert code == 0 and "mesh data=1 x fsdp=8 x tensor=1" in out and "-> ok" in out, out
+    code, out = run("plan", *flags[:2], "--mesh", "fsdp=4,tensor=2", *flags[4:], "--remat", "none")
+    assert code == 0 and re.search(r"blocks/mlp/wi/bias .* P\(None, \('tensor', 'fsdp'\)\) ", out), out
 
 
 def test_the_command_prints_a_library_warning_in_one_line_as_it_prints_an_error(monkeypatch, capsys):
@@ -249,8 +251,8 @@ def test_the_command_prints_a_library_warning_in_one_line_as_it_prints_an_error(
     no line to point at), its advice naming the command's flag; another warning keeps Python's
     form, and after the command Python's display is back. Negative control: ``main()`` in
     process leaves warnings to its caller (here the suite records it: nothing printed)."""
-    argv = ["plan", "--mesh", "fsdp=4,tensor=2", "--remat", "none", "--min-weight-size", "0"]
-    said = "fsdp-tp: warning: ReplicatedParameterWarning: shard_params: parameter blocks/mlp/wi/bias"
+    argv = ["plan", "--mesh", "fsdp=3", "--batch", "12", "--remat", "none", "--min-weight-size", "0"]
+    said = "fsdp-tp: warning: ReplicatedParameterWarning: shard_params: parameter embed/embedding"
     monkeypatch.setattr(sys, "argv", ["fsdp-tp", *argv])
     monkeypatch.setattr(fsdp_tp.linen._transform, "_warned", set())  # (said once a process: here)
     python_s = warnings.showwarning
@@ -260,7 +262,7 @@ def test_the_command_prints_a_library_warning_in_one_line_as_it_prints_an_error(
             console()
     err = capsys.readouterr().err
     assert exit_info.value.code == 0 and said in err and "sys.exit(console())" not in err, err[-2000:]
-    assert "Raise --min-weight-size above " in err and " min_weight_size" not in err, err[-2000:]
+    assert "raise --min-weight-size above " in err and " min_weight_size" not in err, err[-2000:]
     assert warnings.showwarning is python_s
     others = []
     _one_line(lambda *shown: others.append(shown[1]))(UserWarning("x"), UserWarning, "f.py", 1)

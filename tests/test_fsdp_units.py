@@ -16,15 +16,19 @@ from jax.sharding import PartitionSpec as P
 import fsdp_tp
 from fsdp_tp._layout import fsdp_dim
 from fsdp_tp.errors import ReplicatedParameterWarning
+from fsdp_tp.linen.fsdp import shard_params
 
 dims = st.lists(st.integers(1, 48), min_size=0, max_size=4)
 
 
 @given(shape=dims, size=st.sampled_from([1, 2, 3, 4, 8]), data=st.data())
 def test_shard_dim_is_the_largest_unsplit_divisible_dim(shape, size, data):
+    """The largest unsplit dim the size divides; where none, the largest a layer splits (its
+    block's size, ``shape`` being the layer's block); ties go to the later dim."""
     names = tuple(data.draw(st.sampled_from([None, "tensor"])) for _ in shape)
     dim = fsdp_dim(tuple(shape), names, size)
     ok = [i for i, n in enumerate(shape) if names[i] is None and n % size == 0]
+    ok = ok or [i for i, n in enumerate(shape) if n % size == 0]
     if not ok:
         assert dim is None
     else:
@@ -113,17 +117,39 @@ def test_a_large_indivisible_parameter_is_reported_once_by_path_and_shape():
     assert any("parameter kernel of shape (7, 3)" in m and "'fsdp' (size 8)" in m for m in messages)
 
 
-def test_a_parameter_whose_divisible_dims_another_axis_splits_is_named_with_that_axis():
-    """A bias a Megatron layer splits over tensor (its one dim, 8192, divisible by fsdp's 4): the
-    warning says which axis holds the dim FSDP could have split, and does not tell the user to
-    pad a dim that divides (what `fsdp-tp plan --preset 1b --mesh fsdp=8` printed). On a mesh
-    whose tensor axis has size 1 (that command's) the dim is whole, and the warning says so
-    rather than "split". The negative control: a dim no axis holds and 4 does not divide still
-    gets the padding advice."""
+def test_a_dim_a_layer_splits_is_split_further_where_no_unsplit_dim_divides():
+    """A bias a Megatron layer splits over tensor (its one dim): FSDP splits each device's block
+    further over fsdp, the dim then over ('tensor', 'fsdp'): tensor's blocks, each in fsdp's
+    (it stayed whole over fsdp, with a warning, before). Gathered over fsdp it is the layer's
+    block again. Negative control: read as ('fsdp', 'tensor') the blocks are another bias."""
+    mesh = fsdp_tp.make_mesh({"fsdp": 4, "tensor": 2})
+    bias = jnp.arange(16.0)
+    names: list = []
+
+    def stored_and_gathered(b):
+        stored = shard_params({"b": nn.Partitioned(b, ("tensor",))}, "fsdp", min_weight_size=0)["b"]
+        back = fsdp_tp.linen.fsdp.gather_params({"b": stored}, "fsdp")["b"]
+        names.extend([stored.names, back.names])
+        return stored.value, back.value
+
+    specs = (P(("tensor", "fsdp")), P("tensor"))
+    stored, back = jax.shard_map(stored_and_gathered, mesh=mesh, in_specs=P("tensor"), out_specs=specs,
+                                 check_vma=False)(bias)  # fmt: skip
+    assert names == [(("tensor", "fsdp"),), ("tensor",)], names
+    np.testing.assert_array_equal(stored, bias)
+    np.testing.assert_array_equal(back, bias)
+    swapped = jax.shard_map(lambda b: stored_and_gathered(b)[0], mesh=mesh, in_specs=P("tensor"),
+                            out_specs=P(("fsdp", "tensor")), check_vma=False)(bias)  # fmt: skip
+    assert not np.array_equal(swapped, bias)
+
+
+def test_a_parameter_no_dim_of_which_divides_is_told_to_pad_a_dim():
+    """The warning names the parameter's block and the axis, and says to pad: a dim no layer
+    splits (7) and a layer's block (6 over tensor 2: 3) that fsdp's 4 does not divide alike."""
 
     def warned(shape: tuple, names: tuple, tensor: int) -> str:
         def probe(w):
-            fsdp_tp.linen.fsdp.shard_params({"w": nn.Partitioned(w, names)}, "fsdp", min_weight_size=0)
+            shard_params({"w": nn.Partitioned(w, names)}, "fsdp", min_weight_size=0)
             return ()
 
         mesh = fsdp_tp.make_mesh({"fsdp": 4, "tensor": tensor}, devices=jax.devices()[: 4 * tensor])
@@ -135,12 +161,8 @@ def test_a_parameter_whose_divisible_dims_another_axis_splits_is_named_with_that
         assert said.filename == __file__, said.filename  # the user's line (probe's), not the library's
         return str(said.message)
 
-    split = warned((8192,), ("tensor",), tensor=2)
-    assert "parameter w of shape (4096,)" in split and "dim 0 (4096) is split over 'tensor'" in split, split
-    assert "Pad" not in split and "Raise min_weight_size above 4096" in split, split
-    whole = warned((8192,), ("tensor",), tensor=1)
-    assert "dim 0 (8192) is its layer's dim over 'tensor', of size 1 on this mesh" in whole, whole
-    assert "split over" not in whole and "Pad" not in whole, whole
+    block = warned((6,), ("tensor",), tensor=2)
+    assert "parameter w of shape (3,)" in block and "Pad a dim to a multiple of 4" in block, block
     indivisible = warned((7,), (None,), tensor=1)
     assert "Pad a dim to a multiple of 4" in indivisible and "'tensor'" not in indivisible, indivisible
 

@@ -146,7 +146,6 @@ def test_mlp_block_moves_the_megatron_minimum(check_vma):
     assert [c.operand_bytes for c in found] == [16 * 32 * 4, 16 * 32 * 4]  # (batch, out) fwd, (batch, in) bwd
 
 
-@replicated_ok
 def test_tp_and_fsdp_state_bytes_are_exactly_the_ideal():
     mesh = mesh_of(2, 2, 2)
     block = fsdp_tp.shard_module_params(fsdp_tp.MLPBlock, "fsdp", min_weight_size=0)(32, out_features=16)
@@ -157,17 +156,16 @@ def test_tp_and_fsdp_state_bytes_are_exactly_the_ideal():
             apply_fn=block.apply, params=block.init(rng, x)["params"], tx=tx, rng=rng
         )
 
-    # (The replicated-bias warning is reported once per process: not asserted here, where
-    # an earlier test may have reported it; test_fsdp_units.py asserts the report.)
     state, specs = fsdp_tp.init_sharded(
         init_fn, mesh, (P(), P(BATCH_AXES)), jax.random.key(0), jnp.ones((8, 16))
     )
     assert specs.params["wi"]["kernel"] == P("fsdp", "tensor") and specs.params["wo"]["kernel"] == P(
         "tensor", "fsdp"
     )
-    # wi: kernel 16x32 /4, bias 32 /2 (over tensor only: its one dim is taken);
+    assert specs.params["wi"]["bias"] == P(("tensor", "fsdp")) and specs.params["wo"]["bias"] == P("fsdp")
+    # wi: kernel 16x32 /4, bias 32 /4 (its one dim: tensor's blocks, each over fsdp);
     # wo: kernel 32x16 /4, bias 16 /2 (over fsdp).
-    per_param = 4 * (16 * 32 // 4 + 32 // 2 + 32 * 16 // 4 + 16 // 2)
+    per_param = 4 * (16 * 32 // 4 + 32 // 4 + 32 * 16 // 4 + 16 // 2)
     assert set(state_bytes_per_device((state.params, state.opt_state)).values()) == {3 * per_param + 4}
 
 

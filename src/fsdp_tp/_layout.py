@@ -40,6 +40,7 @@ __all__ = [
     "check_fit",
     "fit_problems",
     "fsdp_dim",
+    "fsdp_entry",
     "indivisible",
     "not_divisible",
     "require_divisible",
@@ -144,17 +145,31 @@ def check_fit(
 
 
 def fsdp_dim(shape: tuple[int, ...], names: tuple, axis_size: int) -> int | None:
-    """The dim FSDP splits when no rule says: the largest one that is unsplit (``names[i]`` is
-    ``None``) and divisible by ``axis_size``; ties go to the later dim. Both front ends lay out
-    a model by it (Linen's ``shard_module_params``, the NNX GPT's storage rules).
+    """The dim FSDP splits when no rule says, in a layer's local ``shape`` (its dims split as
+    ``names``): the largest one that is unsplit (``names[i]`` is ``None``) and divisible by
+    ``axis_size``; ties go to the later dim. Where no unsplit dim divides, the largest dim a
+    layer splits whose block does (a column layer's bias): FSDP splits that block further,
+    the dim then over the layer's axes and FSDP's (:func:`fsdp_entry`). Both front ends lay
+    out a model by it (Linen's ``shard_module_params``, the NNX GPT's storage rules).
 
     >>> fsdp_dim((512, 2048), (None, None), 8), fsdp_dim((512, 2048), (None, "tensor"), 8)
     (1, 0)
+    >>> fsdp_dim((4096,), ("tensor",), 8), fsdp_dim((6,), ("tensor",), 8)
+    (0, None)
     """
-    candidates = [
-        i for i, (n, name) in enumerate(zip(shape, names, strict=True)) if name is None and n % axis_size == 0
-    ]
-    return max(candidates, key=lambda i: (shape[i], i), default=None)
+    divisible = [i for i, n in enumerate(shape) if n % axis_size == 0]
+    unsplit = [i for i in divisible if names[i] is None]
+    return max(unsplit or divisible, key=lambda i: (shape[i], i), default=None)
+
+
+def fsdp_entry(names: tuple, dim: int, axis: AxisName) -> AxisName | tuple:
+    """The spec entry of ``dim`` once FSDP splits it over ``axis``: the axis alone on an
+    unsplit dim, after the layer's axes on a dim a layer splits (its block split further).
+
+    >>> fsdp_entry((None, "tensor"), 0, "fsdp"), fsdp_entry((None, "tensor"), 1, "fsdp")
+    ('fsdp', ('tensor', 'fsdp'))
+    """
+    return axis if names[dim] is None else (*entry_axes(names[dim]), axis)
 
 
 def block_of(value: jax.Array, spec: PartitionSpec) -> jax.Array:

@@ -61,24 +61,29 @@ def warn_once(key, warning: Warning) -> None:
         warn(warning)
 
 
-def _merge(path: str, names: tuple, spec: PartitionSpec) -> tuple:
-    """The box names after splitting by ``spec`` a value some layer already split as ``names``."""
-    merged = list(names)
+def _merge(path: str, names: tuple, spec: PartitionSpec) -> tuple[tuple, PartitionSpec]:
+    """The box names after splitting by ``spec`` a value some layer already split as ``names``,
+    and the spec of what is left to split of the layer's block: a dim the layer split is split
+    further where ``spec`` names the layer's axes first (FSDP on a column layer's bias)."""
+    merged: list = list(names)
+    beyond: list = [None] * len(spec)
     for dim, entry in enumerate(spec):
         if entry is None:
             continue
-        if names[dim] is not None:
+        layer, axes = entry_axes(names[dim]), entry_axes(entry)
+        if names[dim] is not None and axes[: len(layer)] != layer:
             raise RuleError(
                 f"{path}: the rule splits dim {dim} over {entry!r}, but its layer already splits that dim "
                 f"over {names[dim]!r}; give that dim None in the rule."
             )
-        if twice := set(entry_axes(entry)) & axes_named(names):
+        if twice := set(axes[len(layer) :]) & axes_named(names):
             raise RuleError(
                 f"{path}: the rule uses mesh axis {sorted(twice, key=str)[0]!r}, which its layer already "
                 f"splits another dim over (names {names}); an axis can split one dim of a parameter."
             )
-        merged[dim] = entry
-    return tuple(merged)
+        more = axes[len(layer) :]
+        merged[dim], beyond[dim] = entry, (more if len(more) > 1 else (more[0] if more else None))
+    return tuple(merged), PartitionSpec(*beyond)
 
 
 def store(params: PyTree, choose: LayoutChoice, fix: str = "change the rule") -> PyTree:
@@ -98,15 +103,17 @@ def store(params: PyTree, choose: LayoutChoice, fix: str = "change the rule") ->
         names = tuple(leaf.names) if type(leaf) is nn.Partitioned else (None,) * np.ndim(value)
         spec = choose(path, np.shape(value), names, logical)
         plans.append((path, leaf, value, names, spec))
-    # Dims a layer split are already local; the spec splits only the others.
-    check_fit(((path, np.shape(v), spec) for path, _, v, _, spec in plans if spec is not None), sizes, fix)
+    # Dims a layer split are already local: what is split is the layer's block, by the axes
+    # the spec adds.
+    merged = [None if spec is None else _merge(path, names, spec) for path, _, _, names, spec in plans]
+    local = ((p[0], np.shape(p[2]), m[1]) for p, m in zip(plans, merged, strict=True) if m is not None)
+    check_fit(local, sizes, fix)
     out = []
-    for path, leaf, value, names, spec in plans:
-        if spec is None or not any(entry_axes(e) for e in spec):
+    for (_, leaf, value, _, _), split in zip(plans, merged, strict=True):
+        if split is None or not any(entry_axes(e) for e in split[1]):
             out.append(leaf.value if isinstance(leaf, nn.LogicallyPartitioned) else leaf)
             continue
-        merged = _merge(path, names, spec)
-        out.append(nn.Partitioned(block_of(value, spec), merged))
+        out.append(nn.Partitioned(block_of(value, split[1]), split[0]))
     return jax.tree.unflatten(treedef, out)
 
 

@@ -14,8 +14,8 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from .._axes import axes_named, axis_size, require_axes
-from .._layout import fsdp_dim
+from .._axes import axes_named, require_axes
+from .._layout import fsdp_dim, fsdp_entry
 from .._types import AxisName, AxisNames, PyTree
 from ..errors import ReplicatedParameterWarning
 from ..precision import MixedPrecision, checked_policy
@@ -33,34 +33,25 @@ def _largest_dim(axis_name: AxisName, size: int, min_weight_size: int):
             return None
         dim = fsdp_dim(shape, names, size)
         if dim is None:
-            warning = _replicated(path, shape, names, axis_name, size)
+            warning = _replicated(path, shape, axis_name, size)
             warn_once((path, shape, axis_name, size), warning)
             return None
-        return PartitionSpec(*(axis_name if i == dim else None for i in range(len(shape))))
+        return PartitionSpec(
+            *(fsdp_entry(names, dim, axis_name) if i == dim else None for i in range(len(shape)))
+        )
 
     return choose
 
 
-def _replicated(path: str, shape: tuple, names: tuple, axis_name: AxisName, size: int) -> Warning:
-    """Why ``path`` stays replicated over ``axis_name``: no dim ``size`` divides (pad one), or
-    the dims it divides are another axis's (a layer's own split: padding would not help; on a
-    mesh where that axis has size 1 the dim is whole, and is said to be)."""
-    held = [_held(i, n, names[i]) for i, n in enumerate(shape) if names[i] and not n % size]
-    if held:
-        why = f"{'; '.join(held)}, and FSDP splits only a dim no other axis names. Raise"
-    else:
-        why = f"it has no unsplit dim divisible by {size}. Pad a dim to a multiple of {size}, or raise"
+def _replicated(path: str, shape: tuple, axis_name: AxisName, size: int) -> Warning:
+    """Why ``path`` stays replicated over ``axis_name``: no dim of its layer's block ``shape``
+    is divisible by ``size`` (pad one)."""
     return ReplicatedParameterWarning(
         f"shard_params: parameter {path} of shape {shape} stays replicated over mesh axis {axis_name!r} "
-        f"(size {size}) on every device: {why} min_weight_size above {int(np.prod(shape))} to keep it "
-        f"replicated without this warning."
+        f"(size {size}) on every device: it has no dim divisible by {size}. Pad a dim to a multiple of "
+        f"{size}, or raise min_weight_size above {int(np.prod(shape))} to keep it replicated without "
+        f"this warning."
     )
-
-
-def _held(dim: int, n: int, name) -> str:
-    if axis_size(name) == 1:
-        return f"dim {dim} ({n}) is its layer's dim over {name!r}, of size 1 on this mesh"
-    return f"dim {dim} ({n}) is split over {name!r} by its layer"
 
 
 def shard_params(params: PyTree, axis_name: AxisName, min_weight_size: int = 2**18) -> PyTree:
@@ -68,8 +59,9 @@ def shard_params(params: PyTree, axis_name: AxisName, min_weight_size: int = 2**
 
     Call inside ``jax.shard_map``, on full parameters identical across ``axis_name``.
     Each large leaf becomes an ``nn.Partitioned`` local shard split along its
-    largest unsplit dim that the axis size divides; splits over other axes are
-    kept. A leaf with no such dim stays replicated, and a
+    largest unsplit dim that the axis size divides (where none does, a dim a layer
+    splits whose block it divides: the dim then over the layer's axes, then this
+    one); splits over other axes are kept. A leaf with no such dim stays replicated, and a
     :class:`~fsdp_tp.errors.ReplicatedParameterWarning` names it once.
 
     >>> import jax, jax.numpy as jnp

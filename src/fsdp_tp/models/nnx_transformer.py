@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from .._layout import fsdp_dim
+from .._layout import fsdp_dim, fsdp_entry
 from ..attention import attend
 from ..nnx import tp_splits
 from ..tp import ColumnParallel, HeadParallel, RowParallel, VocabParallel
@@ -204,6 +204,8 @@ def storage_rules(
             local[dim] //= sizes.get(str(axis), 1)
             names[dim] = str(axis)
         chosen = fsdp_dim(tuple(local), tuple(names), fsdp) if np.prod(local) > min_weight_size else None
-        spec = [None] * stacked + ["fsdp" if i == chosen else None for i in range(len(local))]
+        spec = [None] * stacked + [
+            fsdp_entry(tuple(names), i, "fsdp") if i == chosen else None for i in range(len(local))
+        ]
         rules.append((f"^{re.escape(text)}$", PartitionSpec(*spec)))
     return rules
