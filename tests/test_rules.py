@@ -178,12 +178,18 @@ def test_bad_rules_each_get_a_clear_message():
         fsdp_tp.rules.specs_from_rules(tree, [("kernel", P(None, None, "fsdp"))], mesh)
 
 
+RULES_ON_A_LAYERS_DIM = {"kernel": ("wi/kernel", P(None, "fsdp")), "bias": ("wi/bias", P(("tensor", "fsdp")))}
+
+
 @unmatched_ok
-def test_a_rule_on_a_dim_a_tensor_parallel_layer_splits_is_refused():
-    model = fsdp_tp.shard_by_rules(fsdp_tp.MLPBlock, [("wi/kernel", P(None, "fsdp"))])(16, out_features=8)
-    with pytest.raises(
-        RuleError, match=r"wi/kernel: the rule splits dim 1 over 'fsdp', but its layer already splits"
-    ):
+@pytest.mark.parametrize("on", list(RULES_ON_A_LAYERS_DIM))
+def test_a_rule_on_a_dim_a_tensor_parallel_layer_splits_is_refused(on):
+    """Also with the layer's axis first (('tensor', 'fsdp'), as FSDP's own choice stores a
+    column layer's bias): the axes a rule names are the axes its transform gathers."""
+    path, spec = RULES_ON_A_LAYERS_DIM[on]
+    model = fsdp_tp.shard_by_rules(fsdp_tp.MLPBlock, [RULES_ON_A_LAYERS_DIM[on]])(16, out_features=8)
+    said = rf"{path}: the rule splits dim {len(spec) - 1} over {re.escape(repr(spec[-1]))}, but its layer"
+    with pytest.raises(RuleError, match=said):
         fsdp_tp.init_sharded(
             lambda r, x: model.init(r, x)["params"],
             mesh_of(2, 2, 2),
@@ -191,6 +197,20 @@ def test_a_rule_on_a_dim_a_tensor_parallel_layer_splits_is_refused():
             jax.random.key(0),
             jnp.ones((4, 8)),
         )
+
+
+@unmatched_ok
+def test_negative_control_a_rule_naming_a_layers_axis_accepted_trains_another_model(monkeypatch):
+    """Accepted as FSDP's own choice is, the bias rule has the rules' transform gather 'tensor'
+    too, so every layer computes on whole kernels and sums them over tensor: another model."""
+    merge = fsdp_tp.linen._transform._merge
+    monkeypatch.setattr(
+        fsdp_tp.linen._transform, "_merge", lambda path, names, spec, _: merge(path, names, spec, True)
+    )
+    model = fsdp_tp.shard_by_rules(fsdp_tp.MLPBlock, [RULES_ON_A_LAYERS_DIM["bias"]])(16, out_features=8)
+    twin = fsdp_tp.MLPBlock(16, out_features=8, axis=None)
+    with pytest.raises(AssertionError, match="output"):
+        check_equivalence(Case(model, twin, mesh_of(2, 2, 2), BATCH_AXES, True, in_dim=8, out_dim=8))
 
 
 @unmatched_ok

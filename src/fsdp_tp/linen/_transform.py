@@ -61,17 +61,19 @@ def warn_once(key, warning: Warning) -> None:
         warn(warning)
 
 
-def _merge(path: str, names: tuple, spec: PartitionSpec) -> tuple[tuple, PartitionSpec]:
+def _merge(path: str, names: tuple, spec: PartitionSpec, further: bool) -> tuple[tuple, PartitionSpec]:
     """The box names after splitting by ``spec`` a value some layer already split as ``names``,
-    and the spec of what is left to split of the layer's block: a dim the layer split is split
-    further where ``spec`` names the layer's axes first (FSDP on a column layer's bias)."""
+    and the spec of what is left to split of the layer's block. ``further``: a dim the layer
+    split may be split further where ``spec`` names the layer's axes first (FSDP's choice on a
+    column layer's bias). Rules may not: the axes a rule names are the axes its transform
+    gathers, and a layer's axis is never gathered."""
     merged: list = list(names)
     beyond: list = [None] * len(spec)
     for dim, entry in enumerate(spec):
         if entry is None:
             continue
         layer, axes = entry_axes(names[dim]), entry_axes(entry)
-        if names[dim] is not None and axes[: len(layer)] != layer:
+        if names[dim] is not None and not (further and axes[: len(layer)] == layer):
             raise RuleError(
                 f"{path}: the rule splits dim {dim} over {entry!r}, but its layer already splits that dim "
                 f"over {names[dim]!r}; give that dim None in the rule."
@@ -86,11 +88,14 @@ def _merge(path: str, names: tuple, spec: PartitionSpec) -> tuple[tuple, Partiti
     return tuple(merged), PartitionSpec(*beyond)
 
 
-def store(params: PyTree, choose: LayoutChoice, fix: str = "change the rule") -> PyTree:
+def store(
+    params: PyTree, choose: LayoutChoice, fix: str = "change the rule", further: bool = False
+) -> PyTree:
     """This device's block of every parameter, as ``choose`` lays it out (inside ``shard_map``,
     on full values the same across the axes they are split over). Paths start at the
     wrapped module's path (:func:`current_module_path`); every leaf that does not fit is reported
-    at once; ``fix`` ends the divisibility message."""
+    at once; ``fix`` ends the divisibility message; ``further``: ``choose`` may split a layer's
+    blocks further (:func:`_merge`)."""
     sizes = {axis: jax.lax.axis_size(axis) for axis in bound_axis_names()}
     prefix = current_module_path()
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_box)
@@ -105,7 +110,7 @@ def store(params: PyTree, choose: LayoutChoice, fix: str = "change the rule") ->
         plans.append((path, leaf, value, names, spec))
     # Dims a layer split are already local: what is split is the layer's block, by the axes
     # the spec adds.
-    merged = [None if spec is None else _merge(path, names, spec) for path, _, _, names, spec in plans]
+    merged = [None if s is None else _merge(path, names, s, further) for path, _, _, names, s in plans]
     local = ((p[0], np.shape(p[2]), m[1]) for p, m in zip(plans, merged, strict=True) if m is not None)
     check_fit(local, sizes, fix)
     out = []

@@ -77,7 +77,8 @@ def shard_params(params: PyTree, axis_name: AxisName, min_weight_size: int = 2**
     [[4.0, 5.0], [6.0, 7.0]]
     """
     (axis_name,) = require_axes(axis_name, "shard_params")
-    return store(params, _largest_dim(axis_name, jax.lax.axis_size(axis_name), min_weight_size))
+    choice = _largest_dim(axis_name, jax.lax.axis_size(axis_name), min_weight_size)
+    return store(params, choice, further=True)
 
 
 def gather_params(
