@@ -228,21 +228,21 @@ def test_a_reader_that_stops_reading_is_not_an_error():
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
 
 
+@pytest.mark.parametrize("mesh", ["fsdp=8", "fsdp=4,tensor=2"])
 @pytest.mark.parametrize("api", ["linen", "nnx"])
-def test_a_tensor_axis_of_one_device_leaves_every_dim_to_fsdp_and_passes_check(api):
-    """On a mesh whose tensor axis has one device (a GPU run's default: every device on fsdp)
-    the GPT has no Megatron layers: no spec names 'tensor', FSDP splits a column layer's bias
-    too (it stayed whole over fsdp, warned of as its layer's dim over 'tensor'), the loss reads
-    whole logits as the one device's slice, and the run equals its twin. Negative control: on
-    fsdp=4,tensor=2 the specs name 'tensor' (the bias over ('tensor', 'fsdp'))."""
-    flags = ["--api", api, "--mesh", "fsdp=8", "--min-weight-size", "0"]
+def test_fsdp_splits_every_large_parameter_and_passes_check(api, mesh):
+    """FSDP splits every parameter above --min-weight-size, and the run equals its twin. On a
+    mesh whose tensor axis has one device (a GPU run's default: every device on fsdp) the GPT
+    has no Megatron layers: no spec names 'tensor', and the loss reads whole logits as the one
+    device's slice. On fsdp=4,tensor=2 a column layer's bias is split over ('tensor', 'fsdp'):
+    tensor's blocks, each over fsdp. Either bias stayed whole over fsdp, with a warning."""
+    flags = ["--api", api, "--mesh", mesh, "--min-weight-size", "0"]
     code, out = run("plan", *flags, "--remat", "none")
-    assert code == 0 and "'tensor'" not in out, out
-    assert re.search(r"blocks/mlp/wi/bias .* P\(None, 'fsdp'\) ", out), out
+    bias = {"fsdp=8": r"P\(None, 'fsdp'\)", "fsdp=4,tensor=2": r"P\(None, \('tensor', 'fsdp'\)\)"}[mesh]
+    assert code == 0 and re.search(rf"blocks/mlp/wi/bias .* {bias} ", out), out
+    assert mesh != "fsdp=8" or "'tensor'" not in out, out
     code, out = run("train", *flags, "--steps", "1", "--check", "2", "--eval-every", "0")
-    assert code == 0 and "mesh data=1 x fsdp=8 x tensor=1" in out and "-> ok" in out, out
-    code, out = run("plan", *flags[:2], "--mesh", "fsdp=4,tensor=2", *flags[4:], "--remat", "none")
-    assert code == 0 and re.search(r"blocks/mlp/wi/bias .* P\(None, \('tensor', 'fsdp'\)\) ", out), out
+    assert code == 0 and "-> ok" in out, out
 
 
 def test_the_command_prints_a_library_warning_in_one_line_as_it_prints_an_error(monkeypatch, capsys):
