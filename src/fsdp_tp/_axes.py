@@ -18,6 +18,7 @@ __all__ = [
     "bound_axis_names",
     "checks_vma",
     "entry_axes",
+    "entry_of",
     "local_slice",
     "require_axes",
     "varying_axes",
@@ -40,6 +41,16 @@ def entry_axes(entry) -> tuple[AxisName, ...]:
     if entry is None:
         return ()
     return entry if isinstance(entry, tuple) else (entry,)
+
+
+def entry_of(axes: tuple[AxisName, ...]) -> AxisName | tuple[AxisName, ...] | None:
+    """The spec entry of a dim split over ``axes`` (the inverse of :func:`entry_axes`): ``None``,
+    the one name, or the tuple.
+
+    >>> entry_of(()), entry_of(("fsdp",)), entry_of(("tensor", "fsdp"))
+    (None, 'fsdp', ('tensor', 'fsdp'))
+    """
+    return axes if len(axes) > 1 else (axes[0] if axes else None)
 
 
 def axes_named(names) -> set[AxisName]:

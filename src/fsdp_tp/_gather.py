@@ -26,7 +26,7 @@ from __future__ import annotations
 import jax
 from flax.core.meta import Partitioned
 
-from ._axes import entry_axes, varying_axes
+from ._axes import entry_axes, entry_of, varying_axes
 from ._types import AxisName
 from .collectives import gather_array_with_mean_grads, gather_from_axis, gather_scaled_with_mean_grads
 from .precision import MixedPrecision
@@ -64,7 +64,7 @@ def _gather_one(
         value = gather_array_with_mean_grads(shard, dim, axis, *dtypes)
     else:  # the backward pass slices: nothing is reduced, so nothing to save in precision
         value = gather_from_axis(shard, dim, axis)
-    new_names = (*names[:dim], rest if len(rest) > 1 else (rest[0] if rest else None), *names[dim + 1 :])
+    new_names = (*names[:dim], entry_of(rest), *names[dim + 1 :])
     return (
         value if all(n is None for n in new_names) else leaf.replace(value=value, names=new_names)
     ), gathered_scale

@@ -30,7 +30,7 @@ import jax
 from flax.core.meta import Partitioned
 from jax.sharding import PartitionSpec
 
-from ._axes import entry_axes, local_slice
+from ._axes import entry_axes, entry_of, local_slice
 from ._types import AxisName
 from .errors import IndivisibleShapeError, SpecError
 
@@ -169,7 +169,7 @@ def fsdp_entry(names: tuple, dim: int, axis: AxisName) -> AxisName | tuple:
     >>> fsdp_entry((None, "tensor"), 0, "fsdp"), fsdp_entry((None, "tensor"), 1, "fsdp")
     ('fsdp', ('tensor', 'fsdp'))
     """
-    return axis if names[dim] is None else (*entry_axes(names[dim]), axis)
+    return entry_of((*entry_axes(names[dim]), axis))
 
 
 def block_of(value: jax.Array, spec: PartitionSpec) -> jax.Array:

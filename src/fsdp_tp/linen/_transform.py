@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from .._axes import axes_named, bound_axis_names, entry_axes, varying_axes
+from .._axes import axes_named, bound_axis_names, entry_axes, entry_of, varying_axes
 from .._batch import resolve_batch_axes
 from .._layout import block_of, check_fit
 from .._tree import module_path, path_of
@@ -73,18 +73,18 @@ def _merge(path: str, names: tuple, spec: PartitionSpec, further: bool) -> tuple
         if entry is None:
             continue
         layer, axes = entry_axes(names[dim]), entry_axes(entry)
+        more = axes[len(layer) :]
         if names[dim] is not None and not (further and axes[: len(layer)] == layer):
             raise RuleError(
                 f"{path}: the rule splits dim {dim} over {entry!r}, but its layer already splits that dim "
                 f"over {names[dim]!r}; give that dim None in the rule."
             )
-        if twice := set(axes[len(layer) :]) & axes_named(names):
+        if twice := set(more) & axes_named(names):
             raise RuleError(
                 f"{path}: the rule uses mesh axis {sorted(twice, key=str)[0]!r}, which its layer already "
                 f"splits another dim over (names {names}); an axis can split one dim of a parameter."
             )
-        more = axes[len(layer) :]
-        merged[dim], beyond[dim] = entry, (more if len(more) > 1 else (more[0] if more else None))
+        merged[dim], beyond[dim] = entry, entry_of(more)
     return tuple(merged), PartitionSpec(*beyond)
 
 
@@ -107,14 +107,12 @@ def store(
         logical = tuple(leaf.names) if isinstance(leaf, nn.LogicallyPartitioned) else None
         names = tuple(leaf.names) if type(leaf) is nn.Partitioned else (None,) * np.ndim(value)
         spec = choose(path, np.shape(value), names, logical)
-        plans.append((path, leaf, value, names, spec))
+        plans.append((path, leaf, value, None if spec is None else _merge(path, names, spec, further)))
     # Dims a layer split are already local: what is split is the layer's block, by the axes
     # the spec adds.
-    merged = [None if s is None else _merge(path, names, s, further) for path, _, _, names, s in plans]
-    local = ((p[0], np.shape(p[2]), m[1]) for p, m in zip(plans, merged, strict=True) if m is not None)
-    check_fit(local, sizes, fix)
+    check_fit(((path, np.shape(value), split[1]) for path, _, value, split in plans if split), sizes, fix)
     out = []
-    for (_, leaf, value, _, _), split in zip(plans, merged, strict=True):
+    for _, leaf, value, split in plans:
         if split is None or not any(entry_axes(e) for e in split[1]):
             out.append(leaf.value if isinstance(leaf, nn.LogicallyPartitioned) else leaf)
             continue

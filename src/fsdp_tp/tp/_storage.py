@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from jax.sharding import PartitionSpec
 
-from .._axes import axes_named, entry_axes
+from .._axes import axes_named, entry_axes, entry_of
 from .._types import AxisName
 from ..errors import RuleError
 
@@ -93,8 +93,7 @@ def require_no_tp_axis(path: str, spec: PartitionSpec, tp_axes: frozenset, sourc
     """A parameter no role splits may not be split over an axis roles compute on: that axis is
     never gathered, so its module would compute on a slice it does not expect."""
     if used := [a for a in axes_named(spec) if a in tp_axes]:
-        fix = PartitionSpec(*(tuple(a for a in entry_axes(e) if a not in tp_axes) or None for e in spec))
-        fix = PartitionSpec(*(e[0] if isinstance(e, tuple) and len(e) == 1 else e for e in fix))
+        fix = PartitionSpec(*(entry_of(tuple(a for a in entry_axes(e) if a not in tp_axes)) for e in spec))
         err = RuleError(
             f"{path}: {source} gives {spec}, splitting it over {used[0]!r}, which tp rules compute "
             f"over; no tp rule's role splits this parameter, so nothing would compute on its slices. "
