@@ -86,6 +86,6 @@ def find_tp_rules(
 
     def attempt(p: TPPlan) -> None:  # (stored whole but for the roles: the plan is what is checked)
         sharded = ShardedModel(make, [(r".", REPLICATED)], p.rules, REPLICATED, None, None)
-        trace_per_device(lambda: PlanChecks(sharded, args).attempt(graph), mesh, (), ())
+        trace_per_device(lambda: PlanChecks(sharded, args, kwargs).attempt(graph), mesh, (), ())
 
     return fitted(plan, attempt)

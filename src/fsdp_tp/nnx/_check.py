@@ -90,10 +90,24 @@ def _graph(model: nnx.Module, arrays: list, rebuild) -> Graph:
 
     def call(state, values):
         call_args, call_kwargs = rebuild(values)
-        return scoped(nnx.merge(graphdef, state))(*call_args, **call_kwargs)
+        return scoped(_streamed(nnx.merge(graphdef, state)))(*call_args, **call_kwargs)
 
     with own_trace():  # (no check of the check's own trace; roles without rings)
         return Graph.trace(call, state, arrays)
+
+
+def _streamed(model: nnx.Module) -> nnx.Module:
+    """``model`` (a throwaway copy) with a stand-in stream for each ``nnx.Dropout`` and dropping
+    ``nnx.MultiHeadAttention`` that holds none: a model that takes its rngs at call time
+    (``model(x, rngs=nnx.Rngs(dropout=key))``) is checked on ``inputs=``, which carry no call's
+    rngs. The trace is abstract and the library draws each device's block of the unsharded mask
+    from whatever key the call gives: only which key is stood in for, never what is computed."""
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Dropout) and getattr(node, "rngs", None) is None:
+            object.__setattr__(node, "rngs", nnx.Rngs(**{node.rng_collection: 0}))
+        elif isinstance(node, nnx.MultiHeadAttention) and node.dropout_rate and node.rngs is None:
+            object.__setattr__(node, "rngs", nnx.Rngs(dropout=0).dropout)
+    return model
 
 
 def _named(plan: RolePlan):
@@ -117,11 +131,12 @@ def _named(plan: RolePlan):
 class PlanChecks:
     """A :class:`~fsdp_tp.nnx.ShardedModel`'s plan checks: called with the merged model and a
     call's arguments (the class :func:`checked_class` gives the model calls it first), and
-    :meth:`attempt`, the plan checked on ``inputs=`` (``tp_rules="auto"`` fits its plan so, at
-    init, under the mesh; ``find_tp_rules(size=)`` on an abstract mesh)."""
+    :meth:`attempt`, the plan checked on ``inputs=`` and ``kwargs``, the call's keyword
+    arguments where they are known (``tp_rules="auto"`` fits its plan so, at init, under the
+    mesh; ``find_tp_rules(size=)`` on an abstract mesh, with its call's keyword arguments)."""
 
-    def __init__(self, sharded: Any, inputs: tuple | None):
-        self.sharded, self.inputs = sharded, inputs
+    def __init__(self, sharded: Any, inputs: tuple | None, kwargs: dict | None = None):
+        self.sharded, self.inputs, self.kwargs = sharded, inputs, dict(kwargs or {})
         self.reference: nnx.Module | None = None  # the unsharded model, abstract
         self.checked: set = set()  # (input shapes, axis sizes) whose plan the trace has checked
 
@@ -143,11 +158,11 @@ class PlanChecks:
     def attempt(self, traced: Graph | None = None) -> None:
         """The model initialized and merged, abstractly, here, and its plan checked on
         ``inputs=`` (``traced``: the unsharded call on them, where the caller has it)."""
-        arrays, rebuild = static_split(tuple(self.inputs or ()), {})
+        arrays, rebuild = static_split(tuple(self.inputs or ()), self.kwargs)
 
         def check(rng, values):
             model = self.sharded.merge(*self.sharded.init(rng))
-            self(model, rebuild(values)[0], {}, traced)  # (the check alone: no call of the model)
+            self(model, *rebuild(values), traced)  # (the check alone: no call of the model)
 
         jax.make_jaxpr(check)(jax.random.key(0), [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays])
 
