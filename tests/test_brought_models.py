@@ -1,19 +1,23 @@
 """Issue 82: the proof takes the models people bring, as they wrote them.
 
 Each test is one point of the issue, with its negative control: the NNX tutorial's call-time
-dropout rngs under ``"auto"`` and ``find_tp_rules(size=)`` (point 1).
+dropout rngs under ``"auto"`` and ``find_tp_rules(size=)`` (point 1), float64 that reaches a
+token model's default-dtype layers (point 2), an NNX model that holds its own rngs (point 3).
 """
 
 from __future__ import annotations
 
+import warnings
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
 
 import fsdp_tp
-from fsdp_tp.errors import RuleError
-from fsdp_tp.testing import check_sharded
+from fsdp_tp.errors import CheckPrecisionWarning, RuleError
+from fsdp_tp.testing import NNXTwin, check_sharded
 from fsdp_tp.tp import ColumnParallel, RowParallel
 
 D = 8
@@ -37,6 +41,17 @@ class CallTimeDrop(nnx.Module):
 
     def __call__(self, x, rngs=None):
         return x + self.down(self.drop(nnx.gelu(self.up(x)), rngs=rngs))
+
+
+class OwnDrop(nnx.Module):
+    """The Flax NNX guide's idiom: ``nnx.Dropout(rate, rngs=rngs)`` holding its own stream."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.up, self.down = nnx.Linear(D, 4 * D, rngs=rngs), nnx.Linear(4 * D, D, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(self.drop(nnx.gelu(self.up(x))))
 
 
 def test_call_time_dropout_rngs_auto_plans_and_proves_equal():
@@ -66,3 +81,65 @@ def test_negative_control_a_real_misfit_beside_dropout_is_still_refused():
 
     with pytest.raises(RuleError, match=r"LayerNorm|norm"):
         check_sharded(NormInside, BATCH, mse, MESH, tp_rules=RULES, rngs={"dropout": KEY}, steps=1)
+
+
+def test_an_nnx_model_holding_its_own_rngs_is_proved_equal():
+    """Point 3: both models draw from the state ``make(nnx.Rngs(seed))`` holds (was a raw
+    ``KeyError: ('drop', 'rngs', 'count')``)."""
+    check_sharded(OwnDrop, BATCH, mse, MESH, tp_rules=RULES, steps=1)
+
+
+def test_negative_control_own_rngs_from_another_seed_differ():
+    """The twin's dropout really draws: the same model from another seed's rngs drops other
+    entries, so the state the check carries decides the output."""
+    twins = [NNXTwin(OwnDrop, seed=seed) for seed in (0, 1)]
+    params = twins[0].init(jax.random.key(0))["params"]
+    first, second = (t.apply({"params": params}, X) for t in twins)
+    assert not jnp.allclose(first, second)
+    assert jnp.array_equal(first, twins[0].apply({"params": params}, X))  # the same draws each call
+
+
+class LinenTokens(nn.Module):
+    dtype: jnp.dtype | None = None
+
+    @nn.compact
+    def __call__(self, tokens):
+        h = nn.Embed(32, D, name="embed")(tokens)
+        return nn.Dense(D, name="down")(nn.gelu(nn.Dense(4 * D, dtype=self.dtype, name="up")(h)))
+
+
+class NNXTokens(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(32, D, rngs=rngs)  # (its dtype is fixed to its table's: float32)
+        self.up = nnx.Linear(D, 4 * D, rngs=rngs)
+        self.down = nnx.Linear(4 * D, D, rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.down(nnx.gelu(self.up(self.embed(tokens))))
+
+
+TOKENS = (jax.random.randint(jax.random.key(2), (8, 4), 0, 32), jnp.zeros((8, 4, D)))
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_float64_reaches_a_token_models_default_dtype_layers(api):
+    """Point 2: integer tokens and flax's default ``param_dtype=float32``; the check's
+    parameters are cast (and NNX's layers' dtypes, fixed when built), so every layer computes in
+    float64: the loss sees it, and no narrower operation is warned of."""
+    seen = []
+    loss = lambda out, y: (seen.append(out.dtype), mse(out, y))[1]
+    model = LinenTokens() if api == "linen" else NNXTokens
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CheckPrecisionWarning)
+        check_sharded(model, TOKENS, loss, MESH, tp_rules=RULES, steps=1)
+    assert seen and set(seen) == {jnp.dtype(jnp.float64)}
+
+
+def test_negative_control_a_layer_of_its_own_float32_is_named():
+    """A Linen layer that computes in float32 itself keeps the check in float32 there: said,
+    at the model's line, not hidden."""
+    with pytest.warns(
+        CheckPrecisionWarning, match=r"computes in float32 at tests/test_brought_models.py:\d+"
+    ):
+        check_sharded(LinenTokens(dtype=jnp.float32), TOKENS, mse, MESH, tp_rules=RULES, steps=1)
+

@@ -21,6 +21,7 @@ import warnings
 
 __all__ = [
     "BatchAxesError",
+    "CheckPrecisionWarning",
     "CheckpointCorruptError",
     "CheckpointMismatchError",
     "CheckpointSaveError",
@@ -44,6 +45,12 @@ __all__ = [
 class FsdpTpWarning(UserWarning):
     """A warning of this library's: each ``*Warning`` below is one (``-W
     error::fsdp_tp.errors.FsdpTpWarning`` makes them all errors, wherever they point)."""
+
+
+class CheckPrecisionWarning(FsdpTpWarning):
+    """``check_sharded(float64=True)`` could not compute in float64 everywhere: a layer casts
+    to a narrower dtype of its own (``dtype=jnp.float32``). The check ran, at the tolerances
+    of float32, and names the outputs' dtype."""
 
 
 class UnboundAxisNameError(NameError):

@@ -10,7 +10,7 @@ from flax import nnx
 
 from ..errors import RuleError
 
-__all__ = ["built", "require_constructor", "scan_errors_named"]
+__all__ = ["built", "keyword_only", "require_constructor", "scan_errors_named"]
 
 _CALLER = "fsdp_tp.nnx.shard_by_rules"
 
@@ -62,6 +62,11 @@ def built(make_model, rng=0) -> nnx.Module:
             f"pass a constructor of the model, e.g. lambda rngs: Model(..., rngs=rngs)."
         )
     return model
+
+
+def keyword_only(make_model) -> bool:
+    """Whether ``make_model`` takes ``rngs`` by keyword only (how :func:`built` calls it)."""
+    return _keyword_only(_signature(make_model))
 
 
 def _signature(make_model) -> inspect.Signature | None:

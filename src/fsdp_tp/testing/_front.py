@@ -9,7 +9,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -23,6 +22,8 @@ from ..mesh import make_mesh
 from ..nnx._constructor import built as _built
 from ._harness import OPTIMIZERS, Comparison, check_equal
 from ._nnx import NNXSharded, NNXTwin
+from ._precision import require_float64, widened
+from ._precision import wide as _wide
 
 __all__ = ["check_sharded"]
 
@@ -55,11 +56,17 @@ def check_sharded(
     (the sharded one is ``fsdp_tp.shard_by_rules(type(model), rules, tp_rules=...)`` with its
     fields) or an NNX constructor ``make(rngs)`` (``fsdp_tp.nnx.shard_by_rules(make, rules,
     tp_rules=...)``).
-    ``float64``: computed in float64 (inputs cast; the model promotes), where rounding is far
-    below the tolerance. ``rngs`` (``{"dropout": key}``): the streams the model draws from at
-    its call, the same for both (the sharded model draws the twin's dropout masks): a Linen
-    model's ``apply(..., rngs=rngs)``; an NNX model's ``model(x, rngs=nnx.Rngs(**rngs))``, anew
-    for each call (a model holding its own ``nnx.Rngs`` is not a stateless step's).
+    ``float64``: computed in float64 (floating inputs and every floating parameter cast, and
+    an NNX layer's dtype, both models alike), where rounding is far below the tolerance; an
+    operation that still computes narrower (an ``astype``, a Linen layer's own
+    ``dtype=jnp.float32``) is named in a ``CheckPrecisionWarning``. A scalar output (a loss the
+    model returns) is compared as the mean of the devices' values. ``rngs`` (``{"dropout":
+    key}``): the streams the model draws from at its call, the same for both (the sharded model
+    draws the twin's dropout masks): a Linen model's ``apply(..., rngs=rngs)``; an NNX model's
+    ``model(x, rngs=nnx.Rngs(**rngs))``, anew for each call. An NNX model holding its own
+    ``nnx.Rngs`` (``nnx.Dropout(rate, rngs=rngs)``) draws from them where no ``rngs`` is given:
+    both models from the state ``make(nnx.Rngs(seed))`` holds, at every call (a stateless
+    step's: the same draws each step).
 
     >>> import jax, jax.numpy as jnp, flax.linen as nn
     >>> from fsdp_tp.tp import ColumnParallel, RowParallel
@@ -79,8 +86,9 @@ def check_sharded(
     with jax.enable_x64(float64):
         x, y = (jax.tree.map(_wide, t) for t in (x, y)) if float64 else (x, y)
         call = _streams(model, rngs)
-        sharded, twin = (_Called(m, call, rngs or {}) for m in _pair(model, rules, tp_rules, axes, x))
-        shapes = _require_scalar_loss(twin, loss, x, y, seed)
+        built = _pair(model, rules, tp_rules, axes, x, seed, float64)
+        sharded, twin = (_Called(m, call, rngs or {}, float64) for m in built)
+        shapes = _require_scalar_loss(twin, loss, x, y, seed, float64)
         shards = int(np.prod([mesh.shape[a] for a in axes]))
         whole = lambda m, out: _whole(out, shapes, shards) if m is sharded else out
         per_device = lambda m, p, x, y: loss(whole(m, m.apply({"params": p}, x)), y)
@@ -96,10 +104,15 @@ class _Called:
     model: Any
     call: Callable[[], dict]
     streams: Mapping[str, jax.Array]
+    float64: bool
 
     def init(self, rng, x):
         linen = is_linen(self.model)
-        return self.model.init({"params": rng, **self.streams} if linen and self.streams else rng, x)
+        variables = self.model.init({"params": rng, **self.streams} if linen and self.streams else rng, x)
+        # float64 reaches every layer through its parameters: a layer left at flax's default
+        # param_dtype=float32 (dtype=None) computes in the promoted dtype of its inputs and
+        # parameters, so a token model's first layer would keep the whole model in float32.
+        return jax.tree.map(_wide, variables) if self.float64 else variables
 
     def apply(self, variables, x):
         return self.model.apply(variables, x, **self.call())
@@ -114,7 +127,7 @@ def _streams(model, rngs) -> Callable[[], dict]:
     return lambda: {"rngs": nnx.Rngs(**rngs)}
 
 
-def _pair(model, rules, tp_rules, axes, x) -> tuple[Any, Any]:
+def _pair(model, rules, tp_rules, axes, x, seed: int, float64: bool) -> tuple[Any, Any]:
     """The sharded model (Linen-faced, per device) and its twin, from the user's model."""
     if is_linen(model):
         return linen_pair(model, rules, tp_rules, axes)
@@ -124,8 +137,10 @@ def _pair(model, rules, tp_rules, axes, x) -> tuple[Any, Any]:
             f"{type(model).__name__}. For an NNX model pass lambda rngs: Model(..., rngs=rngs)."
         )
     _require_seeded(model)
+    model = widened(model) if float64 else model
     auto = {"inputs": (x,)} if isinstance(tp_rules, str) and tp_rules == "auto" else {}  # (traced there)
-    return NNXSharded(model, rules, batch_axes=axes, tp_rules=tp_rules, **auto), NNXTwin(model)
+    sharded = NNXSharded(model, rules, seed=seed, batch_axes=axes, tp_rules=tp_rules, **auto)
+    return sharded, NNXTwin(model, seed=seed)
 
 
 def _require_splittable(x, y, mesh: Mesh, axes: tuple) -> None:
@@ -141,16 +156,19 @@ def _require_splittable(x, y, mesh: Mesh, axes: tuple) -> None:
                 )
 
 
-def _require_scalar_loss(twin, loss, x, y, seed: int) -> list[tuple[int, ...]]:
-    """The twin's output shapes, once its loss is known to be a scalar."""
+def _require_scalar_loss(twin, loss, x, y, seed: int, float64: bool) -> list[tuple[int, ...]]:
+    """The twin's output shapes, once its loss is known to be a scalar (and, under ``float64``,
+    a warning where an operation of its computes narrower)."""
     params = jax.eval_shape(lambda: twin.init(jax.random.key(seed), x)["params"])
     applied = lambda p: (out := twin.apply({"params": p}, x), loss(out, y))
-    outputs, value = jax.eval_shape(applied, params)  # (one trace for both)
+    outputs, value = jax.eval_shape(applied, params)  # (one trace for both, the jaxpr's too)
     if np.shape(value) != ():
         raise ValueError(
             f"{_CALLER}: loss(outputs, targets) returns shape {np.shape(value)}; the check needs the "
             f"batch's mean loss, a scalar: reduce it, e.g. lambda out, y: jnp.mean(...)."
         )
+    if float64:
+        require_float64(jax.make_jaxpr(applied)(params), _CALLER)
     return [tuple(leaf.shape) for leaf in jax.tree.leaves(outputs)]
 
 
@@ -188,8 +206,3 @@ def _require_seeded(make) -> None:
             f"its own (numpy's, or a key it makes), so no twin can be built. Draw every parameter from "
             f"the rngs passed in."
         )
-
-
-def _wide(leaf):
-    """A floating leaf in float64 (integer token ids as they are)."""
-    return jnp.asarray(leaf, jnp.float64) if jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating) else leaf

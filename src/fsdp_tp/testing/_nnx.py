@@ -12,45 +12,69 @@
 
 from __future__ import annotations
 
+import jax
 from flax import nnx
 
 from ..nnx import shard_by_rules
 from ..nnx._constructor import built
+from ..nnx._state import model_state_of, split_model
 
 __all__ = ["NNXSharded", "NNXTwin"]
 
 
 class NNXSharded:
     """``make``'s model laid out by ``fsdp_tp.nnx.shard_by_rules(make, rules, **options)``, per
-    device: ``init`` its blocks, ``apply`` the model merged from them."""
+    device: ``init`` its blocks, ``apply`` the model merged from them and from the Variables
+    other than parameters that ``make(nnx.Rngs(seed))`` holds (its own rngs: every call starts
+    from the same draws, as a stateless step's does, and the twin's)."""
 
-    def __init__(self, make, rules=(), **options):
+    def __init__(self, make, rules=(), *, seed: int = 0, **options):
         self.sharded = shard_by_rules(make, rules, **options)
+        self.model_state = initial_state(make, seed)
 
     def init(self, rng, *_inputs):
         return {"params": self.sharded.init(rng)[0]}
 
     def apply(self, variables, x, **call):
-        return self.sharded.merge(variables["params"])(x, **call)
+        return self.sharded.merge(variables["params"], self.model_state)(x, **call)
 
 
 class NNXTwin:
     """``make``'s model, unsharded: ``init`` its parameters from ``nnx.Rngs(rng)`` as a pure
-    dict, ``apply`` the model with them."""
+    dict, ``apply`` the model with them and with the other Variables ``make(nnx.Rngs(seed))``
+    holds (as :class:`NNXSharded`'s)."""
 
-    def __init__(self, make):
+    def __init__(self, make, *, seed: int = 0):
         self.make = make
         self.graphdef, self.abstract = nnx.split(nnx.eval_shape(lambda: built(make, 0)))
+        self.model_state = initial_state(make, seed)
 
     def init(self, rng, *_inputs):
         return {"params": _pure(nnx.state(built(self.make, rng), nnx.Param))}
 
     def apply(self, variables, x, **call):
-        by_path = {path: leaf for path, leaf in _flat(variables["params"])}
+        by_path = dict(_flat(variables["params"]))
+        for name, tree in self.model_state.items():
+            by_path.update(((name, *path), leaf) for path, leaf in _flat(tree))
         state = nnx.from_flat_state(
-            [(path, v.copy(by_path[path])) for path, v in nnx.to_flat_state(self.abstract)]
+            [(path, v.copy(by_path[_key(path, v)])) for path, v in nnx.to_flat_state(self.abstract)]
         )
         return nnx.merge(self.graphdef, state)(x, **call)
+
+
+def initial_state(make, seed: int) -> dict:
+    """The Variables other than parameters of ``make(nnx.Rngs(seed))`` (rng keys and counts,
+    BatchNorm statistics), by type name, as :func:`~fsdp_tp.nnx._state.model_state_of` lays
+    them out: empty for a model of parameters alone. One jitted build (its parameters unused)."""
+    abstract = split_model(nnx.eval_shape(lambda: built(make, seed)))[2]
+    if not nnx.to_flat_state(abstract):
+        return {}
+    return jax.jit(lambda: model_state_of(split_model(built(make, seed))[2]))()
+
+
+def _key(path: tuple, variable) -> tuple:
+    """A Variable's key in the apply's flat tree: a parameter's path, another's type and path."""
+    return path if isinstance(variable, nnx.Param) else (type(variable).__name__, *path)
 
 
 def _pure(state) -> dict:
