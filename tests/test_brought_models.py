@@ -2,16 +2,19 @@
 
 Each test is one point of the issue, with its negative control: the NNX tutorial's call-time
 dropout rngs under ``"auto"`` and ``find_tp_rules(size=)`` (point 1), float64 that reaches a
-token model's default-dtype layers (point 2), an NNX model that holds its own rngs (point 3).
+token model's default-dtype layers (point 2), an NNX model that holds its own rngs (point 3),
+every ``check_sharded`` argument mistake one line whose fix is then proved (point 7).
 """
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from flax import nnx
 
@@ -143,3 +146,59 @@ def test_negative_control_a_layer_of_its_own_float32_is_named():
     ):
         check_sharded(LinenTokens(dtype=jnp.float32), TOKENS, mse, MESH, tp_rules=RULES, steps=1)
 
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(D, name="down")(nn.gelu(nn.Dense(4 * D, name="up")(x)))
+
+
+# Each mistake a user made (issue 82 point 7), the words its one line must hold, and the fix
+# that line names, as check_sharded's keyword arguments: all the fixes together are proved.
+RNGS_FIX, OPT_FIX = "rngs={'dropout': jax.random.key(0)}", "{'sgd': lambda: optax.sgd(0.1)}"
+MISTAKES = {
+    "optimizer-transform": (
+        {"optimizers": {"sgd": optax.sgd(0.1)}}, r"optimizers\['sgd'\] is an optax transform", OPT_FIX),
+    "optimizers-a-list": ({"optimizers": [optax.sgd]}, r"optimizers is a mapping .* got list", OPT_FIX),
+    "optimizer-not-optax": ({"optimizers": {"sgd": lambda: 3}}, r"is a function returning int 3", OPT_FIX),
+    "no-steps": ({"steps": 0}, r"steps=0; .* steps=1 or more", "steps=1"),
+    "negative-steps": ({"steps": -1}, r"steps=-1", "steps=1"),
+    "batch-axis-not-in-mesh": (
+        {"batch_axes": ("batch",)}, r"batch_axes=\('batch',\) names \['batch'\]", "batch_axes=('data',)"),
+    "rngs-a-key": ({"rngs": KEY}, r"got an array of shape \(\) and dtype key", RNGS_FIX),
+    "rngs-an-int": ({"rngs": 3}, r"got int 3", RNGS_FIX),
+    "a-bare-role": ({"tp_rules": ColumnParallel()}, r"is a role alone", "tp_rules=[('up$', ColumnParallel("),
+    "auto-capitalised": ({"tp_rules": "Auto"}, r"spelled tp_rules='auto', in lower case", "tp_rules='auto'"),
+    "inputs-alone": ({"batch": X}, r"batch is \(inputs, targets\).* shape \(8, 8\)", "batch=(x, y)"),
+    "a-linen-class": ({"model": MLP}, r"the Linen class MLP; pass an instance", "MLP(...)"),
+    "no-batch-axis": (
+        {"mesh": {"tensor": 8}}, r"has no axis the batch splits over", "mesh={'data': 1, 'tensor': 8}"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("mistake", list(MISTAKES))
+def test_every_argument_mistake_is_one_line_naming_the_fix(mistake):
+    given, said, fix = MISTAKES[mistake]
+    call = {"model": MLP(), "batch": BATCH, "loss": mse, "mesh": MESH, "tp_rules": RULES, "steps": 1} | given
+    with pytest.raises((TypeError, ValueError)) as raised:
+        check_sharded(**call)
+    message = str(raised.value)
+    assert "\n" not in message and re.search(said, message), message
+    assert fix in message, message
+
+
+def test_the_fixes_the_mistakes_name_are_accepted_and_equal():
+    """Every fix above at once, as the messages spell them: passes (each mistake's own fix
+    lands in one of these keywords; the model's and the batch's are the call's as written)."""
+    check_sharded(
+        MLP(),
+        (X, BATCH[1]),
+        mse,
+        {"data": 1, "tensor": 8},
+        tp_rules=[("up$", ColumnParallel()), ("down$", RowParallel())],
+        batch_axes=("data",),
+        optimizers={"sgd": lambda: optax.sgd(0.1)},
+        steps=1,
+        rngs={"dropout": jax.random.key(0)},
+    )
+    check_sharded(MLP(), BATCH, mse, MESH, tp_rules="auto", steps=1)

@@ -20,6 +20,7 @@ from .._types import AxisNames
 from ..linen._testing import is_linen, linen_pair
 from ..mesh import make_mesh
 from ..nnx._constructor import built as _built
+from ._arguments import require_arguments, require_model
 from ._harness import OPTIMIZERS, Comparison, check_equal
 from ._nnx import NNXSharded, NNXTwin
 from ._precision import require_float64, widened
@@ -78,6 +79,10 @@ def check_sharded(
     >>> check_sharded(MLP(), (x, y), lambda out, y: jnp.mean((out - y) ** 2), {"data": 2, "tensor": 4},
     ...               tp_rules=[("up$", ColumnParallel()), ("down$", RowParallel())], steps=1)
     """
+    require_model(model)
+    require_arguments(
+        batch=batch, mesh=mesh, steps=steps, optimizers=optimizers, rngs=rngs, batch_axes=batch_axes
+    )
     mesh = make_mesh(dict(mesh)) if isinstance(mesh, Mapping) else mesh
     defaults = tuple(a for a in DEFAULT_BATCH_AXES if a in mesh.shape)
     axes = as_axis_tuple(batch_axes) if batch_axes is not None else defaults

@@ -55,6 +55,15 @@ def compile_tp_rules(rules: Sequence, caller: str) -> tuple[CompiledRole, ...]:
             f"NNX model, fsdp_tp.linen.find_tp_rules for Linen), or give 'auto' to shard_by_rules "
             f"(with inputs= for NNX)."
         )
+    if isinstance(rules, str) and rules.strip().lower() == "auto":
+        raise RuleError(
+            f"{caller}: tp_rules={rules!r}: the finder is spelled tp_rules='auto', in lower case."
+        )
+    if isinstance(rules, TPRole):
+        raise RuleError(
+            f"{caller}: tp_rules={rules!r} is a role alone; give a list of (pattern, role) pairs naming the "
+            f"layers it splits, e.g. tp_rules=[('up$', {rules!r})]."
+        )
     one = isinstance(rules, tuple | list) and len(rules) == 2 and isinstance(rules[1], TPRole)
     if isinstance(rules, str) or one:
         example = f"[{rules!r}]" if one else f"[({rules!r}, ColumnParallel())]"
