@@ -192,6 +192,22 @@ def test_plan_prints_fsdps_wire_per_split_element():
     assert 2.25 < figure < 3 and "(float8_e4m3fn gathers, bfloat16 reduce-scatters, remat none" in fp8
 
 
+def test_narrow_gathers_on_a_mesh_with_no_fsdp_axis_are_refused_with_a_mesh_that_works(capsys):
+    """Issue 82 point 5: ``--gather-dtype fp8 --mesh data=8`` printed "FSDP gathers in
+    float8_e4m3fn", gathered nothing and trained on fp8-rounded weights. Refused in one line
+    naming the flags, the mesh and the fix; the mesh it names plans its fp8 gathers."""
+    code, _ = run("plan", "--mesh", "data=4,tensor=2", "--gather-dtype", "fp8", "--reduce-dtype", "bf16")
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert (
+        "--gather-dtype fp8 --reduce-dtype bf16 on --mesh data=4,tensor=2: the mesh has no fsdp axis" in err
+    )
+    fix = err.split("(--mesh ")[1].split(")")[0]
+    assert fix == "fsdp=4,tensor=2"
+    code, out = run("plan", "--mesh", fix, "--gather-dtype", "fp8", "--reduce-dtype", "bf16")
+    assert code == 0 and "float8_e4m3fn gathers, bfloat16 reduce-scatters" in out, out
+
+
 def test_bad_data_files_exit_2(tmp_path, capsys):
     empty, short = tmp_path / "empty.txt", tmp_path / "short.txt"
     empty.write_text("")

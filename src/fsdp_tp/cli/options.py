@@ -99,7 +99,8 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
         default="f32",
         help="dtype FSDP all-gathers parameters in; bf16 moves half the bytes and the model reads "
         "every parameter rounded to bf16 (stored and updated in f32); fp8 (float8_e4m3fn) and "
-        "fp8-e5m2 move a quarter, each row scaled by its largest magnitude",
+        "fp8-e5m2 move a quarter, each row scaled by its largest magnitude (needs an fsdp axis of more "
+        "than one device: without one nothing is gathered)",
     )
     p.add_argument(
         "--reduce-dtype",

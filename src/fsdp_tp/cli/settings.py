@@ -76,6 +76,7 @@ def settings_of(args, mesh: dict, vocab_size: int | None = None) -> Settings:
             f"pass --kv-heads with a divisor of {config.num_heads}."
         )
     check_tensor_split(config, args, mesh, _sequence_parallel(args))
+    _check_gathered(args, mesh)
     check_schedule(args)
     if args.api == "nnx" and not config.experts:
         check_nnx(args, mesh.get("tensor", 1))
@@ -114,6 +115,28 @@ def _mixed_precision(args) -> MixedPrecision | None:
     if args.gather_dtype == args.reduce_dtype == "f32":
         return None
     return MixedPrecision(GATHER_DTYPES[args.gather_dtype], DTYPES[args.reduce_dtype])
+
+
+def _check_gathered(args, mesh: dict) -> None:
+    """``--gather-dtype`` / ``--reduce-dtype`` narrower than f32 on a mesh whose fsdp axis has
+    one device: FSDP gathers and reduce-scatters nothing there, and the policy would only round
+    every weight the model reads (an fp8 one trains another model, said to gather in fp8).
+    Refused, with the mesh that moves the data axis's devices to fsdp."""
+    if _mixed_precision(args) is None or mesh.get("fsdp", 1) > 1:
+        return
+    flags = " ".join(
+        f"--{flag}-dtype {getattr(args, f'{flag}_dtype')}"
+        for flag in ("gather", "reduce")
+        if getattr(args, f"{flag}_dtype") != "f32"
+    )
+    moved = {"fsdp" if axis == "data" else axis: size for axis, size in mesh.items() if axis != "fsdp"}
+    fix = ",".join(f"{axis}={size}" for axis, size in moved.items() if size > 1 or axis == "fsdp")
+    given = ",".join(f"{axis}={size}" for axis, size in mesh.items() if size > 1) or "of one device"
+    raise UsageError(
+        f"{flags} on --mesh {given}: the mesh has no fsdp axis of more than one device, so FSDP "
+        f"gathers and reduce-scatters nothing, and the dtype would only round every parameter the "
+        f"model reads. Split the parameters over fsdp (--mesh {fix}), or leave the dtypes at f32."
+    )
 
 
 def mesh_sizes(text: str, experts: int | None = None) -> dict:
