@@ -53,7 +53,7 @@ def require_arguments(
 
 
 def _require_optimizers(optimizers: Any) -> None:
-    if not isinstance(optimizers, Mapping) or not optimizers:
+    if not isinstance(optimizers, Mapping):  # (empty: init, outputs and gradients alone)
         raise TypeError(
             f"{_CALLER}: optimizers is a mapping of names to functions that make an optax transform; got "
             f"{_short(optimizers)}: pass e.g. optimizers={_FACTORY}."
