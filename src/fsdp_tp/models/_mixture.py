@@ -64,4 +64,5 @@ def moe_fields(s: dict) -> dict:
 
 def weighted(losses: tuple[jax.Array, jax.Array]) -> jax.Array:
     (balance, z), (balance_weight, z_weight) = losses, AUX_WEIGHTS
-    return balance_weight * balance.astype(jnp.float32) + z_weight * z.astype(jnp.float32)
+    wide = lambda loss: loss.astype(jnp.promote_types(loss.dtype, jnp.float32))  # (f32 or wider)
+    return balance_weight * wide(balance) + z_weight * wide(z)
