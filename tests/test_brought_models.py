@@ -8,6 +8,7 @@ every ``check_sharded`` argument mistake one line whose fix is then proved (poin
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 
@@ -202,3 +203,118 @@ def test_the_fixes_the_mistakes_name_are_accepted_and_equal():
         rngs={"dropout": jax.random.key(0)},
     )
     check_sharded(MLP(), BATCH, mse, MESH, tp_rules="auto", steps=1)
+
+
+# -- point 6: every refusal's fix is itself accepted ---------------------------------------
+
+HEADS, HD = 4, 4
+
+
+class FusedQKV(nn.Module):
+    """GPT-J/NeoX's fused projection; ``major="qkv"`` splits it qkv-major (3 parts over 4
+    devices: no block), ``"head"`` head-major, the layout the refusal names."""
+
+    major: str = "qkv"
+
+    @nn.compact
+    def __call__(self, x):
+        b, s, _ = x.shape
+        qkv = nn.Dense(3 * HEADS * HD, name="qkv")(x)
+        if self.major == "qkv":
+            q, k, v = jnp.moveaxis(qkv.reshape(b, s, 3, -1, HD), 2, 0)
+        else:
+            q, k, v = jnp.moveaxis(qkv.reshape(b, s, -1, 3, HD), 3, 0)
+        w = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k), -1)
+        return nn.Dense(D, name="out")(jnp.einsum("bhqk,bkhd->bqhd", w, v).reshape(b, s, -1))
+
+
+SEQ = (jax.random.normal(jax.random.key(4), (8, 4, D)), jnp.zeros((8, 4, D)))
+FUSED = [("qkv$", ColumnParallel()), ("out$", RowParallel())]
+
+
+def test_a_qkv_major_reshape_is_refused_naming_the_head_major_layout_that_works():
+    """The fix named was reshape(b, s, -1, 4, 8): 24 features a device into (-1, 4, 4) fits
+    no whole dim, itself refused. Now: the head-major reshape (heads first, then the 3), or
+    q, k and v apart; the head-major model is proved equal."""
+    with pytest.raises(RuleError) as refused:
+        check_sharded(FusedQKV(), SEQ, mse, MESH, tp_rules=FUSED, steps=1)
+    assert "reshape to (4, 4, -1, 3, 4), -1 where the unsharded model has 4" in str(refused.value)
+    assert "q, k and v apart" in str(refused.value)
+    check_sharded(FusedQKV(major="head"), SEQ, mse, MESH, tp_rules=FUSED, steps=1)
+
+
+class StackedKV(nnx.Module):
+    """flax's NNX Gemma's attention: k and v stacked in one einsum, ``'BTD,CKDH->CBTKH'``."""
+
+    def __init__(self, rngs, letter=None):
+        self.q = nnx.Einsum("BTD,DNH->BTNH", (D, HEADS, HD), rngs=rngs)
+        self.kv = nnx.Einsum("BTD,CKDH->CBTKH", (2, HEADS, D, HD), rngs=rngs)
+        self.out = nnx.Einsum("BTNH,NHD->BTD", (HEADS, HD, D), rngs=rngs)
+
+    def __call__(self, x):
+        q, (k, v) = self.q(x), self.kv(x)
+        w = jax.nn.softmax(jnp.einsum("btnh,bsnh->bnts", q, k), -1)
+        return self.out(jnp.einsum("bnts,bsnh->btnh", w, v))
+
+
+def test_a_stacked_kv_einsums_letter_is_named_under_check_vma_and_works():
+    """Under check_vma=True the letter hint read "the plan leaves it whole" for every einsum
+    (the finder traced a device's varying inputs, whose casts hid the matmuls); it names
+    ColumnParallel(letter='K') as unchecked did, and that rule is proved equal."""
+    rules = lambda kv: [("^q$", ColumnParallel()), ("^kv$", kv), ("^out$", RowParallel())]
+    with pytest.raises(RuleError) as refused:
+        check_sharded(
+            StackedKV, SEQ, mse, {"data": 4, "tensor": 2}, tp_rules=rules(ColumnParallel()), steps=1
+        )
+    assert "the plan found gives ColumnParallel(letter='K')" in str(refused.value), str(refused.value)
+    check_sharded(
+        StackedKV, SEQ, mse, {"data": 4, "tensor": 2}, tp_rules=rules(ColumnParallel(letter="K")), steps=1
+    )
+
+
+class RawSwiGLU(nnx.Module):
+    """One module, three raw kernels read by einsums: no role computes it (issue 85's)."""
+
+    def __init__(self, rngs):
+        init = nnx.initializers.lecun_normal()
+        self.w_gate = nnx.Param(init(rngs.params(), (D, 4 * D)))
+        self.w_up = nnx.Param(init(rngs.params(), (D, 4 * D)))
+        self.w_down = nnx.Param(init(rngs.params(), (4 * D, D)))
+
+    def __call__(self, x):
+        h = nnx.silu(jnp.einsum("bd,dh->bh", x, self.w_gate[...])) * jnp.einsum(
+            "bd,dh->bh", x, self.w_up[...]
+        )
+        return jnp.einsum("bh,hd->bd", h, self.w_down[...])
+
+
+class RawBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.mlp = RawSwiGLU(rngs)
+
+    def __call__(self, x):
+        return x + self.mlp(x)
+
+
+def test_a_rule_on_raw_parameters_names_a_layer_per_kernel_not_a_pattern_refused_in_turn():
+    """It said "drop the parameter name, e.g. 'mlp$'", refused in turn (mlp is no layer a role
+    computes). A Dense's parameter still gets its module's name, which RULES prove above."""
+    with pytest.raises(RuleError) as refused:
+        check_sharded(RawBlock, BATCH, mse, MESH, tp_rules=[("mlp/w_gate$", ColumnParallel())], steps=1)
+    said = str(refused.value)
+    assert "mlp is a RawSwiGLU whose own code reads its raw parameters" in said and "'mlp$'" not in said
+    assert "give each kernel a layer of its own (nnx.Einsum or nnx.Linear" in said
+    with pytest.raises(RuleError, match=r"drop the parameter name, e.g. 'up\$'"):
+        check_sharded(CallTimeDrop, BATCH, mse, MESH, tp_rules=[("up/kernel$", ColumnParallel())], steps=1)
+
+
+def test_a_dependencys_frame_is_never_the_models_line():
+    """jnp.einsum plans through opt_einsum: a failure inside it named opt_einsum/contract.py:324
+    as the model's line. Its frames are how an operation was made, as JAX's are."""
+    import opt_einsum
+
+    from fsdp_tp.tp._sites import made_by_jax, users_file
+
+    contract = os.path.join(os.path.dirname(opt_einsum.__file__), "contract.py")
+    assert made_by_jax(contract) and not users_file(contract)
+    assert users_file(__file__)

@@ -284,7 +284,9 @@ def test_negative_control_a_combine_without_the_return_all_to_all_is_caught():
         _model("linen"), (TOKENS, TOKENS), lm_loss, {"data": 2, "expert": 4}, [], tp_rules=no_return,
         batch_axes=("data", "expert"), steps=1, optimizers={},
     )  # fmt: skip
-    with pytest.raises(RuleError, match="ExpertParallel"):
+    with pytest.raises(
+        RuleError, match=r"No ExpertParallel layer has returns=True.*ExpertParallel\(returns=True\)"
+    ):
         run()
     with switched_off(), pytest.raises((AssertionError, ValueError, TypeError)):
         run()

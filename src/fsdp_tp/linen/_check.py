@@ -111,7 +111,8 @@ def check_call(
         local = _local_graph(module, fields, arrays, rebuild, streams)
     except Exception as err:
         written = ", ".join(f"({r.pattern!r}, {spelled(r.role)})" for r in rules)
-        raise_failure(err, unsharded, where, f"the tp rules [{written}]", sizes, hinted)
+        roles = [r.role for r in rules]
+        raise_failure(err, unsharded, where, f"the tp rules [{written}]", sizes, hinted, roles=roles)
     references = references_for(unsharded, (r.role for r in rules), sizes)
     check_plan(local, references, sizes, where, _named(rules), hinted)
     checked.add(key)

@@ -71,14 +71,17 @@ def check_call(
     except Exception as err:
         said = {f"({pattern!r}, {spelled(role)})": None for role, pattern, _ in plan.roles.values()}
         written = ", ".join(said)  # (each rule once, as matched: a role's children say "(inside)")
-        raise_failure(err, unsharded, where, f"the tp rules [{written}]", sizes, hinted)
+        raise_failure(err, unsharded, where, f"the tp rules [{written}]", sizes, hinted, roles=roles)
     check_plan(local, references_for(unsharded, roles, sizes), sizes, where, _named(plan), hinted)
     checked.add(key)
 
 
 def _letter_hints(reference: nnx.Module, plan: RolePlan, args: tuple, kwargs: dict, size: int) -> str:
-    """The einsum letters the rules took against the plan found from the model."""
-    graph, layers = traced(reference, args, kwargs)
+    """The einsum letters the rules took against the plan found from the model (traced on
+    the inputs' shapes alone: a device's inputs vary over the batch axes under check_vma, and
+    the casts JAX puts between them and the whole parameters hide the matmuls from the finder)."""
+    arrays, rebuild = static_split(args, kwargs)
+    graph, layers = traced(reference, *rebuild([jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]))
     rules = tuple((pattern, role) for role, pattern, _ in plan.roles.values() if "(inside)" not in pattern)
     return letter_hints(compile_tp_rules(rules, _CALLER), layers, find_plan(graph, layers, size=size))
 

@@ -39,6 +39,7 @@ from typing import Any, NoReturn
 from .._context import set_for
 from ..errors import RuleError, UncheckedPlanWarning, warn
 from ._blocks import Blocks
+from ._experts import ExpertParallel
 from ._graph import Graph
 from ._refusals import RULE_DROPPED, Named, axes_text
 from ._role import without_rings
@@ -180,6 +181,7 @@ def raise_failure(
     sizes: Mapping[str, int],
     hints: Callable[[], str] = str,
     whole: str = RULE_DROPPED,
+    roles: Iterable = (),
 ) -> NoReturn:
     """Raises what fits an error of the model's code on a device's slices under the plan
     (``rules``: the plan as written, ``"the tp rules [...]"``): the library's own errors as they
@@ -199,6 +201,17 @@ def raise_failure(
     except Exception:
         raise err from None  # (not the plan's doing: the model refuses these inputs itself)
     line = next((s for s in sites if users_file(s.file)), None)
+    roles = list(roles)
+    experts = [r for r in roles if isinstance(r, ExpertParallel)]
+    if experts and not any(r.returns for r in experts):
+        raise RuleError(
+            f"{where}: under {rules} the model's code fails on each device's slices"
+            f"{f' at {line}' if line else ''}: {type(err).__name__}: {err}. No ExpertParallel layer has "
+            f"returns=True, so the experts' outputs never go back to their tokens' devices and the combine "
+            f"reads the experts' buffers as its own. Fix: give the expert bank's last layer (the one whose "
+            f"output the combine reads, e.g. the down projection) its own rule with "
+            f"ExpertParallel(returns=True).{hints()}"
+        ) from err
     if (layer := _flax_layer(err)) is not None:  # (a Flax layer the rules leave whole)
         raise RuleError(
             f"{where}: under {rules}, a {layer} the rules leave whole fails on a device's "

@@ -10,6 +10,7 @@ model would compute another function, and a fix that is then accepted.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 
 from ..errors import RuleError
@@ -71,15 +72,13 @@ class Refusals:
 
     def refuse_reshape(self, node: Node, ref: Node, origin: str, major: int) -> None:
         full, held = self.reference.shapes[ref.outs[0]], self.local.shapes[node.outs[0]]
-        fixed = ", ".join("-1" if d == major else str(n) for d, n in enumerate(full))
         self.refuse(
             node,
             ref,
             origin,
             f"it regroups each device's block with whole dims: the unsharded model makes "
             f"{shape_text(full)}, each device {shape_text(held)}, not a block of it",
-            f"size the dim the split lands on from the array, not from the module's constants: reshape "
-            f"to ({fixed}), -1 where the unsharded model has {full[major]}, so each device keeps whole ones",
+            reshape_fix(full, held, major),
         )
 
     def refuse_partial(self, node: Node, ref: Node | None, made: PartialSum) -> None:
@@ -124,6 +123,37 @@ class Refusals:
             f"another function. Fix: {fix}{drop}."
         )
         raise blaming(err, module, f"the plan check: {node.prim} at {at}: {why}")
+
+
+def reshape_fix(full: tuple[int, ...], held: tuple[int, ...], major: int) -> str:
+    """How a reshape keeps each device's block whole: where the split count divides the dim
+    the split lands on (``major``), that dim sized from the array (-1); where it does not (a
+    fused ``qkv.reshape(b, s, 3, heads, hd)``: 3 parts over 4 devices), a dim it divides put
+    first, the other after it (head-major: ``(b, s, heads, 3, hd)``), or the parts apart.
+
+    >>> reshape_fix((4, 4, 3, 4, 8), (4, 4, 3, 1, 8), 2)[:69]
+    'put a dim the 4 devices divide first: reshape to (4, 4, -1, 3, 8), -1'
+    >>> reshape_fix((4, 4, 4, 8), (4, 4, 1, 8), 2)[-93:]
+    'reshape to (4, 4, -1, 8), -1 where the unsharded model has 4, so each device keeps whole ones'
+    """
+    n = math.prod(full) // max(math.prod(held), 1)
+    if full[major] % n == 0:
+        fixed = ", ".join("-1" if d == major else str(size) for d, size in enumerate(full))
+        return (
+            f"size the dim the split lands on from the array, not from the module's constants: reshape "
+            f"to ({fixed}), -1 where the unsharded model has {full[major]}, so each device keeps whole ones"
+        )
+    apart = "give each part its own layer and rule (q, k and v apart)"
+    after = next((d for d in range(major + 1, len(full)) if full[d] % n == 0), None)
+    if after is None:
+        return apart
+    order = [*range(major), after, *(d for d in range(major, len(full)) if d != after)]
+    fixed = ", ".join("-1" if d == after else str(full[d]) for d in order)
+    return (
+        f"put a dim the {n} devices divide first: reshape to ({fixed}), -1 where the unsharded model has "
+        f"{full[after]}, the {full[major]} after it, so each device's block holds whole groups of every "
+        f"part (the columns of a part interleave, a layout of the same parameters); or {apart}"
+    )
 
 
 def blaming(err: RuleError, module: str, reason: str) -> RuleError:

@@ -140,6 +140,25 @@ def kind_error(role: TPRole, pattern: str, cls: type, path: str, modules: Mappin
     )
 
 
+def _parameter_hint(named: Sequence[str], modules: Mapping[str, type], kinds: Kinds) -> str:
+    """The fix for a tp rule that names parameters: their module where a role computes it; a
+    module of raw parameters its own code reads (an MoE block's ``(E, d, h)`` experts, a
+    one-module SwiGLU) no role computes, so the fix is a module per kernel, not its name."""
+    owner = named[0].rpartition("/")[0]
+    said = f"it matches parameters ({', '.join(named[:3])}); tp rules name modules"
+    cls = modules.get(owner)
+    if cls is not None and kinds.roles_for(cls):
+        return f"{said}: drop the parameter name, e.g. {owner + '$'!r}"
+    what = f"a {cls.__name__}" if cls is not None else "a module"
+    return (
+        f"{said}, and {owner or 'the model'} is {what} whose own code reads its raw parameters, "
+        f"which no role computes, so naming it splits nothing. Fix: give each kernel a layer of its "
+        f"own (nnx.Einsum or nnx.Linear, nn.Einsum or nn.Dense, or a class of yours registered with "
+        f"fsdp_tp.tp.register_einsum) and name those, or leave {owner or 'it'} whole (drop the rule; "
+        f"storage rules still split its parameters over fsdp)"
+    )
+
+
 def _nameable(modules: Mapping[str, type], kinds: Kinds, under: str = "") -> list[tuple[str, list[str]]]:
     """``(path, roles)`` of the submodules (under ``under``) a role computes, outermost only:
     the projections inside an attention are its HeadParallel role's."""
@@ -208,8 +227,10 @@ def require_own_parameters(role: TPRole, pattern: str, layer: Layer, cls: type, 
         raise RuleError(
             f"tp rule {pattern!r} -> {type(role).__name__} matches {layer.path}, a {cls.__name__} that "
             f"also computes with {', '.join(extra)}, which {type(role).__name__} does not split (it "
-            f"splits {' and '.join(layer.parameters)}). Leave {layer.path} whole: drop the rule (storage "
-            f"rules can still split its parameters)."
+            f"splits {' and '.join(layer.parameters)}). Fix: give each kernel a module of its own (a "
+            f"class per einsum, each registered with register_einsum, or nnx.Einsum / nn.Einsum) and a rule "
+            f"each; or leave {layer.path} whole: drop the rule (storage rules can still split its "
+            f"parameters)."
         )
 
 
@@ -225,12 +246,7 @@ def require_all_matched(
         if index in used:
             continue
         named = [p for p in params if rule.regex.search(p)]
-        hint = (
-            f"it matches parameters ({', '.join(named[:3])}); tp rules name modules: drop the "
-            f"parameter name, e.g. {named[0].rpartition('/')[0] + '$'!r}"
-            if named
-            else "fix the pattern or drop the rule"
-        )
+        hint = _parameter_hint(named, modules, kinds) if named else "fix the pattern or drop the rule"
         raise RuleError(
             f"tp rule {rule.pattern!r} -> {type(rule.role).__name__} matches no submodule; {hint}. "
             f"Submodules a tp rule can name: {_listed(_nameable(modules, kinds))}."

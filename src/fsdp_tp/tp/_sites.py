@@ -30,6 +30,8 @@ from collections import defaultdict
 
 import flax
 import jax
+import jaxlib
+import opt_einsum
 
 from ._graph import Graph
 from ._relations import Node
@@ -50,8 +52,15 @@ __all__ = [
 ]
 
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the fsdp_tp package
-# Frames of JAX itself and of Python's standard library are how an operation was made, not where.
-_SKIPPED = (os.path.dirname(os.path.abspath(jax.__file__)) + os.sep, sysconfig.get_paths()["stdlib"] + os.sep)
+# Frames of JAX itself, of the packages JAX calls into (opt_einsum plans jnp.einsum's
+# contractions, jaxlib) and of Python's standard library are how an operation was made, not where.
+_SKIPPED = (
+    *(
+        os.path.dirname(os.path.abspath(str(module.__file__))) + os.sep
+        for module in (jax, opt_einsum, jaxlib)
+    ),
+    sysconfig.get_paths()["stdlib"] + os.sep,
+)
 # The library's own models compute as a user's model does; everything else of it distributes.
 _MODEL_CODE = (os.path.join(_HERE, "models") + os.sep, os.path.join(_HERE, "attention.py"))
 _FLAX = os.path.dirname(os.path.abspath(flax.__file__)) + os.sep
