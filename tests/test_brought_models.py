@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 import fsdp_tp
-from fsdp_tp.errors import CheckPrecisionWarning, RuleError
+from fsdp_tp.errors import CheckPrecisionWarning, LayerLeftWholeWarning, RuleError
 from fsdp_tp.testing import NNXTwin, check_sharded
 from fsdp_tp.tp import ColumnParallel, RowParallel
 
@@ -318,3 +318,35 @@ def test_a_dependencys_frame_is_never_the_models_line():
     contract = os.path.join(os.path.dirname(opt_einsum.__file__), "contract.py")
     assert made_by_jax(contract) and not users_file(contract)
     assert users_file(__file__)
+
+
+# -- point 4: nothing quietly less parallel ------------------------------------------------
+
+
+class RawExperts(nnx.Module):
+    """A mixture's experts as raw ``(E, d, h)`` parameters read by einsums in one module."""
+
+    def __init__(self, rngs, experts=4):
+        init = nnx.initializers.lecun_normal()
+        self.w_up = nnx.Param(init(rngs.params(), (experts, D, 4 * D)))
+        self.w_down = nnx.Param(init(rngs.params(), (experts, 4 * D, D)))
+
+    def __call__(self, x):
+        h = nnx.gelu(jnp.einsum("bd,edh->beh", x, self.w_up[...]))
+        return x + jnp.einsum("beh,ehd->bd", h, self.w_down[...]) / self.w_up.shape[0]
+
+
+@pytest.mark.parametrize(
+    "make, mesh, axes, said",
+    [
+        (RawBlock, MESH, None, r"on tensor=4 leaves 1 of 1 layers whole.*mlp \(its own code reads raw"),
+        (RawExperts, {"data": 2, "expert": 4}, ("data", "expert"), r"on expert=4 leaves 1 of 1 .*the model"),
+    ],
+    ids=["one-module-swiglu", "raw-experts"],
+)  # fmt: skip
+def test_auto_names_a_module_of_raw_kernels_it_leaves_whole(make, mesh, axes, said):
+    """ "auto" left a module of raw kernels whole naming nothing, on a tensor axis and on an
+    expert axis (every device then stored every expert); it is named with what would split it,
+    and the numbers are still the unsharded model's."""
+    with pytest.warns(LayerLeftWholeWarning, match=said + r".*give each kernel a layer of its own"):
+        check_sharded(make, BATCH, mse, mesh, tp_rules="auto", batch_axes=axes, steps=1)

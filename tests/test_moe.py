@@ -292,6 +292,25 @@ def test_negative_control_a_combine_without_the_return_all_to_all_is_caught():
         run()
 
 
+def test_returns_on_every_expert_layer_is_refused_naming_the_last_layer_alone():
+    """Issue 82 point 4: returns=True on gate and up as well as down was accepted (equal
+    numbers, 20 all_to_alls where 8 do, 3.25x the bytes): gate's and up's outputs went back to
+    the tokens' devices and down took them straight back. Refused, naming down alone; EP (down
+    alone returns) is the plan the tests above prove."""
+    every = [(r"experts/(gate|up|down)$", ExpertParallel(returns=True))]
+    with pytest.raises(
+        RuleError, match=r"experts/gate, block_0/moe/experts/up.* return their outputs"
+    ) as refused:
+        check_sharded(
+            _model("linen"), (TOKENS, TOKENS), lm_loss, {"data": 2, "expert": 4}, [], tp_rules=every,
+            batch_axes=("data", "expert"), steps=1, optimizers={},
+        )  # fmt: skip
+    assert "Fix: returns=True on the bank's last layer alone, the one whose output the combine reads " in str(
+        refused.value
+    ) and "(block_0/moe/experts/down, block_1/moe/experts/down)" in str(refused.value)
+    assert [p for p, r in EP if r.returns] == [r"experts/down$"]
+
+
 def test_expert_parallel_is_refused_where_the_expert_axis_does_not_split_the_batch():
     with pytest.raises(RuleError, match="'expert' must split the batch"):
         check_sharded(

@@ -67,6 +67,6 @@ class AutoRules:
             self.found[key] = compile_tp_rules(plan.rules, "shard_by_rules(tp_rules='auto')")
             said = self.plans.get(size)  # (a call of other shapes finds the plan again: said once)
             if said is None or [p for p, _ in said.whole] != [p for p, _ in plan.whole]:
-                warn_left_whole(plan, size, f"shard_by_rules({self.target.__name__})", axis)
+                warn_left_whole(plan, size, f"shard_by_rules({self.target.__name__})", axis, experts)
             self.plans[size] = plan
         return self.found[key]

@@ -123,7 +123,7 @@ class Layouts:
             if checked and self._attempt is not None:  # checked where each device computes
                 plan = fitted(plan, lambda p: self._attempt_with(key, p))
             self.plans[size] = plan
-            warn_left_whole(plan, size, self._caller, axis)
+            warn_left_whole(plan, size, self._caller, axis, experts)
             self._layouts[key] = Layout(self._abstract, self._storage, plan, self._caller)
         return self._layouts[key]
 

@@ -26,12 +26,22 @@ from .._einsum import Equation
 from ..errors import LayerLeftWholeWarning, RuleError, warn
 from ._auto_mesh import AUTO_AXIS
 from ._check import checking
+from ._experts import EXPERT
 from ._matmul import ColumnParallel, RowParallel
 from ._relations import DRAWN
 from ._roles import Layer, TPRole
 from ._rules import compile_tp_rules, role_of
 
+# How a module of raw kernels is named where a plan leaves it whole, and what would split it
+RAW = "its own code reads raw parameters through matmuls"
+RAW_FIX = (
+    "give each kernel a layer of its own (an einsum module: nnx.Einsum, nn.Einsum, or a class "
+    "registered with fsdp_tp.tp.register_einsum) to split it"
+)
+
 __all__ = [
+    "RAW",
+    "RAW_FIX",
     "TPPlan",
     "fitted",
     "letter_hints",
@@ -190,7 +200,9 @@ def spelled(role: TPRole) -> str:
     return f"{type(role).__name__}({', '.join(fields)})"
 
 
-def warn_left_whole(plan: TPPlan, size: int | None, caller: str, axis: str | None = TENSOR) -> None:
+def warn_left_whole(
+    plan: TPPlan, size: int | None, caller: str, axis: str | None = TENSOR, experts: int | None = None
+) -> None:
     """Names, once per plan ``tp_rules="auto"`` finds, each layer it leaves whole and why
     (:class:`~fsdp_tp.errors.LayerLeftWholeWarning`): a user who asked for tensor
     parallelism learns which layers do not get it without reading ``tp_plans``.
@@ -203,10 +215,14 @@ def warn_left_whole(plan: TPPlan, size: int | None, caller: str, axis: str | Non
     >>> str(said[0].message).split(", each")[0]
     "shard_by_rules(LM): tp_rules='auto' on tensor=4 leaves 1 of 1 layers whole"
     """
-    if not plan.whole or axis is None:  # (no tensor axis: every layer but the experts is whole)
+    # (no tensor axis: every layer but the experts is whole, as asked; a module of raw kernels,
+    # which no role computes, raw experts too, is named on an expert axis as well)
+    whole = plan.whole if axis is not None else tuple((p, why) for p, why in plan.whole if RAW in why)
+    if not whole or (axis is None and experts is None):
         return
-    names = "; ".join(f"{path} ({why})" for path, why in plan.whole)
-    noisy = [path for path, why in plan.whole if DRAWN in why]
+    on = f"{AUTO_AXIS}={size}" if axis is not None else f"{EXPERT}={experts}"
+    names = "; ".join(f"{path} ({why})" for path, why in whole)
+    noisy = [path for path, why in whole if DRAWN in why]
     numbers = (
         "The numbers are the unsharded model's"
         if not noisy
@@ -217,10 +233,10 @@ def warn_left_whole(plan: TPPlan, size: int | None, caller: str, axis: str | Non
     )
     warn(
         LayerLeftWholeWarning(
-            f"{caller}: tp_rules='auto' on {AUTO_AXIS}={size} leaves {len(plan.whole)} of "
-            f"{len(plan.layers)} layers whole, each held and computed in full on every {AUTO_AXIS} "
-            f"device: {names}. {numbers}; to split a layer, change "
-            f"what its split meets (the plan: .tp_plans[{size}]), or silence this with "
+            f"{caller}: tp_rules='auto' on {on} leaves {len(whole)} of "
+            f"{len(plan.layers) + sum(RAW in why for _, why in plan.whole)} layers whole, each held and "
+            f"computed in full on every {on.split('=')[0]} device: {names}. {numbers}; to split a layer, "
+            f"change what its split meets (the plan: .tp_plans[{size}]), or silence this with "
             f"warnings.filterwarnings('ignore', category=fsdp_tp.errors.LayerLeftWholeWarning)."
         )
     )

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["DRAWN", "Node", "relate", "shape_text"]
+__all__ = ["DRAWN", "ELEMENTWISE", "Node", "relate", "shape_text"]
 
 # The reason a split meets the model's own random draws (read back by the left-whole warning).
 DRAWN = "random numbers the model draws"
@@ -34,6 +34,7 @@ _ELEMENTWISE = frozenset(
     # (and what moves no position: check_vma's type markers, a sum or max over devices)
     + "pvary pcast psum psum_invariant psum2 pmax pmin".split()
 )
+ELEMENTWISE = _ELEMENTWISE  # (what other readers of a trace take as moving no position)
 _REDUCTIONS = frozenset(
     "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split()
 )

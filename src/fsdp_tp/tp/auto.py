@@ -35,7 +35,7 @@ from ..errors import IndivisibleShapeError, RuleError
 from ._expert_plan import expert_roles, with_within
 from ._experts import EXPERT, ExpertParallel
 from ._graph import Graph, kernel_operand, kernels_of
-from ._plan import TPPlan, rules_for
+from ._plan import RAW, RAW_FIX, TPPlan, rules_for
 from ._regions import Refused, grow
 from ._roles import ColumnParallel, HeadParallel, Layer, RowParallel, TPRole, VocabParallel
 
@@ -96,7 +96,27 @@ def find_plan(
     roles = dict(sorted(roles.items(), key=lambda item: first.get(item[0], len(graph.nodes))))
     otherwise = "no matmul reads its parameters" if axis is not None else "the mesh has no tensor axis"
     left = tuple((p, reasons.get(p, otherwise)) for p in layers if _leaf(p, roles, layers))
+    left += _raw_modules(graph, kernels, layers)
     return TPPlan(rules_for(roles, list(layers)), roles, left, tuple(layers), tuple(regions))
+
+
+def _raw_modules(
+    graph: Graph, kernels: dict[int, int], layers: Mapping[str, Layer]
+) -> tuple[tuple[str, str], ...]:
+    """``(module, why)`` for each module whose own code reads raw parameters through a matmul
+    or a lookup (an MoE block's ``(E, d, h)`` experts, a one-module SwiGLU): no role computes
+    such a module, so every plan leaves it whole, on every device, and says so."""
+    read: dict[str, list[str]] = {}
+    for value in kernels:
+        param = graph.params[kernels[value]]
+        module, _, name = param.rpartition("/")
+        if not any(p in layers for p in _ancestors(module)) if module else True:
+            names = read.setdefault(module, [])
+            names += [name] if name not in names else []
+    return tuple(
+        (module or "the model", f"{RAW} ({', '.join(names)}), which no role computes: {RAW_FIX}")
+        for module, names in read.items()
+    )
 
 
 def _seeds(graph: Graph, kernels: dict[int, int]):
