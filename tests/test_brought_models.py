@@ -350,3 +350,19 @@ def test_auto_names_a_module_of_raw_kernels_it_leaves_whole(make, mesh, axes, sa
     and the numbers are still the unsharded model's."""
     with pytest.warns(LayerLeftWholeWarning, match=said + r".*give each kernel a layer of its own"):
         check_sharded(make, BATCH, mse, mesh, tp_rules="auto", batch_axes=axes, steps=1)
+
+
+def test_negative_control_a_norms_parameters_are_no_raw_kernels():
+    """Only parameters a matmul or a lookup reads make a raw-kernel module: a LayerNorm's
+    scale and bias (multiplied, added) leave nothing to name, and Megatron's pair is found."""
+
+    class Normed(CallTimeDrop):
+        def __init__(self, rngs):
+            super().__init__(rngs)
+            self.norm = nnx.LayerNorm(D, rngs=rngs)
+
+        def __call__(self, x, rngs=None):
+            return super().__call__(self.norm(x), rngs)
+
+    plan = fsdp_tp.nnx.find_tp_rules(nnx.eval_shape(lambda: Normed(nnx.Rngs(0))), X, size=4)
+    assert plan.whole == () and [p for p, _ in plan.rules] == ["^up$", "^down$"], str(plan)

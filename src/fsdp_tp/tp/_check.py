@@ -178,7 +178,8 @@ def require_no_round_trip(local: Graph, where: str, named: Named) -> None:
     raise blaming(
         RuleError(
             f"{where}: {sent} return their outputs to the tokens' devices (ExpertParallel(returns=True)), "
-            f"and {taken} {'send' if len(set(trips.values())) > 1 else 'sends'} them straight back to the experts' devices: an all_to_all each way more "
+            f"and {taken} {'send' if len(set(trips.values())) > 1 else 'sends'} them straight "
+            f"back to the experts' devices: an all_to_all each way more "
             f"than the expert bank needs (one in, one out), for each, with the same numbers. Fix: "
             f"returns=True on the bank's last layer alone, the one whose output the combine reads "
             f"({taken}); ExpertParallel() on {sent}."

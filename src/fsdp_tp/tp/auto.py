@@ -107,12 +107,16 @@ def _raw_modules(
     or a lookup (an MoE block's ``(E, d, h)`` experts, a one-module SwiGLU): no role computes
     such a module, so every plan leaves it whole, on every device, and says so."""
     read: dict[str, list[str]] = {}
-    for value in kernels:
-        param = graph.params[kernels[value]]
-        module, _, name = param.rpartition("/")
-        if not any(p in layers for p in _ancestors(module)) if module else True:
-            names = read.setdefault(module, [])
-            names += [name] if name not in names else []
+    for node in graph.nodes:
+        if node.prim not in ("dot_general", "conv_general_dilated", "gather"):
+            continue
+        for value in node.ins:
+            if value not in kernels or (node.prim == "gather" and value != node.ins[0]):
+                continue
+            module, _, name = graph.params[kernels[value]].rpartition("/")
+            if not module or not any(p in layers for p in _ancestors(module)):
+                names = read.setdefault(module, [])
+                names += [name] if name not in names else []
     return tuple(
         (module or "the model", f"{RAW} ({', '.join(names)}), which no role computes: {RAW_FIX}")
         for module, names in read.items()
