@@ -208,6 +208,32 @@ def test_narrow_gathers_on_a_mesh_with_no_fsdp_axis_are_refused_with_a_mesh_that
     assert code == 0 and "float8_e4m3fn gathers, bfloat16 reduce-scatters" in out, out
 
 
+def test_every_size_a_tensor_axis_misfits_is_one_refusal_whose_command_plans(capsys):
+    """Issue 82 point 8: tensor=3 misfits the heads, kv heads, MLP, vocabulary and sequence,
+    refused one size at a time (five rounds). One refusal names them all and one set of flags;
+    with them the plan is made."""
+    code, _ = run("plan", "--mesh", "data=2,tensor=3")
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    for flag in ("--heads 4", "--kv-heads 2", "--mlp-hidden 256", "--vocab-size 256", "--seq-len 64"):
+        assert f"{flag} " in err.split("; pass ")[0], (flag, err)
+    flags = err.split("; pass ")[1].split(", or --mesh")[0].split()
+    assert flags == [
+        "--heads",
+        "6",
+        "--kv-heads",
+        "3",
+        "--mlp-hidden",
+        "258",
+        "--vocab-size",
+        "258",
+        "--seq-len",
+        "66",
+    ]
+    code, out = run("plan", "--mesh", "data=2,tensor=3", *flags)
+    assert code == 0 and "tp_rules = [" in out, out
+
+
 def test_bad_data_files_exit_2(tmp_path, capsys):
     empty, short = tmp_path / "empty.txt", tmp_path / "short.txt"
     empty.write_text("")

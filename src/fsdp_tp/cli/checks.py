@@ -198,26 +198,37 @@ def check_tensor_split(config, args, mesh: dict, sequence_parallel: bool) -> Non
             "the embedding and logits split the vocabulary",
         ),
     ]
+    heads = config.num_heads if config.num_heads % tensor == 0 else up(config.num_heads)
+    misfits, fixes = [], []  # (every misfit in one refusal: tensor=3 misfit five sizes, said one at a time)
     for dest, value, bad, why in cases:
-        if bad:
-            said = f"{_flag(dest)} {value}" + (
-                "" if getattr(args, dest, None) else " (not given: the default)"
-            )
-            fix = f"pass {_flag(dest)} {up(value)}"
-            if dest == "num_kv_heads":  # (the kv heads must also divide the query heads)
-                works = [n for n in range(1, up(value) + 1) if (n % tensor == 0 or tensor % n == 0)]
-                works = [n for n in works if config.num_heads % n == 0]
-                fix = f"pass --kv-heads {' or '.join(map(str, works))}"
-            relation = (
-                "neither divides nor is a multiple of" if dest == "num_kv_heads" else "is not divisible by"
-            )
-            raise UsageError(
-                f"{said} {relation} tensor={tensor} (--mesh): {why}; {fix}, or --mesh {whole} "
-                f"(no tensor parallelism)."
-            )
+        if not bad:
+            continue
+        said = f"{_flag(dest)} {value}" + ("" if getattr(args, dest, None) else " (not given: the default)")
+        relation = "neither divides nor is a multiple of" if dest == "num_kv_heads" else "is not divisible by"
+        misfits.append(f"{said} {relation} tensor={tensor} (--mesh): {why}")
+        fix = [up(value)]
+        if dest == "num_kv_heads":  # (the kv heads must also divide the query heads)
+            fix = [
+                n for n in range(1, up(value) + 1) if (n % tensor == 0 or tensor % n == 0) and heads % n == 0
+            ]
+        fixes.append((_flag(dest), fix))
     if sequence_parallel and config.seq_len % tensor:
+        if not misfits:
+            raise UsageError(
+                f"--seq-len {config.seq_len} is not divisible by tensor={tensor} (--mesh): sequence "
+                f"parallelism splits the sequence between layers; pass --seq-len {up(config.seq_len)}, or "
+                f"--no-sequence-parallel."
+            )
+        misfits.append(f"--seq-len {config.seq_len} is not divisible by tensor={tensor} (--mesh): sequence "
+                       f"parallelism splits the sequence between layers")  # fmt: skip
+        fixes.append(("--seq-len", [up(config.seq_len)]))
+    if misfits:
+        # one misfit: its flag's values that work ("--kv-heads 1 or 2"); several: one command
+        flags = (
+            [f"{flag} {' or '.join(map(str, values))}" for flag, values in fixes]
+            if len(fixes) == 1
+            else [f"{flag} {values[-1]}" for flag, values in fixes]
+        )
         raise UsageError(
-            f"--seq-len {config.seq_len} is not divisible by tensor={tensor} (--mesh): sequence parallelism "
-            f"splits the sequence between layers; pass --seq-len {up(config.seq_len)}, or "
-            f"--no-sequence-parallel."
+            f"{'; '.join(misfits)}; pass {' '.join(flags)}, or --mesh {whole} (no tensor parallelism)."
         )
