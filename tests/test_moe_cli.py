@@ -119,3 +119,24 @@ def test_capacity_and_dropless_are_one_choice(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--experts", "4", "--capacity-factor", "1.25", "--dropless"])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "mesh, named",
+    [("data=2,expert=4", ", or --mesh data=4,expert=2."), ("data=2,expert=2,tensor=2", "pass --experts 4.")],
+)
+def test_the_mesh_an_expert_misfit_names_is_one_these_devices_form(mesh, named, capsys):
+    """Issue 82 point 8: --experts 3 on data 2 x expert 2 x tensor 2 named expert=3, which 8
+    devices cannot form beside tensor 2. The meshes named keep the devices and the other
+    axes (none where none forms), and the run's settings accept them."""
+    from fsdp_tp.cli.options import parser
+    from fsdp_tp.cli.settings import mesh_sizes, settings_of
+
+    experts = "6" if named.startswith(",") else "3"
+    assert main(["train", "--steps", "1", "--experts", experts, "--mesh", mesh], out=io.StringIO()) == 2
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith(named), err
+    if "--mesh " in named:
+        fix = named.split("--mesh ")[1].rstrip(".")
+        args = parser("").parse_args(["train", "--experts", experts, "--mesh", fix])
+        assert settings_of(args, mesh_sizes(fix, experts=int(experts))).model.experts == int(experts)

@@ -8,7 +8,7 @@ line naming the values and the fix, before anything starts; and the mesh's ``exp
 ...     check_experts(args, {"data": 1, "fsdp": 1, "expert": 4, "tensor": 1}, PRESETS["tiny"])
 ... except UsageError as err:
 ...     print(str(err).split(": ", 1)[1])
-each device holds whole experts; pass --experts 8, or a mesh whose expert axis divides 6 (expert=2, 3 or 6).
+each device holds whole experts; pass --experts 8, or --mesh data=2,expert=2.
 """
 
 from __future__ import annotations
@@ -143,6 +143,26 @@ def _divisors(n: int) -> str:
     return found[0] if len(found) == 1 else f"{', '.join(found[:-1])} or {found[-1]}"
 
 
+def _meshes_for(experts: int, mesh: dict) -> str:
+    """The meshes of the same devices, the other axes kept, whose expert axis divides
+    ``experts`` (the data axis takes the rest): ", or --mesh ..." for each, or "" where none
+    forms (3 experts beside tensor 2 on 8 devices)."""
+    devices = 1
+    for size in mesh.values():
+        devices *= size
+    kept = {axis: size for axis, size in mesh.items() if axis not in ("data", "expert")}
+    others = 1
+    for size in kept.values():
+        others *= size
+    found = []
+    for d in (int(n) for n in _divisors(experts).replace(" or ", ", ").split(", ")):
+        if devices % (d * others) == 0:
+            sizes = {"data": devices // (d * others), **kept, "expert": d}
+            order = [a for a in ("data", "fsdp", "expert", "tensor") if a in sizes]
+            found.append(",".join(f"{a}={sizes[a]}" for a in order if sizes[a] > 1 or a == "expert"))
+    return "".join(f", or --mesh {text}" for text in found)
+
+
 def check_experts(args, mesh: dict, config) -> None:
     """Raises ``UsageError`` for the first ``--experts`` mismatch: MoE flags or an ``expert``
     axis without experts, experts the axis does not divide, a top-k above the experts, a
@@ -156,8 +176,7 @@ def check_experts(args, mesh: dict, config) -> None:
     if experts % expert:
         raise UsageError(
             f"--experts {experts} is not divisible by the mesh's expert={expert}: each device holds whole "
-            f"experts; pass --experts {-(-experts // expert) * expert}, or a mesh whose expert axis "
-            f"divides {experts} (expert={_divisors(experts)})."
+            f"experts; pass --experts {-(-experts // expert) * expert}{_meshes_for(experts, mesh)}."
         )
     if k > experts:
         raise UsageError(
