@@ -55,7 +55,7 @@ def test_the_library_warns_only_through_the_one_helper():
 
 def test_every_library_warning_is_one_kind_and_the_suite_makes_it_an_error():
     kinds = [getattr(errors, n) for n in errors.__all__ if n.endswith("Warning") and n != "FsdpTpWarning"]
-    assert len(kinds) == 5 and all(issubclass(k, FsdpTpWarning) for k in kinds), kinds
+    assert len(kinds) == 6 and all(issubclass(k, FsdpTpWarning) for k in kinds), kinds
     config = tomllib.loads((PACKAGE.parents[1] / "pyproject.toml").read_text())
     assert "error::fsdp_tp.errors.FsdpTpWarning" in config["tool"]["pytest"]["ini_options"]["filterwarnings"]
 

@@ -74,19 +74,24 @@ def _narrow(dtype) -> bool:
 
 
 def narrow_site(closed: ClosedJaxpr) -> tuple[str, str, str] | None:
-    """The first operation of ``closed`` (its inner jaxprs too) with a floating result narrower
-    than float64: its primitive, that dtype and the user's line that made it. JAX's own
-    attention (``jax.nn.dot_product_attention``, which flax's attention calls) computes its
-    softmax in float32 whatever its inputs' dtype, by design: no dtype of the model's changes
-    that, so it is not named (its rounding, 1e-7 relative, is far inside the tolerance)."""
+    """The first operation of ``closed`` (its inner jaxprs too) that rounds a float64 value to
+    a narrower float (a layer's own ``dtype=``, an ``astype``): its primitive, that dtype and the
+    user's line that made it. A narrower constant (``jnp.zeros((), jnp.float32)``, exact) rounds
+    nothing. JAX's own attention (``jax.nn.dot_product_attention``, which flax's attention
+    calls) computes its softmax in float32 whatever its inputs' dtype, by design: no dtype of
+    the model's changes that, so it is not named (its rounding, 1e-7 relative, is far inside
+    the tolerance)."""
     for eqn in _equations(closed.jaxpr):
-        if _in_jax_nn(eqn.source_info):
+        if eqn.primitive.name not in _ROUNDING or _in_jax_nn(eqn.source_info):
             continue
-        for var in eqn.outvars:
-            dtype = getattr(var.aval, "dtype", None)
-            if dtype is not None and _narrow(dtype):
-                return eqn.primitive.name, str(dtype), str(user_site(eqn.source_info) or "an unknown line")
+        given = getattr(eqn.invars[0].aval, "dtype", None)
+        made = getattr(eqn.outvars[0].aval, "dtype", None)
+        if given is not None and jnp.dtype(given) == jnp.float64 and _narrow(made):
+            return eqn.primitive.name, str(made), str(user_site(eqn.source_info) or "an unknown line")
     return None
+
+
+_ROUNDING = frozenset({"convert_element_type", "reduce_precision"})
 
 
 def require_float64(closed: ClosedJaxpr, caller: str) -> None:
@@ -115,11 +120,13 @@ def _in_jax_nn(source) -> bool:
 
 
 def _equations(jaxpr: Jaxpr):
+    """Every equation, an inner jaxpr's before the one that holds it (a remat's or a scan's
+    results are its body's: the body's operation is the one to name)."""
     for eqn in jaxpr.eqns:
-        yield eqn
         for value in eqn.params.values():
             for inner in value if isinstance(value, tuple | list) else (value,):
                 if isinstance(inner, ClosedJaxpr):
                     yield from _equations(inner.jaxpr)
                 elif isinstance(inner, Jaxpr):
                     yield from _equations(inner)
+        yield eqn

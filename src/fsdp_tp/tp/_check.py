@@ -41,10 +41,10 @@ from ..errors import RuleError, UncheckedPlanWarning, warn
 from ._blocks import Blocks
 from ._experts import ExpertParallel
 from ._graph import Graph
-from ._refusals import RULE_DROPPED, Named, axes_text, blaming
-from ._relations import ELEMENTWISE
+from ._refusals import RULE_DROPPED, Named, axes_text
 from ._role import without_rings
-from ._sites import Site, flax_file, made_by_jax, scope_of, users_file
+from ._round_trips import require_no_round_trip
+from ._sites import Site, flax_file, made_by_jax, users_file
 
 __all__ = [
     "Graph",
@@ -139,54 +139,6 @@ def check_plan(
     if extra := hints():  # (in place: the refusal keeps what it carries, its module and reason)
         refused.args = (f"{refused.args[0]}{extra}", *refused.args[1:])
     raise refused
-
-
-# What moves no row between devices: a value's path from one all_to_all to another through these
-# alone computes nothing the experts' devices could not (their buffers are the same rows).
-_PASSING = ELEMENTWISE | {
-    "reshape",
-    "broadcast_in_dim",
-    "transpose",
-    "squeeze",
-    "expand_dims",
-    "custom_vjp_call",
-}
-
-
-def require_no_round_trip(local: Graph, where: str, named: Named) -> None:
-    """Refuses an expert layer's returned output that reaches another expert layer's dispatch
-    through elementwise operations alone (``ExpertParallel(returns=True)`` on gate and up as
-    well as down): equal numbers, an all_to_all each way more than the bank needs, each."""
-    trips: dict[str, str] = {}  # the layer that returns -> the one that takes it back
-    for start in (n for n in local.nodes if n.prim == "all_to_all"):
-        seen, frontier = set(), list(start.outs)
-        while frontier:
-            for index in local.users.get(frontier.pop(), ()):
-                node = local.nodes[index]
-                if index in seen:
-                    continue
-                seen.add(index)
-                if node.prim == "all_to_all" and node.params.get("axis_name") == start.params.get(
-                    "axis_name"
-                ):
-                    trips.setdefault(named(scope_of(start))[0], named(scope_of(node))[0])
-                elif node.prim in _PASSING:
-                    frontier += node.outs
-    if not trips:
-        return
-    sent, taken = ", ".join(trips), ", ".join(dict.fromkeys(trips.values()))
-    raise blaming(
-        RuleError(
-            f"{where}: {sent} return their outputs to the tokens' devices (ExpertParallel(returns=True)), "
-            f"and {taken} {'send' if len(set(trips.values())) > 1 else 'sends'} them straight "
-            f"back to the experts' devices: an all_to_all each way more "
-            f"than the expert bank needs (one in, one out), for each, with the same numbers. Fix: "
-            f"returns=True on the bank's last layer alone, the one whose output the combine reads "
-            f"({taken}); ExpertParallel() on {sent}."
-        ),
-        next(iter(trips)),
-        f"the plan check: {sent} return their outputs and {taken} takes them back",
-    )
 
 
 def references_for(

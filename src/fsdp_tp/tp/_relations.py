@@ -24,7 +24,7 @@ __all__ = ["DRAWN", "ELEMENTWISE", "Node", "relate", "shape_text"]
 DRAWN = "random numbers the model draws"
 
 # Operations that compute each position from the same positions of their operands.
-_ELEMENTWISE = frozenset(
+ELEMENTWISE = frozenset(
     """abs acos acosh add and asin asinh atan atan2 cbrt ceil clamp conj convert_element_type copy
     copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag integer_pow
     is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or pow real
@@ -34,7 +34,6 @@ _ELEMENTWISE = frozenset(
     # (and what moves no position: check_vma's type markers, a sum or max over devices)
     + "pvary pcast psum psum_invariant psum2 pmax pmin".split()
 )
-ELEMENTWISE = _ELEMENTWISE  # (what other readers of a trace take as moving no position)
 _REDUCTIONS = frozenset(
     "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split()
 )
@@ -72,9 +71,9 @@ def relate(node: Node, shapes: dict[int, tuple[int, ...]]) -> None:
             for d in range(len(shape)):
                 node.mixes[(v, d)] = what(v, d, does)
 
-    if name not in _ELEMENTWISE and node.ins and node.ins[0] is None:
+    if name not in ELEMENTWISE and node.ins and node.ins[0] is None:
         return  # (a literal's broadcast or reshape: one value, the same at every position)
-    if name in _ELEMENTWISE:
+    if name in ELEMENTWISE:
         out, shape = outs[0]
         for d in range(len(shape)):
             node.same.append([(v, d) for v, s in ins + outs if len(s) == len(shape) and s[d] == shape[d]])

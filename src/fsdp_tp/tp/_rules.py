@@ -143,19 +143,17 @@ def kind_error(role: TPRole, pattern: str, cls: type, path: str, modules: Mappin
 def _parameter_hint(named: Sequence[str], modules: Mapping[str, type], kinds: Kinds) -> str:
     """The fix for a tp rule that names parameters: their module where a role computes it; a
     module of raw parameters its own code reads (an MoE block's ``(E, d, h)`` experts, a
-    one-module SwiGLU) no role computes, so the fix is a module per kernel, not its name."""
+    one-module SwiGLU) no role computes, so the fix is a layer per kernel, not its name."""
     owner = named[0].rpartition("/")[0]
     said = f"it matches parameters ({', '.join(named[:3])}); tp rules name modules"
-    cls = modules.get(owner)
-    if cls is not None and kinds.roles_for(cls):
+    if (cls := modules.get(owner)) is not None and kinds.roles_for(cls):
         return f"{said}: drop the parameter name, e.g. {owner + '$'!r}"
-    what = f"a {cls.__name__}" if cls is not None else "a module"
     return (
-        f"{said}, and {owner or 'the model'} is {what} whose own code reads its raw parameters, "
-        f"which no role computes, so naming it splits nothing. Fix: give each kernel a layer of its "
-        f"own (nnx.Einsum or nnx.Linear, nn.Einsum or nn.Dense, or a class of yours registered with "
-        f"fsdp_tp.tp.register_einsum) and name those, or leave {owner or 'it'} whole (drop the rule; "
-        f"storage rules still split its parameters over fsdp)"
+        f"{said}, and {owner or 'the model'} is {f'a {cls.__name__}' if cls else 'a module'} whose own code "
+        f"reads its raw parameters, which no role computes, so naming it splits nothing. Fix: give each "
+        f"kernel a layer of its own (nnx.Einsum or nnx.Linear, nn.Einsum or nn.Dense, or a class of yours "
+        f"registered with fsdp_tp.tp.register_einsum) and name those, or leave {owner or 'it'} whole (drop "
+        f"the rule; storage rules still split its parameters over fsdp)"
     )
 
 
@@ -227,10 +225,9 @@ def require_own_parameters(role: TPRole, pattern: str, layer: Layer, cls: type, 
         raise RuleError(
             f"tp rule {pattern!r} -> {type(role).__name__} matches {layer.path}, a {cls.__name__} that "
             f"also computes with {', '.join(extra)}, which {type(role).__name__} does not split (it "
-            f"splits {' and '.join(layer.parameters)}). Fix: give each kernel a module of its own (a "
-            f"class per einsum, each registered with register_einsum, or nnx.Einsum / nn.Einsum) and a rule "
-            f"each; or leave {layer.path} whole: drop the rule (storage rules can still split its "
-            f"parameters)."
+            f"splits {' and '.join(layer.parameters)}). Fix: give each kernel a module of its own (a class "
+            f"per einsum registered with register_einsum, or nnx.Einsum / nn.Einsum) and a rule each; or "
+            f"leave {layer.path} whole: drop the rule (storage rules can still split its parameters)."
         )
 
 

@@ -106,17 +106,13 @@ def _raw_modules(
     """``(module, why)`` for each module whose own code reads raw parameters through a matmul
     or a lookup (an MoE block's ``(E, d, h)`` experts, a one-module SwiGLU): no role computes
     such a module, so every plan leaves it whole, on every device, and says so."""
-    read: dict[str, list[str]] = {}
-    for node in graph.nodes:
-        if node.prim not in ("dot_general", "conv_general_dilated", "gather"):
-            continue
-        for value in node.ins:
-            if value not in kernels or (node.prim == "gather" and value != node.ins[0]):
-                continue
-            module, _, name = graph.params[kernels[value]].rpartition("/")
-            if not module or not any(p in layers for p in _ancestors(module)):
-                names = read.setdefault(module, [])
-                names += [name] if name not in names else []
+    read: dict[str, dict[str, None]] = {}
+    for node in (n for n in graph.nodes if n.prim in ("dot_general", "conv_general_dilated", "gather")):
+        for value in node.ins[:1] if node.prim == "gather" else node.ins:  # (a lookup's table)
+            if value in kernels:
+                module, _, name = graph.params[kernels[value]].rpartition("/")
+                if not module or not any(p in layers for p in _ancestors(module)):
+                    read.setdefault(module, {})[name] = None
     return tuple(
         (module or "the model", f"{RAW} ({', '.join(names)}), which no role computes: {RAW_FIX}")
         for module, names in read.items()
