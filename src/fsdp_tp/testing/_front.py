@@ -166,14 +166,14 @@ def _require_scalar_loss(twin, loss, x, y, seed: int, float64: bool) -> list[tup
     a warning where an operation of its computes narrower)."""
     params = jax.eval_shape(lambda: twin.init(jax.random.key(seed), x)["params"])
     applied = lambda p: (out := twin.apply({"params": p}, x), loss(out, y))
-    outputs, value = jax.eval_shape(applied, params)  # (one trace for both, the jaxpr's too)
+    jaxpr, (outputs, value) = jax.make_jaxpr(applied, return_shape=True)(params)  # (one trace for all)
     if np.shape(value) != ():
         raise ValueError(
             f"{_CALLER}: loss(outputs, targets) returns shape {np.shape(value)}; the check needs the "
             f"batch's mean loss, a scalar: reduce it, e.g. lambda out, y: jnp.mean(...)."
         )
     if float64:
-        require_float64(jax.make_jaxpr(applied)(params), _CALLER)
+        require_float64(jaxpr, _CALLER)
     return [tuple(leaf.shape) for leaf in jax.tree.leaves(outputs)]
 
 
