@@ -48,9 +48,9 @@ class FsdpTpWarning(UserWarning):
 
 
 class CheckPrecisionWarning(FsdpTpWarning):
-    """``check_sharded(float64=True)`` could not compute in float64 everywhere: a layer casts
-    to a narrower dtype of its own (``dtype=jnp.float32``). The check ran, at the tolerances
-    of float32, and names the outputs' dtype."""
+    """``check_sharded(float64=True)`` could not compute in float64 everywhere: the model
+    rounds a value to a narrower dtype (an ``astype``, a layer's own ``dtype=jnp.float32``). The
+    check ran, at float32's tolerances, and names that operation and its line."""
 
 
 class UnboundAxisNameError(NameError):

@@ -147,15 +147,11 @@ def _meshes_for(experts: int, mesh: dict) -> str:
     """The meshes of the same devices, the other axes kept, whose expert axis divides
     ``experts`` (the data axis takes the rest): ", or --mesh ..." for each, or "" where none
     forms (3 experts beside tensor 2 on 8 devices)."""
-    devices = 1
-    for size in mesh.values():
-        devices *= size
+    devices = math.prod(mesh.values())
     kept = {axis: size for axis, size in mesh.items() if axis not in ("data", "expert")}
-    others = 1
-    for size in kept.values():
-        others *= size
+    others = math.prod(kept.values())
     found = []
-    for d in (int(n) for n in _divisors(experts).replace(" or ", ", ").split(", ")):
+    for d in (n for n in range(2, experts + 1) if experts % n == 0):
         if devices % (d * others) == 0:
             sizes = {"data": devices // (d * others), **kept, "expert": d}
             order = [a for a in ("data", "fsdp", "expert", "tensor") if a in sizes]

@@ -64,7 +64,8 @@ def check_call(
         return _graph(reference, shaped, rebuild)
 
     # (a plan the finder made gives every einsum its letter: no hint to trace for)
-    found = lambda: _letter_hints(reference, plan, args, kwargs, max(sizes.values()))
+    shapes = lambda: rebuild([jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays])
+    found = lambda: _letter_hints(reference, plan, *shapes(), max(sizes.values()))
     hinted = found if traced is None else str
     try:
         local = _graph(model, arrays, rebuild)
@@ -80,8 +81,7 @@ def _letter_hints(reference: nnx.Module, plan: RolePlan, args: tuple, kwargs: di
     """The einsum letters the rules took against the plan found from the model (traced on
     the inputs' shapes alone: a device's inputs vary over the batch axes under check_vma, and
     the casts JAX puts between them and the whole parameters hide the matmuls from the finder)."""
-    arrays, rebuild = static_split(args, kwargs)
-    graph, layers = traced(reference, *rebuild([jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]))
+    graph, layers = traced(reference, args, kwargs)
     rules = tuple((pattern, role) for role, pattern, _ in plan.roles.values() if "(inside)" not in pattern)
     return letter_hints(compile_tp_rules(rules, _CALLER), layers, find_plan(graph, layers, size=size))
 

@@ -22,7 +22,7 @@ from ..mesh import make_mesh
 from ..nnx._constructor import built as _built
 from ._arguments import require_arguments, require_model
 from ._harness import OPTIMIZERS, Comparison, check_equal
-from ._nnx import NNXSharded, NNXTwin
+from ._nnx import NNXSharded, NNXTwin, initial_state
 from ._precision import require_float64, widened
 from ._precision import wide as _wide
 
@@ -143,9 +143,10 @@ def _pair(model, rules, tp_rules, axes, x, seed: int, float64: bool) -> tuple[An
         )
     _require_seeded(model)
     model = widened(model) if float64 else model
-    auto = {"inputs": (x,)} if isinstance(tp_rules, str) and tp_rules == "auto" else {}  # (traced there)
-    sharded = NNXSharded(model, rules, seed=seed, batch_axes=axes, tp_rules=tp_rules, **auto)
-    return sharded, NNXTwin(model, seed=seed)
+    auto: dict[str, Any] = {"inputs": (x,)} if isinstance(tp_rules, str) and tp_rules == "auto" else {}
+    state = initial_state(model, seed)  # (one build of its other Variables, for both)
+    sharded = NNXSharded(model, rules, model_state=state, batch_axes=axes, tp_rules=tp_rules, **auto)
+    return sharded, NNXTwin(model, model_state=state)
 
 
 def _require_splittable(x, y, mesh: Mesh, axes: tuple) -> None:

@@ -19,18 +19,19 @@ from ..nnx import shard_by_rules
 from ..nnx._constructor import built
 from ..nnx._state import model_state_of, split_model
 
-__all__ = ["NNXSharded", "NNXTwin"]
+__all__ = ["NNXSharded", "NNXTwin", "initial_state"]
 
 
 class NNXSharded:
     """``make``'s model laid out by ``fsdp_tp.nnx.shard_by_rules(make, rules, **options)``, per
     device: ``init`` its blocks, ``apply`` the model merged from them and from the Variables
     other than parameters that ``make(nnx.Rngs(seed))`` holds (its own rngs: every call starts
-    from the same draws, as a stateless step's does, and the twin's)."""
+    from the same draws, as a stateless step's does, and the twin's; ``model_state``: those
+    Variables where the caller has them, :func:`initial_state`'s)."""
 
-    def __init__(self, make, rules=(), *, seed: int = 0, **options):
+    def __init__(self, make, rules=(), *, seed: int = 0, model_state: dict | None = None, **options):
         self.sharded = shard_by_rules(make, rules, **options)
-        self.model_state = initial_state(make, seed)
+        self.model_state = initial_state(make, seed) if model_state is None else model_state
 
     def init(self, rng, *_inputs):
         return {"params": self.sharded.init(rng)[0]}
@@ -42,12 +43,12 @@ class NNXSharded:
 class NNXTwin:
     """``make``'s model, unsharded: ``init`` its parameters from ``nnx.Rngs(rng)`` as a pure
     dict, ``apply`` the model with them and with the other Variables ``make(nnx.Rngs(seed))``
-    holds (as :class:`NNXSharded`'s)."""
+    holds (as :class:`NNXSharded`'s, ``model_state`` too)."""
 
-    def __init__(self, make, *, seed: int = 0):
+    def __init__(self, make, *, seed: int = 0, model_state: dict | None = None):
         self.make = make
         self.graphdef, self.abstract = nnx.split(nnx.eval_shape(lambda: built(make, 0)))
-        self.model_state = initial_state(make, seed)
+        self.model_state = initial_state(make, seed) if model_state is None else model_state
 
     def init(self, rng, *_inputs):
         return {"params": _pure(nnx.state(built(self.make, rng), nnx.Param))}

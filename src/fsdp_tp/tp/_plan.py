@@ -220,7 +220,7 @@ def warn_left_whole(
     whole = plan.whole if axis is not None else tuple((p, why) for p, why in plan.whole if RAW in why)
     if not whole or (axis is None and experts is None):
         return
-    on = f"{AUTO_AXIS}={size}" if axis is not None else f"{EXPERT}={experts}"
+    named, sized = (AUTO_AXIS, size) if axis is not None else (EXPERT, experts)
     names = "; ".join(f"{path} ({why})" for path, why in whole)
     noisy = [path for path, why in whole if DRAWN in why]
     numbers = (
@@ -233,9 +233,9 @@ def warn_left_whole(
     )
     warn(
         LayerLeftWholeWarning(
-            f"{caller}: tp_rules='auto' on {on} leaves {len(whole)} of "
+            f"{caller}: tp_rules='auto' on {named}={sized} leaves {len(whole)} of "
             f"{len(plan.layers) + sum(RAW in why for _, why in plan.whole)} layers whole, each held and "
-            f"computed in full on every {on.split('=')[0]} device: {names}. {numbers}; to split a layer, "
+            f"computed in full on every {named} device: {names}. {numbers}; to split a layer, "
             f"change what its split meets (the plan: .tp_plans[{size}]), or silence this with "
             f"warnings.filterwarnings('ignore', category=fsdp_tp.errors.LayerLeftWholeWarning)."
         )
