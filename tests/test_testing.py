@@ -17,6 +17,7 @@ import optax
 import pytest
 from flax import nnx
 from hypothesis import given, settings
+from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 from fsdp_tp.errors import MeshShapeError
@@ -177,3 +178,48 @@ def test_an_output_left_split_is_refused_naming_gather_output(api):
     with pytest.raises(ValueError, match=said):
         check_sharded(model, batch, mse, MESH, tp_rules=[("^head$", ColumnParallel())], steps=1)
     check_sharded(model, batch, mse, MESH, tp_rules=[("^head$", ColumnParallel(gather_output=True))], steps=1)
+
+
+def _dots(loss) -> int:
+    """The matmuls in the program that reads a Dense's loss, outputs and gradients."""
+    model, x = nn.Dense(D), X[:, 0]
+    params = model.init(KEY, x)["params"]
+    read = lambda p: _harness.loss_and_outputs(model, loss, p, x, x)
+    eqns = jax.make_jaxpr(read)(params).jaxpr.eqns
+    return sum(eqn.primitive.name == "dot_general" for eqn in eqns)
+
+
+def test_the_outputs_are_read_off_the_losss_own_forward():
+    """A step program computes the forward once: the outputs the check compares are the loss's
+    own ``apply`` on the batch (one matmul forward, one for the kernel's gradient). Negative
+    control: a loss that applies the model to something else (here ``2 * x``) leaves the
+    outputs to a forward of their own, on the batch itself, one matmul more."""
+    own = lambda model, p, x, y: mse(model.apply({"params": p}, x), y)
+    other = lambda model, p, x, y: mse(model.apply({"params": p}, 2 * x), y)
+    assert (_dots(own), _dots(other)) == (2, 3)
+    model, x = nn.Dense(D), X[:, 0]
+    params = model.init(KEY, x)["params"]
+    (_, out), _ = _harness.loss_and_outputs(model, other, params, x, x)
+    np.testing.assert_array_equal(out, model.apply({"params": params}, x))
+
+
+def test_both_inits_in_one_program_are_each_ones_own_bits():
+    """check_equal compiles the sharded init and the twin's in one program (XLA computes what
+    they share once): each side's values are bit for bit those of its own program
+    (``init_sharded``, ``jax.jit(twin.init)``), and the twin's arrays are on one device with no
+    mesh, as its own program gives them (a mesh in them compiled the twin's step again at its
+    second step)."""
+    pair = _nnx_pair(fsdp_tp.make_mesh({"data": 2, "fsdp": 4}))
+    x = BATCH[0][:, 0]
+    sharded, twin = _harness.inits(pair, KEY, x)
+    init_fn = lambda r, x: pair.model.init(r, x)["params"]
+    alone, _ = fsdp_tp.init_sharded(init_fn, pair.mesh, (P(), P(pair.batch_axes)), KEY, x)
+    _assert_same(sharded, alone)
+    _assert_same(twin, jax.jit(pair.twin.init)(KEY, x)["params"])
+    assert {type(leaf.sharding) for leaf in jax.tree.leaves(twin)} == {jax.sharding.SingleDeviceSharding}
+
+
+def _assert_same(got, want):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -95,9 +95,9 @@ def check_sharded(
         sharded, twin = (_Called(m, call, rngs or {}, float64) for m in built)
         shapes = _require_scalar_loss(twin, loss, x, y, seed, float64)
         shards = int(np.prod([mesh.shape[a] for a in axes]))
-        whole = lambda m, out: _whole(out, shapes, shards) if m is sharded else out
-        per_device = lambda m, p, x, y: loss(whole(m, m.apply({"params": p}, x)), y)
-        pair = Comparison(sharded, twin, mesh, axes, per_device, check_vma=check_vma)
+        per_device = lambda m, p, x, y: loss(_whole(m.apply({"params": p}, x), shapes, shards), y)
+        unsharded = lambda m, p, x, y: loss(m.apply({"params": p}, x), y)
+        pair = Comparison(sharded, twin, mesh, axes, per_device, unsharded, check_vma=check_vma)
         check_equal(pair, [(x, y)] * steps, jax.random.key(seed), optimizers)
 
 
