@@ -83,6 +83,7 @@ CORE = (
     "tp._relations",
     "tp._role",
     "tp._role_plan",
+    "tp._partners",
     "tp._round_trips",
     "tp._roles",
     "tp._rules",

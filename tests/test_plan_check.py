@@ -225,6 +225,41 @@ def test_negative_control_unchecked_the_refused_ways_train_another_model(api, wa
         check_split(api, _model(api, way), rules, X, check_vma=True)
 
 
+def _left_whole(message: str, rules: list) -> list:
+    """``rules`` less those on the layers the refusal says to leave whole ("leave q whole
+    together with k, v and out, ..."), applied as a user would: by the names it gives."""
+    found = re.search(r"leave (\S+) whole(?: together with (.*?), the layers split with it)? \(", message)
+    assert found, message
+    names = [found[1], *(re.split(r", | and ", found[2]) if found[2] else [])]
+    return [(pattern, role) for pattern, role in rules if not any(re.search(pattern, n) for n in names)]
+
+
+@pytest.mark.parametrize(
+    ("api", "way"),
+    [("linen", w) for w in REFUSED_AND_RUNNING] + [("nnx", "heads_by_count"), ("nnx", "fused_qkv_split")],
+)
+def test_a_refusals_leave_whole_fix_is_accepted_and_equal(api, way):
+    """Every refusal of a split region ends "or leave <layer> whole": applied by the names the
+    message gives, the plan is accepted and equal to unsharded. A column layer left whole
+    alone hands whole heads to the layers split with it, so the message names them (q with k,
+    v and out; a fused qkv with out). Its first fix (the reshape, the norm after the sum)
+    rewrites the model's code, which no test can do by the message; the ways that take it
+    are the ones above that pass. The ``"layers"`` API writes its roles as classes in the
+    model's code: leaving one whole is a code change too."""
+    rules = FUSED_RULES if way == "fused_qkv_split" else RULES
+    with pytest.raises(RuleError) as refused:
+        check_split(api, _model(api, way), rules, X, check_vma=True)
+    check_split(api, _model(api, way), _left_whole(str(refused.value), rules), X, check_vma=True)
+
+
+def test_negative_control_leaving_the_refused_layer_alone_whole_is_refused_again():
+    """The fix as it was worded ("leave q whole", q's rule dropped, the row layer's kept):
+    refused again at the row layer, which expects the split features q, k and v no longer
+    give."""
+    with pytest.raises(RuleError, match=r"^out \(RowParallel\) takes the split features"):
+        check_split("linen", _model("linen", "heads_by_count"), RULES[1:], X, check_vma=True)
+
+
 def test_nnx_with_inputs_is_checked_at_init_before_any_step():
     """Explicit rules and ``inputs=``: the NNX plan is refused at ``init_sharded`` (no step is
     traced); without ``inputs=`` it is refused where the merged model is first called."""

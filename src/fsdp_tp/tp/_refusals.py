@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 
 from ..errors import RuleError
 from ._graph import Graph
+from ._partners import partners
 from ._relations import Node, shape_text
 from ._sites import source_of, user_site
 
@@ -106,6 +107,17 @@ class Refusals:
         fix = f"{cut}; {where}"
         self.refuse(node, None, origin, why, fix)
 
+    def leave_whole(self, module: str) -> str:
+        """How to leave ``module`` whole so that the plan is then accepted: with the layers it
+        is split together with (:func:`~fsdp_tp.tp._partners.partners`), each of whose
+        splits would be refused again beside a whole one."""
+        together = partners(self.reference, module, self.named)
+        if len(together) == 1:
+            return f"leave {module} whole ({self.whole})"
+        others = [m for m in together if m != module]
+        whole = self.whole.replace("its tp rule", "their tp rules")
+        return f"leave {module} whole together with {_names(others)}, the layers split with it ({whole})"
+
     def refuse(self, node: Node, ref: Node | None, origin: str, why: str, fix: str) -> None:
         module, role = self.named(origin)
         sides = (("in", node.ins, ref.ins if ref else []), ("out", node.outs, ref.outs if ref else []))
@@ -114,7 +126,7 @@ class Refusals:
             + (f", {_texts(self.reference, rs)} unsharded" if rs else "")
             for what, vs, rs in sides
         )
-        drop = f"; or leave {module} whole ({self.whole})" if module else ""
+        drop = f"; or {self.leave_whole(module)}" if module else ""
         at = user_site(source_of(node)) or "a line JAX does not record"
         verb = "split" if role.startswith("the ") else "splits"  # ("the tp rules", "the Megatron layers")
         err = RuleError(
@@ -154,6 +166,10 @@ def reshape_fix(full: tuple[int, ...], held: tuple[int, ...], major: int) -> str
         f"{full[after]}, the {full[major]} after it, so each device's block holds whole groups of every "
         f"part (the columns of a part interleave, a layout of the same parameters); or {apart}"
     )
+
+
+def _names(modules: list[str]) -> str:
+    return modules[0] if len(modules) == 1 else f"{', '.join(modules[:-1])} and {modules[-1]}"
 
 
 def blaming(err: RuleError, module: str, reason: str) -> RuleError:
