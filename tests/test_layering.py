@@ -451,43 +451,42 @@ def test_no_test_file_imports_another_s_private_names():
     assert found == []
 
 
-# Issue 58 point 5: a module holds at most 250 lines. A module over it would be listed here with
-# the most lines it may keep until it is split: the list only shrinks (a module brought under
-# leaves it, a new one over fails), so growth shows the day it lands. None is over today.
-MOST_LINES = 250
-STILL_LONG: dict[str, int] = {}
+# Issue 83 point 4 (issue 58's hard cap of 250 lines cut concepts and classes in two to fit):
+# one concept a file; a module over 300 lines says why in its docstring, in a sentence that
+# starts "Long because" (what it holds that is one concept and would be two halves split).
+MOST_LINES = 300
+WHY_LONG = "Long because"
 
 
-def _length_problems(lengths: dict[str, int], allowed: dict[str, int]) -> list[str]:
-    """Each module over :data:`MOST_LINES` not in ``allowed`` or over its allowance, and each
-    allowed one now within the limit (to be struck from the list)."""
-    over = [
-        f"{m}: {n} lines, over {allowed.get(m, MOST_LINES)}"
+def _length_problems(lengths: dict[str, int], docstrings: dict[str, str]) -> list[str]:
+    """Each module over :data:`MOST_LINES` whose docstring does not say why."""
+    return [
+        f"{m}: {n} lines, over {MOST_LINES}, and its docstring has no '{WHY_LONG} ...': split it by "
+        f"concept or say why it is one"
         for m, n in lengths.items()
-        if n > allowed.get(m, MOST_LINES)
+        if n > MOST_LINES and WHY_LONG not in docstrings.get(m, "")
     ]
-    done = [
-        f"{m}: {lengths[m]} lines, strike it from STILL_LONG"
-        for m in allowed
-        if lengths.get(m, 0) <= MOST_LINES
-    ]
-    return over + done
 
 
 def _lengths() -> dict[str, int]:
     return {name: len(_module_file(name).read_text().splitlines()) for name in _all_modules()}
 
 
-def test_modules_hold_at_most_250_lines_and_the_long_list_only_shrinks():
-    assert not _length_problems(_lengths(), STILL_LONG)
+def _docstrings() -> dict[str, str]:
+    parsed = {name: ast.parse(_module_file(name).read_text()) for name in _all_modules()}
+    return {name: ast.get_docstring(tree) or "" for name, tree in parsed.items()}
 
 
-def test_negative_control_a_grown_module_and_a_split_one_are_caught():
-    lengths = _lengths()
-    grown = {**lengths, "errors": MOST_LINES + 1, "plan": 262}
-    allowed = {"plan": 261}  # (a module still listed may not grow either)
-    assert _length_problems(grown, allowed) == ["errors: 251 lines, over 250", "plan: 262 lines, over 261"]
-    assert _length_problems(lengths, allowed) == [f"plan: {lengths['plan']} lines, strike it from STILL_LONG"]
+def test_a_module_over_300_lines_says_why_in_its_docstring():
+    assert not _length_problems(_lengths(), _docstrings())
+
+
+def test_negative_control_a_long_module_without_its_reason_is_caught():
+    lengths, docstrings = _lengths(), _docstrings()
+    grown = {**lengths, "errors": MOST_LINES + 1, "plan": MOST_LINES + 2}
+    said = {**docstrings, "plan": docstrings["plan"] + f"\n\n{WHY_LONG} the plan is one report."}
+    assert [p.split(":")[0] for p in _length_problems(grown, said)] == ["errors"]
+    assert _length_problems(lengths, docstrings) == []
 
 
 # Issue 58 point 1: every context variable and class swap is named in architecture.md with why
