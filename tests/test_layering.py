@@ -633,3 +633,35 @@ def test_no_role_s_call_takes_an_argument_the_base_class_lacks():
     # (negative control) a call with a flag of its own is seen
     flagged = type("Flagged", (TPRole,), {"call": lambda self, m, run, layer, args, kw, prepared=False: 0})
     assert _call_arguments(flagged) != _call_arguments(TPRole)
+
+
+# Issue 83 point 1: the plan check of a call is driven once, in the core (tp/_check.check_call):
+# a front end (Linen's rules, NNX's, the Linen Megatron layers' at init) traces and names for it
+# (a PlanCall) and runs none of its steps itself.
+_DRIVER_STEPS = ("check_plan", "raise_failure", "references_for")
+
+
+def _driver_steps(source: str, where: str) -> list[str]:
+    """``where:line`` of each call of a step of the plan check's driver in ``source``."""
+    return [
+        f"{where}:{node.lineno}"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _DRIVER_STEPS
+    ]
+
+
+def test_the_plan_check_is_driven_once_for_both_front_ends():
+    from fsdp_tp.linen import _check as linen_check
+    from fsdp_tp.linen import _layers_check
+    from fsdp_tp.nnx import _check as nnx_check
+    from fsdp_tp.tp import _check
+
+    assert linen_check.drive is nnx_check.drive is _layers_check.drive is _check.check_call
+    found = set()
+    for name in _all_modules():
+        file = _module_file(name)
+        where = file.relative_to(PACKAGE).as_posix()
+        found |= {hit.split(":")[0] for hit in _driver_steps(file.read_text(), where)}
+    assert found == {"tp/_check.py"}
+    # (negative control) a front end running the check's steps itself is seen
+    assert _driver_steps("check_plan(local, references, sizes, where, named)\n", "m") == ["m:1"]

@@ -20,13 +20,12 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from .._axes import bound_axis_names
 from .._context import set_for
 from .._tree import static_split
-from ..tp._check import check_plan, checking, own_trace, raise_failure, references_for
+from ..tp._check import PlanCall, checking, own_trace
+from ..tp._check import check_call as drive
 from ..tp._graph import Graph
 from ..tp._plan import letter_hints, spelled
-from ..tp._role import axes_of
 from ..tp._rules import CompiledRole, role_of
 from ..tp._sites import module_of
 from ._traced import plan_of
@@ -79,24 +78,17 @@ def check_call(
     reference: Graph | None = None,
 ) -> None:
     """Refuses (``RuleError``) a plan under which ``module``'s call on ``args`` does not compute
-    blocks of the unsharded ``target``'s, once per fields, input shapes and axis sizes.
-    ``reference``: the unsharded trace on these inputs, where the caller has it."""
+    blocks of the unsharded ``target``'s, once per fields, input shapes and axis sizes
+    (:func:`~fsdp_tp.tp._check.check_call`). ``reference``: the unsharded trace on these
+    inputs, where the caller has it."""
     if not checking():
-        return  # (the check's own trace of the call)
-    bound = bound_axis_names()
-    axes = axes_of(r.role for r in rules)
-    sizes = {axis: jax.lax.axis_size(axis) for axis in sorted(axes) if axis in bound}
+        return  # (the check's own trace of the call: not even its fields read)
     fields = fields_of(module, target)
     arrays, rebuild = static_split(args, kwargs)
-    key = repr((fields, [(a.shape, a.dtype) for a in arrays], rebuild([None] * len(arrays)), sizes))
-    if not sizes or key in checked:
-        return
     # (a dropout stream whether or not the call has one: an init may run without it)
     scope_rngs = module.scope.rngs if module.scope is not None else {}
     streams = {name: jax.random.key(0) for name in ("params", "dropout", *scope_rngs)}
-    where = f"shard_by_rules({target.__name__})"
     plain = target(**fields, parent=None)
-
     given = reference if reference is not None else _TRACED.get()
 
     def unsharded(whole=None) -> Graph:
@@ -105,17 +97,18 @@ def check_call(
         return reference_graph(plain, args, kwargs, streams, whole)
 
     # (a plan the finder made gives every einsum its letter: no hint to trace for)
-    found = lambda: letter_hints(rules, *plan_of(plain, args, kwargs, max(sizes.values())))
-    hinted = found if given is None else str
-    try:
-        local = _local_graph(module, fields, arrays, rebuild, streams)
-    except Exception as err:
-        written = ", ".join(f"({r.pattern!r}, {spelled(r.role)})" for r in rules)
-        roles = [r.role for r in rules]
-        raise_failure(err, unsharded, where, f"the tp rules [{written}]", sizes, hinted, roles=roles)
-    references = references_for(unsharded, (r.role for r in rules), sizes)
-    check_plan(local, references, sizes, where, _named(rules), hinted)
-    checked.add(key)
+    found = lambda size: letter_hints(rules, *plan_of(plain, args, kwargs, size))
+    call = PlanCall(
+        roles=tuple(r.role for r in rules),
+        written=f"the tp rules [{', '.join(f'({r.pattern!r}, {spelled(r.role)})' for r in rules)}]",
+        where=f"shard_by_rules({target.__name__})",
+        same=repr((fields, [(a.shape, a.dtype) for a in arrays], rebuild([None] * len(arrays)))),
+        local=lambda: _local_graph(module, fields, arrays, rebuild, streams),
+        unsharded=unsharded,
+        named=_named(rules),
+        hints=found if given is None else (lambda size: ""),
+    )
+    drive(call, checked)
 
 
 def _local_graph(module, fields, arrays, rebuild, streams) -> Graph:

@@ -30,7 +30,8 @@ from .._init_watch import watch_inits
 from .._trace import trace_per_device
 from .._tree import module_path, static_split
 from ..tp._auto_mesh import plan_mesh
-from ..tp._check import check_plan, own_trace, raise_failure, references_for
+from ..tp._check import PlanCall, own_trace
+from ..tp._check import check_call as drive
 from ..tp._graph import Graph
 from ..tp._sites import module_of
 from .layers.attention import AttentionBlock
@@ -42,7 +43,7 @@ __all__ = ["recording"]
 
 _LAYERS = (ColumnParallelDense, RowParallelDense, VocabParallelEmbed, AttentionBlock, MLPBlock)
 _WHOLE = "write it as nn.Dense / nn.Embed, whole on every device"
-_CHECKED: set[tuple[type, str]] = set()  # (models checked in this process: a suite inits one often)
+_CHECKED: set = set()  # (models checked in this process, by class and call: a suite inits one often)
 _NOT_USERS = frozenset({"fsdp_tp", "flax", "builtins", "abc", "typing"})  # (classes' top packages)
 
 
@@ -119,34 +120,41 @@ def _library_model(module: nn.Module) -> bool:
 
 def _check(call: _Call, mesh: Any, check_vma: bool, error: Exception | None) -> None:
     """Refuses (``RuleError``) where ``call`` on a device does not compute blocks of the same
-    call with every layer whole, or (``error``: the call failed on a device) says why it failed."""
+    call with every layer whole, or (``error``: the call failed on a device) says why it failed
+    (:func:`~fsdp_tp.tp._check.check_call`, on the mesh's sizes)."""
     shape = dict(mesh.shape)
     sizes = {layer.axis: shape[layer.axis] for layer in call.layers.values() if layer.axis in shape}
+    if not any(n > 1 for n in sizes.values()):
+        return
     arrays, rebuild = static_split(call.args, call.kwargs)
     shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
     said = (call.module, call.method, shapes, rebuild([None] * len(arrays)), shape, check_vma)
-    key = (type(call.module), repr(said))  # (the class itself: two classes may share a name)
-    if not any(n > 1 for n in sizes.values()) or (key in _CHECKED and error is None):
-        return
-    where = f"init_sharded({type(call.module).__name__})"
     whole_mesh = plan_mesh({axis: 1 if axis in sizes else n for axis, n in shape.items()})
 
     def unsharded(whole=None) -> Graph:
         given = [jax.ShapeDtypeStruct(whole(s.shape), s.dtype) if whole else s for s in shapes]
         return _graph(call, rebuild, given, whole_mesh, check_vma)
 
-    layers = list(call.layers.values())
-    written = f"the Megatron layers [{', '.join(f'{layer.role} at {layer.path}' for layer in layers)}]"
-    try:
+    def local() -> Graph:
         if error is not None:  # (the device's trace failed: said as a trace of the check's fails)
             raise error
-        local = _graph(call, rebuild, shapes, plan_mesh(shape), check_vma)
-    except Exception as err:
-        raise_failure(err, unsharded, where, written, sizes, whole=_WHOLE)
-    references = references_for(unsharded, layers, sizes)
-    # (the layers' own matmuls, the library's code, split: a split's origin names its layer)
-    check_plan(local, references, sizes, where, _named(call), whole=_WHOLE, split_by=("dot_general",))
-    _CHECKED.add(key)
+        return _graph(call, rebuild, shapes, plan_mesh(shape), check_vma)
+
+    layers = list(call.layers.values())
+    plan = PlanCall(
+        roles=tuple(layers),
+        written=f"the Megatron layers [{', '.join(f'{layer.role} at {layer.path}' for layer in layers)}]",
+        where=f"init_sharded({type(call.module).__name__})",
+        same=(type(call.module), repr(said)),  # (the class itself: two classes may share a name)
+        local=local,
+        unsharded=unsharded,
+        named=_named(call),
+        sizes=sizes,
+        whole=_WHOLE,
+        # (the layers' own matmuls, the library's code, split: a split's origin names its layer)
+        split_by=("dot_general",),
+    )
+    drive(plan, _CHECKED if error is None else set())
 
 
 def _graph(call: _Call, rebuild, shapes: list, mesh, check_vma: bool) -> Graph:

@@ -17,12 +17,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .._axes import bound_axis_names
 from .._tree import static_split
-from ..tp._check import check_plan, checking, own_trace, raise_failure, references_for
+from ..tp._check import PlanCall, checking, own_trace
+from ..tp._check import check_call as drive
 from ..tp._graph import Graph
 from ..tp._plan import letter_hints, spelled
-from ..tp._role import axes_of
 from ..tp._role_plan import RolePlan
 from ..tp._rules import compile_tp_rules
 from ..tp.auto import find_plan
@@ -44,18 +43,12 @@ def check_call(
     traced: Graph | None = None,
 ) -> None:
     """Refuses (``RuleError``) ``plan`` where the merged ``model``'s call on ``args`` does not
-    compute blocks of the unsharded ``reference``'s (abstract), once per input shapes and sizes.
-    ``traced``: the unsharded call on these inputs, where the caller has traced it."""
+    compute blocks of the unsharded ``reference``'s (abstract), once per input shapes and sizes
+    (:func:`~fsdp_tp.tp._check.check_call`). ``traced``: the unsharded call on these inputs,
+    where the caller has traced it."""
     if not checking() or not plan.roles:
-        return
-    bound = bound_axis_names()
-    roles = [role for role, _, _ in plan.roles.values()]
-    axes = axes_of(roles)
-    sizes = {axis: jax.lax.axis_size(axis) for axis in sorted(axes) if axis in bound}
+        return  # (the check's own trace of the call, or nothing to check: nothing read)
     arrays, rebuild = static_split(args, kwargs)
-    key = repr(([(a.shape, a.dtype) for a in arrays], rebuild([None] * len(arrays)), sizes))
-    if not sizes or key in checked:
-        return
 
     def unsharded(whole=None) -> Graph:
         if traced is not None and whole is None:
@@ -65,16 +58,20 @@ def check_call(
 
     # (a plan the finder made gives every einsum its letter: no hint to trace for)
     shapes = lambda: rebuild([jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays])
-    found = lambda: _letter_hints(reference, plan, *shapes(), max(sizes.values()))
-    hinted = found if traced is None else str
-    try:
-        local = _graph(model, arrays, rebuild)
-    except Exception as err:
-        said = {f"({pattern!r}, {spelled(role)})": None for role, pattern, _ in plan.roles.values()}
-        written = ", ".join(said)  # (each rule once, as matched: a role's children say "(inside)")
-        raise_failure(err, unsharded, where, f"the tp rules [{written}]", sizes, hinted, roles=roles)
-    check_plan(local, references_for(unsharded, roles, sizes), sizes, where, _named(plan), hinted)
-    checked.add(key)
+    found = lambda size: _letter_hints(reference, plan, *shapes(), size)
+    # (each rule once, as matched: a role's children say "(inside)")
+    said = {f"({pattern!r}, {spelled(role)})": None for role, pattern, _ in plan.roles.values()}
+    call = PlanCall(
+        roles=tuple(role for role, _, _ in plan.roles.values()),
+        written=f"the tp rules [{', '.join(said)}]",
+        where=where,
+        same=repr(([(a.shape, a.dtype) for a in arrays], rebuild([None] * len(arrays)))),
+        local=lambda: _graph(model, arrays, rebuild),
+        unsharded=unsharded,
+        named=_named(plan),
+        hints=found if traced is None else (lambda size: ""),
+    )
+    drive(call, checked)
 
 
 def _letter_hints(reference: nnx.Module, plan: RolePlan, args: tuple, kwargs: dict, size: int) -> str:

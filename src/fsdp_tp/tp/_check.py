@@ -14,6 +14,8 @@ The roles run without their rings there (:func:`~fsdp_tp.tp._role.without_rings`
 numbers, each layer called once), and an error of the model's own code on its slices is named
 with the plan (:func:`raise_failure`). An operation the check does not know, reached by a
 split, leaves the plan unchecked there: one :class:`~fsdp_tp.errors.UncheckedPlanWarning`.
+:func:`check_call` drives all of it once for every front end (Linen's rules, NNX's, the Linen
+Megatron layers'), each of which only traces and names a call for it (a :class:`PlanCall`).
 
 >>> import jax, jax.numpy as jnp
 >>> def attention(p, x):   # q's features regrouped by a head count: (2, 16) -> (2, 4, 4)
@@ -33,22 +35,27 @@ import contextlib
 import contextvars
 import dataclasses
 import traceback
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
+import jax
+
+from .._axes import bound_axis_names
 from .._context import set_for
 from ..errors import RuleError, UncheckedPlanWarning, warn
 from ._blocks import Blocks
 from ._experts import ExpertParallel
 from ._graph import Graph
 from ._refusals import RULE_DROPPED, Named, axes_text
-from ._role import without_rings
+from ._role import axes_of, without_rings
 from ._round_trips import require_no_round_trip
 from ._sites import Site, flax_file, made_by_jax, users_file
 
 __all__ = [
     "Graph",
+    "PlanCall",
     "Reference",
+    "check_call",
     "check_plan",
     "checking",
     "own_trace",
@@ -86,6 +93,56 @@ class Reference:
 
     build: Callable[[], Graph]
     split_outputs: tuple[int, ...] = (-1,)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCall:
+    """One call of a model under tp roles, as its front end traces and names it for
+    :func:`check_call`: the ``roles`` and the plan as ``written`` (``"the tp rules [...]"``, for
+    a refusal, which starts with ``where``), what makes two calls one check besides the axis
+    sizes (``same``, hashable: input shapes, a Linen module's fields), one device's trace under
+    the plan (``local()``), the unsharded model's on the same inputs (``unsharded(whole=None)``:
+    their shapes through ``whole`` where given), the name stack's module and role (``named``),
+    and the einsum letters the plan finder gives for a tensor size (``hints(size)``; ``""``
+    where the finder's plan is the one checked). ``sizes``: the axes' sizes where the front end
+    knows them (a mesh's), else those of the bound axes the roles split over; ``whole`` and
+    ``split_by`` as :func:`check_plan`'s."""
+
+    roles: tuple[Any, ...]
+    written: str
+    where: str
+    same: Hashable
+    local: Callable[[], Graph]
+    unsharded: Callable[..., Graph]
+    named: Named
+    hints: Callable[[int], str] = lambda size: ""
+    sizes: Mapping[str, int] | None = None
+    whole: str = RULE_DROPPED
+    split_by: tuple[str, ...] = ()
+
+
+def check_call(call: PlanCall, checked: set) -> None:
+    """Refuses (``RuleError``) a plan under which ``call`` does not compute blocks of the
+    unsharded model's, once per ``call.same`` and axis sizes (none: not checked). Every front
+    end's check, here once."""
+    if not checking() or not call.roles:
+        return  # (the check's own trace of the call)
+    bound = bound_axis_names()
+    sizes = call.sizes
+    if sizes is None:
+        sizes = {axis: jax.lax.axis_size(axis) for axis in sorted(axes_of(call.roles)) if axis in bound}
+    key = (call.same, repr(sizes))
+    if not sizes or key in checked:
+        return
+    hinted = lambda: call.hints(max(sizes.values()))
+    try:
+        local = call.local()
+    except Exception as err:
+        roles, rules = list(call.roles), call.written
+        raise_failure(err, call.unsharded, call.where, rules, sizes, hinted, call.whole, roles=roles)
+    references = references_for(call.unsharded, call.roles, sizes)
+    check_plan(local, references, sizes, call.where, call.named, hinted, call.whole, call.split_by)
+    checked.add(key)
 
 
 def check_plan(
