@@ -21,7 +21,16 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 from fsdp_tp.errors import MeshShapeError
-from fsdp_tp.testing import Comparison, NNXSharded, NNXTwin, _harness, check_equal, check_sharded, meshes
+from fsdp_tp.testing import (
+    Comparison,
+    NNXSharded,
+    NNXTwin,
+    _harness,
+    _programs,
+    check_equal,
+    check_sharded,
+    meshes,
+)
 from fsdp_tp.tp import ColumnParallel, RowParallel
 from fsdp_tp.tp._check import switched_off
 from tests.equivalence import Case, step_program
@@ -184,7 +193,7 @@ def _dots(loss) -> int:
     """The matmuls in the program that reads a Dense's loss, outputs and gradients."""
     model, x = nn.Dense(D), X[:, 0]
     params = model.init(KEY, x)["params"]
-    read = lambda p: _harness.loss_and_outputs(model, loss, p, x, x)
+    read = lambda p: _programs.loss_and_outputs(model, loss, p, x, x)
     eqns = jax.make_jaxpr(read)(params).jaxpr.eqns
     return sum(eqn.primitive.name == "dot_general" for eqn in eqns)
 
@@ -199,7 +208,7 @@ def test_the_outputs_are_read_off_the_losss_own_forward():
     assert (_dots(own), _dots(other)) == (2, 3)
     model, x = nn.Dense(D), X[:, 0]
     params = model.init(KEY, x)["params"]
-    (_, out), _ = _harness.loss_and_outputs(model, other, params, x, x)
+    (_, out), _ = _programs.loss_and_outputs(model, other, params, x, x)
     np.testing.assert_array_equal(out, model.apply({"params": params}, x))
 
 
@@ -211,7 +220,7 @@ def test_both_inits_in_one_program_are_each_ones_own_bits():
     second step)."""
     pair = _nnx_pair(fsdp_tp.make_mesh({"data": 2, "fsdp": 4}))
     x = BATCH[0][:, 0]
-    sharded, twin = _harness.inits(pair, KEY, x)
+    sharded, twin = _programs.inits(pair, KEY, x)
     init_fn = lambda r, x: pair.model.init(r, x)["params"]
     alone, _ = fsdp_tp.init_sharded(init_fn, pair.mesh, (P(), P(pair.batch_axes)), KEY, x)
     _assert_same(sharded, alone)

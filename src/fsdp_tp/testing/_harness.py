@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..gradients import sync_gradients
 from ._compare import assert_trees_close
-from ._programs import Comparison, inits, loss_and_outputs, sharded_step, train_state, twin_run
+from ._programs import Comparison, inits, sharded_step, train_state, twin_run
 
 __all__ = [
     "OPTIMIZERS",
@@ -38,8 +38,6 @@ __all__ = [
     "Comparison",
     "alongside",
     "check_equal",
-    "inits",
-    "loss_and_outputs",
     "sharded_step",
     "train_state",
     "twin_run",

@@ -131,8 +131,8 @@ def twin_run(c: Comparison, tx, params, data, reads: bool = False):
 def loss_and_outputs(model, loss: Callable, params, x, y, reads: Callable = lambda params: params):
     """``((loss, outputs), gradients)`` of ``loss(model, reads(params), x, y)``: the outputs
     are ``model.apply({"params": reads(params)}, x)``, read off the loss's own forward where the
-    loss makes that call (one forward a step program, not a second for the outputs: the step
-    compiles about a third faster), else computed on their own."""
+    loss makes that call (one forward a step program, not a second for the outputs: the twin's
+    step of a 2-layer ViT compiles in 2.26 s instead of 2.57), else computed on their own."""
     calls: list = []
 
     def recorded(p):

@@ -127,9 +127,9 @@ def check_call(call: PlanCall, checked: set) -> None:
     end's check, here once."""
     if not checking() or not call.roles:
         return  # (the check's own trace of the call)
-    bound = bound_axis_names()
     sizes = call.sizes
     if sizes is None:
+        bound = bound_axis_names()
         sizes = {axis: jax.lax.axis_size(axis) for axis in sorted(axes_of(call.roles)) if axis in bound}
     key = (call.same, repr(sizes))
     if not sizes or key in checked:
@@ -138,8 +138,8 @@ def check_call(call: PlanCall, checked: set) -> None:
     try:
         local = call.local()
     except Exception as err:
-        roles, rules = list(call.roles), call.written
-        raise_failure(err, call.unsharded, call.where, rules, sizes, hinted, call.whole, roles=roles)
+        where, whole = call.where, call.whole
+        raise_failure(err, call.unsharded, where, call.written, sizes, hinted, whole, roles=call.roles)
     references = references_for(call.unsharded, call.roles, sizes)
     check_plan(local, references, sizes, call.where, call.named, hinted, call.whole, call.split_by)
     checked.add(key)

@@ -34,8 +34,8 @@ def partners(graph: Graph, module: str, named: Callable[[str], tuple[str, str]])
     owner: dict[int, str] = {}  # a matmul's node index -> the module whose kernel it reads
     for index, node in enumerate(graph.nodes):
         if node.prim in _MATMULS and (kernel := kernel_operand(node, kernels)) is not None:
-            path = graph.params[kernels[kernel]].rpartition("/")[0]
-            owner[index] = named(scope_of(node))[0] if _has_role(named, node) else path
+            named_as, role = named(scope_of(node))
+            owner[index] = named_as if _ruled(role) else graph.params[kernels[kernel]].rpartition("/")[0]
             order.setdefault(owner[index], index)
     rows = _rows_reached(graph, owner, module, named)
     if not rows:
@@ -43,7 +43,7 @@ def partners(graph: Graph, module: str, named: Callable[[str], tuple[str, str]])
     found = set(rows) | {module}
     for index, row in owner.items():
         if row in rows:
-            found |= _columns_feeding(graph, owner, index, named)
+            found |= _columns_feeding(graph, kernels, owner, index, named)
     return _in_order(found, order)
 
 
@@ -64,9 +64,10 @@ def _rows_reached(graph: Graph, owner: dict[int, str], module: str, named) -> se
     return rows
 
 
-def _columns_feeding(graph: Graph, owner: dict[int, str], row: int, named) -> set[str]:
+def _columns_feeding(
+    graph: Graph, kernels: dict[int, int], owner: dict[int, str], row: int, named
+) -> set[str]:
     """The modules with roles whose matmuls' outputs reach the matmul ``row`` (back to each)."""
-    kernels = kernels_of(graph)
     todo = [v for v in graph.nodes[row].ins if v is not None and v not in kernels]
     seen, found = set(todo), set()
     while todo:
@@ -86,11 +87,11 @@ def _columns_feeding(graph: Graph, owner: dict[int, str], row: int, named) -> se
 def _role(named, node) -> str:
     """The node's module's role as written, ``""`` where the plan gives it none."""
     role = named(scope_of(node))[1]
-    return "" if role.startswith("the ") else role  # ("the tp rules": no rule names it)
+    return role if _ruled(role) else ""
 
 
-def _has_role(named, node) -> bool:
-    return bool(_role(named, node))
+def _ruled(role: str) -> bool:
+    return not role.startswith("the ")  # ("the tp rules": no rule names the module)
 
 
 def _in_order(modules, order: dict[str, int]) -> list[str]:
