@@ -22,6 +22,7 @@ import fsdp_tp.nnx
 from fsdp_tp.errors import RuleError
 from fsdp_tp.tp import ColumnParallel, HeadParallel, RowParallel
 from fsdp_tp.tp._storage import require_no_tp_axis, with_split
+from tests.refusals import stored_as_named
 
 AXES = ("data", "fsdp", "tensor")
 
@@ -126,10 +127,22 @@ def test_an_annotation_that_disagrees_is_named_as_the_annotation_with_a_layout_t
         RuleError,
         match=r"down/kernel: the model's own sharding annotation gives P\('tensor', 'fsdp'\): it splits "
         r"dim 0 over 'tensor', but tp rule 'down\$' splits dim 1 over it; .* Store it as P\('fsdp', None\)",
-    ):
+    ) as refused:
         fsdp_tp.init_sharded(
             lambda r, x: model.init(r, x)["params"], mesh, (P(), P()), jax.random.key(0), jnp.ones((2, 4, 8))
         )
+
+    # The fix, as a user applies it: a storage rule with the spec the refusal gives for the
+    # parameter it names (then up's, reversed too). The layouts then agree; what is left is
+    # the plan this test reversed on purpose, refused as such.
+    def build(stored):
+        model = fsdp_tp.shard_by_rules(AnnotatedBlock, stored, logical_axis_rules=LOGICAL, tp_rules=tp)()
+        init = lambda r, x: model.init(r, x)["params"]
+        fsdp_tp.init_sharded(init, mesh, (P(), P()), jax.random.key(0), jnp.ones((2, 4, 8)))
+
+    stored, left = stored_as_named(refused, build)
+    assert [pattern for pattern, _ in stored] == [r"^up/kernel$", r"^down/kernel$"], stored
+    assert "up (RowParallel) takes the split features" in str(left), left
 
 
 class NNXAnnotatedMLP(nnx.Module):

@@ -44,6 +44,7 @@ from tests.equivalence import assert_trees_close, check_split
 from tests.models import GATED_RULES, GatedLM, TiedLM
 from tests.nnx_models import NNX_MEGATRON, NNXGatedLM, NNXTiedLM, lm_maker
 from tests.plain_models import MEGATRON, PlainLM
+from tests.refusals import named_fix
 
 APIS = ["linen", "nnx"]
 IDS = jnp.zeros((2, 8), jnp.int32)
@@ -302,16 +303,26 @@ def test_auto_is_the_plan_found_for_the_axis_size(api):
         assert plans[4].rules == _find(api, NORM[api], *x, size=4).rules
     if api == "linen":  # where "auto" keeps its plans, a model's own attribute is not overwritten
         owns = type("Owns", (LinenNormBetween,), {"tp_plans": ()})
-        with pytest.raises(RuleError, match=r"Owns has its own attribute tp_plans, .* rename it"):
+        with pytest.raises(RuleError, match=r"Owns has its own attribute tp_plans, .* rename it") as refused:
             fsdp_tp.shard_by_rules(owns, tp_rules="auto")
+        named_fix(refused, "or pass the plan: tp_rules=find_tp_rules(...)")
+        fsdp_tp.shard_by_rules(owns, tp_rules=plans[4].rules)
         return
     with jax.enable_x64(True):
-        with pytest.raises(RuleError, match=r"tp_rules='auto' .* pass them: .*inputs=\(x,\)"):
+        with pytest.raises(RuleError, match=r"tp_rules='auto' .* pass them: .*inputs=\(x,\)") as refused:
             fsdp_tp.nnx.shard_by_rules(NNXNormBetween, tp_rules="auto")
-        with pytest.raises(RuleError, match=r"inputs= is what the tp plan is found and checked on .*no tp_"):
+        named_fix(refused, "tp_rules='auto', inputs=(x,))")
+        fsdp_tp.nnx.shard_by_rules(NNXNormBetween, tp_rules="auto", inputs=x)
+        with pytest.raises(
+            RuleError, match=r"inputs= is what the tp plan is found and checked on .*no tp_"
+        ) as refused:
             fsdp_tp.nnx.shard_by_rules(NNXNormBetween, tp_rules=[], inputs=x)
-        with pytest.raises(RuleError, match=r"inputs=, a tuple .* got ShapeDtypeStruct"):
+        named_fix(refused, "Drop it, or pass tp_rules")
+        fsdp_tp.nnx.shard_by_rules(NNXNormBetween, tp_rules=[])
+        with pytest.raises(RuleError, match=r"inputs=, a tuple .* got ShapeDtypeStruct") as refused:
             fsdp_tp.nnx.shard_by_rules(NNXNormBetween, tp_rules="auto", inputs=x[0])
+        named_fix(refused, "Pass e.g. inputs=(tokens,)")
+        fsdp_tp.nnx.shard_by_rules(NNXNormBetween, tp_rules="auto", inputs=(x[0],))
 
 
 def test_differences_name_each_module_two_plans_disagree_on():

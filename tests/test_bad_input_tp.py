@@ -20,6 +20,7 @@ from fsdp_tp import _registered
 from fsdp_tp.errors import RuleError, UnboundAxisNameError
 from fsdp_tp.linen import find_tp_rules
 from fsdp_tp.tp import ColumnParallel, RowParallel
+from tests.refusals import named_fix, role_named
 
 pytestmark = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")
 
@@ -109,9 +110,10 @@ def test_find_tp_rules_refuses_a_size_that_is_not_an_axis_size(size):
     ):
         with pytest.raises(
             RuleError, match=rf"size={size!r} is not an axis size: .* a whole number >= 1 \(e\.g\. size=4\)"
-        ):
+        ) as refused:
             find()
-    assert find_tp_rules(MLP(), X, size=4).roles.keys() == {"up", "down"}  # the fix
+    named_fix(refused, "(e.g. size=4)")
+    assert find_tp_rules(MLP(), X, size=4).roles.keys() == {"up", "down"}
 
 
 def test_find_tp_rules_names_the_keyword_arguments_a_call_requires():
@@ -120,9 +122,10 @@ def test_find_tp_rules_names_the_keyword_arguments_a_call_requires():
         RuleError,
         match=r"Keyword's call .* missing 1 required keyword-only argument: 'train'.*"
         r"find_tp_rules\(model, x, train=False\)",
-    ):
+    ) as refused:
         find_tp_rules(Keyword(), X, size=4)
-    assert find_tp_rules(Keyword(), X, size=4, train=False).roles  # the fix
+    named_fix(refused, "its keyword arguments by name after them (find_tp_rules(model, x, train=False)")
+    assert find_tp_rules(Keyword(), X, size=4, train=False).roles
 
 
 def test_wrong_shaped_inputs_are_named_with_their_shapes():
@@ -132,9 +135,10 @@ def test_wrong_shaped_inputs_are_named_with_their_shapes():
         r"\(\(8, 16, 31\),\) .* contracting dimensions",
     ):
         fsdp_nnx.find_tp_rules(NNXMLP(nnx.Rngs(0)), jnp.ones((8, 16, 31)), size=4)
-    with pytest.raises(RuleError, match=r"fails on positional \(\(8, 16, 31\),\)"):
+    with pytest.raises(RuleError, match=r"fails on positional \(\(8, 16, 31\),\)") as refused:
         _nnx(NNXMLP, "auto", inputs=(jnp.ones((8, 16, 31)),))
-    assert _nnx(NNXMLP, "auto", inputs=(X,)).shape == (8, 16, 32)  # the fix: the shapes it trains on
+    named_fix(refused, "the inputs positionally, with the shapes the model trains on")
+    assert _nnx(NNXMLP, "auto", inputs=(X,)).shape == (8, 16, 32)
 
 
 @pytest.mark.parametrize(
@@ -146,12 +150,21 @@ def test_wrong_shaped_inputs_are_named_with_their_shapes():
     ids=["a class", "a Linen module"],
 )
 def test_nnx_find_tp_rules_takes_a_built_nnx_model(given, said):
-    with pytest.raises(RuleError, match=rf"fsdp_tp.nnx.find_tp_rules takes a built NNX model .*; {said}"):
+    with pytest.raises(
+        RuleError, match=rf"fsdp_tp.nnx.find_tp_rules takes a built NNX model .*; {said}"
+    ) as refused:
         fsdp_nnx.find_tp_rules(given, X, size=4)
+    if isinstance(given, type):
+        named_fix(refused, "build it")
+        assert fsdp_nnx.find_tp_rules(given(nnx.Rngs(0)), X, size=4).roles.keys() == {"up", "down"}
+    else:
+        named_fix(refused, "a Linen module's plan is fsdp_tp.linen.find_tp_rules'")
+        assert find_tp_rules(given, X, size=4).roles.keys() == {"up", "down"}
     with pytest.raises(
         RuleError, match=r"fsdp_tp.linen.find_tp_rules takes a Linen module .*; got the class MLP"
-    ):
+    ) as refused:
         find_tp_rules(MLP, X, size=4)
+    named_fix(refused, "build it: find_tp_rules(Model(...), x)")
 
 
 def test_auto_on_a_mesh_without_tensor_names_the_axis_not_a_rule():
@@ -161,13 +174,16 @@ def test_auto_on_a_mesh_without_tensor_names_the_axis_not_a_rule():
             RuleError,
             match=r"shard_by_rules\(MLP, tp_rules='auto'\) splits over mesh axis "
             r"'tensor', which this mesh does not have \(its axes: data, fsdp\): add a 'tensor' axis",
-        ):
+        ) as refused:
             run(_mesh(tensor=False))
     sharded = fsdp_nnx.shard_by_rules(NNXMLP, [], tp_rules="auto", inputs=(X,))
-    with pytest.raises(RuleError, match=r"which this mesh does not have"):
+    with pytest.raises(RuleError, match=r"which this mesh does not have") as refused_nnx:
         fsdp_tp.init_sharded(sharded.init, _mesh(tensor=False), P(), jax.random.key(0))
-    params, _ = _linen(MLP(), "auto", _mesh())  # the fix: a mesh with 'tensor'
+    for said in (refused, refused_nnx):
+        named_fix(said, "add a 'tensor' axis to the mesh")
+    params, _ = _linen(MLP(), "auto", _mesh())
     assert params["up"]["kernel"].value.shape == (32, 64)
+    fsdp_tp.init_sharded(sharded.init, _mesh(), P(), jax.random.key(0))
 
 
 # --- sequence_dim, einsum letters, a column's and a row's inputs ---
@@ -181,8 +197,10 @@ def test_a_sequence_dim_that_is_not_a_dim_is_refused_when_the_role_is_made(dim):
         RuleError,
         match=rf"ColumnParallel\(sequence_dim={dim!r}\): sequence_dim is the "
         r"activations' sequence dim counted from the front, a whole number >= 0 \(1 for",
-    ):
+    ) as refused:
         ColumnParallel(sequence_dim=dim)
+    named_fix(refused, "(1 for (batch, sequence, features))")
+    assert ColumnParallel(sequence_dim=1).sequence_dim == 1
 
 
 def test_a_sequence_dim_past_the_input_is_named_with_its_shape():
@@ -192,11 +210,12 @@ def test_a_sequence_dim_past_the_input_is_named_with_its_shape():
         r"up: ColumnParallel\(sequence_dim=5\) names dim 5 of its input, of shape \(4, 16, 32\) on "
         r"this device, whose sequence dim is one of 0..1 \(the last is the features\)"
     )
-    with pytest.raises(RuleError, match=said):
+    with pytest.raises(RuleError, match=said) as refused:
         _linen(MLP(), plan.rules)
     with pytest.raises(RuleError, match=said):
         _nnx(NNXMLP, fsdp_nnx.find_tp_rules(NNXMLP(nnx.Rngs(0)), X, size=4).scheduled(sequence_dim=5).rules)
-    params, _ = _linen(MLP(), find_tp_rules(MLP(), X, size=4).scheduled(sequence_dim=1).rules)  # the fix
+    named_fix(refused, "pass the dim the sequence is on (1 for (batch, sequence, features))")
+    params, _ = _linen(MLP(), find_tp_rules(MLP(), X, size=4).scheduled(sequence_dim=1).rules)
     assert params["down"]["kernel"].value.shape == (64, 32)
 
 
@@ -206,9 +225,10 @@ def test_a_column_fed_a_column_is_told_to_end_the_split():
         RuleError,
         match=r"mid \(ColumnParallel\) reads its input whole, and it arrived split .* "
         r"Fix: make mid RowParallel, so the split ends here",
-    ):
+    ) as refused:
         _linen(Chain(), [(r"^(up|mid)$", ColumnParallel()), (r"^down$", RowParallel())])
-    _linen(Chain(), [(r"^up$", ColumnParallel()), (r"^mid$", RowParallel())])  # the fix
+    named_fix(refused, "make mid RowParallel")
+    _linen(Chain(), [(r"^up$", ColumnParallel()), (r"^mid$", RowParallel())])
 
 
 def test_a_row_alone_with_a_sequence_dim_is_told_what_feeds_it():
@@ -216,8 +236,9 @@ def test_a_row_alone_with_a_sequence_dim_is_told_what_feeds_it():
         RuleError,
         match=r"down \(RowParallel\) takes the split features a ColumnParallel .* "
         r"arrived whole .* Fix: make the layer that feeds down ColumnParallel, or drop down's rule",
-    ):
+    ) as refused:
         _linen(MLP(), [(r"^down$", RowParallel(sequence_dim=1))])
+    named_fix(refused, "make the layer that feeds down ColumnParallel")
     _linen(MLP(), [(r"^up$", ColumnParallel(sequence_dim=1)), (r"^down$", RowParallel(sequence_dim=1))])
 
 
@@ -230,9 +251,10 @@ def test_a_norm_between_a_column_and_its_row_is_named(api):
         r"\(drop its tp rule\)"
     )
     rules = [(r"^up$", ColumnParallel()), (r"^down$", RowParallel())]
-    with pytest.raises(RuleError, match=said):
+    with pytest.raises(RuleError, match=said) as refused:
         _linen(NormBetween(), rules) if api == "linen" else _nnx(NNXNormBetween, rules)
-    _linen(NormBetween(), []) if api == "linen" else _nnx(NNXNormBetween, [])  # the fix: whole
+    named_fix(refused, "leave the column and row layers around it whole (drop its tp rule)")
+    _linen(NormBetween(), []) if api == "linen" else _nnx(NNXNormBetween, [])
 
 
 class StackedKV(nn.Module):
@@ -252,9 +274,10 @@ def test_an_einsum_letter_that_cannot_work_names_the_one_that_does():
         RuleError,
         match=r"Einsum letters: kv: ColumnParallel\(letter='C'\) splits letter 'C' of "
         r"'BSD,CDKH->CBSKH', one of 'C', 'K', 'H'; the plan found gives ColumnParallel\(letter='K'\)",
-    ):
+    ) as refused:
         _linen(StackedKV(), [(r"^kv$", ColumnParallel(letter="C")), (r"^out$", RowParallel())], mesh)
-    _linen(StackedKV(), [(r"^kv$", ColumnParallel(letter="K")), (r"^out$", RowParallel())], mesh)
+    found = role_named(refused, r"ColumnParallel\(letter='K'\)")
+    _linen(StackedKV(), [(r"^kv$", found), (r"^out$", RowParallel())], mesh)
 
 
 class IndexedKV(nn.Module):
@@ -294,9 +317,9 @@ def test_a_refused_einsum_letter_the_rule_left_out_names_the_one_that_works(api)
         r"Einsum letters: kv: ColumnParallel\(\) splits letter 'C' of 'BSD,CDKH->CBSKH', the first of "
         r"'C', 'K', 'H'; the plan found gives ColumnParallel\(letter='K'\)"
     )
-    with pytest.raises(RuleError, match=said):
+    with pytest.raises(RuleError, match=said) as refused:
         init(None)
-    init("K")  # the fix
+    init(role_named(refused, r"ColumnParallel\(letter='K'\)").letter)
 
 
 # --- register_einsum ---
@@ -331,17 +354,20 @@ ROLES = [(r"^up$", ColumnParallel()), (r"^down$", RowParallel())]
 
 
 @pytest.mark.parametrize(
-    "equation, said",
+    "equation, said, fix",
     [
-        ("...i,io->...q", r"its output names 'q', which neither operand has"),
-        ("...i->...o", r"a tp role reads an explicit two-operand equation"),
-        ("...i,ii->...i", r"its kernel 'ii' must name each dim with its own letter"),
+        ("...i,io->...q", r"its output names 'q', which neither operand has", "each output letter is a dim"),
+        ("...i->...o", r"a tp role reads an explicit two-operand equation", "'inputs,kernel->output'"),
+        ("...i,ii->...i", r"its kernel 'ii' must name each dim with its own letter", "its own letter"),
     ],
 )
-def test_register_einsum_refuses_an_equation_it_cannot_read(registry, equation, said):
-    with pytest.raises(RuleError, match=said):
+def test_register_einsum_refuses_an_equation_it_cannot_read(registry, equation, said, fix):
+    with pytest.raises(RuleError, match=said) as refused:
         registry(Projection, equation, kernel="w", sizes={"width": "o"})
     assert Projection not in _registered._REGISTERED
+    named_fix(refused, fix)  # (the equation the module computes, written so: accepted)
+    registry(Projection, "...i,io->...o", kernel="w", sizes={"width": "o"})
+    assert Projection in _registered._REGISTERED
 
 
 def test_register_einsum_names_a_kernel_or_size_attribute_the_module_lacks(registry):
@@ -350,16 +376,18 @@ def test_register_einsum_names_a_kernel_or_size_attribute_the_module_lacks(regis
         RuleError,
         match=r"up, a Projection registered with kernel='kern', and it makes the "
         r"parameters \['w'\]: register it with kernel= the name of its einsum's kernel",
-    ):
+    ) as refused:
         _linen(TwoProjections(), ROLES)
+    named_fix(refused, "register_einsum(Projection, '...i,io->...o', kernel=..., replace=True)")
     registry(Projection, "...i,io->...o", kernel="w", sizes={"features": "o"}, replace=True)
     with pytest.raises(
         RuleError,
         match=r"sizes=\{'features': ...\} names an attribute Projection does not have "
         r"\(it has width\); register it again with the name the module uses",
-    ):
+    ) as refused:
         _linen(TwoProjections(), ROLES)
-    registry(Projection, "...i,io->...o", kernel="w", sizes={"width": "o"}, replace=True)  # the fix
+    named_fix(refused, "register it again with the name the module uses (register_einsum(..., replace=True))")
+    registry(Projection, "...i,io->...o", kernel="w", sizes={"width": "o"}, replace=True)
     params, _ = _linen(TwoProjections(), ROLES)
     assert params["up"]["w"].value.shape == (32, 64)
 
@@ -369,23 +397,28 @@ def test_register_einsum_takes_a_class_once_and_never_flax_s_own(registry):
         RuleError,
         match=r"register_einsum takes the module class; got an instance of "
         r"Projection: pass Projection",
-    ):
+    ) as refused:
         registry(Projection(3), "...i,io->...o", kernel="w")
+    named_fix(refused, "pass Projection")
     registry(Projection, "...i,io->...o", kernel="w", sizes={"width": "o"})
     registry(Projection, "...i,io->...o", kernel="w", sizes={"width": "o"})  # the same again: nothing changes
     with pytest.raises(
         RuleError,
         match=r"Projection is already registered as '...i,io->...o' \(kernel='w', "
         r"sizes=\{'width': 'o'\}\); pass replace=True",
-    ):
+    ) as refused:
         registry(Projection, "...o,io->...i", kernel="w", sizes={"width": "i"})
+    named_fix(refused, "pass replace=True to register it anew")
+    registry(Projection, "...o,io->...i", kernel="w", sizes={"width": "i"}, replace=True)
+    registry(Projection, "...i,io->...o", kernel="w", sizes={"width": "o"}, replace=True)
     for cls in (nn.Dense, nnx.Linear):
         with pytest.raises(
             RuleError,
             match=rf"register_einsum\(flax\..*{cls.__name__}\): a Flax layer the tp roles "
             rf"already compute .* Register a class of your own \(a subclass of {cls.__name__} is one\)",
-        ):
+        ) as refused:
             registry(cls, "...i,io->...o")
+        named_fix(refused, f"Register a class of your own (a subclass of {cls.__name__} is one)")
     # (nn.Dense registered in 0.2 made every nn.Dense column rule in the process refused)
     params, _ = _linen(MLP(), ROLES)
     assert params["up"]["kernel"].value.shape == (32, 64)

@@ -43,6 +43,7 @@ from fsdp_tp.tp import _matmul as tp_matmul
 from fsdp_tp.tp._check import switched_off
 from tests.conftest import first_block
 from tests.equivalence import Case, check_equivalence, check_split, next_token_loss
+from tests.refusals import named_fix
 
 APIS = ["linen", "nnx"]
 MESHES = {
@@ -385,8 +386,13 @@ def test_a_registered_module_with_more_than_its_kernel_is_refused_at_init():
         def __call__(self, x):
             return MyBiasedDense(5, name="down")(jnp.tanh(MyDense(16, name="up")(x)))
 
-    with pytest.raises(RuleError, match=r"matches down, a MyBiasedDense that also computes with b, which "):
+    with pytest.raises(
+        RuleError, match=r"matches down, a MyBiasedDense that also computes with b, which "
+    ) as refused:
         check_split("linen", Net, OWN_RULES, (8, 3, 6), True)
+    # (it said "drop the rule": down's alone, and up's split then reached a whole down, refused)
+    named_fix(refused, "leave down whole: drop its rule and those of the layers split with it (the column")
+    check_split("linen", Net, [], (8, 3, 6), True)
 
 
 REPLICATED_KV = _without(r"attn/kv$", (r"attn/kv$", ColumnParallel(letter="K", replicated=True)))
@@ -479,11 +485,17 @@ def test_a_kept_kernel_on_a_dense_layer_is_refused_with_the_fix(api):
     """``replicated=True`` reads a block along an einsum letter; a dense layer has none."""
     rules = [("up$", ColumnParallel(replicated=True)), ("down$", RowParallel())]
     refused = r"up: ColumnParallel\(replicated=True\) reads .* Drop replicated=True"
-    with pytest.raises(RuleError, match=refused):
+    with pytest.raises(RuleError, match=refused) as said:
         if api == "nnx":
             fsdp_tp.nnx.tp_splits(nnx.eval_shape(lambda: _NNXDenses(nnx.Rngs(0))), rules)
         else:
             check_split("linen", _Denses, rules, (8, 3, 6), True)
+    named_fix(said, "Drop replicated=True")
+    fixed = [("up$", ColumnParallel()), ("down$", RowParallel())]
+    if api == "nnx":
+        fsdp_tp.nnx.tp_splits(nnx.eval_shape(lambda: _NNXDenses(nnx.Rngs(0))), fixed)
+    else:
+        check_split("linen", _Denses, fixed, (8, 3, 6), True)
 
 
 # --- sequence parallelism by roles (issue 43 point 2) ------------------------------------------
@@ -542,8 +554,10 @@ def test_sequence_parallel_roles_without_check_vma_are_refused(api):
     match = r"VocabParallel\(sequence_dim=1\) splits .* this step runs with check_vma=False"
     model, _ = _models(api, "fsdp4_tensor2", tp=SEQUENCE_RULES)
     mesh = fsdp_tp.make_mesh(MESHES["fsdp4_tensor2"])
-    with pytest.raises(RuleError, match=match):
+    with pytest.raises(RuleError, match=match) as refused:
         lowered_lm_step(model, mesh, ("fsdp",), jnp.zeros((BATCH, SEQ), jnp.int32), check_vma=False)
+    named_fix(refused, "Run the step (init_sharded and shard_step) with check_vma=True")
+    lowered_lm_step(model, mesh, ("fsdp",), jnp.zeros((BATCH, SEQ), jnp.int32), check_vma=True)
 
 
 def test_negative_control_unchecked_sequence_slices_give_the_norms_a_share_of_their_gradient(monkeypatch):

@@ -38,6 +38,7 @@ from fsdp_tp.routing import capacity, combine, dispatch, route
 from fsdp_tp.testing import check_sharded
 from fsdp_tp.tp import ColumnParallel, ExpertParallel, RowParallel, register_einsum
 from fsdp_tp.tp._check import switched_off
+from tests.refusals import named_fix, role_named
 
 
 def reference_routing(logits: np.ndarray, k: int, slots: int | None, lower_first: bool = True):
@@ -305,18 +306,21 @@ def test_returns_on_every_expert_layer_is_refused_naming_the_last_layer_alone():
             _model("linen"), (TOKENS, TOKENS), lm_loss, {"data": 2, "expert": 4}, [], tp_rules=every,
             batch_axes=("data", "expert"), steps=1, optimizers={},
         )  # fmt: skip
-    assert "Fix: returns=True on the bank's last layer alone, the one whose output the combine reads " in str(
-        refused.value
-    ) and "(block_0/moe/experts/down, block_1/moe/experts/down)" in str(refused.value)
-    assert [p for p, r in EP if r.returns] == [r"experts/down$"]
+    named_fix(
+        refused, "Fix: returns=True on the bank's last layer alone, the one whose output the combine reads"
+    )
+    named_fix(refused, "(block_0/moe/experts/down, block_1/moe/experts/down)")
+    assert [p for p, r in EP if r.returns] == [r"experts/down$"]  # (the fix: EP, proved equal above)
 
 
 def test_expert_parallel_is_refused_where_the_expert_axis_does_not_split_the_batch():
-    with pytest.raises(RuleError, match="'expert' must split the batch"):
+    with pytest.raises(RuleError, match="'expert' must split the batch") as refused:
         check_sharded(
             _model("linen"), (TOKENS, TOKENS), lm_loss, {"data": 2, "expert": 4}, [], tp_rules=EP,
             batch_axes=("data",), steps=1, optimizers={},
         )  # fmt: skip
+    # (the fix, batch_axes=("data", "expert") with EP on this mesh, is the run proved equal above)
+    named_fix(refused, "Split the batch over 'expert' too (batch_specs P(('data', 'expert')))")
 
 
 def test_expert_parallel_moves_each_buffer_once_each_way_and_never_gathers_an_expert():
@@ -459,8 +463,10 @@ def test_moe_lm_composes_with_tensor_parallelism(api, mesh, tp, axes, remat, che
     ],
 )
 def test_a_split_within_the_experts_that_cannot_work_is_refused_with_the_fix(within, message):
-    with pytest.raises(RuleError, match=re.escape(message)):
+    with pytest.raises(RuleError, match=re.escape(message)) as refused:
         ExpertParallel(within=within)
+    fixed = role_named(refused, r"ExpertParallel\(within=ColumnParallel\(axis='tensor'\)\)")
+    assert fixed.within == ColumnParallel(axis="tensor")
 
 
 def test_the_plan_finder_splits_each_experts_hidden_dim_and_leaves_the_router_whole():

@@ -27,6 +27,7 @@ from tests.conftest import BATCH_AXES
 from tests.equivalence import Case, check_equivalence, next_token_loss
 from tests.nnx_models import lm_maker
 from tests.plain_models import PlainLM
+from tests.refusals import role_named
 
 SIZES = dict(vocab=256, d_model=64, heads=4, layers=8)
 # Unrolled, XLA compiles every layer's code: 4 layers show the same placement of each gather
@@ -168,7 +169,7 @@ def test_gathered_where_read_equals_unsharded(scan, check_vma):
 def test_a_rule_that_splits_the_scanned_dim_is_named():
     """nn.scan slices the stacked dim one layer per step: a split there cannot be gathered
     per layer, so the error names the parameter, the dim and the rule to write."""
-    sizes = dict(vocab=32, d_model=16, heads=2, layers=4)
+    sizes = dict(vocab=32, d_model=16, heads=4, layers=4)  # (every kernel's dim 1 divides by fsdp 4)
     model = fsdp_tp.shard_by_rules(PlainLM, [("^layers/.*kernel", P("fsdp"))])(**sizes, scan=True)
     mesh = fsdp_tp.make_mesh({"data": 2, "fsdp": 4})
     tokens = jnp.zeros((8, 8), jnp.int32)
@@ -181,5 +182,18 @@ def test_a_rule_that_splits_the_scanned_dim_is_named():
         in_specs=(specs, P(BATCH_AXES)),
         out_specs=P(BATCH_AXES),
     )
-    with pytest.raises(RuleError, match=r"layers/.*kernel: dim 0 is split over 'fsdp'.*P\(None, 'fsdp'\)"):
+    with pytest.raises(
+        RuleError, match=r"layers/.*kernel: dim 0 is split over 'fsdp'.*P\(None, 'fsdp'\)"
+    ) as refused:
         apply(params, tokens)
+    fixed = role_named(refused, r"P\(None, 'fsdp'\)")
+    model = fsdp_tp.shard_by_rules(PlainLM, [("^layers/.*kernel", fixed)])(**sizes, scan=True)
+    params, specs = fsdp_tp.init_sharded(
+        lambda r, x: model.init(r, x)["params"], mesh, (P(), P(BATCH_AXES)), jax.random.key(0), tokens
+    )
+    jax.shard_map(
+        lambda p, x: model.apply({"params": p}, x),
+        mesh=mesh,
+        in_specs=(specs, P(BATCH_AXES)),
+        out_specs=P(BATCH_AXES),
+    )(params, tokens)

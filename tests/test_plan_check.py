@@ -29,6 +29,7 @@ from fsdp_tp.testing import check_sharded
 from fsdp_tp.tp import ColumnParallel, RowParallel, VocabParallel
 from fsdp_tp.tp._check import switched_off
 from tests.equivalence import check_split
+from tests.refusals import named_fix, role_named
 
 D, HEADS = 32, 4  # model width and heads: 8 features a head, 2 heads a device on tensor 4
 X = (4, 6, D)  # (batch, sequence, features)
@@ -225,12 +226,15 @@ def test_negative_control_unchecked_the_refused_ways_train_another_model(api, wa
         check_split(api, _model(api, way), rules, X, check_vma=True)
 
 
-def _left_whole(message: str, rules: list) -> list:
+def _left_whole(refused, rules: list) -> list:
     """``rules`` less those on the layers the refusal says to leave whole ("leave q whole
     together with k, v and out, ..."), applied as a user would: by the names it gives."""
-    found = re.search(r"leave (\S+) whole(?: together with (.*?), the layers split with it)? \(", message)
-    assert found, message
+    found = re.search(
+        r"leave (\S+) whole(?: together with (.*?), the layers split with it)? \(", str(refused.value)
+    )
+    assert found, str(refused.value)
     names = [found[1], *(re.split(r", | and ", found[2]) if found[2] else [])]
+    named_fix(refused, found[0])
     return [(pattern, role) for pattern, role in rules if not any(re.search(pattern, n) for n in names)]
 
 
@@ -249,7 +253,7 @@ def test_a_refusals_leave_whole_fix_is_accepted_and_equal(api, way):
     rules = FUSED_RULES if way == "fused_qkv_split" else RULES
     with pytest.raises(RuleError) as refused:
         check_split(api, _model(api, way), rules, X, check_vma=True)
-    check_split(api, _model(api, way), _left_whole(str(refused.value), rules), X, check_vma=True)
+    check_split(api, _model(api, way), _left_whole(refused, rules), X, check_vma=True)
 
 
 def test_negative_control_leaving_the_refused_layer_alone_whole_is_refused_again():
@@ -274,8 +278,16 @@ def test_nnx_with_inputs_is_checked_at_init_before_any_step():
         x = jax.ShapeDtypeStruct(X, jnp.float64)
         sharded = fsdp_tp.nnx.shard_by_rules(make, tp_rules=RULES, batch_axes=("data",), inputs=(x,))
         init = sharded.state_init_fn(optax.sgd(0.1))
-        with pytest.raises(RuleError, match=rf"test_plan_check\.py:{_refused_at('heads_by_count')} \("):
+        with pytest.raises(
+            RuleError, match=rf"test_plan_check\.py:{_refused_at('heads_by_count')} \("
+        ) as refused:
             fsdp_tp.init_sharded(init, mesh, jax.sharding.PartitionSpec(), jax.random.key(0))
+        left = _left_whole(refused, RULES)  # (the fix: every layer of the attention left whole)
+        assert left == []
+        whole = fsdp_tp.nnx.shard_by_rules(make, tp_rules=left, batch_axes=("data",))
+        fsdp_tp.init_sharded(
+            whole.state_init_fn(optax.sgd(0.1)), mesh, jax.sharding.PartitionSpec(), jax.random.key(0)
+        )
         unchecked = fsdp_tp.nnx.shard_by_rules(make, tp_rules=RULES, batch_axes=("data",))
         fsdp_tp.init_sharded(unchecked.state_init_fn(optax.sgd(0.1)), mesh, jax.sharding.PartitionSpec(),
                              jax.random.key(0))  # fmt: skip
@@ -304,9 +316,11 @@ def test_an_einsum_role_that_takes_the_wrong_letter_names_the_letter_that_works(
     x = jax.random.normal(jax.random.key(2), X)
     prove = lambda: check_sharded(StackedKV(), (x, 0 * x), lambda out, y: jnp.mean((out - y) ** 2),
                                   {"data": 4, "tensor": 2}, tp_rules=rules, steps=1)  # fmt: skip
-    with pytest.raises(RuleError, match=said + r".*the plan found gives ColumnParallel\(letter='K'\)"):
+    with pytest.raises(
+        RuleError, match=said + r".*the plan found gives ColumnParallel\(letter='K'\)"
+    ) as refused:
         prove()
-    rules[1] = ("kv$", ColumnParallel(letter="K"))
+    rules[1] = ("kv$", role_named(refused, r"(?<=the plan found gives )ColumnParallel\(letter='K'\)"))
     prove()
 
 

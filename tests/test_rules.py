@@ -16,6 +16,7 @@ import fsdp_tp
 from fsdp_tp.errors import IndivisibleShapeError, RuleError, SpecError, UnmatchedRuleWarning
 from tests.conftest import BATCH_AXES, mesh_of
 from tests.equivalence import Case, check_equivalence
+from tests.refusals import named_fix
 
 MESHES = [(2, 2, 2), (1, 2, 4), (2, 1, 4), (1, 4, 2)]
 ENTRIES = [None, "data", "fsdp", "tensor", ("fsdp", "tensor"), ("data", "fsdp")]
@@ -172,8 +173,12 @@ def test_bad_rules_each_get_a_clear_message():
         fsdp_tp.rules.specs_from_rules(tree, [("kernel", P(None, ("fsdp", "tensor")))], mesh)
     with pytest.raises(SpecError, match=r"wi/kernel: spec .* uses mesh axis 'fsdp' on dims 0 and 1"):
         fsdp_tp.rules.specs_from_rules(tree, [("kernel", P("fsdp", "fsdp"))], mesh)
-    with pytest.raises(RuleError, match=r"rule pattern 'wi/\[kernel' is not a regular expression"):
+    with pytest.raises(RuleError, match=r"rule pattern 'wi/\[kernel' is not a regular expression") as refused:
         fsdp_tp.rules.specs_from_rules(tree, [("wi/[kernel", P())], mesh)
+    literal = named_fix(refused, "match its text literally: ('wi/\\\\[kernel', ...)")
+    assert literal and fsdp_tp.rules.specs_from_rules(
+        {"wi/[kernel": jnp.ones(2)}, [(r"wi/\[kernel", P())], mesh
+    )
     with pytest.raises(SpecError, match=r"names 3 dims, but the array has shape \(8, 6\)"):
         fsdp_tp.rules.specs_from_rules(tree, [("kernel", P(None, None, "fsdp"))], mesh)
 
@@ -189,7 +194,7 @@ def test_a_rule_on_a_dim_a_tensor_parallel_layer_splits_is_refused(on):
     path, spec = RULES_ON_A_LAYERS_DIM[on]
     model = fsdp_tp.shard_by_rules(fsdp_tp.MLPBlock, [RULES_ON_A_LAYERS_DIM[on]])(16, out_features=8)
     said = rf"{path}: the rule splits dim {len(spec) - 1} over {re.escape(repr(spec[-1]))}, but its layer"
-    with pytest.raises(RuleError, match=said):
+    with pytest.raises(RuleError, match=said) as refused:
         fsdp_tp.init_sharded(
             lambda r, x: model.init(r, x)["params"],
             mesh_of(2, 2, 2),
@@ -197,6 +202,16 @@ def test_a_rule_on_a_dim_a_tensor_parallel_layer_splits_is_refused(on):
             jax.random.key(0),
             jnp.ones((4, 8)),
         )
+    named_fix(refused, "give that dim None in the rule")
+    fixed = (path, P(*spec[:-1], None))
+    model = fsdp_tp.shard_by_rules(fsdp_tp.MLPBlock, [fixed])(16, out_features=8)
+    fsdp_tp.init_sharded(
+        lambda r, x: model.init(r, x)["params"],
+        mesh_of(2, 2, 2),
+        (P(), P()),
+        jax.random.key(0),
+        jnp.ones((4, 8)),
+    )
 
 
 @unmatched_ok

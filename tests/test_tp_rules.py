@@ -50,6 +50,7 @@ from tests.equivalence import Case, check_equivalence, next_token_loss
 from tests.models import GATED_RULES, GatedLM, TiedLM
 from tests.nnx_models import NNX_MEGATRON, NNXGatedLM, NNXTiedLM, lm_maker
 from tests.plain_models import MEGATRON, MLP, PlainLM
+from tests.refusals import named_fix, role_named, stored_as_named
 
 # FSDP over the dim each parameter's tp split leaves whole: in the blocks, then outside them
 # (the embedding and the logits head).
@@ -399,6 +400,17 @@ def _nnx_lm(tp, rules=(), heads=4, d_model=16):
     return Sharded(make, rules, batch_axes=("data",), tp_rules=tp)
 
 
+# The rules the fix each refusal below names gives, read off its message.
+_NAMED_FIXES = {
+    "block": lambda said: [role_named(said, r"\('blocks/0/down\$', ColumnParallel\(\)\)")],
+    "no-role": lambda said: [] if named_fix(said, "else drop the rule") else None,
+    "other-role": lambda said: [("embed$", role_named(said, r"VocabParallel\(\)"))],
+    "parameter": lambda said: [
+        (re.search(r"e\.g\. '([^']+)'", named_fix(said, "e.g. 'blocks/0/up$'"))[1], ColumnParallel())
+    ],
+}
+
+
 @pytest.mark.parametrize(
     "tp, sizes, match",
     [
@@ -420,11 +432,12 @@ def _nnx_lm(tp, rules=(), heads=4, d_model=16):
     ],
     ids=["block", "no-role", "other-role", "parameter"],
 )
-def test_a_wrong_tp_rule_on_an_nnx_model_is_named_before_anything_runs(tp, sizes, match):
+def test_a_wrong_tp_rule_on_an_nnx_model_is_named_before_anything_runs(tp, sizes, match, request):
     """The rules meet the abstract model at shard_by_rules: the same wordings as Linen's, in
-    NNX's class names, before an init runs."""
-    with pytest.raises(RuleError, match=match):
+    NNX's class names, before an init runs; the fix each names is accepted there."""
+    with pytest.raises(RuleError, match=match) as refused:
         _nnx_lm(tp, **sizes)
+    _nnx_lm(_NAMED_FIXES[request.node.callspec.id](refused), **sizes)
 
 
 def test_nnx_heads_the_axis_does_not_divide_are_named_at_init():
@@ -523,9 +536,17 @@ def test_a_storage_rule_on_the_split_dim_gets_the_fix():
         RuleError,
         match=r"layer_0/Dense_0/kernel: storage rule 'kernel\$' gives P\(None, 'fsdp'\).*"
         r"Store it as P\('fsdp', None\)",
-    ):
+    ) as refused:
         model = fsdp_tp.shard_by_rules(PlainLM, [("kernel$", P(None, "fsdp"))], tp_rules=MLP)(**SMALL)
         _init(model, "data2_fsdp2_tensor2")
+    specs = {}
+
+    def build(fixes):  # (the fixes first, the rule as written after them)
+        model = fsdp_tp.shard_by_rules(PlainLM, [*fixes, ("kernel$", P(None, "fsdp"))], tp_rules=MLP)(**SMALL)
+        specs.update(_init(model, "data2_fsdp2_tensor2")[1])
+
+    fixes, refused_again = stored_as_named(refused, build)
+    assert refused_again is None and specs["layer_0"]["Dense_0"]["kernel"] == P("fsdp", "tensor"), fixes
 
 
 @pytest.mark.parametrize(
@@ -539,8 +560,15 @@ def test_a_storage_rule_on_the_split_dim_gets_the_fix():
     ],
 )
 def test_conflicting_or_malformed_tp_rules_are_refused_at_once(kwargs, match):
-    with pytest.raises(RuleError, match=match):
+    with pytest.raises(RuleError, match=match) as refused:
         fsdp_tp.shard_by_rules(PlainLM, **{"tp_rules": MLP, **kwargs})
+    if "batch_axes" in kwargs:
+        named_fix(refused, "Split the batch over other axes (e.g. 'data', 'fsdp')")
+        fixed = {"batch_axes": ("data", "fsdp")}
+    else:
+        named_fix(refused, "give a role, one of ColumnParallel, RowParallel")
+        fixed = {"tp_rules": [("Dense_0$", ColumnParallel())]}
+    fsdp_tp.shard_by_rules(PlainLM, **{"tp_rules": MLP, **fixed})
 
 
 def test_mlp_rules_need_the_mlp_named():
@@ -589,5 +617,7 @@ def test_a_grouped_convolution_is_refused_by_name():
             return nn.Conv(8, kernel_size=(3,), feature_group_count=2)(x)
 
     model = fsdp_tp.shard_by_rules(Grouped, batch_axes=("data",), tp_rules=[(r"Conv_0$", ColumnParallel())])()
-    with pytest.raises(RuleError, match=r"Conv_0 .*feature_group_count=2.*Leave Conv_0 whole"):
+    with pytest.raises(RuleError, match=r"Conv_0 .*feature_group_count=2.*Leave Conv_0 whole") as refused:
         _init(model, tokens=jnp.ones((8, 6, 4)))
+    named_fix(refused, "Leave Conv_0 whole (drop it from the tp rules)")
+    _init(fsdp_tp.shard_by_rules(Grouped, batch_axes=("data",), tp_rules=[])(), tokens=jnp.ones((8, 6, 4)))

@@ -115,7 +115,10 @@ def split_rule(rule, caller: str, expected: str) -> tuple[str, re.Pattern, Any]:
     try:
         return rule[0], re.compile(rule[0]), rule[1]
     except re.error as err:
-        raise RuleError(f"{caller}: rule pattern {rule[0]!r} is not a regular expression: {err}.") from None
+        raise RuleError(
+            f"{caller}: rule pattern {rule[0]!r} is not a regular expression: {err}. Fix the pattern, or "
+            f"match its text literally: ({re.escape(rule[0])!r}, ...)."
+        ) from None
 
 
 def logical_spec(names: Sequence, logical_axis_rules: Sequence | None = None) -> PartitionSpec:

@@ -227,7 +227,9 @@ def require_own_parameters(role: TPRole, pattern: str, layer: Layer, cls: type, 
             f"also computes with {', '.join(extra)}, which {type(role).__name__} does not split (it "
             f"splits {' and '.join(layer.parameters)}). Fix: give each kernel a module of its own (a class "
             f"per einsum registered with register_einsum, or nnx.Einsum / nn.Einsum) and a rule each; or "
-            f"leave {layer.path} whole: drop the rule (storage rules can still split its parameters)."
+            f"leave {layer.path} whole: drop its rule and those of the layers split with it (the column "
+            f"layers that feed a row layer, the row layer a column layer feeds; storage rules can still "
+            f"split its parameters)."
         )
 
 
