@@ -73,6 +73,7 @@ CORE = (
     "tp._graph",
     "tp._experts",
     "tp._expert_plan",
+    "tp._find",
     "tp._front",
     "tp._heads",
     "tp._matmul",
@@ -641,12 +642,12 @@ def test_no_role_s_call_takes_an_argument_the_base_class_lacks():
 _DRIVER_STEPS = ("check_plan", "raise_failure", "references_for")
 
 
-def _driver_steps(source: str, where: str) -> list[str]:
-    """``where:line`` of each call of a step of the plan check's driver in ``source``."""
+def _driver_steps(source: str, where: str, steps: tuple[str, ...] = _DRIVER_STEPS) -> list[str]:
+    """``where:line`` of each call of one of ``steps`` (a driver's) in ``source``."""
     return [
         f"{where}:{node.lineno}"
         for node in ast.walk(ast.parse(source))
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _DRIVER_STEPS
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in steps
     ]
 
 
@@ -665,3 +666,27 @@ def test_the_plan_check_is_driven_once_for_both_front_ends():
     assert found == {"tp/_check.py"}
     # (negative control) a front end running the check's steps itself is seen
     assert _driver_steps("check_plan(local, references, sizes, where, named)\n", "m") == ["m:1"]
+
+
+# Issue 83 point 1: the plan finder is driven once, in the core (tp/_find.find): the front ends'
+# find_tp_rules and tp_rules="auto" trace the call and initialize it under a plan (a FindCall);
+# none sizes, fits or meshes a plan itself.
+_FINDER_STEPS = ("fitted", "require_size")
+
+
+def test_the_plan_finder_is_driven_once_for_both_front_ends():
+    from fsdp_tp.linen import _auto as linen_auto
+    from fsdp_tp.linen import auto_rules
+    from fsdp_tp.nnx import _auto as nnx_auto
+    from fsdp_tp.nnx import _specs
+    from fsdp_tp.tp import _find
+
+    assert linen_auto.find is auto_rules.find is nnx_auto.find is _specs.find is _find.find
+    found = set()
+    for name in _all_modules():
+        file = _module_file(name)
+        where = file.relative_to(PACKAGE).as_posix()
+        found |= {hit.split(":")[0] for hit in _driver_steps(file.read_text(), where, _FINDER_STEPS)}
+    assert found == {"tp/_find.py"}
+    # (negative control) a front end fitting a plan itself is seen
+    assert _driver_steps("plan = fitted(plan, attempt)\n", "m", _FINDER_STEPS) == ["m:1"]

@@ -10,25 +10,26 @@ import flax.linen as nn
 import jax
 
 from .._tree import static_split
-from ..tp._auto_mesh import auto_sizes
-from ..tp._plan import fitted, warn_left_whole
+from ..tp._find import FindCall, Sizes, find
+from ..tp._plan import warn_left_whole
 from ..tp._rules import compile_tp_rules
-from ..tp.auto import Graph, TPPlan, find_plan
+from ..tp.auto import Graph, TPPlan
 from ._check import fields_of, traced_as
 from ._traced import traced
 
 __all__ = ["AutoRules", "attempt_of"]
 
 
-def attempt_of(make: Callable, fields: dict, args: tuple, kwargs: dict, rngs: Sequence[str], graph: Graph):
-    """``attempt(plan)``: the model laid out by ``make(plan.rules)`` initialized abstractly
-    where it is called (under a mesh): its init checks the plan (against ``graph``, the
-    unsharded call the plan was found from), and raises the refusal."""
+def attempt_of(make: Callable, fields: dict, args: tuple, kwargs: dict, rngs: Sequence[str]):
+    """``attempt(plan, graph)`` (a :class:`~fsdp_tp.tp._find.FindCall`'s): the model laid out by
+    ``make(plan.rules)`` initialized abstractly where it is called (under a mesh): its init
+    checks the plan (against ``graph``, the unsharded call the plan was found from), and
+    raises the refusal."""
     arrays, rebuild = static_split(args, kwargs)
     shaped = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
     streams = {name: jax.random.key(0) for name in ("params", *rngs)}
 
-    def attempt(plan: TPPlan) -> None:
+    def attempt(plan: TPPlan, graph: Graph) -> None:
         model = make(plan.rules)(**fields, parent=None)
 
         def init(values):
@@ -56,17 +57,17 @@ class AutoRules:
         shaped = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a, (args, kwargs)
         )
-        axis, size, experts = auto_sizes(f"shard_by_rules({self.target.__name__}, tp_rules='auto')")
-        key = repr((fields, shaped, size, experts))
+        caller = f"shard_by_rules({self.target.__name__})"
+        sizes = Sizes.here(f"shard_by_rules({self.target.__name__}, tp_rules='auto')")
+        key = repr((fields, shaped, sizes))
         if key not in self.found:
             plain, (shaped_args, shaped_kwargs) = self.target(**fields, parent=None), shaped
-            graph, layers = traced(plain, shaped_args, shaped_kwargs, ("dropout",))
-            plan = find_plan(graph, layers, axis, size, expert_size=experts)
-            if size is not None or experts is not None:
-                plan = fitted(plan, attempt_of(self.make, fields, args, kwargs, ("dropout",), graph))
+            trace = lambda: traced(plain, shaped_args, shaped_kwargs, ("dropout",))
+            attempt = attempt_of(self.make, fields, args, kwargs, ("dropout",))
+            plan = find(FindCall(caller, trace, attempt), sizes)
             self.found[key] = compile_tp_rules(plan.rules, "shard_by_rules(tp_rules='auto')")
-            said = self.plans.get(size)  # (a call of other shapes finds the plan again: said once)
+            said = self.plans.get(sizes.size)  # (a call of other shapes finds the plan again: said once)
             if said is None or [p for p, _ in said.whole] != [p for p, _ in plan.whole]:
-                warn_left_whole(plan, size, f"shard_by_rules({self.target.__name__})", axis, experts)
-            self.plans[size] = plan
+                warn_left_whole(plan, sizes.size, caller, sizes.axis, sizes.expert_size)
+            self.plans[sizes.size] = plan
         return self.found[key]

@@ -24,12 +24,10 @@ from typing import Any
 import flax.linen as nn
 
 from .._axes import TENSOR
-from .._trace import trace_per_device
 from ..errors import RuleError
-from ..tp._auto_mesh import plan_mesh, require_size
 from ..tp._experts import EXPERT
-from ..tp._plan import fitted
-from ..tp.auto import TPPlan, find_plan
+from ..tp._find import FindCall, Sizes, find
+from ..tp.auto import TPPlan
 from ._auto import attempt_of
 from ._check import fields_of
 from ._traced import traced
@@ -74,13 +72,8 @@ def find_tp_rules(
         raise RuleError(
             f"fsdp_tp.linen.find_tp_rules takes a Linen module and its call's inputs; got {got}: {fix}."
         )
-    require_size(size, f"find_tp_rules({type(module).__name__})")
-    require_size(expert_size, f"find_tp_rules({type(module).__name__})")
-    graph, layers = traced(module, args, kwargs, rngs)
-    plan = find_plan(graph, layers, axis, size, outputs_split, expert_axis, expert_size)
-    if size is None and expert_size is None:
-        return plan
-    mesh = plan_mesh({axis: size, expert_axis: expert_size})
     make = lambda rules: shard_by_rules(type(module), tp_rules=rules)
-    attempt = attempt_of(make, fields_of(module, type(module)), args, kwargs, rngs, graph)
-    return fitted(plan, lambda p: trace_per_device(lambda: attempt(p), mesh, (), ()))
+    attempt = attempt_of(make, fields_of(module, type(module)), args, kwargs, rngs)
+    trace = lambda: traced(module, args, kwargs, rngs)
+    call = FindCall(f"find_tp_rules({type(module).__name__})", trace, attempt)
+    return find(call, Sizes(axis, size, expert_axis, expert_size), outputs_split)

@@ -23,13 +23,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .._axes import TENSOR
-from .._trace import trace_per_device
 from ..errors import RuleError
 from ..rules import REPLICATED
-from ..tp._auto_mesh import plan_mesh, require_size
 from ..tp._experts import EXPERT
-from ..tp._plan import fitted
-from ..tp.auto import TPPlan, find_plan
+from ..tp._find import FindCall, Sizes, find
+from ..tp.auto import TPPlan
 from ._check import PlanChecks
 from ._model import ShardedModel
 from ._traced import traced
@@ -72,20 +70,15 @@ def find_tp_rules(
         raise RuleError(
             f"fsdp_tp.nnx.find_tp_rules takes a built NNX model and its call's inputs; got {got}: {fix}."
         )
-    require_size(size, f"fsdp_tp.nnx.find_tp_rules({type(model).__name__})")
-    require_size(expert_size, f"fsdp_tp.nnx.find_tp_rules({type(model).__name__})")
-    graph, layers = traced(model, args, kwargs)
-    plan = find_plan(graph, layers, axis, size, outputs_split, expert_axis, expert_size)
-    if size is None and expert_size is None:
-        return plan
+    caller = f"fsdp_tp.nnx.find_tp_rules({type(model).__name__})"
     graphdef, state = nnx.split(model)
     shapes = jax.tree.map(lambda v: jax.ShapeDtypeStruct(jnp.shape(v), v.dtype), state)
     # a constructor of the same model (any values: only shapes are traced)
     make = lambda rngs: nnx.merge(graphdef, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
-    mesh = plan_mesh({axis: size, expert_axis: expert_size})
 
-    def attempt(p: TPPlan) -> None:  # (stored whole but for the roles: the plan is what is checked)
-        sharded = ShardedModel(make, [(r".", REPLICATED)], p.rules, REPLICATED, None, None)
-        trace_per_device(lambda: PlanChecks(sharded, args, kwargs).attempt(graph), mesh, (), ())
+    def attempt(plan: TPPlan, graph) -> None:  # (stored whole but for the roles: the plan is checked)
+        sharded = ShardedModel(make, [(r".", REPLICATED)], plan.rules, REPLICATED, None, None)
+        PlanChecks(sharded, args, kwargs).attempt(graph)
 
-    return fitted(plan, attempt)
+    call = FindCall(caller, lambda: traced(model, args, kwargs), attempt)
+    return find(call, Sizes(axis, size, expert_axis, expert_size), outputs_split)

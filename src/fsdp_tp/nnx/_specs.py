@@ -19,11 +19,11 @@ from jax.sharding import PartitionSpec
 from .._axes import axes_named, bound_axis_names
 from ..errors import RuleError
 from ..rules import logical_spec, spec_for
-from ..tp._auto_mesh import auto_sizes
-from ..tp._plan import fitted, warn_left_whole
+from ..tp._find import FindCall, Sizes, find
+from ..tp._plan import warn_left_whole
 from ..tp._rules import compile_tp_rules
 from ..tp._storage import spec_source, with_split
-from ..tp.auto import TPPlan, find_plan
+from ..tp.auto import TPPlan
 from ._layers import Path, path_text
 from ._tp import role_plan
 from ._traced import traced
@@ -115,15 +115,13 @@ class Layouts:
             return self._layouts[None]
         if not bound_axis_names():
             return self._outside()
-        axis, size, experts = auto_sizes(f"{self._caller} with tp_rules='auto'")
-        key = (size, experts)
+        sizes = Sizes.here(f"{self._caller} with tp_rules='auto'")
+        key = (sizes.size, sizes.expert_size)
         if key not in self._layouts:
-            plan = find_plan(self._graph, self._layers, axis, size, expert_size=experts)
-            checked = size is not None or experts is not None
-            if checked and self._attempt is not None:  # checked where each device computes
-                plan = fitted(plan, lambda p: self._attempt_with(key, p))
-            self.plans[size] = plan
-            warn_left_whole(plan, size, self._caller, axis, experts)
+            attempt = None if self._attempt is None else (lambda p, _: self._attempt_with(key, p))
+            plan = find(FindCall(self._caller, lambda: (self._graph, self._layers), attempt), sizes)
+            self.plans[sizes.size] = plan
+            warn_left_whole(plan, sizes.size, self._caller, sizes.axis, sizes.expert_size)
             self._layouts[key] = Layout(self._abstract, self._storage, plan, self._caller)
         return self._layouts[key]
 
