@@ -10,6 +10,7 @@ front-end module of this package. Read off the source's import statements (the A
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import re
 from pathlib import Path
@@ -492,7 +493,7 @@ def test_negative_control_a_long_module_without_its_reason_is_caught():
 
 # Issue 58 point 1: every context variable and class swap is named in architecture.md with why
 # it must be ambient; a new one (or one removed) fails here until the page says so.
-_CONTEXT_VAR = re.compile(r'ContextVar\(\s*"(fsdp_tp_\w+)"')
+_CONTEXT_VAR = re.compile(r'(?:ContextVar|Ambient)\(\s*"(fsdp_tp_\w+)"')
 _CLASS_SWAP = re.compile(r'object\.__setattr__\(\w+, "__class__"')
 
 
@@ -519,9 +520,44 @@ def test_every_context_variable_and_class_swap_is_on_the_architecture_page():
     assert _ambient_on_page(ARCHITECTURE.read_text()) == _ambient_in_source()
 
 
+def _records() -> dict[str, tuple[str, ...]]:
+    """``{context variable: the fields of its record}`` of every ``Ambient`` in the package."""
+    import importlib
+
+    from fsdp_tp._context import Ambient
+
+    found = {}
+    for name in _all_modules():
+        if name in (TOP, "__main__"):
+            continue
+        for value in vars(importlib.import_module(f"fsdp_tp.{name}")).values():
+            if isinstance(value, Ambient):
+                found[value.name] = tuple(f.name for f in dataclasses.fields(value.get()))
+    return found
+
+
+def _fields_unnamed(text: str, records: dict[str, tuple[str, ...]]) -> list[str]:
+    rows = {line.split("`")[1]: line for line in text.splitlines() if line.startswith("| `fsdp_tp_")}
+    return [
+        f"{var}.{f}" for var, fields in records.items() for f in fields if f"`{f}`" not in rows.get(var, "")
+    ]
+
+
+def test_the_ambient_state_is_at_most_four_records_each_field_on_the_page():
+    """Issue 83 point 2: 14 context variables became typed records, at most 4, every one a row
+    of architecture.md naming each of its fields (with why it cannot be an argument)."""
+    variables, _ = _ambient_in_source()
+    records = _records()
+    assert len(variables) <= 4 and set(records) == {var for var, _ in variables}, (variables, records)
+    assert _fields_unnamed(ARCHITECTURE.read_text(), records) == []
+    # (negative control) a field the page leaves out is seen
+    text = ARCHITECTURE.read_text().replace("`keys_as_stored`", "keys as stored")
+    assert _fields_unnamed(text, records) == ["fsdp_tp_step.keys_as_stored"]
+
+
 def test_negative_control_an_unlisted_context_variable_is_caught():
     text = ARCHITECTURE.read_text()
-    row = next(line for line in text.splitlines() if line.startswith("| `fsdp_tp_region` |"))
+    row = next(line for line in text.splitlines() if line.startswith("| `fsdp_tp_step` |"))
     assert _ambient_on_page(text.replace(row + "\n", "")) != _ambient_in_source()
     swaps = _ambient_on_page(text.replace("| `nnx/_tp.py` | 1 |", "| `nnx/_tp.py` | 2 |"))[1]
     assert swaps != _ambient_in_source()[1]

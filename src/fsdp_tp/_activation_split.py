@@ -5,22 +5,22 @@ after a row layer's sum; :func:`splitting` for a head-parallel attention). Re-ex
 :mod:`fsdp_tp.dropout`, where users meet them.
 
 >>> split_after({-1: "tensor"}, (4, 16))   # a column layer's output: its features over tensor
->>> [dims for dims, _ in _REGION.get()]
+>>> [dims for dims, _ in STEP.get().region]
 [((-1, 'tensor'),)]
 >>> split_after({})                         # a row layer's sum: whole again
->>> _REGION.get()
+>>> STEP.get().region
 ()
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Iterator, Mapping, Sequence
 
 import jax
 
 from ._axes import bound_axis_names, checks_vma, varying_axes
+from ._context import STEP
 from ._types import AxisName
 
 __all__ = ["Split", "activation_split", "split_after", "splitting", "unplaceable_after"]
@@ -31,8 +31,8 @@ Split = tuple  # per dim: None, an axis, or a tuple of axes (major first), as bo
 # end) and their axes (None: no split describes it, its mask cannot be placed), and the local
 # shape they describe (None: any activation, inside a role that knows its own computation).
 # Column layers add their output's entry, a row layer's sum clears them; a call starts whole.
+# They are the step record's region (:data:`~fsdp_tp._context.STEP`), reset where it is.
 Entry = tuple[tuple[tuple[int, AxisName], ...] | None, tuple[int, ...] | None]
-_REGION: contextvars.ContextVar[tuple[Entry, ...]] = contextvars.ContextVar("fsdp_tp_region", default=())
 
 
 def split_after(
@@ -44,30 +44,27 @@ def split_after(
     only (elementwise work keeps it; an einsum or a reshape does not), and ``add=True`` keeps
     the earlier column layers' entries beside it (q and kv projections read in one attention)."""
     entry: Entry = (tuple(dims.items()), shape)  # ({}: whole again, whatever the shape)
-    _REGION.set((*(_REGION.get() if add else ()), entry) if dims else ())
+    STEP.update(region=(*(STEP.get().region if add else ()), entry) if dims else ())
 
 
 def unplaceable_after(shape: tuple[int, ...]) -> None:
     """Activations of ``shape`` are blocks no split describes (each device keeping the block of
     kv heads its queries read, shared with its neighbours): dropout on them is refused."""
-    _REGION.set((*_REGION.get(), (None, tuple(shape))))
+    STEP.update(region=(*STEP.get().region, (None, tuple(shape))))
 
 
 @contextlib.contextmanager
 def splitting(dims: Mapping[int, AxisName] | None = None) -> Iterator[None]:
     """Within: activations are split on ``dims`` (a head-parallel attention's heads); after, as
     before. ``splitting()`` starts a model call whole, whatever an earlier trace left."""
-    token = _REGION.set(((tuple(dims.items()), None),) if dims else ())
-    try:
+    with STEP.scoped(region=((tuple(dims.items()), None),) if dims else ()):
         yield
-    finally:
-        _REGION.reset(token)
 
 
 def _region_dims(x: jax.Array, where: str) -> tuple[tuple[int, AxisName], ...]:
     """The split dims of the region's entries that describe ``x``; inside a region none of
     whose entries does, an error: which of its dims are split is unknown."""
-    entries = _REGION.get()
+    entries = STEP.get().region
     if not entries:
         return ()
     matched = [dims for dims, shape in entries if shape is None or shape == tuple(x.shape)]

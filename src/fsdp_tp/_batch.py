@@ -20,13 +20,13 @@ True
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Iterator
 
 import jax
 from jax.sharding import PartitionSpec
 
 from ._axes import as_axis_tuple, bound_axis_names, entry_axes
+from ._context import STEP
 from ._types import AxisName, Specs
 from .errors import BatchAxesError, UnboundAxisNameError
 
@@ -43,10 +43,6 @@ __all__ = [
 DEFAULT_BATCH_AXES = ("data", "fsdp")
 """The axes a transform averages over when neither it nor a step says: those the mesh has."""
 
-_STEP: contextvars.ContextVar[tuple[AxisName, ...] | None] = contextvars.ContextVar(
-    "fsdp_tp_step_batch", default=None
-)
-
 
 def batch_axes_of(batch_specs: Specs) -> tuple[AxisName, ...] | None:
     """The axes dim 0 of the batch is split over, in mesh order of the spec (major first), when
@@ -60,16 +56,13 @@ def batch_axes_of(batch_specs: Specs) -> tuple[AxisName, ...] | None:
 @contextlib.contextmanager
 def batch_split_over(axes: tuple[AxisName, ...] | None) -> Iterator[None]:
     """Within (the step's trace): the batch is split over ``axes`` (``None``: not known)."""
-    token = _STEP.set(axes)
-    try:
+    with STEP.scoped(batch_axes=axes):
         yield
-    finally:
-        _STEP.reset(token)
 
 
 def step_batch_axes() -> tuple[AxisName, ...] | None:
     """The axes the enclosing step's batch is split over, or ``None`` outside a step."""
-    return _STEP.get()
+    return STEP.get().batch_axes
 
 
 def checked_batch_axes(batch_axes, caller: str) -> tuple[AxisName, ...] | None:

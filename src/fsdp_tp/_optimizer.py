@@ -36,8 +36,6 @@ This module holds the two halves of that rule:
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 
 import jax
@@ -46,6 +44,7 @@ from flax.training import train_state
 from jax.sharding import PartitionSpec
 
 from ._axes import entry_axes, varying_axes
+from ._context import STEP
 from ._trace import specs_of
 from ._tree import first_difference, named_shardings
 from ._types import PyTree
@@ -64,8 +63,6 @@ __all__ = [
     "with_optimizer_state",
     "without_optimizer_state",
 ]
-
-_PER_DEVICE = contextvars.ContextVar("fsdp_tp_per_device_step", default=False)
 
 
 def _is_state(x) -> bool:
@@ -135,15 +132,6 @@ def lower_optimizer_state(tree: PyTree, mesh) -> list[jax.stages.Lowered]:
     return [_init_program(s, mesh).lower(s.params) for s in states]
 
 
-@contextlib.contextmanager
-def _per_device():
-    token = _PER_DEVICE.set(True)
-    try:
-        yield
-    finally:
-        _PER_DEVICE.reset(token)
-
-
 def per_device_step(step_fn, model_state: tuple[str, ...] = ()):
     """``step_fn(state, batch) -> (grads, metrics)`` checked, or ``(grads, metrics,
     model_state)`` where the state holds the collections ``model_state`` names: it runs with
@@ -151,7 +139,7 @@ def per_device_step(step_fn, model_state: tuple[str, ...] = ()):
     expected_out = "(grads, metrics, model_state)" if model_state else "(grads, metrics)"
 
     def run(state, batch):
-        with _per_device():
+        with STEP.scoped(per_device=True):
             out = step_fn(state, batch)
         if not (isinstance(out, tuple) and len(out) == (3 if model_state else 2)):
             got = f"a tuple of {len(out)}" if isinstance(out, tuple) else type(out).__name__
@@ -186,7 +174,7 @@ def refuse_on_shards(params: PyTree) -> None:
     this device's shards: inside :func:`~fsdp_tp.shard_step`'s per-device function, or
     under ``jax.shard_map`` with a parameter that varies across devices."""
     varying = sorted({str(a) for leaf in jax.tree.leaves(params) for a in varying_axes(leaf)})
-    reasons = ["inside shard_step's step_fn"] if _PER_DEVICE.get() else []
+    reasons = ["inside shard_step's step_fn"] if STEP.get().per_device else []
     reasons += [f"its parameters vary over mesh axes {varying}"] if varying else []
     if not reasons:
         return

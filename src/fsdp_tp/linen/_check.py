@@ -12,7 +12,6 @@ computing its output. Once per model fields, input shapes and axis sizes.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +19,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from .._context import set_for
 from .._tree import static_split
 from ..tp._check import PlanCall, checking, own_trace
 from ..tp._check import check_call as drive
@@ -28,18 +26,15 @@ from ..tp._graph import Graph
 from ..tp._plan import letter_hints, spelled
 from ..tp._rules import CompiledRole, role_of
 from ..tp._sites import module_of
+from ._call import calling, current
 from ._traced import plan_of
 
 __all__ = ["check_call", "fields_of", "reference_graph", "traced_as"]
 
-# The unsharded call's graph where a caller has traced it on the inputs the check will see (the
-# plan finder, fitting its plan): the check reads it instead of tracing the model again.
-_TRACED: contextvars.ContextVar[Graph | None] = contextvars.ContextVar("fsdp_tp_traced_call", default=None)
 
-
-def traced_as(graph: Graph) -> contextlib.AbstractContextManager[None]:
+def traced_as(graph: Graph) -> contextlib.AbstractContextManager[Any]:
     """Within, a plan check of a call on ``graph``'s inputs reads ``graph`` as the unsharded call."""
-    return set_for(_TRACED, graph)
+    return calling(traced=graph)
 
 
 def fields_of(module: nn.Module, target: type) -> dict[str, Any]:
@@ -89,7 +84,7 @@ def check_call(
     scope_rngs = module.scope.rngs if module.scope is not None else {}
     streams = {name: jax.random.key(0) for name in ("params", "dropout", *scope_rngs)}
     plain = target(**fields, parent=None)
-    given = reference if reference is not None else _TRACED.get()
+    given = reference if reference is not None else current().traced
 
     def unsharded(whole=None) -> Graph:
         if given is not None and whole is None:

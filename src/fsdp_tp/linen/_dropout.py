@@ -14,7 +14,6 @@ mask, but not the unsharded one.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import inspect
 from collections.abc import Callable, Iterator
@@ -32,10 +31,10 @@ from ..dropout import (
     splitting,
     warn_folded,
 )
+from ._call import calling, current
 
 __all__ = ["exact_dropout"]
 
-_ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_tp_exact_dropout", default=False)
 _SIGNATURE = inspect.signature(nn.Dropout.__call__)
 
 
@@ -44,15 +43,15 @@ def exact_dropout(batch_axes: Callable[[], tuple[AxisName, ...]]) -> Iterator[No
     """Within (a transformed model's call): every ``nn.Dropout`` draws this device's block of
     the unsharded mask; ``batch_axes()`` gives the axes dim 0 is split over. A model call
     starts with no tensor-parallel split (an outer transform's call already did)."""
-    if _ACTIVE.get():
+    if current().exact_dropout:
         yield
         return
-    token = _ACTIVE.set(True)
-    try:
-        with splitting(), nn.intercept_methods(functools.partial(_intercept, batch_axes)):
-            yield
-    finally:
-        _ACTIVE.reset(token)
+    with (
+        calling(exact_dropout=True),
+        splitting(),
+        nn.intercept_methods(functools.partial(_intercept, batch_axes)),
+    ):
+        yield
 
 
 def _intercept(batch_axes, next_fun, args, kwargs, context):

@@ -14,7 +14,6 @@ own parameters; the role puts the collectives around that call
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping
@@ -31,6 +30,7 @@ from ..tp._front import Kinds, compute
 from ..tp._role import Local
 from ..tp._role_plan import RolePlan
 from ..tp._rules import require_divides, require_own_parameters, slice_error
+from ._call import calling, current
 from ._gather import GatheredOnRead
 from .tp_rules import LINEN, layer_of, local_attributes
 
@@ -48,10 +48,6 @@ class Seen:
     clones: dict[tuple, tuple[nn.Module, nn.Module]] = dataclasses.field(default_factory=dict)
 
 
-# Clones running on slices pass through the interceptor again, and are let through.
-_LOCAL: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("fsdp_tp_local", default=frozenset())
-
-
 @contextlib.contextmanager
 def local_compute(seen: Seen) -> Iterator[None]:
     """Within: every submodule a rule names (or its module's role, ``inner``) computes on its
@@ -62,7 +58,7 @@ def local_compute(seen: Seen) -> Iterator[None]:
 
 def _intercept(front: LinenFront, next_fun, args, kwargs, context):
     module: nn.Module = context.module
-    if id(module) in _LOCAL.get():
+    if id(module) in current().local:  # (a clone on slices, through the interceptor again)
         return next_fun(*args, **kwargs)
     path, plan = module_path(module.path), front.seen.plan
     initializing = module.is_initializing()
@@ -125,11 +121,8 @@ def _runner(local: nn.Module, method: str, role: TPRole, path: str, read: Mappin
     block of a parameter kept whole: flax's ``map_variables`` over the module's own scope)."""
 
     def call(module: nn.Module, *args, **kwargs):
-        token = _LOCAL.set(_LOCAL.get() | {id(module)})
-        try:
+        with calling(local=current().local | {id(module)}):
             return getattr(module, method)(*args, **kwargs)
-        finally:
-            _LOCAL.reset(token)
 
     if read:
         call = nn.map_variables(call, "params", trans_in_fn=functools.partial(_read, read, role.axis))

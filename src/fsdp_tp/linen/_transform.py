@@ -20,7 +20,6 @@ over them; the tensor-parallel layers use the same layout core
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -34,6 +33,7 @@ from .._layout import block_of, check_fit
 from .._tree import module_path, path_of
 from .._types import PyTree, is_box
 from ..errors import RuleError, warn
+from ._call import calling, current
 from ._dropout import exact_dropout
 
 __all__ = [
@@ -165,34 +165,24 @@ def map_params(
         def __call__(self, *args, **kwargs):
             # The axes the inputs vary over are where JAX would pcast the gathered
             # params anyway; gather does it on the shards.
-            tokens = (
-                _INPUT_VARYING.set(_varying_over_inputs((args, kwargs))),
-                _MODULE_PATH.set(module_path(self.path)),
-            )
-            try:
-                with exact_dropout(batch_axes):
-                    return super().__call__(*args, **kwargs)
-            finally:
-                _MODULE_PATH.reset(tokens[1])
-                _INPUT_VARYING.reset(tokens[0])
+            varying = _varying_over_inputs((args, kwargs))
+            with (
+                calling(input_varying=varying, module_path=module_path(self.path)),
+                exact_dropout(batch_axes),
+            ):
+                return super().__call__(*args, **kwargs)
 
     return keep_module_name(Sharded, target)
 
 
-_INPUT_VARYING: contextvars.ContextVar[frozenset] = contextvars.ContextVar(
-    "fsdp_tp_input_varying", default=frozenset()
-)
-_MODULE_PATH: contextvars.ContextVar[str] = contextvars.ContextVar("fsdp_tp_module_path", default="")
-
-
 def input_varying() -> frozenset:
     """Inside a :func:`map_params` transform: the axes the module's inputs vary over."""
-    return _INPUT_VARYING.get()
+    return current().input_varying
 
 
 def current_module_path() -> str:
     """Inside a :func:`map_params` transform: the wrapped module's path, ``"a/b"`` (root: ``""``)."""
-    return _MODULE_PATH.get()
+    return current().module_path
 
 
 def _varying_over_inputs(tree) -> frozenset:

@@ -11,8 +11,6 @@ are left to those layers.
 from __future__ import annotations
 
 import contextlib
-import contextvars
-from typing import Any
 
 import flax.linen as nn
 import jax
@@ -30,6 +28,7 @@ from ..tp._role_plan import RolePlan
 from ..tp._rules import compile_tp_rules
 from ..tp._storage import require_no_tp_axis, spec_source, with_split
 from ._auto import AutoRules
+from ._call import calling, current
 from ._check import check_call
 from ._gather import gather
 from ._local_compute import Seen, local_compute
@@ -70,9 +69,9 @@ def _by_rules(rules: tuple[CompiledRule, ...], default: PartitionSpec, logical, 
 
 
 def _store_by_rules(params, rules: tuple[CompiledRule, ...], default: PartitionSpec, logical, tp_axes):
-    choose, used, paths = _by_rules(rules, default, logical, _SEEN.get(), tp_axes)
+    choose, used, paths = _by_rules(rules, default, logical, current().seen, tp_axes)
     out = store(params, choose)
-    _SEEN.get().params.extend(paths)
+    current().seen.params.extend(paths)
     # No parameters: an apply (nothing is created), where no rule can match anything.
     if paths and (warning := unmatched_warning(rules, used, paths, "shard_by_rules")):
         warn_once((id(rules), tuple(sorted(set(range(len(rules))) - used))), warning)
@@ -156,7 +155,13 @@ def shard_by_rules(
     # for the call (an expert axis where it holds the experts), set per call below.
     tp_axes = [frozenset(computes.values())]
     remake = lambda tp: shard_by_rules(  # (the same transform with a plan's rules: to check it)
-        target, rules, default, logical_axis_rules, batch_axes, mixed_precision, tp_rules=tp
+        target,
+        rules,
+        default=default,
+        logical_axis_rules=logical_axis_rules,
+        batch_axes=batch_axes,
+        mixed_precision=mixed_precision,
+        tp_rules=tp,
     )
     found = AutoRules(target, remake) if auto else None
     checked: set = set()  # (fields, input shapes, axis sizes) whose plan the trace has checked
@@ -164,14 +169,14 @@ def shard_by_rules(
         target,
         trans_in=lambda params: gather(
             params,
-            _rule_axes(compiled, default, _LOGICAL.get()) - tp_axes[0],  # a role's axis stays split
+            _rule_axes(compiled, default, current().logical) - tp_axes[0],  # a role's axis stays split
             resolve_batch_axes(batch_names, "shard_by_rules"),
             input_varying(),
             policy,
             at_read=True,
             local=tp_axes[0],
         ),
-        trans_out=lambda params: _store_by_rules(params, compiled, default, _LOGICAL.get(), tp_axes[0]),
+        trans_out=lambda params: _store_by_rules(params, compiled, default, current().logical, tp_axes[0]),
         batch_axes=lambda: resolve_batch_axes(batch_names, "shard_by_rules"),
     )
 
@@ -182,13 +187,8 @@ def shard_by_rules(
             if found is not None:
                 tp_axes[0] = frozenset(computes.values()) | axes_of(r.role for r in tp_now)
             seen = Seen(RolePlan(tp_now, LINEN))
-            tokens = (
-                _LOGICAL.set(
-                    logical_axis_rules if logical_axis_rules is not None else nn.get_logical_axis_rules()
-                ),
-                _SEEN.set(seen),
-            )
-            try:
+            logical = logical_axis_rules if logical_axis_rules is not None else nn.get_logical_axis_rules()
+            with calling(logical=logical, seen=seen):
                 # The module unboxes its logical params inside shard_map, where a sharding
                 # constraint naming manual axes is an error: let the names map to nothing
                 # there; the transform has read the rules and lays the params out itself.
@@ -202,9 +202,6 @@ def shard_by_rules(
                 if tp_now:  # before anything trains: the plan computes the unsharded model
                     check_call(self, target, args, kwargs, tp_now, checked)
                 return out
-            finally:
-                _SEEN.reset(tokens[1])
-                _LOGICAL.reset(tokens[0])
 
     if found is not None:  # the plan found for each tensor size met, as an NNX ShardedModel's
         if hasattr(target, "tp_plans"):
@@ -227,8 +224,3 @@ def _require_separate_axes(computes: dict[str, str], batch: tuple) -> None:
                 f"batch_axes also names; the tp axis holds slices the module computes on and is never "
                 f"averaged. Split the batch over other axes (e.g. 'data', 'fsdp')."
             )
-
-
-_LOGICAL: contextvars.ContextVar[Any] = contextvars.ContextVar("fsdp_tp_logical_rules", default=())
-# Set for the duration of each call: what the tp rules' interceptor saw, read by the store.
-_SEEN: contextvars.ContextVar[Seen] = contextvars.ContextVar("fsdp_tp_seen")

@@ -16,7 +16,6 @@ gradient is reduce-scattered once (:func:`read_once`).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 from collections.abc import Iterator
@@ -27,6 +26,7 @@ from flax import nnx
 from flax.core.meta import Partitioned
 
 from .._axes import varying_axes
+from .._context import STEP
 from .._gather import gather_box
 from .._types import AxisName
 from ..dropout import fold_rng_over_axis
@@ -75,18 +75,12 @@ class ReadPlan:
         return value.value if isinstance(value, Partitioned) else value
 
 
-_UNFOLDED: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_tp_unfolded", default=False)
-
-
 @contextlib.contextmanager
 def unfolded() -> Iterator[None]:
     """Within: rng keys are read as stored (an exact dropout draws its block of the unsharded
     mask from the unsharded key, :mod:`fsdp_tp.nnx._dropout`)."""
-    token = _UNFOLDED.set(True)
-    try:
+    with STEP.scoped(keys_as_stored=True):
         yield
-    finally:
-        _UNFOLDED.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +92,7 @@ class FoldPlan:
     batch_axes: tuple[AxisName, ...]
 
     def read(self, key):
-        return key if _UNFOLDED.get() else fold_rng_over_axis(key, self.batch_axes)
+        return key if STEP.get().keys_as_stored else fold_rng_over_axis(key, self.batch_axes)
 
 
 def read_once(variable: nnx.Variable, block) -> Any:

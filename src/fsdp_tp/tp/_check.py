@@ -10,8 +10,9 @@ trains: as one device computes it under the plan, and as the unsharded model doe
 inputs. :class:`~fsdp_tp.tp._blocks.Blocks` reads the first against the second; a refusal names
 the operation, its line, the role whose split reaches it, both shapes and a fix.
 
-The roles run without their rings there (:func:`~fsdp_tp.tp._role.without_rings`: the same
-numbers, each layer called once), and an error of the model's own code on its slices is named
+The roles run without their rings there (:class:`~fsdp_tp._context.Check`'s ``unringed``: the
+same numbers, a ring being the same gather or reduce-scatter in chunks, each layer called once,
+as in the unsharded model's trace), and an error of the model's own code on its slices is named
 with the plan (:func:`raise_failure`). An operation the check does not know, reached by a
 split, leaves the plan unchecked there: one :class:`~fsdp_tp.errors.UncheckedPlanWarning`.
 :func:`check_call` drives all of it once for every front end (Linen's rules, NNX's, the Linen
@@ -32,7 +33,6 @@ fsdp_tp.errors.RuleError: demo: ColumnParallel() on q splits what the model's co
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import traceback
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping, Sequence
@@ -41,13 +41,13 @@ from typing import Any, NoReturn
 import jax
 
 from .._axes import bound_axis_names
-from .._context import set_for
+from .._context import CHECK
 from ..errors import RuleError, UncheckedPlanWarning, warn
 from ._blocks import Blocks
 from ._experts import ExpertParallel
 from ._graph import Graph
 from ._refusals import RULE_DROPPED, Named, axes_text
-from ._role import axes_of, without_rings
+from ._role import axes_of
 from ._round_trips import require_no_round_trip
 from ._sites import Site, flax_file, made_by_jax, users_file
 
@@ -64,25 +64,23 @@ __all__ = [
     "switched_off",
 ]
 
-_OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_tp_plan_check_off", default=False)
-
 
 def checking() -> bool:
     """Whether the front ends check plans (always, but inside :func:`switched_off`)."""
-    return not _OFF.get()
+    return not CHECK.get().off
 
 
-def switched_off() -> contextlib.AbstractContextManager[None]:
+def switched_off() -> contextlib.AbstractContextManager[Any]:
     """Within, no plan is checked: how a test shows that the equality of outputs and gradients
     (its oracle) catches what the check refuses."""
-    return set_for(_OFF, True)
+    return CHECK.scoped(off=True)
 
 
 @contextlib.contextmanager
 def own_trace() -> Iterator[None]:
     """Within, a front end's trace of the model's call for the check: no plan is checked again
-    in it, and the roles run without their rings (:func:`~fsdp_tp.tp._role.without_rings`)."""
-    with switched_off(), without_rings():
+    in it, and the roles run without their rings (``unringed``)."""
+    with CHECK.scoped(off=True, unringed=True):
         yield
 
 

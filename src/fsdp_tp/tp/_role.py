@@ -7,8 +7,6 @@ sequence split needs; the rest, *f* once per activation and a ring's chunks as t
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -17,22 +15,12 @@ from typing import Any, ClassVar
 import jax
 
 from .._axes import TENSOR, checks_vma
-from .._context import set_for
+from .._context import CHECK
 from .._layout import axis_text, require_divisible
 from ..collective_matmul import require_mode
 from ..errors import RuleError
 
-__all__ = ["Layer", "Local", "TPRole", "axes_of", "placements", "without_rings"]
-
-_UNRINGED: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_tp_unringed", default=False)
-
-
-def without_rings() -> contextlib.AbstractContextManager[None]:
-    """Within, every role computes as if its ``collective_matmul`` were ``None``: the same
-    numbers (a ring is the same gather or reduce-scatter in chunks), each layer called once.
-    The plan check traces the model so (:mod:`fsdp_tp.tp._check`): a ring calls a layer per
-    chunk, which the unsharded model's trace does not."""
-    return set_for(_UNRINGED, True)
+__all__ = ["Layer", "Local", "TPRole", "axes_of", "placements"]
 
 
 @dataclass(frozen=True)
@@ -163,12 +151,12 @@ class TPRole:
         module's ``method`` on its slices, with the collectives :meth:`call` puts around it, once
         the step is known to run with the ``check_vma`` a ``sequence_dim`` needs (or the model
         sums its norms' gradients itself: ``layer.norms_summed``); inside the plan check's trace
-        (:func:`without_rings`), without rings."""
+        (``CHECK``'s ``unringed``), without rings."""
         if not layer.norms_summed:
             _sequence_checked(self, layer)
         _sequence_fits(self, layer, args)
         role = self
-        if _UNRINGED.get() and getattr(self, "collective_matmul", None) is not None:
+        if CHECK.get().unringed and getattr(self, "collective_matmul", None) is not None:
             role = dataclasses.replace(self, collective_matmul=None)  # type: ignore[call-arg]
         return role.call(method, run, layer, args, kwargs)
 

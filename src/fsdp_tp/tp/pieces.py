@@ -39,13 +39,13 @@ True
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Callable, Iterator
 
 import jax
 import jax.extend
 import jax.numpy as jnp
 
+from .._context import STEP
 from .._layout import axis_text, require_divisible
 from .._types import AxisName
 from ..collective_matmul import RingChunks, ring_all_gather
@@ -65,9 +65,6 @@ __all__ = [
     "vocab_start",
 ]
 
-# {(id, what, ...): (activation, trace, what a layer made of it)} while a step traces.
-_SHARED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fsdp_tp_column_inputs", default=None)
-
 
 @contextlib.contextmanager
 def shared_column_inputs() -> Iterator[None]:
@@ -76,11 +73,9 @@ def shared_column_inputs() -> Iterator[None]:
     are summed before the one backward all-reduce (or reduce-scatter). A gated MLP's gate and
     up, or attention's separate q and kv projections, pay one, as Megatron's block does; each
     its own would all-reduce a gradient per layer (8 where a 2-layer gated model needs 6)."""
-    token = _SHARED.set({})
-    try:
+    # {(id, what, ...): (activation, trace, what a layer made of it)} while the step traces
+    with STEP.scoped(column_inputs={}):
         yield
-    finally:
-        _SHARED.reset(token)
 
 
 def column_input(
@@ -96,7 +91,7 @@ def column_input(
 def once(x: jax.Array, key: tuple, make: Callable[[], object]):
     """``make()``, the collective a layer puts on its input ``x``, once for every layer of the
     trace that reads ``x`` with the same ``key`` (within :func:`shared_column_inputs`)."""
-    shared = _SHARED.get()
+    shared = STEP.get().column_inputs
     if shared is None:
         return make()
     key = (id(x), *key)
