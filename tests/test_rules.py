@@ -183,6 +183,32 @@ def test_bad_rules_each_get_a_clear_message():
         fsdp_tp.rules.specs_from_rules(tree, [("kernel", P(None, None, "fsdp"))], mesh)
 
 
+def test_shard_by_rules_is_keyword_only_after_rules_and_warns_for_0_1s_positional_form():
+    """Issue 83 point 3: Linen's shard_by_rules took default, logical_axis_rules, batch_axes,
+    mixed_precision and tp_rules positionally; like NNX's, they are keyword-only now. 0.1's
+    form still builds the same model, with a DeprecationWarning naming the call to write."""
+    rules, default = [("kernel", P("fsdp"))], P("fsdp")  # (the bias takes the default)
+    mesh = mesh_of(2, 2, 2)
+    init = lambda model: fsdp_tp.init_sharded(
+        lambda r, x: model.init(r, x)["params"], mesh, (P(), P()), jax.random.key(0), jnp.ones((4, 8))
+    )[1]
+    named = fsdp_tp.shard_by_rules(nn.Dense, rules, default=default, batch_axes=("data",))
+    with pytest.warns(
+        DeprecationWarning, match=r"rules, default, logical_axis_rules, batch_axes\) position"
+    ) as said:
+        positional = fsdp_tp.shard_by_rules(nn.Dense, rules, default, None, ("data",))
+    assert (
+        "write shard_by_rules(target, rules, default=..., logical_axis_rules=..., batch_axes=...)"
+        in str(said[0].message)
+        and said[0].filename == __file__
+    )
+    assert init(positional(16)) == init(named(16)) and init(named(16))["bias"] == P("fsdp")
+    with pytest.raises(TypeError, match=r"got default= positionally and by name"):
+        fsdp_tp.shard_by_rules(nn.Dense, rules, default, default=P("fsdp"))
+    with pytest.raises(TypeError, match=r"then default, .*tp_rules by name; got 8 positional"):
+        fsdp_tp.shard_by_rules(nn.Dense, rules, *[None] * 6)
+
+
 RULES_ON_A_LAYERS_DIM = {"kernel": ("wi/kernel", P(None, "fsdp")), "bias": ("wi/bias", P(("tensor", "fsdp")))}
 
 
@@ -192,26 +218,17 @@ def test_a_rule_on_a_dim_a_tensor_parallel_layer_splits_is_refused(on):
     """Also with the layer's axis first (('tensor', 'fsdp'), as FSDP's own choice stores a
     column layer's bias): the axes a rule names are the axes its transform gathers."""
     path, spec = RULES_ON_A_LAYERS_DIM[on]
-    model = fsdp_tp.shard_by_rules(fsdp_tp.MLPBlock, [RULES_ON_A_LAYERS_DIM[on]])(16, out_features=8)
+
+    def init(rule):
+        model = fsdp_tp.shard_by_rules(fsdp_tp.MLPBlock, [rule])(16, out_features=8)
+        apply = lambda r, x: model.init(r, x)["params"]
+        return fsdp_tp.init_sharded(apply, mesh_of(2, 2, 2), (P(), P()), jax.random.key(0), jnp.ones((4, 8)))
+
     said = rf"{path}: the rule splits dim {len(spec) - 1} over {re.escape(repr(spec[-1]))}, but its layer"
     with pytest.raises(RuleError, match=said) as refused:
-        fsdp_tp.init_sharded(
-            lambda r, x: model.init(r, x)["params"],
-            mesh_of(2, 2, 2),
-            (P(), P()),
-            jax.random.key(0),
-            jnp.ones((4, 8)),
-        )
+        init(RULES_ON_A_LAYERS_DIM[on])
     named_fix(refused, "give that dim None in the rule")
-    fixed = (path, P(*spec[:-1], None))
-    model = fsdp_tp.shard_by_rules(fsdp_tp.MLPBlock, [fixed])(16, out_features=8)
-    fsdp_tp.init_sharded(
-        lambda r, x: model.init(r, x)["params"],
-        mesh_of(2, 2, 2),
-        (P(), P()),
-        jax.random.key(0),
-        jnp.ones((4, 8)),
-    )
+    init((path, P(*spec[:-1], None)))
 
 
 @unmatched_ok

@@ -16,10 +16,11 @@ import flax.linen as nn
 import jax
 from jax.sharding import PartitionSpec
 
+from .._aliases import REMOVED_IN
 from .._axes import bound_axis_names, entry_axes
 from .._batch import DEFAULT_BATCH_AXES, checked_batch_axes, resolve_batch_axes
 from .._types import AxisNames
-from ..errors import RuleError
+from ..errors import RuleError, warn
 from ..precision import MixedPrecision, checked_policy
 from ..rules import REPLICATED, CompiledRule, Rules, as_spec, compile_rules, spec_for, unmatched_warning
 from ..tp._auto_mesh import AUTO_AXIS
@@ -86,9 +87,14 @@ def _rule_axes(rules: tuple[CompiledRule, ...], default: PartitionSpec, logical)
     return frozenset(axes)
 
 
+# What 0.1 took positionally after ``rules``, in its order: keyword-only now, as NNX's.
+_ONCE_POSITIONAL = ("default", "logical_axis_rules", "batch_axes", "mixed_precision", "tp_rules")
+
+
 def shard_by_rules(
     target,
     rules: Rules = (),
+    *positional,
     default: PartitionSpec = REPLICATED,
     logical_axis_rules=None,
     batch_axes: AxisNames | None = None,
@@ -96,6 +102,8 @@ def shard_by_rules(
     tp_rules=(),
 ):
     """Wraps a Flax module class so its parameters are stored as ``rules`` lay them out.
+    Every argument after ``rules`` is keyword-only, as :func:`fsdp_tp.nnx.shard_by_rules`'s
+    (given positionally, in 0.1's order, it still works, with a ``DeprecationWarning``).
 
     ``rules``: ``(pattern, spec)`` pairs over parameter paths (see
     :mod:`fsdp_tp.rules`), first match wins; ``default`` for unmatched
@@ -134,6 +142,15 @@ def shard_by_rules(
     >>> specs["hidden"]["kernel"], specs["out"]["kernel"], specs["out"]["bias"]
     (P('fsdp', None), P('fsdp', None), P())
     """
+    if positional:
+        given = dict(
+            default=default,
+            logical_axis_rules=logical_axis_rules,
+            batch_axes=batch_axes,
+            mixed_precision=mixed_precision,
+            tp_rules=tp_rules,
+        )
+        default, logical_axis_rules, batch_axes, mixed_precision, tp_rules = _by_name(positional, given)
     check_module_class(target, "shard_by_rules")
     compiled = compile_rules(rules, "shard_by_rules")
     default = as_spec(default, "shard_by_rules", "default=")
@@ -211,6 +228,31 @@ def shard_by_rules(
             )
         ByRules.tp_plans = found.plans  # type: ignore[attr-defined]
     return keep_module_name(ByRules, target)
+
+
+def _by_name(positional: tuple, given: dict) -> tuple:
+    """The keyword arguments with ``positional`` (0.1's order after ``rules``) in their places,
+    and a warning naming the call to write; a value given both ways is a ``TypeError``."""
+    unset = dict(
+        default=REPLICATED, logical_axis_rules=None, batch_axes=None, mixed_precision=None, tp_rules=()
+    )
+    if len(positional) > len(_ONCE_POSITIONAL):
+        raise TypeError(
+            f"shard_by_rules takes target and rules positionally, then {', '.join(_ONCE_POSITIONAL)} by "
+            f"name; got {2 + len(positional)} positional arguments."
+        )
+    names = _ONCE_POSITIONAL[: len(positional)]
+    if twice := [n for n in names if given[n] is not unset[n] and given[n] != unset[n]]:
+        raise TypeError(f"shard_by_rules got {twice[0]}= positionally and by name: pass it once, by name.")
+    warn(
+        DeprecationWarning(
+            f"fsdp_tp.shard_by_rules(target, rules, {', '.join(names)}) positionally is deprecated since "
+            f"0.2.0 and goes in {REMOVED_IN}: write shard_by_rules(target, rules, "
+            f"{', '.join(f'{n}=...' for n in names)}) (keyword-only after rules, as in "
+            f"fsdp_tp.nnx.shard_by_rules)"
+        )
+    )
+    return tuple((given | dict(zip(names, positional, strict=True)))[n] for n in _ONCE_POSITIONAL)
 
 
 def _require_separate_axes(computes: dict[str, str], batch: tuple) -> None:
