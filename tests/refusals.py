@@ -18,6 +18,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 import fsdp_tp.tp as tp
+from fsdp_tp.errors import RuleError
 
 __all__ = ["BY_HAND", "named_fix", "role_named", "stored_as_named"]
 
@@ -50,8 +51,6 @@ def stored_as_named(refused: pytest.ExceptionInfo | BaseException, build, rounds
     ``build(rules)`` again, until it is accepted (``(rules, None)``) or refused for another
     reason (``(rules, that refusal)``). A rule matching several parameters misfits each in its
     turn: one refusal names one parameter."""
-    from fsdp_tp.errors import RuleError
-
     rules: list = []
     error = refused.value if isinstance(refused, pytest.ExceptionInfo) else refused
     for _ in range(rounds):

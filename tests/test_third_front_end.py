@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 import fsdp_tp
 from fsdp_tp.errors import RuleError
 from fsdp_tp.tp import ColumnParallel, Layer, RowParallel
-from fsdp_tp.tp._check import PlanCall, check_call, own_trace
+from fsdp_tp.tp._check import PlanCall, check_call, own_trace, switched_off
 from fsdp_tp.tp._front import FrontEnd, Kinds, compute
 from fsdp_tp.tp._graph import Graph
 from tests.refusals import named_fix
@@ -129,8 +129,6 @@ def test_a_third_front_end_is_its_adapter_and_the_core_computes_and_checks_it():
     out, unsharded = _run(normed_mlp, {})
     np.testing.assert_allclose(out, unsharded, rtol=1e-5, atol=1e-5)
     # (negative control) unchecked, the same plan computes another function
-    from fsdp_tp.tp._check import switched_off
-
     with switched_off():
         out, unsharded = _run(normed_mlp, RULES)
     assert not np.allclose(out, unsharded, rtol=1e-3, atol=1e-3)

@@ -11,6 +11,7 @@ are left to those layers.
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import flax.linen as nn
 import jax
@@ -233,16 +234,14 @@ def shard_by_rules(
 def _by_name(positional: tuple, given: dict) -> tuple:
     """The keyword arguments with ``positional`` (0.1's order after ``rules``) in their places,
     and a warning naming the call to write; a value given both ways is a ``TypeError``."""
-    unset = dict(
-        default=REPLICATED, logical_axis_rules=None, batch_axes=None, mixed_precision=None, tp_rules=()
-    )
+    unset = {n: inspect.signature(shard_by_rules).parameters[n].default for n in _ONCE_POSITIONAL}
     if len(positional) > len(_ONCE_POSITIONAL):
         raise TypeError(
             f"shard_by_rules takes target and rules positionally, then {', '.join(_ONCE_POSITIONAL)} by "
             f"name; got {2 + len(positional)} positional arguments."
         )
     names = _ONCE_POSITIONAL[: len(positional)]
-    if twice := [n for n in names if given[n] is not unset[n] and given[n] != unset[n]]:
+    if twice := [n for n in names if given[n] != unset[n]]:
         raise TypeError(f"shard_by_rules got {twice[0]}= positionally and by name: pass it once, by name.")
     warn(
         DeprecationWarning(
