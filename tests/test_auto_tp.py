@@ -36,9 +36,10 @@ from fsdp_tp.models.llama import RULES, LlamaLM, NNXLlamaLM
 from fsdp_tp.models.nnx_transformer import NNXTransformer, tp_rules
 from fsdp_tp.sharded_init import abstract_init
 from fsdp_tp.testing import NNXSharded as Sharded
-from fsdp_tp.tp import ColumnParallel, RowParallel, VocabParallel, _regions
-from fsdp_tp.tp._check import switched_off
-from fsdp_tp.tp._plan import warn_left_whole
+from fsdp_tp.tp import ColumnParallel, RowParallel, VocabParallel
+from fsdp_tp.tp._check.driver import switched_off
+from fsdp_tp.tp._find import regions as _regions
+from fsdp_tp.tp._find.plan import warn_left_whole
 from fsdp_tp.tp.pieces import shared_column_inputs
 from tests.equivalence import assert_trees_close, check_split
 from tests.models import GATED_RULES, GatedLM, TiedLM

@@ -16,10 +16,9 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 import fsdp_tp.nnx as fsdp_nnx
-from fsdp_tp import _registered
 from fsdp_tp.errors import RuleError, UnboundAxisNameError
 from fsdp_tp.linen import find_tp_rules
-from fsdp_tp.tp import ColumnParallel, RowParallel
+from fsdp_tp.tp import ColumnParallel, RowParallel, _registered
 from tests.refusals import named_fix, role_named
 
 pytestmark = pytest.mark.filterwarnings("ignore::fsdp_tp.errors.ReplicatedParameterWarning")

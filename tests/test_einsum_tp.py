@@ -30,7 +30,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fsdp_tp
-import fsdp_tp._registered
+import fsdp_tp.tp._registered
 from fsdp_tp.analysis import operand_count, parse_collectives
 from fsdp_tp.bench.llama_rows import llama_section, measure
 from fsdp_tp.bench.lm_step import lowered_lm_step
@@ -40,7 +40,7 @@ from fsdp_tp.testing import NNXSharded as Sharded
 from fsdp_tp.testing import NNXTwin as Twin
 from fsdp_tp.tp import ColumnParallel, RowParallel, register_einsum
 from fsdp_tp.tp import _matmul as tp_matmul
-from fsdp_tp.tp._check import switched_off
+from fsdp_tp.tp._check.driver import switched_off
 from tests.conftest import first_block
 from tests.equivalence import Case, check_equivalence, check_split, next_token_loss
 from tests.refusals import named_fix
@@ -361,7 +361,7 @@ def test_a_registered_module_of_your_own_takes_column_and_row_roles(api, check_v
 @pytest.mark.parametrize("api", APIS)
 def test_negative_control_an_unregistered_module_is_refused_by_name(api, monkeypatch):
     """Without the registration the same rules are refused, naming register_einsum."""
-    monkeypatch.setattr(fsdp_tp._registered, "_REGISTERED", {})
+    monkeypatch.setattr(fsdp_tp.tp._registered, "_REGISTERED", {})
     with pytest.raises(RuleError, match=r"which has no tensor-parallel role .*register_einsum\(My"):
         check_split(api, _own_mlp(api), OWN_RULES, (8, 3, 6), True)
 

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fsdp_tp._integrity import fingerprints
 from fsdp_tp.checkpoint import Checkpoints
+from fsdp_tp.checkpoint._integrity import fingerprints
 from fsdp_tp.cli import main
 from fsdp_tp.cli.output import library_logs
 from fsdp_tp.cli.workdir import saved_steps

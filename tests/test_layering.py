@@ -28,35 +28,32 @@ PACKAGE = Path(fsdp_tp.__file__).parent
 # the sharded-init programs, the optimizer on global arrays, the step, the plan, checkpoints,
 # and what they share.
 CORE = (
-    "_activation_split",
+    "_aliases",
     "_axes",
     "_batch",
-    "_block_key",
-    "_checkpoint_files",
     "_context",
-    "_einsum",
-    "_aliases",
-    "_gather",
-    "_hlo",
     "_init_watch",
-    "_integrity",
     "_layout",
-    "_mean_grad_gather",
-    "_microbatches",
     "_optimizer",
-    "_registered",
-    "_state_tree",
-    "_step_memory",
-    "_step_wire",
     "_trace",
     "_tree",
     "_types",
     "analysis",
+    "analysis._hlo",
+    "analysis._step_memory",
+    "analysis._step_wire",
     "attention",
     "checkpoint",
+    "checkpoint._files",
+    "checkpoint._integrity",
+    "checkpoint._state_tree",
     "collective_matmul",
     "collectives",
+    "collectives._gather",
+    "collectives._mean_grad_gather",
     "dropout",
+    "dropout._activation_split",
+    "dropout._block_key",
     "errors",
     "gradients",
     "mesh",
@@ -68,28 +65,33 @@ CORE = (
     "sharded_init",
     "tp",
     "tp._around",
-    "tp._auto_mesh",
-    "tp._blocks",
     "tp._check",
-    "tp._graph",
+    "tp._check.blocks",
+    "tp._check.driver",
+    "tp._check.partners",
+    "tp._check.refusals",
+    "tp._check.round_trips",
+    "tp._einsum",
     "tp._experts",
-    "tp._expert_plan",
     "tp._find",
+    "tp._find.driver",
+    "tp._find.experts",
+    "tp._find.mesh",
+    "tp._find.plan",
+    "tp._find.regions",
     "tp._front",
     "tp._heads",
+    "tp._jaxpr",
+    "tp._jaxpr.graph",
+    "tp._jaxpr.ops",
+    "tp._jaxpr.relations",
+    "tp._jaxpr.sites",
     "tp._matmul",
-    "tp._ops",
-    "tp._plan",
-    "tp._refusals",
-    "tp._regions",
-    "tp._relations",
+    "tp._registered",
     "tp._role",
     "tp._role_plan",
-    "tp._partners",
-    "tp._round_trips",
     "tp._roles",
     "tp._rules",
-    "tp._sites",
     "tp._storage",
     "tp._vocab",
     "tp._vocab_pieces",
@@ -99,6 +101,7 @@ CORE = (
     "tp_roles",
     "tp_rules",
     "train",
+    "train._microbatches",
 )
 
 
@@ -254,18 +257,24 @@ _TIERS = {"core": "core", "front ends": "front end", "applications": "applicatio
 def _mapped(text: str) -> dict[str, tuple[int, int, list[str]]]:
     """``{tier: (count in the intro, count in the section's heading, modules in its rows)}``
     read off architecture.md's map: a ``### The <tier> (N modules)`` section per tier, one row
-    per module, its path in the first cell (``tp/_check.py``, ``cli/__init__.py``)."""
+    per module, its path in the first cell (``tp/_check/driver.py``, ``cli/__init__.py``), or one
+    row per folder of the applications (``bench/``: every module under it, one concept)."""
     found = {}
     for title, tier in _TIERS.items():
         intro = re.search(rf"\*\*The {title}\*\* (?:\([^)]*?)?\(?(\d+) modules\)", text)
         section = re.search(rf"^### The {title} \((\d+) modules\)\n(.*?)(?=^#)", text, re.S | re.M)
         if not (intro and section):
             raise AssertionError(f"architecture.md has no count or no map section for the {title}")
-        rows = re.findall(r"^\| `([\w/]+\.py)` \|", section.group(2), re.M)
+        rows = re.findall(r"^\| `([\w/]+(?:\.py|/))` \|", section.group(2), re.M)
         names = [
             TOP if r == "__init__.py" else r.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
             for r in rows
+            if not r.endswith("/")
         ]
+        for folder in (r.removesuffix("/").replace("/", ".") for r in rows if r.endswith("/")):
+            if tier != "application":
+                raise AssertionError(f"architecture.md maps the {title} by folder ({folder}/): list each")
+            names += [m for m in _all_modules() if m == folder or m.startswith(folder + ".")]
         found[tier] = (int(intro.group(1)), int(section.group(1)), names)
     return found
 
@@ -280,7 +289,8 @@ def _map_problems(text: str) -> list[str]:
             problems.append(f"{tier}: missing {missing}, not modules {extra}, twice {twice}")
         if not intro == heading == len(modules):
             problems.append(f"{tier}: {len(modules)} modules, the page says {intro} and {heading}")
-    long = [row[:60] for row in re.findall(r"^\| `[\w/]+\.py` \| (.*) \|$", text, re.M) if len(row) > 240]
+    cells = re.findall(r"^\| `[\w/]+(?:\.py|/)` \| (.*) \|$", text, re.M)
+    long = [row[:60] for row in cells if len(row) > 240]
     return problems + [f"a cell over two sentences' length: {row}..." for row in long]
 
 
@@ -292,14 +302,18 @@ def test_the_architecture_map_lists_every_module_once_in_its_tier_with_true_coun
 
 def test_negative_control_a_stale_map_is_caught():
     text = ARCHITECTURE.read_text()
-    row = "| `tp/_ops.py` |"
+    row = "| `tp/_jaxpr/ops.py` |"
     assert row in text
-    assert any("missing ['tp._ops']" in p for p in _map_problems(text.replace(row, "| `tp/_gone.py` |")))
+    gone = _map_problems(text.replace(row, "| `tp/_gone.py` |"))
+    assert any("missing ['tp._jaxpr.ops']" in p for p in gone)
     core = int(re.search(r"### The core \((\d+) modules\)", text)[1])
     miscounted = text.replace(f"({core} modules)", f"({core - 1} modules)", 1)
     assert any(f"{core} modules, the page says {core - 1}" in p for p in _map_problems(miscounted))
     line = next(line for line in text.splitlines() if line.startswith(row))
     assert any("two sentences" in p for p in _map_problems(text.replace(line, line[:-2] + " x" * 120 + " |")))
+    # a folder row stands for its modules in the applications only
+    with pytest.raises(AssertionError, match="list each"):
+        _map_problems(text.replace(line, "| `tp/_jaxpr/` | the trace read |"))
 
 
 # Outside linen/, the modules that import the Linen front end or flax.linen themselves, and why
@@ -691,7 +705,7 @@ def test_the_plan_check_is_driven_once_for_both_front_ends():
     from fsdp_tp.linen import _check as linen_check
     from fsdp_tp.linen import _layers_check
     from fsdp_tp.nnx import _check as nnx_check
-    from fsdp_tp.tp import _check
+    from fsdp_tp.tp._check import driver as _check
 
     assert linen_check.drive is nnx_check.drive is _layers_check.drive is _check.check_call
     found = set()
@@ -699,7 +713,7 @@ def test_the_plan_check_is_driven_once_for_both_front_ends():
         file = _module_file(name)
         where = file.relative_to(PACKAGE).as_posix()
         found |= {hit.split(":")[0] for hit in _driver_steps(file.read_text(), where)}
-    assert found == {"tp/_check.py"}
+    assert found == {"tp/_check/driver.py"}
     # (negative control) a front end running the check's steps itself is seen
     assert _driver_steps("check_plan(local, references, sizes, where, named)\n", "m") == ["m:1"]
 
@@ -715,7 +729,7 @@ def test_the_plan_finder_is_driven_once_for_both_front_ends():
     from fsdp_tp.linen import auto_rules
     from fsdp_tp.nnx import _auto as nnx_auto
     from fsdp_tp.nnx import _specs
-    from fsdp_tp.tp import _find
+    from fsdp_tp.tp._find import driver as _find
 
     assert linen_auto.find is auto_rules.find is nnx_auto.find is _specs.find is _find.find
     found = set()
@@ -723,6 +737,12 @@ def test_the_plan_finder_is_driven_once_for_both_front_ends():
         file = _module_file(name)
         where = file.relative_to(PACKAGE).as_posix()
         found |= {hit.split(":")[0] for hit in _driver_steps(file.read_text(), where, _FINDER_STEPS)}
-    assert found == {"tp/_find.py"}
+    assert found == {"tp/_find/driver.py"}
     # (negative control) a front end fitting a plan itself is seen
     assert _driver_steps("plan = fitted(plan, attempt)\n", "m", _FINDER_STEPS) == ["m:1"]
+
+
+def test_the_architecture_page_is_short():
+    """Issue 83 point 6: the map a maintainer reads first is at most 3,000 words (6,639 before)."""
+    words = len(ARCHITECTURE.read_text().split())
+    assert words <= 3000, f"docs/architecture.md is {words} words: shorten rows, not the map's coverage"

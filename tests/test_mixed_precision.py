@@ -284,7 +284,7 @@ def test_the_scale_and_the_rounding_are_the_unsharded_ones(parameter, dtype):
     largest magnitude), and its gradient passes straight through (the mean over the batch)."""
     from flax.core.meta import Partitioned
 
-    from fsdp_tp._gather import gather_box
+    from fsdp_tp.collectives._gather import gather_box
 
     shards, values = parameter
     policy = fsdp_tp.MixedPrecision(dtype)

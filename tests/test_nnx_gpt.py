@@ -243,7 +243,7 @@ def _printed_is_run(flags, printing=None, patched=lambda _: None):
     from fsdp_tp.cli.options import parser
     from fsdp_tp.cli.settings import settings_of
     from fsdp_tp.recipe.trainer import nnx_schedule
-    from fsdp_tp.tp._plan import spelled
+    from fsdp_tp.tp._find.plan import spelled
 
     out = io.StringIO()
     with printing or contextlib.nullcontext() as patch:

@@ -18,8 +18,8 @@ from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
-from fsdp_tp._step_wire import step_wire, wire_lines
 from fsdp_tp.analysis import parse_collectives, state_bytes_per_device, type_bytes
+from fsdp_tp.analysis._step_wire import step_wire, wire_lines
 from fsdp_tp.cli.fit import plan_of
 from fsdp_tp.models import Layout, Transformer
 from fsdp_tp.plan import Plan

@@ -32,7 +32,7 @@ from fsdp_tp.testing import (
     meshes,
 )
 from fsdp_tp.tp import ColumnParallel, RowParallel
-from fsdp_tp.tp._check import switched_off
+from fsdp_tp.tp._check.driver import switched_off
 from tests.equivalence import Case, step_program
 
 D, HEADS = 16, 4

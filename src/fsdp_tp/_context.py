@@ -63,7 +63,7 @@ class Step:
     ``step_fn``, where an optimizer update is refused; ``column_inputs``: the column inputs of
     the step's trace, so the layers reading one activation share one *f* (``None``: not
     shared); ``region``: the dims the roles left split (entries of
-    :mod:`fsdp_tp._activation_split`), set by a role's call, read by a dropout layer the model
+    :mod:`fsdp_tp.dropout._activation_split`), set by a role's call, read by a dropout layer the model
     calls later; ``keys_as_stored``: rng keys read as stored, within an exact dropout's draw
     (an NNX Variable's ``get_value`` takes no argument)."""
 

@@ -4,7 +4,7 @@ Nothing is allocated and nothing runs: the init is traced per device under
 ``jax.shard_map`` with ``jax.eval_shape``, so the mesh may be an
 ``AbstractMesh`` far larger than the machine (64 x 8 devices planned on a laptop).
 Given a loss, one device's step is also compiled, not run, for one local device
-(:mod:`fsdp_tp._step_memory`), for the memory its activations and temporaries take.
+(:mod:`fsdp_tp.analysis._step_memory`), for the memory its activations and temporaries take.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from jax.sharding import PartitionSpec
 
 from ._axes import entry_axes
 from ._optimizer import block_counts, optimizer_state_bytes
-from ._step_memory import temp_bytes
-from ._step_wire import step_wire, wire_lines
 from ._trace import trace_per_device
 from ._tree import path_of
 from ._types import Specs
 from .analysis import array_bytes
+from .analysis._step_memory import temp_bytes
+from .analysis._step_wire import step_wire, wire_lines
 from .train import as_a_step
 
 __all__ = ["Plan", "PlanRow", "make_plan"]
@@ -52,7 +52,7 @@ class Plan:
     # without a loss_fn, or where the backend reports no memory analysis.
     activation_bytes: int | None = None
     replicated: tuple[PlanRow, ...] = field(default=())
-    # Per device, the bytes of one step's forward and backward (fsdp_tp._step_wire.step_wire):
+    # Per device, the bytes of one step's forward and backward (fsdp_tp.analysis._step_wire.step_wire):
     # {axes: {kind: bytes}}; None without a loss_fn or where uncounted (wire_note says why).
     wire: Mapping[str, Mapping[str, float]] | None = None
     wire_note: str = ""
@@ -141,7 +141,7 @@ def make_plan(
     (a :class:`~fsdp_tp.TrainState`) is split into parameters and optimizer
     state. With ``loss_fn(params, batch)`` (a per-device scalar loss), one device's forward
     and backward are compiled for one local device, each collective replaced by a stand-in
-    of its shapes (:mod:`fsdp_tp._step_memory`): ``activation_bytes`` is XLA's own figure for
+    of its shapes (:mod:`fsdp_tp.analysis._step_memory`): ``activation_bytes`` is XLA's own figure for
     what the step holds beyond the state and the gradients, on a mesh of any size.
     ``args`` and ``batch`` may be ``jax.ShapeDtypeStruct``s of global shape.
 

@@ -10,8 +10,8 @@ import flax.linen as nn
 import jax
 
 from .._tree import static_split
-from ..tp._find import FindCall, Sizes, find
-from ..tp._plan import warn_left_whole
+from ..tp._find.driver import FindCall, Sizes, find
+from ..tp._find.plan import warn_left_whole
 from ..tp._rules import compile_tp_rules
 from ..tp.auto import Graph, TPPlan
 from ._check import fields_of, traced_as
@@ -21,7 +21,7 @@ __all__ = ["AutoRules", "attempt_of"]
 
 
 def attempt_of(make: Callable, fields: dict, args: tuple, kwargs: dict, rngs: Sequence[str]):
-    """``attempt(plan, graph)`` (a :class:`~fsdp_tp.tp._find.FindCall`'s): the model laid out by
+    """``attempt(plan, graph)`` (a :class:`~fsdp_tp.tp._find.driver.FindCall`'s): the model laid out by
     ``make(plan.rules)`` initialized abstractly where it is called (under a mesh): its init
     checks the plan (against ``graph``, the unsharded call the plan was found from), and
     raises the refusal."""

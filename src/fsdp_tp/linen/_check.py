@@ -1,5 +1,5 @@
 """A Linen model's tp plan checked against what the model computes, before anything trains:
-the core's :func:`~fsdp_tp.tp._check.check_plan` over one device's trace of the model's call
+the core's :func:`~fsdp_tp.tp._check.driver.check_plan` over one device's trace of the model's call
 under the plan and the unsharded model's trace on the same inputs.
 
 :func:`check_call` runs where :func:`~fsdp_tp.shard_by_rules`'s model is first called with a plan
@@ -20,12 +20,12 @@ import flax.linen as nn
 import jax
 
 from .._tree import static_split
-from ..tp._check import PlanCall, checking, own_trace
-from ..tp._check import check_call as drive
-from ..tp._graph import Graph
-from ..tp._plan import letter_hints, spelled
+from ..tp._check.driver import PlanCall, checking, own_trace
+from ..tp._check.driver import check_call as drive
+from ..tp._find.plan import letter_hints, spelled
+from ..tp._jaxpr.graph import Graph
+from ..tp._jaxpr.sites import module_of
 from ..tp._rules import CompiledRole, role_of
-from ..tp._sites import module_of
 from ._call import calling, current
 from ._traced import plan_of
 
@@ -74,7 +74,7 @@ def check_call(
 ) -> None:
     """Refuses (``RuleError``) a plan under which ``module``'s call on ``args`` does not compute
     blocks of the unsharded ``target``'s, once per fields, input shapes and axis sizes
-    (:func:`~fsdp_tp.tp._check.check_call`). ``reference``: the unsharded trace on these
+    (:func:`~fsdp_tp.tp._check.driver.check_call`). ``reference``: the unsharded trace on these
     inputs, where the caller has it."""
     if not checking():
         return  # (the check's own trace of the call: not even its fields read)

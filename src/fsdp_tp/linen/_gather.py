@@ -22,9 +22,9 @@ from flax import struct
 from flax.core import meta
 
 from .._axes import axes_named
-from .._gather import gather_box
 from .._tree import module_path, path_of
 from .._types import AxisName, PyTree, is_box
+from ..collectives._gather import gather_box
 from ..errors import RuleError
 from ..precision import MixedPrecision
 from ._transform import current_module_path

@@ -1,4 +1,4 @@
-"""A Linen model's call read as a :class:`~fsdp_tp.tp._graph.Graph`, with its layers by path
+"""A Linen model's call read as a :class:`~fsdp_tp.tp._jaxpr.graph.Graph`, with its layers by path
 (:func:`traced`: what the plan finder reads, boxed parameters as their values), and the plan
 found from it (:func:`plan_of`: what a refused plan's letters are compared with).
 """
@@ -13,7 +13,7 @@ from flax.core import meta
 
 from .._tree import module_path
 from ..tp import Layer
-from ..tp._auto_mesh import calling
+from ..tp._find.mesh import calling
 from ..tp.auto import Graph, TPPlan, find_plan
 from .tp_rules import LINEN, layer_of
 

@@ -1,6 +1,6 @@
 """The Megatron plan of a Linen model, found from what it computes (:func:`find_tp_rules`; per
 call for ``tp_rules="auto"``: :class:`~fsdp_tp.linen._auto.AutoRules`). For an axis size, the plan is
-checked against what each device computes (:mod:`fsdp_tp.tp._check`): a region the check refuses
+checked against what each device computes (:mod:`fsdp_tp.tp._check.driver`): a region the check refuses
 (attention that regroups a device's features by its own head count) is left whole, with the
 check's reason.
 
@@ -26,7 +26,7 @@ import flax.linen as nn
 from .._axes import TENSOR
 from ..errors import RuleError
 from ..tp._experts import EXPERT
-from ..tp._find import FindCall, Sizes, find
+from ..tp._find.driver import FindCall, Sizes, find
 from ..tp.auto import TPPlan
 from ._auto import attempt_of
 from ._check import fields_of

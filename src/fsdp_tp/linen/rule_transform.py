@@ -24,7 +24,7 @@ from .._types import AxisNames
 from ..errors import RuleError, warn
 from ..precision import MixedPrecision, checked_policy
 from ..rules import REPLICATED, CompiledRule, Rules, as_spec, compile_rules, spec_for, unmatched_warning
-from ..tp._auto_mesh import AUTO_AXIS
+from ..tp._find.mesh import AUTO_AXIS
 from ..tp._role import axes_of
 from ..tp._role_plan import RolePlan
 from ..tp._rules import compile_tp_rules

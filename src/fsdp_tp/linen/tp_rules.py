@@ -34,11 +34,11 @@ from flax.core import meta
 from .. import tp as _tp  # (the roles by the package: a name of their own here would be an old path)
 from .._aliases import aliases_of
 from .._axes import TENSOR
-from .._einsum import Equation
-from .._registered import computes_of
 from .._tree import module_path
 from ..tp import Layer
+from ..tp._einsum import Equation
 from ..tp._front import Kinds
+from ..tp._registered import computes_of
 from ..tp._role import Local
 from ..tp._rules import dims
 

@@ -26,7 +26,7 @@ from .._axes import TENSOR
 from ..errors import RuleError
 from ..rules import REPLICATED
 from ..tp._experts import EXPERT
-from ..tp._find import FindCall, Sizes, find
+from ..tp._find.driver import FindCall, Sizes, find
 from ..tp.auto import TPPlan
 from ._check import PlanChecks
 from ._model import ShardedModel

@@ -1,5 +1,5 @@
 """An NNX model's tp plan checked against what the model computes, before anything trains: the
-core's :func:`~fsdp_tp.tp._check.check_plan` over one device's trace of the model's call under
+core's :func:`~fsdp_tp.tp._check.driver.check_plan` over one device's trace of the model's call under
 the plan and the unsharded model's trace on the same inputs.
 
 :meth:`~fsdp_tp.nnx.ShardedModel.merge` gives the model it builds a class whose call checks
@@ -18,10 +18,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .._tree import static_split
-from ..tp._check import PlanCall, checking, own_trace
-from ..tp._check import check_call as drive
-from ..tp._graph import Graph
-from ..tp._plan import letter_hints, spelled
+from ..tp._check.driver import PlanCall, checking, own_trace
+from ..tp._check.driver import check_call as drive
+from ..tp._find.plan import letter_hints, spelled
+from ..tp._jaxpr.graph import Graph
 from ..tp._role_plan import RolePlan
 from ..tp._rules import compile_tp_rules
 from ..tp.auto import find_plan
@@ -44,7 +44,7 @@ def check_call(
 ) -> None:
     """Refuses (``RuleError``) ``plan`` where the merged ``model``'s call on ``args`` does not
     compute blocks of the unsharded ``reference``'s (abstract), once per input shapes and sizes
-    (:func:`~fsdp_tp.tp._check.check_call`). ``traced``: the unsharded call on these inputs,
+    (:func:`~fsdp_tp.tp._check.driver.check_call`). ``traced``: the unsharded call on these inputs,
     where the caller has traced it."""
     if not checking() or not plan.roles:
         return  # (the check's own trace of the call, or nothing to check: nothing read)

@@ -19,10 +19,10 @@ from typing import Any, ClassVar
 
 from flax import nnx
 
-from .._registered import computes_of
 from .._tree import module_path
 from ..tp import Layer, RowParallel, TPRole
 from ..tp._front import Kinds, compute
+from ..tp._registered import computes_of
 from ..tp._role import Local
 from ..tp._rules import dims, slice_error
 

@@ -27,8 +27,8 @@ from flax.core.meta import Partitioned
 
 from .._axes import varying_axes
 from .._context import STEP
-from .._gather import gather_box
 from .._types import AxisName
+from ..collectives._gather import gather_box
 from ..dropout import fold_rng_over_axis
 from ..errors import RuleError
 from ..precision import MixedPrecision

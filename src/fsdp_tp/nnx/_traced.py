@@ -1,4 +1,4 @@
-"""An NNX model's call read as a :class:`~fsdp_tp.tp._graph.Graph` (:func:`traced`, what the
+"""An NNX model's call read as a :class:`~fsdp_tp.tp._jaxpr.graph.Graph` (:func:`traced`, what the
 plan finder reads), and models whose modules' calls name their paths (:func:`scoped`): NNX
 records no module in a trace, so the finder's trace and the plan check's pair operations by
 these names.
@@ -12,8 +12,8 @@ import jax
 from flax import nnx
 
 from ..tp import Layer
-from ..tp._auto_mesh import calling
-from ..tp._graph import Graph
+from ..tp._find.mesh import calling
+from ..tp._jaxpr.graph import Graph
 from ._layers import NNX, layer_of, path_text
 
 __all__ = ["MARK", "scoped", "traced"]

@@ -29,7 +29,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from ..errors import CheckPrecisionWarning, warn
 from ..nnx._constructor import keyword_only
-from ..tp._sites import user_site
+from ..tp._jaxpr.sites import user_site
 from ._compare import ATOL, RTOL
 
 __all__ = ["narrow_site", "require_float64", "wide", "widened"]

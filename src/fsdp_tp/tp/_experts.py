@@ -37,8 +37,8 @@ from typing import ClassVar
 import jax
 
 from .._batch import step_batch_axes
-from .._einsum import Equation, shrunk
 from ..errors import RuleError
+from ._einsum import Equation, shrunk
 from ._matmul import ColumnParallel, RowParallel
 from ._role import Layer, Local, TPRole
 from .pieces import once

@@ -48,7 +48,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import jax
 
-from .._registered import computes_of
+from ._registered import computes_of
 from ._role import Layer, Local, TPRole
 from ._roles import ROLES
 

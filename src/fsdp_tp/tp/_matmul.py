@@ -1,5 +1,7 @@
 """The roles of a layer that multiplies its input by one kernel (a dense layer, a
-convolution, an einsum): :class:`ColumnParallel` and :class:`RowParallel`, Megatron's pair."""
+convolution, an einsum): :class:`ColumnParallel` and :class:`RowParallel`, Megatron's pair, and
+the layers their split cannot take (a ring over a convolution, a grouped convolution's channels),
+each refused with its fix."""
 
 from __future__ import annotations
 
@@ -9,12 +11,12 @@ from typing import ClassVar
 
 import jax
 
-from .._einsum import shrunk
 from ..collective_matmul import ring_reduce_scatter
 from ..collectives import gather_from_axis
 from ..dropout import split_after, unplaceable_after
 from ..errors import RuleError
-from ._around import chunkwise, copied, einsum_split, ringable, ungrouped
+from ._around import chunkwise, copied
+from ._einsum import Equation, shrunk, split_letter
 from ._role import Layer, Local, TPRole
 from .pieces import add_bias_once, kept_block, row_reduce
 
@@ -215,3 +217,37 @@ class RowParallel(TPRole):
             return gather_from_axis(out, dim % x.ndim, self.axis)
         split_after({sequence - out.ndim: self.axis}, out.shape)  # as row_reduce says for dropout
         return out
+
+
+def einsum_split(layer: Layer, role: TPRole, letter: str | None, what: str) -> tuple[Equation, str, int]:
+    """An einsum layer's equation, the letter ``role`` splits and its kernel dim (``""`` and
+    0 for another kind, which takes no ``letter``)."""
+    return split_letter(layer.kind, layer.equation, layer.path, type(role).__name__, letter, what)
+
+
+def ringable(role: TPRole, layer: Layer, sequence: int | None) -> None:
+    """A ring computes the layer chunk by chunk of the rows: a convolution's window reads its
+    neighbours' rows, and an einsum's rows are the sequence only it names."""
+    if layer.kind == "conv":
+        why, fix = "reads its neighbours' rows", "."
+    elif layer.kind == "einsum" and sequence is None:
+        why, fix = "has no rows without sequence_dim", ", or give the role sequence_dim."
+    else:
+        return
+    mode = getattr(role, "collective_matmul", None)
+    raise RuleError(
+        f"{layer.path}: {type(role).__name__}(collective_matmul={mode!r}) "
+        f"computes the layer on chunks of its rows, and a {layer.kind} layer {why}; pass "
+        f"collective_matmul=None{fix}"
+    )
+
+
+def ungrouped(layer: Layer) -> None:
+    """A grouped convolution mixes channels within groups only: a channel split would cut
+    across the groups, so it stays whole."""
+    if layer.groups != 1:
+        raise RuleError(
+            f"{layer.path} is a convolution with feature_group_count={layer.groups}: splitting its "
+            f"channels over a mesh axis would cut across its groups. Leave {layer.path} whole (drop "
+            f"it from the tp rules)."
+        )

@@ -32,7 +32,7 @@ class Layer:
     ``in_size``: the first contracted dim's size; ``groups``: a convolution's feature groups;
     ``equation`` and ``kernel_shape``: an einsum's (0 for a size the module does not hold);
     ``parameters``: the names a role may split, the kernel first (a module registered with
-    :func:`~fsdp_tp._registered.register_einsum`: its kernel only); ``bias``: reads the stored
+    :func:`~fsdp_tp.tp._registered.register_einsum`: its kernel only); ``bias``: reads the stored
     bias as the module reads it (gathered over FSDP's axes); ``norms_summed``: the model sums
     its replicated parameters' gradients over the axis itself (a model of Linen's Megatron
     layers, whose norms apply *f* to their parameters), so a ``sequence_dim`` needs no

@@ -49,10 +49,10 @@ embedding) and are all named here; a new role is one :class:`TPRole` subclass, l
 
 from __future__ import annotations
 
-from .._registered import register_einsum
 from ._experts import ExpertParallel
 from ._heads import HeadParallel
 from ._matmul import ColumnParallel, RowParallel
+from ._registered import register_einsum
 from ._role import Layer, TPRole
 from ._vocab import VocabParallel
 

@@ -15,10 +15,10 @@ from typing import Any
 import jax
 
 from .._axes import require_axes
-from .._registered import computes_of
 from ..errors import RuleError
 from ..rules import split_rule
 from ._front import Kinds
+from ._registered import computes_of
 from ._role import placements
 from ._roles import ROLES, ColumnParallel, Layer, RowParallel, TPRole
 
@@ -45,7 +45,7 @@ class CompiledRole:
 
 
 def compile_tp_rules(rules: Sequence, caller: str) -> tuple[CompiledRole, ...]:
-    """Checks ``(pattern, role)`` pairs (or a :class:`~fsdp_tp.tp._plan.TPPlan`, which iterates
+    """Checks ``(pattern, role)`` pairs (or a :class:`~fsdp_tp.tp._find.plan.TPPlan`, which iterates
     as its rules); a :class:`~fsdp_tp.errors.RuleError` names a bad one."""
     if isinstance(rules, str) and rules == "auto":
         raise RuleError(

@@ -1,9 +1,9 @@
 """The Megatron plan of a model found from what it computes, as the tp rules a user would
 write (``tp_rules="auto"``, ``fsdp_tp.linen.find_tp_rules``, ``fsdp_tp.nnx.find_tp_rules``).
 
-The model's forward is traced once, abstractly (:class:`~fsdp_tp.tp._graph.Graph`). Each
+The model's forward is traced once, abstractly (:class:`~fsdp_tp.tp._jaxpr.graph.Graph`). Each
 split a matmul's parameter could take (a kernel's output features or heads, an
-embedding's rows) grows a region (:func:`~fsdp_tp.tp._regions.grow`): every value that
+embedding's rows) grows a region (:func:`~fsdp_tp.tp._find.regions.grow`): every value that
 split reaches, until row layers sum it away. A region is taken when every parameter it
 splits is one a role splits, on the dim that role splits (:data:`~fsdp_tp.tp.ROLES`);
 then its modules get those roles. Nothing is guessed from a name: a layer no region takes
@@ -30,13 +30,13 @@ import dataclasses
 from collections.abc import Mapping
 
 from .._axes import TENSOR
-from .._einsum import Equation
 from ..errors import IndivisibleShapeError, RuleError
-from ._expert_plan import expert_roles, with_within
+from ._einsum import Equation
 from ._experts import EXPERT, ExpertParallel
-from ._graph import Graph, kernel_operand, kernels_of
-from ._plan import RAW, RAW_FIX, TPPlan, rules_for
-from ._regions import Refused, grow
+from ._find.experts import expert_roles, with_within
+from ._find.plan import RAW, RAW_FIX, TPPlan, rules_for
+from ._find.regions import Refused, grow
+from ._jaxpr.graph import Graph, kernel_operand, kernels_of
 from ._roles import ColumnParallel, HeadParallel, Layer, RowParallel, TPRole, VocabParallel
 
 # What a user calls: the plan of a traced function (the front ends' find_tp_rules trace a model)
@@ -59,7 +59,7 @@ def find_plan(
     :func:`~fsdp_tp.vocab_parallel_cross_entropy`); else a column layer whose result is
     the output gathers it. ``expert_size``: a mixture's expert layers go on ``expert_axis``
     of that size (:class:`~fsdp_tp.tp.ExpertParallel`,
-    :func:`~fsdp_tp.tp._expert_plan.expert_banks`); ``None``: experts are einsums like any
+    :func:`~fsdp_tp.tp._find.experts.expert_banks`); ``None``: experts are einsums like any
     other. No tensor split (the experts alone) where ``axis`` is ``None``, or where an expert
     size is given and no tensor ``size``."""
     kernels = kernels_of(graph)

@@ -1,0 +1,109 @@
+"""The words of the plan check's refusals (:class:`~fsdp_tp.tp._check.blocks.Blocks` raises
+them): the shapes, the axes and the names spelled, the fix for a reshape and for a mix of split
+features, and a refusal blamed on the module whose split it is.
+
+>>> shape_text((2, 8, 4)), axes_text({"tensor": 4})
+('[2,8,4]', "'tensor' (4)")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+
+from ...errors import RuleError
+from .._jaxpr.graph import Graph
+from .._jaxpr.relations import shape_text
+
+__all__ = [
+    "RULE_DROPPED",
+    "SEQUENCE_WHOLE",
+    "Named",
+    "PartialSum",
+    "axes_text",
+    "blaming",
+    "mixing_fix",
+    "names_text",
+    "reshape_fix",
+    "values_text",
+]
+
+Named = Callable[[str], tuple[str, str]]  # a name stack -> (module path, its role as written)
+RULE_DROPPED = "drop its tp rule"  # how a module under tp rules is left whole
+# Where a dim other than the features (the sequence a role's sequence_dim splits) is whole.
+SEQUENCE_WHOLE = (
+    "compute it where that dim is whole: a sequence split by the roles' sequence_dim is whole "
+    "from a column layer to its row layer, and everywhere without sequence_dim"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialSum:
+    """Where a partial sum was made: the operation, its line, the module whose split it sums."""
+
+    what: str
+    site: str
+    module: str
+    contracted: bool  # a matmul's (a row layer's products), not a reduction's (a mean, a norm)
+
+
+def reshape_fix(full: tuple[int, ...], held: tuple[int, ...], major: int) -> str:
+    """How a reshape keeps each device's block whole: where the split count divides the dim
+    the split lands on (``major``), that dim sized from the array (-1); where it does not (a
+    fused ``qkv.reshape(b, s, 3, heads, hd)``: 3 parts over 4 devices), a dim it divides put
+    first, the other after it (head-major: ``(b, s, heads, 3, hd)``), or the parts apart.
+
+    >>> reshape_fix((4, 4, 3, 4, 8), (4, 4, 3, 1, 8), 2)[:69]
+    'put a dim the 4 devices divide first: reshape to (4, 4, -1, 3, 8), -1'
+    >>> reshape_fix((4, 4, 4, 8), (4, 4, 1, 8), 2)[-93:]
+    'reshape to (4, 4, -1, 8), -1 where the unsharded model has 4, so each device keeps whole ones'
+    """
+    n = math.prod(full) // max(math.prod(held), 1)
+    if full[major] % n == 0:
+        fixed = ", ".join("-1" if d == major else str(size) for d, size in enumerate(full))
+        return (
+            f"size the dim the split lands on from the array, not from the module's constants: reshape "
+            f"to ({fixed}), -1 where the unsharded model has {full[major]}, so each device keeps whole ones"
+        )
+    apart = "give each part its own layer and rule (q, k and v apart)"
+    after = next((d for d in range(major + 1, len(full)) if full[d] % n == 0), None)
+    if after is None:
+        return apart
+    order = [*range(major), after, *(d for d in range(major, len(full)) if d != after)]
+    fixed = ", ".join("-1" if d == after else str(full[d]) for d in order)
+    return (
+        f"put a dim the {n} devices divide first: reshape to ({fixed}), -1 where the unsharded model has "
+        f"{full[after]}, the {full[major]} after it, so each device's block holds whole groups of every "
+        f"part (the columns of a part interleave, a layout of the same parameters); or {apart}"
+    )
+
+
+def names_text(modules: list[str]) -> str:
+    return modules[0] if len(modules) == 1 else f"{', '.join(modules[:-1])} and {modules[-1]}"
+
+
+def blaming(err: RuleError, module: str, reason: str) -> RuleError:
+    """``err`` carrying the module it refuses (``err.module``: a plan finder leaves its region
+    whole) and the reason in a few words (``err.reason``)."""
+    err.module, err.reason = module, reason  # type: ignore[attr-defined]
+    return err
+
+
+def mixing_fix(prim: str, features: bool = True) -> str:
+    """The fix for ``prim`` computing across a split dim: the features (a value's last dim,
+    split between a column layer and its row layer) or another (the sequence a role's
+    ``sequence_dim`` splits between the layers, whole from a column layer to its row layer)."""
+    if not features:
+        return SEQUENCE_WHOLE
+    if prim in ("slice", "split", "dynamic_slice", "concatenate", "pad", "gather"):
+        return "give each part its own layer (q, k and v apart) and rule, so each device splits each part"
+    return "compute it where that dim is whole (after the row layer's sum)"
+
+
+def values_text(graph: Graph, values) -> str:
+    return " ".join(shape_text(graph.shapes[v]) for v in values if v is not None)
+
+
+def axes_text(sizes: Mapping[str, int]) -> str:
+    return " x ".join(f"{axis!r} ({size})" for axis, size in sizes.items())
