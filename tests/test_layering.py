@@ -87,6 +87,7 @@ CORE = (
     "tp._jaxpr.relations",
     "tp._jaxpr.sites",
     "tp._matmul",
+    "tp._protocol",
     "tp._registered",
     "tp._role",
     "tp._role_plan",
@@ -746,3 +747,34 @@ def test_the_architecture_page_is_short():
     """Issue 83 point 6: the map a maintainer reads first is at most 3,000 words (6,639 before)."""
     words = len(ARCHITECTURE.read_text().split())
     assert words <= 3000, f"docs/architecture.md is {words} words: shorten rows, not the map's coverage"
+
+
+# Issue 83's proof: linen/ and nnx/ reach tp's insides only through the seam (tp/_front.py: what a
+# front end does for the core and what it is given) and the two drivers; tp's other private modules
+# move without touching a front end (49 edges into 11 of them before, at 7f40e28).
+_DOORS_INTO_TP = frozenset({"tp._front", "tp._check.driver", "tp._find.driver"})
+
+
+def _side_doors(imports: dict[str, set[str]]) -> list[str]:
+    """Each ``module imports tp-private`` edge of ``imports`` that is not a door."""
+    private = lambda m: m.startswith("tp.") and any(part.startswith("_") for part in m.split("."))
+    return sorted(
+        f"{m} imports {i}"
+        for m, ours in imports.items()
+        for i in ours
+        if private(i) and i not in _DOORS_INTO_TP
+    )
+
+
+def test_the_front_ends_reach_tp_through_its_package_the_seam_and_the_drivers():
+    fronts = {m: _imports(m)[0] for m in _all_modules() if _tier(m) == "front end"}
+    assert _side_doors(fronts) == [], "import it from fsdp_tp.tp._front (add it to the seam's __all__)"
+    # (negative control) a front end importing a tp module behind the seam is seen
+    assert _side_doors({"linen.x": {"tp._rules", "tp._front", "tp"}}) == ["linen.x imports tp._rules"]
+
+
+def test_the_seam_gives_what_it_names():
+    from fsdp_tp.tp import _front
+
+    missing = [name for name in _front.__all__ if not hasattr(_front, name)]
+    assert missing == []

@@ -10,9 +10,8 @@ import flax.linen as nn
 import jax
 
 from .._tree import static_split
-from ..tp._find.driver import FindCall, Sizes, find
-from ..tp._find.plan import warn_left_whole
-from ..tp._rules import compile_tp_rules
+from ..tp._find.driver import FindCall, Sizes, find, warn_left_whole
+from ..tp._front import compile_tp_rules
 from ..tp.auto import Graph, TPPlan
 from ._check import fields_of, traced_as
 from ._traced import traced

@@ -22,12 +22,9 @@ import jax
 from .._tree import static_split
 from ..tp._check.driver import PlanCall, checking, own_trace
 from ..tp._check.driver import check_call as drive
-from ..tp._find.plan import letter_hints, spelled
-from ..tp._jaxpr.graph import Graph
-from ..tp._jaxpr.sites import module_of
-from ..tp._rules import CompiledRole, role_of
+from ..tp._front import CompiledRole, Graph, module_of, role_of, spelled
 from ._call import calling, current
-from ._traced import plan_of
+from ._traced import traced_on_shapes
 
 __all__ = ["check_call", "fields_of", "reference_graph", "traced_as"]
 
@@ -91,8 +88,6 @@ def check_call(
             return given
         return reference_graph(plain, args, kwargs, streams, whole)
 
-    # (a plan the finder made gives every einsum its letter: no hint to trace for)
-    found = lambda size: letter_hints(rules, *plan_of(plain, args, kwargs, size))
     call = PlanCall(
         roles=tuple(r.role for r in rules),
         written=f"the tp rules [{', '.join(f'({r.pattern!r}, {spelled(r.role)})' for r in rules)}]",
@@ -101,7 +96,9 @@ def check_call(
         local=lambda: _local_graph(module, fields, arrays, rebuild, streams),
         unsharded=unsharded,
         named=_named(rules),
-        hints=found if given is None else (lambda size: ""),
+        rules=tuple((r.pattern, r.role) for r in rules),
+        # (a plan the finder made gives every einsum its letter: no hint to trace for)
+        finder=(lambda: traced_on_shapes(plain, args, kwargs)) if given is None else None,
     )
     drive(call, checked)
 

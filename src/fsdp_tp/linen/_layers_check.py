@@ -31,9 +31,8 @@ from .._trace import trace_per_device
 from .._tree import module_path, static_split
 from ..tp._check.driver import PlanCall, own_trace
 from ..tp._check.driver import check_call as drive
-from ..tp._find.mesh import plan_mesh
-from ..tp._jaxpr.graph import Graph
-from ..tp._jaxpr.sites import module_of
+from ..tp._find.driver import plan_mesh
+from ..tp._front import Graph, module_of
 from .layers.attention import AttentionBlock
 from .layers.blocks import MLPBlock
 from .layers.dense import ColumnParallelDense, RowParallelDense

@@ -26,10 +26,7 @@ from flax.core import meta
 from .._axes import require_axes, varying_axes
 from .._tree import module_path
 from ..tp import Layer, TPRole
-from ..tp._front import Kinds, compute
-from ..tp._role import Local
-from ..tp._role_plan import RolePlan
-from ..tp._rules import require_divides, require_own_parameters, slice_error
+from ..tp._front import Kinds, Local, RolePlan, compute, require_divides, require_own_parameters, slice_error
 from ._call import calling, current
 from ._gather import GatheredOnRead
 from .tp_rules import LINEN, layer_of, local_attributes

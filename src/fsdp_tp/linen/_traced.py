@@ -1,6 +1,7 @@
 """A Linen model's call read as a :class:`~fsdp_tp.tp._jaxpr.graph.Graph`, with its layers by path
-(:func:`traced`: what the plan finder reads, boxed parameters as their values), and the plan
-found from it (:func:`plan_of`: what a refused plan's letters are compared with).
+(:func:`traced`: what the plan finder reads, boxed parameters as their values), also on the
+shapes of a call's arguments alone (:func:`traced_on_shapes`: what a refused plan's letters are
+compared with).
 """
 
 from __future__ import annotations
@@ -13,19 +14,19 @@ from flax.core import meta
 
 from .._tree import module_path
 from ..tp import Layer
-from ..tp._find.mesh import calling
-from ..tp.auto import Graph, TPPlan, find_plan
+from ..tp._find.driver import calling
+from ..tp.auto import Graph
 from .tp_rules import LINEN, layer_of
 
-__all__ = ["plan_of", "traced"]
+__all__ = ["traced", "traced_on_shapes"]
 
 
-def plan_of(module: nn.Module, args: tuple, kwargs: dict, size: int) -> tuple[dict[str, Layer], TPPlan]:
-    """``module``'s layers and the plan found from its call on ``args`` for an axis of ``size``
-    (not checked: what a refusal compares the rules given with)."""
+def traced_on_shapes(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Graph, dict[str, Layer]]:
+    """:func:`traced` on the shapes of ``args`` alone (a device's inputs vary over the batch
+    axes under check_vma, and the casts between them and the whole parameters hide the matmuls
+    from the finder)."""
     struct = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a
-    graph, layers = traced(module, jax.tree.map(struct, args), kwargs, ("dropout",))
-    return layers, find_plan(graph, layers, size=size)
+    return traced(module, jax.tree.map(struct, args), kwargs, ("dropout",))
 
 
 def traced(module: nn.Module, args: tuple, kwargs: dict, rngs: Sequence[str]) -> tuple[Graph, dict]:

@@ -25,8 +25,8 @@ import flax.linen as nn
 
 from .._axes import TENSOR
 from ..errors import RuleError
-from ..tp._experts import EXPERT
 from ..tp._find.driver import FindCall, Sizes, find
+from ..tp._front import EXPERT
 from ..tp.auto import TPPlan
 from ._auto import attempt_of
 from ._check import fields_of

@@ -24,11 +24,8 @@ from .._types import AxisNames
 from ..errors import RuleError, warn
 from ..precision import MixedPrecision, checked_policy
 from ..rules import REPLICATED, CompiledRule, Rules, as_spec, compile_rules, spec_for, unmatched_warning
-from ..tp._find.mesh import AUTO_AXIS
-from ..tp._role import axes_of
-from ..tp._role_plan import RolePlan
-from ..tp._rules import compile_tp_rules
-from ..tp._storage import require_no_tp_axis, spec_source, with_split
+from ..tp._find.driver import AUTO_AXIS
+from ..tp._front import RolePlan, axes_of, compile_tp_rules, require_no_tp_axis, spec_source, with_split
 from ._auto import AutoRules
 from ._call import calling, current
 from ._check import check_call

@@ -36,11 +36,7 @@ from .._aliases import aliases_of
 from .._axes import TENSOR
 from .._tree import module_path
 from ..tp import Layer
-from ..tp._einsum import Equation
-from ..tp._front import Kinds
-from ..tp._registered import computes_of
-from ..tp._role import Local
-from ..tp._rules import dims
+from ..tp._front import Equation, Kinds, Local, computes_of, dims
 
 __all__ = [
     "LINEN",

@@ -25,8 +25,8 @@ from flax import nnx
 from .._axes import TENSOR
 from ..errors import RuleError
 from ..rules import REPLICATED
-from ..tp._experts import EXPERT
 from ..tp._find.driver import FindCall, Sizes, find
+from ..tp._front import EXPERT
 from ..tp.auto import TPPlan
 from ._check import PlanChecks
 from ._model import ShardedModel

@@ -20,12 +20,9 @@ from flax import nnx
 from .._tree import static_split
 from ..tp._check.driver import PlanCall, checking, own_trace
 from ..tp._check.driver import check_call as drive
-from ..tp._find.plan import letter_hints, spelled
-from ..tp._jaxpr.graph import Graph
-from ..tp._role_plan import RolePlan
-from ..tp._rules import compile_tp_rules
-from ..tp.auto import find_plan
-from ._traced import MARK, scoped, traced
+from ..tp._front import Graph, RolePlan, spelled
+from ._traced import MARK, scoped
+from ._traced import traced as traced_call
 
 __all__ = ["PlanChecks", "check_call", "checked_class"]
 
@@ -56,9 +53,9 @@ def check_call(
         shaped = [jax.ShapeDtypeStruct(whole(a.shape) if whole else a.shape, a.dtype) for a in arrays]
         return _graph(reference, shaped, rebuild)
 
-    # (a plan the finder made gives every einsum its letter: no hint to trace for)
+    # (on the inputs' shapes alone: a device's inputs vary over the batch axes under check_vma,
+    # and the casts JAX puts between them and the whole parameters hide the matmuls from the finder)
     shapes = lambda: rebuild([jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays])
-    found = lambda size: _letter_hints(reference, plan, *shapes(), size)
     # (each rule once, as matched: a role's children say "(inside)")
     said = {f"({pattern!r}, {spelled(role)})": None for role, pattern, _ in plan.roles.values()}
     call = PlanCall(
@@ -69,18 +66,11 @@ def check_call(
         local=lambda: _graph(model, arrays, rebuild),
         unsharded=unsharded,
         named=_named(plan),
-        hints=found if traced is None else (lambda size: ""),
+        rules=tuple((pattern, role) for role, pattern, _ in plan.roles.values() if "(inside)" not in pattern),
+        # (a plan the finder made gives every einsum its letter: no hint to trace for)
+        finder=(lambda: traced_call(reference, *shapes())) if traced is None else None,
     )
     drive(call, checked)
-
-
-def _letter_hints(reference: nnx.Module, plan: RolePlan, args: tuple, kwargs: dict, size: int) -> str:
-    """The einsum letters the rules took against the plan found from the model (traced on
-    the inputs' shapes alone: a device's inputs vary over the batch axes under check_vma, and
-    the casts JAX puts between them and the whole parameters hide the matmuls from the finder)."""
-    graph, layers = traced(reference, args, kwargs)
-    rules = tuple((pattern, role) for role, pattern, _ in plan.roles.values() if "(inside)" not in pattern)
-    return letter_hints(compile_tp_rules(rules, _CALLER), layers, find_plan(graph, layers, size=size))
 
 
 def _graph(model: nnx.Module, arrays: list, rebuild) -> Graph:

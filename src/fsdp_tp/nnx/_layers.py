@@ -21,10 +21,7 @@ from flax import nnx
 
 from .._tree import module_path
 from ..tp import Layer, RowParallel, TPRole
-from ..tp._front import Kinds, compute
-from ..tp._registered import computes_of
-from ..tp._role import Local
-from ..tp._rules import dims, slice_error
+from ..tp._front import Kinds, Local, compute, computes_of, dims, slice_error
 
 __all__ = ["NNX", "NNXFront", "Path", "computed", "layer_of", "path_text"]
 

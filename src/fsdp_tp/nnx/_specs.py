@@ -19,10 +19,8 @@ from jax.sharding import PartitionSpec
 from .._axes import axes_named, bound_axis_names
 from ..errors import RuleError
 from ..rules import logical_spec, spec_for
-from ..tp._find.driver import FindCall, Sizes, find
-from ..tp._find.plan import warn_left_whole
-from ..tp._rules import compile_tp_rules
-from ..tp._storage import spec_source, with_split
+from ..tp._find.driver import FindCall, Sizes, find, warn_left_whole
+from ..tp._front import compile_tp_rules, spec_source, with_split
 from ..tp.auto import TPPlan
 from ._layers import Path, path_text
 from ._tp import role_plan

@@ -16,8 +16,7 @@ from __future__ import annotations
 from flax import nnx
 
 from .._types import AxisName
-from ..tp._role_plan import RolePlan
-from ..tp._rules import CompiledRole, compile_tp_rules, require_own_parameters
+from ..tp._front import CompiledRole, RolePlan, compile_tp_rules, require_own_parameters
 from ._layers import NNX, NNXFront, computed, path_text
 
 __all__ = ["compute_roles", "role_plan", "tp_splits"]

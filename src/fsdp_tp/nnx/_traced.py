@@ -12,8 +12,8 @@ import jax
 from flax import nnx
 
 from ..tp import Layer
-from ..tp._find.mesh import calling
-from ..tp._jaxpr.graph import Graph
+from ..tp._find.driver import calling
+from ..tp._front import Graph
 from ._layers import NNX, layer_of, path_text
 
 __all__ = ["MARK", "scoped", "traced"]

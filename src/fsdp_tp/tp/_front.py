@@ -1,8 +1,9 @@
-"""The seam between the core's roles and a front end: what a front end does for them
-(:class:`FrontEnd`: its layer classes, a module as a role sees it, the module's method on its
-local sizes) and the one way a module a rule names computes (:func:`compute`), which both
+"""The seam between the core's roles and a front end, the one module of tp's insides a front end
+imports besides the two drivers: what a front end does for the roles (:class:`FrontEnd`, from
+:mod:`~fsdp_tp.tp._protocol`: its layer classes, a module as a role sees it, the module's method
+on its local sizes), the one way a module a rule names computes (:func:`compute`), which both
 front ends call, as the role plan's :meth:`~fsdp_tp.tp._role_plan.RolePlan.meet` is the one
-way they record it.
+way they record it, and everything else the core gives a front end (``__all__``).
 
 A front end lists no model's modules here: NNX holds them before anything runs
 (``nnx.iter_graph`` of the abstract model), Linen creates a module only as the call reaches it
@@ -42,69 +43,60 @@ True
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any
 
 import jax
 
+from ._einsum import Equation
+from ._experts import EXPERT
+from ._find.plan import spelled
+from ._jaxpr.graph import Graph
+from ._jaxpr.sites import module_of
+from ._protocol import FrontEnd, Kinds
 from ._registered import computes_of
-from ._role import Layer, Local, TPRole
-from ._roles import ROLES
+from ._role import Layer, Local, TPRole, axes_of
+from ._role_plan import RolePlan
+from ._rules import (
+    CompiledRole,
+    compile_tp_rules,
+    dims,
+    require_divides,
+    require_own_parameters,
+    role_of,
+    slice_error,
+)
+from ._storage import require_no_tp_axis, spec_source, with_split
 
-__all__ = ["FrontEnd", "Kinds", "compute"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Kinds:
-    """A front end's module classes per layer kind (``"dense"``: ``nn.Dense``, ...) and the
-    prefix its users write them with (``nn``, ``nnx``): what the plan's errors spell.
-
-    >>> class Dense: ...
-    >>> plain = Kinds("plain", {"dense": (Dense,)})
-    >>> plain.of(Dense), plain.spelled(["dense", "embed"]), plain.roles_for(Dense)
-    ('dense', 'plain.Dense', ['ColumnParallel', 'RowParallel'])
-    """
-
-    prefix: str
-    classes: Mapping[str, tuple[type, ...]]
-
-    def of(self, cls: type) -> str | None:
-        if computes_of(cls) is not None:  # a class of the user's, registered
-            return "einsum"
-        return next((kind for kind, types in self.classes.items() if issubclass(cls, types)), None)
-
-    def spelled(self, kinds: Sequence[str], sep: str = " or ") -> str:
-        types = [t for kind in kinds for t in self.classes.get(kind, ())]
-        return sep.join(f"{self.prefix}.{t.__name__}" for t in types)
-
-    def roles_for(self, cls: type) -> list[str]:
-        kind = self.of(cls)
-        return [r.__name__ for r in ROLES if kind in r.kinds]
-
-
-@runtime_checkable
-class FrontEnd(Protocol):
-    """What a front end does for the roles: ``kinds``, its module classes per layer kind
-    (:class:`Kinds`; the plan refuses a role on a module of another kind, naming the classes it takes);
-    :meth:`layer_of`, a module as a role sees it; :meth:`with_local`, the module's method
-    computing on the sizes a role gives it on this device. The roles, the plan, the checks and
-    every error's wording are the core's, the same for every front end."""
-
-    kinds: ClassVar[Kinds]
-
-    def layer_of(self, module: Any, path: str, args: tuple, kwargs: dict) -> Layer:
-        """``module`` (at ``path``, called with ``args`` and ``kwargs``) as a role sees it: its
-        sizes as the unsharded model has them."""
-        ...
-
-    def with_local(
-        self, module: Any, method: str, role: TPRole, layer: Layer, local: Local, args: tuple, kwargs: dict
-    ) -> Callable[..., Any]:
-        """``module``'s ``method`` computing with ``local``'s sizes (each one it sets, none
-        dropped) on the blocks the step holds; a call whose inputs are not the slices the role
-        gives is told so (:func:`~fsdp_tp.tp._rules.slice_error`)."""
-        ...
+# What a front end does for the core (FrontEnd) and the one way it runs a role (compute), then what
+# the core gives it besides the two drivers (the plan check's and the finder's): these names and
+# nothing else of tp's private modules (tests/test_layering.py keeps linen/ and nnx/ to this module,
+# fsdp_tp.tp and the drivers), so tp's insides move freely and a front end's contract is one page.
+__all__ = [
+    "EXPERT",  # the expert axis's default name
+    "CompiledRole",  # a tp rule as matched: its pattern and its role
+    "Equation",  # an einsum layer's equation, for layer_of
+    "FrontEnd",
+    "Graph",  # a traced call, as the check and the finder read it
+    "Kinds",  # a front end's module classes per layer kind
+    "Layer",  # a module as a role sees it
+    "Local",  # the sizes a role gives a module on one device
+    "RolePlan",  # one model's roles, filled as a front end meets each module (RolePlan.meet)
+    "TPRole",
+    "axes_of",  # the mesh axes roles compute over
+    "compile_tp_rules",  # the user's tp rules checked and compiled
+    "compute",
+    "computes_of",  # what a class of the user's registered as an einsum layer computes
+    "dims",  # a layer attribute of one size or several, as a tuple
+    "module_of",  # the module path a name stack ends in
+    "require_divides",  # a layer's sizes checked against its rule's axes, in the step
+    "require_no_tp_axis",  # a parameter no role splits, refused a split over a role's axis
+    "require_own_parameters",  # a module a role computes holds only what the role splits
+    "role_of",  # the first rule a path matches, and its role
+    "slice_error",  # a module fed other sizes than its role's slices
+    "spec_source",  # where a parameter's storage spec came from, for its errors
+    "spelled",  # a role as the user writes it
+    "with_split",  # a role's split added to a parameter's storage spec
+]
 
 
 def compute(front: FrontEnd, role: TPRole, module: Any, method: str, layer: Layer, args: tuple, kwargs: dict):

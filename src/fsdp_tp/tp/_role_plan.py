@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._types import AxisName
-from ._front import FrontEnd, Kinds
+from ._protocol import FrontEnd, Kinds
 from ._role import Layer, TPRole
 from ._rules import (
     CompiledRole,
@@ -36,7 +36,7 @@ class RolePlan:
     module.
 
     >>> from fsdp_tp.tp import HeadParallel, Layer
-    >>> from fsdp_tp.tp._front import Kinds
+    >>> from fsdp_tp.tp._protocol import Kinds
     >>> from fsdp_tp.tp._rules import compile_tp_rules
     >>> plan = RolePlan(compile_tp_rules([("attn$", HeadParallel())], "example"), Kinds("nnx", {}))
     >>> plan.role_of("block/attn")[1], plan.role_of("block/mlp")

@@ -2,7 +2,7 @@
 rule that works (a role's split added to a storage spec: :mod:`fsdp_tp.tp._storage`).
 
 A front end says which of its module classes are which layer kind
-(:class:`~fsdp_tp.tp._front.Kinds`); the rest (which rule names which submodule, the splits,
+(:class:`~fsdp_tp.tp._protocol.Kinds`); the rest (which rule names which submodule, the splits,
 every error's wording) is here, once.
 """
 
@@ -17,7 +17,7 @@ import jax
 from .._axes import require_axes
 from ..errors import RuleError
 from ..rules import split_rule
-from ._front import Kinds
+from ._protocol import Kinds
 from ._registered import computes_of
 from ._role import placements
 from ._roles import ROLES, ColumnParallel, Layer, RowParallel, TPRole

@@ -6,9 +6,8 @@ device's part a block of the unsharded computation. Code sized from the module's
 constants breaks that without an error: with q's 64 features split 4 ways,
 ``x.reshape(b, s, self.heads, -1)`` regroups a device's 16 features into all 8 heads. Only the
 trace shows it, so each front end traces the model's call twice, abstractly, before anything
-trains: as one device computes it under the plan, and as the unsharded model does on the same
-inputs. :class:`~fsdp_tp.tp._check.blocks.Blocks` reads the first against the second; a refusal names
-the operation, its line, the role whose split reaches it, both shapes and a fix.
+trains: as one device computes it under the plan, and as the unsharded model does. :class:`.blocks.Blocks`
+reads one against the other; a refusal names the operation, its line, the role, both shapes, a fix.
 
 The roles run without their rings there (:class:`~fsdp_tp._context.Check`'s ``unringed``: the
 same numbers, a ring being the same gather or reduce-scatter in chunks, each layer called once,
@@ -44,9 +43,12 @@ from ..._axes import bound_axis_names
 from ..._context import CHECK
 from ...errors import RuleError, UncheckedPlanWarning, warn
 from .._experts import ExpertParallel
+from .._find.plan import letter_hints
 from .._jaxpr.graph import Graph
 from .._jaxpr.sites import Site, flax_file, made_by_jax, users_file
-from .._role import axes_of
+from .._role import Layer, TPRole, axes_of
+from .._rules import compile_tp_rules
+from ..auto import find_plan
 from .blocks import Blocks
 from .refusals import RULE_DROPPED, Named, axes_text
 from .round_trips import require_no_round_trip
@@ -99,10 +101,11 @@ class PlanCall:
     sizes (``same``, hashable: input shapes, a Linen module's fields), one device's trace under
     the plan (``local()``), the unsharded model's on the same inputs (``unsharded(whole=None)``:
     their shapes through ``whole`` where given), the name stack's module and role (``named``),
-    and the einsum letters the plan finder gives for a tensor size (``hints(size)``; ``""``
-    where the finder's plan is the one checked). ``sizes``: the axes' sizes where the front end
-    knows them (a mesh's), else those of the bound axes the roles split over; ``whole`` and
-    ``split_by`` as :func:`check_plan`'s."""
+    the call as the finder reads it (``finder()``, a ``FindCall.trace``; ``None`` where the plan
+    is the finder's), against which a refusal names the einsum letters ``rules`` (``(pattern,
+    role)``) left to chance. ``sizes``: the axes' sizes where the front end knows them (a
+    mesh's), else the bound axes' the roles split over; ``whole``, ``split_by``: as
+    :func:`check_plan`'s."""
 
     roles: tuple[Any, ...]
     written: str
@@ -111,7 +114,8 @@ class PlanCall:
     local: Callable[[], Graph]
     unsharded: Callable[..., Graph]
     named: Named
-    hints: Callable[[int], str] = lambda size: ""
+    rules: tuple[tuple[str, TPRole], ...] = ()
+    finder: Callable[[], tuple[Graph, Mapping[str, Layer]]] | None = None
     sizes: Mapping[str, int] | None = None
     whole: str = RULE_DROPPED
     split_by: tuple[str, ...] = ()
@@ -130,7 +134,7 @@ def check_call(call: PlanCall, checked: set) -> None:
     key = (call.same, repr(sizes))
     if not sizes or key in checked:
         return
-    hinted = lambda: call.hints(max(sizes.values()))
+    hinted = lambda: _letter_hints(call, max(sizes.values()))
     try:
         local = call.local()
     except Exception as err:
@@ -139,6 +143,15 @@ def check_call(call: PlanCall, checked: set) -> None:
     references = references_for(call.unsharded, call.roles, sizes)
     check_plan(local, references, sizes, call.where, call.named, hinted, call.whole, call.split_by)
     checked.add(key)
+
+
+def _letter_hints(call: PlanCall, size: int) -> str:
+    """What a refusal of ``call``'s plan adds: each einsum letter its rules left to chance that
+    the plan found from the model for an axis of ``size`` takes otherwise."""
+    if call.finder is None or not call.rules:
+        return ""
+    graph, layers = call.finder()
+    return letter_hints(compile_tp_rules(call.rules, call.where), layers, find_plan(graph, layers, size=size))
 
 
 def check_plan(

@@ -32,10 +32,13 @@ from .._experts import EXPERT
 from .._jaxpr.graph import Graph
 from .._roles import Layer
 from ..auto import find_plan
-from .mesh import auto_sizes, plan_mesh, require_size
-from .plan import TPPlan, fitted
+from .mesh import AUTO_AXIS, auto_sizes, calling, plan_mesh, require_size
+from .plan import TPPlan, fitted, warn_left_whole
 
-__all__ = ["FindCall", "Sizes", "find"]
+# The finder as a front end calls it: find, and what a front end needs around its trace (the axis
+# "auto" splits over by default, the scope that names the traced call's errors, the abstract mesh a
+# plan is checked on, the warning for what the plan leaves whole).
+__all__ = ["AUTO_AXIS", "FindCall", "Sizes", "calling", "find", "plan_mesh", "warn_left_whole"]
 
 
 @dataclasses.dataclass(frozen=True)
