@@ -507,28 +507,48 @@ def test_negative_control_a_long_module_without_its_reason_is_caught():
 
 
 # Issue 58 point 1: every context variable and class swap is named in architecture.md with why
-# it must be ambient; a new one (or one removed) fails here until the page says so.
+# it must be ambient; a new one (or one removed) fails here until the page says so. Issue 83
+# point 2: a module's class is set in one place (nnx/_swap.py), every swap a kind made there.
 _CONTEXT_VAR = re.compile(r'(?:ContextVar|Ambient)\(\s*"(fsdp_tp_\w+)"')
-_CLASS_SWAP = re.compile(r'object\.__setattr__\(\w+, "__class__"')
+_CLASS_SET = re.compile(r'"__class__"|\.__class__ =')
+_SWAP_KIND = re.compile(r'^@Swap\.kind\("([\w ]+)"\)', re.M)
+SWAP_HOME = "nnx/_swap.py"
 
 
-def _ambient_in_source() -> tuple[set[tuple[str, str]], dict[str, int]]:
-    """``({(context variable, module file)}, {module file: class swap sites})`` of the package."""
-    variables, swaps = set(), {}
+def _ambient_in_source() -> tuple[set[tuple[str, str]], set[tuple[str, str]]]:
+    """``({(context variable, module file)}, {(class swap kind, module file)})`` of the package."""
+    variables, swaps = set(), set()
     for name in _all_modules():
         file = _module_file(name)
         text, where = file.read_text(), file.relative_to(PACKAGE).as_posix()
         variables |= {(var, where) for var in _CONTEXT_VAR.findall(text)}
-        if count := len(_CLASS_SWAP.findall(text)):
-            swaps[where] = count
+        swaps |= {(kind, where) for kind in _SWAP_KIND.findall(text)}
     return variables, swaps
 
 
-def _ambient_on_page(text: str) -> tuple[set[tuple[str, str]], dict[str, int]]:
+def _ambient_on_page(text: str) -> tuple[set[tuple[str, str]], set[tuple[str, str]]]:
     section = text.split("## State no import shows", 1)[1].split("\n## ", 1)[0]
     variables = set(re.findall(r"^\| `(fsdp_tp_\w+)` \| `([\w/]+\.py)` \|", section, re.M))
-    swaps = {f: int(n) for f, n in re.findall(r"^\| `([\w/]+\.py)` \| (\d+) \|", section, re.M)}
+    swaps = set(re.findall(r"^\| ([a-z][a-z ]+) \| `([\w/]+\.py)` \|", section, re.M))
     return variables, swaps
+
+
+def _classes_set_outside_swap() -> list[str]:
+    """Modules other than nnx/_swap.py that set an object's ``__class__``."""
+    found = []
+    for name in _all_modules():
+        file = _module_file(name)
+        where = file.relative_to(PACKAGE).as_posix()
+        if where != SWAP_HOME and _CLASS_SET.search(file.read_text()):
+            found.append(where)
+    return found
+
+
+def test_a_class_is_swapped_in_one_place_by_a_kind_of_swap():
+    assert _classes_set_outside_swap() == []
+    assert len(_CLASS_SET.findall((PACKAGE / SWAP_HOME).read_text())) == 1
+    # (negative control) a swap written by hand elsewhere is seen
+    assert _CLASS_SET.search('object.__setattr__(node, "__class__", cls)')
 
 
 def test_every_context_variable_and_class_swap_is_on_the_architecture_page():
@@ -574,7 +594,7 @@ def test_negative_control_an_unlisted_context_variable_is_caught():
     text = ARCHITECTURE.read_text()
     row = next(line for line in text.splitlines() if line.startswith("| `fsdp_tp_step` |"))
     assert _ambient_on_page(text.replace(row + "\n", "")) != _ambient_in_source()
-    swaps = _ambient_on_page(text.replace("| `nnx/_tp.py` | 1 |", "| `nnx/_tp.py` | 2 |"))[1]
+    swaps = _ambient_on_page(text.replace("| role | `nnx/_layers.py` |", "| role | `nnx/_tp.py` |"))[1]
     assert swaps != _ambient_in_source()[1]
 
 

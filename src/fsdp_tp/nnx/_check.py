@@ -21,6 +21,7 @@ from .._tree import static_split
 from ..tp._check.driver import PlanCall, checking, own_trace
 from ..tp._check.driver import check_call as drive
 from ..tp._front import Graph, RolePlan, spelled
+from ._swap import Swap
 from ._traced import MARK, scoped
 from ._traced import traced as traced_call
 
@@ -157,17 +158,12 @@ class PlanChecks:
         jax.make_jaxpr(check)(jax.random.key(0), [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays])
 
 
-_CHECKED: dict[tuple, type] = {}
+@Swap.kind("plan check")
+def checked_class(cls: type, check: Any) -> dict:
+    """A model whose ``__call__`` first runs ``check(model, args, kwargs)``."""
 
+    def __call__(self, *args, **kwargs):
+        check(self, args, kwargs)
+        return cls.__call__(self, *args, **kwargs)
 
-def checked_class(cls: type, check: Any) -> type:
-    """``cls`` whose ``__call__`` first runs ``check(model, args, kwargs)``."""
-    key = (cls, check)
-    if key not in _CHECKED:
-
-        def __call__(self, *args, **kwargs):
-            check(self, args, kwargs)
-            return cls.__call__(self, *args, **kwargs)
-
-        _CHECKED[key] = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
-    return _CHECKED[key]
+    return {"__call__": __call__}

@@ -9,6 +9,7 @@ import inspect
 from flax import nnx
 
 from ..errors import RuleError
+from ._swap import Swap
 
 __all__ = ["built", "keyword_only", "require_constructor", "scan_errors_named"]
 
@@ -87,29 +88,24 @@ def _keyword_only(signature: inspect.Signature | None) -> bool:
     return rngs is not None and rngs.kind is inspect.Parameter.KEYWORD_ONLY
 
 
-_NAMED: dict[tuple, type] = {}
-
-
-def scan_errors_named(cls: type, first_split: tuple[str, ...]) -> type:
-    """``cls`` whose ``__call__`` turns jax's "different leading axis sizes" from an
+@Swap.kind("scan errors named")
+def scan_errors_named(cls: type, first_split: tuple[str, ...]) -> dict:
+    """A model whose ``__call__`` turns jax's "different leading axis sizes" from an
     ``nnx.scan`` over the model's stack into a ``RuleError`` naming the parameters whose first
     dim a rule splits (an ``nnx.vmap`` stack's layer dim carries no mark a rule could be
     checked against before the scan runs)."""
-    key = (cls, first_split)
-    if key not in _NAMED:
 
-        def __call__(self, *args, **kwargs):
-            try:
-                return cls.__call__(self, *args, **kwargs)
-            except ValueError as err:
-                if "different leading axis sizes" not in str(err):
-                    raise
-                raise RuleError(
-                    f"{_CALLER}: nnx.scan got a stack whose parameters split their layer dim ({err}). "
-                    f"Rules split the first dim of {', '.join(first_split)}: an nnx.vmap stack's layer "
-                    f"dim must stay whole (the scan hands each layer its slice); start those specs "
-                    f"with None, e.g. P(None, 'fsdp')."
-                ) from None
+    def __call__(self, *args, **kwargs):
+        try:
+            return cls.__call__(self, *args, **kwargs)
+        except ValueError as err:
+            if "different leading axis sizes" not in str(err):
+                raise
+            raise RuleError(
+                f"{_CALLER}: nnx.scan got a stack whose parameters split their layer dim ({err}). "
+                f"Rules split the first dim of {', '.join(first_split)}: an nnx.vmap stack's layer "
+                f"dim must stay whole (the scan hands each layer its slice); start those specs "
+                f"with None, e.g. P(None, 'fsdp')."
+            ) from None
 
-        _NAMED[key] = type(cls.__name__, (cls,), {"__call__": __call__})
-    return _NAMED[key]
+    return {"__call__": __call__}

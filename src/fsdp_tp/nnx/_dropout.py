@@ -13,7 +13,6 @@ the batch axes, so a module's own draws differ per batch shard.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import jax
 from flax import nnx
@@ -21,14 +20,14 @@ from flax import nnx
 from .._types import AxisName
 from ..dropout import activation_split, dropout, exact_attention, folded_attention, warn_folded
 from ._read import unfolded
+from ._swap import Swap, swaps
 
 __all__ = ["exact_dropouts"]
 
 
-@functools.cache
-def _exact(cls: type, batch_axes: tuple[AxisName, ...], path: str) -> type:
-    """The subclass of ``cls`` (``nnx.Dropout`` or a user's subclass) that draws exactly (one
-    per class, axes and path, so graphs that hold it compare equal from step to step)."""
+@Swap.kind("exact dropout")
+def _exact(cls: type, batch_axes: tuple[AxisName, ...], path: str) -> dict:
+    """An ``nnx.Dropout`` (or a user's subclass) that draws its block of the unsharded mask."""
     original = cls.__call__
     where = f"nnx.Dropout at {path or 'the model'}"
 
@@ -49,14 +48,13 @@ def _exact(cls: type, batch_axes: tuple[AxisName, ...], path: str) -> type:
         split = activation_split(inputs, batch_axes, where)
         return dropout(inputs, self.rate, key, self.broadcast_dims, split, where)
 
-    namespace = {"__call__": __call__, "__module__": cls.__module__, "_fsdp_tp_exact": True}
-    return type(cls.__name__, (cls,), namespace)
+    return {"__call__": __call__}
 
 
-@functools.cache
-def _attending(cls: type, batch_axes: tuple[AxisName, ...], path: str) -> type:
-    """The subclass of ``cls`` (an ``nnx.MultiHeadAttention``, maybe a role's) whose attention
-    function, for each call, draws its block of the unsharded model's dropout mask
+@Swap.kind("exact attention dropout")
+def _attending(cls: type, batch_axes: tuple[AxisName, ...], path: str) -> dict:
+    """An ``nnx.MultiHeadAttention`` (maybe a role's) whose attention function, for each call,
+    draws its block of the unsharded model's dropout mask
     (:func:`fsdp_tp.dropout.exact_attention`), the rng read unfolded; an attention function the
     library does not own folds it over the block's axes instead, and says so once."""
     original = cls.__call__
@@ -75,17 +73,16 @@ def _attending(cls: type, batch_axes: tuple[AxisName, ...], path: str) -> type:
         finally:  # the model the step holds keeps its own attention function
             object.__setattr__(self, "attention_fn", own)
 
-    namespace = {"__call__": __call__, "__module__": cls.__module__, "_fsdp_tp_exact": True}
-    return type(cls.__name__, (cls,), namespace)
+    return {"__call__": __call__}
 
 
 def exact_dropouts(model: nnx.Module, batch_axes: tuple[AxisName, ...], path_text) -> None:
     """Every ``nnx.Dropout`` of ``model`` draws its block of the unsharded mask from now on, and
     so does every ``nnx.MultiHeadAttention`` that drops (with flax's attention function)."""
     for path, node in nnx.iter_graph(model):
-        if getattr(node, "_fsdp_tp_exact", False):
+        if {_exact.name, _attending.name} & set(swaps(node)):
             continue
         if isinstance(node, nnx.Dropout):
-            object.__setattr__(node, "__class__", _exact(type(node), tuple(batch_axes), path_text(path)))
+            _exact(node, tuple(batch_axes), path_text(path))
         elif isinstance(node, nnx.MultiHeadAttention) and node.dropout_rate > 0:
-            object.__setattr__(node, "__class__", _attending(type(node), tuple(batch_axes), path_text(path)))
+            _attending(node, tuple(batch_axes), path_text(path))

@@ -22,6 +22,7 @@ from flax import nnx
 from .._tree import module_path
 from ..tp import Layer, RowParallel, TPRole
 from ..tp._front import Kinds, Local, compute, computes_of, dims, slice_error
+from ._swap import Swap
 
 __all__ = ["NNX", "NNXFront", "Path", "computed", "layer_of", "path_text"]
 
@@ -156,10 +157,9 @@ class NNXFront:
         return run
 
 
-@functools.cache
-def computed(cls: type, role: TPRole, path: str, kernel_shape: tuple[int, ...]) -> type:
-    """The subclass of ``cls`` whose methods run ``role`` (one per class, role, path and
-    kernel shape, so graphs that hold it compare equal from step to step)."""
+@Swap.kind("role")
+def computed(cls: type, role: TPRole, path: str, kernel_shape: tuple[int, ...]) -> dict:
+    """A module that runs ``role`` (its ``role.methods`` the role's), at ``path``."""
     front = NNXFront(cls, kernel_shape)
 
     def method(name: str):
@@ -169,5 +169,4 @@ def computed(cls: type, role: TPRole, path: str, kernel_shape: tuple[int, ...]) 
 
         return run_role
 
-    namespace = {name: method(name) for name in role.methods if hasattr(cls, name)}
-    return type(cls.__name__, (cls,), {**namespace, "__module__": cls.__module__})
+    return {name: method(name) for name in role.methods if hasattr(cls, name)}

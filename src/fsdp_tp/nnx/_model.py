@@ -155,9 +155,9 @@ class ShardedModel:
         exact_dropouts(model, batch_axes, path_text)
         split_after({})  # the model starts whole, whatever an earlier trace's roles left
         if layout.first_split:
-            object.__setattr__(model, "__class__", scan_errors_named(type(model), layout.first_split))
+            scan_errors_named(model, layout.first_split)
         if layout.roles.roles:  # its first call on inputs of a shape checks the plan against the model
-            object.__setattr__(model, "__class__", checked_class(type(model), self._checks))
+            checked_class(model, self._checks)
         return model
 
     def model_state(self, model: nnx.Module) -> dict:

@@ -69,5 +69,4 @@ def compute_roles(model: nnx.Module, plan: RolePlan) -> None:
     for path, node in nnx.iter_graph(model):
         if path and (text := path_text(path)) in plan.roles:
             role, _, layer = plan.roles[text]
-            swapped = computed(type(node), role, layer.path, layer.kernel_shape)  # type: ignore[arg-type]
-            object.__setattr__(node, "__class__", swapped)
+            computed(node, role, layer.path, layer.kernel_shape)

@@ -6,8 +6,6 @@ these names.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 from flax import nnx
 
@@ -15,6 +13,7 @@ from ..tp import Layer
 from ..tp._find.driver import calling
 from ..tp._front import Graph
 from ._layers import NNX, layer_of, path_text
+from ._swap import Swap
 
 __all__ = ["MARK", "scoped", "traced"]
 
@@ -25,19 +24,20 @@ def scoped(model: nnx.Module) -> nnx.Module:
     """``model`` with every module's ``__call__`` under a name scope of its path."""
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Module):
-            object.__setattr__(node, "__class__", _scope_class(type(node), MARK + ".".join(map(str, path))))
+            _scoped(node, MARK + ".".join(map(str, path)))
     return model
 
 
-@functools.cache
-def _scope_class(cls: type, name: str) -> type:
+@Swap.kind("path scope")
+def _scoped(cls: type, name: str) -> dict:
+    """A module whose ``__call__`` runs under the name scope ``name``."""
     original = cls.__call__
 
     def __call__(self, *args, **kwargs):
         with jax.named_scope(name):
             return original(self, *args, **kwargs)
 
-    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+    return {"__call__": __call__}
 
 
 def traced(model: nnx.Module, args: tuple, kwargs: dict) -> tuple[Graph, dict[str, Layer]]:
