@@ -6,12 +6,22 @@ backward pass reduce-scatters the mean gradient, per axis — FSDP with a layout
 the user chooses, over any mesh axes, with no collectives to write. Axes that
 the model's own tensor-parallel layers split (their ``nn.Partitioned`` names)
 are left to those layers.
+
+:func:`shard_by_rules` checks its arguments into a frozen :class:`RulesTransform` (the compiled
+rules, the precision policy, the axes, the plan-check memo) whose ``gather``, ``store`` and
+``__call__`` the class it returns runs.
+
+Long because the transform and its front door are one concept: the door's 60 lines are its
+docstring and 0.1's positional order, the rest the transform they describe.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -20,12 +30,20 @@ from jax.sharding import PartitionSpec
 from .._aliases import REMOVED_IN
 from .._axes import bound_axis_names, entry_axes
 from .._batch import DEFAULT_BATCH_AXES, checked_batch_axes, resolve_batch_axes
-from .._types import AxisNames
+from .._types import AxisName, AxisNames
 from ..errors import RuleError, warn
 from ..precision import MixedPrecision, checked_policy
 from ..rules import REPLICATED, CompiledRule, Rules, as_spec, compile_rules, spec_for, unmatched_warning
 from ..tp._find.driver import AUTO_AXIS
-from ..tp._front import RolePlan, axes_of, compile_tp_rules, require_no_tp_axis, spec_source, with_split
+from ..tp._front import (
+    CompiledRole,
+    RolePlan,
+    axes_of,
+    compile_tp_rules,
+    require_no_tp_axis,
+    spec_source,
+    with_split,
+)
 from ._auto import AutoRules
 from ._call import calling, current
 from ._check import check_call
@@ -41,40 +59,140 @@ from ._transform import (
 )
 from .tp_rules import LINEN
 
-__all__ = ["shard_by_rules"]
+__all__ = ["RulesTransform", "shard_by_rules"]
 
 
-def _by_rules(rules: tuple[CompiledRule, ...], default: PartitionSpec, logical, seen: Seen, tp_axes):
-    """The rules' layout choice, with the splits of the submodules tp rules name added; it
-    records which rules matched, to report the others."""
-    sizes = {axis: jax.lax.axis_size(axis) for axis in bound_axis_names()}
-    used: set[int] = set()
-    paths: list[str] = []
+@dataclasses.dataclass(frozen=True)
+class RulesTransform:
+    """One :func:`shard_by_rules` transform, checked and compiled: what every call of the
+    class it makes reads. ``gather`` and ``store`` are its ``nn.map_variables`` transforms
+    (the blocks gathered for compute; a new parameter's block kept as its rule says), and the
+    class's ``__call__`` is this one's. Under ``tp_rules="auto"``, ``found`` finds the roles
+    per call; the axes the roles split over are the call's (read off its ``Seen``). ``checked``
+    is the memo of the plan checks made (fields, input shapes, axis sizes), the one field that
+    grows."""
 
-    def choose(path: str, shape: tuple, _names: tuple, logical_names) -> PartitionSpec:
-        paths.append(path)
-        spec, index = spec_for(path, shape, rules, sizes, default, logical_names, logical, check=False)
-        if index is not None:
-            used.add(index)
-        source = spec_source(index, rules, logical_names is not None)
-        if splits := seen.plan.splits.get(path):
-            for split in splits:
-                spec = with_split(path, spec, len(shape), split, source)
+    target: type[nn.Module]
+    rules: tuple[CompiledRule, ...]
+    default: PartitionSpec
+    logical_axis_rules: Any
+    batch_names: tuple[AxisName, ...] | None
+    policy: MixedPrecision | None
+    tp: tuple[CompiledRole, ...]  # () under "auto": ``found`` gives each call's
+    roles_over: frozenset[str]  # the axes the tp rules compute over (AUTO_AXIS under "auto")
+    found: AutoRules | None = None
+    checked: set = dataclasses.field(default_factory=set, compare=False, repr=False)
+
+    @classmethod
+    def of(cls, target, rules, default, logical_axis_rules, batch_axes, mixed_precision, tp_rules):
+        """:func:`shard_by_rules`'s arguments checked (each refusal names the argument and the
+        fix) and compiled."""
+        check_module_class(target, "shard_by_rules")
+        compiled = compile_rules(rules, "shard_by_rules")
+        default = as_spec(default, "shard_by_rules", "default=")
+        batch_names = checked_batch_axes(batch_axes, "shard_by_rules")
+        policy = checked_policy(mixed_precision, "shard_by_rules")
+        auto = isinstance(tp_rules, str) and tp_rules == "auto"
+        tp = () if auto else compile_tp_rules(tp_rules, "shard_by_rules")
+        parts = [
+            (f"tp rule {r.pattern!r}{' (within)' * bool(i)}", part)
+            for r in tp
+            for i, part in enumerate(r.role.parts())
+        ]
+        computes = {"tp_rules='auto'": AUTO_AXIS} if auto else {label: part.axis for label, part in parts}
+        on_batch = {label for label, part in parts if part.on_batch_axis}
+        _require_separate_axes(
+            {k: a for k, a in computes.items() if k not in on_batch}, batch_names or DEFAULT_BATCH_AXES
+        )
+        remake = lambda tp: shard_by_rules(  # (the same transform with a plan's rules: to check it)
+            target,
+            rules,
+            default=default,
+            logical_axis_rules=logical_axis_rules,
+            batch_axes=batch_axes,
+            mixed_precision=mixed_precision,
+            tp_rules=tp,
+        )
+        if auto and hasattr(target, "tp_plans"):
+            raise RuleError(
+                f"shard_by_rules: {target.__name__} has its own attribute tp_plans, where tp_rules='auto' "
+                f"keeps the plans it finds; rename it, or pass the plan: tp_rules=find_tp_rules(...)."
+            )
+        return cls(
+            target,
+            compiled,
+            default,
+            logical_axis_rules,
+            batch_names,
+            policy,
+            tp,
+            frozenset(computes.values()),
+            AutoRules(target, remake) if auto else None,
+        )
+
+    def batch_axes(self) -> tuple:
+        return resolve_batch_axes(self.batch_names, "shard_by_rules")
+
+    def local_axes(self) -> frozenset[str]:
+        """The axes this call's roles split over: a role's axis stays split, never gathered."""
+        seen = current().seen
+        return self.roles_over | axes_of(r.role for r in (seen.plan.rules if seen is not None else ()))
+
+    def gather(self, params):
+        """The blocks of ``params`` gathered for compute over the rules' axes (a role's stays split)."""
+        local = self.local_axes()
+        axes = _rule_axes(self.rules, self.default, current().logical) - local
+        return gather(
+            params, axes, self.batch_axes(), input_varying(), self.policy, at_read=True, local=local
+        )
+
+    def store(self, params):
+        """``params`` (new ones: an init) stored as the rules lay them out; a rule that matched
+        none of them is reported, once."""
+        seen, sizes = current().seen, {axis: jax.lax.axis_size(axis) for axis in bound_axis_names()}
+        tp_axes, used, paths = self.local_axes(), set(), []
+
+        def choose(path: str, shape: tuple, _names: tuple, logical_names) -> PartitionSpec:
+            paths.append(path)
+            spec, index = spec_for(
+                path, shape, self.rules, sizes, self.default, logical_names, current().logical, check=False
+            )
+            if index is not None:
+                used.add(index)
+            source = spec_source(index, self.rules, logical_names is not None)
+            if splits := seen.plan.splits.get(path):
+                for split in splits:
+                    spec = with_split(path, spec, len(shape), split, source)
+                return spec
+            require_no_tp_axis(path, spec, tp_axes, source)
             return spec
-        require_no_tp_axis(path, spec, tp_axes, source)
-        return spec
 
-    return choose, used, paths
+        out = store(params, choose)
+        seen.params.extend(paths)
+        # No parameters: an apply (nothing is created), where no rule can match anything.
+        if paths and (warning := unmatched_warning(self.rules, used, paths, "shard_by_rules")):
+            warn_once((id(self.rules), tuple(sorted(set(range(len(self.rules))) - used))), warning)
+        return out
 
-
-def _store_by_rules(params, rules: tuple[CompiledRule, ...], default: PartitionSpec, logical, tp_axes):
-    choose, used, paths = _by_rules(rules, default, logical, current().seen, tp_axes)
-    out = store(params, choose)
-    current().seen.params.extend(paths)
-    # No parameters: an apply (nothing is created), where no rule can match anything.
-    if paths and (warning := unmatched_warning(rules, used, paths, "shard_by_rules")):
-        warn_once((id(rules), tuple(sorted(set(range(len(rules))) - used))), warning)
-    return out
+    def __call__(self, module: nn.Module, call: Callable, args: tuple, kwargs: dict):
+        """``call(*args, **kwargs)``, the mapped module's call, with its tp roles: the rules' or
+        those found for this call; an init checks every tp rule named a module, and the plan
+        is checked against the unsharded model before anything trains."""
+        tp = self.found(module, args, kwargs) if self.found is not None else self.tp
+        seen = Seen(RolePlan(tp, LINEN))
+        logical = self.logical_axis_rules
+        logical = logical if logical is not None else nn.get_logical_axis_rules()
+        with calling(logical=logical, seen=seen):
+            # The module unboxes its logical params inside shard_map, where a sharding
+            # constraint naming manual axes is an error: let the names map to nothing
+            # there; the transform has read the rules and lays the params out itself.
+            with nn.logical_axis_rules(()), local_compute(seen) if tp else contextlib.nullcontext():
+                out = call(*args, **kwargs)
+            if tp and seen.params:  # an init: every tp rule must have named a submodule
+                seen.plan.require_all_matched(seen.params)
+            if tp:  # before anything trains: the plan computes the unsharded model
+                check_call(module, self.target, args, kwargs, tp, self.checked)
+            return out
 
 
 def _rule_axes(rules: tuple[CompiledRule, ...], default: PartitionSpec, logical) -> frozenset:
@@ -149,82 +267,16 @@ def shard_by_rules(
             tp_rules=tp_rules,
         )
         default, logical_axis_rules, batch_axes, mixed_precision, tp_rules = _by_name(positional, given)
-    check_module_class(target, "shard_by_rules")
-    compiled = compile_rules(rules, "shard_by_rules")
-    default = as_spec(default, "shard_by_rules", "default=")
-    batch_names = checked_batch_axes(batch_axes, "shard_by_rules")
-    policy = checked_policy(mixed_precision, "shard_by_rules")
-    auto = isinstance(tp_rules, str) and tp_rules == "auto"
-    tp = () if auto else compile_tp_rules(tp_rules, "shard_by_rules")
-    parts = [
-        (f"tp rule {r.pattern!r}{' (within)' * bool(i)}", part)
-        for r in tp
-        for i, part in enumerate(r.role.parts())
-    ]
-    computes = {"tp_rules='auto'": AUTO_AXIS} if auto else {label: part.axis for label, part in parts}
-    on_batch = {label for label, part in parts if part.on_batch_axis}
-    _require_separate_axes(
-        {k: a for k, a in computes.items() if k not in on_batch}, batch_names or DEFAULT_BATCH_AXES
-    )
-    # The axes the roles split over: under "auto", the tensor axis and those of the plan found
-    # for the call (an expert axis where it holds the experts), set per call below.
-    tp_axes = [frozenset(computes.values())]
-    remake = lambda tp: shard_by_rules(  # (the same transform with a plan's rules: to check it)
-        target,
-        rules,
-        default=default,
-        logical_axis_rules=logical_axis_rules,
-        batch_axes=batch_axes,
-        mixed_precision=mixed_precision,
-        tp_rules=tp,
-    )
-    found = AutoRules(target, remake) if auto else None
-    checked: set = set()  # (fields, input shapes, axis sizes) whose plan the trace has checked
-    mapped = map_params(
-        target,
-        trans_in=lambda params: gather(
-            params,
-            _rule_axes(compiled, default, current().logical) - tp_axes[0],  # a role's axis stays split
-            resolve_batch_axes(batch_names, "shard_by_rules"),
-            input_varying(),
-            policy,
-            at_read=True,
-            local=tp_axes[0],
-        ),
-        trans_out=lambda params: _store_by_rules(params, compiled, default, current().logical, tp_axes[0]),
-        batch_axes=lambda: resolve_batch_axes(batch_names, "shard_by_rules"),
-    )
+    by = RulesTransform.of(target, rules, default, logical_axis_rules, batch_axes, mixed_precision, tp_rules)
+    mapped = map_params(target, trans_in=by.gather, trans_out=by.store, batch_axes=by.batch_axes)
 
     class ByRules(mapped):  # type: ignore[valid-type, misc]
         @nn.nowrap
         def __call__(self, *args, **kwargs):
-            tp_now = found(self, args, kwargs) if found is not None else tp
-            if found is not None:
-                tp_axes[0] = frozenset(computes.values()) | axes_of(r.role for r in tp_now)
-            seen = Seen(RolePlan(tp_now, LINEN))
-            logical = logical_axis_rules if logical_axis_rules is not None else nn.get_logical_axis_rules()
-            with calling(logical=logical, seen=seen):
-                # The module unboxes its logical params inside shard_map, where a sharding
-                # constraint naming manual axes is an error: let the names map to nothing
-                # there; the transform has read the rules and lays the params out itself.
-                with (
-                    nn.logical_axis_rules(()),
-                    local_compute(seen) if tp_now else contextlib.nullcontext(),
-                ):
-                    out = super().__call__(*args, **kwargs)
-                if tp_now and seen.params:  # an init: every tp rule must have named a submodule
-                    seen.plan.require_all_matched(seen.params)
-                if tp_now:  # before anything trains: the plan computes the unsharded model
-                    check_call(self, target, args, kwargs, tp_now, checked)
-                return out
+            return by(self, super().__call__, args, kwargs)
 
-    if found is not None:  # the plan found for each tensor size met, as an NNX ShardedModel's
-        if hasattr(target, "tp_plans"):
-            raise RuleError(
-                f"shard_by_rules: {target.__name__} has its own attribute tp_plans, where tp_rules='auto' "
-                f"keeps the plans it finds; rename it, or pass the plan: tp_rules=find_tp_rules(...)."
-            )
-        ByRules.tp_plans = found.plans  # type: ignore[attr-defined]
+    if by.found is not None:  # the plan found for each tensor size met, as an NNX ShardedModel's
+        ByRules.tp_plans = by.found.plans  # type: ignore[attr-defined]
     return keep_module_name(ByRules, target)
 
 
