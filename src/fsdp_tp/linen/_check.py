@@ -96,7 +96,7 @@ def check_call(
         local=lambda: _local_graph(module, fields, arrays, rebuild, streams),
         unsharded=unsharded,
         named=_named(rules),
-        rules=tuple((r.pattern, r.role) for r in rules),
+        rules=rules,
         # (a plan the finder made gives every einsum its letter: no hint to trace for)
         finder=(lambda: traced_on_shapes(plain, args, kwargs)) if given is None else None,
     )

@@ -67,7 +67,7 @@ def check_call(
         local=lambda: _graph(model, arrays, rebuild),
         unsharded=unsharded,
         named=_named(plan),
-        rules=tuple((pattern, role) for role, pattern, _ in plan.roles.values() if "(inside)" not in pattern),
+        rules=plan.rules,
         # (a plan the finder made gives every einsum its letter: no hint to trace for)
         finder=(lambda: traced_call(reference, *shapes())) if traced is None else None,
     )

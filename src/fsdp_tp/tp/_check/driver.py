@@ -46,8 +46,8 @@ from .._experts import ExpertParallel
 from .._find.plan import letter_hints
 from .._jaxpr.graph import Graph
 from .._jaxpr.sites import Site, flax_file, made_by_jax, users_file
-from .._role import Layer, TPRole, axes_of
-from .._rules import compile_tp_rules
+from .._role import Layer, axes_of
+from .._rules import CompiledRole
 from ..auto import find_plan
 from .blocks import Blocks
 from .refusals import RULE_DROPPED, Named, axes_text
@@ -102,8 +102,8 @@ class PlanCall:
     the plan (``local()``), the unsharded model's on the same inputs (``unsharded(whole=None)``:
     their shapes through ``whole`` where given), the name stack's module and role (``named``),
     the call as the finder reads it (``finder()``, a ``FindCall.trace``; ``None`` where the plan
-    is the finder's), against which a refusal names the einsum letters ``rules`` (``(pattern,
-    role)``) left to chance. ``sizes``: the axes' sizes where the front end knows them (a
+    is the finder's), against which a refusal names the einsum letters ``rules`` (compiled, as
+    written) left to chance. ``sizes``: the axes' sizes where the front end knows them (a
     mesh's), else the bound axes' the roles split over; ``whole``, ``split_by``: as
     :func:`check_plan`'s."""
 
@@ -114,7 +114,7 @@ class PlanCall:
     local: Callable[[], Graph]
     unsharded: Callable[..., Graph]
     named: Named
-    rules: tuple[tuple[str, TPRole], ...] = ()
+    rules: tuple[CompiledRole, ...] = ()
     finder: Callable[[], tuple[Graph, Mapping[str, Layer]]] | None = None
     sizes: Mapping[str, int] | None = None
     whole: str = RULE_DROPPED
@@ -151,7 +151,7 @@ def _letter_hints(call: PlanCall, size: int) -> str:
     if call.finder is None or not call.rules:
         return ""
     graph, layers = call.finder()
-    return letter_hints(compile_tp_rules(call.rules, call.where), layers, find_plan(graph, layers, size=size))
+    return letter_hints(call.rules, layers, find_plan(graph, layers, size=size))
 
 
 def check_plan(
