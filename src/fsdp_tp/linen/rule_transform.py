@@ -149,13 +149,14 @@ class RulesTransform:
     def store(self, params):
         """``params`` (new ones: an init) stored as the rules lay them out; a rule that matched
         none of them is reported, once."""
-        seen, sizes = current().seen, {axis: jax.lax.axis_size(axis) for axis in bound_axis_names()}
+        seen, logical = current().seen, current().logical
+        sizes = {axis: jax.lax.axis_size(axis) for axis in bound_axis_names()}
         tp_axes, used, paths = self.local_axes(), set(), []
 
         def choose(path: str, shape: tuple, _names: tuple, logical_names) -> PartitionSpec:
             paths.append(path)
             spec, index = spec_for(
-                path, shape, self.rules, sizes, self.default, logical_names, current().logical, check=False
+                path, shape, self.rules, sizes, self.default, logical_names, logical, check=False
             )
             if index is not None:
                 used.add(index)

@@ -13,6 +13,7 @@ swap is made alike, here:
 - marked with its kind (:func:`swaps`), so a kind is applied once and a reader (an error, a
   test) sees what was swapped.
 
+>>> import jax
 >>> from flax import nnx
 >>> @Swap.kind("doubled")
 ... def doubled(cls, factor):
@@ -32,8 +33,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
-
-import jax  # noqa: F401  (the example's)
 
 __all__ = ["Swap", "swaps"]
 
