@@ -763,6 +763,23 @@ def test_the_plan_finder_is_driven_once_for_both_front_ends():
     assert _driver_steps("plan = fitted(plan, attempt)\n", "m", _FINDER_STEPS) == ["m:1"]
 
 
+def _calls(source: str, name: str) -> list[int]:
+    """The lines of ``source`` that call the function ``name``."""
+    tree = ast.parse(inspect.cleandoc(source) if source.startswith(" ") else source)
+    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == name]
+
+
+def test_linen_auto_tries_a_plan_on_its_own_transform_not_through_the_verb_again():
+    """Issue 83 point 1: ``tp_rules="auto"`` checks a plan it found by the transform it is
+    (``RulesTransform.with_roles``), not by calling ``shard_by_rules`` again from inside it."""
+    from fsdp_tp.linen import _auto, rule_transform
+
+    for module in (rule_transform.RulesTransform, _auto):
+        assert not _calls(inspect.getsource(module), "shard_by_rules"), module
+    # (negative control) 0.2's remake is seen
+    assert _calls("remake = lambda tp: shard_by_rules(target, rules, tp_rules=tp)\n", "shard_by_rules") == [1]
+
+
 def test_the_architecture_page_is_short():
     """Issue 83 point 6: the map a maintainer reads first is at most 3,000 words (6,639 before)."""
     words = len(ARCHITECTURE.read_text().split())

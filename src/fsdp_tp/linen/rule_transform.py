@@ -9,7 +9,9 @@ are left to those layers.
 
 :func:`shard_by_rules` checks its arguments into a frozen :class:`RulesTransform` (the compiled
 rules, the precision policy, the axes, the plan-check memo) whose ``gather``, ``store`` and
-``__call__`` the class it returns runs.
+``__call__`` the class it makes (:meth:`RulesTransform.module`) runs. ``tp_rules="auto"`` tries
+each plan it finds on the same transform with the plan's roles (:meth:`RulesTransform.with_roles`),
+not through :func:`shard_by_rules` again.
 
 Long because the transform and its front door are one concept: the door's 60 lines are its
 docstring and 0.1's positional order, the rest the transform they describe.
@@ -92,7 +94,18 @@ class RulesTransform:
         default = as_spec(default, "shard_by_rules", "default=")
         batch_names = checked_batch_axes(batch_axes, "shard_by_rules")
         policy = checked_policy(mixed_precision, "shard_by_rules")
-        auto = isinstance(tp_rules, str) and tp_rules == "auto"
+        if _is_auto(tp_rules) and hasattr(target, "tp_plans"):
+            raise RuleError(
+                f"shard_by_rules: {target.__name__} has its own attribute tp_plans, where tp_rules='auto' "
+                f"keeps the plans it finds; rename it, or pass the plan: tp_rules=find_tp_rules(...)."
+            )
+        whole = cls(target, compiled, default, logical_axis_rules, batch_names, policy, (), frozenset())
+        return whole.with_roles(tp_rules)
+
+    def with_roles(self, tp_rules) -> RulesTransform:
+        """This transform with ``tp_rules`` (the user's, a found plan's, or ``"auto"``) checked
+        and compiled: how ``"auto"`` tries a plan it found, with the storage as given."""
+        auto = _is_auto(tp_rules)
         tp = () if auto else compile_tp_rules(tp_rules, "shard_by_rules")
         parts = [
             (f"tp rule {r.pattern!r}{' (within)' * bool(i)}", part)
@@ -102,33 +115,29 @@ class RulesTransform:
         computes = {"tp_rules='auto'": AUTO_AXIS} if auto else {label: part.axis for label, part in parts}
         on_batch = {label for label, part in parts if part.on_batch_axis}
         _require_separate_axes(
-            {k: a for k, a in computes.items() if k not in on_batch}, batch_names or DEFAULT_BATCH_AXES
+            {k: a for k, a in computes.items() if k not in on_batch}, self.batch_names or DEFAULT_BATCH_AXES
         )
-        remake = lambda tp: shard_by_rules(  # (the same transform with a plan's rules: to check it)
-            target,
-            rules,
-            default=default,
-            logical_axis_rules=logical_axis_rules,
-            batch_axes=batch_axes,
-            mixed_precision=mixed_precision,
-            tp_rules=tp,
+        found = AutoRules(self.target, lambda plan: self.with_roles(plan).module()) if auto else None
+        return dataclasses.replace(
+            self, tp=tp, roles_over=frozenset(computes.values()), found=found, checked=set()
         )
-        if auto and hasattr(target, "tp_plans"):
-            raise RuleError(
-                f"shard_by_rules: {target.__name__} has its own attribute tp_plans, where tp_rules='auto' "
-                f"keeps the plans it finds; rename it, or pass the plan: tp_rules=find_tp_rules(...)."
-            )
-        return cls(
-            target,
-            compiled,
-            default,
-            logical_axis_rules,
-            batch_names,
-            policy,
-            tp,
-            frozenset(computes.values()),
-            AutoRules(target, remake) if auto else None,
+
+    def module(self) -> type[nn.Module]:
+        """The class this transform makes: ``target``'s, its parameters gathered and stored
+        by :meth:`gather` and :meth:`store`, its call this transform's."""
+        mapped = map_params(
+            self.target, trans_in=self.gather, trans_out=self.store, batch_axes=self.batch_axes
         )
+        by = self
+
+        class ByRules(mapped):  # type: ignore[valid-type, misc]
+            @nn.nowrap
+            def __call__(self, *args, **kwargs):
+                return by(self, super().__call__, args, kwargs)
+
+        if self.found is not None:  # the plan found for each tensor size met, as an NNX ShardedModel's
+            ByRules.tp_plans = self.found.plans  # type: ignore[attr-defined]
+        return keep_module_name(ByRules, self.target)
 
     def batch_axes(self) -> tuple:
         return resolve_batch_axes(self.batch_names, "shard_by_rules")
@@ -269,16 +278,11 @@ def shard_by_rules(
         )
         default, logical_axis_rules, batch_axes, mixed_precision, tp_rules = _by_name(positional, given)
     by = RulesTransform.of(target, rules, default, logical_axis_rules, batch_axes, mixed_precision, tp_rules)
-    mapped = map_params(target, trans_in=by.gather, trans_out=by.store, batch_axes=by.batch_axes)
+    return by.module()
 
-    class ByRules(mapped):  # type: ignore[valid-type, misc]
-        @nn.nowrap
-        def __call__(self, *args, **kwargs):
-            return by(self, super().__call__, args, kwargs)
 
-    if by.found is not None:  # the plan found for each tensor size met, as an NNX ShardedModel's
-        ByRules.tp_plans = by.found.plans  # type: ignore[attr-defined]
-    return keep_module_name(ByRules, target)
+def _is_auto(tp_rules) -> bool:
+    return isinstance(tp_rules, str) and tp_rules == "auto"
 
 
 def _by_name(positional: tuple, given: dict) -> tuple:
