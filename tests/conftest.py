@@ -54,9 +54,9 @@ def settings(**changes) -> Settings:
     return Settings(**{**fields, **changes})
 
 
-def first_block(param, dim, blocks, axis_name, *_, **__):
+def first_block(param, dim, blocks, axis, *_, **__):
     """:func:`fsdp_tp.tp.pieces.kept_block` with every device keeping the first block(s): the negative
     control of each kept-whole path (a kv head read at the wrong index is another model)."""
     width = param.shape[dim] // blocks
-    kept = max(1, blocks // jax.lax.axis_size(axis_name)) * width
-    return jax.lax.slice_in_dim(copy_to_axis(param, axis_name), 0, kept, axis=dim)
+    kept = max(1, blocks // jax.lax.axis_size(axis)) * width
+    return jax.lax.slice_in_dim(copy_to_axis(param, axis), 0, kept, axis=dim)

@@ -116,8 +116,8 @@ def test_negative_control_other_batch_axes_without_the_check_train_another_model
         ),
         (("fsdp",), BOTH, BatchAxesError, r"Pass batch_axes=\('data', 'fsdp'\)"),
         ("nope", BOTH, UnboundAxisNameError, r"batch_axes=\('nope',\) names 'nope', which is no axis of"),
-        (None, ("data",), BatchAxesError, r"sync_gradients: axis_names=\('data',\), but shard_step's"),
-        (None, (), ValueError, r"sync_gradients: axis_names is empty"),
+        (None, ("data",), BatchAxesError, r"sync_gradients: axes=\('data',\), but shard_step's"),
+        (None, (), ValueError, r"sync_gradients: axes is empty"),
     ],
 )
 def test_batch_axes_other_than_the_steps_are_refused_naming_both(api, batch_axes, sync_axes, error, words):

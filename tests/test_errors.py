@@ -36,7 +36,7 @@ def test_unknown_axis_name_in_sync_gradients():
 
 def test_unknown_axis_name_in_module_transform():
     mesh = fsdp_tp.make_mesh({"fsdp": 8})
-    dense = fsdp_tp.shard_module_params(nn.Dense, axis_name="fsdpp", min_weight_size=0)
+    dense = fsdp_tp.shard_module_params(nn.Dense, axis="fsdpp", min_weight_size=0)
     init = jax.shard_map(
         lambda x: dense(8).init(jax.random.key(0), x),
         mesh=mesh,

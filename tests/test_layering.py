@@ -29,6 +29,7 @@ PACKAGE = Path(fsdp_tp.__file__).parent
 # and what they share.
 CORE = (
     "_aliases",
+    "_renamed",
     "_axes",
     "_batch",
     "_context",

@@ -6,13 +6,14 @@ listing is allowed only on the way down to where the name is defined (``fsdp_tp.
 other path 0.1 and 0.2 wrote is a row of :data:`fsdp_tp._aliases.MOVED`: it reads the very
 object with one ``DeprecationWarning`` naming the canonical path, and no page, docstring or
 message of the project names it. So with a Linen layer's field 0.2 named another way
-(:data:`fsdp_tp._aliases.RENAMED`: ``axis_name``, ``sequence_axis``, ``sequence_parallel``).
+(:data:`fsdp_tp._renamed.RENAMED`: ``axis_name``, ``sequence_axis``, ``sequence_parallel``).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import pkgutil
 import re
 import subprocess
@@ -24,7 +25,8 @@ from pathlib import Path
 import pytest
 
 import fsdp_tp
-from fsdp_tp._aliases import _MODULES, MOVED, RENAMED, canonical
+from fsdp_tp._aliases import _MODULES, MOVED, canonical
+from fsdp_tp._renamed import DEPRECATED, RENAMED, renamed_keywords
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -162,7 +164,11 @@ def test_negative_control_old_paths_in_a_text_are_found():
 _OLD_VALUE = {"axis_name": "tensor", "sequence_axis": 1, "sequence_parallel": True}
 
 
-@pytest.mark.parametrize("row", RENAMED, ids=lambda r: f"{r.owner}.{r.old}")
+_FIELDS = [row for row in RENAMED if not row.of_a_function]
+_KEYWORDS = [row for row in RENAMED if row.of_a_function]
+
+
+@pytest.mark.parametrize("row", _FIELDS, ids=lambda r: f"{r.owner}.{r.old}")
 def test_each_renamed_field_sets_the_new_one_with_one_warning_naming_it(row):
     """The layer built with the old field name is the layer built with the new one (its value
     converted: ``sequence_parallel=True`` is ``sequence_dim=1``), after one warning; both
@@ -185,11 +191,11 @@ def test_each_renamed_field_sets_the_new_one_with_one_warning_naming_it(row):
 
 def renamed_fields_named(text: str) -> set[str]:
     """The old field names ``text`` passes to a Linen layer of :data:`RENAMED` on one line."""
-    owners = "|".join(sorted({row.owner for row in RENAMED}))
+    owners = "|".join(sorted({row.owner for row in _FIELDS}))
     return {
         f"{owner}.{row.old}"
         for owner, call in re.findall(rf"\b({owners})\(([^\n]*)", text)
-        for row in RENAMED
+        for row in _FIELDS
         if row.owner == owner and re.search(rf"\b{row.old}=", call)
     }
 
@@ -209,6 +215,93 @@ def test_no_page_or_example_passes_a_renamed_field():
         "MLPBlock.sequence_parallel",
     }
     assert renamed_fields_named("ColumnParallelDense(32, axis='tensor', sequence_dim=1)") == set()
+
+
+# One dialect (issue 83 point 5): a mesh axis is `axis` (several: `axes`), an array dim `dim`.
+_OLD_KEYWORD = {"axis_name": "tensor", "axis_names": ("data",), "sequence_axis": 1, "sequence_parallel": True}
+_OLD_DIALECT = ("axis_name", "axis_names", "sequence_axis")  # (a flag `sequence_parallel` is a setting)
+
+
+@pytest.mark.parametrize("row", _KEYWORDS, ids=lambda r: f"{r.owner}.{r.old}")
+def test_each_renamed_keyword_is_passed_as_the_new_one_with_one_warning_naming_it(row):
+    """The function takes the new name only; the old one, passed to it, is passed as the new one
+    (its value converted) after one warning at the caller's line; both at once, a TypeError."""
+    function = canonical(f"fsdp_tp.{row.owner}")
+    parameters = inspect.signature(function).parameters
+    assert function._fsdp_tp_renamed == row.owner and row.new in parameters, row
+    assert row.old not in parameters or row.old == "axis"  # (gather_from_axis's axis: a dim, then)
+    given = 1 if row.new == "dim" else _OLD_KEYWORD[row.old]
+    passes = renamed_keywords(row.owner)(lambda **given: given)  # (the table's translation alone)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert passes(**{row.old: given}) == {row.new: row.value(given)}
+    assert [str(w.message) for w in caught] == [row.message(given)] and caught[0].filename == __file__
+    other = 0 if row.new in ("dim", "sequence_dim") else "expert"
+    with pytest.raises(
+        TypeError, match=re.escape(f"{row.old}={given!r} and {row.new}={other!r} name one setting twice")
+    ):
+        passes(**{row.old: given, row.new: other})
+
+
+def test_a_call_written_for_0_2_computes_as_the_new_one_after_its_warnings():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from fsdp_tp.collectives import gather_from_axis
+    from fsdp_tp.tp.pieces import add_bias_once
+
+    mesh = fsdp_tp.make_mesh({"tensor": 8})
+    x, bias = jnp.arange(16.0).reshape(8, 2), jnp.ones(2)
+    run = lambda f: jax.shard_map(
+        lambda x: f(x)[None], mesh=mesh, in_specs=P("tensor"), out_specs=P("tensor")
+    )(x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = run(
+            lambda x: add_bias_once(gather_from_axis(x, axis=0, axis_name="tensor"), bias, "tensor", True)
+        )
+    assert [w.filename for w in caught] == [__file__] * 3, [str(w.message) for w in caught]
+    new = run(lambda x: add_bias_once(gather_from_axis(x, dim=0, axis="tensor"), bias, "tensor", 1))
+    assert jnp.array_equal(old, new) and jnp.array_equal(new, jnp.broadcast_to(x + 1, (8, 8, 2)))
+    # (negative control) the function itself takes 0.2's keywords no more: the table passes them
+    with pytest.raises(TypeError, match="axis_name"):
+        run(lambda x: inspect.unwrap(gather_from_axis)(x, axis=0, axis_name="tensor"))
+
+
+def _misnamed(function) -> list[str]:
+    """The parameters of ``function`` (a public callable) in 0.2's dialect: a mesh axis not
+    ``axis``/``axes``, an array dim not ``dim``. A Linen layer's deprecated field is not one."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [
+        p.name
+        for p in parameters
+        if p.default is not DEPRECATED
+        and (p.name in _OLD_DIALECT or (p.name == "axis" and p.annotation in (int, "int")))
+    ]
+
+
+def test_every_public_function_names_a_mesh_axis_axis_and_an_array_dim_dim():
+    said = {}
+    for name in _public_modules():
+        if name.split(".")[1:2] in (["cli"], ["bench"], ["recipe"]):
+            continue  # (the command and its recipe: not a library a user calls)
+        module = importlib.import_module(name)
+        for attr in module.__all__:
+            obj = getattr(module, attr)
+            for function in [obj, *(vars(obj).values() if inspect.isclass(obj) else ())]:
+                if callable(function) and (found := _misnamed(function)):
+                    said[f"{name}.{attr}"] = found
+    assert not said, said
+
+    # (negative control) 0.2's gather_from_axis is found
+    def gather_from_axis(x, axis: int, axis_name):
+        return x
+
+    assert _misnamed(gather_from_axis) == ["axis", "axis_name"]
 
 
 def test_a_column_layer_called_prepared_computes_as_before_with_one_warning():

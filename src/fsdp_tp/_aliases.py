@@ -8,8 +8,8 @@ reading an old path, by attribute or by ``from ... import``, returns the canonic
 very object: a class's identity, a registration, a patch hold under both names) with a
 ``DeprecationWarning`` that names the path to write and the release that removes the old one.
 No module swaps itself in ``sys.modules``, no module warns at import: a name warns when read.
-A field of a Linen layer 0.2 wrote under another name is a row of :data:`RENAMED`: set, it
-warns the same way and sets the field of the new name (:func:`renamed_fields`).
+A setting 0.2 named another way (a Linen layer's field, a function's keyword) is a row of
+:data:`fsdp_tp._renamed.RENAMED`, served the same way.
 
 >>> import warnings
 >>> from fsdp_tp import tp
@@ -31,19 +31,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from .errors import warn
-
-__all__ = [
-    "DEPRECATED",
-    "MOVED",
-    "RENAMED",
-    "Moved",
-    "Renamed",
-    "RenamedFields",
-    "aliases_of",
-    "canonical",
-    "renamed_fields",
-]
+__all__ = ["MOVED", "REMOVED_IN", "Moved", "aliases_of", "canonical"]
 
 REMOVED_IN = "0.3.0"
 
@@ -106,89 +94,6 @@ _BY_OLD = {moved.old: moved for moved in MOVED}
 _MODULES = ("fsdp_tp.tp_roles", "fsdp_tp.tp_rules", "fsdp_tp.tp.roles")
 """Modules that are nothing but old paths: the package's ``__getattr__`` imports them on first
 read (0.1 wrote the Linen rule sets as attributes of the first, after ``import fsdp_tp``)."""
-
-
-class _Deprecated:
-    def __repr__(self) -> str:
-        return "DEPRECATED"
-
-
-DEPRECATED: Any = _Deprecated()
-"""The default of a renamed field: not set (a row of :data:`RENAMED` says its new name)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Renamed:
-    """Field ``old`` of the Linen layer ``owner`` (its class, ``fsdp_tp.<owner>``) is now
-    ``new``, of the value ``value`` gives (the same by default; ``meaning``: what it is)."""
-
-    owner: str
-    old: str
-    new: str
-    value: Callable[[Any], Any] = lambda given: given
-    meaning: str = ""
-
-    def message(self, given: Any) -> str:
-        return (
-            f"fsdp_tp.{self.owner}({self.old}={given!r}) is deprecated since 0.2.0 and goes in "
-            f"{REMOVED_IN}: write {self.owner}({self.new}={self.value(given)!r}){self.meaning}"
-        )
-
-
-_DENSE = ("ColumnParallelDense", "RowParallelDense")
-_SEQUENCE = " (the sequence dim of its (batch, sequence, features) input; None: whole)"
-RENAMED: tuple[Renamed, ...] = (
-    # One name per setting, the roles' (issue 58): the mesh axis is `axis`, the sequence dim
-    # that a sequence-parallel layer's activations are split along is `sequence_dim`.
-    *(
-        Renamed(owner, "axis_name", "axis")
-        for owner in (
-            "ColumnParallelDense",
-            "RowParallelDense",
-            "VocabParallelEmbed",
-            "AttentionBlock",
-            "MLPBlock",
-        )
-    ),
-    *(
-        Renamed(owner, "sequence_axis", "sequence_dim", meaning=_SEQUENCE)
-        for owner in (*_DENSE, "VocabParallelEmbed")
-    ),
-    *(
-        Renamed(owner, "sequence_parallel", "sequence_dim", lambda on: 1 if on else None, _SEQUENCE)
-        for owner in ("AttentionBlock", "MLPBlock")
-    ),
-)
-"""Every renamed field of a Linen layer, each with its new name; the CHANGELOG lists the same rows."""
-
-
-def renamed_fields(layer: Any) -> None:
-    """In a Linen layer's ``__post_init__`` (:class:`RenamedFields`): each renamed field the
-    caller set warns, naming the new one, and sets it (the old one unset again, so a clone does
-    not warn twice); set with its new name too, a ``TypeError``."""
-    names = {cls.__name__ for cls in type(layer).__mro__}
-    for row in RENAMED:
-        given = getattr(layer, row.old, DEPRECATED) if row.owner in names else DEPRECATED
-        if given is DEPRECATED:
-            continue
-        default = next(f.default for f in dataclasses.fields(layer) if f.name == row.new)
-        if getattr(layer, row.new) != default:
-            raise TypeError(
-                f"{row.owner}: {row.old}={given!r} and {row.new}={getattr(layer, row.new)!r} name one "
-                f"setting twice; {row.old} is deprecated: pass {row.new} alone."
-            )
-        warn(DeprecationWarning(row.message(given)))  # (at the line that built the layer)
-        object.__setattr__(layer, row.new, row.value(given))
-        object.__setattr__(layer, row.old, DEPRECATED)
-
-
-class RenamedFields:
-    """A Linen layer's base, before ``nn.Module``, whose ``__post_init__`` takes the fields
-    :data:`RENAMED` lists for it (:func:`renamed_fields`)."""
-
-    def __post_init__(self):
-        renamed_fields(self)
-        super().__post_init__()  # type: ignore[misc]  # (nn.Module's, next in the MRO)
 
 
 def canonical(path: str) -> Any:

@@ -27,13 +27,13 @@ __all__ = [
 TENSOR = "tensor"  # the mesh axis tensor parallelism splits over unless told another (every default)
 
 
-def as_axis_tuple(axis_names: AxisNames) -> tuple[AxisName, ...]:
+def as_axis_tuple(axes: AxisNames) -> tuple[AxisName, ...]:
     """``"fsdp"`` -> ``("fsdp",)``; a list, tuple or set of names -> a tuple (sets sorted)."""
-    if isinstance(axis_names, (tuple, list)):
-        return tuple(axis_names)
-    if isinstance(axis_names, (set, frozenset)):
-        return tuple(sorted(axis_names, key=str))
-    return (axis_names,)
+    if isinstance(axes, (tuple, list)):
+        return tuple(axes)
+    if isinstance(axes, (set, frozenset)):
+        return tuple(sorted(axes, key=str))
+    return (axes,)
 
 
 def entry_axes(entry) -> tuple[AxisName, ...]:
@@ -58,10 +58,10 @@ def axes_named(names) -> set[AxisName]:
     return {axis for entry in names for axis in entry_axes(entry)}
 
 
-def local_slice(x: jax.Array, dim: int, axis_name: AxisName) -> jax.Array:
-    """This device's contiguous slice of dim ``dim`` when it is split evenly over ``axis_name``."""
-    width = x.shape[dim] // jax.lax.axis_size(axis_name)
-    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis_name) * width, width, axis=dim)
+def local_slice(x: jax.Array, dim: int, axis: AxisName) -> jax.Array:
+    """This device's contiguous slice of dim ``dim`` when it is split evenly over ``axis``."""
+    width = x.shape[dim] // jax.lax.axis_size(axis)
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis) * width, width, axis=dim)
 
 
 def bound_axis_names() -> tuple[AxisName, ...]:
@@ -72,9 +72,9 @@ def bound_axis_names() -> tuple[AxisName, ...]:
     )
 
 
-def require_axes(axis_names: AxisNames, caller: str) -> tuple[AxisName, ...]:
-    """Returns ``axis_names`` as a tuple; raises if one is not bound by the enclosing shard_map."""
-    names = as_axis_tuple(axis_names)
+def require_axes(axes: AxisNames, caller: str) -> tuple[AxisName, ...]:
+    """Returns ``axes`` as a tuple; raises if one is not bound by the enclosing shard_map."""
+    names = as_axis_tuple(axes)
     bound = bound_axis_names()
     missing = [name for name in names if name not in bound]
     if missing:
@@ -90,9 +90,9 @@ def require_axes(axis_names: AxisNames, caller: str) -> tuple[AxisName, ...]:
     return names
 
 
-def axis_size(axis_names: AxisNames) -> int:
+def axis_size(axes: AxisNames) -> int:
     """The number of devices along one axis or the product over several."""
-    return math.prod(jax.lax.axis_size(name) for name in as_axis_tuple(axis_names))
+    return math.prod(jax.lax.axis_size(name) for name in as_axis_tuple(axes))
 
 
 def varying_axes(x: jax.Array) -> frozenset[AxisName]:
@@ -100,10 +100,10 @@ def varying_axes(x: jax.Array) -> frozenset[AxisName]:
     return jax.typeof(x).manual_axis_type.varying
 
 
-def checks_vma(axis_name: AxisName) -> bool:
+def checks_vma(axis: AxisName) -> bool:
     """Whether the enclosing ``jax.shard_map`` runs with ``check_vma=True``.
 
     ``axis_index`` varies over its axis by definition; with checking off, every
     value's varying set is empty, so this one fact tells the two modes apart.
     """
-    return axis_name in varying_axes(jax.lax.axis_index(axis_name))
+    return axis in varying_axes(jax.lax.axis_index(axis))

@@ -20,8 +20,11 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from ._aliases import REMOVED_IN
 from ._layout import axis_text, require_divisible
+from ._renamed import renamed_keywords
 from ._types import AxisName
+from .errors import warn
 
 __all__ = [
     "MODES",
@@ -44,10 +47,10 @@ def require_mode(mode: str | None, caller: str) -> None:
         )
 
 
-def _shift(x: jax.Array, axis_name: AxisName, step: int) -> jax.Array:
+def _shift(x: jax.Array, axis: AxisName, step: int) -> jax.Array:
     """Device ``i`` receives the ``x`` of device ``i + step`` (mod the axis size)."""
-    n = jax.lax.axis_size(axis_name)
-    return jax.lax.ppermute(x, axis_name, [(j, (j - step) % n) for j in range(n)])
+    n = jax.lax.axis_size(axis)
+    return jax.lax.ppermute(x, axis, [(j, (j - step) % n) for j in range(n)])
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,17 @@ class RingChunks:
     chunks: tuple[jax.Array, ...]
     offsets: tuple[int, ...]
     dim: int
-    axis_name: AxisName
+    axis: AxisName
+
+    @property
+    def axis_name(self) -> AxisName:
+        """0.2's name of :attr:`axis` (deprecated: read ``axis``)."""
+        warn(
+            DeprecationWarning(
+                f"RingChunks.axis_name is deprecated since 0.2.0 and goes in {REMOVED_IN}: read .axis"
+            )
+        )
+        return self.axis
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -86,10 +99,11 @@ class RingChunks:
         dim = self.dim if out_dim is None else out_dim
         rolled = jnp.concatenate([outputs[k] for k in range(len(outputs))], axis=dim)
         width = rolled.shape[dim] // len(outputs)
-        return jnp.roll(rolled, jax.lax.axis_index(self.axis_name) * width, axis=dim)
+        return jnp.roll(rolled, jax.lax.axis_index(self.axis) * width, axis=dim)
 
 
-def ring_all_gather(x: jax.Array, axis_name: AxisName, dim: int, mode: str) -> RingChunks:
+@renamed_keywords("collective_matmul.ring_all_gather")
+def ring_all_gather(x: jax.Array, axis: AxisName, dim: int, mode: str) -> RingChunks:
     """Starts the ring all-gather of ``x`` along ``dim``: the chunks, in arrival order.
 
     >>> import jax, jax.numpy as jnp
@@ -102,40 +116,41 @@ def ring_all_gather(x: jax.Array, axis_name: AxisName, dim: int, mode: str) -> R
     [0.0, 10.0, 20.0, 30.0]
     """
     require_mode(mode, "ring_all_gather")
-    n = jax.lax.axis_size(axis_name)
+    n = jax.lax.axis_size(axis)
     chunks, offsets = [x], [0]
     ahead = behind = x
     forward_steps = n - 1 if mode == "unidirectional" else n // 2
     for step in range(1, forward_steps + 1):
-        ahead = _shift(ahead, axis_name, 1)
+        ahead = _shift(ahead, axis, 1)
         chunks.append(ahead)
         offsets.append(step)
     for step in range(1, n - forward_steps):
-        behind = _shift(behind, axis_name, -1)
+        behind = _shift(behind, axis, -1)
         chunks.append(behind)
         offsets.append(-step)
-    return RingChunks(tuple(chunks), tuple(offsets), dim, axis_name)
+    return RingChunks(tuple(chunks), tuple(offsets), dim, axis)
 
 
-def _reduce_scatter_stream(partial_of, axis_name: AxisName, direction: int) -> jax.Array:
+def _reduce_scatter_stream(partial_of, axis: AxisName, direction: int) -> jax.Array:
     """One ring of accumulators: the one arriving last on device ``i`` holds chunk ``i``'s sum.
 
     The accumulator for chunk ``t`` starts on device ``t + direction`` and
     moves by ``direction`` each step, each device adding its partial product.
     """
-    n = jax.lax.axis_size(axis_name)
-    index = jax.lax.axis_index(axis_name)
+    n = jax.lax.axis_size(axis)
+    index = jax.lax.axis_index(axis)
     acc = partial_of((index - direction) % n)
     for step in range(1, n):
-        acc = _shift(acc, axis_name, -direction)
+        acc = _shift(acc, axis, -direction)
         acc = acc + partial_of((index - direction * (step + 1)) % n)
     return acc
 
 
+@renamed_keywords("collective_matmul.ring_reduce_scatter")
 def ring_reduce_scatter(
-    product, x: jax.Array, axis_name: AxisName, dim: int, mode: str, where: str = "", fix: str = "pad it"
+    product, x: jax.Array, axis: AxisName, dim: int, mode: str, where: str = "", fix: str = "pad it"
 ) -> jax.Array:
-    """``psum_scatter(product(x), axis_name, scatter_dimension=dim, tiled=True)`` as a ring, for
+    """``psum_scatter(product(x), axis, scatter_dimension=dim, tiled=True)`` as a ring, for
     a ``product`` that computes each slice of ``x`` along ``dim`` on its own (a layer's matmul
     on rows of the sequence; it keeps every dim but the last).
 
@@ -156,27 +171,28 @@ def ring_reduce_scatter(
     True
     """
     require_mode(mode, "ring_reduce_scatter")
-    n, dim = jax.lax.axis_size(axis_name), dim % x.ndim
+    n, dim = jax.lax.axis_size(axis), dim % x.ndim
     what = f"dim {dim} of the input (collective_matmul={mode!r} chunks it)" if where else f"dim {dim}"
-    axis = axis_text(axis_name)
-    require_divisible(where or "ring_reduce_scatter", what, x.shape[dim], axis, n, fix, x.shape)
+    said = axis_text(axis)
+    require_divisible(where or "ring_reduce_scatter", what, x.shape[dim], said, n, fix, x.shape)
     width = x.shape[dim] // n
 
     def partial_of(start: int, size: int):
         return lambda chunk: product(jax.lax.dynamic_slice_in_dim(x, chunk * width + start, size, axis=dim))
 
     if mode == "unidirectional" or width < 2:
-        return _reduce_scatter_stream(partial_of(0, width), axis_name, 1)
+        return _reduce_scatter_stream(partial_of(0, width), axis, 1)
     half = width // 2
-    first = _reduce_scatter_stream(partial_of(0, half), axis_name, 1)
-    second = _reduce_scatter_stream(partial_of(half, width - half), axis_name, -1)
+    first = _reduce_scatter_stream(partial_of(0, half), axis, 1)
+    second = _reduce_scatter_stream(partial_of(half, width - half), axis, -1)
     return jnp.concatenate([first, second], dim)
 
 
+@renamed_keywords("collective_matmul.matmul_reduce_scatter")
 def matmul_reduce_scatter(
-    x: jax.Array, kernel: jax.Array, axis_name: AxisName, dim: int, mode: str, precision=None
+    x: jax.Array, kernel: jax.Array, axis: AxisName, dim: int, mode: str, precision=None
 ) -> jax.Array:
-    """``psum_scatter(x @ kernel, axis_name, scatter_dimension=dim, tiled=True)`` as a ring
+    """``psum_scatter(x @ kernel, axis, scatter_dimension=dim, tiled=True)`` as a ring
     (:func:`ring_reduce_scatter` of the matmul).
 
     >>> import jax, jax.numpy as jnp
@@ -194,4 +210,4 @@ def matmul_reduce_scatter(
         dims = (((rows.ndim - 1,), (0,)), ((), ()))
         return jax.lax.dot_general(rows, kernel, dims, precision=precision)
 
-    return ring_reduce_scatter(product, x, axis_name, dim, mode)
+    return ring_reduce_scatter(product, x, axis, dim, mode)

@@ -10,6 +10,7 @@ from flax.core.meta import Partitioned
 
 from ._axes import axes_named, axis_size, checks_vma, require_axes, varying_axes
 from ._batch import require_step_batch
+from ._renamed import renamed_keywords
 from ._types import AxisNames, PyTree
 
 __all__ = ["batch_mean", "batch_total", "global_mean_loss", "global_sum_loss", "sync_gradients"]
@@ -25,22 +26,23 @@ def _varying_and_invariant(x: jax.Array, names: tuple, checking: bool) -> tuple[
     return tuple(a for a in names if a in varying), tuple(a for a in names if a not in varying)
 
 
-def _sync_leaf(leaf, axis_names: tuple, checking: bool):
+def _sync_leaf(leaf, axes: tuple, checking: bool):
     boxed = isinstance(leaf, Partitioned)
     value, split = (leaf.value, axes_named(leaf.names)) if boxed else (leaf, set())
     # A leaf split over an axis got its mean from the gather's backward pass.
-    axes, summed = _varying_and_invariant(value, tuple(a for a in axis_names if a not in split), checking)
+    varying, summed = _varying_and_invariant(value, tuple(a for a in axes if a not in split), checking)
     if summed:
         # JAX already psummed the cotangent over every axis the value is
         # invariant on (transpose of the implicit pcast): divide, don't pmean.
         value = value / axis_size(summed)
-    if axes:
-        value = jax.lax.pmean(value, axes)
+    if varying:
+        value = jax.lax.pmean(value, varying)
     return leaf.replace(value=value) if boxed else value
 
 
-def sync_gradients(grads: PyTree, axis_names: AxisNames) -> PyTree:
-    """Makes every gradient the mean over the batch axes ``axis_names``.
+@renamed_keywords("sync_gradients")
+def sync_gradients(grads: PyTree, axes: AxisNames) -> PyTree:
+    """Makes every gradient the mean over the batch axes ``axes``.
 
     Call inside ``jax.shard_map`` on the gradients of the *per-device* loss
     (the mean over this device's batch shard), boxed as the parameters are.
@@ -71,34 +73,36 @@ def sync_gradients(grads: PyTree, axis_names: AxisNames) -> PyTree:
     3.5
     3.5
     """
-    names = require_axes(axis_names, "sync_gradients")
+    names = require_axes(axes, "sync_gradients")
     if not names:
         raise ValueError(
-            "sync_gradients: axis_names is empty, so nothing would be averaged; pass the mesh axes "
+            "sync_gradients: axes is empty, so nothing would be averaged; pass the mesh axes "
             "the batch is split over, e.g. ('data', 'fsdp'), or skip the call when the batch is not split."
         )
-    require_step_batch(names, "sync_gradients", "axis_names")
+    require_step_batch(names, "sync_gradients", "axes")
     checking = checks_vma(names[0])
     return jax.tree.map(
-        functools.partial(_sync_leaf, axis_names=names, checking=checking),
+        functools.partial(_sync_leaf, axes=names, checking=checking),
         grads,
         is_leaf=lambda x: isinstance(x, Partitioned),
     )
 
 
-def batch_total(x: jax.Array, axis_names: AxisNames) -> jax.Array:
-    """The sum over the devices of ``axis_names`` of each one's ``x`` (a count, say), the same
+@renamed_keywords("gradients.batch_total")
+def batch_total(x: jax.Array, axes: AxisNames) -> jax.Array:
+    """The sum over the devices of ``axes`` of each one's ``x`` (a count, say), the same
     on every device, in both ``check_vma`` modes: over an axis where ``x`` is already
     invariant (each device holds the same value) it is ``size * x``, where a ``psum`` would
     be refused under ``check_vma=True``."""
-    names = require_axes(axis_names, "batch_total")
+    names = require_axes(axes, "batch_total")
     over, same = _varying_and_invariant(x, names, bool(names) and checks_vma(names[0]))
     x = jax.lax.psum(x, over) if over else x
     return x * axis_size(same) if same else x
 
 
-def batch_mean(tree: PyTree, axis_names: AxisNames) -> PyTree:
-    """Every leaf of ``tree`` averaged over the devices of ``axis_names``, the same on every
+@renamed_keywords("gradients.batch_mean")
+def batch_mean(tree: PyTree, axes: AxisNames) -> PyTree:
+    """Every leaf of ``tree`` averaged over the devices of ``axes``, the same on every
     device, in both ``check_vma`` modes: state a model updates from its own shard of the
     batch (BatchNorm's ``batch_stats`` without an ``axis_name``, a running count), before
     it leaves the step replicated. Over an axis where a leaf is already invariant it is left
@@ -114,7 +118,7 @@ def batch_mean(tree: PyTree, axis_names: AxisNames) -> PyTree:
     >>> float(out["mean"]), float(out["seen"])
     (7.5, 3.0)
     """
-    names = require_axes(axis_names, "batch_mean")
+    names = require_axes(axes, "batch_mean")
     checking = bool(names) and checks_vma(names[0])
 
     def leaf_mean(x):
@@ -124,12 +128,13 @@ def batch_mean(tree: PyTree, axis_names: AxisNames) -> PyTree:
     return jax.tree.map(leaf_mean, tree)
 
 
-def global_mean_loss(local_sum: jax.Array, local_count: jax.Array, axis_names: AxisNames) -> jax.Array:
+@renamed_keywords("gradients.global_mean_loss")
+def global_mean_loss(local_sum: jax.Array, local_count: jax.Array, axes: AxisNames) -> jax.Array:
     """The per-device loss for a loss normalised by a count over the whole batch (the tokens
     that are not padding, say): ``local_sum`` sums this device's per-token losses,
     ``local_count`` counts them (it is not differentiated).
 
-    Returns ``local_sum * D / total count`` (``D`` devices over ``axis_names``): its mean over
+    Returns ``local_sum * D / total count`` (``D`` devices over ``axes``): its mean over
     the devices is the global loss, and :func:`sync_gradients` (and the FSDP gather's mean)
     of its gradient is the gradient of the global loss, however unevenly the devices count.
     A per-device mean ``local_sum / local_count`` would weight each device's tokens by
@@ -148,14 +153,15 @@ def global_mean_loss(local_sum: jax.Array, local_count: jax.Array, axis_names: A
     >>> float(f(jnp.float32(1.0), x, mask)), float((x * mask).sum() / mask.sum())
     (4.666666507720947, 4.666666507720947)
     """
-    names = require_axes(axis_names, "global_mean_loss")
+    names = require_axes(axes, "global_mean_loss")
     total = batch_total(jax.lax.stop_gradient(local_count).astype(local_sum.dtype), names)
     return local_sum * (axis_size(names) / total)
 
 
-def global_sum_loss(local_sum: jax.Array, axis_names: AxisNames) -> jax.Array:
+@renamed_keywords("gradients.global_sum_loss")
+def global_sum_loss(local_sum: jax.Array, axes: AxisNames) -> jax.Array:
     """The per-device loss for a loss summed over the whole batch: ``local_sum * D``, whose
-    mean over the ``D`` devices of ``axis_names`` is the global sum and whose synced gradient
+    mean over the ``D`` devices of ``axes`` is the global sum and whose synced gradient
     (:func:`sync_gradients`) is the global sum's gradient.
 
     >>> import jax, jax.numpy as jnp
@@ -168,4 +174,4 @@ def global_sum_loss(local_sum: jax.Array, axis_names: AxisNames) -> jax.Array:
     >>> float(f(jnp.float32(1.0), jnp.arange(8.0)))  # d/dw sum(w * x) = sum(x)
     28.0
     """
-    return local_sum * axis_size(require_axes(axis_names, "global_sum_loss"))
+    return local_sum * axis_size(require_axes(axes, "global_sum_loss"))

@@ -14,6 +14,7 @@ import jax
 
 from .._axes import checks_vma, local_slice, varying_axes
 from .._layout import axis_text, require_divisible
+from .._renamed import renamed_keywords
 from .._types import AxisName
 from ._mean_grad_gather import gather_array_with_mean_grads, gather_scaled_with_mean_grads
 
@@ -36,7 +37,7 @@ __all__ = [
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _identity_psum_grad(x, axis_name):
+def _identity_psum_grad(x, axis):
     return x
 
 
@@ -44,29 +45,30 @@ _identity_psum_grad.defvjp(lambda x, a: (x, None), lambda a, _, g: (jax.lax.psum
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _psum_identity_grad(x, axis_name):
-    return jax.lax.psum(x, axis_name)
+def _psum_identity_grad(x, axis):
+    return jax.lax.psum(x, axis)
 
 
 _psum_identity_grad.defvjp(lambda x, a: (jax.lax.psum(x, a), None), lambda a, _, g: (g,))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _gather_slice_grad(x, axis, axis_name):
-    return jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)
+def _gather_slice_grad(x, dim, axis):
+    return jax.lax.all_gather(x, axis, axis=dim, tiled=True)
 
 
-def _slice_bwd(axis, axis_name, _, g):
-    return (local_slice(g, axis, axis_name),)
+def _slice_bwd(dim, axis, _, g):
+    return (local_slice(g, dim, axis),)
 
 
 _gather_slice_grad.defvjp(lambda x, ax, a: (_gather_slice_grad(x, ax, a), None), _slice_bwd)
 
 
-def copy_to_axis(x: jax.Array, axis_name: AxisName) -> jax.Array:
+@renamed_keywords("collectives.copy_to_axis")
+def copy_to_axis(x: jax.Array, axis: AxisName) -> jax.Array:
     """Identity forward, psum backward (Megatron's *f*): the input of a column-parallel layer.
 
-    Every device on ``axis_name`` uses the same ``x`` with its own slice of a
+    Every device on ``axis`` uses the same ``x`` with its own slice of a
     weight; the gradient of ``x`` is the sum of their contributions.
 
     >>> import jax, jax.numpy as jnp
@@ -77,16 +79,17 @@ def copy_to_axis(x: jax.Array, axis_name: AxisName) -> jax.Array:
     >>> float(jax.shard_map(grad, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)(1.0))
     8.0
     """
-    if checks_vma(axis_name):
-        return x if axis_name in varying_axes(x) else jax.lax.pcast(x, axis_name, to="varying")
-    return _identity_psum_grad(x, axis_name)
+    if checks_vma(axis):
+        return x if axis in varying_axes(x) else jax.lax.pcast(x, axis, to="varying")
+    return _identity_psum_grad(x, axis)
 
 
-def reduce_from_axis(x: jax.Array, axis_name: AxisName) -> jax.Array:
+@renamed_keywords("collectives.reduce_from_axis")
+def reduce_from_axis(x: jax.Array, axis: AxisName) -> jax.Array:
     """Psum forward, identity backward (Megatron's *g*): the output of a row-parallel layer.
 
     ``x`` must hold this device's partial sum (device-varying); the result is
-    the full sum, the same on every device of ``axis_name``.
+    the full sum, the same on every device of ``axis``.
 
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import PartitionSpec as P
@@ -96,19 +99,20 @@ def reduce_from_axis(x: jax.Array, axis_name: AxisName) -> jax.Array:
     >>> jax.shard_map(total, mesh=mesh, in_specs=P("tensor"), out_specs=P())(jnp.arange(8.0))
     Array([28.], dtype=float32)
     """
-    if checks_vma(axis_name):
-        if axis_name not in varying_axes(x):
+    if checks_vma(axis):
+        if axis not in varying_axes(x):
             raise ValueError(
-                f"reduce_from_axis: the value is already the same on every device of {axis_name!r} "
-                f"(invariant), so a psum would return {axis_name!r}-size times it. Pass the "
+                f"reduce_from_axis: the value is already the same on every device of {axis!r} "
+                f"(invariant), so a psum would return {axis!r}-size times it. Pass the "
                 f"per-device partial result."
             )
-        return jax.lax.psum(x, axis_name)
-    return _psum_identity_grad(x, axis_name)
+        return jax.lax.psum(x, axis)
+    return _psum_identity_grad(x, axis)
 
 
-def gather_from_axis(x: jax.Array, axis: int, axis_name: AxisName) -> jax.Array:
-    """All-gathers ``x`` along dim ``axis`` into a value the same on every device; the
+@renamed_keywords("collectives.gather_from_axis")
+def gather_from_axis(x: jax.Array, dim: int, axis: AxisName) -> jax.Array:
+    """All-gathers ``x`` along dim ``dim`` into a value the same on every device; the
     gradient is this device's slice of the (identical) cotangent, not a sum.
 
     >>> import jax, jax.numpy as jnp
@@ -119,41 +123,42 @@ def gather_from_axis(x: jax.Array, axis: int, axis_name: AxisName) -> jax.Array:
     >>> jax.shard_map(f, mesh=mesh, in_specs=P("tensor"), out_specs=P("tensor"))(jnp.ones(8)).tolist()
     [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
     """
-    if checks_vma(axis_name):
-        return jax.lax.all_gather(x, axis_name, axis=axis, tiled=True, to="invarying")
-    return _gather_slice_grad(x, axis, axis_name)
+    if checks_vma(axis):
+        return jax.lax.all_gather(x, axis, axis=dim, tiled=True, to="invarying")
+    return _gather_slice_grad(x, dim, axis)
 
 
-def require_sequence_divisible(caller: str, length: int, dim: int, axis_name: AxisName) -> None:
-    """Sequence parallelism splits dim ``dim`` over ``axis_name``: its length must divide."""
+def require_sequence_divisible(caller: str, length: int, dim: int, axis: AxisName) -> None:
+    """Sequence parallelism splits dim ``dim`` over ``axis``: its length must divide."""
     require_divisible(
         caller,
         f"the sequence (dim {dim}, split in sequence-parallel mode)",
         length,
-        axis_text(axis_name),
-        jax.lax.axis_size(axis_name),
+        axis_text(axis),
+        jax.lax.axis_size(axis),
         "turn sequence parallelism off",
     )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _slice_gather_grad(x, axis, axis_name):
-    return local_slice(x, axis, axis_name)
+def _slice_gather_grad(x, dim, axis):
+    return local_slice(x, dim, axis)
 
 
-def _gather_cotangent(axis, axis_name, _, g):
+def _gather_cotangent(dim, axis, _, g):
     # Invariant in, varying out. Under check_vma=True JAX's own transpose (of the implied
     # pcast) would psum a zero-padded cotangent; an all-gather to an invariant moves 1/N
     # of that. With checking off the plain all-gather is the right transpose.
-    to = "invarying" if checks_vma(axis_name) else "varying"
-    return (jax.lax.all_gather(g, axis_name, axis=axis, tiled=True, to=to),)
+    to = "invarying" if checks_vma(axis) else "varying"
+    return (jax.lax.all_gather(g, axis, axis=dim, tiled=True, to=to),)
 
 
 _slice_gather_grad.defvjp(lambda x, ax, a: (local_slice(x, ax, a), None), _gather_cotangent)
 
 
-def scatter_to_axis(x: jax.Array, axis: int, axis_name: AxisName) -> jax.Array:
-    """Keeps this device's slice of dim ``axis`` of a value that is the same on every device;
+@renamed_keywords("collectives.scatter_to_axis")
+def scatter_to_axis(x: jax.Array, dim: int, axis: AxisName) -> jax.Array:
+    """Keeps this device's slice of dim ``dim`` of a value that is the same on every device;
     the gradient is all-gathered (the inverse of :func:`gather_from_axis`). It enters a
     sequence-parallel region the way an embedding's reduce-scatter does.
 
@@ -166,5 +171,5 @@ def scatter_to_axis(x: jax.Array, axis: int, axis_name: AxisName) -> jax.Array:
     >>> f(jnp.arange(8.0)).tolist()
     [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
     """
-    require_sequence_divisible("scatter_to_axis", x.shape[axis], axis, axis_name)
-    return _slice_gather_grad(x, axis, axis_name)
+    require_sequence_divisible("scatter_to_axis", x.shape[dim], dim, axis)
+    return _slice_gather_grad(x, dim, axis)

@@ -11,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from .._renamed import renamed_keywords
 from .._types import AxisName
 from ..precision import dequantized, quantized
 
@@ -18,58 +19,57 @@ __all__ = ["gather_array_with_mean_grads", "gather_scaled_with_mean_grads"]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _gather_mean_grads(x: jax.Array, axis: int, axis_name: AxisName, wire, reduce) -> jax.Array:
-    return _gather_fwd(x, axis, axis_name, wire, reduce)[0]
+def _gather_mean_grads(x: jax.Array, dim: int, axis: AxisName, wire, reduce) -> jax.Array:
+    return _gather_fwd(x, dim, axis, wire, reduce)[0]
 
 
-def _gather_fwd(x, axis, axis_name, wire, reduce):
+def _gather_fwd(x, dim, axis, wire, reduce):
     # On the wire in ``wire``; back in x's dtype, holding the rounded values: the
     # cotangent then stays in x's dtype too, for the reduction to choose its own.
-    gathered = jax.lax.all_gather(x.astype(wire or x.dtype), axis_name, axis=axis, tiled=True)
+    gathered = jax.lax.all_gather(x.astype(wire or x.dtype), axis, axis=dim, tiled=True)
     return gathered.astype(x.dtype), None
 
 
-def _gather_bwd(axis, axis_name, wire, reduce, _, cotangent):
+def _gather_bwd(dim, axis, wire, reduce, _, cotangent):
     # Every device used the whole gathered array on its own batch shard; the
     # sum of their cotangents is N times the gradient of the mean loss.
     dtype = cotangent.dtype
-    summed = jax.lax.psum_scatter(
-        cotangent.astype(reduce or dtype), axis_name, scatter_dimension=axis, tiled=True
-    )
-    return (summed.astype(dtype) / jax.lax.axis_size(axis_name),)
+    summed = jax.lax.psum_scatter(cotangent.astype(reduce or dtype), axis, scatter_dimension=dim, tiled=True)
+    return (summed.astype(dtype) / jax.lax.axis_size(axis),)
 
 
 _gather_mean_grads.defvjp(_gather_fwd, _gather_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _gather_scaled(x, scale, gathered_scale, axis: int, axis_name: AxisName, wire, reduce) -> jax.Array:
-    return _gather_scaled_fwd(x, scale, gathered_scale, axis, axis_name, wire, reduce)[0]
+def _gather_scaled(x, scale, gathered_scale, dim: int, axis: AxisName, wire, reduce) -> jax.Array:
+    return _gather_scaled_fwd(x, scale, gathered_scale, dim, axis, wire, reduce)[0]
 
 
-def _gather_scaled_fwd(x, scale, gathered_scale, axis, axis_name, wire, reduce):
+def _gather_scaled_fwd(x, scale, gathered_scale, dim, axis, wire, reduce):
     # The bits cross as uint8: XLA:CPU widens an 8-bit float all-gather to f16, an integer
     # one it moves as is, so the wire is one byte an element on every backend.
     bits = jax.lax.bitcast_convert_type(quantized(x, scale, wire), jnp.uint8)
-    gathered = jax.lax.all_gather(bits, axis_name, axis=axis, tiled=True)
+    gathered = jax.lax.all_gather(bits, axis, axis=dim, tiled=True)
     value = dequantized(jax.lax.bitcast_convert_type(gathered, wire), gathered_scale, x.dtype)
     return value, (scale, gathered_scale)
 
 
-def _gather_scaled_bwd(axis, axis_name, wire, reduce, scales, cotangent):
+def _gather_scaled_bwd(dim, axis, wire, reduce, scales, cotangent):
     zeros = tuple(jnp.zeros_like(s) for s in scales)
-    return (*_gather_bwd(axis, axis_name, wire, reduce, None, cotangent), *zeros)
+    return (*_gather_bwd(dim, axis, wire, reduce, None, cotangent), *zeros)
 
 
 _gather_scaled.defvjp(_gather_scaled_fwd, _gather_scaled_bwd)
 
 
+@renamed_keywords("collectives.gather_scaled_with_mean_grads")
 def gather_scaled_with_mean_grads(
     x: jax.Array,
     scale: jax.Array,
     gathered_scale: jax.Array,
-    axis: int,
-    axis_name: AxisName,
+    dim: int,
+    axis: AxisName,
     gather_dtype,
     reduce_dtype=None,
 ) -> jax.Array:
@@ -77,7 +77,7 @@ def gather_scaled_with_mean_grads(
     wire as one byte an element of ``gather_dtype`` (``float8_e4m3fn``, ``float8_e5m2``), and
     comes back as ``q * gathered_scale`` in ``x``'s dtype (the scales of the gathered rows:
     ``scale`` itself unless ``axis`` splits the rows); the gradient passes straight through to
-    ``x``, reduce-scattered in ``reduce_dtype`` as the mean over ``axis_name``.
+    ``x``, reduce-scattered in ``reduce_dtype`` as the mean over ``axis``.
 
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import PartitionSpec as P
@@ -90,13 +90,14 @@ def gather_scaled_with_mean_grads(
     ...     jnp.arange(8.0)).tolist()  # each value x / 0.5 is a float8 exactly
     [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
     """
-    return _gather_scaled(x, scale, gathered_scale, axis, axis_name, jnp.dtype(gather_dtype), reduce_dtype)
+    return _gather_scaled(x, scale, gathered_scale, dim, axis, jnp.dtype(gather_dtype), reduce_dtype)
 
 
+@renamed_keywords("collectives.gather_array_with_mean_grads")
 def gather_array_with_mean_grads(
-    x: jax.Array, axis: int, axis_name: AxisName, gather_dtype=None, reduce_dtype=None
+    x: jax.Array, dim: int, axis: AxisName, gather_dtype=None, reduce_dtype=None
 ) -> jax.Array:
-    """All-gathers ``x`` along dim ``axis`` over ``axis_name``; the gradient is the mean.
+    """All-gathers ``x`` along dim ``dim`` over ``axis``; the gradient is the mean.
 
     Forward: ``all_gather(tiled=True)`` of the local shard. Backward:
     ``psum_scatter(tiled=True)`` of the cotangent divided by the axis size,
@@ -112,15 +113,15 @@ def gather_array_with_mean_grads(
     >>> from fsdp_tp import make_mesh
     >>> mesh = make_mesh({"fsdp": 8})
     >>> def loss(shard):
-    ...     full = gather_array_with_mean_grads(shard, axis=0, axis_name="fsdp")
+    ...     full = gather_array_with_mean_grads(shard, dim=0, axis="fsdp")
     ...     return (full ** 2).sum()
     >>> grad = jax.shard_map(jax.grad(loss), mesh=mesh, in_specs=P("fsdp"), out_specs=P("fsdp"))
     >>> grad(jnp.arange(8.0)).tolist()  # d/dx of sum(x**2), averaged over 8 identical shards
     [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]
     """
-    if not 0 <= axis < x.ndim:
+    if not 0 <= dim < x.ndim:
         raise ValueError(
-            f"gather_array_with_mean_grads: axis {axis} is out of range for an array of shape "
-            f"{x.shape}; pass 0 <= axis < {x.ndim}."
+            f"gather_array_with_mean_grads: dim {dim} is out of range for an array of shape "
+            f"{x.shape}; pass 0 <= dim < {x.ndim}."
         )
-    return _gather_mean_grads(x, axis, axis_name, gather_dtype, reduce_dtype)
+    return _gather_mean_grads(x, dim, axis, gather_dtype, reduce_dtype)

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from .._axes import bound_axis_names, checks_vma, entry_axes, require_axes, varying_axes
+from .._renamed import renamed_keywords
 from .._types import AxisName, AxisNames
 from ..errors import FoldedDropoutWarning, warn
 from ._activation_split import Split, activation_split, split_after, splitting, unplaceable_after
@@ -81,8 +82,9 @@ def dropout(
     return jax.lax.select(mask, inputs / keep_prob, jnp.zeros_like(inputs))
 
 
-def fold_rng_over_axis(rng: jax.Array, axis_name: AxisNames) -> jax.Array:
-    """A different key on each device along ``axis_name`` (or several), the same along the others.
+@renamed_keywords("dropout.fold_rng_over_axis")
+def fold_rng_over_axis(rng: jax.Array, axis: AxisNames) -> jax.Array:
+    """A different key on each device along ``axis`` (or several), the same along the others.
 
     Use it for a model's own random draws per example (noise, sampling) over the batch axes:
     shards of the batch draw differently, while devices that hold the same examples
@@ -100,7 +102,7 @@ def fold_rng_over_axis(rng: jax.Array, axis_name: AxisNames) -> jax.Array:
     >>> len({tuple(k) for k in keys.tolist()})  # 4 data shards, each key shared by 2 tensor devices
     4
     """
-    for name in require_axes(axis_name, "fold_rng_over_axis"):
+    for name in require_axes(axis, "fold_rng_over_axis"):
         rng = jax.random.fold_in(rng, jax.lax.axis_index(name))
     return rng
 

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec
 
 from .._axes import axes_named, require_axes
 from .._layout import fsdp_dim, fsdp_entry
+from .._renamed import renamed_keywords
 from .._types import AxisName, AxisNames, PyTree
 from ..errors import ReplicatedParameterWarning
 from ..precision import MixedPrecision, checked_policy
@@ -25,39 +26,38 @@ from ._transform import check_module_class, input_varying, map_params, store, wa
 __all__ = ["gather_params", "shard_module_params", "shard_params"]
 
 
-def _largest_dim(axis_name: AxisName, size: int, min_weight_size: int):
+def _largest_dim(axis: AxisName, size: int, min_weight_size: int):
     """FSDP's layout choice: split the largest divisible dim of every leaf over ``min_weight_size``."""
 
     def choose(path: str, shape: tuple, names: tuple, _logical) -> PartitionSpec | None:
-        if axis_name in axes_named(names) or int(np.prod(shape)) <= min_weight_size:
+        if axis in axes_named(names) or int(np.prod(shape)) <= min_weight_size:
             return None
         dim = fsdp_dim(shape, names, size)
         if dim is None:
-            warning = _replicated(path, shape, axis_name, size)
-            warn_once((path, shape, axis_name, size), warning)
+            warning = _replicated(path, shape, axis, size)
+            warn_once((path, shape, axis, size), warning)
             return None
-        return PartitionSpec(
-            *(fsdp_entry(names, dim, axis_name) if i == dim else None for i in range(len(shape)))
-        )
+        return PartitionSpec(*(fsdp_entry(names, dim, axis) if i == dim else None for i in range(len(shape))))
 
     return choose
 
 
-def _replicated(path: str, shape: tuple, axis_name: AxisName, size: int) -> Warning:
-    """Why ``path`` stays replicated over ``axis_name``: no dim of its layer's block ``shape``
+def _replicated(path: str, shape: tuple, axis: AxisName, size: int) -> Warning:
+    """Why ``path`` stays replicated over ``axis``: no dim of its layer's block ``shape``
     is divisible by ``size`` (pad one)."""
     return ReplicatedParameterWarning(
-        f"shard_params: parameter {path} of shape {shape} stays replicated over mesh axis {axis_name!r} "
+        f"shard_params: parameter {path} of shape {shape} stays replicated over mesh axis {axis!r} "
         f"(size {size}) on every device: it has no dim divisible by {size}. Pad a dim to a multiple of "
         f"{size}, or raise min_weight_size above {int(np.prod(shape))} to keep it replicated without "
         f"this warning."
     )
 
 
-def shard_params(params: PyTree, axis_name: AxisName, min_weight_size: int = 2**18) -> PyTree:
+@renamed_keywords("linen.fsdp.shard_params")
+def shard_params(params: PyTree, axis: AxisName, min_weight_size: int = 2**18) -> PyTree:
     """Keeps this device's slice of every parameter larger than ``min_weight_size``.
 
-    Call inside ``jax.shard_map``, on full parameters identical across ``axis_name``.
+    Call inside ``jax.shard_map``, on full parameters identical across ``axis``.
     Each large leaf becomes an ``nn.Partitioned`` local shard split along its
     largest unsplit dim that the axis size divides (where none does, a dim a layer
     splits whose block it divides: the dim then over the layer's axes, then this
@@ -76,18 +76,19 @@ def shard_params(params: PyTree, axis_name: AxisName, min_weight_size: int = 2**
     >>> f({"w": w})[2:4].tolist()             # device 1 holds rows 2 and 3
     [[4.0, 5.0], [6.0, 7.0]]
     """
-    (axis_name,) = require_axes(axis_name, "shard_params")
-    choice = _largest_dim(axis_name, jax.lax.axis_size(axis_name), min_weight_size)
+    (axis,) = require_axes(axis, "shard_params")
+    choice = _largest_dim(axis, jax.lax.axis_size(axis), min_weight_size)
     return store(params, choice, further=True)
 
 
+@renamed_keywords("linen.fsdp.gather_params")
 def gather_params(
     params: PyTree,
-    axis_name: AxisName,
+    axis: AxisName,
     vary_over: AxisNames = (),
     mixed_precision: MixedPrecision | None = None,
 ) -> PyTree:
-    """All-gathers every leaf split over ``axis_name``; the inverse of :func:`shard_params`.
+    """All-gathers every leaf split over ``axis``; the inverse of :func:`shard_params`.
 
     Splits over other axes stay boxed, a leaf left with no split is unboxed.
     The backward pass reduce-scatters the mean gradient
@@ -111,18 +112,19 @@ def gather_params(
     >>> bool((f({"w": w})["w"] == w).all())
     True
     """
-    (axis_name,) = require_axes(axis_name, "gather_params")
+    (axis,) = require_axes(axis, "gather_params")
     vary = frozenset(require_axes(vary_over, "gather_params") if vary_over else ())
-    return gather(params, {axis_name}, {axis_name}, vary, checked_policy(mixed_precision, "gather_params"))
+    return gather(params, {axis}, {axis}, vary, checked_policy(mixed_precision, "gather_params"))
 
 
+@renamed_keywords("shard_module_params")
 def shard_module_params(
     target,
-    axis_name: AxisName = "fsdp",
+    axis: AxisName = "fsdp",
     min_weight_size: int = 2**18,
     mixed_precision: MixedPrecision | None = None,
 ):
-    """Wraps a Flax module class so its parameters live sharded over ``axis_name``.
+    """Wraps a Flax module class so its parameters live sharded over ``axis``.
 
     The result is a module class with ``target``'s arguments and name, so the
     parameter tree (paths, global shapes, dtypes) and the init are those of
@@ -136,7 +138,7 @@ def shard_module_params(
     >>> from jax.sharding import PartitionSpec as P
     >>> from fsdp_tp import make_mesh
     >>> mesh = make_mesh({"fsdp": 8})
-    >>> Dense = shard_module_params(nn.Dense, axis_name="fsdp", min_weight_size=0)
+    >>> Dense = shard_module_params(nn.Dense, axis="fsdp", min_weight_size=0)
     >>> init = jax.shard_map(lambda x: Dense(16).init(jax.random.key(0), x), mesh=mesh,
     ...                      in_specs=P("fsdp"), out_specs=P(), check_vma=False)
     >>> local = jax.eval_shape(init, jnp.ones((8, 4)))["params"]
@@ -147,8 +149,6 @@ def shard_module_params(
     policy = checked_policy(mixed_precision, "shard_module_params")
     return map_params(
         target,
-        trans_in=lambda params: gather(
-            params, {axis_name}, {axis_name}, input_varying(), policy, at_read=True
-        ),
-        trans_out=lambda params: shard_params(params, axis_name, min_weight_size),
+        trans_in=lambda params: gather(params, {axis}, {axis}, input_varying(), policy, at_read=True),
+        trans_out=lambda params: shard_params(params, axis, min_weight_size),
     )

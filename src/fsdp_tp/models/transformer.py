@@ -26,14 +26,14 @@ def _rematted(block, name: str):
     return block if name == "none" else nn.remat(block, policy=policy)
 
 
-def _norm(axis_name: str | None, sequence_parallel: bool):
+def _norm(axis: str | None, sequence_parallel: bool):
     """LayerNorm; inside a sequence-parallel region its params get f (``copy_to_axis``):
     applied to this device's slice of the sequence, their gradient is a partial sum."""
-    if axis_name is None or not sequence_parallel:
+    if axis is None or not sequence_parallel:
         return nn.LayerNorm
     shared = nn.map_variables(
         nn.LayerNorm,
-        trans_in_fn=lambda v: jax.tree.map(functools.partial(copy_to_axis, axis_name=axis_name), v),
+        trans_in_fn=lambda v: jax.tree.map(functools.partial(copy_to_axis, axis=axis), v),
         mapped_collections="params",
         mutable=True,
     )

@@ -58,7 +58,7 @@ class HeadParallel(TPRole):
         if not self._kept(layer):
             return Local(num_heads=layer.num_heads // size, num_kv_heads=kv_heads // size)
         kept = functools.partial(
-            kept_block, dim=-2, blocks=kv_heads, axis_name=self.axis, where=layer.path, what="num_kv_heads"
+            kept_block, dim=-2, blocks=kv_heads, axis=self.axis, where=layer.path, what="num_kv_heads"
         )
         return Local(
             num_heads=layer.num_heads // size,

@@ -93,7 +93,7 @@ class ColumnParallel(TPRole):
         eq, letter, dim = einsum_split(layer, self, self.letter, "produced")
         if self.replicated:  # its block of every kept parameter, read through kept_block
             n, what = layer.kernel_shape[dim], f"letter {letter!r} of {eq.text!r}"
-            kept = functools.partial(kept_block, blocks=n, axis_name=self.axis, where=layer.path, what=what)
+            kept = functools.partial(kept_block, blocks=n, axis=self.axis, where=layer.path, what=what)
             reads = {name: functools.partial(kept, dim=at) for name, at in self._letter_dims(layer).items()}
             shape = tuple(max(1, n // size) if i == dim else k for i, k in enumerate(layer.kernel_shape))
             return Local(kernel_shape=shape, read=reads)
@@ -193,7 +193,7 @@ class RowParallel(TPRole):
         bias = layer.bias() if layer.use_bias and layer.bias is not None else None
         if bias is not None and letter:
             bias = bias.reshape(eq.bias_shape(bias.shape, out.ndim))
-        return add_bias_once(out, bias, self.axis, sequence is not None, dtype=layer.dtype)
+        return add_bias_once(out, bias, self.axis, sequence, dtype=layer.dtype)
 
     def _ring(self, run, layer: Layer, args: tuple, kwargs: dict, sequence: int | None) -> jax.Array:
         """The layer on each chunk of its input's rows, reduce-scattered round the ring along the

@@ -47,10 +47,12 @@ import jax.numpy as jnp
 
 from .._context import STEP
 from .._layout import axis_text, require_divisible
+from .._renamed import RENAMED, renamed_keywords
 from .._types import AxisName
 from ..collective_matmul import RingChunks, ring_all_gather
 from ..collectives import copy_to_axis, reduce_from_axis
 from ..dropout import split_after
+from ..errors import warn
 from ._vocab_pieces import vocab_lookup, vocab_parallel_cross_entropy, vocab_start
 
 __all__ = [
@@ -78,14 +80,15 @@ def shared_column_inputs() -> Iterator[None]:
         yield
 
 
+@renamed_keywords("tp.pieces.column_input")
 def column_input(
-    x: jax.Array, axis_name: AxisName, sequence_axis: int | None = None, collective_matmul: str | None = None
+    x: jax.Array, axis: AxisName, sequence_dim: int | None = None, collective_matmul: str | None = None
 ) -> jax.Array | RingChunks:
     """The input of column-parallel layers, once however many layers read it (within
-    :func:`shared_column_inputs`): *f*, or the sequence all-gather (``sequence_axis`` set),
+    :func:`shared_column_inputs`): *f*, or the sequence all-gather (``sequence_dim`` set),
     or its ring (``collective_matmul`` set)."""
-    make = lambda: _column_input(x, axis_name, sequence_axis, collective_matmul)
-    return once(x, ("column", axis_name, sequence_axis, collective_matmul), make)
+    make = lambda: _column_input(x, axis, sequence_dim, collective_matmul)
+    return once(x, ("column", axis, sequence_dim, collective_matmul), make)
 
 
 def once(x: jax.Array, key: tuple, make: Callable[[], object]):
@@ -103,49 +106,56 @@ def once(x: jax.Array, key: tuple, make: Callable[[], object]):
     return shared[key][2]
 
 
-def _column_input(x, axis_name, sequence_axis, collective_matmul):
-    if sequence_axis is None:
-        return copy_to_axis(x, axis_name)
+def _column_input(x, axis, sequence_dim, collective_matmul):
+    if sequence_dim is None:
+        return copy_to_axis(x, axis)
     if collective_matmul is not None:
-        return ring_all_gather(x, axis_name, sequence_axis, collective_matmul)
-    return jax.lax.all_gather(x, axis_name, axis=sequence_axis, tiled=True)
+        return ring_all_gather(x, axis, sequence_dim, collective_matmul)
+    return jax.lax.all_gather(x, axis, axis=sequence_dim, tiled=True)
 
 
-def row_reduce(partial: jax.Array, axis_name: AxisName, sequence_axis: int | None = None) -> jax.Array:
-    """This device's partial products summed over ``axis_name`` (*g*: identity backward), or
-    reduce-scattered along ``sequence_axis`` so each device leaves with its slice of it (where
+@renamed_keywords("tp.pieces.row_reduce")
+def row_reduce(partial: jax.Array, axis: AxisName, sequence_dim: int | None = None) -> jax.Array:
+    """This device's partial products summed over ``axis`` (*g*: identity backward), or
+    reduce-scattered along ``sequence_dim`` so each device leaves with its slice of it (where
     dropout draws its mask by sequence slice: :mod:`fsdp_tp.dropout`)."""
-    if sequence_axis is None:
+    if sequence_dim is None:
         split_after({})  # summed: the same on every device of the axis
-        return reduce_from_axis(partial, axis_name)
-    out = jax.lax.psum_scatter(partial, axis_name, scatter_dimension=sequence_axis, tiled=True)
-    split_after({sequence_axis - partial.ndim: axis_name}, out.shape)
+        return reduce_from_axis(partial, axis)
+    out = jax.lax.psum_scatter(partial, axis, scatter_dimension=sequence_dim, tiled=True)
+    split_after({sequence_dim - partial.ndim: axis}, out.shape)
     return out
 
 
+@renamed_keywords("tp.pieces.add_bias_once")
 def add_bias_once(
-    y: jax.Array, bias: jax.Array | None, axis_name: AxisName, sequence_parallel: bool = False, dtype=None
+    y: jax.Array, bias: jax.Array | None, axis: AxisName, sequence_dim: int | None = None, dtype=None
 ) -> jax.Array:
     """``y + bias`` after the row reduction, so the bias counts once, in ``dtype`` (default:
-    the promoted type, as ``nn.Dense`` adds it). In sequence-parallel mode ``y`` is a slice
-    of the sequence and the bias's gradient a partial sum: *f* completes it over the axis."""
+    the promoted type, as ``nn.Dense`` adds it). With ``y`` split along ``sequence_dim`` over
+    ``axis`` (sequence parallelism) the bias's gradient is a partial sum: *f* completes it."""
+    if isinstance(sequence_dim, bool):  # (0.2's `sequence_parallel` flag, passed by position)
+        (row,) = (r for r in RENAMED if r.owner == "tp.pieces.add_bias_once" and r.old == "sequence_parallel")
+        warn(DeprecationWarning(row.message(sequence_dim)))
+        sequence_dim = row.value(sequence_dim)
     if bias is None:
         return y
-    if sequence_parallel:
-        bias = copy_to_axis(bias, axis_name)
+    if sequence_dim is not None:
+        bias = copy_to_axis(bias, axis)
     dtype = dtype or jnp.result_type(y, bias)
     return y.astype(dtype) + bias.astype(dtype)
 
 
+@renamed_keywords("tp.pieces.kept_block")
 def kept_block(
     param: jax.Array,
     dim: int,
     blocks: int,
-    axis_name: AxisName,
+    axis: AxisName,
     where: str = "kept_block",
     what: str = "blocks",
 ) -> jax.Array:
-    """This device's block of ``param``, whole on every device of ``axis_name``, cut in
+    """This device's block of ``param``, whole on every device of ``axis``, cut in
     ``blocks`` along ``dim``: ``blocks / size`` of them from block ``t * blocks // size`` on
     device t, or that one block where the axis is larger (grouped-query attention with fewer
     kv heads than devices: device t's query heads read kv head ``t * K // size``). Read
@@ -167,20 +177,21 @@ def kept_block(
     <BLANKLINE>
            [[20.]]], dtype=float32)
     """
-    size = jax.lax.axis_size(axis_name)
-    require_kept_blocks(where, what, blocks, axis_name, size)
-    start = jax.lax.axis_index(axis_name) * blocks // size
-    whole = copy_to_axis(param, axis_name)
+    size = jax.lax.axis_size(axis)
+    require_kept_blocks(where, what, blocks, axis, size)
+    start = jax.lax.axis_index(axis) * blocks // size
+    whole = copy_to_axis(param, axis)
     width = param.shape[dim] // blocks
     return jax.lax.dynamic_slice_in_dim(whole, start * width, max(1, blocks // size) * width, dim)
 
 
-def require_kept_blocks(where: str, what: str, blocks: int, axis_name: AxisName, size: int) -> None:
-    """Raises ``IndivisibleShapeError`` unless each device of ``axis_name`` (``size``) reads whole
+@renamed_keywords("tp.pieces.require_kept_blocks")
+def require_kept_blocks(where: str, what: str, blocks: int, axis: AxisName, size: int) -> None:
+    """Raises ``IndivisibleShapeError`` unless each device of ``axis`` (``size``) reads whole
     blocks of ``blocks`` kept whole (:func:`kept_block`): the axis divides them, or they
     divide the axis (each block read by a whole group of devices)."""
-    axis, fix = axis_text(axis_name), f"a {axis_name!r} size that divides {blocks} or that {blocks} divides"
+    said, fix = axis_text(axis), f"a {axis!r} size that divides {blocks} or that {blocks} divides"
     if blocks >= size:
-        require_divisible(where, what, blocks, axis, size, fix)
+        require_divisible(where, what, blocks, said, size, fix)
     else:
         require_divisible(where, f"the size of {axis}", size, what, blocks, fix)

@@ -8,9 +8,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ..._aliases import DEPRECATED, RenamedFields, aliases_of
+from ..._aliases import aliases_of
 from ..._axes import TENSOR, require_axes
 from ..._layout import require_divisible
+from ..._renamed import DEPRECATED, RenamedFields
 from ..._tree import module_path
 
 # Re-exported from where they live, the framework-free fsdp_tp.attention.

@@ -9,8 +9,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ..._aliases import DEPRECATED, RenamedFields
 from ..._axes import TENSOR
+from ..._renamed import DEPRECATED, RenamedFields
 from .dense import ColumnParallelDense, RowParallelDense
 
 __all__ = ["MLPBlock"]

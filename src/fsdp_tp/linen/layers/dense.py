@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from ..._aliases import DEPRECATED, RenamedFields
 from ..._axes import TENSOR, require_axes
 from ..._layout import check_fit, sliced_init
+from ..._renamed import DEPRECATED, RenamedFields
 from ..._tree import module_path
 from ...collective_matmul import RingChunks, require_mode
 from ...errors import warn

@@ -8,8 +8,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ..._aliases import DEPRECATED, RenamedFields, aliases_of
+from ..._aliases import aliases_of
 from ..._axes import TENSOR
+from ..._renamed import DEPRECATED, RenamedFields
 from ..._tree import module_path
 from ...tp import Layer, VocabParallel
 from .dense import split_names, split_param
