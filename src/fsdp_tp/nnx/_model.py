@@ -32,7 +32,7 @@ from ._check import PlanChecks, checked_class
 from ._constructor import _CALLER, built, require_constructor, scan_errors_named
 from ._dropout import exact_dropouts
 from ._layers import path_text
-from ._specs import Layouts, storage_specs
+from ._specs import Placements, storage_specs
 from ._state import (
     Path,
     flat_tree,
@@ -78,7 +78,7 @@ class ShardedModel:
         if warning := unmatched_warning(self._rules, used, paths, _CALLER):
             warn(warning)
         self._checks = PlanChecks(self, inputs)
-        self._layouts = Layouts(abstract, storage, tp_rules, inputs, _CALLER, self._checks.attempt)
+        self._layouts = Placements(abstract, storage, tp_rules, inputs, _CALLER, self._checks.attempt)
 
     @property
     def specs(self) -> dict[Path, PartitionSpec]:

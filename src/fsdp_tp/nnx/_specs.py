@@ -1,5 +1,5 @@
-"""Where an NNX model's parameters live, for one set of tp rules: :class:`Layout`, and the
-layouts ``tp_rules="auto"`` finds per tensor-axis size (:class:`Layouts`).
+"""Where an NNX model's parameters live, for one set of tp rules: :class:`Placement`, and the
+layouts ``tp_rules="auto"`` finds per tensor-axis size (:class:`Placements`).
 
 The storage rules give each parameter a spec once (:class:`~fsdp_tp.nnx.ShardedModel`); the
 tp rules' roles add their splits to it. Explicit rules give one layout, fixed when the model
@@ -26,7 +26,7 @@ from ._layers import Path, path_text
 from ._tp import role_plan
 from ._traced import traced
 
-__all__ = ["Layout", "Layouts", "storage_specs"]
+__all__ = ["Placement", "Placements", "storage_specs"]
 
 
 def _annotation(variable: nnx.Variable, logical_axis_rules) -> PartitionSpec | None:
@@ -63,7 +63,7 @@ def storage_specs(params: list, rules, default, logical_axis_rules) -> tuple[dic
     return storage, used
 
 
-class Layout:
+class Placement:
     """``specs`` (parameter path -> its storage spec with its role's split), ``gathered`` (the
     axes each is gathered over where read: all its spec names but the one its role computes
     its slice over), ``roles`` (:class:`~fsdp_tp.tp._role_plan.RolePlan`) and ``first_split`` (the
@@ -87,7 +87,7 @@ class Layout:
         )
 
 
-class Layouts:
+class Placements:
     """The layout of each tensor-axis size: the one of explicit ``tp_rules``, built here (a
     wrong rule is named before anything runs), or under ``"auto"`` the model's call traced
     here once on ``inputs``, and per size the plan found (:attr:`plans`) and its layout."""
@@ -104,9 +104,9 @@ class Layouts:
         if self.auto:
             self._graph, self._layers = traced(abstract, tuple(inputs), {})
         else:
-            self._layouts[None] = Layout(abstract, storage, tp_rules, caller)
+            self._layouts[None] = Placement(abstract, storage, tp_rules, caller)
 
-    def __call__(self) -> Layout:
+    def __call__(self) -> Placement:
         """The layout for the bound tensor axis's size (``None`` where the mesh has none: the
         roles then name the missing axis at init); outside the step, the one found so far."""
         if not self.auto:
@@ -120,19 +120,19 @@ class Layouts:
             plan = find(FindCall(self._caller, lambda: (self._graph, self._layers), attempt), sizes)
             self.plans[sizes.size] = plan
             warn_left_whole(plan, sizes.size, self._caller, sizes.axis, sizes.expert_size)
-            self._layouts[key] = Layout(self._abstract, self._storage, plan, self._caller)
+            self._layouts[key] = Placement(self._abstract, self._storage, plan, self._caller)
         return self._layouts[key]
 
     def _attempt_with(self, key: tuple, plan: TPPlan) -> None:
         """The model under ``plan`` traced on ``inputs=``, which checks it (the layout for
         ``key`` is ``plan``'s while it runs)."""
-        self._layouts[key] = Layout(self._abstract, self._storage, plan, self._caller)
+        self._layouts[key] = Placement(self._abstract, self._storage, plan, self._caller)
         try:
             self._attempt(self._graph)  # (the unsharded call on inputs=, traced once, here)
         finally:
             del self._layouts[key]
 
-    def _outside(self) -> Layout:
+    def _outside(self) -> Placement:
         if len(self._layouts) != 1:
             raise RuleError(
                 f"{self._caller}: with tp_rules='auto' the layout is the plan found for the tensor "

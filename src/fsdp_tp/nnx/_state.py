@@ -22,7 +22,7 @@ from .._types import AxisName, is_box
 from ..precision import MixedPrecision
 from ._layers import Path, path_text
 from ._read import FoldPlan, ReadPlan, on_read
-from ._specs import Layout
+from ._specs import Placement
 
 __all__ = [
     "Path",
@@ -77,7 +77,7 @@ def model_state_of(rest) -> dict:
 
 
 def param_variables(
-    params: list, flat: dict, layout: Layout, batch: frozenset, precision: MixedPrecision | None
+    params: list, flat: dict, layout: Placement, batch: frozenset, precision: MixedPrecision | None
 ) -> list:
     """``(path, Variable)`` of each parameter of the model (``params``: the abstract ones),
     holding its stored value from ``flat``: a block gathered where the model reads it, a
