@@ -11,6 +11,7 @@ from ._types import AxisName, AxisNames
 from .errors import UnboundAxisNameError
 
 __all__ = [
+    "CONTEXT",
     "TENSOR",
     "as_axis_tuple",
     "axes_named",
@@ -25,6 +26,7 @@ __all__ = [
 ]
 
 TENSOR = "tensor"  # the mesh axis tensor parallelism splits over unless told another (every default)
+CONTEXT = "context"  # the mesh axis context parallelism splits the sequence over, by default
 
 
 def as_axis_tuple(axes: AxisNames) -> tuple[AxisName, ...]:

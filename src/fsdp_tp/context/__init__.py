@@ -1,0 +1,12 @@
+"""Context parallelism: the sequence split over a ``context`` mesh axis, and attention computed
+across it, equal to the unsharded model's.
+
+:class:`SequenceSplit` lays a sequence out over the axis (balanced by default: every device
+does the same causal work); :func:`ring_attention` computes attention of a device's queries
+over every device's keys and values, passed round the ring.
+"""
+
+from ._ring import ring_attention
+from ._split import SequenceSplit
+
+__all__ = ["SequenceSplit", "ring_attention"]

@@ -1,0 +1,227 @@
+"""Ring attention over the ``context`` axis: :func:`ring_attention`.
+
+Each device keeps its queries; the keys and values (only the kv heads) go round the ring by
+``ppermute``, one hop a step, and each device merges the block it holds into a running softmax
+(:mod:`._blocks`), so no device ever holds more than one block of scores per head. The next
+hop's transfer is issued before the current block is computed, so the compiled schedule can
+overlap them. A block every entry of which is masked is skipped (``lax.cond``).
+
+The backward is a custom VJP that sends the keys and values round again, the other way, with the
+gradients of the visiting block's keys and values (accumulated by every device, in the softmax's
+dtype) one hop behind them and one hop more at the end, which brings each home. Per layer and device,
+with ``B`` sequences of ``S`` tokens over ``n`` devices, ``G`` kv heads of ``D`` dims, ``b``
+bytes an element (``b_acc`` accumulated):
+
+- forward: ``n-1`` hops of ``k`` and ``v``: ``2(n-1)/n · B·S·G·D·b``, as all-gathering them;
+- backward: ``k`` and ``v`` again, plus ``n`` hops of their gradients:
+  ``2(n-1)/n · B·S·G·D·b + 2 · B·S·G·D·b_acc``.
+
+Segment ids (packed documents) are all-gathered once a call (``B·S`` integers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from .._axes import CONTEXT, require_axes
+from ..errors import IndivisibleShapeError
+from . import _blocks
+from ._split import SequenceSplit
+
+__all__ = ["ring_attention"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    split: SequenceSplit
+    causal: bool
+    scale: float
+
+
+def ring_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None = None,
+    *,
+    axis: str = CONTEXT,
+    causal: bool = True,
+    balanced: bool = True,
+    scale: float | None = None,
+) -> jax.Array:
+    """Softmax attention of this device's queries ``q`` ``(B, L, H, D)`` over the whole
+    sequence's keys and values, of which this device holds ``k``, ``v`` ``(B, L, G, D)`` (``H``
+    a multiple of ``G``: grouped-query attention, each kv head sent once). Call inside
+    ``jax.shard_map`` with the sequence split over ``axis`` as :class:`SequenceSplit` lays it
+    out (``balanced``: zigzag, the default; else contiguous). ``segment_ids`` ``(B, L)``: each
+    token's document (a query sees keys of its own document only; 0 is padding, which no query
+    sees and whose output is 0). The softmax is in float32 (float64 inputs: float64).
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from fsdp_tp import make_mesh
+    >>> from fsdp_tp.attention import attend
+    >>> mesh = make_mesh({"context": 4}, devices=jax.devices()[:4])
+    >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 2, 16, 4, 8))   # 16 tokens, 4 heads
+    >>> from fsdp_tp.context import SequenceSplit
+    >>> split = SequenceSplit()
+    >>> seq = P(None, "context")
+    >>> ring = jax.jit(jax.shard_map(ring_attention, mesh=mesh, in_specs=seq, out_specs=seq))
+    >>> out = split.from_devices(ring(*(split.to_devices(t, 1, 4) for t in (q, k, v))), 1, 4)
+    >>> bool(jnp.allclose(out, attend(q, k, v), atol=1e-5))
+    True
+    """
+    require_axes(axis, "ring_attention")
+    split = SequenceSplit(axis, balanced)
+    _require_shapes(q, k, v, segment_ids, split)
+    ring = _Ring(split, causal, q.shape[-1] ** -0.5 if scale is None else scale)
+    return _attention(ring, q, k, v, segment_ids)
+
+
+def _require_shapes(q, k, v, segment_ids, split: SequenceSplit) -> None:
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
+        raise ValueError(
+            f"ring_attention: q {q.shape}, k {k.shape}, v {v.shape}; pass q (batch, tokens, heads, dim) "
+            f"and k, v (batch, tokens, kv_heads, dim) of one shape."
+        )
+    (b, length, heads, dim), (_, k_length, groups, k_dim) = q.shape, k.shape
+    if k.shape[0] != b or k_length != length or k_dim != dim or heads % groups:
+        raise ValueError(
+            f"ring_attention: q {q.shape} and k, v {k.shape} do not fit: pass the same batch, tokens "
+            f"and head dim, and kv heads that divide the {heads} query heads."
+        )
+    if length % split.parts:
+        raise IndivisibleShapeError(
+            f"ring_attention: a device's {length} tokens do not cut into the {split.parts} chunks a "
+            f"balanced split gives it; pass a global length that 2·{split.axis} divides, or balanced=False."
+        )
+    if segment_ids is not None and segment_ids.shape != (b, length):
+        raise ValueError(
+            f"ring_attention: segment_ids {segment_ids.shape}; pass one document id per token, {(b, length)}."
+        )
+
+
+def _hop(x, axis: str, step: int = 1):
+    """One step round the ring: device ``j``'s ``x`` to device ``j + step``."""
+    n = jax.lax.axis_size(axis)
+    return jax.lax.ppermute(x, axis, [(j, (j + step) % n) for j in range(n)])
+
+
+# The backward runs the ring the other way. The same hops of the same k and v, XLA would merge
+# the two rings into one and keep every device's k and v from the forward to the backward: the
+# whole sequence's, where a device should hold one block at a time.
+_BACK = -1
+
+
+def _backward_hop(x, axis: str):
+    """The keys' and values' hop in the backward (its own name: a test breaks it alone)."""
+    return _hop(x, axis, _BACK)
+
+
+def _keys_of(ring: _Ring, source, n: int, length: int, segments_all):
+    """The indices ``(parts, c)`` and segment ids ``(B, parts, c)`` of device ``source``'s tokens."""
+    parts = ring.split.parts
+    index = ring.split.token_index(source, n, length).reshape(parts, length // parts)
+    if segments_all is None:
+        return index, None
+    segments = jax.lax.dynamic_index_in_dim(segments_all, source, 0, keepdims=False)
+    return index, segments.reshape(segments.shape[0], parts, -1)
+
+
+def _setup(ring: _Ring, q, segments):
+    axis, parts = ring.split.axis, ring.split.parts
+    n, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+    b, length = q.shape[:2]
+    segments_all = None if segments is None else jax.lax.all_gather(segments, axis)
+    q_index, q_segments = _keys_of(ring, me, n, length, segments_all)
+    if segments is not None:
+        q_segments = segments.reshape(b, parts, -1)
+    return n, me, q_index, q_segments, segments_all
+
+
+def _part(x, a: int):
+    return None if x is None else x[:, a]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(ring: _Ring, q, k, v, segments):
+    return _forward(ring, q, k, v, segments)[0]
+
+
+def _forward(ring: _Ring, q, k, v, segments):
+    axis, parts = ring.split.axis, ring.split.parts
+    b, length, heads, dim = q.shape
+    groups, c = k.shape[2], length // parts
+    n, me, q_index, q_segments, segments_all = _setup(ring, q, segments)
+    qs = q.reshape(b, parts, c, groups, heads // groups, dim)
+    states = [_blocks.empty(qs[:, a]) for a in range(parts)]
+    kv = (k, v)
+    for hop in range(n):
+        ahead = _hop(kv, axis) if hop < n - 1 else kv  # (issued before this block is computed)
+        k_index, k_segments = _keys_of(ring, (me - hop) % n, n, length, segments_all)
+        ks, vs = (t.reshape(b, parts, c, groups, dim) for t in kv)
+        for a in range(parts):
+            for p in range(parts):
+                mask = _blocks.causal_mask(
+                    q_index[a], k_index[p], _part(q_segments, a), _part(k_segments, p), ring.causal
+                )
+                block = functools.partial(_merged, qs[:, a], ks[:, p], vs[:, p], mask, ring.scale)
+                states[a] = jax.lax.cond(_blocks.live(mask), block, lambda state: state, states[a])
+        kv = ahead
+    finished = [_blocks.finish(state) for state in states]
+    out = jnp.stack([o for o, _ in finished], 1).reshape(q.shape).astype(q.dtype)
+    lse = jnp.stack([m for _, m in finished], 1)  # (B, parts, G, r, c)
+    return out, (q, k, v, segments, out, lse)
+
+
+def _merged(q, k, v, mask, scale, state):
+    return _blocks.merge(state, _blocks.forward(q, k, v, mask, scale))
+
+
+def _backward(ring: _Ring, residuals, g):
+    q, k, v, segments, out, lse = residuals
+    axis, parts = ring.split.axis, ring.split.parts
+    b, length, heads, dim = q.shape
+    groups, c = k.shape[2], length // parts
+    ct = _blocks.compute_dtype(q.dtype)
+    n, me, q_index, q_segments, segments_all = _setup(ring, q, segments)
+    shape = (b, parts, c, groups, heads // groups, dim)
+    qs, dos = q.reshape(shape), g.reshape(shape)
+    rows = (dos.astype(ct) * out.reshape(shape).astype(ct)).sum(-1)
+    delta = jnp.moveaxis(rows, 2, -1)  # (B, parts, G, r, c)
+    dq = [_blocks.empty(qs[:, a])[2] for a in range(parts)]
+    zeros = _blocks._typed_as(jnp.zeros((b, parts, c, groups, dim), ct), k)
+    kv, grads = (k, v), (zeros, zeros)
+    for hop in range(n):
+        ahead = _backward_hop(kv, axis) if hop < n - 1 else kv
+        k_index, k_segments = _keys_of(ring, (me - _BACK * hop) % n, n, length, segments_all)
+        ks, vs = (t.reshape(b, parts, c, groups, dim) for t in kv)
+        dks, dvs = [grads[0][:, p] for p in range(parts)], [grads[1][:, p] for p in range(parts)]
+        for a in range(parts):
+            for p in range(parts):
+                mask = _blocks.causal_mask(
+                    q_index[a], k_index[p], _part(q_segments, a), _part(k_segments, p), ring.causal
+                )
+                block = functools.partial(
+                    _added, qs[:, a], ks[:, p], vs[:, p], dos[:, a], lse[:, a], delta[:, a], mask, ring.scale
+                )
+                dq[a], dks[p], dvs[p] = jax.lax.cond(
+                    _blocks.live(mask), block, lambda sums: sums, (dq[a], dks[p], dvs[p])
+                )
+        grads = _hop((jnp.stack(dks, 1), jnp.stack(dvs, 1)), axis, _BACK)  # (behind k, v; home at the end)
+        kv = ahead
+    dq_all = jnp.stack(dq, 1).reshape(q.shape).astype(q.dtype)
+    dk, dv = (t.reshape(k.shape).astype(k.dtype) for t in grads)
+    return dq_all, dk, dv, None
+
+
+def _added(q, k, v, do, lse, delta, mask, scale, sums):
+    dq, dk, dv = _blocks.backward(q, k, v, do, lse, delta, mask, scale)
+    return sums[0] + dq, sums[1] + dk, sums[2] + dv
+
+
+_attention.defvjp(_forward, _backward)

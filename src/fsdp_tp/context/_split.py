@@ -1,0 +1,94 @@
+"""How a sequence is laid out over the ``context`` axis: :class:`SequenceSplit`.
+
+A contiguous split gives device ``i`` of ``n`` tokens ``[i·S/n, (i+1)·S/n)``: under a causal
+mask its queries see ``i + 1/2`` blocks of keys on average, so the last device does
+``(2n-1)/n`` of the mean work (1.875x at ``n = 8``). Balanced (zigzag), the sequence is cut in
+``2n`` chunks and device ``i`` holds chunks ``i`` and ``2n-1-i``: every device does the same
+work. Every per-token array of a batch (tokens, labels, positions, segment ids, loss weights)
+is laid out alike by :meth:`SequenceSplit.to_devices` on the way in and back by
+:meth:`SequenceSplit.from_devices`, so a user's batch and outputs stay in the order they wrote.
+
+>>> import jax.numpy as jnp
+>>> split = SequenceSplit(balanced=True)
+>>> split.to_devices(jnp.arange(8), dim=0, size=2).tolist()   # device 0: chunks 0, 3; device 1: 1, 2
+[0, 1, 6, 7, 2, 3, 4, 5]
+>>> split.from_devices(split.to_devices(jnp.arange(8), 0, 2), 0, 2).tolist()
+[0, 1, 2, 3, 4, 5, 6, 7]
+>>> split.token_index(1, 2, 4).tolist()    # device 1's tokens, in its local order
+[2, 3, 4, 5]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._axes import CONTEXT
+from ..errors import IndivisibleShapeError
+
+__all__ = ["SequenceSplit"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceSplit:
+    """The sequence split over mesh axis ``axis``: ``balanced`` (zigzag: device ``i`` of ``n``
+    holds chunks ``i`` and ``2n-1-i`` of ``2n``) or contiguous (chunk ``i`` of ``n``)."""
+
+    axis: str = CONTEXT
+    balanced: bool = True
+
+    @property
+    def parts(self) -> int:
+        """The chunks a device holds: 2 balanced, 1 contiguous."""
+        return 2 if self.balanced else 1
+
+    def chunks(self, size: int) -> int:
+        """The chunks the sequence is cut in over ``size`` devices."""
+        return self.parts * size
+
+    def chunk_of(self, device, part: int, size: int):
+        """The global chunk that is part ``part`` of ``device``'s tokens (``device`` may be
+        traced: ``jax.lax.axis_index``)."""
+        return device if part == 0 else 2 * size - 1 - device
+
+    def token_index(self, device, size: int, local: int) -> jax.Array:
+        """The global index in the sequence of each of ``device``'s ``local`` tokens, in its
+        local order (``device`` may be traced)."""
+        width = local // self.parts
+        return jnp.concatenate(
+            [self.chunk_of(device, part, size) * width + jnp.arange(width) for part in range(self.parts)]
+        )
+
+    def _order(self, size: int) -> np.ndarray:
+        """The global chunks in device order: device 0's parts, then device 1's, ..."""
+        return np.array([self.chunk_of(d, p, size) for d in range(size) for p in range(self.parts)])
+
+    def require_divides(self, length: int, size: int, where: str) -> None:
+        """Raises ``IndivisibleShapeError`` unless ``length`` tokens cut into whole chunks."""
+        chunks = self.chunks(size)
+        if length % chunks:
+            what = f"2·{self.axis} = {chunks} chunks (balanced)" if self.balanced else f"{chunks} devices"
+            fix = f"a length that {chunks} divides (pad to {-(-length // chunks) * chunks})"
+            also = "" if not self.balanced else ", or balanced=False (then a multiple of the axis size)"
+            raise IndivisibleShapeError(
+                f"{where}: a sequence of {length} tokens does not split into {what}; pass {fix}{also}."
+            )
+
+    def to_devices(self, x: jax.Array, dim: int, size: int) -> jax.Array:
+        """``x`` (a global array with the sequence on ``dim``) reordered so that splitting
+        ``dim`` evenly over the ``size`` devices gives each its chunks."""
+        return self._permute(x, dim, size, self._order(size))
+
+    def from_devices(self, x: jax.Array, dim: int, size: int) -> jax.Array:
+        """The inverse of :meth:`to_devices`: the sequence back in its order."""
+        return self._permute(x, dim, size, np.argsort(self._order(size)))
+
+    def _permute(self, x: jax.Array, dim: int, size: int, order: np.ndarray) -> jax.Array:
+        dim = dim % x.ndim
+        self.require_divides(x.shape[dim], size, "SequenceSplit")
+        chunks = self.chunks(size)
+        cut = x.reshape(*x.shape[:dim], chunks, x.shape[dim] // chunks, *x.shape[dim + 1 :])
+        return jnp.take(cut, order, axis=dim).reshape(x.shape)

@@ -1,0 +1,201 @@
+"""Issue 84: ring attention over the ``context`` axis equals the unsharded attention, and sends
+only the kv heads, the bytes the formulas say.
+
+Each case compiles once (``_compiled``, cached per mesh and layout) and runs on several inputs:
+document boundaries and padding are data, drawn by hypothesis, so the property costs one compile
+per layout. The oracle is dense softmax attention over the whole sequence, written here in
+float64, its mask the same rule (causal by token index; a document sees itself; 0 is padding).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
+
+import fsdp_tp
+from fsdp_tp.analysis import parse_collectives
+from fsdp_tp.context import SequenceSplit, ring_attention
+from fsdp_tp.context import _ring as ring_module
+from fsdp_tp.errors import IndivisibleShapeError, UnboundAxisNameError
+
+B, D = 2, 4
+
+
+def dense(q, k, v, segments, causal):
+    """Softmax attention over the whole sequence, k and v repeated per query head."""
+    heads, groups, length = q.shape[2], k.shape[2], q.shape[1]
+    k, v = jnp.repeat(k, heads // groups, axis=2), jnp.repeat(v, heads // groups, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    mask = jnp.ones((1, length, length), bool)
+    if causal:
+        mask = jnp.tril(mask)
+    if segments is not None:
+        mask = mask & (segments[:, :, None] == segments[:, None, :]) & (segments[:, None, :] != 0)
+    s = jnp.where(mask[:, None], s, -jnp.inf)
+    m = s.max(-1, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0))
+    total = p.sum(-1, keepdims=True)
+    p = jnp.where(total > 0, p / jnp.where(total > 0, total, 1), 0)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+@functools.cache
+def _compiled(cp: int, balanced: bool, causal: bool, segmented: bool, check_vma: bool = True):
+    """The ring's output and its vjp on global arrays (laid out and back), jitted once."""
+    mesh = fsdp_tp.make_mesh({"context": cp}, devices=jax.devices()[:cp])
+    split, seq = SequenceSplit(balanced=balanced), P(None, "context")
+
+    def attention(q, k, v, segments):
+        local = lambda q, k, v, s: ring_attention(q, k, v, s, causal=causal, balanced=balanced)
+        if not segmented:
+            local = functools.partial(lambda f, q, k, v: f(q, k, v, None), local)
+        specs = (seq,) * (4 if segmented else 3)
+        run = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=seq, check_vma=check_vma)
+        laid = [split.to_devices(t, 1, cp) for t in (q, k, v, *([segments] if segmented else []))]
+        return split.from_devices(run(*laid), 1, cp)
+
+    @jax.jit
+    def value_and_vjp(q, k, v, segments, cotangent):
+        out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, segments), q, k, v)
+        return out, vjp(cotangent)
+
+    return value_and_vjp
+
+
+def _inputs(length: int, heads: int, groups: int, seed: int = 0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (B, length, heads, D), jnp.float64)
+    k, v = (jax.random.normal(key, (B, length, groups, D), jnp.float64) for key in keys[1:3])
+    return q, k, v, jax.random.normal(keys[3], q.shape, jnp.float64)
+
+
+def _equal(cp, balanced, causal, heads, groups, segments=None, length=None, check_vma=True):
+    length = length or (segments.shape[1] if segments is not None else 8 * cp)
+    q, k, v, cotangent = _inputs(length, heads, groups)
+    run = _compiled(cp, balanced, causal, segments is not None, check_vma)
+    out, grads = run(q, k, v, segments, cotangent)
+    want, vjp = jax.vjp(lambda q, k, v: dense(q, k, v, segments, causal), q, k, v)
+    np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
+    for got, expected in zip(grads, vjp(cotangent), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-11, atol=1e-11)
+
+
+@pytest.mark.parametrize(
+    "cp, balanced, causal, heads, groups",
+    [(8, True, True, 4, 2), (4, True, False, 4, 1), (4, False, True, 2, 2), (2, True, True, 4, 4)],
+)
+def test_ring_attention_equals_the_unsharded_attention_and_its_gradients(cp, balanced, causal, heads, groups):
+    with jax.enable_x64(True):
+        _equal(cp, balanced, causal, heads, groups)
+
+
+def test_ring_attention_equals_unsharded_without_vma_checks():
+    with jax.enable_x64(True):
+        _equal(4, True, True, 4, 2, check_vma=False)
+
+
+@settings(max_examples=12, deadline=None)
+@given(data=st.data())
+def test_packed_documents_with_padding_equal_unsharded(data):
+    """Documents cut anywhere (across the chunks and devices), padding at the end: the ring's
+    output and gradients are the unsharded attention's, the layout compiled once."""
+    length, cp = 32, 4
+    rows = []
+    for _ in range(B):
+        cuts = sorted(data.draw(st.lists(st.integers(1, length - 1), max_size=5, unique=True)))
+        padding = data.draw(st.integers(0, 6))
+        ids = np.zeros(length, np.int32)
+        for doc, (start, end) in enumerate(zip([0, *cuts], [*cuts, length], strict=True)):
+            ids[start:end] = doc + 1
+        ids[length - padding :] = 0
+        rows.append(ids)
+    with jax.enable_x64(True):
+        _equal(cp, True, True, 4, 2, segments=jnp.asarray(np.stack(rows)))
+
+
+def test_negative_control_a_backward_that_keeps_the_first_hops_keys_is_caught(monkeypatch):
+    """diffusers#14265: the ring backward reusing stale K/V, no error, no NaN. The oracle sees it."""
+    monkeypatch.setattr(ring_module, "_backward_hop", lambda x, axis: x)
+    with jax.enable_x64(True):
+        q, k, v, cotangent = _inputs(16, 4, 2)
+        out, grads = _compiled.__wrapped__(4, True, True, False)(q, k, v, None, cotangent)  # (traced anew)
+        want, vjp = jax.vjp(lambda q, k, v: dense(q, k, v, None, True), q, k, v)
+        np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)  # (the forward is right)
+        assert not all(np.allclose(g, e, atol=1e-3) for g, e in zip(grads, vjp(cotangent), strict=True))
+
+
+def _permuted_bytes(
+    cp: int, heads: int, groups: int, backward: bool, repeat: bool = False
+) -> tuple[int, set]:
+    """The collective-permutes' bytes a device sends in one compiled ring attention (float32,
+    ``B`` sequences of ``8·cp`` tokens), forward or forward and backward, and the kinds of every
+    collective the program holds. ``repeat``: k and v repeated to the query heads first."""
+    mesh = fsdp_tp.make_mesh({"context": cp}, devices=jax.devices()[:cp])
+    seq, length = P(None, "context"), 8 * cp
+
+    def local(q, k, v, cotangent):
+        if repeat:
+            k, v = (jnp.repeat(t, heads // groups, axis=2) for t in (k, v))
+        out, vjp = jax.vjp(ring_attention, q, k, v)
+        return (out, vjp(cotangent)) if backward else out
+
+    outs = (seq, (seq, seq, seq)) if backward else seq
+    run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(seq,) * 4, out_specs=outs))
+    q = jax.ShapeDtypeStruct((B, length, heads, D), jnp.float32)
+    kv = jax.ShapeDtypeStruct((B, length, groups, D), jnp.float32)
+    collectives = parse_collectives(run.lower(q, kv, kv, q).compile().as_text())
+    sent = sum(c.wire_bytes for c in collectives if c.kind == "collective-permute")
+    return sent, {c.kind for c in collectives}
+
+
+@pytest.mark.parametrize("cp, heads, groups", [(4, 4, 2), (8, 8, 2)])
+def test_the_ring_sends_the_kv_heads_the_formulas_say_and_gathers_nothing(cp, heads, groups):
+    """Forward: ``2(n-1)/n · B·S·G·D·b`` (the all-gather's bytes, in ``n-1`` hops); backward: the
+    same again plus ``n`` hops of the gradients' accumulators, ``2·B·S·G·D·b_acc``."""
+    length, b = 8 * cp, 4
+    kv_bytes = B * length * groups * D * b  # one of k, v over the whole sequence
+    forward, kinds = _permuted_bytes(cp, heads, groups, backward=False)
+    assert forward == 2 * (cp - 1) * kv_bytes // cp and kinds == {"collective-permute"}
+    both, kinds = _permuted_bytes(cp, heads, groups, backward=True)
+    assert both == 2 * forward + 2 * kv_bytes and kinds == {"collective-permute"}
+    # (negative control, torchtitan#1283) k and v repeated to the query heads: H/G the bytes
+    repeated, _ = _permuted_bytes(cp, heads, groups, backward=False, repeat=True)
+    assert repeated == forward * heads // groups != forward
+
+
+def test_a_sequence_the_split_cannot_take_is_refused_with_a_fix_that_works():
+    balanced = SequenceSplit()
+    said = r"SequenceSplit: a sequence of 20 tokens does not split into 2·context = 8 chunks .* \(pad to 24\)"
+    with pytest.raises(IndivisibleShapeError, match=said + r", or balanced=False"):
+        balanced.to_devices(jnp.arange(20), 0, 4)
+    assert sorted(balanced.to_devices(jnp.arange(24), 0, 4).tolist()) == list(range(24))  # padded
+    assert SequenceSplit(balanced=False).to_devices(jnp.arange(20), 0, 4).tolist() == list(range(20))
+
+
+def test_ring_attention_names_what_it_cannot_take_and_the_fix_runs():
+    mesh = fsdp_tp.make_mesh({"context": 2}, devices=jax.devices()[:2])
+    seq = P(None, "context")
+    q, kv = jnp.ones((1, 6, 2, 4)), jnp.ones((1, 6, 1, 4))  # 3 tokens a device
+
+    def run(f, *args):
+        return jax.shard_map(f, mesh=mesh, in_specs=(seq,) * len(args), out_specs=seq)(*args)
+
+    with pytest.raises(
+        IndivisibleShapeError, match=r"a device's 3 tokens do not cut into the 2 chunks .* balanced=False"
+    ):
+        run(ring_attention, q, kv, kv)
+    contiguous = functools.partial(ring_attention, balanced=False)
+    assert run(contiguous, q, kv, kv).shape == q.shape
+    with pytest.raises(ValueError, match=r"segment_ids \(1, 2\); pass one document id per token, \(1, 3\)"):
+        run(lambda q, k, v, s: contiguous(q, k, v, s[:, :2]), q, kv, kv, jnp.ones((1, 6), jnp.int32))
+    with pytest.raises(ValueError, match=r"kv heads that divide the 2 query heads"):
+        run(contiguous, q, jnp.ones((1, 6, 3, 4)), jnp.ones((1, 6, 3, 4)))
+    with pytest.raises(UnboundAxisNameError, match="context"):
+        ring_attention(q, kv, kv)  # (outside shard_map)
