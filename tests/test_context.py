@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 from fsdp_tp.analysis import parse_collectives
-from fsdp_tp.context import SequenceSplit, ring_attention
+from fsdp_tp.context import SequenceSplit, blocks_run, ring_attention
 from fsdp_tp.context import _ring as ring_module
 from fsdp_tp.errors import IndivisibleShapeError, UnboundAxisNameError
 
@@ -155,7 +155,7 @@ def _permuted_bytes(
     return sent, {c.kind for c in collectives}
 
 
-@pytest.mark.parametrize("cp, heads, groups", [(4, 4, 2), (8, 8, 2)])
+@pytest.mark.parametrize("cp, heads, groups", [(2, 4, 2), (4, 4, 2), (8, 8, 2)])
 def test_the_ring_sends_the_kv_heads_the_formulas_say_and_gathers_nothing(cp, heads, groups):
     """Forward: ``2(n-1)/n · B·S·G·D·b`` (the all-gather's bytes, in ``n-1`` hops); backward: the
     same again plus ``n`` hops of the gradients' accumulators, ``2·B·S·G·D·b_acc``."""
@@ -199,3 +199,39 @@ def test_ring_attention_names_what_it_cannot_take_and_the_fix_runs():
         run(contiguous, q, jnp.ones((1, 6, 3, 4)), jnp.ones((1, 6, 3, 4)))
     with pytest.raises(UnboundAxisNameError, match="context"):
         ring_attention(q, kv, kv)  # (outside shard_map)
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_the_balanced_split_gives_every_device_the_same_causal_work(cp):
+    """Zigzag: ``2cp + 1`` blocks of ``(S/2cp)²`` scores on every device (max/mean 1); the
+    contiguous split: device i runs ``i + 1`` blocks of ``(S/cp)²``, max/mean ``2cp/(cp+1)``."""
+    length = 16 * cp
+    balanced, contiguous = blocks_run(cp, length), blocks_run(cp, length, balanced=False)
+    assert balanced == [2 * cp + 1] * cp
+    assert contiguous == list(range(1, cp + 1))
+    assert max(contiguous) / np.mean(contiguous) == 2 * cp / (cp + 1)
+    # (full attention: every block on every device, nothing skipped)
+    assert blocks_run(cp, length, causal=False) == [4 * cp] * cp
+
+
+def test_a_devices_temporaries_fall_faster_than_one_over_cp():
+    """The compiled forward and backward's temporaries for S tokens at cp = k are under 1/k of
+    cp = 1's (the scores' blocks are (S/2k)²); all-gathered k, v hold (S/k)·S scores a head."""
+    from fsdp_tp.bench.context_rows import temp_bytes
+
+    ring = {cp: temp_bytes("ring", cp, 1024) for cp in (1, 2, 4, 8)}
+    assert all(ring[cp] < ring[1] / cp for cp in (2, 4, 8)), ring
+    # (negative control) the all-gathered baseline at cp 8 holds more than the ring at cp 1 / 8
+    assert temp_bytes("gathered", 8, 1024) > ring[1] / 8
+
+
+def test_the_benchmarks_long_sequence_section_at_small_sizes():
+    """The section ``fsdp-tp bench`` writes, on small sizes: every figure the page reports."""
+    from fsdp_tp.bench.context_rows import context_costs, context_section
+
+    measured = context_costs(3, 1, lengths=(256,), cps=(1, 2), timed=(2, 256))
+    text = context_section(measured)
+    assert measured.sent[2][0] == measured.sent[2][1] and "| cp 2 | 0.26 | 0.26 | 1.00 |" in text, text
+    assert measured.work[2] == ([5, 5], [1, 2]) and "| cp 2 | [5, 5] | 1.00 | [1, 2] | 1.33 |" in text
+    assert measured.longest[("ring", 2)] >= measured.longest[("ring", 1)] > 0
+    assert "ring ÷ all-gathered" in text and len(measured.times["ring"]) == 3

@@ -16,6 +16,7 @@ from typing import TextIO
 import jax
 
 from .auto_rows import auto_costs, auto_section
+from .context_rows import context_costs, context_section
 from .figures import Figures, build_seconds, compile_seconds, exact_figures, median, step_seconds
 from .llama_rows import llama_costs, llama_section
 from .moe_rows import moe_costs, moe_section
@@ -140,6 +141,8 @@ def run_benchmarks(
     print("auto: the plan found on 32-layer models", file=out, flush=True)
     moe = moe_costs(blocks, steps)
     print("moe: expert parallelism vs experts stored split measured", file=out, flush=True)
+    context = context_costs(blocks, steps)
+    print("context: ring attention vs all-gathered k, v measured", file=out, flush=True)
     wires = [wire(label) for label in POLICIES]
     wire_times = timed_steps(wires, blocks, steps)
     losses = {
@@ -175,7 +178,7 @@ def run_benchmarks(
     text = markdown(results, titles, times, compile_times, _header(argv), paths, build_times)
     text += _overhead_section(overhead) + optimizer_section(costs) + nnx_section(nnx) + llama_section(llama)
     text += auto_section(found) + precision_section(wires, wire_times) + training_section(losses, _STEPS)
-    text += moe_section(moe)
+    text += moe_section(moe) + context_section(context)
     (out_dir / "benchmarks.md").write_text(text)
     if readme is not None and "gpt" in results:
         replace_headline(readme, headline(results, times))

@@ -6,7 +6,7 @@ does the same causal work); :func:`ring_attention` computes attention of a devic
 over every device's keys and values, passed round the ring.
 """
 
-from ._ring import ring_attention
+from ._ring import blocks_run, ring_attention
 from ._split import SequenceSplit
 
-__all__ = ["SequenceSplit", "ring_attention"]
+__all__ = ["SequenceSplit", "blocks_run", "ring_attention"]

@@ -6,11 +6,11 @@ Each device keeps its queries; the keys and values (only the kv heads) go round 
 hop's transfer is issued before the current block is computed, so the compiled schedule can
 overlap them. A block every entry of which is masked is skipped (``lax.cond``).
 
-The backward is a custom VJP that sends the keys and values round again, the other way, with the
-gradients of the visiting block's keys and values (accumulated by every device, in the softmax's
-dtype) one hop behind them and one hop more at the end, which brings each home. Per layer and device,
-with ``B`` sequences of ``S`` tokens over ``n`` devices, ``G`` kv heads of ``D`` dims, ``b``
-bytes an element (``b_acc`` accumulated):
+The backward is a custom VJP that sends the keys and values round again (not kept from the
+forward: :func:`_backward_hop`), with the gradients of the visiting block's keys and values
+(accumulated by every device, in the softmax's dtype) one hop behind them and one hop more at
+the end, which brings each home. Per layer and device, with ``B`` sequences of ``S`` tokens
+over ``n`` devices, ``G`` kv heads of ``D`` dims, ``b`` bytes an element (``b_acc`` accumulated):
 
 - forward: ``n-1`` hops of ``k`` and ``v``: ``2(n-1)/n · B·S·G·D·b``, as all-gathering them;
 - backward: ``k`` and ``v`` again, plus ``n`` hops of their gradients:
@@ -32,7 +32,7 @@ from ..errors import IndivisibleShapeError
 from . import _blocks
 from ._split import SequenceSplit
 
-__all__ = ["ring_attention"]
+__all__ = ["blocks_run", "ring_attention"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,21 +105,19 @@ def _require_shapes(q, k, v, segment_ids, split: SequenceSplit) -> None:
         )
 
 
-def _hop(x, axis: str, step: int = 1):
-    """One step round the ring: device ``j``'s ``x`` to device ``j + step``."""
+def _hop(x, axis: str):
+    """One step round the ring: device ``j``'s ``x`` to device ``j + 1``."""
     n = jax.lax.axis_size(axis)
-    return jax.lax.ppermute(x, axis, [(j, (j + step) % n) for j in range(n)])
+    return jax.lax.ppermute(x, axis, [(j, (j + 1) % n) for j in range(n)])
 
 
-# The backward runs the ring the other way. The same hops of the same k and v, XLA would merge
-# the two rings into one and keep every device's k and v from the forward to the backward: the
-# whole sequence's, where a device should hold one block at a time.
-_BACK = -1
-
-
-def _backward_hop(x, axis: str):
-    """The keys' and values' hop in the backward (its own name: a test breaks it alone)."""
-    return _hop(x, axis, _BACK)
+def _backward_hop(kv: tuple, axis: str) -> tuple:
+    """The keys' and values' hop in the backward (its own name: a test breaks it alone), the two
+    sent as one array. The forward's hops of the same k and v, XLA would merge the two rings
+    (CSE; an ``optimization_barrier`` did not stop it on CPU) and keep every device's k and v
+    from the forward to the backward: the whole sequence's, where a device holds one block."""
+    k, v = _hop(jnp.stack(kv), axis)
+    return k, v
 
 
 def _keys_of(ring: _Ring, source, n: int, length: int, segments_all):
@@ -147,6 +145,45 @@ def _part(x, a: int):
     return None if x is None else x[:, a]
 
 
+def _visiting(ring: _Ring, source, n: int, length: int, q_index, q_segments, segments_all):
+    """Each ``(query part, key part, mask)`` of the block device ``source``'s keys make with
+    this device's queries: what the forward, the backward and :func:`blocks_run` go through."""
+    k_index, k_segments = _keys_of(ring, source, n, length, segments_all)
+    return [
+        (
+            a,
+            p,
+            _blocks.causal_mask(
+                q_index[a], k_index[p], _part(q_segments, a), _part(k_segments, p), ring.causal
+            ),
+        )
+        for a in range(ring.split.parts)
+        for p in range(ring.split.parts)
+    ]
+
+
+def blocks_run(size: int, length: int, causal: bool = True, balanced: bool = True) -> list[int]:
+    """The blocks of scores each of ``size`` devices computes for a sequence of ``length``
+    tokens (one document), a block wholly masked skipped: the ring's own schedule, counted.
+    A block is ``(length / size / parts)²`` entries (``parts``: 2 balanced, 1 contiguous).
+
+    >>> blocks_run(4, 64), blocks_run(4, 64, balanced=False)   # zigzag: the same work everywhere
+    ([9, 9, 9, 9], [1, 2, 3, 4])
+    """
+    ring, local = _Ring(SequenceSplit(balanced=balanced), causal, 1.0), length // size
+    ran = []
+    for me in range(size):
+        q_index = ring.split.token_index(me, size, local).reshape(ring.split.parts, -1)
+        ran.append(
+            sum(
+                int(_blocks.live(mask))
+                for hop in range(size)
+                for _, _, mask in _visiting(ring, (me - hop) % size, size, local, q_index, None, None)
+            )
+        )
+    return ran
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(ring: _Ring, q, k, v, segments):
     return _forward(ring, q, k, v, segments)[0]
@@ -162,15 +199,10 @@ def _forward(ring: _Ring, q, k, v, segments):
     kv = (k, v)
     for hop in range(n):
         ahead = _hop(kv, axis) if hop < n - 1 else kv  # (issued before this block is computed)
-        k_index, k_segments = _keys_of(ring, (me - hop) % n, n, length, segments_all)
         ks, vs = (t.reshape(b, parts, c, groups, dim) for t in kv)
-        for a in range(parts):
-            for p in range(parts):
-                mask = _blocks.causal_mask(
-                    q_index[a], k_index[p], _part(q_segments, a), _part(k_segments, p), ring.causal
-                )
-                block = functools.partial(_merged, qs[:, a], ks[:, p], vs[:, p], mask, ring.scale)
-                states[a] = jax.lax.cond(_blocks.live(mask), block, lambda state: state, states[a])
+        for a, p, mask in _visiting(ring, (me - hop) % n, n, length, q_index, q_segments, segments_all):
+            block = functools.partial(_merged, qs[:, a], ks[:, p], vs[:, p], mask, ring.scale)
+            states[a] = jax.lax.cond(_blocks.live(mask), block, lambda state: state, states[a])
         kv = ahead
     finished = [_blocks.finish(state) for state in states]
     out = jnp.stack([o for o, _ in finished], 1).reshape(q.shape).astype(q.dtype)
@@ -198,21 +230,17 @@ def _backward(ring: _Ring, residuals, g):
     kv, grads = (k, v), (zeros, zeros)
     for hop in range(n):
         ahead = _backward_hop(kv, axis) if hop < n - 1 else kv
-        k_index, k_segments = _keys_of(ring, (me - _BACK * hop) % n, n, length, segments_all)
+        source = (me - hop) % n
         ks, vs = (t.reshape(b, parts, c, groups, dim) for t in kv)
         dks, dvs = [grads[0][:, p] for p in range(parts)], [grads[1][:, p] for p in range(parts)]
-        for a in range(parts):
-            for p in range(parts):
-                mask = _blocks.causal_mask(
-                    q_index[a], k_index[p], _part(q_segments, a), _part(k_segments, p), ring.causal
-                )
-                block = functools.partial(
-                    _added, qs[:, a], ks[:, p], vs[:, p], dos[:, a], lse[:, a], delta[:, a], mask, ring.scale
-                )
-                dq[a], dks[p], dvs[p] = jax.lax.cond(
-                    _blocks.live(mask), block, lambda sums: sums, (dq[a], dks[p], dvs[p])
-                )
-        grads = _hop((jnp.stack(dks, 1), jnp.stack(dvs, 1)), axis, _BACK)  # (behind k, v; home at the end)
+        for a, p, mask in _visiting(ring, source, n, length, q_index, q_segments, segments_all):
+            block = functools.partial(
+                _added, qs[:, a], ks[:, p], vs[:, p], dos[:, a], lse[:, a], delta[:, a], mask, ring.scale
+            )
+            dq[a], dks[p], dvs[p] = jax.lax.cond(
+                _blocks.live(mask), block, lambda sums: sums, (dq[a], dks[p], dvs[p])
+            )
+        grads = _hop((jnp.stack(dks, 1), jnp.stack(dvs, 1)), axis)  # (behind k, v; home at the end)
         kv = ahead
     dq_all = jnp.stack(dq, 1).reshape(q.shape).astype(q.dtype)
     dk, dv = (t.reshape(k.shape).astype(k.dtype) for t in grads)
