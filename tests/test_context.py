@@ -21,8 +21,9 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 from fsdp_tp.analysis import parse_collectives
-from fsdp_tp.context import SequenceSplit, blocks_run, ring_attention
+from fsdp_tp.context import SequenceSplit, blocks_run, ring_attention, ring_or_all_to_all
 from fsdp_tp.context import _ring as ring_module
+from fsdp_tp.context import attention as across
 from fsdp_tp.errors import IndivisibleShapeError, UnboundAxisNameError
 
 B, D = 2, 4
@@ -47,13 +48,15 @@ def dense(q, k, v, segments, causal):
 
 
 @functools.cache
-def _compiled(cp: int, balanced: bool, causal: bool, segmented: bool, check_vma: bool = True):
-    """The ring's output and its vjp on global arrays (laid out and back), jitted once."""
+def _compiled(
+    cp: int, balanced: bool, causal: bool, segmented: bool, check_vma: bool = True, strategy="ring"
+):
+    """The attention's output and its vjp on global arrays (laid out and back), jitted once."""
     mesh = fsdp_tp.make_mesh({"context": cp}, devices=jax.devices()[:cp])
     split, seq = SequenceSplit(balanced=balanced), P(None, "context")
 
     def attention(q, k, v, segments):
-        local = lambda q, k, v, s: ring_attention(q, k, v, s, causal=causal, balanced=balanced)
+        local = lambda q, k, v, s: across(q, k, v, s, causal=causal, balanced=balanced, strategy=strategy)
         if not segmented:
             local = functools.partial(lambda f, q, k, v: f(q, k, v, None), local)
         specs = (seq,) * (4 if segmented else 3)
@@ -76,10 +79,10 @@ def _inputs(length: int, heads: int, groups: int, seed: int = 0):
     return q, k, v, jax.random.normal(keys[3], q.shape, jnp.float64)
 
 
-def _equal(cp, balanced, causal, heads, groups, segments=None, length=None, check_vma=True):
-    length = length or (segments.shape[1] if segments is not None else 8 * cp)
+def _equal(cp, balanced, causal, heads, groups, segments=None, check_vma=True, strategy="ring"):
+    length = segments.shape[1] if segments is not None else 8 * cp
     q, k, v, cotangent = _inputs(length, heads, groups)
-    run = _compiled(cp, balanced, causal, segments is not None, check_vma)
+    run = _compiled(cp, balanced, causal, segments is not None, check_vma, strategy)
     out, grads = run(q, k, v, segments, cotangent)
     want, vjp = jax.vjp(lambda q, k, v: dense(q, k, v, segments, causal), q, k, v)
     np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
@@ -101,6 +104,13 @@ def test_ring_attention_equals_unsharded_without_vma_checks():
         _equal(4, True, True, 4, 2, check_vma=False)
 
 
+@pytest.mark.parametrize("balanced", [True, False])
+def test_all_to_all_attention_equals_the_unsharded_attention_and_its_gradients(balanced):
+    """Ulysses: where cp divides the kv heads, the sequence split turned to a head split and back."""
+    with jax.enable_x64(True):
+        _equal(4, balanced, True, 8, 4, strategy="all_to_all")
+
+
 @settings(max_examples=12, deadline=None)
 @given(data=st.data())
 def test_packed_documents_with_padding_equal_unsharded(data):
@@ -117,7 +127,8 @@ def test_packed_documents_with_padding_equal_unsharded(data):
         ids[length - padding :] = 0
         rows.append(ids)
     with jax.enable_x64(True):
-        _equal(cp, True, True, 4, 2, segments=jnp.asarray(np.stack(rows)))
+        for strategy in ("ring", "all_to_all"):
+            _equal(cp, True, True, 8, 4, segments=jnp.asarray(np.stack(rows)), strategy=strategy)
 
 
 def test_negative_control_a_backward_that_keeps_the_first_hops_keys_is_caught(monkeypatch):
@@ -131,28 +142,27 @@ def test_negative_control_a_backward_that_keeps_the_first_hops_keys_is_caught(mo
         assert not all(np.allclose(g, e, atol=1e-3) for g, e in zip(grads, vjp(cotangent), strict=True))
 
 
-def _permuted_bytes(
-    cp: int, heads: int, groups: int, backward: bool, repeat: bool = False
-) -> tuple[int, set]:
-    """The collective-permutes' bytes a device sends in one compiled ring attention (float32,
-    ``B`` sequences of ``8·cp`` tokens), forward or forward and backward, and the kinds of every
-    collective the program holds. ``repeat``: k and v repeated to the query heads first."""
+def _sent(cp: int, heads: int, groups: int, backward: bool, repeat: bool = False, strategy="ring") -> dict:
+    """The bytes a device sends in one compiled attention across ``context`` (float32, ``B``
+    sequences of ``8·cp`` tokens), forward or forward and backward, by collective kind.
+    ``repeat``: k and v repeated to the query heads first."""
     mesh = fsdp_tp.make_mesh({"context": cp}, devices=jax.devices()[:cp])
     seq, length = P(None, "context"), 8 * cp
 
     def local(q, k, v, cotangent):
         if repeat:
             k, v = (jnp.repeat(t, heads // groups, axis=2) for t in (k, v))
-        out, vjp = jax.vjp(ring_attention, q, k, v)
+        out, vjp = jax.vjp(functools.partial(across, strategy=strategy), q, k, v)
         return (out, vjp(cotangent)) if backward else out
 
     outs = (seq, (seq, seq, seq)) if backward else seq
     run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(seq,) * 4, out_specs=outs))
     q = jax.ShapeDtypeStruct((B, length, heads, D), jnp.float32)
     kv = jax.ShapeDtypeStruct((B, length, groups, D), jnp.float32)
-    collectives = parse_collectives(run.lower(q, kv, kv, q).compile().as_text())
-    sent = sum(c.wire_bytes for c in collectives if c.kind == "collective-permute")
-    return sent, {c.kind for c in collectives}
+    sent: dict = {}
+    for c in parse_collectives(run.lower(q, kv, kv, q).compile().as_text()):
+        sent[c.kind] = sent.get(c.kind, 0) + c.wire_bytes
+    return sent
 
 
 @pytest.mark.parametrize("cp, heads, groups", [(2, 4, 2), (4, 4, 2), (8, 8, 2)])
@@ -161,13 +171,29 @@ def test_the_ring_sends_the_kv_heads_the_formulas_say_and_gathers_nothing(cp, he
     same again plus ``n`` hops of the gradients' accumulators, ``2·B·S·G·D·b_acc``."""
     length, b = 8 * cp, 4
     kv_bytes = B * length * groups * D * b  # one of k, v over the whole sequence
-    forward, kinds = _permuted_bytes(cp, heads, groups, backward=False)
-    assert forward == 2 * (cp - 1) * kv_bytes // cp and kinds == {"collective-permute"}
-    both, kinds = _permuted_bytes(cp, heads, groups, backward=True)
-    assert both == 2 * forward + 2 * kv_bytes and kinds == {"collective-permute"}
+    forward = 2 * (cp - 1) * kv_bytes // cp
+    assert _sent(cp, heads, groups, backward=False) == {"collective-permute": forward}
+    assert _sent(cp, heads, groups, backward=True) == {"collective-permute": 2 * forward + 2 * kv_bytes}
     # (negative control, torchtitan#1283) k and v repeated to the query heads: H/G the bytes
-    repeated, _ = _permuted_bytes(cp, heads, groups, backward=False, repeat=True)
-    assert repeated == forward * heads // groups != forward
+    repeated = _sent(cp, heads, groups, backward=False, repeat=True)
+    assert repeated == {"collective-permute": forward * heads // groups} != {"collective-permute": forward}
+
+
+def test_all_to_all_sends_the_bytes_the_formula_says_and_auto_picks_the_fewer():
+    """Forward ``2(n-1)/n² · B·S·D·(H+G)·b`` (q, k, v in, the output back), backward the same;
+    ``ring ÷ all-to-all = n·G/(H+G)``: 16/12 at n 4, H 8, G 4, where "auto" takes all-to-all."""
+    cp, heads, groups, length, b = 4, 8, 4, 32, 4
+    forward = 2 * (cp - 1) * B * length * D * (heads + groups) * b // cp**2
+    assert _sent(cp, heads, groups, backward=False, strategy="all_to_all") == {"all-to-all": forward}
+    assert _sent(cp, heads, groups, backward=True, strategy="all_to_all") == {"all-to-all": 2 * forward}
+    ring = _sent(cp, heads, groups, backward=False)["collective-permute"]
+    assert (
+        ring / forward == cp * groups / (heads + groups)
+        and ring_or_all_to_all(heads, groups, cp) == "all_to_all"
+    )
+    assert _sent(cp, heads, groups, backward=False, strategy="auto") == {"all-to-all": forward}
+    assert ring_or_all_to_all(heads, 2, cp) == "ring"  # (4 does not divide 2 kv heads)
+    assert ring_or_all_to_all(8, 4, 2) == "ring"  # (2·4 <= 8 + 4: the ring sends fewer)
 
 
 def test_a_sequence_the_split_cannot_take_is_refused_with_a_fix_that_works():
@@ -185,7 +211,7 @@ def test_ring_attention_names_what_it_cannot_take_and_the_fix_runs():
     q, kv = jnp.ones((1, 6, 2, 4)), jnp.ones((1, 6, 1, 4))  # 3 tokens a device
 
     def run(f, *args):
-        return jax.shard_map(f, mesh=mesh, in_specs=(seq,) * len(args), out_specs=seq)(*args)
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(seq,) * len(args), out_specs=seq))(*args)
 
     with pytest.raises(
         IndivisibleShapeError, match=r"a device's 3 tokens do not cut into the 2 chunks .* balanced=False"
@@ -229,9 +255,29 @@ def test_the_benchmarks_long_sequence_section_at_small_sizes():
     """The section ``fsdp-tp bench`` writes, on small sizes: every figure the page reports."""
     from fsdp_tp.bench.context_rows import context_costs, context_section
 
-    measured = context_costs(3, 1, lengths=(256,), cps=(1, 2), timed=(2, 256))
+    measured = context_costs(3, 1, lengths=(256,), cps=(1, 2), timed=(4, 256))
     text = context_section(measured)
     assert measured.sent[2][0] == measured.sent[2][1] and "| cp 2 | 0.26 | 0.26 | 1.00 |" in text, text
     assert measured.work[2] == ([5, 5], [1, 2]) and "| cp 2 | [5, 5] | 1.00 | [1, 2] | 1.33 |" in text
     assert measured.longest[("ring", 2)] >= measured.longest[("ring", 1)] > 0
-    assert "ring ÷ all-gathered" in text and len(measured.times["ring"]) == 3
+    assert "ring ÷ all-gathered" in text and "ring ÷ all-to-all" in text
+    assert [len(t) for t in measured.times.values()] == [3] * 4
+
+
+def test_all_to_all_where_the_axis_does_not_divide_the_kv_heads_is_refused_and_the_ring_runs():
+    mesh = fsdp_tp.make_mesh({"context": 4}, devices=jax.devices()[:4])
+    seq = P(None, "context")
+    q, kv = jnp.ones((1, 16, 4, 4)), jnp.ones((1, 16, 2, 4))
+    run = lambda strategy: jax.jit(
+        jax.shard_map(
+            functools.partial(across, strategy=strategy), mesh=mesh, in_specs=(seq,) * 3, out_specs=seq
+        )
+    )(q, kv, kv)
+    said = r"2 kv heads a device do not split over the 4 devices of 'context'; pass strategy='ring'"
+    with pytest.raises(IndivisibleShapeError, match=said):
+        run("all_to_all")
+    assert run("ring").shape == run("auto").shape == q.shape
+    with pytest.raises(
+        ValueError, match=r"strategy 'ulysses' is not one of \('ring', 'all_to_all', 'auto'\)"
+    ):
+        run("ulysses")

@@ -53,6 +53,7 @@ CORE = (
     "collectives._gather",
     "collectives._mean_grad_gather",
     "context",
+    "context._all_to_all",
     "context._blocks",
     "context._ring",
     "context._split",

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ..analysis import parse_collectives
-from ..context import blocks_run, ring_attention
+from ..context import all_to_all_attention, blocks_run, ring_attention
 from ..mesh import make_mesh
 from .figures import median
 from .report import spread
@@ -31,7 +31,8 @@ LENGTHS = (1024, 2048, 4096)
 CPS = (1, 2, 4, 8)
 BUDGET = 64 * 2**20  # per-device temporaries, for the longest sequence that fits
 LONGEST = 2**16  # (the search stops there)
-TIMED = (8, 4096)  # (cp, tokens) of the timed forward and backward
+TIMED = (8, 4096)  # (cp, tokens) of the timed forward and backward, ring against all-gathered
+ALL_TO_ALL_CP = 2  # (ring against all-to-all: a cp that divides the kv heads)
 
 
 def _gathered(q, k, v):
@@ -48,7 +49,8 @@ def _gathered(q, k, v):
 def _program(kind: str, cp: int, length: int):
     """The attention's forward and backward on ``cp`` devices, jitted, and its argument shapes."""
     mesh = make_mesh({"context": cp}, devices=jax.devices()[:cp])
-    seq, attention = P(None, "context"), ring_attention if kind == "ring" else _gathered
+    attention = {"ring": ring_attention, "all_to_all": all_to_all_attention, "gathered": _gathered}[kind]
+    seq = P(None, "context")
 
     def local(q, k, v, cotangent):
         _, vjp = jax.vjp(attention, q, k, v)
@@ -90,20 +92,21 @@ def _longest(kind: str, cp: int) -> int:
 
 def _sent(cp: int, length: int) -> tuple[int, int]:
     collectives = parse_collectives(_compiled("ring", cp, length).as_text())
-    sent = sum(c.wire_bytes for c in collectives if c.kind == "collective-permute")
+    sent = round(sum(c.wire_bytes for c in collectives if c.kind == "collective-permute"))
     s = CONTEXT_SIZES
     kv = s["batch"] * length * s["kv_heads"] * s["head_dim"] * 4  # one of k, v; f32
     return sent, 2 * (2 * (cp - 1) * kv // cp) + 2 * kv  # (k, v twice round; n hops of their grads)
 
 
 def _timed(blocks: int, steps: int, cp: int, length: int) -> dict[str, list[float]]:
-    """Each program's forward and backward, ``steps`` runs a block, interleaved, ``blocks`` times."""
+    """Each program's forward and backward, ``steps`` runs a block, interleaved, ``blocks`` times:
+    the ring and all-gathered k, v at ``cp``; the ring and all-to-all at ``ALL_TO_ALL_CP``."""
     runs = {}
-    for kind in ("ring", "gathered"):
-        run, shapes = _program(kind, cp, length)
+    for kind, on in (("ring", cp), ("gathered", cp), ("ring", ALL_TO_ALL_CP), ("all_to_all", ALL_TO_ALL_CP)):
+        run, shapes = _program(kind, on, length)
         args = [jax.random.normal(jax.random.key(i), a.shape, a.dtype) for i, a in enumerate(shapes)]
         jax.block_until_ready(run(*args))
-        runs[kind] = (run, args)
+        runs[f"{kind} at cp {on}"] = (run, args)
     times: dict[str, list[float]] = {kind: [] for kind in runs}
     for _ in range(blocks):
         for kind, (run, args) in runs.items():
@@ -141,10 +144,10 @@ def context_section(m: ContextMeasured) -> str:
     head += " | ".join(f"cp {cp} gathered k, v MB" for cp in cps) + " |\n"
     rows = []
     for n in lengths:
-        base = m.temps[("ring", 1, n)] if ("ring", 1, n) in m.temps else None
-        ring = [f"{_mb(m.temps[('ring', cp, n)])} ({m.temps[('ring', cp, n)] / base:.3f})" for cp in cps]
-        gathered = [_mb(m.temps[("gathered", cp, n)]) for cp in cps]
-        rows.append(f"| {n:,} | " + " | ".join(ring + gathered) + " |")
+        base = m.temps[("ring", cps[0], n)]  # (cp 1's, where measured)
+        cells = [f"{_mb(m.temps[('ring', cp, n)])} ({m.temps[('ring', cp, n)] / base:.3f})" for cp in cps]
+        cells += [_mb(m.temps[("gathered", cp, n)]) for cp in cps]
+        rows.append(f"| {n:,} | " + " | ".join(cells) + " |")
     longest = "| longest sequence within the budget | " + " | ".join(
         f"{_fits(m.longest[('ring', cp)])} ring, {_fits(m.longest[('gathered', cp)])} gathered" for cp in cps
     )
@@ -157,7 +160,9 @@ def context_section(m: ContextMeasured) -> str:
         f"{max(con) / (sum(con) / len(con)):.2f} |"
         for cp, (bal, con) in sorted(m.work.items())
     ]
-    ring, gathered = m.times["ring"], m.times["gathered"]
+    cp, a2a = m.timed[0], ALL_TO_ALL_CP
+    ring, gathered = m.times[f"ring at cp {cp}"], m.times[f"gathered at cp {cp}"]
+    ring_2, all_to_all = m.times[f"ring at cp {a2a}"], m.times[f"all_to_all at cp {a2a}"]
     return (
         "\n### Long sequences: ring attention over `context`\n\n"
         f"The attention's forward and backward alone (float32, batch {s['batch']}, {s['heads']} query heads, "
@@ -187,7 +192,9 @@ def context_section(m: ContextMeasured) -> str:
         "block skipped), balanced (zigzag, blocks of `(S/2cp)²`) and contiguous (`(S/cp)²`):\n\n"
         "| | balanced, per device | max ÷ mean | contiguous, per device | max ÷ mean |\n"
         "|---|---|---:|---|---:|\n" + "\n".join(work) + "\n\n"
-        f"Time of the forward and backward at cp {m.timed[0]}, {m.timed[1]:,} tokens (ms, median "
-        f"(min-max)): ring {spread(ring)}, all-gathered {spread(gathered)}; ring ÷ all-gathered "
-        f"{median(ring) / median(gathered):.2f}. The all-to-all strategy (Ulysses) is not built yet.\n"
+        f"Time of the forward and backward, {m.timed[1]:,} tokens, interleaved in one run (ms, median "
+        f"(min-max)): at cp {cp}, ring {spread(ring)}, all-gathered {spread(gathered)}, ring ÷ all-gathered "
+        f"{median(ring) / median(gathered):.2f}; at cp {a2a} (which divides the kv heads), ring "
+        f"{spread(ring_2)}, all-to-all {spread(all_to_all)}, ring ÷ all-to-all "
+        f"{median(ring_2) / median(all_to_all):.2f}.\n"
     )

@@ -3,10 +3,20 @@ across it, equal to the unsharded model's.
 
 :class:`SequenceSplit` lays a sequence out over the axis (balanced by default: every device
 does the same causal work); :func:`ring_attention` computes attention of a device's queries
-over every device's keys and values, passed round the ring.
+over every device's keys and values, passed round the ring; :func:`all_to_all_attention` by
+turning the sequence split into a head split and back; :func:`attention` picks either.
 """
 
+from ._all_to_all import STRATEGIES, all_to_all_attention, attention, ring_or_all_to_all
 from ._ring import blocks_run, ring_attention
 from ._split import SequenceSplit
 
-__all__ = ["SequenceSplit", "blocks_run", "ring_attention"]
+__all__ = [
+    "STRATEGIES",
+    "SequenceSplit",
+    "all_to_all_attention",
+    "attention",
+    "blocks_run",
+    "ring_attention",
+    "ring_or_all_to_all",
+]

@@ -1,0 +1,103 @@
+"""All-to-all attention over the ``context`` axis (DeepSpeed's Ulysses):
+:func:`all_to_all_attention`, and the choice between it and the ring (:func:`attention`).
+
+Where the axis's size ``n`` divides the kv heads a device holds, one ``all_to_all`` turns
+each device's slice of the sequence with every head into the whole sequence with ``1/n`` of
+the heads; attention runs there as on one device; one more turns the output back. Per layer
+and device, forward: ``2(n-1)/n² · B·S·D·(H+G)·b`` (q and the output, k and v), against the
+ring's ``2(n-1)/n · B·S·G·D·b``: all-to-all sends ``(H+G)/(n·G)`` of the ring's bytes, fewer
+where ``n·G > H+G``. A device holds the whole sequence's scores for its heads (``H/n · S²``);
+the ring holds one block at a time.
+
+>>> ring_or_all_to_all(heads=32, kv_heads=8, size=8)   # 40 / 64 of the ring's bytes
+'all_to_all'
+>>> ring_or_all_to_all(heads=32, kv_heads=2, size=8)   # 8 does not divide 2 kv heads
+'ring'
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .._axes import CONTEXT, require_axes
+from ..errors import IndivisibleShapeError
+from . import _blocks
+from ._ring import _require_shapes, ring_attention
+from ._split import SequenceSplit
+
+__all__ = ["STRATEGIES", "all_to_all_attention", "attention", "ring_or_all_to_all"]
+
+STRATEGIES = ("ring", "all_to_all", "auto")
+"""How attention is computed across the ``context`` axis: ``ring`` (k, v passed round),
+``all_to_all`` (sequence split to head split and back), ``auto`` (the fewer bytes)."""
+
+
+def ring_or_all_to_all(heads: int, kv_heads: int, size: int) -> str:
+    """The strategy that sends fewer bytes for ``heads`` query and ``kv_heads`` kv heads a device
+    over ``size`` devices: all-to-all where ``size`` divides the kv heads and
+    ``size · kv_heads > heads + kv_heads``, else the ring."""
+    if kv_heads % size or size * kv_heads <= heads + kv_heads:
+        return "ring"
+    return "all_to_all"
+
+
+def all_to_all_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None = None,
+    *,
+    axis: str = CONTEXT,
+    causal: bool = True,
+    balanced: bool = True,
+    scale: float | None = None,
+) -> jax.Array:
+    """:func:`~fsdp_tp.context.ring_attention`'s result, by two all-to-alls each way: the axis's
+    size must divide the kv heads (``k.shape[2]``). Differentiated by JAX (the transpose of an
+    all-to-all is the reverse all-to-all)."""
+    require_axes(axis, "all_to_all_attention")
+    split, size = SequenceSplit(axis, balanced), jax.lax.axis_size(axis)
+    _require_shapes(q, k, v, segment_ids, split)
+    if k.shape[2] % size:
+        raise IndivisibleShapeError(
+            f"all_to_all_attention: {k.shape[2]} kv heads a device do not split over the {size} devices "
+            f"of {axis!r}; pass strategy='ring' (or 'auto'), or a {axis!r} size that divides {k.shape[2]}."
+        )
+    b, length, _, dim = q.shape
+    # this device's heads over the whole sequence, its tokens in device order
+    whole = lambda t: jax.lax.all_to_all(t, axis, 2, 1, tiled=True)
+    qs, ks, vs = whole(q), whole(k), whole(v)
+    groups = ks.shape[2]
+    index = jnp.concatenate([split.token_index(d, size, length) for d in range(size)])
+    segments = None if segment_ids is None else jax.lax.all_gather(segment_ids, axis, axis=1, tiled=True)
+    mask = _blocks.causal_mask(index, index, segments, segments, causal)
+    qs = qs.reshape(b, size * length, groups, -1, dim)
+    state = _blocks.merge(
+        _blocks.empty(qs), _blocks.forward(qs, ks, vs, mask, dim**-0.5 if scale is None else scale)
+    )
+    out, _ = _blocks.finish(state)
+    out = out.reshape(b, size * length, -1, dim).astype(q.dtype)
+    return jax.lax.all_to_all(out, axis, 1, 2, tiled=True)  # (back: this device's tokens, every head)
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None = None,
+    *,
+    axis: str = CONTEXT,
+    causal: bool = True,
+    balanced: bool = True,
+    strategy: str = "ring",
+) -> jax.Array:
+    """Attention across ``axis`` by ``strategy`` (one of :data:`STRATEGIES`; ``auto``:
+    :func:`ring_or_all_to_all`). The arguments are :func:`~fsdp_tp.context.ring_attention`'s."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"context attention: strategy {strategy!r} is not one of {STRATEGIES}.")
+    if strategy == "auto":
+        require_axes(axis, "context attention")
+        strategy = ring_or_all_to_all(q.shape[2], k.shape[2], jax.lax.axis_size(axis))
+    chosen = ring_attention if strategy == "ring" else all_to_all_attention
+    return chosen(q, k, v, segment_ids, axis=axis, causal=causal, balanced=balanced)
