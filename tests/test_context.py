@@ -198,8 +198,10 @@ def test_all_to_all_sends_the_bytes_the_formula_says_and_auto_picks_the_fewer():
 
 def test_a_sequence_the_split_cannot_take_is_refused_with_a_fix_that_works():
     balanced = SequenceSplit()
-    said = r"SequenceSplit: a sequence of 20 tokens does not split into 2·context = 8 chunks .* \(pad to 24\)"
-    with pytest.raises(IndivisibleShapeError, match=said + r", or balanced=False"):
+    said = r"SequenceSplit: the sequence \(size 20\) is not divisible by the chunks of a balanced split over "
+    said += r"mesh axis 'context' \(size 8\); .* pad it to 24 tokens, or pass balanced=False "
+    said += r"\(then a multiple of 4\)"
+    with pytest.raises(IndivisibleShapeError, match=said):
         balanced.to_devices(jnp.arange(20), 0, 4)
     assert sorted(balanced.to_devices(jnp.arange(24), 0, 4).tolist()) == list(range(24))  # padded
     assert SequenceSplit(balanced=False).to_devices(jnp.arange(20), 0, 4).tolist() == list(range(20))
@@ -214,7 +216,7 @@ def test_ring_attention_names_what_it_cannot_take_and_the_fix_runs():
         return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(seq,) * len(args), out_specs=seq))(*args)
 
     with pytest.raises(
-        IndivisibleShapeError, match=r"a device's 3 tokens do not cut into the 2 chunks .* balanced=False"
+        IndivisibleShapeError, match=r"ring_attention: a device's tokens \(size 3\) .* pass balanced=False"
     ):
         run(ring_attention, q, kv, kv)
     contiguous = functools.partial(ring_attention, balanced=False)
@@ -273,7 +275,8 @@ def test_all_to_all_where_the_axis_does_not_divide_the_kv_heads_is_refused_and_t
             functools.partial(across, strategy=strategy), mesh=mesh, in_specs=(seq,) * 3, out_specs=seq
         )
     )(q, kv, kv)
-    said = r"2 kv heads a device do not split over the 4 devices of 'context'; pass strategy='ring'"
+    said = r"the kv heads a device holds \(size 2\) is not divisible by mesh axis 'context' \(size 4\); .* "
+    said += r"pass strategy='ring'"
     with pytest.raises(IndivisibleShapeError, match=said):
         run("all_to_all")
     assert run("ring").shape == run("auto").shape == q.shape

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from .._axes import CONTEXT, require_axes
-from ..errors import IndivisibleShapeError
+from .._layout import axis_text, require_divisible
 from . import _blocks
 from ._ring import _require_shapes, ring_attention
 from ._split import SequenceSplit
@@ -59,11 +59,10 @@ def all_to_all_attention(
     require_axes(axis, "all_to_all_attention")
     split, size = SequenceSplit(axis, balanced), jax.lax.axis_size(axis)
     _require_shapes(q, k, v, segment_ids, split)
-    if k.shape[2] % size:
-        raise IndivisibleShapeError(
-            f"all_to_all_attention: {k.shape[2]} kv heads a device do not split over the {size} devices "
-            f"of {axis!r}; pass strategy='ring' (or 'auto'), or a {axis!r} size that divides {k.shape[2]}."
-        )
+    fix = "pass strategy='ring' (or 'auto', which takes the ring here)"
+    require_divisible(
+        "all_to_all_attention", "the kv heads a device holds", k.shape[2], axis_text(axis), size, fix
+    )
     b, length, _, dim = q.shape
     # this device's heads over the whole sequence, its tokens in device order
     whole = lambda t: jax.lax.all_to_all(t, axis, 2, 1, tiled=True)

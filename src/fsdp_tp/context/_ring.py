@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from .._axes import CONTEXT, require_axes
-from ..errors import IndivisibleShapeError
+from .._layout import require_divisible
 from . import _blocks
 from ._split import SequenceSplit
 
@@ -94,11 +94,8 @@ def _require_shapes(q, k, v, segment_ids, split: SequenceSplit) -> None:
             f"ring_attention: q {q.shape} and k, v {k.shape} do not fit: pass the same batch, tokens "
             f"and head dim, and kv heads that divide the {heads} query heads."
         )
-    if length % split.parts:
-        raise IndivisibleShapeError(
-            f"ring_attention: a device's {length} tokens do not cut into the {split.parts} chunks a "
-            f"balanced split gives it; pass a global length that 2·{split.axis} divides, or balanced=False."
-        )
+    by, fix = "the chunks a balanced split gives a device", "pass balanced=False"
+    require_divisible("ring_attention", "a device's tokens", length, by, split.parts, fix)
     if segment_ids is not None and segment_ids.shape != (b, length):
         raise ValueError(
             f"ring_attention: segment_ids {segment_ids.shape}; pass one document id per token, {(b, length)}."

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._axes import CONTEXT
-from ..errors import IndivisibleShapeError
+from .._layout import axis_text, require_divisible
 
 __all__ = ["SequenceSplit"]
 
@@ -69,13 +69,14 @@ class SequenceSplit:
     def require_divides(self, length: int, size: int, where: str) -> None:
         """Raises ``IndivisibleShapeError`` unless ``length`` tokens cut into whole chunks."""
         chunks = self.chunks(size)
-        if length % chunks:
-            what = f"2·{self.axis} = {chunks} chunks (balanced)" if self.balanced else f"{chunks} devices"
-            fix = f"a length that {chunks} divides (pad to {-(-length // chunks) * chunks})"
-            also = "" if not self.balanced else ", or balanced=False (then a multiple of the axis size)"
-            raise IndivisibleShapeError(
-                f"{where}: a sequence of {length} tokens does not split into {what}; pass {fix}{also}."
-            )
+        by = (
+            f"the chunks of a balanced split over {axis_text(self.axis)}"
+            if self.balanced
+            else axis_text(self.axis)
+        )
+        fix = f"pad it to {-(-length // chunks) * chunks} tokens"
+        fix += f", or pass balanced=False (then a multiple of {size})" if self.balanced else ""
+        require_divisible(where, "the sequence", length, by, chunks, fix)
 
     def to_devices(self, x: jax.Array, dim: int, size: int) -> jax.Array:
         """``x`` (a global array with the sequence on ``dim``) reordered so that splitting
