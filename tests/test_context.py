@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 from fsdp_tp.analysis import parse_collectives
-from fsdp_tp.context import SequenceSplit, blocks_run, ring_attention, ring_or_all_to_all
+from fsdp_tp.context import SequenceSplit, blocks_run, document_positions, ring_attention, ring_or_all_to_all
 from fsdp_tp.context import _ring as ring_module
 from fsdp_tp.context import attention as across
 from fsdp_tp.errors import IndivisibleShapeError, UnboundAxisNameError
@@ -284,3 +284,16 @@ def test_all_to_all_where_the_axis_does_not_divide_the_kv_heads_is_refused_and_t
         ValueError, match=r"strategy 'ulysses' is not one of \('ring', 'all_to_all', 'auto'\)"
     ):
         run("ulysses")
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=40))
+def test_document_positions_count_from_each_documents_first_token(ids):
+    """Written out: a token's position is how many tokens of its document come before it in its
+    run; padding's is 0."""
+    want, run = [], 0
+    for i, doc in enumerate(ids):
+        run = 0 if i == 0 or ids[i - 1] != doc else run + 1
+        want.append(0 if doc == 0 else run)
+    assert document_positions(jnp.asarray(ids)).tolist() == want
+    assert document_positions(jnp.asarray([ids, ids])).tolist() == [want, want]  # (a batch of rows)

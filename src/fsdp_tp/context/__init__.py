@@ -9,7 +9,7 @@ turning the sequence split into a head split and back; :func:`attention` picks e
 
 from ._all_to_all import STRATEGIES, all_to_all_attention, attention, ring_or_all_to_all
 from ._ring import blocks_run, ring_attention
-from ._split import SequenceSplit
+from ._split import SequenceSplit, document_positions
 
 __all__ = [
     "STRATEGIES",
@@ -17,6 +17,7 @@ __all__ = [
     "all_to_all_attention",
     "attention",
     "blocks_run",
+    "document_positions",
     "ring_attention",
     "ring_or_all_to_all",
 ]

@@ -29,7 +29,23 @@ import numpy as np
 from .._axes import CONTEXT
 from .._layout import axis_text, require_divisible
 
-__all__ = ["SequenceSplit"]
+__all__ = ["SequenceSplit", "document_positions"]
+
+
+def document_positions(segment_ids: jax.Array) -> jax.Array:
+    """Each token's position in its document, ``(..., S)`` integers from segment ids (a
+    document's tokens contiguous, 0 padding, whose position is 0): what RoPE needs of a packed
+    sequence, computed on the whole sequence before it is laid out, and laid out with it.
+
+    >>> document_positions(jnp.array([1, 1, 1, 2, 2, 0, 0])).tolist()
+    [0, 1, 2, 0, 1, 0, 0]
+    """
+    index = jnp.arange(segment_ids.shape[-1])
+    starts = jnp.concatenate(
+        [jnp.ones_like(segment_ids[..., :1], bool), segment_ids[..., 1:] != segment_ids[..., :-1]], -1
+    )
+    first = jax.lax.cummax(jnp.where(starts, index, 0), axis=segment_ids.ndim - 1)
+    return jnp.where(segment_ids == 0, 0, index - first)
 
 
 @dataclasses.dataclass(frozen=True)
