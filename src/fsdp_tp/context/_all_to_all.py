@@ -80,23 +80,15 @@ def all_to_all_attention(
     return jax.lax.all_to_all(out, axis, 1, 2, tiled=True)  # (back: this device's tokens, every head)
 
 
-def attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    segment_ids: jax.Array | None = None,
-    *,
-    axis: str = CONTEXT,
-    causal: bool = True,
-    balanced: bool = True,
-    strategy: str = "ring",
-) -> jax.Array:
-    """Attention across ``axis`` by ``strategy`` (one of :data:`STRATEGIES`; ``auto``:
-    :func:`ring_or_all_to_all`). The arguments are :func:`~fsdp_tp.context.ring_attention`'s."""
+def attention(q, k, v, segment_ids=None, *, strategy: str = "ring", **options) -> jax.Array:
+    """Attention across the ``context`` axis by ``strategy`` (one of :data:`STRATEGIES`;
+    ``auto``: :func:`ring_or_all_to_all`); ``options``: :func:`~fsdp_tp.context.ring_attention`'s
+    keywords (``axis``, ``causal``, ``balanced``, ``scale``), which both strategies take."""
     if strategy not in STRATEGIES:
         raise ValueError(f"context attention: strategy {strategy!r} is not one of {STRATEGIES}.")
     if strategy == "auto":
+        axis = options.get("axis", CONTEXT)
         require_axes(axis, "context attention")
         strategy = ring_or_all_to_all(q.shape[2], k.shape[2], jax.lax.axis_size(axis))
     chosen = ring_attention if strategy == "ring" else all_to_all_attention
-    return chosen(q, k, v, segment_ids, axis=axis, causal=causal, balanced=balanced)
+    return chosen(q, k, v, segment_ids, **options)
