@@ -297,3 +297,14 @@ def test_document_positions_count_from_each_documents_first_token(ids):
         want.append(0 if doc == 0 else run)
     assert document_positions(jnp.asarray(ids)).tolist() == want
     assert document_positions(jnp.asarray([ids, ids])).tolist() == [want, want]  # (a batch of rows)
+
+
+def test_the_reference_attention_keeps_float64_for_a_float64_twin():
+    """``attend(implementation="reference")`` computes its softmax in float32 for 16- and 32-bit
+    inputs and in float64 for float64 ones, as the ring does (the dense oracle above agrees)."""
+    from fsdp_tp.attention import attend
+
+    with jax.enable_x64(True):
+        q, k, v, _ = _inputs(16, 4, 2)
+        np.testing.assert_allclose(attend(q, k, v), dense(q, k, v, None, True), rtol=1e-12, atol=1e-12)
+        assert attend(*(t.astype(jnp.float32) for t in (q, k, v))).dtype == jnp.float32

@@ -19,14 +19,16 @@ attention on NVIDIA GPUs, 16-bit inputs only), ``auto`` (cuDNN where it can run,
 
 
 def _reference_attention(q, k, v, causal: bool):
-    """q: (..., S, H, D); k, v: (..., S, G, D) with H a multiple of G; softmax in f32."""
+    """q: (..., S, H, D); k, v: (..., S, G, D) with H a multiple of G; softmax in f32 (float64
+    inputs: float64, so a float64 twin stays float64 through it)."""
     heads, groups = q.shape[-2], k.shape[-2]
     k = jnp.repeat(k, heads // groups, axis=-2)
     v = jnp.repeat(v, heads // groups, axis=-2)
-    logits = jnp.einsum("...qhd,...khd->...hqk", q, k).astype(jnp.float32) / jnp.sqrt(q.shape[-1])
+    wide = jnp.promote_types(q.dtype, jnp.float32)
+    logits = jnp.einsum("...qhd,...khd->...hqk", q, k).astype(wide) / jnp.sqrt(q.shape[-1])
     if causal:
         seq = q.shape[-3]
-        logits = jnp.where(jnp.tril(jnp.ones((seq, seq), bool)), logits, jnp.finfo(jnp.float32).min)
+        logits = jnp.where(jnp.tril(jnp.ones((seq, seq), bool)), logits, jnp.finfo(wide).min)
     weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     return jnp.einsum("...hqk,...khd->...qhd", weights, v)
 
@@ -47,7 +49,7 @@ def resolved_implementation(implementation: str, dtype) -> Literal["reference", 
 
 def attend(q, k, v, causal: bool = True, implementation: str = "reference") -> jax.Array:
     """Softmax attention of q ``(..., S, H, D)`` over k, v ``(..., S, G, D)`` (H a multiple of
-    G: grouped-query attention); the softmax is in f32 whichever ``implementation``
+    G: grouped-query attention); the softmax is in f32 at least whichever ``implementation``
     (one of :data:`ATTENTION_IMPLEMENTATIONS`) computes it. Only ``reference`` repeats k and v
     per group; the others read each kv head once.
 
