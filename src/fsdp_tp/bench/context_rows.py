@@ -12,6 +12,7 @@ per-device budget; the collective-permutes' bytes against the formulas
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import jax
@@ -63,6 +64,7 @@ def _program(kind: str, cp: int, length: int):
     return run, (q, kv, kv, q)
 
 
+@functools.cache  # (the temporaries, the longest search and the bytes read the same programs)
 def _compiled(kind: str, cp: int, length: int):
     run, shapes = _program(kind, cp, length)
     return run.lower(*shapes).compile()

@@ -128,14 +128,13 @@ def _keys_of(ring: _Ring, source, n: int, length: int, segments_all):
 
 
 def _setup(ring: _Ring, q, segments):
+    """This device's place on the ring, its queries' indices ``(parts, c)`` and segment ids
+    ``(B, parts, c)``."""
     axis, parts = ring.split.axis, ring.split.parts
     n, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
     b, length = q.shape[:2]
-    segments_all = None if segments is None else jax.lax.all_gather(segments, axis)
-    q_index, q_segments = _keys_of(ring, me, n, length, segments_all)
-    if segments is not None:
-        q_segments = segments.reshape(b, parts, -1)
-    return n, me, q_index, q_segments, segments_all
+    q_index = ring.split.token_index(me, n, length).reshape(parts, -1)
+    return n, me, q_index, None if segments is None else segments.reshape(b, parts, -1)
 
 
 def _part(x, a: int):
@@ -190,7 +189,8 @@ def _forward(ring: _Ring, q, k, v, segments):
     axis, parts = ring.split.axis, ring.split.parts
     b, length, heads, dim = q.shape
     groups, c = k.shape[2], length // parts
-    n, me, q_index, q_segments, segments_all = _setup(ring, q, segments)
+    n, me, q_index, q_segments = _setup(ring, q, segments)
+    segments_all = None if segments is None else jax.lax.all_gather(segments, axis)  # (once a call)
     qs = q.reshape(b, parts, c, groups, heads // groups, dim)
     states = [_blocks.empty(qs[:, a]) for a in range(parts)]
     kv = (k, v)
@@ -204,7 +204,7 @@ def _forward(ring: _Ring, q, k, v, segments):
     finished = [_blocks.finish(state) for state in states]
     out = jnp.stack([o for o, _ in finished], 1).reshape(q.shape).astype(q.dtype)
     lse = jnp.stack([m for _, m in finished], 1)  # (B, parts, G, r, c)
-    return out, (q, k, v, segments, out, lse)
+    return out, (q, k, v, segments, segments_all, out, lse)
 
 
 def _merged(q, k, v, mask, scale, state):
@@ -212,12 +212,12 @@ def _merged(q, k, v, mask, scale, state):
 
 
 def _backward(ring: _Ring, residuals, g):
-    q, k, v, segments, out, lse = residuals
+    q, k, v, segments, segments_all, out, lse = residuals
     axis, parts = ring.split.axis, ring.split.parts
     b, length, heads, dim = q.shape
     groups, c = k.shape[2], length // parts
     ct = _blocks.compute_dtype(q.dtype)
-    n, me, q_index, q_segments, segments_all = _setup(ring, q, segments)
+    n, me, q_index, q_segments = _setup(ring, q, segments)
     shape = (b, parts, c, groups, heads // groups, dim)
     qs, dos = q.reshape(shape), g.reshape(shape)
     rows = (dos.astype(ct) * out.reshape(shape).astype(ct)).sum(-1)
