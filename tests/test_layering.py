@@ -57,6 +57,7 @@ CORE = (
     "context._blocks",
     "context._ring",
     "context._split",
+    "context._step",
     "dropout",
     "dropout._activation_split",
     "dropout._block_key",

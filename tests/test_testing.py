@@ -120,7 +120,7 @@ def test_negative_control_a_per_device_optimizer_fails_naming_a_parameter(monkey
     mesh = fsdp_tp.make_mesh({"data": 2, "fsdp": 4})
     pair = _nnx_pair(mesh, check_vma=False)  # (a per-device update: what check_vma=False lets through)
     case = Case(pair.model, pair.twin, mesh, pair.batch_axes, False, D, D, loss=pair.loss)
-    naive = lambda c, specs, *_, reads=None: step_program(case, specs, naive=True, reads=reads)
+    naive = lambda c, specs, *_, reads=None, **__: step_program(case, specs, naive=True, reads=reads)
     monkeypatch.setattr(_harness, "sharded_step", naive)
     clipped = {"clipped": lambda: optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(0.1))}
     optimizers = {"sgd": lambda: optax.sgd(0.1)} | clipped if first else clipped

@@ -65,20 +65,24 @@ class Step:
     shared); ``region``: the dims the roles left split (entries of
     :mod:`fsdp_tp.dropout._activation_split`), set by a role's call, read by a dropout layer the model
     calls later; ``keys_as_stored``: rng keys read as stored, within an exact dropout's draw
-    (an NNX Variable's ``get_value`` takes no argument)."""
+    (an NNX Variable's ``get_value`` takes no argument); ``sequence``: the step's
+    :class:`~fsdp_tp.context.SequenceSplit` (``None``: the sequence whole on each device), read
+    by the library's attention, which then computes across its axis."""
 
     batch_axes: tuple | None = None
     per_device: bool = False
     column_inputs: dict | None = None
     region: tuple = ()
     keys_as_stored: bool = False
+    sequence: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Check:
     """The plan check's scope. ``off``: no plan is checked (in the check's own trace of the
     user's call, and where a test switches it off); ``unringed``: the roles run without their
-    rings there (the same numbers, each layer called once)."""
+    rings there (the same numbers, each layer called once), and attention on a device's tokens
+    (a sequence split's ring is not the tensor plan's concern)."""
 
     off: bool = False
     unringed: bool = False

@@ -1,6 +1,9 @@
 """Softmax attention, framework-free: what the Linen attention layer, the NNX GPT and the CLI's
 ``--attention`` compute with. Grouped-query attention reads each kv head once (but in the
-reference einsums, which repeat k and v per group).
+reference einsums, which repeat k and v per group). Packed documents: segment ids mask
+attention to a token's own document. Inside a train step that splits the sequence over
+``context`` (:func:`~fsdp_tp.shard_step`), :func:`attend` computes across the axis
+(:mod:`fsdp_tp.context`).
 """
 
 from __future__ import annotations
@@ -10,6 +13,9 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from .context._blocks import causal_mask
+from .context._step import across, split_here
+
 __all__ = ["ATTENTION_IMPLEMENTATIONS", "attend", "resolved_implementation"]
 
 ATTENTION_IMPLEMENTATIONS = ("reference", "xla", "cudnn", "auto")
@@ -18,14 +24,23 @@ ATTENTION_IMPLEMENTATIONS = ("reference", "xla", "cudnn", "auto")
 attention on NVIDIA GPUs, 16-bit inputs only), ``auto`` (cuDNN where it can run, else XLA)."""
 
 
-def _reference_attention(q, k, v, causal: bool):
+def _reference_attention(q, k, v, causal: bool, segment_ids=None):
     """q: (..., S, H, D); k, v: (..., S, G, D) with H a multiple of G; softmax in f32 (float64
-    inputs: float64, so a float64 twin stays float64 through it)."""
+    inputs: float64, so a float64 twin stays float64 through it). ``segment_ids`` (..., S): a
+    query sees its own document's keys; padding (0) sees none and gives 0, as the ring's."""
     heads, groups = q.shape[-2], k.shape[-2]
     k = jnp.repeat(k, heads // groups, axis=-2)
     v = jnp.repeat(v, heads // groups, axis=-2)
     wide = jnp.promote_types(q.dtype, jnp.float32)
     logits = jnp.einsum("...qhd,...khd->...hqk", q, k).astype(wide) / jnp.sqrt(q.shape[-1])
+    if segment_ids is not None:
+        index = jnp.arange(q.shape[-3])
+        segments = segment_ids.reshape(-1, index.shape[0])
+        mask = causal_mask(index, index, segments, segments, causal).reshape(*segment_ids.shape, -1)
+        mask = mask[..., None, :, :]  # (..., 1, q, k): every head alike
+        logits = jnp.where(mask, logits, jnp.finfo(wide).min)
+        weights = jax.nn.softmax(logits, axis=-1) * mask.any(-1, keepdims=True)  # (padding: 0)
+        return jnp.einsum("...hqk,...khd->...qhd", weights.astype(v.dtype), v)
     if causal:
         seq = q.shape[-3]
         logits = jnp.where(jnp.tril(jnp.ones((seq, seq), bool)), logits, jnp.finfo(wide).min)
@@ -47,11 +62,17 @@ def resolved_implementation(implementation: str, dtype) -> Literal["reference", 
     return "cudnn" if jax.default_backend() == "gpu" and sixteen_bit else "xla"
 
 
-def attend(q, k, v, causal: bool = True, implementation: str = "reference") -> jax.Array:
+def attend(q, k, v, causal: bool = True, implementation: str = "reference", *, segment_ids=None) -> jax.Array:
     """Softmax attention of q ``(..., S, H, D)`` over k, v ``(..., S, G, D)`` (H a multiple of
     G: grouped-query attention); the softmax is in f32 at least whichever ``implementation``
     (one of :data:`ATTENTION_IMPLEMENTATIONS`) computes it. Only ``reference`` repeats k and v
-    per group; the others read each kv head once.
+    per group; the others read each kv head once. ``segment_ids`` ``(..., S)``: packed
+    documents (a query sees keys of its own document only; 0 is padding, whose output is 0).
+
+    Inside a step that splits the sequence (:func:`~fsdp_tp.shard_step` with a batch spec
+    naming ``context``), q, k, v and ``segment_ids`` are a device's tokens and attention is
+    computed over every device's keys by the split's strategy (ring or all-to-all), the
+    result the unsharded attention's rows for those tokens; ``implementation`` is then unused.
 
     >>> import jax
     >>> q = jax.random.normal(jax.random.key(0), (2, 6, 4, 8))
@@ -61,8 +82,10 @@ def attend(q, k, v, causal: bool = True, implementation: str = "reference") -> j
     ((2, 6, 4, 8), True)
     """
     chosen = resolved_implementation(implementation, q.dtype)
-    if chosen == "reference":
-        return _reference_attention(q, k, v, causal)
+    if (split := split_here()) is not None:
+        return across(split, q, k, v, segment_ids, causal=causal)
+    if chosen == "reference" or segment_ids is not None:  # (a document mask: the einsums')
+        return _reference_attention(q, k, v, causal, segment_ids)
     assert chosen in ("xla", "cudnn")
     # jax.nn.dot_product_attention takes (batch, seq, heads, dim): fold any leading dims.
     lead = q.shape[:-3]

@@ -25,6 +25,7 @@ from ._types import Specs
 from .analysis import array_bytes
 from .analysis._step_memory import temp_bytes
 from .analysis._step_wire import step_wire, wire_lines
+from .context._step import step_split
 from .train import as_a_step
 
 __all__ = ["Plan", "PlanRow", "make_plan"]
@@ -167,12 +168,13 @@ def make_plan(
         traced = trace_per_device(init_fn, mesh, in_specs, args, check_vma=check_vma)
     else:
         loss: Callable = loss_fn
+        split = step_split(batch_specs, dict(mesh.shape), where="make_plan")
 
         def with_step(inner_args, inner_batch):
             # One trace: the state, and one device's forward and backward on it.
             state = init_fn(*inner_args)
             params = state.params if hasattr(state, "params") else state
-            with as_a_step(batch_specs):  # (traced as shard_step traces it)
+            with as_a_step(batch_specs, split):  # (traced as shard_step traces it)
                 step["jaxpr"] = jax.make_jaxpr(jax.value_and_grad(loss))(params, inner_batch)
             return state
 

@@ -24,13 +24,9 @@ from .._axes import CONTEXT, require_axes
 from .._layout import axis_text, require_divisible
 from . import _blocks
 from ._ring import _require_shapes, ring_attention
-from ._split import SequenceSplit
+from ._split import STRATEGIES, SequenceSplit
 
-__all__ = ["STRATEGIES", "all_to_all_attention", "attention", "ring_or_all_to_all"]
-
-STRATEGIES = ("ring", "all_to_all", "auto")
-"""How attention is computed across the ``context`` axis: ``ring`` (k, v passed round),
-``all_to_all`` (sequence split to head split and back), ``auto`` (the fewer bytes)."""
+__all__ = ["all_to_all_attention", "attention", "ring_or_all_to_all"]
 
 
 def ring_or_all_to_all(heads: int, kv_heads: int, size: int) -> str:

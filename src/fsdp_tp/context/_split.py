@@ -29,7 +29,11 @@ import numpy as np
 from .._axes import CONTEXT
 from .._layout import axis_text, require_divisible
 
-__all__ = ["SequenceSplit", "document_positions"]
+__all__ = ["STRATEGIES", "SequenceSplit", "document_positions"]
+
+STRATEGIES = ("ring", "all_to_all", "auto")
+"""How attention is computed across the ``context`` axis: ``ring`` (k, v passed round),
+``all_to_all`` (sequence split to head split and back), ``auto`` (the fewer bytes)."""
 
 
 def document_positions(segment_ids: jax.Array) -> jax.Array:
@@ -51,10 +55,20 @@ def document_positions(segment_ids: jax.Array) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class SequenceSplit:
     """The sequence split over mesh axis ``axis``: ``balanced`` (zigzag: device ``i`` of ``n``
-    holds chunks ``i`` and ``2n-1-i`` of ``2n``) or contiguous (chunk ``i`` of ``n``)."""
+    holds chunks ``i`` and ``2n-1-i`` of ``2n``) or contiguous (chunk ``i`` of ``n``), and how
+    a step's attention crosses it (``strategy``: one of :data:`~fsdp_tp.context.STRATEGIES`,
+    :func:`~fsdp_tp.context.attention`'s)."""
 
     axis: str = CONTEXT
     balanced: bool = True
+    strategy: str = "ring"
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(
+                f"SequenceSplit: strategy {self.strategy!r} is not one of {STRATEGIES}: 'ring' (k, v "
+                f"passed round), 'all_to_all' (heads split instead), 'auto' (the fewer bytes)."
+            )
 
     @property
     def parts(self) -> int:

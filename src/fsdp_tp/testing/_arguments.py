@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
+from .._axes import CONTEXT
 from .._batch import DEFAULT_BATCH_AXES
 
 __all__ = ["require_arguments", "require_model"]
@@ -94,7 +95,7 @@ def _require_batch_axes(mesh: Mesh | Mapping[str, int], batch_axes: Any) -> None
             f"mesh={{'data': 2, 'tensor': 4}}."
         )
     if batch_axes is None:
-        if not any(axis in shape for axis in DEFAULT_BATCH_AXES):
+        if not any(axis in shape for axis in (*DEFAULT_BATCH_AXES, CONTEXT)):  # (context: the tokens)
             raise ValueError(
                 f"{_CALLER}: the mesh {shape} has no axis the batch splits over "
                 f"({' or '.join(DEFAULT_BATCH_AXES)}, the defaults): name one, batch_axes=(axis,), or add "

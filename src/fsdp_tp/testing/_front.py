@@ -14,9 +14,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from .._axes import as_axis_tuple
+from .._axes import CONTEXT, as_axis_tuple
 from .._batch import DEFAULT_BATCH_AXES
 from .._types import AxisNames
+from ..context._split import SequenceSplit
 from ..linen._testing import is_linen, linen_pair
 from ..mesh import make_mesh
 from ..nnx._constructor import built as _built
@@ -46,6 +47,7 @@ def check_sharded(
     float64: bool = True,
     seed: int = 0,
     rngs: Mapping[str, jax.Array] | None = None,
+    sequence: SequenceSplit | None = None,
 ) -> None:
     """Proves ``model`` laid out by ``rules`` and ``tp_rules`` on ``mesh`` equal to the unsharded
     model, or raises ``AssertionError`` naming the first leaf that differs (its path, both
@@ -68,6 +70,11 @@ def check_sharded(
     ``nnx.Rngs`` (``nnx.Dropout(rate, rngs=rngs)``) draws from them where no ``rngs`` is given:
     both models from the state ``make(nnx.Rngs(seed))`` holds, at every call (a stateless
     step's: the same draws each step).
+    On a mesh with a ``context`` axis (or the axis of ``sequence``, a
+    :class:`~fsdp_tp.context.SequenceSplit`: balanced by default, the ring's attention) the
+    sequence is split too: dim 1 of every leaf of the batch and the outputs past a vector, laid
+    out as ``shard_step`` lays it, the model's attention (:func:`~fsdp_tp.attention.attend`)
+    computed across devices; positions and segment ids the model reads go in with the inputs.
 
     >>> import jax, jax.numpy as jnp, flax.linen as nn
     >>> from fsdp_tp.tp import ColumnParallel, RowParallel
@@ -87,17 +94,22 @@ def check_sharded(
     defaults = tuple(a for a in DEFAULT_BATCH_AXES if a in mesh.shape)
     axes = as_axis_tuple(batch_axes) if batch_axes is not None else defaults
     x, y = batch
-    _require_splittable(x, y, mesh, axes)
+    split = _split_of(sequence, mesh)
+    _require_splittable(x, y, mesh, axes, split)
+    step_axes = (*axes, split.axis) if split is not None else axes
     with jax.enable_x64(float64):
         x, y = (jax.tree.map(_wide, t) for t in (x, y)) if float64 else (x, y)
         call = _streams(model, rngs)
-        built = _pair(model, rules, tp_rules, axes, x, seed, float64)
+        built = _pair(model, rules, tp_rules, step_axes, x, seed, float64)
         sharded, twin = (_Called(m, call, rngs or {}, float64) for m in built)
         shapes = _require_scalar_loss(twin, loss, x, y, seed, float64)
         shards = int(np.prod([mesh.shape[a] for a in axes]))
-        per_device = lambda m, p, x, y: loss(_whole(m.apply({"params": p}, x), shapes, shards), y)
+        tokens = mesh.shape[split.axis] if split is not None else 1
+        per_device = lambda m, p, x, y: loss(_whole(m.apply({"params": p}, x), shapes, shards, tokens), y)
         unsharded = lambda m, p, x, y: loss(m.apply({"params": p}, x), y)
-        pair = Comparison(sharded, twin, mesh, axes, per_device, unsharded, check_vma=check_vma)
+        pair = Comparison(
+            sharded, twin, mesh, axes, per_device, unsharded, check_vma=check_vma, sequence=split
+        )
         check_equal(pair, [(x, y)] * steps, jax.random.key(seed), optimizers)
 
 
@@ -149,7 +161,21 @@ def _pair(model, rules, tp_rules, axes, x, seed: int, float64: bool) -> tuple[An
     return sharded, NNXTwin(model, model_state=state)
 
 
-def _require_splittable(x, y, mesh: Mesh, axes: tuple) -> None:
+def _split_of(sequence: SequenceSplit | None, mesh: Mesh) -> SequenceSplit | None:
+    """The sequence split the check runs: ``sequence`` (its axis the mesh's), else the default
+    one where the mesh has a ``context`` axis."""
+    if sequence is None:
+        return SequenceSplit() if CONTEXT in mesh.shape else None
+    if not isinstance(sequence, SequenceSplit) or sequence.axis not in mesh.shape:
+        raise ValueError(
+            f"{_CALLER}: sequence={sequence!r}; pass a fsdp_tp.context.SequenceSplit over an axis of "
+            f"the mesh {dict(mesh.shape)}, e.g. SequenceSplit(axis={CONTEXT!r}) with a {CONTEXT!r} axis "
+            f"in the mesh."
+        )
+    return sequence
+
+
+def _require_splittable(x, y, mesh: Mesh, axes: tuple, split: SequenceSplit | None) -> None:
     n = int(np.prod([mesh.shape[a] for a in axes]))
     for name, tree in (("inputs", x), ("targets", y)):
         for leaf in jax.tree.leaves(tree):
@@ -160,6 +186,8 @@ def _require_splittable(x, y, mesh: Mesh, axes: tuple) -> None:
                     f"batch axes {axes} (sizes {[mesh.shape[a] for a in axes]}: {n} shards) do not split "
                     f"evenly; pass a batch of a multiple of {n} rows."
                 )
+            if split is not None and np.ndim(leaf) > 1:
+                split.require_divides(np.shape(leaf)[1], mesh.shape[split.axis], f"{_CALLER} ({name})")
 
 
 def _require_scalar_loss(twin, loss, x, y, seed: int, float64: bool) -> list[tuple[int, ...]]:
@@ -178,12 +206,15 @@ def _require_scalar_loss(twin, loss, x, y, seed: int, float64: bool) -> list[tup
     return [tuple(leaf.shape) for leaf in jax.tree.leaves(outputs)]
 
 
-def _whole(outputs, shapes: list[tuple[int, ...]], shards: int):
+def _whole(outputs, shapes: list[tuple[int, ...]], shards: int, tokens: int = 1):
     """``outputs`` (one device's), refused where a leaf is left split beyond its rows, which
-    the batch axes split ``shards`` ways (a last ColumnParallel without ``gather_output``,
-    whose logits only a vocabulary-parallel loss reads): ``loss`` is the twin's, of whole outputs."""
+    the batch axes split ``shards`` ways, and its sequence (dim 1), split ``tokens`` ways (a
+    last ColumnParallel without ``gather_output``, whose logits only a vocabulary-parallel loss
+    reads): ``loss`` is the twin's, of whole outputs."""
     for leaf, shape in zip(jax.tree.leaves(outputs), shapes, strict=True):
         rows = (shape[0] // shards, *shape[1:]) if shape else shape
+        if len(rows) > 1 and tokens > 1:
+            rows = (rows[0], rows[1] // tokens, *rows[2:])
         if tuple(np.shape(leaf)) != rows:
             raise ValueError(
                 f"{_CALLER}: the sharded model's output has shape {tuple(np.shape(leaf))} on each device, "

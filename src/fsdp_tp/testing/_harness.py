@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax.core import meta
-from jax.sharding import PartitionSpec as P
 
 from ..gradients import sync_gradients
 from ._compare import assert_trees_close
@@ -65,7 +64,6 @@ def check_equal(
     ``optimizers`` in one program a side: :func:`alongside`). ``sync``: the gradient sync the
     sharded step uses."""
     x, y = data[0]
-    batch = P(c.batch_axes)
     boxed, twin_params = inits(c, rng, x)
     assert_trees_close(meta.unbox(boxed), twin_params, "init", exact=True)
 
@@ -77,9 +75,9 @@ def check_equal(
     batches = data if optimizers else data[:1]
     tx = alongside({name: make() for name, make in named.items()})
     want, states, read = twin_run(c, tx, twin_params, batches, reads=True)
-    rows = lambda out: jax.tree.map(lambda o: P() if not jnp.ndim(o) else batch, out)  # (a scalar: P())
     state, state_specs = train_state(c, tx, boxed, rng)
-    step = sharded_step(c, state_specs, sync, reads=c.output_spec or rows(read[0]))
+    reads = c.output_spec or c.specs_of(read[0])  # (a scalar: P())
+    step = sharded_step(c, state_specs, sync, reads=reads, batch_specs=c.specs_of((x, y)))
     for j, ((x, y), twin_state) in enumerate(zip(batches, states, strict=True)):
         state, metrics = step(state, (x, y))
         if j == 0:

@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .._tree import named_shardings
+from ..context._split import SequenceSplit
 from ..gradients import batch_mean, sync_gradients
 from ..partitioning import specs_of
 from ..sharded_init import _programs as init_programs  # (init_sharded's, without running them)
@@ -38,7 +39,9 @@ class Comparison:
     over ``batch_axes``. ``loss(model, params, x, y)``: a batch's mean loss (per device, its
     rows); ``twin_loss`` the twin's (default: the same); ``twin_reads(params)``: what the twin
     computes on (a mixed-precision run's rounded parameters); ``output_spec``: the sharded
-    output's layout (default: split like the batch)."""
+    output's layout (default: split like the batch). ``sequence``: the sequence (dim 1 of every
+    leaf of the batch and outputs past a vector) split over its axis as well, which is then a
+    batch axis of the step (:attr:`step_axes`)."""
 
     model: Any
     twin: Any
@@ -49,6 +52,26 @@ class Comparison:
     twin_reads: Callable = lambda params: params
     output_spec: P | None = None
     check_vma: bool = True
+    sequence: SequenceSplit | None = None
+
+    @property
+    def step_axes(self) -> tuple:
+        """The axes the gradients and the loss average over: the rows', and the sequence's."""
+        return (*self.batch_axes, self.sequence.axis) if self.sequence is not None else self.batch_axes
+
+    def spec_of(self, leaf) -> P:
+        """The layout of one leaf of the batch or the outputs: a scalar replicated, rows split
+        over the batch axes, the sequence (dim 1) over the sequence's axis."""
+        if not jnp.ndim(leaf):
+            return P()
+        return (
+            P(self.batch_axes, self.sequence.axis)
+            if self.sequence and jnp.ndim(leaf) > 1
+            else P(self.batch_axes)
+        )
+
+    def specs_of(self, tree) -> Any:
+        return jax.tree.map(self.spec_of, tree)
 
 
 def inits(c: Comparison, rng, x) -> tuple[Any, Any]:
@@ -78,21 +101,24 @@ def train_state(c: Comparison, tx, params, rng) -> tuple[TrainState, Any]:
     return (jax.eval_shape(program, params) if shapes else program(params)), specs
 
 
-def sharded_step(c: Comparison, specs, sync: Callable = sync_gradients, donate: bool = False, reads=None):
+def sharded_step(
+    c: Comparison, specs, sync: Callable = sync_gradients, donate: bool = False, reads=None, batch_specs=None
+):
     """The train step of ``c`` on a state laid out by ``specs`` (:func:`~fsdp_tp.shard_step`),
     with the mean loss as its metric; given ``reads`` (the output's specs), ``(outputs, loss,
-    synced gradients)`` on the step's batch, at the parameters before its update."""
-    batch = P(c.batch_axes)
+    synced gradients)`` on the step's batch, at the parameters before its update.
+    ``batch_specs``: the batch's (default: its rows split over the batch axes)."""
+    axes = c.step_axes
 
     def step_fn(state, data):
         x, y = data
         (loss, out), grads = loss_and_outputs(c.model, c.loss, state.params, x, y)
-        grads, loss = sync(grads, c.batch_axes), jax.lax.pmean(loss, c.batch_axes)
+        grads, loss = sync(grads, axes), jax.lax.pmean(loss, axes)
         if reads is None:
             return grads, loss
         # A scalar output (a loss term the model returns, a router's balance) is read as a loss
         # is: the devices' mean.
-        out = jax.tree.map(lambda o: batch_mean(o, c.batch_axes) if jnp.ndim(o) == 0 else o, out)
+        out = jax.tree.map(lambda o: batch_mean(o, axes) if jnp.ndim(o) == 0 else o, out)
         return grads, (out, loss, grads)
 
     metrics = P() if reads is None else (reads, P(), specs.params)
@@ -100,10 +126,11 @@ def sharded_step(c: Comparison, specs, sync: Callable = sync_gradients, donate: 
         step_fn,
         c.mesh,
         specs,
-        (batch, batch),
+        batch_specs if batch_specs is not None else (P(c.batch_axes), P(c.batch_axes)),
         metrics_specs=metrics,
         check_vma=c.check_vma,
         donate_state=donate,
+        sequence=c.sequence,
     )
 
 

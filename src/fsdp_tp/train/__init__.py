@@ -18,9 +18,12 @@ from jax.sharding import Mesh, PartitionSpec
 
 from .._aliases import aliases_of
 from .._batch import batch_axes_of, batch_split_over
+from .._context import STEP
 from .._optimizer import checked_tx, per_device_step, refuse_on_shards
 from .._tree import named_shardings
 from .._types import PyTree, Specs
+from ..context._split import SequenceSplit
+from ..context._step import LaidOut, jax_attention_across, step_split
 from ..partitioning import check_specs
 from ..tp.pieces import shared_column_inputs
 from ._microbatches import accumulate_gradients
@@ -98,13 +101,19 @@ def _refuse_donated(state: PyTree) -> None:
 
 
 @contextlib.contextmanager
-def as_a_step(batch_specs: Specs) -> Iterator[None]:
+def as_a_step(batch_specs: Specs, sequence: SequenceSplit | None = None) -> Iterator[None]:
     """Within, a per-device trace is a step's, as :func:`shard_step` traces one (and the plan
     its step): transforms, the sync and dropout average over (and draw for) the axes the batch
     of ``batch_specs`` is split over, or say that they were told others; layers that read one
-    activation share its collective (Megatron's *f*, an expert layer's dispatch)."""
-    with batch_split_over(batch_axes_of(batch_specs)), shared_column_inputs():
-        yield
+    activation share its collective (Megatron's *f*, an expert layer's dispatch). Under a
+    ``sequence`` split its axis is a batch axis too (each device's loss is over its tokens) and
+    attention computes across it (:mod:`fsdp_tp.context._step`)."""
+    axes = batch_axes_of(batch_specs)
+    if sequence is not None:
+        axes = (*(axes or ()), sequence.axis)
+    with batch_split_over(axes), STEP.scoped(sequence=sequence), shared_column_inputs():
+        with jax_attention_across(sequence):
+            yield
 
 
 def shard_step(
@@ -116,6 +125,7 @@ def shard_step(
     metrics_specs: Specs = _REPLICATED,
     check_vma: bool = True,
     donate_state: bool = True,
+    sequence: SequenceSplit | None = None,
 ) -> Callable[[PyTree, PyTree], tuple[PyTree, PyTree]]:
     """Builds the jitted train step from a per-device ``step_fn(state, batch) -> (grads, metrics)``.
 
@@ -130,6 +140,13 @@ def shard_step(
     model_state)``: the collections the model's ``apply(..., mutable=...)`` gave back, the
     same on every device (the model's ``BatchNorm(axis_name=batch_axes)`` makes them so,
     or :func:`~fsdp_tp.gradients.batch_mean`), laid out like the state's.
+
+    A batch spec that splits a dim past the rows over ``context`` (``P("data", "context")``)
+    splits the sequence (context parallelism): each such leaf is laid out as ``sequence`` (a
+    :class:`~fsdp_tp.context.SequenceSplit`; default balanced, attention by the ring) says on
+    the way in, and each output laid out as such a batch leaf is put back in the batch's
+    order; inside, the axis is a batch axis (sync the gradients and average the loss over it
+    too) and the library's attention computes over every device's keys.
 
     The state is donated, so the caller must not reuse the state it passed. When JAX
     rejects the state or batch, they are checked against their specs, so a mismatched tree
@@ -158,9 +175,11 @@ def shard_step(
     model_state = getattr(state_specs, "model_state", None) or {}
     updated = (model_state,) if jax.tree.leaves(model_state) else ()
     inner = per_device_step(step_fn, tuple(model_state) if updated else ())
+    split = step_split(batch_specs, mesh.shape, sequence)
+    laid = LaidOut(split, mesh.shape[split.axis], batch_specs) if split is not None else None
 
     def per_device_fn(state, batch):
-        with as_a_step(batch_specs):
+        with as_a_step(batch_specs, split):
             return inner(state, batch)
 
     per_device = jax.shard_map(
@@ -172,7 +191,11 @@ def shard_step(
     )
 
     def update(state, batch):
+        if laid is not None:  # (the user's order in and out; the chunks the ring expects inside)
+            batch = laid.batch(batch)
         grads, metrics, *new_model_state = per_device(state, batch)
+        if laid is not None:
+            metrics = laid.outputs(metrics, metrics_specs)
         kwargs = {"model_state": new_model_state[0]} if new_model_state else {}
         return state.apply_gradients(grads=grads, **kwargs), metrics
 

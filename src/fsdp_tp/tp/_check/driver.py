@@ -122,9 +122,8 @@ class PlanCall:
 
 
 def check_call(call: PlanCall, checked: set) -> None:
-    """Refuses (``RuleError``) a plan under which ``call`` does not compute blocks of the
-    unsharded model's, once per ``call.same`` and axis sizes (none: not checked). Every front
-    end's check, here once."""
+    """Refuses (``RuleError``) a plan under which ``call`` does not compute blocks of the unsharded
+    model's, once per ``call.same`` and axis sizes (none: not checked). Every front end's, here."""
     if not checking() or not call.roles:
         return  # (the check's own trace of the call)
     sizes = call.sizes
@@ -135,13 +134,14 @@ def check_call(call: PlanCall, checked: set) -> None:
     if not sizes or key in checked:
         return
     hinted = lambda: _letter_hints(call, max(sizes.values()))
-    try:
-        local = call.local()
-    except Exception as err:
-        where, whole = call.where, call.whole
-        raise_failure(err, call.unsharded, where, call.written, sizes, hinted, whole, roles=call.roles)
-    references = references_for(call.unsharded, call.roles, sizes)
-    check_plan(local, references, sizes, call.where, call.named, hinted, call.whole, call.split_by)
+    with CHECK.scoped(unringed=True):  # (every trace unringed: a sequence split's attention local in each)
+        try:
+            local = call.local()
+        except Exception as err:
+            where, whole = call.where, call.whole
+            raise_failure(err, call.unsharded, where, call.written, sizes, hinted, whole, roles=call.roles)
+        references = references_for(call.unsharded, call.roles, sizes)
+        check_plan(local, references, sizes, call.where, call.named, hinted, call.whole, call.split_by)
     checked.add(key)
 
 

@@ -1,0 +1,365 @@
+"""Issue 84: a model the user wrote, its sequence split over ``context`` by the train step, equal to
+the unsharded model through ``fsdp_tp.testing`` (invariants 1-5, float64).
+
+The model takes positions and segment ids with its tokens (packed documents with padding, RoPE
+from each token's position in its document) and calls :func:`fsdp_tp.attention.attend`; nothing
+else in it knows the sequence is split. The step lays the batch out (balanced by default), its
+attention computes across the axis, and the context axis is a batch axis for the gradients and
+for FSDP's gathers (the parameters stored over ``fsdp`` and ``context``). Negative controls: the
+same model building its positions from its local length, and an attention written out, are
+caught by the harness.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import fsdp_tp
+import fsdp_tp.attention
+from fsdp_tp import sync_gradients
+from fsdp_tp.analysis import parse_collectives
+from fsdp_tp.attention import attend
+from fsdp_tp.context import SequenceSplit, document_positions
+from fsdp_tp.errors import IndivisibleShapeError
+from fsdp_tp.gradients import global_mean_loss
+from fsdp_tp.testing import check_sharded
+from fsdp_tp.tp import ColumnParallel, RowParallel
+
+_JAX_ATTENTION = jax.nn.dot_product_attention
+
+VOCAB, D, HEADS, KV, HEAD_DIM, HIDDEN = 32, 16, 4, 2, 4, 32
+ROWS, LENGTH = 2, 16
+
+
+def rope(x, positions):
+    """Rotary embedding of ``x`` (B, L, heads, dim) at each token's ``positions`` (B, L)."""
+    half = x.shape[-1] // 2
+    freq = 1.0 / (10_000 ** (jnp.arange(half, dtype=x.dtype) / half))
+    angle = positions[..., None, None].astype(x.dtype) * freq
+    sin, cos = jnp.sin(angle), jnp.cos(angle)
+    first, second = x[..., :half], x[..., half:]
+    return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+
+
+def rms(x):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def heads_of(x):
+    return x.reshape(*x.shape[:-1], -1, HEAD_DIM)  # (the head count from the shape: TP splits heads)
+
+
+def attention(q, k, v, batch, local_positions: bool = False, jax_attention: str = ""):
+    b, length = q.shape[:2]
+    positions = jnp.broadcast_to(jnp.arange(length), (b, length)) if local_positions else batch["positions"]
+    q, k = rope(q, positions), rope(k, positions)
+    if jax_attention == "mask":  # (a causal mask of the model's own, from the length it sees)
+        return jax.nn.dot_product_attention(q, k, v, mask=jnp.tril(jnp.ones((length, length), bool)))
+    if jax_attention:  # (as a model calls JAX's: causal, one document a row)
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return attend(q, k, v, segment_ids=batch["segments"])
+
+
+class LinenBlock(nn.Module):
+    local_positions: bool = False
+    jax_attention: str = ""
+
+    @nn.compact
+    def __call__(self, x, batch):
+        h = rms(x)
+        q, k, v = (
+            heads_of(nn.Dense(n * HEAD_DIM, name=name)(h)) for name, n in (("q", HEADS), ("k", KV), ("v", KV))
+        )
+        out = attention(q, k, v, batch, self.local_positions, self.jax_attention)
+        x = x + nn.Dense(D, name="out")(out.reshape(*out.shape[:2], -1))
+        return x + nn.Dense(D, name="down")(nn.gelu(nn.Dense(HIDDEN, name="up")(rms(x))))
+
+
+class LinenLM(nn.Module):
+    local_positions: bool = False
+    jax_attention: str = ""
+
+    @nn.compact
+    def __call__(self, batch):
+        x = nn.Embed(VOCAB, D, name="embed")(batch["tokens"])
+        for i in range(2):
+            x = LinenBlock(self.local_positions, self.jax_attention, name=f"block_{i}")(x, batch)
+        return nn.Dense(VOCAB, name="head")(rms(x))
+
+
+class NNXBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.q, self.k, self.v = (nnx.Linear(D, n * HEAD_DIM, rngs=rngs) for n in (HEADS, KV, KV))
+        self.out = nnx.Linear(HEADS * HEAD_DIM, D, rngs=rngs)
+        self.up, self.down = nnx.Linear(D, HIDDEN, rngs=rngs), nnx.Linear(HIDDEN, D, rngs=rngs)
+
+    def __call__(self, x, batch):
+        h = rms(x)
+        out = attention(heads_of(self.q(h)), heads_of(self.k(h)), heads_of(self.v(h)), batch, False)
+        x = x + self.out(out.reshape(*out.shape[:2], -1))
+        return x + self.down(nnx.gelu(self.up(rms(x))))
+
+
+class NNXLM(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
+        self.blocks = nnx.List([NNXBlock(rngs) for _ in range(2)])
+        self.head = nnx.Linear(D, VOCAB, rngs=rngs)
+
+    def __call__(self, batch):
+        x = self.embed(batch["tokens"])
+        for block in self.blocks:
+            x = block(x, batch)
+        return self.head(rms(x))
+
+
+def packed_batch(seed: int = 0):
+    """Two rows of packed documents (boundaries drawn, the second row ending in padding), their
+    positions in their documents, and next tokens as targets."""
+    rng = np.random.default_rng(seed)
+    segments = np.zeros((ROWS, LENGTH), np.int32)
+    for row, used in enumerate((LENGTH, LENGTH - 3)):
+        cuts = np.sort(rng.choice(np.arange(1, used), 2, replace=False))
+        segments[row, :used] = np.searchsorted(cuts, np.arange(used), side="right") + 1
+    tokens = rng.integers(0, VOCAB, (ROWS, LENGTH), dtype=np.int32)
+    batch = {"tokens": tokens, "positions": np.asarray(document_positions(segments)), "segments": segments}
+    return {k: jnp.asarray(v) for k, v in batch.items()}, jnp.asarray(np.roll(tokens, -1, axis=1))
+
+
+def cross_entropy(logits, targets):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+# FSDP over fsdp and context (a data axis for the weights), each kernel on its input dim
+FSDP = [
+    (r"(q|k|v|up|head)/kernel$", P(("fsdp", "context"))),
+    (r"(out|down)/kernel$", P(None, ("fsdp", "context"))),
+]
+TP = [(r"(q|k|v|up)$", ColumnParallel()), (r"(out|down)$", RowParallel())]
+BATCH = packed_batch()
+
+
+@pytest.mark.parametrize(
+    "mesh, tp_rules, sequence",
+    [
+        ({"fsdp": 2, "context": 4}, [], None),
+        ({"context": 2, "tensor": 2, "fsdp": 2}, TP, SequenceSplit(balanced=False)),
+        ({"fsdp": 2, "context": 2, "tensor": 2}, [], SequenceSplit(strategy="all_to_all")),
+    ],
+    ids=["fsdp2-context4", "fsdp2-context2-tensor2-contiguous", "fsdp2-context2-all-to-all-unchecked"],
+)
+def test_a_linen_model_with_its_sequence_split_is_the_unsharded_model(mesh, tp_rules, sequence):
+    check_vma = sequence is None or sequence.strategy != "all_to_all"  # (and both check_vma settings)
+    check_sharded(
+        LinenLM(),
+        BATCH,
+        cross_entropy,
+        mesh,
+        FSDP,
+        tp_rules=tp_rules,
+        sequence=sequence,
+        steps=2,
+        check_vma=check_vma,
+    )
+
+
+def test_an_nnx_model_with_its_sequence_split_is_the_unsharded_model():
+    mesh = {"data": 2, "context": 2, "tensor": 2}
+    nnx_tp = [(r"blocks/\d+/(q|k|v|up)$", ColumnParallel()), (r"blocks/\d+/(out|down)$", RowParallel())]
+    check_sharded(NNXLM, BATCH, cross_entropy, mesh, tp_rules=nnx_tp, steps=2)
+
+
+def test_jax_attention_as_the_model_calls_it_is_computed_across_and_a_local_mask_refused():
+    """``jax.nn.dot_product_attention(..., is_causal=True)`` inside the step computes across the
+    axis; with a mask (built from a device's tokens) it is refused with the fix; outside the
+    step it is JAX's own again."""
+    tokens, targets = BATCH
+    plain = {"tokens": tokens["tokens"], "positions": jnp.broadcast_to(jnp.arange(LENGTH), (ROWS, LENGTH))}
+    mesh = {"data": 2, "context": 4}
+    check_sharded(LinenLM(jax_attention="causal"), (plain, targets), cross_entropy, mesh, steps=1)
+    assert jax.nn.dot_product_attention is _JAX_ATTENTION
+    with pytest.raises(
+        ValueError,
+        match=r"dot_product_attention\(mask=\.\.\.\) inside a step .*\.attend\(q, k, v, segment_ids",
+    ):
+        check_sharded(LinenLM(jax_attention="mask"), (plain, targets), cross_entropy, mesh, steps=1)
+    assert jax.nn.dot_product_attention is _JAX_ATTENTION
+
+
+def test_all_to_all_where_the_axis_does_not_divide_a_device_s_kv_heads_is_refused_with_its_fix():
+    """Under TP over 2 a device holds 1 of the 2 kv heads: all-to-all over 2 cannot split it."""
+    mesh, all_to_all = {"fsdp": 2, "context": 2, "tensor": 2}, SequenceSplit(strategy="all_to_all")
+    with pytest.raises(
+        IndivisibleShapeError, match=r"the kv heads a device holds \(size 1\).*strategy='ring'"
+    ):
+        check_sharded(LinenLM(), BATCH, cross_entropy, mesh, tp_rules=TP, sequence=all_to_all, steps=1)
+    check_sharded(
+        LinenLM(), BATCH, cross_entropy, mesh, tp_rules=TP, sequence=SequenceSplit(strategy="auto"), steps=1
+    )
+
+
+def test_attention_left_on_a_device_s_tokens_is_caught(monkeypatch):
+    """(negative control) the step's split ignored by the attention: each device attends over
+    its own tokens only."""
+    monkeypatch.setattr(fsdp_tp.attention, "split_here", lambda: None)
+    with pytest.raises(AssertionError, match="output"):
+        check_sharded(LinenLM(), BATCH, cross_entropy, {"data": 2, "context": 4}, steps=1, optimizers={})
+
+
+def test_positions_built_from_the_local_length_are_caught():
+    """(negative control) the same model with RoPE at ``arange`` of a device's tokens."""
+    with pytest.raises(AssertionError, match="output"):
+        check_sharded(LinenLM(local_positions=True), BATCH, cross_entropy, {"data": 2, "context": 4}, steps=1)
+    check_sharded(
+        LinenLM(local_positions=True), BATCH, cross_entropy, {"data": 2, "tensor": 4}, steps=1
+    )  # (whole: fine)
+
+
+# The step itself, as a user writes one: a token-weighted loss (padding weighs 0) over data x
+# context, its outputs returned per token, in float64. Compiled once for the tests that read it.
+STEP_MESH = {"data": 2, "context": 4}
+CHECK_VMA = True
+
+
+def _weighted_loss(model, params, batch, targets, weights):
+    logits = model.apply({"params": params}, batch)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    return (ce * weights).sum(), (weights.sum(), logits)
+
+
+@functools.cache
+def _step(per_device_count: bool):
+    """The step over ``STEP_MESH`` and the unsharded loss and gradients, float64; with
+    ``per_device_count`` the loss a device's tokens' mean (torchtitan#2990's bug)."""
+    model, mesh = LinenLM(), fsdp_tp.make_mesh(STEP_MESH)
+    axes = ("data", "context")
+
+    def step_fn(state, data):
+        batch, targets, weights = data
+        if per_device_count:
+            loss = lambda p: (lambda s, aux: (s / aux[0], aux))(
+                *_weighted_loss(model, p, batch, targets, weights)
+            )
+        else:
+            loss = lambda p: (lambda s, aux: (global_mean_loss(s, aux[0], axes), aux))(
+                *_weighted_loss(model, p, batch, targets, weights)
+            )
+        (value, (_, logits)), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
+        grads = sync_gradients(grads, axes)
+        return grads, (jax.lax.pmean(value, axes), grads, logits)
+
+    def init_fn(rng):
+        params = jax.tree.map(lambda p: p.astype(jnp.float64), model.init(rng, BATCH[0])["params"])
+        return fsdp_tp.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1), rng=rng)
+
+    token = P("data", "context")
+    state, specs = fsdp_tp.init_sharded(init_fn, mesh, P(), jax.random.key(0))
+    batch_specs = ({"tokens": token, "positions": token, "segments": token}, token, token)
+    step = fsdp_tp.shard_step(
+        step_fn,
+        mesh,
+        specs,
+        batch_specs,
+        metrics_specs=(P(), specs.params, token),
+        donate_state=False,
+        check_vma=CHECK_VMA,
+    )
+
+    def unsharded(params, batch, targets, weights):
+        total, (count, logits) = _weighted_loss(model, params, batch, targets, weights)
+        return total / count, logits
+
+    return step, state, jax.jit(jax.value_and_grad(unsharded, has_aux=True))
+
+
+def _weighted_batch():
+    batch, targets = BATCH
+    weights = (batch["segments"] != 0).astype(jnp.float64)  # (padding: 0; rows of unequal counts)
+    return batch, targets, weights
+
+
+def test_the_step_s_token_weighted_loss_is_the_global_one_and_its_outputs_in_the_user_s_order():
+    with jax.enable_x64(True):
+        step, state, unsharded = _step(False)
+        data = _weighted_batch()
+        _, (loss, grads, logits) = step(state, data)
+        (want, want_logits), want_grads = unsharded(state.params, *data)
+        np.testing.assert_allclose(loss, want, rtol=1e-12)
+        np.testing.assert_allclose(logits, want_logits, rtol=1e-11, atol=1e-12)  # (the order written)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12), grads, want_grads)
+        # (negative control) each device's loss its own tokens' mean: another loss, other gradients
+        step, state, _ = _step(True)
+        _, (loss, grads, _) = step(state, data)
+        assert not np.isclose(loss, want, rtol=1e-6)
+
+
+def test_the_step_sends_only_the_ring_s_bytes_over_context():
+    """Per layer, forward: k and v in cp-1 hops, 2(cp-1)/cp · B·S·G·D·b; backward: those again,
+    and the accumulators' cp hops, 2 · B·S·G·D·b (float64 here); no k or v all-gathered."""
+    with jax.enable_x64(True):
+        step, state, _ = _step(False)
+        hlo = step.lower(state, _weighted_batch()).compile().as_text()
+    cp, rows = STEP_MESH["context"], ROWS // STEP_MESH["data"]
+    kv = rows * LENGTH * KV * HEAD_DIM * 8  # one of k, v over the whole sequence, one row's share
+    per_layer = 2 * (cp - 1) * kv // cp + 2 * (cp - 1) * kv // cp + 2 * kv
+    found = parse_collectives(hlo)
+    permuted = sum(c.wire_bytes for c in found if c.kind == "collective-permute")
+    assert permuted == 2 * per_layer, {c.name: (c.wire_bytes, c.operand_types) for c in found}
+    gathered = [
+        c.operand_bytes for c in found if c.kind == "all-gather" and "f64" in "".join(c.operand_types)
+    ]
+    assert gathered == [rows * LENGTH // cp * VOCAB * 8], (
+        gathered
+    )  # (the logits put back in order; k, v never)
+
+
+def _tiny_step(batch_specs, sequence=None, mesh=STEP_MESH):
+    mesh = fsdp_tp.make_mesh(mesh)
+    init_fn = lambda rng: fsdp_tp.TrainState.create(
+        apply_fn=None, params={"w": jnp.ones(())}, tx=optax.sgd(1.0), rng=rng
+    )
+    state, specs = fsdp_tp.init_sharded(init_fn, mesh, P(), jax.random.key(0))
+    axes = ("data", "context")
+
+    def step_fn(state, x):
+        loss, grads = jax.value_and_grad(lambda p: (p["w"] * x).mean())(state.params)
+        return sync_gradients(grads, axes), jax.lax.pmean(loss, axes)
+
+    return state, fsdp_tp.shard_step(step_fn, mesh, specs, batch_specs, sequence=sequence)
+
+
+@pytest.mark.parametrize(
+    "specs, sequence, mesh, said",
+    [
+        (
+            P("context"),
+            None,
+            STEP_MESH,
+            r"batch spec .* names the sequence axis 'context' on dim 0, the rows",
+        ),
+        (
+            P("data"),
+            SequenceSplit(),
+            STEP_MESH,
+            r"sequence=SequenceSplit.* but no batch spec names 'context'",
+        ),
+        (P("data", "context"), None, {"data": 8}, r"over 'context', which is no axis of the mesh"),
+    ],
+    ids=["context-on-the-rows", "split-not-in-the-specs", "axis-not-in-the-mesh"],
+)
+def test_a_step_s_sequence_split_asked_wrong_is_refused_and_the_fix_runs(specs, sequence, mesh, said):
+    with pytest.raises(ValueError, match=said):
+        _tiny_step(specs, sequence, mesh)
+    state, step = _tiny_step(P("data", "context"), sequence)  # (the fix each names)
+    x = jnp.arange(2 * LENGTH, dtype=jnp.float32).reshape(2, LENGTH)
+    _, loss = step(state, x)
+    assert float(loss) == float(x.mean())
