@@ -13,6 +13,7 @@ caught by the harness.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import flax.linen as nn
 import jax
@@ -29,10 +30,11 @@ from fsdp_tp import sync_gradients
 from fsdp_tp.analysis import parse_collectives
 from fsdp_tp.attention import attend
 from fsdp_tp.context import SequenceSplit, document_positions
-from fsdp_tp.errors import IndivisibleShapeError
+from fsdp_tp.errors import IndivisibleShapeError, RuleError
 from fsdp_tp.gradients import global_mean_loss
 from fsdp_tp.testing import check_sharded
 from fsdp_tp.tp import ColumnParallel, RowParallel
+from fsdp_tp.tp._check.driver import switched_off
 
 _JAX_ATTENTION = jax.nn.dot_product_attention
 
@@ -215,9 +217,13 @@ def test_attention_left_on_a_device_s_tokens_is_caught(monkeypatch):
         check_sharded(LinenLM(), BATCH, cross_entropy, {"data": 2, "context": 4}, steps=1, optimizers={})
 
 
-def test_positions_built_from_the_local_length_are_caught():
-    """(negative control) the same model with RoPE at ``arange`` of a device's tokens."""
-    with pytest.raises(AssertionError, match="output"):
+def test_positions_built_from_the_local_length_are_refused_and_unchecked_caught():
+    """The same model with RoPE at ``arange`` of a device's tokens: refused before the first step
+    at its line; (negative control) with the check off, caught by the harness."""
+    line = inspect.getsourcelines(attention)[1] + 2
+    with pytest.raises(RuleError, match=rf"test_context_step\.py:{line} "):
+        check_sharded(LinenLM(local_positions=True), BATCH, cross_entropy, {"data": 2, "context": 4}, steps=1)
+    with switched_off(), pytest.raises(AssertionError, match="output"):
         check_sharded(LinenLM(local_positions=True), BATCH, cross_entropy, {"data": 2, "context": 4}, steps=1)
     check_sharded(
         LinenLM(local_positions=True), BATCH, cross_entropy, {"data": 2, "tensor": 4}, steps=1
@@ -363,3 +369,79 @@ def test_a_step_s_sequence_split_asked_wrong_is_refused_and_the_fix_runs(specs, 
     x = jnp.arange(2 * LENGTH, dtype=jnp.float32).reshape(2, LENGTH)
     _, loss = step(state, x)
     assert float(loss) == float(x.mean())
+
+
+# Issue 84 point 3: a model that mixes tokens itself under a sequence split is refused at its
+# line before anything runs, with the fix (positions as inputs; the library's attention).
+def _mix(x, how, table=None):
+    length = x.shape[1]
+    if how == "positions from the local length":
+        return x + jnp.arange(length)[None, :, None]  # refused
+    if how == "a position table cut to it":
+        return x + table[:length]  # refused
+    if how == "a causal mask from local shapes":
+        return jnp.einsum("qk,bkd->bqd", jnp.tril(jnp.ones((length, length))), x)  # refused
+    if how == "a softmax over the keys written out":
+        return jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", x, x), axis=-1) @ x  # refused
+    if how == "a cumsum":
+        return jnp.cumsum(x, axis=1)  # refused
+    if how == "a roll":
+        return jnp.roll(x, 1, axis=1)  # refused
+    if how == "a mean over the sequence":
+        return x - x.mean(axis=1, keepdims=True)  # refused
+    raise AssertionError(how)
+
+
+class LinenMixed(nn.Module):
+    how: str
+
+    @nn.compact
+    def __call__(self, batch):
+        x = nn.Embed(VOCAB, D, name="embed")(batch["tokens"])
+        table = self.param("positions", nn.initializers.normal(), (LENGTH, D))
+        return nn.Dense(VOCAB, name="head")(_mix(x, self.how, table))
+
+
+class NNXMixed(nnx.Module):
+    def __init__(self, how, rngs):
+        self.how, self.embed, self.head = how, nnx.Embed(VOCAB, D, rngs=rngs), nnx.Linear(D, VOCAB, rngs=rngs)
+        self.table = nnx.Param(jax.random.normal(rngs.params(), (LENGTH, D)))
+
+    def __call__(self, batch):
+        return self.head(_mix(self.embed(batch["tokens"]), self.how, self.table[...]))
+
+
+MIXES = [
+    "positions from the local length",
+    "a position table cut to it",
+    "a causal mask from local shapes",
+    "a softmax over the keys written out",
+    "a cumsum",
+    "a roll",
+    "a mean over the sequence",
+]
+
+
+def _line_of(how: str) -> int:
+    lines, first = inspect.getsourcelines(_mix)
+    at = next(i for i, text in enumerate(lines) if f'"{how}"' in text)
+    return first + at + 1
+
+
+@pytest.mark.parametrize("how", MIXES)
+def test_a_model_mixing_tokens_itself_under_the_sequence_split_is_refused_at_its_line(how):
+    at = rf"test_context_step\.py:{_line_of(how)} "
+    said = rf"^shard_by_rules\(LinenMixed\): the sequence split over 'context' reaches .*{at}.*Fix: take posi"
+    run = lambda mesh: check_sharded(LinenMixed(how), BATCH, cross_entropy, mesh, steps=1, optimizers={})
+    with pytest.raises(RuleError, match=said) as refused:
+        run({"data": 2, "context": 4})
+    assert "fsdp_tp.attention.attend" in str(refused.value)
+    run({"data": 2, "tensor": 4})  # (the sequence whole: the same model is fine)
+
+
+def test_an_nnx_model_mixing_tokens_itself_is_refused_too_and_a_token_wise_one_runs():
+    said = rf"the sequence split over 'context' reaches .*test_context_step\.py:{_line_of('a roll')} "
+    with pytest.raises(RuleError, match=said):
+        check_sharded(
+            lambda rngs: NNXMixed("a roll", rngs), BATCH, cross_entropy, {"data": 2, "context": 4}, steps=1
+        )

@@ -75,6 +75,7 @@ CORE = (
     "tp._check",
     "tp._check.blocks",
     "tp._check.driver",
+    "tp._check.failures",
     "tp._check.partners",
     "tp._check.refusals",
     "tp._check.round_trips",

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from .context._blocks import causal_mask
-from .context._step import across, split_here
+from .context._step import across, checked_here, on_device, split_here
 
 __all__ = ["ATTENTION_IMPLEMENTATIONS", "attend", "resolved_implementation"]
 
@@ -84,6 +84,8 @@ def attend(q, k, v, causal: bool = True, implementation: str = "reference", *, s
     chosen = resolved_implementation(implementation, q.dtype)
     if (split := split_here()) is not None:
         return across(split, q, k, v, segment_ids, causal=causal)
+    if checked_here():  # (the plan check's trace in such a step: the library's, as the ring is)
+        return on_device(q, k, v, segment_ids, causal=causal)
     if chosen == "reference" or segment_ids is not None:  # (a document mask: the einsums')
         return _reference_attention(q, k, v, causal, segment_ids)
     assert chosen in ("xla", "cudnn")

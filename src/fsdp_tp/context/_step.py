@@ -26,15 +26,25 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from .._axes import bound_axis_names, entry_axes
 from .._context import CHECK, STEP
 from .._types import Specs
+from . import _blocks
 from ._all_to_all import attention
 from ._split import SequenceSplit
 
-__all__ = ["LaidOut", "across", "jax_attention_across", "split_here", "step_split"]
+__all__ = [
+    "LaidOut",
+    "across",
+    "checked_here",
+    "jax_attention_across",
+    "on_device",
+    "split_here",
+    "step_split",
+]
 
 _is_spec = lambda s: isinstance(s, PartitionSpec)
 
@@ -127,13 +137,37 @@ class LaidOut:
 
 def split_here() -> SequenceSplit | None:
     """The step's sequence split where its axis is bound (inside its per-device trace), else
-    ``None``: attention called here computes across the axis. In the tensor plan check's own
-    traces (``unringed``) attention stays on a device's tokens, in both of its traces alike:
-    that check reads the tensor split, which the sequence's leaves as it is."""
+    ``None``: attention called here computes across the axis. In the plan check's own traces
+    (``unringed``) it is ``None``: there attention is :func:`on_device`'s."""
     split = STEP.get().sequence
     if split is None or CHECK.get().unringed or split.axis not in bound_axis_names():
         return None
     return split
+
+
+def checked_here() -> bool:
+    """Whether this is the plan check's trace of a call in a step that splits the sequence:
+    attention is then :func:`on_device`'s, the library's own operations in both of the check's
+    traces (a device's, the whole sequence's), which it carries as it carries a collective."""
+    split = STEP.get().sequence
+    return split is not None and CHECK.get().unringed and split.axis in bound_axis_names()
+
+
+def on_device(q, k, v, segment_ids=None, *, causal: bool = True, scale=None):
+    """Attention of ``q`` ``(..., S, H, D)`` over ``k``, ``v`` ``(..., S, G, D)``, all of it on
+    this device, by the ring's own block (:mod:`._blocks`): what the check traces in its place."""
+    lead, (length, heads, dim), groups = q.shape[:-3], q.shape[-3:], k.shape[-2]
+    fold = lambda t: t.reshape(-1, *t.shape[-3:])
+    qs, ks, vs = fold(q), fold(k), fold(v)
+    qs = qs.reshape(*qs.shape[:2], groups, heads // groups, dim)
+    segments = None if segment_ids is None else segment_ids.reshape(-1, length)
+    index = jnp.arange(length)
+    mask = _blocks.causal_mask(index, index, segments, segments, causal)
+    state = _blocks.merge(
+        _blocks.empty(qs), _blocks.forward(qs, ks, vs, mask, dim**-0.5 if scale is None else scale)
+    )
+    out, _ = _blocks.finish(state)
+    return out.reshape(*lead, length, heads, dim).astype(q.dtype)
 
 
 def across(split: SequenceSplit, q, k, v, segment_ids=None, *, causal: bool = True, scale=None):
@@ -164,6 +198,8 @@ def _jax_attention(query, key, value, bias=None, mask=None, *, scale=None, is_ca
     the axis where it can be (no ``bias`` or ``mask``: both are built from a device's local
     shapes), refused otherwise."""
     split = split_here()
+    if split is None and checked_here() and bias is None and mask is None:
+        return on_device(query, key, value, causal=is_causal, scale=scale)
     if split is None:
         return _JAX_ATTENTION(query, key, value, bias, mask, scale=scale, is_causal=is_causal, **rest)
     given = {"bias": bias, "mask": mask, **{k: v for k, v in rest.items() if k != "implementation"}}

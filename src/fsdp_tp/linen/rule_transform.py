@@ -36,6 +36,7 @@ from .._types import AxisName, AxisNames
 from ..errors import RuleError, warn
 from ..precision import MixedPrecision, checked_policy
 from ..rules import REPLICATED, CompiledRule, Rules, as_spec, compile_rules, spec_for, unmatched_warning
+from ..tp._check.driver import sequence_split
 from ..tp._find.driver import AUTO_AXIS
 from ..tp._front import (
     CompiledRole,
@@ -200,7 +201,7 @@ class RulesTransform:
                 out = call(*args, **kwargs)
             if tp and seen.params:  # an init: every tp rule must have named a submodule
                 seen.plan.require_all_matched(seen.params)
-            if tp:  # before anything trains: the plan computes the unsharded model
+            if tp or sequence_split() is not None:  # before anything trains: the unsharded model's blocks
                 check_call(module, self.target, args, kwargs, tp, self.checked)
             return out
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .._tree import static_split
-from ..tp._check.driver import PlanCall, checking, own_trace
+from ..tp._check.driver import PlanCall, checking, own_trace, sequence_split
 from ..tp._check.driver import check_call as drive
 from ..tp._front import Graph, RolePlan, spelled
 from ._swap import Swap
@@ -44,7 +44,7 @@ def check_call(
     compute blocks of the unsharded ``reference``'s (abstract), once per input shapes and sizes
     (:func:`~fsdp_tp.tp._check.driver.check_call`). ``traced``: the unsharded call on these inputs,
     where the caller has traced it."""
-    if not checking() or not plan.roles:
+    if not checking() or (not plan.roles and sequence_split() is None):
         return  # (the check's own trace of the call, or nothing to check: nothing read)
     arrays, rebuild = static_split(args, kwargs)
 

@@ -27,6 +27,7 @@ from ..dropout import split_after
 from ..errors import warn
 from ..precision import MixedPrecision, checked_policy
 from ..rules import REPLICATED, Rules, as_spec, compile_rules, unmatched_warning
+from ..tp._check.driver import sequence_split
 from ..train import TrainState
 from ._check import PlanChecks, checked_class
 from ._constructor import _CALLER, built, require_constructor, scan_errors_named
@@ -156,7 +157,8 @@ class ShardedModel:
         split_after({})  # the model starts whole, whatever an earlier trace's roles left
         if layout.first_split:
             scan_errors_named(model, layout.first_split)
-        if layout.roles.roles:  # its first call on inputs of a shape checks the plan against the model
+        # its first call on inputs of a shape checks the plan (and a sequence split) against the model
+        if layout.roles.roles or sequence_split() is not None:
             checked_class(model, self._checks)
         return model
 

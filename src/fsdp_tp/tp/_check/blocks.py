@@ -29,6 +29,7 @@ from .._jaxpr.sites import is_library, pair, scope_of, site_of, source_of, user_
 from .partners import partners
 from .refusals import (
     RULE_DROPPED,
+    SEQUENCE_SPLIT,
     SEQUENCE_WHOLE,
     Named,
     PartialSum,
@@ -49,7 +50,8 @@ class Blocks:
     words start with ``where``; ``named`` says a name stack's module and role, ``whole`` how
     the user leaves a module whole; a library operation of a primitive in ``split_by`` starts a
     split's origin, as the Linen Megatron layers' own matmuls do) and collects in
-    ``undecided`` the operations it does not know that a split reaches."""
+    ``undecided`` the operations it does not know that a split reaches. ``sequence``: the axis
+    a step splits the sequence over (dim 1 of the inputs), whose refusals name that fix."""
 
     def __init__(
         self,
@@ -60,7 +62,9 @@ class Blocks:
         named: Named,
         whole: str = RULE_DROPPED,
         split_by: Collection[str] = (),
+        sequence: str | None = None,
     ):
+        self.sequence = sequence  # (the axis a step splits the sequence over, if it does)
         self.local, self.reference, self.where, self.named, self.whole = local, reference, where, named, whole
         self.split_by = split_by
         self.sizes = dict(sizes)
@@ -242,7 +246,10 @@ class Blocks:
             else:
                 why = f"{node.mixes[(v, d)]}, of which each device holds 1/{factors[v][d]}"
                 features = d == len(self.local.shapes[v]) - 1
-                self.refuse(node, ref, origin, why, mixing_fix(node.prim, features))
+                # (the step's sequence split: the only split, or a dim other than the features)
+                by_sequence = self.sequence is not None and (not features or len(self.sizes) == 1)
+                fix = mixing_fix(node.prim, features and not by_sequence, by_sequence)
+                self.refuse(node, ref, origin, why, fix, by_sequence)
         for group in node.same:  # (a dim of 1 on both sides is broadcast: no block)
             found = {factors[v][d] for v, d in group if v in factors and self._size(v, d, factors) > 1}
             if len(found) > 1:
@@ -331,7 +338,9 @@ class Blocks:
         whole = self.whole.replace("its tp rule", "their tp rules")
         return f"leave {module} whole together with {names_text(others)}, the layers split with it ({whole})"
 
-    def refuse(self, node: Node, ref: Node | None, origin: str, why: str, fix: str) -> None:
+    def refuse(
+        self, node: Node, ref: Node | None, origin: str, why: str, fix: str, by_sequence=False
+    ) -> None:
         module, role = self.named(origin)
         sides = (("in", node.ins, ref.ins if ref else []), ("out", node.outs, ref.outs if ref else []))
         shapes = "; ".join(
@@ -342,8 +351,12 @@ class Blocks:
         drop = f"; or {self.leave_whole(module)}" if module else ""
         at = user_site(source_of(node)) or "a line JAX does not record"
         verb = "split" if role.startswith("the ") else "splits"  # ("the tp rules", "the Megatron layers")
+        splits = f"{role} on {module or 'the model'} {verb}"
+        if by_sequence or (self.sequence is not None and len(self.sizes) == 1):  # (the step's split)
+            splits, module, drop = f"the sequence split over {self.sequence!r} reaches", "", ""
+            fix = SEQUENCE_SPLIT  # (not a rule's: nothing to leave whole)
         err = RuleError(
-            f"{self.where}: {role} on {module or 'the model'} {verb} what the model's code at {at} "
+            f"{self.where}: {splits} what the model's code at {at} "
             f"does not keep apart: {node.prim} ({shapes}): {why}; the sharded model would compute "
             f"another function. Fix: {fix}{drop}."
         )

@@ -16,6 +16,10 @@ with the plan (:func:`raise_failure`). An operation the check does not know, rea
 split, leaves the plan unchecked there: one :class:`~fsdp_tp.errors.UncheckedPlanWarning`.
 :func:`check_call` drives all of it once for every front end (Linen's rules, NNX's, the Linen
 Megatron layers'), each of which only traces and names a call for it (a :class:`PlanCall`).
+Inside a step that splits the sequence over ``context`` (:mod:`fsdp_tp.context`), a call is
+checked against the model on the whole sequence too, tensor roles or none: code that mixes
+tokens other than through the library's attention (positions from the local length, a mask
+from local shapes, a cumsum) is refused at its line (:func:`sequence_split`).
 
 >>> import jax, jax.numpy as jnp
 >>> def attention(p, x):   # q's features regrouped by a head count: (2, 16) -> (2, 4, 4)
@@ -33,24 +37,22 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import traceback
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 import jax
 
 from ..._axes import bound_axis_names
-from ..._context import CHECK
+from ..._context import CHECK, STEP
 from ...errors import RuleError, UncheckedPlanWarning, warn
-from .._experts import ExpertParallel
 from .._find.plan import letter_hints
 from .._jaxpr.graph import Graph
-from .._jaxpr.sites import Site, flax_file, made_by_jax, users_file
 from .._role import Layer, axes_of
 from .._rules import CompiledRole
 from ..auto import find_plan
 from .blocks import Blocks
-from .refusals import RULE_DROPPED, Named, axes_text
+from .failures import raise_failure
+from .refusals import RULE_DROPPED, Named
 from .round_trips import require_no_round_trip
 
 __all__ = [
@@ -63,6 +65,7 @@ __all__ = [
     "own_trace",
     "raise_failure",
     "references_for",
+    "sequence_split",
     "switched_off",
 ]
 
@@ -121,15 +124,29 @@ class PlanCall:
     split_by: tuple[str, ...] = ()
 
 
+def sequence_split() -> tuple[str, int] | None:
+    """The axis and size a step splits the sequence over here (``None``: whole, or one device):
+    a call there is checked as the blocks of the model on the whole sequence."""
+    split = STEP.get().sequence
+    if split is None or split.axis not in bound_axis_names():
+        return None
+    size = jax.lax.axis_size(split.axis)
+    return (split.axis, size) if size > 1 else None
+
+
 def check_call(call: PlanCall, checked: set) -> None:
     """Refuses (``RuleError``) a plan under which ``call`` does not compute blocks of the unsharded
-    model's, once per ``call.same`` and axis sizes (none: not checked). Every front end's, here."""
-    if not checking() or not call.roles:
+    model's, once per ``call.same`` and axis sizes (none: not checked). Every front end's, here.
+    Under a step's sequence split, the blocks are of the model on the whole sequence."""
+    sequence = sequence_split() if checking() else None
+    if not checking() or (not call.roles and sequence is None):
         return  # (the check's own trace of the call)
     sizes = call.sizes
     if sizes is None:
         bound = bound_axis_names()
         sizes = {axis: jax.lax.axis_size(axis) for axis in sorted(axes_of(call.roles)) if axis in bound}
+    if sequence is not None:
+        sizes = {**sizes, sequence[0]: sequence[1]}
     key = (call.same, repr(sizes))
     if not sizes or key in checked:
         return
@@ -140,9 +157,21 @@ def check_call(call: PlanCall, checked: set) -> None:
         except Exception as err:
             where, whole = call.where, call.whole
             raise_failure(err, call.unsharded, where, call.written, sizes, hinted, whole, roles=call.roles)
-        references = references_for(call.unsharded, call.roles, sizes)
-        check_plan(local, references, sizes, call.where, call.named, hinted, call.whole, call.split_by)
+        references = (
+            [_whole_sequence(call.unsharded, sequence[1])]
+            if sequence is not None
+            else references_for(call.unsharded, call.roles, sizes)
+        )
+        axis = sequence[0] if sequence is not None else None
+        check_plan(local, references, sizes, call.where, call.named, hinted, call.whole, call.split_by, axis)
     checked.add(key)
+
+
+def _whole_sequence(build: Callable[[Callable | None], Graph], size: int) -> Reference:
+    """The unsharded model on the whole sequence: dim 1 of each input past a vector ``size``
+    times a device's (the step splits every per-token leaf so), its outputs split there too."""
+    whole = lambda shape: tuple(x * size if i == 1 else x for i, x in enumerate(shape))
+    return Reference(lambda: build(whole), (1, -1))
 
 
 def _letter_hints(call: PlanCall, size: int) -> str:
@@ -163,6 +192,7 @@ def check_plan(
     hints: Callable[[], str] = str,
     whole: str = RULE_DROPPED,
     split_by: Collection[str] = (),
+    sequence: str | None = None,
 ) -> list[str]:
     """Raises :class:`~fsdp_tp.errors.RuleError` where ``local`` (one device's trace under the
     plan, whose roles split over ``sizes``' axes) does not compute blocks of the unsharded
@@ -175,7 +205,8 @@ def check_plan(
     :func:`~fsdp_tp.vocab_parallel_cross_entropy`), never as partial sums. ``hints()``:
     what a refusal adds (:func:`~fsdp_tp.tp._find.plan.letter_hints`: the einsum letters the plan
     finder gives), computed only then; ``whole``: how the user leaves a module whole;
-    ``split_by``: the primitives by which the library's own layers split (:class:`Blocks`)."""
+    ``split_by``: the primitives by which the library's own layers split (:class:`Blocks`);
+    ``sequence``: the axis a step splits the sequence over, whose refusals say so."""
     refused = None
     for index, reference in enumerate(references):
         try:
@@ -184,7 +215,7 @@ def check_plan(
             if index == 0:  # (the unsharded model on the device's own inputs: its own error)
                 raise
             continue  # (the model cannot run on this reference's inputs: not what it computes)
-        blocks = Blocks(local, graph, sizes, where, named, whole, split_by)
+        blocks = Blocks(local, graph, sizes, where, named, whole, split_by, sequence)
         try:
             blocks.run(reference.split_outputs)
         except RuleError as err:
@@ -222,79 +253,3 @@ def references_for(
         whole = lambda shape: tuple(x * n if i == dim else x for i, x in enumerate(shape))
         references.append(Reference(lambda: build(whole), (dim, -1)))
     return references
-
-
-def _flax_layer(err: Exception) -> str | None:
-    """The class of the Flax layer whose own code raised ``err`` (its innermost frame outside
-    JAX with a ``self`` is a Flax module's), else ``None``."""
-    found = None
-    tb = err.__traceback__
-    while tb is not None:
-        file, owner = tb.tb_frame.f_code.co_filename, tb.tb_frame.f_locals.get("self")
-        if not made_by_jax(file) and _is_module(owner):  # (a Scope's frame, or a helper's: not one)
-            found = type(owner).__name__ if flax_file(file) else None
-        tb = tb.tb_next
-    return found
-
-
-def _is_module(owner: object) -> bool:
-    return any(c.__module__ in ("flax.linen.module", "flax.nnx.module") for c in type(owner).__mro__)
-
-
-def raise_failure(
-    err: Exception,
-    unsharded: Callable[[], Any],
-    where: str,
-    rules: str,
-    sizes: Mapping[str, int],
-    hints: Callable[[], str] = str,
-    whole: str = RULE_DROPPED,
-    roles: Iterable = (),
-) -> NoReturn:
-    """Raises what fits an error of the model's code on a device's slices under the plan
-    (``rules``: the plan as written, ``"the tp rules [...]"``): the library's own errors as they
-    are (they name their fix), and the model's own as they are where the unsharded model
-    (``unsharded()`` traces it) fails too; else a :class:`~fsdp_tp.errors.RuleError` naming the
-    line that failed, with ``hints()`` (:func:`~fsdp_tp.tp._find.plan.letter_hints`) after it and
-    ``whole``, how a module is left whole."""
-    frames = traceback.extract_tb(err.__traceback__)
-    sites = [Site(f.filename, f.lineno or 0, f.name) for f in reversed(frames)]
-    raiser = next((s for s in sites if not made_by_jax(s.file)), None)
-    if type(err).__module__.startswith("fsdp_tp") or (raiser is not None and raiser.library):
-        if isinstance(err, RuleError) and (extra := hints()):  # (a letter the rule left to chance)
-            err.args = (f"{err.args[0]}{extra}", *err.args[1:])
-        raise err  # (the library's own refusal: it names its fix)
-    try:
-        unsharded()
-    except Exception:
-        raise err from None  # (not the plan's doing: the model refuses these inputs itself)
-    line = next((s for s in sites if users_file(s.file)), None)
-    roles = list(roles)
-    experts = [r for r in roles if isinstance(r, ExpertParallel)]
-    if experts and not any(r.returns for r in experts):
-        raise RuleError(
-            f"{where}: under {rules} the model's code fails on each device's slices"
-            f"{f' at {line}' if line else ''}: {type(err).__name__}: {err}. No ExpertParallel layer has "
-            f"returns=True, so the experts' outputs never go back to their tokens' devices and the combine "
-            f"reads the experts' buffers as its own. Fix: give the expert bank's last layer (the one whose "
-            f"output the combine reads, e.g. the down projection) its own rule with "
-            f"ExpertParallel(returns=True).{hints()}"
-        ) from err
-    if (layer := _flax_layer(err)) is not None:  # (a Flax layer the rules leave whole)
-        raise RuleError(
-            f"{where}: under {rules}, a {layer} the rules leave whole fails on a device's "
-            f"slice of the features a column layer splits{f' at {line}' if line else ''}: "
-            f"{type(err).__name__}: {err}. Its own sizes (its parameters') are the unsharded "
-            f"model's, and a layer that reads the features whole (a norm over them) between a "
-            f"column layer and its row layer is not the unsharded model's on a slice. Fix: leave the "
-            f"column and row layers around it whole ({whole}), or move it out of the pair.{hints()}"
-        ) from err
-    raise RuleError(
-        f"{where}: under {rules} the model's code fails on each device's slices"
-        f"{f' at {line}' if line else ''}: {type(err).__name__}: {err}. Each role computes its "
-        f"module on a block of what it splits over {axes_text(sizes)}, and the code around it runs as "
-        f"written: a size taken from the module's constants (a head count, a stacked k/v dim) no "
-        f"longer fits. Fix: size that code from the arrays it gets (reshape with -1 where the "
-        f"split dim lands), give an einsum role the letter the model splits (letter=...), or leave "
-        f"the modules around that line whole ({whole}).{hints()}"
-    ) from err

@@ -32,6 +32,8 @@ __all__ = [
 Named = Callable[[str], tuple[str, str]]  # a name stack -> (module path, its role as written)
 RULE_DROPPED = "drop its tp rule"  # how a module under tp rules is left whole
 # Where a dim other than the features (the sequence a role's sequence_dim splits) is whole.
+# (the fixes for a dim other than the features computing across: a role's sequence_dim, and a
+# step's sequence split, SEQUENCE_SPLIT below)
 SEQUENCE_WHOLE = (
     "compute it where that dim is whole: a sequence split by the roles' sequence_dim is whole "
     "from a column layer to its row layer, and everywhere without sequence_dim"
@@ -90,12 +92,21 @@ def blaming(err: RuleError, module: str, reason: str) -> RuleError:
     return err
 
 
-def mixing_fix(prim: str, features: bool = True) -> str:
+SEQUENCE_SPLIT = (
+    "take positions (and masks' segment ids) as inputs with the batch, which the step lays out "
+    "with the tokens (fsdp_tp.context.document_positions gives a packed sequence's), and mix "
+    "tokens only through the attention the library computes across devices "
+    "(fsdp_tp.attention.attend, or jax.nn.dot_product_attention with is_causal=True)"
+)
+
+
+def mixing_fix(prim: str, features: bool = True, sequence: bool = False) -> str:
     """The fix for ``prim`` computing across a split dim: the features (a value's last dim,
-    split between a column layer and its row layer) or another (the sequence a role's
-    ``sequence_dim`` splits between the layers, whole from a column layer to its row layer)."""
+    split between a column layer and its row layer) or another: the sequence a step splits over
+    ``context`` (``sequence``), or the one a role's ``sequence_dim`` splits between the layers,
+    whole from a column layer to its row layer."""
     if not features:
-        return SEQUENCE_WHOLE
+        return SEQUENCE_SPLIT if sequence else SEQUENCE_WHOLE
     if prim in ("slice", "split", "dynamic_slice", "concatenate", "pad", "gather"):
         return "give each part its own layer (q, k and v apart) and rule, so each device splits each part"
     return "compute it where that dim is whole (after the row layer's sum)"

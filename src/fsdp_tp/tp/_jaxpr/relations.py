@@ -248,3 +248,11 @@ def _gather(node: Node, ins: list, outs: list) -> None:
         if node.params["slice_sizes"][d] == ts[d]:
             del node.mixes[(table, d)], node.mixes[(out, o)]
             node.same.append([(table, d), (out, o)])
+    # Each id looks its row up alone: the ids' dims (but the last, the index vector) are the
+    # result's batch dims, one for one (a sequence split keeps a lookup token by token).
+    if len(ins) > 1 and (ids := ins[1])[0] is not None:
+        batch = [o for o in range(len(outs[0][1])) if o not in dn.offset_dims]
+        if len(batch) == len(ids[1]) - 1:
+            for d, o in zip(range(len(ids[1]) - 1), batch, strict=True):
+                node.mixes.pop((ids[0], d), None), node.mixes.pop((out, o), None)
+                node.same.append([(ids[0], d), (out, o)])
