@@ -352,7 +352,8 @@ class Blocks:
         at = user_site(source_of(node)) or "a line JAX does not record"
         verb = "split" if role.startswith("the ") else "splits"  # ("the tp rules", "the Megatron layers")
         splits = f"{role} on {module or 'the model'} {verb}"
-        if by_sequence or (self.sequence is not None and len(self.sizes) == 1):  # (the step's split)
+        # (the step's split: the only one, or a dim no role's module splits, past the features)
+        if self.sequence is not None and (by_sequence or len(self.sizes) == 1 or role.startswith("the ")):
             splits, module, drop = f"the sequence split over {self.sequence!r} reaches", "", ""
             fix = SEQUENCE_SPLIT  # (not a rule's: nothing to leave whole)
         err = RuleError(
