@@ -30,6 +30,7 @@ from fsdp_tp import sync_gradients
 from fsdp_tp.analysis import parse_collectives
 from fsdp_tp.attention import attend
 from fsdp_tp.context import SequenceSplit, document_positions
+from fsdp_tp.context._step import LaidOut
 from fsdp_tp.errors import IndivisibleShapeError, RuleError
 from fsdp_tp.gradients import global_mean_loss
 from fsdp_tp.testing import check_sharded
@@ -445,3 +446,48 @@ def test_an_nnx_model_mixing_tokens_itself_is_refused_too_and_a_token_wise_one_r
         check_sharded(
             lambda rngs: NNXMixed("a roll", rngs), BATCH, cross_entropy, {"data": 2, "context": 4}, steps=1
         )
+
+
+# Issue 84 point 5: dropout under the sequence split draws each device's tokens' block of the
+# unsharded mask (the balanced layout's two chunks each in its place).
+class LinenDrop(nn.Module):
+    transposed: bool = False
+
+    @nn.compact
+    def __call__(self, batch):
+        x = nn.Embed(VOCAB, D, name="embed")(batch["tokens"])
+        if self.transposed:  # (rows, features, tokens): refused, no place for the mask
+            return nn.Dense(VOCAB, name="head")(
+                nn.Dropout(0.5, deterministic=False)(x.swapaxes(1, 2)).swapaxes(1, 2)
+            )
+        return nn.Dense(VOCAB, name="head")(nn.Dropout(0.5, deterministic=False)(x))
+
+
+class NNXDrop(nnx.Module):
+    def __init__(self, rngs):
+        self.embed, self.head = nnx.Embed(VOCAB, D, rngs=rngs), nnx.Linear(D, VOCAB, rngs=rngs)
+        self.drop = nnx.Dropout(0.5)
+
+    def __call__(self, batch, rngs=None):
+        return self.head(self.drop(self.embed(batch["tokens"]), rngs=rngs))
+
+
+DROP = {"dropout": jax.random.key(3)}
+DROP_MESH = {"data": 2, "context": 4}
+
+
+def test_dropout_under_the_sequence_split_is_the_unsharded_mask_linen_and_nnx():
+    check_sharded(LinenDrop(), BATCH, cross_entropy, DROP_MESH, rngs=DROP, steps=1)
+    contiguous = SequenceSplit(balanced=False)
+    check_sharded(NNXDrop, BATCH, cross_entropy, DROP_MESH, rngs=DROP, steps=1, sequence=contiguous)
+
+
+def test_dropout_placed_as_rows_is_caught_and_a_transposed_one_refused(monkeypatch):
+    with pytest.raises(
+        ValueError, match=r"dropout on an activation of local shape \(1, 16, 4\) .* before any transpose"
+    ):
+        check_sharded(LinenDrop(transposed=True), BATCH, cross_entropy, DROP_MESH, rngs=DROP, steps=1)
+    # (negative control) the mask placed as if context split the rows, as 0.2 drew it
+    monkeypatch.setattr(LaidOut, "tokens", lambda self, tree: None)
+    with pytest.raises(AssertionError, match="output"):
+        check_sharded(LinenDrop(), BATCH, cross_entropy, DROP_MESH, rngs=DROP, steps=1, optimizers={})

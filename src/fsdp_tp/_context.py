@@ -67,7 +67,8 @@ class Step:
     calls later; ``keys_as_stored``: rng keys read as stored, within an exact dropout's draw
     (an NNX Variable's ``get_value`` takes no argument); ``sequence``: the step's
     :class:`~fsdp_tp.context.SequenceSplit` (``None``: the sequence whole on each device), read
-    by the library's attention, which then computes across its axis."""
+    by the library's attention, which then computes across its axis; ``tokens``: a device's
+    tokens a sequence under it (dim 1 of the batch's leaves it splits), for dropout's masks."""
 
     batch_axes: tuple | None = None
     per_device: bool = False
@@ -75,6 +76,7 @@ class Step:
     region: tuple = ()
     keys_as_stored: bool = False
     sequence: Any = None
+    tokens: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

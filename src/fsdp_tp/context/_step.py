@@ -116,6 +116,18 @@ class LaidOut:
     def batch(self, tree: Any) -> Any:
         return self._each(tree, self.batch_specs, self.split.to_devices, None)
 
+    def tokens(self, tree: Any) -> int | None:
+        """A device's tokens a sequence in its block of the batch ``tree`` (``None``: the
+        leaves the split lays out differ in length)."""
+        found: set[int] = set()
+
+        def each(spec, sub):
+            if _is_spec(spec) and (dims := _dims_over(spec, self.split.axis)):
+                found.update(x.shape[dims[0][0]] for x in jax.tree.leaves(sub))
+
+        jax.tree.map(each, self.batch_specs, tree, is_leaf=_is_spec)
+        return found.pop() if len(found) == 1 else None
+
     def outputs(self, tree: Any, specs: Specs) -> Any:
         per_token = {
             _normal(s)

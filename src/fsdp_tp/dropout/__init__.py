@@ -36,12 +36,12 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from .._axes import bound_axis_names, checks_vma, entry_axes, require_axes, varying_axes
+from .._axes import bound_axis_names, checks_vma, require_axes, varying_axes
 from .._renamed import renamed_keywords
 from .._types import AxisName, AxisNames
 from ..errors import FoldedDropoutWarning, warn
 from ._activation_split import Split, activation_split, split_after, splitting, unplaceable_after
-from ._block_key import block_key, is_block_key, keep_mask, wide_index
+from ._block_key import block_key, is_block_key, keep_mask, split_axes, wide_index
 
 __all__ = [
     "activation_split",
@@ -111,7 +111,7 @@ def fold_over_block(rng: jax.Array, x: jax.Array, batch_axes: Sequence[AxisName]
     """``rng`` folded over every axis ``x``'s block is split over (:func:`activation_split`):
     a different key on each block, the same where the blocks are the same."""
     split = activation_split(x, tuple(batch_axes), where)
-    return fold_rng_over_axis(rng, tuple(dict.fromkeys(a for entry in split for a in entry_axes(entry))))
+    return fold_rng_over_axis(rng, tuple(dict.fromkeys(a for entry in split for a in split_axes(entry))))
 
 
 def folded_attention(attention_fn: Callable, batch_axes: Sequence[AxisName], where: str) -> Callable:

@@ -22,8 +22,23 @@ import jax
 from .._axes import bound_axis_names, checks_vma, varying_axes
 from .._context import STEP
 from .._types import AxisName
+from ..context._split import SequenceSplit
 
 __all__ = ["Split", "activation_split", "split_after", "splitting", "unplaceable_after"]
+
+
+def _sequence_dim(x: jax.Array, tokens: int, where: str) -> int:
+    """The dim of ``x`` a step's sequence split splits: dim 1, which holds a device's
+    ``tokens`` (``(rows, tokens, ...)``, as the batch's leaves); otherwise its mask has no place."""
+    if x.ndim > 1 and x.shape[1] == tokens:
+        return 1
+    raise ValueError(
+        f"{where}: dropout on an activation of local shape {tuple(x.shape)} in a step that splits the "
+        f"sequence: a device holds {tokens} tokens, and dim 1 of an activation is where they are "
+        f"({'it holds ' + str(x.shape[1]) if x.ndim > 1 else 'it has none'}), so its mask cannot be "
+        f"placed. Apply the dropout to a (rows, tokens, ...) activation, before any transpose."
+    )
+
 
 Split = tuple  # per dim: None, an axis, or a tuple of axes (major first), as box names are
 
@@ -96,13 +111,19 @@ def activation_split(x: jax.Array, batch_axes: Sequence[AxisName], where: str) -
     bound = bound_axis_names()
     checking = bool(bound) and checks_vma(bound[0])
     varying = varying_axes(x) if checking else None
+    step = STEP.get()
+    sequence, tokens = (step.sequence, step.tokens) if step.tokens is not None else (None, 0)
     if x.ndim:
-        names[0] = tuple(a for a in batch_axes if varying is None or a in varying)
+        names[0] = tuple(a for a in batch_axes if (varying is None or a in varying))
+    if sequence is not None and sequence.axis in names[0]:  # (the step splits dim 1, not the rows)
+        names[0] = tuple(a for a in names[0] if a != sequence.axis)
+        names[_sequence_dim(x, tokens, where)] = (sequence,)
     known = _region_dims(x, where)
     for dim, axis in known:
         if -x.ndim <= dim < 0 and (varying is None or axis in varying):
             names[dim] = (*names[dim], axis)
-    if varying is not None and (lost := varying - {a for entry in names for a in entry}):
+    placed = {a.axis if isinstance(a, SequenceSplit) else a for entry in names for a in entry}
+    if varying is not None and (lost := varying - placed):
         raise ValueError(
             f"{where}: dropout on an activation of shape {x.shape} that varies over "
             f"{sorted(lost, key=str)}, but no dim is known to be split over it (dim 0 over the batch "

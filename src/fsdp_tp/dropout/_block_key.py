@@ -32,10 +32,20 @@ import jax.numpy as jnp
 from jax.extend.random import define_prng_impl, threefry_2x32
 
 from .._axes import axis_size, entry_axes
+from ..context._split import SequenceSplit
 
-__all__ = ["block_key", "flat_index", "is_block_key", "keep_mask", "wide_index"]
+__all__ = ["block_key", "flat_index", "is_block_key", "keep_mask", "split_axes", "wide_index"]
 
-Split = tuple  # per dim: None, an axis, or a tuple of axes (major first), as box names are
+# per dim: None, an axis, or a tuple of axes (major first), as box names are; or the step's
+# SequenceSplit, for the sequence dim it lays out (a device's tokens, balanced: two chunks)
+Split = tuple
+
+
+def split_axes(entry) -> tuple:
+    """The mesh axes one entry of a :data:`Split` splits its dim over."""
+    return (entry.axis,) if isinstance(entry, SequenceSplit) else entry_axes(entry)
+
+
 _U32 = jnp.uint32
 _UINTS = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}
 
@@ -77,6 +87,12 @@ def flat_index(shape: tuple[int, ...], split: Split) -> tuple[jax.Array, jax.Arr
     coords, sizes = [], []
     for dim, (n, s) in enumerate(zip(shape, split, strict=True)):
         coord = jax.lax.broadcasted_iota(_U32, shape, dim)
+        if isinstance(s, SequenceSplit):  # (this device's tokens' places in the sequence)
+            size = jax.lax.axis_size(s.axis)
+            places = s.token_index(jax.lax.axis_index(s.axis), size, n).astype(_U32)
+            coords.append(jnp.take(places, coord))
+            sizes.append(n * size)
+            continue
         if axes := entry_axes(s):
             index = jnp.zeros((), _U32)
             for axis in axes:  # the block's position along the axes, major first
@@ -148,7 +164,7 @@ def block_key(key: jax.Array, split: Split, where: str = "dropout") -> jax.Array
     """Inside ``jax.shard_map``: a key whose every draw on a block's shape (split as ``split``
     says) is this device's block of the same draw from ``key`` on the global shape."""
     split = tuple(split)
-    sizes = tuple(axis_size(entry_axes(s)) for s in split)
+    sizes = tuple(axis_size(split_axes(s)) for s in split)
     return jax.random.wrap_key_data(_key_data(key, where), impl=_impl(split, sizes))
 
 

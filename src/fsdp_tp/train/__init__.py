@@ -101,17 +101,18 @@ def _refuse_donated(state: PyTree) -> None:
 
 
 @contextlib.contextmanager
-def as_a_step(batch_specs: Specs, sequence: SequenceSplit | None = None) -> Iterator[None]:
+def as_a_step(batch_specs: Specs, sequence: SequenceSplit | None = None, tokens=None) -> Iterator[None]:
     """Within, a per-device trace is a step's, as :func:`shard_step` traces one (and the plan
     its step): transforms, the sync and dropout average over (and draw for) the axes the batch
     of ``batch_specs`` is split over, or say that they were told others; layers that read one
     activation share its collective (Megatron's *f*, an expert layer's dispatch). Under a
     ``sequence`` split its axis is a batch axis too (each device's loss is over its tokens) and
-    attention computes across it (:mod:`fsdp_tp.context._step`)."""
+    attention computes across it (:mod:`fsdp_tp.context._step`); ``tokens``: a device's tokens a
+    sequence (:meth:`~fsdp_tp.context._step.LaidOut.tokens`)."""
     axes = batch_axes_of(batch_specs)
     if sequence is not None:
         axes = (*(axes or ()), sequence.axis)
-    with batch_split_over(axes), STEP.scoped(sequence=sequence), shared_column_inputs():
+    with batch_split_over(axes), STEP.scoped(sequence=sequence, tokens=tokens), shared_column_inputs():
         with jax_attention_across(sequence):
             yield
 
@@ -179,7 +180,7 @@ def shard_step(
     laid = LaidOut(split, mesh.shape[split.axis], batch_specs) if split is not None else None
 
     def per_device_fn(state, batch):
-        with as_a_step(batch_specs, split):
+        with as_a_step(batch_specs, split, laid.tokens(batch) if laid is not None else None):
             return inner(state, batch)
 
     per_device = jax.shard_map(
