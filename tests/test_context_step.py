@@ -491,3 +491,36 @@ def test_dropout_placed_as_rows_is_caught_and_a_transposed_one_refused(monkeypat
     monkeypatch.setattr(LaidOut, "tokens", lambda self, tree: None)
     with pytest.raises(AssertionError, match="output"):
         check_sharded(LinenDrop(), BATCH, cross_entropy, DROP_MESH, rngs=DROP, steps=1, optimizers={})
+
+
+# Issue 84 point 4: flax's own attention. NNX's (nnx.dot_product_attention calls
+# jax.nn.dot_product_attention where it draws no dropout) computes across, causal by its
+# is_causal; Linen's writes its softmax out and builds its causal mask from local shapes:
+# refused at the model's line, never computed on a device's tokens alone.
+class NNXAttentionLM(nnx.Module):
+    def __init__(self, rngs, causal: bool = True):
+        attention = functools.partial(nnx.dot_product_attention, is_causal=causal)
+        self.embed, self.head = nnx.Embed(VOCAB, D, rngs=rngs), nnx.Linear(D, VOCAB, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(4, D, decode=False, attention_fn=attention, rngs=rngs)
+
+    def __call__(self, batch):
+        return self.head(self.attn(self.embed(batch["tokens"])))
+
+
+class LinenAttentionLM(nn.Module):
+    @nn.compact
+    def __call__(self, batch):
+        x = nn.Embed(VOCAB, D, name="embed")(batch["tokens"])
+        mask = nn.make_causal_mask(batch["tokens"])  # refused: a mask from local shapes
+        return nn.Dense(VOCAB, name="head")(nn.MultiHeadDotProductAttention(4, name="attn")(x, mask=mask))
+
+
+def test_flax_attention_nnx_computes_across_and_linen_s_is_refused_at_the_model_s_line():
+    check_sharded(NNXAttentionLM, BATCH, cross_entropy, {"data": 2, "context": 4}, steps=1)
+    full = lambda rngs: NNXAttentionLM(rngs, causal=False)
+    check_sharded(full, BATCH, cross_entropy, {"data": 2, "context": 2, "tensor": 2}, steps=1, optimizers={})
+    line = inspect.getsourcelines(LinenAttentionLM.__call__)[1] + 3
+    with pytest.raises(
+        RuleError, match=rf"the sequence split over 'context' reaches .*test_context_step\.py:{line} "
+    ):
+        check_sharded(LinenAttentionLM(), BATCH, cross_entropy, {"data": 2, "context": 4}, steps=1)
