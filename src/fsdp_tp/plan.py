@@ -25,7 +25,7 @@ from ._types import Specs
 from .analysis import array_bytes
 from .analysis._step_memory import temp_bytes
 from .analysis._step_wire import step_wire, wire_lines
-from .context._step import step_split
+from .context._step import LaidOut, step_split
 from .train import as_a_step
 
 __all__ = ["Plan", "PlanRow", "make_plan"]
@@ -174,7 +174,10 @@ def make_plan(
             # One trace: the state, and one device's forward and backward on it.
             state = init_fn(*inner_args)
             params = state.params if hasattr(state, "params") else state
-            with as_a_step(batch_specs, split):  # (traced as shard_step traces it)
+            tokens = (
+                LaidOut(split, mesh.shape[split.axis], batch_specs).tokens(inner_batch) if split else None
+            )
+            with as_a_step(batch_specs, split, tokens):  # (traced as shard_step traces it)
                 step["jaxpr"] = jax.make_jaxpr(jax.value_and_grad(loss))(params, inner_batch)
             return state
 

@@ -176,7 +176,8 @@ def check_tensor_split(config, args, mesh: dict, sequence_parallel: bool) -> Non
         return
     up = lambda n: -(-n // tensor) * tensor
     # the same devices, none on tensor
-    whole = f"data={mesh.get('data', 1)},fsdp={mesh.get('fsdp', 1) * tensor},tensor=1"
+    context = f",context={mesh['context']}" if mesh.get("context", 1) > 1 else ""  # (kept: the sequence's)
+    whole = f"data={mesh.get('data', 1)},fsdp={mesh.get('fsdp', 1) * tensor}{context},tensor=1"
     cases = [
         ("num_heads", config.num_heads, config.num_heads % tensor, "each device computes whole heads"),
         (

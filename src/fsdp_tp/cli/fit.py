@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..plan import Plan, make_plan
 from ..recipe.throughput import memory_stats
-from ..recipe.trainer import Settings, sharded_gpt, window_loss
+from ..recipe.trainer import Settings, batch_loss, sharded_gpt
 from .checks import UsageError
 
 __all__ = [
@@ -52,15 +52,18 @@ def plan_of(settings: Settings, mesh) -> Plan:
     # One microbatch's activations are alive at a time (accumulate_gradients).
     rows = settings.batch // settings.microbatches
     windows = jax.ShapeDtypeStruct((rows, config.seq_len + 1), np.int32)
-    batch = P(settings.batch_axes)
+    if settings.sequence is not None:  # (the step's inputs and targets, the sequence over context)
+        tokens = jax.ShapeDtypeStruct((rows, config.seq_len), np.int32)
+        windows = (tokens, tokens)  # type: ignore[assignment]
+    batch = settings.batch_specs()
     return make_plan(
         model.init_fn,
         mesh,
-        (P(), batch),
+        (P(), P(settings.batch_axes)),
         jax.random.key(0),
         ids,
         check_vma=settings.check_vma,
-        loss_fn=lambda params, batch: window_loss(model, params, batch),
+        loss_fn=lambda params, batch: batch_loss(model, params, batch),
         batch=windows,
         batch_specs=batch,
     )

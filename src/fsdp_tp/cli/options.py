@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..attention import ATTENTION_IMPLEMENTATIONS
+from ..context._split import STRATEGIES
 from ..models.remat import REMAT_POLICIES
 from ..recipe.config import PRESETS
 from ..recipe.trainer import APIS
@@ -45,6 +46,13 @@ def _compute_flags(p, remat_default: str) -> None:
         help="reference einsums, or jax.nn.dot_product_attention: xla, cudnn (flash, bf16 on GPU), "
         "auto (cudnn where it runs, else xla)",
     )
+    p.add_argument(
+        "--context-strategy",
+        choices=STRATEGIES,
+        default="ring",
+        help="with a context axis in --mesh (the sequence split over it): attention across it by a "
+        "ring of k and v, all_to_all (heads split instead), or auto (the fewer bytes)",
+    )
     auto = remat_default == "auto"
     p.add_argument(
         "--remat",
@@ -59,7 +67,8 @@ def _compute_flags(p, remat_default: str) -> None:
 def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mesh",
-        help=f"axis sizes over data, fsdp and tensor, and expert with --experts (default: train on an "
+        help=f"axis sizes over data, fsdp and tensor, context (the sequence split over it), and expert "
+        f"with --experts (default: train on an "
         f"accelerator or with "
         f"--cpu-devices N puts every device on fsdp; otherwise on CPU, and for plan, {DEFAULT_MESH})",
     )

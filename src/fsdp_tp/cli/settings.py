@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._axes import CONTEXT
+from ..context._split import SequenceSplit
 from ..errors import MeshShapeError
 from ..mesh import DEFAULT_AXIS_NAMES, parse_mesh
 from ..models import Layout
@@ -76,6 +78,7 @@ def settings_of(args, mesh: dict, vocab_size: int | None = None) -> Settings:
             f"pass --kv-heads with a divisor of {config.num_heads}."
         )
     check_tensor_split(config, args, mesh, _sequence_parallel(args))
+    sequence = _sequence_split(args, mesh, config)
     _check_gathered(args, mesh)
     check_schedule(args)
     if args.api == "nnx" and not config.experts:
@@ -102,7 +105,37 @@ def settings_of(args, mesh: dict, vocab_size: int | None = None) -> Settings:
         optimizer_name=getattr(args, "optimizer", "adamw"),
         clip_norm=clip_norm,
         api=args.api,
+        sequence=sequence,
     )
+
+
+def _sequence_split(args, mesh: dict, config) -> SequenceSplit | None:
+    """The sequence split a ``context`` axis in ``--mesh`` asks for, or ``None``; a sequence
+    or a strategy it cannot take is one line with the fix."""
+    size = mesh.get(CONTEXT, 1)
+    if size == 1:
+        return None
+    flag = f"--mesh {CONTEXT}={size}"
+    if config.experts:
+        raise UsageError(
+            f"{flag} with --experts: the MoE LM does not split its sequence yet; drop the {CONTEXT} axis "
+            f"(its devices to data: --mesh data={mesh.get('data', 1) * size},...), or drop --experts."
+        )
+    chunks = 2 * size
+    if config.seq_len % chunks:
+        raise UsageError(
+            f"--seq-len {config.seq_len} on {flag}: the balanced split cuts each sequence in 2 x {size} = "
+            f"{chunks} chunks; use --seq-len {-(-config.seq_len // chunks) * chunks}."
+        )
+    kv_here = config.num_kv_heads // max(mesh.get("tensor", 1), 1)
+    strategy = getattr(args, "context_strategy", "ring")
+    if strategy == "all_to_all" and kv_here % size:
+        raise UsageError(
+            f"--context-strategy all_to_all on {flag}: a device holds {kv_here} kv heads (--kv-heads "
+            f"{config.num_kv_heads} over tensor {mesh.get('tensor', 1)}), which {size} does not divide; "
+            f"use --context-strategy ring (or auto, which takes the ring here)."
+        )
+    return SequenceSplit(CONTEXT, strategy=strategy)
 
 
 def _sequence_parallel(args) -> bool:
@@ -149,16 +182,17 @@ def mesh_sizes(text: str, experts: int | None = None) -> dict:
     {'data': 2, 'fsdp': 1, 'expert': 2, 'tensor': 2}
     """
     sizes = parse_mesh(text)
-    unknown = set(sizes) - {"data", "fsdp", "expert", "tensor"}
+    unknown = set(sizes) - {"data", "fsdp", "expert", "tensor", CONTEXT}
     if unknown:
         raise MeshShapeError(
-            f"--mesh {text!r}: unknown axes {sorted(unknown)}; use data, fsdp and tensor (and expert, "
-            f"with --experts)."
+            f"--mesh {text!r}: unknown axes {sorted(unknown)}; use data, fsdp, tensor and context (and "
+            f"expert, with --experts)."
         )
     bad = {axis: size for axis, size in sizes.items() if size < 1}
     if bad:
         raise MeshShapeError(f"--mesh {text!r}: axis sizes must be >= 1, got {bad}; e.g. {DEFAULT_MESH}.")
     axes = ("data", "fsdp", "expert", "tensor") if experts or "expert" in sizes else DEFAULT_AXIS_NAMES
+    axes = (*axes[:-1], CONTEXT, axes[-1]) if CONTEXT in sizes else axes  # (the sequence's: named only)
     return {axis: sizes.get(axis, 1) for axis in axes}
 
 

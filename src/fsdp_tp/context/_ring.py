@@ -27,7 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .._axes import CONTEXT, require_axes
+from .._axes import CONTEXT, checks_vma, require_axes, varying_axes
 from .._layout import require_divisible
 from . import _blocks
 from ._split import SequenceSplit
@@ -79,7 +79,20 @@ def ring_attention(
     split = SequenceSplit(axis, balanced)
     _require_shapes(q, k, v, segment_ids, split)
     ring = _Ring(split, causal, q.shape[-1] ** -0.5 if scale is None else scale)
+    q, k, v = _alike(axis, q, k, v)
     return _attention(ring, q, k, v, segment_ids)
+
+
+def _alike(axis: str, *arrays):
+    """``arrays`` typed to vary over every mesh axis one of them does, and ``axis`` (under
+    ``check_vma``): what the ring's blocks vary over (each hop's k, v, the mask's place on the
+    ring). Inside a model's ``nn.scan`` a layer's input may be typed narrower than its values
+    are; the cast's transpose sums the cotangents over what it adds, as JAX's own would."""
+    if not checks_vma(axis):
+        return arrays
+    axes = frozenset({axis}).union(*(varying_axes(a) for a in arrays))
+    widen = lambda a: jax.lax.pcast(a, tuple(sorted(axes - varying_axes(a), key=str)), to="varying")
+    return tuple(widen(a) if axes - varying_axes(a) else a for a in arrays)
 
 
 def _require_shapes(q, k, v, segment_ids, split: SequenceSplit) -> None:

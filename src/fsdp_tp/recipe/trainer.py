@@ -15,11 +15,13 @@ from flax.core.meta import unbox
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..context._split import SequenceSplit
+from ..context._step import LaidOut
 from ..gradients import sync_gradients
 from ..models import Layout
 from ..sharded_init import init_sharded
 from ..tp.pieces import vocab_parallel_cross_entropy
-from ..train import accumulate_gradients, shard_step, state_init_fn
+from ..train import accumulate_gradients, as_a_step, shard_step, state_init_fn
 from .config import ModelConfig
 from .data import Tokens, windows_at
 from .moe_lm import moe_loss, sharded_moe_parts
@@ -31,8 +33,10 @@ __all__ = [
     "Settings",
     "ShardedGPT",
     "Trainer",
+    "batch_loss",
     "init_arguments",
     "sharded_gpt",
+    "split_windows",
     "step_fn",
     "window_loss",
 ]
@@ -65,12 +69,26 @@ class Settings:
     optimizer_name: str = "adamw"  # a key of OPTIMIZERS
     clip_norm: float = 1.0  # clip the gradient's global norm to this (0: no clipping)
     api: str = "linen"  # one of APIS: the GPT in Linen (the layout's layers) or NNX (by rules)
+    sequence: SequenceSplit | None = None  # the sequence split over --mesh's context axis
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
-        """The mesh axes the batch is split over: ``expert`` too for a mixture of experts
-        (expert parallelism sends each device's tokens to the experts over it)."""
+        """The mesh axes the batch's rows are split over: ``expert`` too for a mixture of
+        experts (expert parallelism sends each device's tokens to the experts over it)."""
         return (*BATCH_AXES, "expert") if self.model.experts else BATCH_AXES
+
+    @property
+    def step_axes(self) -> tuple[str, ...]:
+        """The axes the loss and gradients average over: the rows', and the sequence's."""
+        return (*self.batch_axes, self.sequence.axis) if self.sequence is not None else self.batch_axes
+
+    def batch_specs(self):
+        """The step's batch: the windows' rows, or, under a sequence split, their inputs and
+        targets (each ``(rows, seq_len)``) with the sequence over ``context``."""
+        if self.sequence is None:
+            return P(self.batch_axes)
+        token = P(self.batch_axes, self.sequence.axis)
+        return (token, token)
 
     def optimizer(self) -> optax.GradientTransformation:
         """The optimizer on a warmup-cosine schedule, after global-norm clipping. Both run
@@ -117,7 +135,7 @@ def sharded_gpt(settings: Settings, sizes: dict, tx: optax.GradientTransformatio
 
         layout, (sequence, ring) = settings.layout, nnx_schedule(settings, sizes)
         sharded = sharded_nnx_gpt(
-            config, sizes, layout.min_weight_size, BATCH_AXES, sequence, ring, layout.mixed_precision
+            config, sizes, layout.min_weight_size, settings.step_axes, sequence, ring, layout.mixed_precision
         )
         init = sharded.state_init_fn(tx)
         return ShardedGPT(lambda rng, _ids: init(rng), lambda p, ids: sharded.merge(p)(ids), None)
@@ -132,13 +150,27 @@ def window_loss(model: ShardedGPT, params, windows: jax.Array) -> jax.Array:
     return model.objective(model.logits(params, windows[:, :-1]), windows[:, 1:])
 
 
+def batch_loss(model: ShardedGPT, params, batch) -> jax.Array:
+    """:func:`window_loss` of windows, or of a sequence split's ``(inputs, targets)``."""
+    if isinstance(batch, tuple):
+        return model.objective(model.logits(params, batch[0]), batch[1])
+    return window_loss(model, params, batch)
+
+
+def split_windows(settings: Settings, windows: jax.Array):
+    """The step's batch of ``windows`` ``(rows, seq_len + 1)``: themselves, or, under a sequence
+    split, their inputs and targets, which the step lays out over ``context``."""
+    return windows if settings.sequence is None else (windows[:, :-1], windows[:, 1:])
+
+
 def step_fn(settings: Settings, model: ShardedGPT) -> Callable:
-    """The per-device step for ``shard_step``: this device's windows -> synced gradients, loss."""
-    axes = settings.batch_axes
+    """The per-device step for ``shard_step``: this device's windows (or inputs and targets)
+    -> synced gradients, loss."""
+    axes = settings.step_axes
 
     def step(state, windows):
         def loss_fn(params, microbatch, _rng):
-            return window_loss(model, params, microbatch), None
+            return batch_loss(model, params, microbatch), None
 
         (loss, _), grads = accumulate_gradients(loss_fn, state.params, windows, settings.microbatches)
         return sync_gradients(grads, axes), jax.lax.pmean(loss, axes)
@@ -168,8 +200,18 @@ def _guarded(step: Callable) -> Callable:
     return guarded
 
 
-def _eval_fn(model: ShardedGPT, axes: tuple) -> Callable:
-    return lambda state, windows: jax.lax.pmean(window_loss(model, state.params, windows), axes)
+def _eval_fn(model: ShardedGPT, settings: Settings, laid: LaidOut | None) -> Callable:
+    """The held-out loss on a device's batch, under a sequence split as the step computes it
+    (attention across ``context``: :func:`~fsdp_tp.train.as_a_step`)."""
+    axes, specs = settings.step_axes, settings.batch_specs()
+
+    def evaluate(state, batch):
+        if laid is None:  # (the windows whole on each device: no step's scope, as ever)
+            return jax.lax.pmean(batch_loss(model, state.params, batch), axes)
+        with as_a_step(specs, settings.sequence, laid.tokens(batch)):
+            return jax.lax.pmean(batch_loss(model, state.params, batch), axes)
+
+    return evaluate
 
 
 def init_arguments(settings: Settings, mesh, model: ShardedGPT) -> tuple:
@@ -188,25 +230,30 @@ class Trainer:
         self.twin = config.model()  # the Linen twin: both APIs start from its init and equal it
         self.tx = settings.optimizer()
         self.model = sharded_gpt(settings, dict(mesh.shape), self.tx)
-        batch = P(settings.batch_axes)
+        batch = settings.batch_specs()
         self.state, self.specs = init_sharded(
             *init_arguments(settings, mesh, self.model),
             twin_init_fn=self.model.twin_init_fn,
             check_vma=settings.check_vma,
         )
         step = step_fn(settings, self.model)
-        step = shard_step(step, mesh, self.specs, batch, check_vma=settings.check_vma)
-        self.step = jax.jit(_guarded(step), donate_argnums=0)
-        self._eval = jax.jit(
-            jax.shard_map(
-                _eval_fn(self.model, settings.batch_axes),
-                mesh=mesh,
-                in_specs=(self.specs, batch),
-                out_specs=P(),
-                check_vma=settings.check_vma,
-            )
+        split = settings.sequence
+        step = shard_step(step, mesh, self.specs, batch, check_vma=settings.check_vma, sequence=split)
+        windowed = lambda state, windows: step(state, split_windows(settings, windows))
+        self.step = jax.jit(_guarded(windowed), donate_argnums=0)
+        laid = LaidOut(split, mesh.shape[split.axis], batch) if split is not None else None
+        evaluate = jax.shard_map(
+            _eval_fn(self.model, settings, laid),
+            mesh=mesh,
+            in_specs=(self.specs, batch),
+            out_specs=P(),
+            check_vma=settings.check_vma,
         )
-        self._batch_sharding = NamedSharding(mesh, batch)
+        laid_out = (lambda b: laid.batch(b)) if laid is not None else (lambda b: b)
+        self._eval = jax.jit(
+            lambda state, windows: evaluate(state, laid_out(split_windows(settings, windows)))
+        )
+        self._batch_sharding = NamedSharding(mesh, P(settings.batch_axes))  # (the windows' rows)
         self.completed = 0  # steps the state has taken (run() counts them)
 
     def windows(self, tokens: Tokens, step: int) -> jax.Array:
