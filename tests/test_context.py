@@ -257,8 +257,15 @@ def test_the_benchmarks_long_sequence_section_at_small_sizes():
     """The section ``fsdp-tp bench`` writes, on small sizes: every figure the page reports."""
     from fsdp_tp.bench.context_rows import context_costs, context_section
 
-    measured = context_costs(3, 1, lengths=(256,), cps=(1, 2), timed=(4, 256))
+    small = dict(step_lengths=(256,), step_start=256, step_budget=0)  # (the step's at 256 tokens)
+    measured = context_costs(3, 1, lengths=(256,), cps=(1, 2), timed=(4, 256), **small)
     text = context_section(measured)
+    step = measured.step_temps
+    assert f"| 256 | {step[1, 256] / 2**20:,.2f} (1.000) | {step[2, 256] / 2**20:,.2f} (" in text, text
+    assert (
+        measured.step_longest == {1: 0, 2: 0}
+        and "| longest sequence whose step fits | < 256 | < 256 |" in text
+    )
     assert measured.sent[2][0] == measured.sent[2][1] and "| cp 2 | 0.26 | 0.26 | 1.00 |" in text, text
     assert measured.work[2] == ([5, 5], [1, 2]) and "| cp 2 | [5, 5] | 1.00 | [1, 2] | 1.33 |" in text
     assert measured.longest[("ring", 2)] >= measured.longest[("ring", 1)] > 0

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from ..analysis import parse_collectives
 from ..context import all_to_all_attention, blocks_run, ring_attention
 from ..mesh import make_mesh
+from .context_step_rows import STEP_BUDGET, step_longest, step_section, step_temp_bytes
 from .figures import median
 from .report import spread
 
@@ -83,6 +84,10 @@ class ContextMeasured:
     work: dict[int, tuple[list[int], list[int]]]  # cp -> blocks run per device (balanced, contiguous)
     timed: tuple[int, int]  # (cp, tokens) of the times
     times: dict[str, list[float]]  # "ring" / "gathered" -> seconds of the forward and backward
+    step_temps: dict[tuple[int, int], int]  # (cp, length) -> the model step's temporaries a device
+    step_longest: dict[int, int]  # cp -> the longest sequence whose step fits step_budget
+    step_start: int = 1024  # (where the step's longest search starts)
+    step_budget: int = STEP_BUDGET
 
 
 def _longest(kind: str, cp: int) -> int:
@@ -120,14 +125,28 @@ def _timed(blocks: int, steps: int, cp: int, length: int) -> dict[str, list[floa
     return times
 
 
-def context_costs(blocks: int, steps: int, lengths=LENGTHS, cps=CPS, timed=TIMED) -> ContextMeasured:
+def context_costs(
+    blocks: int,
+    steps: int,
+    lengths=LENGTHS,
+    cps=CPS,
+    timed=TIMED,
+    step_lengths=LENGTHS,
+    step_start: int = 1024,
+    step_budget: int = STEP_BUDGET,
+) -> ContextMeasured:
     temps = {
         (kind, cp, n): temp_bytes(kind, cp, n) for kind in ("ring", "gathered") for cp in cps for n in lengths
     }
     longest = {(kind, cp): _longest(kind, cp) for kind in ("ring", "gathered") for cp in cps}
     sent = {cp: _sent(cp, lengths[-1]) for cp in cps if cp > 1}
     work = {cp: (blocks_run(cp, 16 * cp), blocks_run(cp, 16 * cp, balanced=False)) for cp in cps if cp > 1}
-    return ContextMeasured(temps, longest, sent, work, timed, _timed(blocks, steps, *timed))
+    step_temps = {(cp, n): step_temp_bytes(cp, n) for cp in cps for n in step_lengths}
+    step_fits = {cp: step_longest(cp, step_start, step_budget) for cp in cps}
+    times = _timed(blocks, steps, *timed)
+    return ContextMeasured(
+        temps, longest, sent, work, timed, times, step_temps, step_fits, step_start, step_budget
+    )
 
 
 def _fits(length: int) -> str:
@@ -170,8 +189,8 @@ def context_section(m: ContextMeasured) -> str:
         f"The attention's forward and backward alone (float32, batch {s['batch']}, {s['heads']} query heads, "
         f"{s['kv_heads']} kv heads of {s['head_dim']} dims, causal), on `cp` devices of a `context` axis: "
         "`fsdp_tp.context.ring_attention` (balanced) against each device's queries over all-gathered "
-        "keys and values (what sequence parallelism does at every attention). Not yet a model's "
-        "step: the model's own attention, the loss and the CLI are the rest of issue 84.\n\n"
+        "keys and values (what sequence parallelism does at every attention); then a model's train "
+        "step.\n\n"
         "Temporary bytes a device (`memory_analysis()`):\n\n"
         + head
         + "|---|"
@@ -198,5 +217,6 @@ def context_section(m: ContextMeasured) -> str:
         f"(min-max)): at cp {cp}, ring {spread(ring)}, all-gathered {spread(gathered)}, ring ÷ all-gathered "
         f"{median(ring) / median(gathered):.2f}; at cp {a2a} (which divides the kv heads), ring "
         f"{spread(ring_2)}, all-to-all {spread(all_to_all)}, ring ÷ all-to-all "
-        f"{median(ring_2) / median(all_to_all):.2f}.\n"
+        f"{median(ring_2) / median(all_to_all):.2f}.\n\n"
+        + step_section(m.step_temps, m.step_longest, m.step_start, m.step_budget)
     )
