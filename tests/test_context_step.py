@@ -158,8 +158,16 @@ BATCH = packed_batch()
         ({"fsdp": 2, "context": 4}, [], None),
         ({"context": 2, "tensor": 2, "fsdp": 2}, TP, SequenceSplit(balanced=False)),
         ({"fsdp": 2, "context": 2, "tensor": 2}, [], SequenceSplit(strategy="all_to_all")),
+        ({"fsdp": 1, "context": 8}, [], None),
+        ({"fsdp": 1, "context": 4, "tensor": 2}, TP, None),
     ],
-    ids=["fsdp2-context4", "fsdp2-context2-tensor2-contiguous", "fsdp2-context2-all-to-all-unchecked"],
+    ids=[
+        "fsdp2-context4",
+        "fsdp2-context2-tensor2-contiguous",
+        "fsdp2-context2-all-to-all-unchecked",
+        "context8",
+        "context4-tensor2",
+    ],
 )
 def test_a_linen_model_with_its_sequence_split_is_the_unsharded_model(mesh, tp_rules, sequence):
     check_vma = sequence is None or sequence.strategy != "all_to_all"  # (and both check_vma settings)
