@@ -160,6 +160,7 @@ BATCH = packed_batch()
         ({"fsdp": 2, "context": 2, "tensor": 2}, [], SequenceSplit(strategy="all_to_all")),
         ({"fsdp": 1, "context": 8}, [], None),
         ({"fsdp": 1, "context": 4, "tensor": 2}, TP, None),
+        ({"fsdp": 2, "context": 2, "tensor": 2}, "auto", None),
     ],
     ids=[
         "fsdp2-context4",
@@ -167,6 +168,7 @@ BATCH = packed_batch()
         "fsdp2-context2-all-to-all-unchecked",
         "context8",
         "context4-tensor2",
+        "fsdp2-context2-tensor2-auto",
     ],
 )
 def test_a_linen_model_with_its_sequence_split_is_the_unsharded_model(mesh, tp_rules, sequence):
@@ -188,6 +190,7 @@ def test_an_nnx_model_with_its_sequence_split_is_the_unsharded_model():
     mesh = {"data": 2, "context": 2, "tensor": 2}
     nnx_tp = [(r"blocks/\d+/(q|k|v|up)$", ColumnParallel()), (r"blocks/\d+/(out|down)$", RowParallel())]
     check_sharded(NNXLM, BATCH, cross_entropy, mesh, tp_rules=nnx_tp, steps=2)
+    check_sharded(NNXLM, BATCH, cross_entropy, mesh, tp_rules="auto", steps=1, optimizers={})  # (beside it)
 
 
 def test_jax_attention_as_the_model_calls_it_is_computed_across_and_a_local_mask_refused():
@@ -381,6 +384,9 @@ def test_a_step_s_sequence_split_asked_wrong_is_refused_and_the_fix_runs(specs, 
     assert float(loss) == float(x.mean())
 
 
+TAPS, TIME = jnp.ones((3, 1, D)), ("NWC", "WIO", "NWC")
+
+
 # Issue 84 point 3: a model that mixes tokens itself under a sequence split is refused at its
 # line before anything runs, with the fix (positions as inputs; the library's attention).
 def _mix(x, how, table=None):
@@ -399,6 +405,10 @@ def _mix(x, how, table=None):
         return jnp.roll(x, 1, axis=1)  # refused
     if how == "a mean over the sequence":
         return x - x.mean(axis=1, keepdims=True)  # refused
+    if how == "a convolution over time":  # (depthwise, 3 taps, as a Mamba or Hyena block's)
+        return jax.lax.conv_general_dilated(
+            x, TAPS.astype(x.dtype), (1,), "SAME", dimension_numbers=TIME, feature_group_count=D
+        )
     if how == "the fix: the library's attention":  # (every query over the keys before it)
         return x + attend(x[:, :, None], x[:, :, None], x[:, :, None])[:, :, 0]
     raise AssertionError(how)
@@ -431,6 +441,7 @@ MIXES = [
     "a cumsum",
     "a roll",
     "a mean over the sequence",
+    "a convolution over time",
 ]
 
 

@@ -27,6 +27,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 
 from ..._axes import TENSOR
+from ..._context import STEP
 from ..._trace import trace_per_device
 from .._experts import EXPERT
 from .._jaxpr.graph import Graph
@@ -83,7 +84,14 @@ class FindCall:
 def find(call: FindCall, sizes: Sizes, outputs_split: bool = False) -> TPPlan:
     """The plan Megatron's rules give ``call``'s model for ``sizes``, less each region the plan
     check refuses (left whole, with the check's reason). ``outputs_split``: the model's output
-    may leave split on its last dim (logits for :func:`~fsdp_tp.vocab_parallel_cross_entropy`)."""
+    may leave split on its last dim (logits for :func:`~fsdp_tp.vocab_parallel_cross_entropy`).
+    A step's sequence split is not the plan's: it is found as on the whole sequence (as at init,
+    where nothing is split), and the call it is found for checks the split after."""
+    with STEP.scoped(sequence=None):
+        return _find(call, sizes, outputs_split)
+
+
+def _find(call: FindCall, sizes: Sizes, outputs_split: bool) -> TPPlan:
     require_size(sizes.size, call.caller)
     require_size(sizes.expert_size, call.caller)
     graph, layers = call.trace()
