@@ -52,7 +52,7 @@ FLAGS = [
     (["--mesh", "data=0,fsdp=2,tensor=2"], "axis sizes must be >= 1, got {'data': 0}"),
     (["--mesh", "data=-1,fsdp=8"], "axis sizes must be >= 1, got {'data': -1}"),
     (["--mesh", "data=2,fsdp"], "item 'fsdp' is not NAME=SIZE; write e.g. 'data=2,fsdp=2,tensor=2'"),
-    (["--mesh", "data=2,model=4"], "unknown axes ['model']; use data, fsdp and tensor (and expert"),
+    (["--mesh", "data=2,model=4"], "unknown axes ['model']; use data, fsdp, tensor and context (and expert"),
     (
         ["--mesh", "data=2,fsdp=2,tensor=1", "--cpu-devices", "8"],
         "needs 4 devices, but 8 are here; meshes that fit: fsdp=8, data=2,fsdp=4",
