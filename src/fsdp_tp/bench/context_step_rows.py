@@ -54,7 +54,8 @@ def step_temp_bytes(cp: int, length: int) -> int:
     state, specs = abstract_init(init_fn, mesh, (P(), P()), jax.random.key(0), ids)
     token = P(None, "context")
     step = shard_step(step_fn, mesh, specs, (token, token), donate_state=False)
-    return step.lower(state, (ids, ids)).compile().memory_analysis().temp_size_in_bytes
+    lowered = step.lower(state, (ids, ids))  # type: ignore[attr-defined]  # (shard_step gives it)
+    return lowered.compile().memory_analysis().temp_size_in_bytes
 
 
 def step_longest(cp: int, start: int = 1024, budget: int = STEP_BUDGET) -> int:
