@@ -147,7 +147,9 @@ def shard_step(
     :class:`~fsdp_tp.context.SequenceSplit`; default balanced, attention by the ring) says on
     the way in, and each output laid out as such a batch leaf is put back in the batch's
     order; inside, the axis is a batch axis (sync the gradients and average the loss over it
-    too) and the library's attention computes over every device's keys.
+    too) and the library's attention computes over every device's keys. A model the library
+    lays out (``shard_by_rules``) is checked against the whole sequence at its first call; a
+    plain ``apply`` is not: prove it with :func:`fsdp_tp.testing.check_sharded` on that mesh.
 
     The state is donated, so the caller must not reuse the state it passed. When JAX
     rejects the state or batch, they are checked against their specs, so a mismatched tree
