@@ -68,11 +68,7 @@ def all_to_all_attention(
     segments = None if segment_ids is None else jax.lax.all_gather(segment_ids, axis, axis=1, tiled=True)
     mask = _blocks.causal_mask(index, index, segments, segments, causal)
     qs = qs.reshape(b, size * length, groups, -1, dim)
-    state = _blocks.merge(
-        _blocks.empty(qs), _blocks.forward(qs, ks, vs, mask, dim**-0.5 if scale is None else scale)
-    )
-    out, _ = _blocks.finish(state)
-    out = out.reshape(b, size * length, -1, dim).astype(q.dtype)
+    out = _blocks.whole(qs, ks, vs, mask, scale).reshape(b, size * length, -1, dim).astype(q.dtype)
     return jax.lax.all_to_all(out, axis, 1, 2, tiled=True)  # (back: this device's tokens, every head)
 
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from .._axes import varying_axes
 
-__all__ = ["backward", "causal_mask", "empty", "finish", "forward", "live", "merge"]
+__all__ = ["backward", "causal_mask", "empty", "finish", "forward", "live", "merge", "whole"]
 
 
 def causal_mask(q_index, k_index, q_segments, k_segments, causal: bool) -> jax.Array:
@@ -102,6 +102,14 @@ def finish(state) -> tuple[jax.Array, jax.Array]:
     seen = total > 0
     total = jnp.where(seen, total, 1.0)
     return jnp.where(_rows(seen), o / _rows(total), 0.0), jnp.where(seen, m + jnp.log(total), 0.0)
+
+
+def whole(q, k, v, mask, scale=None) -> jax.Array:
+    """Attention of ``q`` over every key at once, one block: the output ``(B, c, G, r, D)`` in the
+    compute dtype (``scale``: ``D ** -0.5`` where ``None``). All-to-all's, where a device holds
+    the whole sequence for its heads, and the plan check's stand-in for the ring."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return finish(merge(empty(q), forward(q, k, v, mask, scale)))[0]
 
 
 def backward(q, k, v, do, lse, delta, mask, scale):

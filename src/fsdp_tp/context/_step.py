@@ -175,11 +175,7 @@ def on_device(q, k, v, segment_ids=None, *, causal: bool = True, scale=None):
     segments = None if segment_ids is None else segment_ids.reshape(-1, length)
     index = jnp.arange(length)
     mask = _blocks.causal_mask(index, index, segments, segments, causal)
-    state = _blocks.merge(
-        _blocks.empty(qs), _blocks.forward(qs, ks, vs, mask, dim**-0.5 if scale is None else scale)
-    )
-    out, _ = _blocks.finish(state)
-    return out.reshape(*lead, length, heads, dim).astype(q.dtype)
+    return _blocks.whole(qs, ks, vs, mask, scale).reshape(*lead, length, heads, dim).astype(q.dtype)
 
 
 def across(split: SequenceSplit, q, k, v, segment_ids=None, *, causal: bool = True, scale=None):

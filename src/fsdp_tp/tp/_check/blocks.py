@@ -248,8 +248,7 @@ class Blocks:
                 features = d == len(self.local.shapes[v]) - 1
                 # (the step's sequence split: the only split, or a dim other than the features)
                 by_sequence = self.sequence is not None and (not features or len(self.sizes) == 1)
-                fix = mixing_fix(node.prim, features and not by_sequence, by_sequence)
-                self.refuse(node, ref, origin, why, fix, by_sequence)
+                self.refuse(node, ref, origin, why, mixing_fix(node.prim, features), by_sequence)
         for group in node.same:  # (a dim of 1 on both sides is broadcast: no block)
             found = {factors[v][d] for v, d in group if v in factors and self._size(v, d, factors) > 1}
             if len(found) > 1:

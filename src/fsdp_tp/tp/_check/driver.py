@@ -138,9 +138,11 @@ def check_call(call: PlanCall, checked: set) -> None:
     """Refuses (``RuleError``) a plan under which ``call`` does not compute blocks of the unsharded
     model's, once per ``call.same`` and axis sizes (none: not checked). Every front end's, here.
     Under a step's sequence split, the blocks are of the model on the whole sequence."""
-    sequence = sequence_split() if checking() else None
-    if not checking() or (not call.roles and sequence is None):
+    if not checking():
         return  # (the check's own trace of the call)
+    sequence = sequence_split()
+    if not call.roles and sequence is None:
+        return
     sizes = call.sizes
     if sizes is None:
         bound = bound_axis_names()

@@ -100,13 +100,13 @@ SEQUENCE_SPLIT = (
 )
 
 
-def mixing_fix(prim: str, features: bool = True, sequence: bool = False) -> str:
+def mixing_fix(prim: str, features: bool = True) -> str:
     """The fix for ``prim`` computing across a split dim: the features (a value's last dim,
-    split between a column layer and its row layer) or another: the sequence a step splits over
-    ``context`` (``sequence``), or the one a role's ``sequence_dim`` splits between the layers,
-    whole from a column layer to its row layer."""
+    split between a column layer and its row layer) or another (the sequence a role's
+    ``sequence_dim`` splits between the layers, whole from a column layer to its row layer).
+    A step's sequence split has its own, :data:`SEQUENCE_SPLIT`, which the refusal gives."""
     if not features:
-        return SEQUENCE_SPLIT if sequence else SEQUENCE_WHOLE
+        return SEQUENCE_WHOLE
     if prim in ("slice", "split", "dynamic_slice", "concatenate", "pad", "gather"):
         return "give each part its own layer (q, k and v apart) and rule, so each device splits each part"
     return "compute it where that dim is whole (after the row layer's sum)"
