@@ -37,11 +37,28 @@ def test_plan_prints_the_ring_s_bytes_over_context_on_4096_devices():
     code, out = run("plan", "--mesh", "data=8,fsdp=8,context=8,tensor=8", *flags)
     assert code == 0, out
     assert out.startswith("mesh data=8 x fsdp=8 x context=8 x tensor=8 (4096 devices)")
-    # tiny: 4 layers; a device's B·S·G·D = 1·8192·1·8 floats of k (or v); remat full runs the
-    # forward's ring twice: per layer 2 · 2(n-1)/n · kv + (2(n-1)/n · kv + 2 · kv)
-    kv = 1 * 8192 * 1 * 8 * 4
-    per_layer = 2 * (2 * 7 * kv // 8) + 2 * 7 * kv // 8 + 2 * kv
-    assert f"over context: collective-permute {4 * per_layer:,} B" in out, out
+    # the preset: 2 layers, 16 dims a head; a device's B·S·G·D = 1·8192·1·16 floats of k (or v);
+    # remat full runs the forward's ring twice: per layer 2 · 2(n-1)/n · kv + (2(n-1)/n · kv + 2 · kv)
+    kv = 1 * 8192 * 1 * 16 * 4
+    forward, backward = 2 * 7 * kv // 8, 2 * 7 * kv // 8 + 2 * kv
+    assert f"over context: collective-permute {2 * (2 * forward + backward):,} B" in out, out
+    said = out.splitlines()[-1]  # (the ring per layer by the formula, and the program against it)
+    assert said.startswith("context=8: attention across it by ring (balanced split), B=1 sequences"), said
+    assert f"per layer and device, forward {forward:,} B (" in said and f"backward {backward:,} B (" in said
+    assert said.endswith(
+        f"sends {2 * (2 * forward + backward):,} B of collective-permute over context = 2 "
+        "layers x (forward twice: remat recomputes it + backward)"
+    ), said
+
+
+def test_plan_counts_the_strategy_the_run_asks_for():
+    flags = ["--heads", "8", "--kv-heads", "8", "--seq-len", "64", "--batch", "4", "--remat", "none"]
+    code, out = run("plan", "--mesh", "data=2,context=4", "--context-strategy", "all_to_all", *flags)
+    assert code == 0, out
+    # per layer and device: q, k, v, out (8 heads of 16 dims, 2 rows) sent 2(n-1)/n² of S·D·b each way
+    each = 2 * 3 * 2 * 64 * 16 * (8 + 8) * 4 // 16
+    assert f"over context: all-to-all {2 * 2 * each:,} B" in out and "collective-permute" not in out, out
+    assert out.splitlines()[-1].endswith("= 2 layers x (forward + backward)"), out
 
 
 @pytest.mark.parametrize(

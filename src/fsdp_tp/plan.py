@@ -25,6 +25,7 @@ from ._types import Specs
 from .analysis import array_bytes
 from .analysis._step_memory import temp_bytes
 from .analysis._step_wire import step_wire, wire_lines
+from .context._split import SequenceSplit
 from .context._step import LaidOut, step_split
 from .train import as_a_step
 
@@ -134,6 +135,7 @@ def make_plan(
     loss_fn: Callable | None = None,
     batch: Any = None,
     batch_specs: Specs = None,
+    sequence: SequenceSplit | None = None,
 ) -> Plan:
     """The plan of ``init_fn``'s state on ``mesh`` (a ``Mesh`` or an ``AbstractMesh``).
 
@@ -144,7 +146,9 @@ def make_plan(
     and backward are compiled for one local device, each collective replaced by a stand-in
     of its shapes (:mod:`fsdp_tp.analysis._step_memory`): ``activation_bytes`` is XLA's own figure for
     what the step holds beyond the state and the gradients, on a mesh of any size.
-    ``args`` and ``batch`` may be ``jax.ShapeDtypeStruct``s of global shape.
+    ``args`` and ``batch`` may be ``jax.ShapeDtypeStruct``s of global shape. ``batch_specs``
+    naming ``context`` on a sequence dim split the step's sequence as
+    :func:`~fsdp_tp.shard_step`'s do, by ``sequence`` (its strategy, its balance) where given.
 
     >>> import jax, jax.numpy as jnp, flax.linen as nn
     >>> from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
@@ -168,7 +172,7 @@ def make_plan(
         traced = trace_per_device(init_fn, mesh, in_specs, args, check_vma=check_vma)
     else:
         loss: Callable = loss_fn
-        split = step_split(batch_specs, dict(mesh.shape), where="make_plan")
+        split = step_split(batch_specs, dict(mesh.shape), sequence, where="make_plan")
 
         def with_step(inner_args, inner_batch):
             # One trace: the state, and one device's forward and backward on it.

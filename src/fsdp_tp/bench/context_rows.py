@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ..analysis import parse_collectives
-from ..context import all_to_all_attention, blocks_run, ring_attention
+from ..context import all_to_all_attention, blocks_run, ring_attention, ring_bytes
 from ..mesh import make_mesh
 from .context_step_rows import STEP_BUDGET, step_longest, step_section, step_temp_bytes
 from .figures import median
@@ -101,8 +101,8 @@ def _sent(cp: int, length: int) -> tuple[int, int]:
     collectives = parse_collectives(_compiled("ring", cp, length).as_text())
     sent = round(sum(c.wire_bytes for c in collectives if c.kind == "collective-permute"))
     s = CONTEXT_SIZES
-    kv = s["batch"] * length * s["kv_heads"] * s["head_dim"] * 4  # one of k, v; f32
-    return sent, 2 * (2 * (cp - 1) * kv // cp) + 2 * kv  # (k, v twice round; n hops of their grads)
+    forward, backward = ring_bytes(s["batch"], length, s["kv_heads"], s["head_dim"], cp, jnp.float32)
+    return sent, forward + backward  # (k, v twice round; n hops of their grads)
 
 
 def _timed(blocks: int, steps: int, cp: int, length: int) -> dict[str, list[float]]:

@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
+from ..context import all_to_all_bytes, ring_bytes, ring_or_all_to_all
 from ..plan import Plan, make_plan
 from ..recipe.throughput import memory_stats
 from ..recipe.trainer import Settings, batch_loss, sharded_gpt
@@ -28,6 +29,7 @@ __all__ = [
     "abstract_mesh",
     "check_fits",
     "choose_remat",
+    "context_plan_text",
     "memory_per_device",
     "mib",
     "plan_of",
@@ -66,6 +68,7 @@ def plan_of(settings: Settings, mesh) -> Plan:
         loss_fn=lambda params, batch: batch_loss(model, params, batch),
         batch=windows,
         batch_specs=batch,
+        sequence=settings.sequence,
     )
 
 
@@ -91,6 +94,50 @@ def print_plan(settings: Settings, sizes: dict, out: TextIO) -> None:
         print(moe_plan_text(settings, sizes, plan), file=out)
     elif sizes.get("tensor", 1) > 1:
         print(tp_plan_text(settings, sizes), file=out)
+    if settings.sequence is not None:
+        print(context_plan_text(plan, settings, sizes), file=out)
+
+
+def context_plan_text(plan: Plan, settings: Settings, sizes: dict) -> str:
+    """What attention across ``context`` sends a device per layer, by the formulas
+    (:func:`~fsdp_tp.context.ring_bytes`, :func:`~fsdp_tp.context.all_to_all_bytes`), and the
+    step's program's own collectives over the axis against them: a microbatch's, each layer's
+    forward once, or twice where remat recomputes it."""
+    config, split = settings.model, settings.sequence
+    assert split is not None
+    size, tensor = sizes[split.axis], sizes.get("tensor", 1)
+    rows = (
+        settings.batch
+        // settings.microbatches
+        // int(np.prod([sizes.get(a, 1) for a in settings.batch_axes]))
+    )
+    heads, kv_heads = config.num_heads // tensor, config.num_kv_heads // tensor
+    strategy = ring_or_all_to_all(heads, kv_heads, size) if split.strategy == "auto" else split.strategy
+    shape = (rows, config.seq_len)
+    if strategy == "ring":
+        forward, backward = ring_bytes(*shape, kv_heads, config.head_dim, size, config.dtype)
+        kind, formula = "collective-permute", "2(n-1)/n·B·S·G·D·b, as all-gathering K and V"
+        back = "K and V again, and their gradients' n hops home: + 2·B·S·G·D·b_acc"
+    else:
+        forward, backward = all_to_all_bytes(*shape, heads, kv_heads, config.head_dim, size, config.dtype)
+        kind, formula = "all-to-all", "2(n-1)/n²·B·S·D·(H+G)·b: q, k, v and the output"
+        back = "the same all-to-alls reversed"
+    layers = config.num_layers
+    sent = round((plan.wire or {}).get(split.axis, {}).get(kind, 0))
+    runs = {n: layers * (n * forward + backward) for n in (1, 2)}
+    said = next((n for n, total in runs.items() if total == sent), None)
+    program = f"the step's program sends {sent:,} B of {kind} over {split.axis}" + (
+        f" = {layers} layers x (forward{' twice: remat recomputes it' if said == 2 else ''} + backward)"
+        if said
+        else f"; {layers} layers x (forward + backward) are {runs[1]:,} B: it sends what the formula omits"
+    )
+    layout = "balanced" if split.balanced else "contiguous"
+    return (
+        f"{split.axis}={size}: attention across it by {strategy} ({layout} split), B={rows} sequences of "
+        f"S={config.seq_len} tokens, H={heads} heads and G={kv_heads} kv heads of D={config.head_dim} a "
+        f"device; per layer and device, forward {forward:,} B ({formula}), backward {backward:,} B ({back}); "
+        f"{program}"
+    )
 
 
 def tp_plan_text(settings: Settings, sizes: dict) -> str:

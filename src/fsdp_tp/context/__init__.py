@@ -9,17 +9,19 @@ train step whose batch spec names ``context`` on the sequence dim (``P("data", "
 lays its batch out so and computes the library's attention across the axis (:mod:`._step`).
 """
 
-from ._all_to_all import all_to_all_attention, attention, ring_or_all_to_all
-from ._ring import blocks_run, ring_attention
+from ._all_to_all import all_to_all_attention, all_to_all_bytes, attention, ring_or_all_to_all
+from ._ring import blocks_run, ring_attention, ring_bytes
 from ._split import STRATEGIES, SequenceSplit, document_positions
 
 __all__ = [
     "STRATEGIES",
     "SequenceSplit",
     "all_to_all_attention",
+    "all_to_all_bytes",
     "attention",
     "blocks_run",
     "document_positions",
     "ring_attention",
+    "ring_bytes",
     "ring_or_all_to_all",
 ]

@@ -26,7 +26,7 @@ from . import _blocks
 from ._ring import _require_shapes, ring_attention
 from ._split import STRATEGIES, SequenceSplit
 
-__all__ = ["all_to_all_attention", "attention", "ring_or_all_to_all"]
+__all__ = ["all_to_all_attention", "all_to_all_bytes", "attention", "ring_or_all_to_all"]
 
 
 def ring_or_all_to_all(heads: int, kv_heads: int, size: int) -> str:
@@ -36,6 +36,20 @@ def ring_or_all_to_all(heads: int, kv_heads: int, size: int) -> str:
     if kv_heads % size or size * kv_heads <= heads + kv_heads:
         return "ring"
     return "all_to_all"
+
+
+def all_to_all_bytes(
+    rows: int, length: int, heads: int, kv_heads: int, head_dim: int, size: int, dtype
+) -> tuple[int, int]:
+    """The bytes :func:`all_to_all_attention` sends a device per call, ``(forward, backward)``,
+    for ``rows`` sequences of ``length`` tokens over ``size`` devices, ``heads`` and ``kv_heads``
+    on this device, of ``dtype``: the formula above, the backward the same all-to-alls reversed.
+
+    >>> all_to_all_bytes(8, 256, 2, 2, 16, 2, "float32")
+    (131072, 131072)
+    """
+    each = 2 * (size - 1) * rows * length * head_dim * (heads + kv_heads) * jnp.dtype(dtype).itemsize
+    return each // size**2, each // size**2
 
 
 def all_to_all_attention(

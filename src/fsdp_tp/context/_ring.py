@@ -32,7 +32,7 @@ from .._layout import require_divisible
 from . import _blocks
 from ._split import SequenceSplit
 
-__all__ = ["blocks_run", "ring_attention"]
+__all__ = ["blocks_run", "ring_attention", "ring_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +81,21 @@ def ring_attention(
     ring = _Ring(split, causal, q.shape[-1] ** -0.5 if scale is None else scale)
     q, k, v = _alike(axis, q, k, v)
     return _attention(ring, q, k, v, segment_ids)
+
+
+def ring_bytes(rows: int, length: int, kv_heads: int, head_dim: int, size: int, dtype) -> tuple[int, int]:
+    """The bytes :func:`ring_attention` sends a device per call, ``(forward, backward)``, for
+    ``rows`` sequences of ``length`` tokens split over ``size`` devices, ``kv_heads`` kv heads
+    of ``head_dim`` dims on this device, keys and values of ``dtype`` (the formulas above; the
+    gradients accumulate in the softmax's dtype). A plan or a benchmark checks a compiled
+    program's collective-permutes against these.
+
+    >>> ring_bytes(8, 256, 1, 16, 2, "float32")   # forward as all-gathering k, v; backward + dk, dv home
+    (131072, 393216)
+    """
+    elements = rows * length * kv_heads * head_dim
+    forward = 2 * (size - 1) * elements * jnp.dtype(dtype).itemsize // size
+    return forward, forward + 2 * elements * _blocks.compute_dtype(dtype).itemsize
 
 
 def _alike(axis: str, *arrays):
