@@ -31,7 +31,7 @@ from fsdp_tp.analysis import parse_collectives
 from fsdp_tp.attention import attend
 from fsdp_tp.context import SequenceSplit, document_positions
 from fsdp_tp.context._step import LaidOut
-from fsdp_tp.errors import IndivisibleShapeError, RuleError
+from fsdp_tp.errors import IndivisibleShapeError, RuleError, UncheckedPlanWarning
 from fsdp_tp.gradients import global_mean_loss
 from fsdp_tp.testing import check_sharded
 from fsdp_tp.tp import ColumnParallel, RowParallel
@@ -380,7 +380,8 @@ def test_a_step_s_sequence_split_asked_wrong_is_refused_and_the_fix_runs(specs, 
         _tiny_step(specs, sequence, mesh)
     state, step = _tiny_step(P("data", "context"), sequence)  # (the fix each names)
     x = jnp.arange(2 * LENGTH, dtype=jnp.float32).reshape(2, LENGTH)
-    _, loss = step(state, x)
+    with pytest.warns(UncheckedPlanWarning, match="no model call in it was checked against the whole"):
+        _, loss = step(state, x)  # (its "model" a product: no call the check could read)
     assert float(loss) == float(x.mean())
 
 
@@ -462,6 +463,46 @@ def _line_of(how: str) -> int:
     lines, first = inspect.getsourcelines(_mix)
     at = next(i for i, text in enumerate(lines) if f'"{how}"' in text)
     return first + at + 1
+
+
+def _plain_losses(api: str, how: str) -> tuple[float, float]:
+    """A user's own step around a plain model call (Linen's ``apply``, NNX's ``nnx.merge``),
+    over data x context: its loss, and the unsharded model's."""
+    if api == "linen":
+        model = LinenMixed(how)
+        params = model.init(jax.random.key(0), BATCH[0])["params"]
+        call = lambda p, batch: model.apply({"params": p}, batch)
+    else:
+        graphdef, params = nnx.split(NNXMixed(how, nnx.Rngs(0)))
+        call = lambda p, batch: nnx.merge(graphdef, p)(batch)
+    axes, mesh = ("data", "context"), fsdp_tp.make_mesh(STEP_MESH)
+
+    def step_fn(state, data):
+        loss, grads = jax.value_and_grad(lambda p: cross_entropy(call(p, data[0]), data[1]))(state.params)
+        return sync_gradients(grads, axes), jax.lax.pmean(loss, axes)  # (every device as many tokens)
+
+    init_fn = lambda rng: fsdp_tp.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1), rng=rng)
+    state, specs = fsdp_tp.init_sharded(init_fn, mesh, P(), jax.random.key(0))
+    token = P("data", "context")
+    step = fsdp_tp.shard_step(step_fn, mesh, specs, ({k: token for k in BATCH[0]}, token), donate_state=False)
+    return float(step(state, BATCH)[1]), float(cross_entropy(call(params, BATCH[0]), BATCH[1]))
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_a_plain_model_call_in_the_user_s_own_step_is_checked_against_the_whole_sequence(api):
+    """No ``shard_by_rules``: the step's own ``model.apply`` (or ``nnx.merge``'s model) building
+    positions from a device's length is refused at its line at the first step; (negative
+    control) with the check off it trains on, wrong; the fix named runs, equal to unsharded."""
+    at = rf"test_context_step\.py:{_line_of('positions from the local length')} "
+    said = rf"^shard_step.*: the sequence split over 'context' reaches .*{at}.*Fix: take positions"
+    with pytest.raises(RuleError, match=said) as refused:
+        _plain_losses(api, "positions from the local length")
+    with switched_off():
+        wrong, want = _plain_losses(api, "positions from the local length")
+    assert not np.isclose(wrong, want, rtol=1e-3), (wrong, want)
+    named_fix(refused, "mix tokens only through the attention the library computes across devices")
+    got, want = _plain_losses(api, "the fix: the library's attention")
+    np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
 @pytest.mark.parametrize("how", MIXES)

@@ -44,11 +44,15 @@ from .mesh import simulate_cpu_devices as simulate_cpu_devices
 from .plan import make_plan as make_plan
 from .precision import MixedPrecision as MixedPrecision
 from .sharded_init import init_sharded as init_sharded
+from .tp._check import plain as _plain
 from .tp.pieces import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from .train import TrainState as TrainState
 from .train import accumulate_gradients as accumulate_gradients
 from .train import shard_step as shard_step
 from .train import state_init_fn as state_init_fn
+
+# (a model from nnx.merge in a step that splits the sequence: checked where flax.nnx is loaded)
+_plain.register_when_loaded("flax.nnx", "fsdp_tp.nnx._plain")
 
 __getattr__ = aliases_of(__name__)  # the Linen modules 0.1 reached from here (fsdp_tp._aliases)
 

@@ -84,10 +84,13 @@ class Check:
     """The plan check's scope. ``off``: no plan is checked (in the check's own trace of the
     user's call, and where a test switches it off); ``unringed``: the roles run without their
     rings there (the same numbers, each layer called once), and attention on a device's tokens
-    (a sequence split's ring is not the tensor plan's concern)."""
+    (a sequence split's ring is not the tensor plan's concern); ``calls``: within a step that
+    splits the sequence, its record of the calls checked against the whole sequence
+    (:class:`fsdp_tp.tp._check.plain.Calls`; ``None``: no such step)."""
 
     off: bool = False
     unringed: bool = False
+    calls: Any = None
 
 
 STEP: Ambient[Step] = Ambient("fsdp_tp_step", Step())

@@ -13,6 +13,7 @@ second front end sits beside this folder over the same core.
   ``_local_compute`` (the tp-rule interceptor): their Linen mechanics.
 """
 
+from . import _plain  # noqa: F401  (a plain apply in a step that splits the sequence, checked)
 from .auto_rules import find_tp_rules
 
 __all__ = ["find_tp_rules"]

@@ -68,11 +68,13 @@ def check_call(
     rules: tuple[CompiledRole, ...],
     checked: set,
     reference: Graph | None = None,
+    where: str = "",
 ) -> None:
     """Refuses (``RuleError``) a plan under which ``module``'s call on ``args`` does not compute
     blocks of the unsharded ``target``'s, once per fields, input shapes and axis sizes
     (:func:`~fsdp_tp.tp._check.driver.check_call`). ``reference``: the unsharded trace on these
-    inputs, where the caller has it."""
+    inputs, where the caller has it; ``where``: the caller a refusal names (else
+    ``shard_by_rules(<target>)``)."""
     if not checking():
         return  # (the check's own trace of the call: not even its fields read)
     fields = fields_of(module, target)
@@ -91,7 +93,7 @@ def check_call(
     call = PlanCall(
         roles=tuple(r.role for r in rules),
         written=f"the tp rules [{', '.join(f'({r.pattern!r}, {spelled(r.role)})' for r in rules)}]",
-        where=f"shard_by_rules({target.__name__})",
+        where=where or f"shard_by_rules({target.__name__})",
         same=repr((fields, [(a.shape, a.dtype) for a in arrays], rebuild([None] * len(arrays)))),
         local=lambda: _local_graph(module, fields, arrays, rebuild, streams),
         unsharded=unsharded,

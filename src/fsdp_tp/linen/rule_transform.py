@@ -37,6 +37,7 @@ from ..errors import RuleError, warn
 from ..precision import MixedPrecision, checked_policy
 from ..rules import REPLICATED, CompiledRule, Rules, as_spec, compile_rules, spec_for, unmatched_warning
 from ..tp._check.driver import sequence_split
+from ..tp._check.plain import laid_out
 from ..tp._find.driver import AUTO_AXIS
 from ..tp._front import (
     CompiledRole,
@@ -198,7 +199,8 @@ class RulesTransform:
             # constraint naming manual axes is an error: let the names map to nothing
             # there; the transform has read the rules and lays the params out itself.
             with nn.logical_axis_rules(()), local_compute(seen) if tp else contextlib.nullcontext():
-                out = call(*args, **kwargs)
+                with laid_out():  # (checked here, after: no plain check of its modules' calls)
+                    out = call(*args, **kwargs)
             if tp and seen.params:  # an init: every tp rule must have named a submodule
                 seen.plan.require_all_matched(seen.params)
             if tp or sequence_split() is not None:  # before anything trains: the unsharded model's blocks

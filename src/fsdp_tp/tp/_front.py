@@ -1,9 +1,10 @@
 """The seam between the core's roles and a front end, the one module of tp's insides a front end
-imports besides the two drivers: what a front end does for the roles (:class:`FrontEnd`, from
-:mod:`~fsdp_tp.tp._protocol`: its layer classes, a module as a role sees it, the module's method
-on its local sizes), the one way a module a rule names computes (:func:`compute`), which both
-front ends call, as the role plan's :meth:`~fsdp_tp.tp._role_plan.RolePlan.meet` is the one
-way they record it, and everything else the core gives a front end (``__all__``).
+imports besides the drivers (the check's, its plain calls', the finder's): what a front end does
+for the roles (:class:`FrontEnd`, from :mod:`~fsdp_tp.tp._protocol`: its layer classes, a module
+as a role sees it, the module's method on its local sizes), the one way a module a rule names
+computes (:func:`compute`), which both front ends call, as the role plan's
+:meth:`~fsdp_tp.tp._role_plan.RolePlan.meet` is the one way they record it, and everything
+else the core gives a front end (``__all__``).
 
 A front end lists no model's modules here: NNX holds them before anything runs
 (``nnx.iter_graph`` of the abstract model), Linen creates a module only as the call reaches it
@@ -68,7 +69,7 @@ from ._rules import (
 from ._storage import require_no_tp_axis, spec_source, with_split
 
 # What a front end does for the core (FrontEnd) and the one way it runs a role (compute), then what
-# the core gives it besides the two drivers (the plan check's and the finder's): these names and
+# the core gives it besides the drivers (the plan check's, its plain calls', the finder's): these names and
 # nothing else of tp's private modules (tests/test_layering.py keeps linen/ and nnx/ to this module,
 # fsdp_tp.tp and the drivers), so tp's insides move freely and a front end's contract is one page.
 __all__ = [

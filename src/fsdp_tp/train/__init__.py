@@ -25,6 +25,7 @@ from .._types import PyTree, Specs
 from ..context._split import SequenceSplit
 from ..context._step import LaidOut, jax_attention_across, step_split
 from ..partitioning import check_specs
+from ..tp._check.plain import step_calls
 from ..tp.pieces import shared_column_inputs
 from ._microbatches import accumulate_gradients
 
@@ -147,9 +148,11 @@ def shard_step(
     :class:`~fsdp_tp.context.SequenceSplit`; default balanced, attention by the ring) says on
     the way in, and each output laid out as such a batch leaf is put back in the batch's
     order; inside, the axis is a batch axis (sync the gradients and average the loss over it
-    too) and the library's attention computes over every device's keys. A model the library
-    lays out (``shard_by_rules``) is checked against the whole sequence at its first call; a
-    plain ``apply`` is not: prove it with :func:`fsdp_tp.testing.check_sharded` on that mesh.
+    too) and the library's attention computes over every device's keys. The model is checked
+    against the whole sequence at its first call (:mod:`fsdp_tp.tp._check.plain`): laid out
+    by ``shard_by_rules``, or a plain Linen ``apply`` or ``nnx.merge``'s model; a step that
+    calls it otherwise warns (``UncheckedPlanWarning``): prove it with
+    :func:`fsdp_tp.testing.check_sharded` on that mesh.
 
     The state is donated, so the caller must not reuse the state it passed. When JAX
     rejects the state or batch, they are checked against their specs, so a mismatched tree
@@ -183,7 +186,10 @@ def shard_step(
 
     def per_device_fn(state, batch):
         with as_a_step(batch_specs, split, laid.tokens(batch) if laid is not None else None):
-            return inner(state, batch)
+            if split is None:
+                return inner(state, batch)
+            with step_calls("shard_step"):  # (a plain apply checked against the whole sequence)
+                return inner(state, batch)
 
     per_device = jax.shard_map(
         per_device_fn,

@@ -141,6 +141,8 @@ def check_call(call: PlanCall, checked: set) -> None:
     if not checking():
         return  # (the check's own trace of the call)
     sequence = sequence_split()
+    if sequence is not None and (calls := CHECK.get().calls) is not None:
+        calls.count += 1  # (the step's model met a check of the whole sequence: plain.step_calls)
     if not call.roles and sequence is None:
         return
     sizes = call.sizes
