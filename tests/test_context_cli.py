@@ -2,7 +2,8 @@
 
 The GPT preset (causal attention through the library's ``attend``, no positions of its own)
 trains with its sequence split over ``context``, Linen and NNX, equal to the unsharded twin
-under ``--check``; ``plan`` prints the ring's bytes over ``context`` on a 4096-device mesh; a
+under ``--check``; ``plan`` prints the ring's bytes over ``context`` on a 4096-device mesh, and
+over ``tensor`` the split adds nothing to Megatron's collectives; a
 sequence or strategy the split cannot take is one line with the fix (exit 2), and the fix runs.
 """
 
@@ -49,6 +50,28 @@ def test_plan_prints_the_ring_s_bytes_over_context_on_4096_devices():
         f"sends {2 * (2 * forward + backward):,} B of collective-permute over context = 2 "
         "layers x (forward twice: remat recomputes it + backward)"
     ), said
+
+
+def _over(axis: str, out: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith(f"  over {axis}:"))
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_over_tensor_the_split_adds_nothing_to_megatron_s_collectives(api):
+    """The step's program over ``tensor`` with the sequence split over context=2 is Megatron's
+    (sequence parallel: all-gathers and reduce-scatters) at a device's tokens, byte for byte,
+    as at context=1 with half the sequence; (negative control) twice the tokens, twice the bytes."""
+    plan = lambda mesh, length: run(
+        "plan", "--api", api, "--mesh", mesh, "--seq-len", length, "--remat", "full"
+    )
+    (code, split), (_, whole), (_, longer) = (
+        plan("data=2,context=2,tensor=2", "256"),
+        plan("data=2,tensor=2", "128"),
+        plan("data=2,tensor=2", "256"),
+    )
+    assert code == 0 and "over context: collective-permute" in split, split
+    assert _over("tensor", split) == _over("tensor", whole), (_over("tensor", split), _over("tensor", whole))
+    assert _over("tensor", longer) != _over("tensor", whole)
 
 
 def test_plan_counts_the_strategy_the_run_asks_for():

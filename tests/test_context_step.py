@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 
 import flax.linen as nn
 import jax
@@ -76,13 +77,13 @@ def attention(q, k, v, batch, local_positions: bool = False, jax_attention: str 
 class LinenBlock(nn.Module):
     local_positions: bool = False
     jax_attention: str = ""
+    kv_heads: int = KV
 
     @nn.compact
     def __call__(self, x, batch):
         h = rms(x)
-        q, k, v = (
-            heads_of(nn.Dense(n * HEAD_DIM, name=name)(h)) for name, n in (("q", HEADS), ("k", KV), ("v", KV))
-        )
+        shapes = (("q", HEADS), ("k", self.kv_heads), ("v", self.kv_heads))
+        q, k, v = (heads_of(nn.Dense(n * HEAD_DIM, name=name)(h)) for name, n in shapes)
         out = attention(q, k, v, batch, self.local_positions, self.jax_attention)
         x = x + nn.Dense(D, name="out")(out.reshape(*out.shape[:2], -1))
         return x + nn.Dense(D, name="down")(nn.gelu(nn.Dense(HIDDEN, name="up")(rms(x))))
@@ -91,12 +92,15 @@ class LinenBlock(nn.Module):
 class LinenLM(nn.Module):
     local_positions: bool = False
     jax_attention: str = ""
+    kv_heads: int = KV  # (query heads a kv head serves: HEADS / kv_heads)
 
     @nn.compact
     def __call__(self, batch):
         x = nn.Embed(VOCAB, D, name="embed")(batch["tokens"])
         for i in range(2):
-            x = LinenBlock(self.local_positions, self.jax_attention, name=f"block_{i}")(x, batch)
+            x = LinenBlock(self.local_positions, self.jax_attention, self.kv_heads, name=f"block_{i}")(
+                x, batch
+            )
         return nn.Dense(VOCAB, name="head")(rms(x))
 
 
@@ -139,6 +143,13 @@ def packed_batch(seed: int = 0):
     return {k: jnp.asarray(v) for k, v in batch.items()}, jnp.asarray(np.roll(tokens, -1, axis=1))
 
 
+def _rows(n: int):
+    """A packed batch of ``n`` rows (each pair of rows drawn as :func:`packed_batch` draws it)."""
+    parts = [packed_batch(seed) for seed in range(n // ROWS)]
+    joined = lambda *xs: jnp.concatenate(xs)
+    return jax.tree.map(joined, *[p[0] for p in parts]), jnp.concatenate([p[1] for p in parts])
+
+
 def cross_entropy(logits, targets):
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
@@ -153,14 +164,16 @@ BATCH = packed_batch()
 
 
 @pytest.mark.parametrize(
-    "mesh, tp_rules, sequence",
+    "mesh, tp_rules, sequence, kv_heads",
     [
-        ({"fsdp": 2, "context": 4}, [], None),
-        ({"context": 2, "tensor": 2, "fsdp": 2}, TP, SequenceSplit(balanced=False)),
-        ({"fsdp": 2, "context": 2, "tensor": 2}, [], SequenceSplit(strategy="all_to_all")),
-        ({"fsdp": 1, "context": 8}, [], None),
-        ({"fsdp": 1, "context": 4, "tensor": 2}, TP, None),
-        ({"fsdp": 2, "context": 2, "tensor": 2}, "auto", None),
+        ({"fsdp": 2, "context": 4}, [], None, KV),
+        ({"context": 2, "tensor": 2, "fsdp": 2}, TP, SequenceSplit(balanced=False), KV),
+        ({"fsdp": 2, "context": 2, "tensor": 2}, [], SequenceSplit(strategy="all_to_all"), KV),
+        ({"fsdp": 1, "context": 8}, [], None, KV),
+        ({"fsdp": 1, "context": 4, "tensor": 2}, TP, None, KV),
+        ({"fsdp": 2, "context": 2, "tensor": 2}, "auto", None, KV),
+        ({"fsdp": 4, "context": 2}, [], None, 1),  # (H/G = 4: one kv head for every query head)
+        ({"data": 2, "fsdp": 1, "context": 2, "tensor": 2}, TP, None, HEADS),  # (H/G = 1: multi-head)
     ],
     ids=[
         "fsdp2-context4",
@@ -169,13 +182,16 @@ BATCH = packed_batch()
         "context8",
         "context4-tensor2",
         "fsdp2-context2-tensor2-auto",
+        "fsdp4-context2-gqa4",
+        "data2-context2-tensor2-mha",
     ],
 )
-def test_a_linen_model_with_its_sequence_split_is_the_unsharded_model(mesh, tp_rules, sequence):
+def test_a_linen_model_with_its_sequence_split_is_the_unsharded_model(mesh, tp_rules, sequence, kv_heads):
     check_vma = sequence is None or sequence.strategy != "all_to_all"  # (and both check_vma settings)
+    rows = math.prod(mesh.get(axis, 1) for axis in ("data", "fsdp"))
     check_sharded(
-        LinenLM(),
-        BATCH,
+        LinenLM(kv_heads=kv_heads),
+        BATCH if rows <= ROWS else _rows(rows),
         cross_entropy,
         mesh,
         FSDP,
