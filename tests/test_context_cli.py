@@ -1,4 +1,4 @@
-"""Issue 84 point 7: ``fsdp-tp train`` and ``plan`` with a ``context`` axis in ``--mesh``.
+"""Issue 84 point 7: ``fsdp-tp train`` and ``plan`` with a ``context`` axis in ``--mesh``, and ``--packed``.
 
 The GPT preset (causal attention through the library's ``attend``, no positions of its own)
 trains with its sequence split over ``context``, Linen and NNX, equal to the unsharded twin
@@ -14,6 +14,7 @@ import io
 import pytest
 
 from fsdp_tp.cli import main
+from fsdp_tp.recipe.data import packed
 
 
 def run(*argv: str) -> tuple[int, str]:
@@ -22,15 +23,35 @@ def run(*argv: str) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize(
-    "api, mesh, strategy",
-    [("linen", "data=2,context=2,tensor=2", "ring"), ("nnx", "fsdp=2,context=4", "auto")],  # (SP on)
-    ids=["linen-data2-context2-tensor2", "nnx-fsdp2-context4-auto"],
+    "api, mesh, strategy, packed",
+    [
+        ("linen", "data=2,context=2,tensor=2", "ring", ["--packed", "--microbatches", "2"]),  # (SP on)
+        ("nnx", "fsdp=2,context=4", "auto", []),
+    ],
+    ids=["linen-data2-context2-tensor2-packed", "nnx-fsdp2-context4-auto"],
 )
-def test_train_splits_the_sequence_over_context_and_passes_check(api, mesh, strategy):
-    flags = ["--api", api, "--mesh", mesh, "--context-strategy", strategy, "--remat", "full"]
+def test_train_splits_the_sequence_over_context_and_passes_check(api, mesh, strategy, packed):
+    """Packed: sentences of the corpus as documents, each microbatch's tokens counted against
+    its batch's (the twin's loss the token-weighted mean of the whole batch)."""
+    flags = ["--api", api, "--mesh", mesh, "--context-strategy", strategy, "--remat", "full", *packed]
     code, out = run("train", "--steps", "2", "--check", "2", "--eval-every", "0", *flags)
     assert code == 0, out
     assert "context=" in out.splitlines()[0] and "-> ok" in out, out
+
+
+def test_packed_documents_ignored_by_the_sharded_run_fail_check(monkeypatch):
+    """(negative control) the sharded step given one document a row while the twin reads the
+    packed ones: --check sees it."""
+    from fsdp_tp.recipe import trainer
+
+    def one_document(windows, eos):
+        inputs, targets, segments, weights = packed(windows, eos)
+        return inputs, targets, segments * 0 + 1, weights
+
+    monkeypatch.setattr(trainer, "packed", one_document)
+    flags = ["--api", "nnx", "--mesh", "data=2,context=2,tensor=2", "--packed", "--remat", "full"]
+    code, out = run("train", "--steps", "2", "--check", "2", "--eval-every", "0", *flags)
+    assert code == 1 and "-> FAILED" in out, out
 
 
 def test_plan_prints_the_ring_s_bytes_over_context_on_4096_devices():
@@ -104,8 +125,18 @@ def test_plan_counts_the_strategy_the_run_asks_for():
             "--mesh context=2 with --experts: the MoE LM does not split its sequence yet",
             ["--mesh", "data=4,expert=2", "--experts", "4"],
         ),
+        (
+            ["--mesh", "data=2,context=4", "--packed", "999"],
+            "--packed 999: the end-of-document token is no token of the vocabulary (0 .. 255); pass the id",
+            ["--mesh", "data=2,context=4", "--packed", "46"],
+        ),
+        (
+            ["--mesh", "data=4,expert=2", "--experts", "4", "--packed"],
+            "--packed 46 with --experts: the MoE LM takes no segment ids yet; drop --packed",
+            ["--mesh", "data=4,expert=2", "--experts", "4"],
+        ),
     ],
-    ids=["seq-len", "all-to-all", "experts"],
+    ids=["seq-len", "all-to-all", "experts", "packed-token", "packed-experts"],
 )
 def test_a_split_the_run_cannot_take_is_one_line_and_its_fix_plans(flags, said, fixed, capsys):
     code, _ = run("plan", "--remat", "full", *flags)

@@ -54,9 +54,10 @@ def plan_of(settings: Settings, mesh) -> Plan:
     # One microbatch's activations are alive at a time (accumulate_gradients).
     rows = settings.batch // settings.microbatches
     windows = jax.ShapeDtypeStruct((rows, config.seq_len + 1), np.int32)
-    if settings.sequence is not None:  # (the step's inputs and targets, the sequence over context)
+    if settings.sequence is not None or settings.packed is not None:  # (inputs, targets[, documents])
         tokens = jax.ShapeDtypeStruct((rows, config.seq_len), np.int32)
-        windows = (tokens, tokens)  # type: ignore[assignment]
+        weights = jax.ShapeDtypeStruct((rows, config.seq_len), np.float32)
+        windows = (tokens, tokens) if settings.packed is None else (tokens, tokens, tokens, weights)  # type: ignore[assignment]
     batch = settings.batch_specs()
     return make_plan(
         model.init_fn,
@@ -65,7 +66,7 @@ def plan_of(settings: Settings, mesh) -> Plan:
         jax.random.key(0),
         ids,
         check_vma=settings.check_vma,
-        loss_fn=lambda params, batch: batch_loss(model, params, batch),
+        loss_fn=lambda params, batch: batch_loss(model, params, batch, settings.step_axes),
         batch=windows,
         batch_specs=batch,
         sequence=settings.sequence,

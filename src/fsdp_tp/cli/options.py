@@ -13,10 +13,11 @@ from .experts import add_expert_flags
 from .supervise import add_process_flags
 from .workdir import add_checkpoint_flags
 
-__all__ = ["DEFAULT_MESH", "DEFAULT_WARMUP", "DTYPES", "GATHER_DTYPES", "parser"]
+__all__ = ["DEFAULT_MESH", "DEFAULT_WARMUP", "DTYPES", "GATHER_DTYPES", "PACKED_EOS", "parser"]
 
 DEFAULT_MESH = "data=2,fsdp=2,tensor=2"
 DEFAULT_WARMUP = 20  # --warmup's default; shorter runs warm up through all their steps
+PACKED_EOS = ord(".")  # --packed's end of a document: a sentence of the embedded corpus
 DTYPES = {"f32": "float32", "bf16": "bfloat16"}  # the dtype flags' names -> numpy's
 # What FSDP may gather in: the compute dtypes, and 8 bits with a scale a row (MixedPrecision.scaled)
 GATHER_DTYPES = {**DTYPES, "fp8": "float8_e4m3fn", "fp8-e5m2": "float8_e5m2"}
@@ -52,6 +53,17 @@ def _compute_flags(p, remat_default: str) -> None:
         default="ring",
         help="with a context axis in --mesh (the sequence split over it): attention across it by a "
         "ring of k and v, all_to_all (heads split instead), or auto (the fewer bytes)",
+    )
+    p.add_argument(
+        "--packed",
+        type=int,
+        nargs="?",
+        const=PACKED_EOS,
+        default=None,
+        metavar="EOS",
+        help=f"train on packed documents, each ended by the token EOS (default: {PACKED_EOS}, the "
+        "embedded corpus's '.'): a token attends within its own document, and the loss skips a "
+        "target in the next one; under a context axis the segment ids are split with the tokens",
     )
     auto = remat_default == "auto"
     p.add_argument(

@@ -79,6 +79,7 @@ def settings_of(args, mesh: dict, vocab_size: int | None = None) -> Settings:
         )
     check_tensor_split(config, args, mesh, _sequence_parallel(args))
     sequence = _sequence_split(args, mesh, config)
+    packed = _packed(args, config)
     _check_gathered(args, mesh)
     check_schedule(args)
     if args.api == "nnx" and not config.experts:
@@ -106,7 +107,27 @@ def settings_of(args, mesh: dict, vocab_size: int | None = None) -> Settings:
         clip_norm=clip_norm,
         api=args.api,
         sequence=sequence,
+        packed=packed,
     )
+
+
+def _packed(args, config) -> int | None:
+    """The token ending a document under ``--packed``, or ``None``; one the run cannot take is
+    one line with the fix."""
+    eos = getattr(args, "packed", None)
+    if eos is None:
+        return None
+    if config.experts:
+        raise UsageError(
+            f"--packed {eos} with --experts: the MoE LM takes no segment ids yet; drop --packed "
+            f"(its windows are then one document each), or drop --experts."
+        )
+    if not 0 <= eos < config.vocab_size:
+        raise UsageError(
+            f"--packed {eos}: the end-of-document token is no token of the vocabulary (0 .. "
+            f"{config.vocab_size - 1}); pass the id your data ends a document with."
+        )
+    return eos
 
 
 def _sequence_split(args, mesh: dict, config) -> SequenceSplit | None:

@@ -72,8 +72,11 @@ def _attention(d_model, num_heads, head_dim, num_kv_heads, *, dtype, attention, 
     :func:`~fsdp_tp.attention.attend` (``attention`` picks the implementation, as for Linen).
     Its kernels hold Linen's ``(d, heads * dim)`` as ``(d, heads, dim)``."""
 
-    def attention_fn(query, key, value, **_):  # causal always; the mask and dropout are unused
-        return attend(query, key, value, True, attention)
+    def attention_fn(query, key, value, mask=None, **_):  # causal always; dropout unused
+        # (``mask``: this model's segment ids (batch, seq), passed through as the call's mask,
+        # which nnx.MultiHeadAttention hands on unread: a mask built of a device's tokens
+        # could not be read across devices, the segment ids are)
+        return attend(query, key, value, True, attention, segment_ids=mask)
 
     return nnx.MultiHeadAttention(
         num_heads,
@@ -110,8 +113,8 @@ class DecoderBlock(nnx.Module):
         self.norm_mlp = nnx.LayerNorm(d_model, dtype=dtype, rngs=rngs)
         self.mlp = MLP(d_model, mlp_hidden, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x):
-        x = x + self.attn(self.norm_attn(x))
+    def __call__(self, x, segment_ids=None):
+        x = x + self.attn(self.norm_attn(x), mask=segment_ids)  # (the segment ids: _attention's)
         return x + self.mlp(self.norm_mlp(x))
 
 
@@ -162,16 +165,18 @@ class NNXTransformer(nnx.Module):
         self.norm_final = nnx.LayerNorm(d_model, dtype=dtype, rngs=rngs)
         self.head = nnx.Linear(d_model, vocab_size, use_bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, ids: jax.Array) -> jax.Array:
+    def __call__(self, ids: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+        """Logits of ``ids`` ``(batch, seq)``; ``segment_ids``: packed documents, as Linen's."""
         x = self.embed(ids)
-        run = lambda block, x: block(x)
+        run = lambda block, x, segments: block(x, segments)
         if self.remat != "none":
             run = nnx.remat(run, policy=remat_policy(self.remat, "NNXTransformer"))
         if self.scan_layers:
-            x = nnx.scan(run, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(self.blocks, x)
+            scan = nnx.scan(run, in_axes=(0, nnx.Carry, None), out_axes=nnx.Carry)
+            x = scan(self.blocks, x, segment_ids)
         else:
             for i in range(self.num_layers):
-                x = run(getattr(self, f"blocks_{i}"), x)
+                x = run(getattr(self, f"blocks_{i}"), x, segment_ids)
         return self.head(self.norm_final(x)).astype(jnp.float32)
 
 

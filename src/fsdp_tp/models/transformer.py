@@ -53,7 +53,7 @@ class DecoderBlock(nn.Module):
     attention: str = "reference"
 
     @nn.compact
-    def __call__(self, x, _):
+    def __call__(self, x, segment_ids):
         lay = self.layout
         norm = functools.partial(_norm(lay.tensor, lay.sequence_split), dtype=self.dtype)
         h = norm(name="norm_attn")(x)
@@ -67,7 +67,7 @@ class DecoderBlock(nn.Module):
             collective_matmul=lay.ring,
             dtype=self.dtype,
             attention=self.attention,
-        )(h)
+        )(h, segment_ids)
         h = norm(name="norm_mlp")(x)
         return x + MLPBlock(
             self.mlp_hidden,
@@ -112,7 +112,9 @@ class Transformer(nn.Module):
     remat: str = "full"
 
     @nn.compact
-    def __call__(self, ids: jax.Array) -> jax.Array:
+    def __call__(self, ids: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+        """Logits of ``ids`` ``(batch, seq)``; ``segment_ids`` ``(batch, seq)``: packed documents
+        (a token attends within its own; 0 is padding), or ``None``: one document a row."""
         lay = self.layout
         sp = lay.sequence_split
         if lay.tensor is None:
@@ -141,13 +143,14 @@ class Transformer(nn.Module):
                 block,
                 variable_axes={"params": 0},
                 split_rngs={"params": True},
+                in_axes=nn.broadcast,  # (every layer reads the same segment ids)
                 length=self.num_layers,
                 metadata_params={nn.PARTITION_NAME: None},
             )
-            x, _ = stack(*block_args, name="blocks")(x, None)
+            x, _ = stack(*block_args, name="blocks")(x, segment_ids)
         else:  # blocks_0, blocks_1, ...: what compile time costs without scan
             for i in range(self.num_layers):
-                x, _ = block(*block_args, name=f"blocks_{i}")(x, None)
+                x, _ = block(*block_args, name=f"blocks_{i}")(x, segment_ids)
         # Wrapped like every other layer: each parameter of the model is FSDP's to shard
         # (if large) and to read in the gather dtype under mixed precision.
         x = lay.shard(_norm(lay.tensor, sp))(dtype=self.dtype, name="norm_final")(x)

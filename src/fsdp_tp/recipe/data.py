@@ -22,6 +22,7 @@ __all__ = [
     "check_vocab",
     "embedded_corpus",
     "load_tokens",
+    "packed",
     "split_held_out",
     "token_bounds",
     "vocab_for",
@@ -158,6 +159,22 @@ def windows_at(
     """
     starts = np.random.default_rng([seed, step]).integers(0, len(tokens) - seq_len - 1, size=batch)
     return np.stack([np.asarray(tokens[s : s + seq_len + 1], dtype=np.int32) for s in starts[rows]])
+
+
+def packed(windows, eos: int) -> tuple:
+    """``windows`` ``(rows, seq_len + 1)`` as packed documents, each ended by the token ``eos``:
+    ``(inputs, targets, segments, weights)``. ``segments``: each input's document in its window
+    (1, 2, ...: the token after an ``eos`` starts the next); ``weights``: 0 where the target is
+    the next document's first token (the input an ``eos``), else 1.
+
+    >>> inputs, targets, segments, weights = packed(np.array([[5, 46, 7, 8, 46, 9]]), 46)
+    >>> segments.tolist(), weights.tolist()
+    ([[1, 1, 2, 2, 2]], [[1.0, 0.0, 1.0, 1.0, 0.0]])
+    """
+    inputs, targets = windows[:, :-1], windows[:, 1:]
+    ends = (inputs == eos).astype(np.int32)
+    segments = 1 + ends.cumsum(axis=1) - ends
+    return inputs, targets, segments, (1 - ends).astype(np.float32)
 
 
 def batch_at(tokens: Tokens, step: int, batch: int, seq_len: int, seed: int) -> tuple:

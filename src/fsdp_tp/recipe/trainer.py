@@ -17,13 +17,13 @@ from jax.sharding import PartitionSpec as P
 
 from ..context._split import SequenceSplit
 from ..context._step import LaidOut
-from ..gradients import sync_gradients
+from ..gradients import global_mean_loss, sync_gradients
 from ..models import Layout
 from ..sharded_init import init_sharded
 from ..tp.pieces import vocab_parallel_cross_entropy
 from ..train import accumulate_gradients, as_a_step, shard_step, state_init_fn
 from .config import ModelConfig
-from .data import Tokens, windows_at
+from .data import Tokens, packed, windows_at
 from .moe_lm import moe_loss, sharded_moe_parts
 
 __all__ = [
@@ -70,6 +70,7 @@ class Settings:
     clip_norm: float = 1.0  # clip the gradient's global norm to this (0: no clipping)
     api: str = "linen"  # one of APIS: the GPT in Linen (the layout's layers) or NNX (by rules)
     sequence: SequenceSplit | None = None  # the sequence split over --mesh's context axis
+    packed: int | None = None  # --packed: the token ending a document (None: a window is one)
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -84,11 +85,12 @@ class Settings:
 
     def batch_specs(self):
         """The step's batch: the windows' rows, or, under a sequence split, their inputs and
-        targets (each ``(rows, seq_len)``) with the sequence over ``context``."""
-        if self.sequence is None:
+        targets (each ``(rows, seq_len)``) with the sequence over ``context``; packed, those
+        and the segment ids and loss weights (:func:`~fsdp_tp.recipe.data.packed`)."""
+        if self.sequence is None and self.packed is None:
             return P(self.batch_axes)
-        token = P(self.batch_axes, self.sequence.axis)
-        return (token, token)
+        token = P(self.batch_axes, self.sequence.axis) if self.sequence is not None else P(self.batch_axes)
+        return (token,) * (2 if self.packed is None else 4)
 
     def optimizer(self) -> optax.GradientTransformation:
         """The optimizer on a warmup-cosine schedule, after global-norm clipping. Both run
@@ -103,7 +105,7 @@ class Settings:
 @dataclass(frozen=True)
 class ShardedGPT:
     """The GPT of one API on one mesh: ``init_fn(rng, ids)`` builds a device's state (for
-    ``init_sharded``, specs ``(P(), BATCH)``), ``logits(params, ids)`` is a device's forward
+    ``init_sharded``, specs ``(P(), BATCH)``), ``logits(params, ids[, segments])`` is a device's forward
     (logits split on the vocabulary over ``tensor``), ``twin_init_fn`` the unsharded state,
     ``objective(out, targets)`` the mean loss of what ``logits`` returns (the MoE LM's: its
     whole logits and auxiliary losses, :func:`~fsdp_tp.recipe.moe_lm.moe_loss`)."""
@@ -138,9 +140,10 @@ def sharded_gpt(settings: Settings, sizes: dict, tx: optax.GradientTransformatio
             config, sizes, layout.min_weight_size, settings.step_axes, sequence, ring, layout.mixed_precision
         )
         init = sharded.state_init_fn(tx)
-        return ShardedGPT(lambda rng, _ids: init(rng), lambda p, ids: sharded.merge(p)(ids), None)
+        logits = lambda p, ids, segments=None: sharded.merge(p)(ids, segments)
+        return ShardedGPT(lambda rng, _ids: init(rng), logits, None)
     model = config.model(settings.layout)
-    logits = lambda p, ids: model.apply({"params": p}, ids)
+    logits = lambda p, ids, segments=None: model.apply({"params": p}, ids, segments)
     return ShardedGPT(state_init_fn(model, tx), logits, state_init_fn(config.model(), tx))
 
 
@@ -150,8 +153,16 @@ def window_loss(model: ShardedGPT, params, windows: jax.Array) -> jax.Array:
     return model.objective(model.logits(params, windows[:, :-1]), windows[:, 1:])
 
 
-def batch_loss(model: ShardedGPT, params, batch) -> jax.Array:
-    """:func:`window_loss` of windows, or of a sequence split's ``(inputs, targets)``."""
+def batch_loss(model: ShardedGPT, params, batch, axes=None, count=None) -> jax.Array:
+    """:func:`window_loss` of windows, or of a sequence split's ``(inputs, targets)``; of packed
+    documents ``(inputs, targets, segments, weights)``, the loss over the tokens ``weights``
+    keeps, token-weighted over ``axes`` (its mean there the global one, however unevenly the
+    devices count: :func:`~fsdp_tp.gradients.global_mean_loss`), ``count`` the tokens it
+    counts here (default: ``weights``'; a microbatch's share of its batch's)."""
+    if isinstance(batch, tuple) and len(batch) == 4:
+        inputs, targets, segments, weights = batch
+        losses = vocab_parallel_cross_entropy(model.logits(params, inputs, segments), targets)
+        return global_mean_loss((losses * weights).sum(), weights.sum() if count is None else count, axes)
     if isinstance(batch, tuple):
         return model.objective(model.logits(params, batch[0]), batch[1])
     return window_loss(model, params, batch)
@@ -159,7 +170,10 @@ def batch_loss(model: ShardedGPT, params, batch) -> jax.Array:
 
 def split_windows(settings: Settings, windows: jax.Array):
     """The step's batch of ``windows`` ``(rows, seq_len + 1)``: themselves, or, under a sequence
-    split, their inputs and targets, which the step lays out over ``context``."""
+    split, their inputs and targets, which the step lays out over ``context``; packed, with
+    their documents (:func:`~fsdp_tp.recipe.data.packed`)."""
+    if settings.packed is not None:
+        return packed(windows, settings.packed)
     return windows if settings.sequence is None else (windows[:, :-1], windows[:, 1:])
 
 
@@ -169,8 +183,12 @@ def step_fn(settings: Settings, model: ShardedGPT) -> Callable:
     axes = settings.step_axes
 
     def step(state, windows):
+        # (packed: each microbatch's tokens over the whole batch's count, so that their mean is
+        # the batch's token-weighted loss)
+        count = windows[3].sum() / settings.microbatches if settings.packed is not None else None
+
         def loss_fn(params, microbatch, _rng):
-            return batch_loss(model, params, microbatch), None
+            return batch_loss(model, params, microbatch, axes, count), None
 
         (loss, _), grads = accumulate_gradients(loss_fn, state.params, windows, settings.microbatches)
         return sync_gradients(grads, axes), jax.lax.pmean(loss, axes)
@@ -207,9 +225,9 @@ def _eval_fn(model: ShardedGPT, settings: Settings, laid: LaidOut | None) -> Cal
 
     def evaluate(state, batch):
         if laid is None:  # (the windows whole on each device: no step's scope, as ever)
-            return jax.lax.pmean(batch_loss(model, state.params, batch), axes)
+            return jax.lax.pmean(batch_loss(model, state.params, batch, axes), axes)
         with as_a_step(specs, settings.sequence, laid.tokens(batch)):
-            return jax.lax.pmean(batch_loss(model, state.params, batch), axes)
+            return jax.lax.pmean(batch_loss(model, state.params, batch, axes), axes)
 
     return evaluate
 

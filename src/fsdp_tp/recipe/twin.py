@@ -10,7 +10,7 @@ import optax
 from flax.core.meta import unbox
 
 from ..train import state_init_fn
-from .data import Tokens, batch_at
+from .data import Tokens, packed, windows_at
 from .moe_lm import linen_path, moe_loss
 from .trainer import Trainer
 
@@ -42,20 +42,23 @@ def compare_with_twin(trainer: Trainer, tokens: Tokens, steps: int) -> tuple[flo
     state = jax.jit(state_fn)(jax.random.key(s.seed), np.zeros((s.batch, config.seq_len), np.int32))
 
     @jax.jit
-    def twin_step(state, ids, targets):
+    def twin_step(state, windows):
+        ids, targets, segments, weights = packed(windows, -1 if s.packed is None else s.packed)
+
         def loss_fn(params):
-            out = trainer.twin.apply({"params": twin_reads(params)}, ids)
+            documents = () if s.packed is None else (segments,)  # (unpacked: a window is one)
+            out = trainer.twin.apply({"params": twin_reads(params)}, ids, *documents)
             if config.experts:  # (the MoE LM's logits and auxiliary losses)
                 return moe_loss(out, targets)
-            return optax.softmax_cross_entropy_with_integer_labels(out, targets).mean()
+            losses = optax.softmax_cross_entropy_with_integer_labels(out, targets)
+            return losses.mean() if s.packed is None else (losses * weights).sum() / weights.sum()
 
         loss, grads = jax.value_and_grad(loss_fn)(state.params)
         return state.apply_gradients(grads=grads), loss
 
     twin_losses = []
     for step in range(steps):
-        ids, targets = batch_at(tokens, step, s.batch, config.seq_len, s.seed)
-        state, loss = twin_step(state, ids, targets)
+        state, loss = twin_step(state, windows_at(tokens, step, s.batch, config.seq_len, s.seed))
         twin_losses.append(float(loss))
     losses = [loss for _, loss, _, _ in trainer.run(tokens, 0, steps)]
     loss_diff = max(abs(a - b) for a, b in zip(losses, twin_losses, strict=True))

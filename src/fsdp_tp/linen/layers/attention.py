@@ -111,7 +111,10 @@ class AttentionBlock(RenamedFields, nn.Module):
         role.require_divides(layer, size, layer.path, lambda _: f"a smaller {self.axis!r} axis")
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+        """``x`` ``(..., S, d)``; ``segment_ids`` ``(..., S)``: packed documents, each token's
+        (:func:`~fsdp_tp.attention.attend`'s), of the whole sequence a device attends over
+        (under sequence parallelism too: its attention sees the sequence gathered)."""
         kv = self.num_kv_heads or self.num_heads
         d_model, dim = x.shape[-1], self.head_dim
         kw = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
@@ -119,7 +122,7 @@ class AttentionBlock(RenamedFields, nn.Module):
 
         def heads(q, k, v, out: nn.Module) -> jax.Array:
             split = lambda t: t.reshape(*t.shape[:-1], t.shape[-1] // dim, dim)
-            y = _attend(split(q), split(k), split(v), self.causal, self.attention)
+            y = _attend(split(q), split(k), split(v), self.causal, self.attention, segment_ids=segment_ids)
             return out(y.reshape(*y.shape[:-2], -1))
 
         if self.axis is None:
