@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 import fsdp_tp.attention
+import fsdp_tp.routing
 from fsdp_tp import sync_gradients
 from fsdp_tp.analysis import parse_collectives
 from fsdp_tp.attention import attend
@@ -34,8 +35,9 @@ from fsdp_tp.context import SequenceSplit, document_positions
 from fsdp_tp.context._step import LaidOut
 from fsdp_tp.errors import IndivisibleShapeError, RuleError, UncheckedPlanWarning
 from fsdp_tp.gradients import global_mean_loss
+from fsdp_tp.models.moe import LinenMoE
 from fsdp_tp.testing import check_sharded
-from fsdp_tp.tp import ColumnParallel, RowParallel
+from fsdp_tp.tp import ColumnParallel, ExpertParallel, RowParallel
 from fsdp_tp.tp._check.driver import switched_off
 from tests.refusals import named_fix
 
@@ -636,3 +638,61 @@ def test_the_model_step_s_temporaries_fall_as_one_over_cp():
 
     whole = step_temp_bytes(1, 512)
     assert [step_temp_bytes(k, 512) <= whole / k for k in (2, 4)] == [True, True]
+
+
+# Issue 84 point 5: expert parallelism under the sequence split. Each device routes its own
+# tokens: dropless routing is each token's own choice, exact; a capacity is refused (its slots
+# would fill in another order than the unsharded model's).
+class LinenMoEBlock(nn.Module):
+    capacity_factor: float | None = None
+
+    @nn.compact
+    def __call__(self, x, batch):
+        h = rms(x)
+        q, k, v = (
+            heads_of(nn.Dense(n * HEAD_DIM, name=name)(h)) for name, n in (("q", HEADS), ("k", KV), ("v", KV))
+        )
+        x = x + nn.Dense(D, name="out")(attention(q, k, v, batch).reshape(*x.shape[:2], -1))
+        y, (balance, _) = LinenMoE(4, 2, HIDDEN, self.capacity_factor, name="moe")(rms(x))
+        return x + y, balance
+
+
+class LinenMoELM(nn.Module):
+    capacity_factor: float | None = None
+
+    @nn.compact
+    def __call__(self, batch):
+        x, aux = nn.Embed(VOCAB, D, name="embed")(batch["tokens"]), 0.0
+        for i in range(2):
+            x, balance = LinenMoEBlock(self.capacity_factor, name=f"block_{i}")(x, batch)
+            aux = aux + 1e-2 * balance  # (the load balance over the whole batch: data, expert, context)
+        return nn.Dense(VOCAB, name="head")(rms(x)), aux
+
+
+def moe_loss(out, targets):
+    logits, aux = out
+    return cross_entropy(logits, targets) + aux
+
+
+EP = [(r"moe/experts/(gate|up)$", ExpertParallel()), (r"moe/experts/down$", ExpertParallel(returns=True))]
+
+
+def test_expert_parallel_under_the_sequence_split_is_the_unsharded_model_and_a_capacity_refused(
+    monkeypatch,
+):
+    """data x context x expert: tokens sent to the experts by all_to_all from each device's
+    share of the sequence, equal to unsharded dropless; a capacity is refused before the first
+    step with the fix; (negative control) let through, the harness sees other tokens dropped."""
+    mesh, batch = {"data": 2, "context": 2, "expert": 2}, _rows(4)
+    run = lambda factor: check_sharded(
+        LinenMoELM(factor), batch, moe_loss, mesh, tp_rules=EP, batch_axes=("data", "expert"), steps=2
+    )
+    said = r"capacity=\d+ slots an expert, in a step that splits the sequence over 'context'"
+    with pytest.raises(ValueError, match=said) as refused:
+        run(1.0)
+    with monkeypatch.context() as patched:
+        patched.setattr(fsdp_tp.routing, "_require_whole_sequence", lambda *_: None)
+        with pytest.raises(AssertionError, match="output"):
+            run(1.0)
+    named_fix(refused, "Route dropless under the split (capacity_factor=None")
+    run(None)

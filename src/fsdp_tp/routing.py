@@ -6,7 +6,10 @@ group's choices (:func:`capacity`), in priority order: every token's first choic
 order, before any token's second. A choice past its expert's capacity is dropped (the token
 keeps its other choices and the residual). ``capacity=None`` is *dropless*: an expert's buffer
 holds the whole group, so nothing is dropped. Routing depends only on the group's tokens, so a
-sharded model whose devices hold whole groups routes exactly as the unsharded one.
+sharded model whose devices hold whole groups routes exactly as the unsharded one. Under a
+step's sequence split a device holds a share of each sequence: dropless routing is exact there
+(each token's choices are its own), a capacity is refused (the slots would fill in another
+order than the unsharded model's).
 
 :func:`route` picks (``jax.lax.top_k``: ties go to the lower expert index), :func:`dispatch`
 places each kept choice in its expert's buffer ``(experts, capacity, d)`` (one token a slot),
@@ -36,6 +39,7 @@ import jax.numpy as jnp
 
 from ._axes import bound_axis_names
 from ._batch import resolve_batch_axes
+from ._context import STEP
 from .gradients import batch_mean
 
 __all__ = [
@@ -90,6 +94,8 @@ def route(logits: jax.Array, k: int, capacity: int | None = None, normalize: boo
     tokens, experts = logits.shape
     if not 1 <= k <= experts:
         raise ValueError(f"top-k routing with k={k!r} over {experts} experts: k must be 1..{experts}.")
+    if capacity is not None:
+        _require_whole_sequence(capacity, tokens)
     slots_each = tokens if capacity is None else capacity
     probs = jax.nn.softmax(logits, axis=-1)
     weights, chosen = jax.lax.top_k(probs, k)  # ties: the lower index first
@@ -102,6 +108,21 @@ def route(logits: jax.Array, k: int, capacity: int | None = None, normalize: boo
     kept = position < slots_each
     slots = jnp.where(kept, chosen * slots_each + position, experts * slots_each)
     return Routing(chosen, weights, kept, slots, probs, slots_each)
+
+
+def _require_whole_sequence(capacity: int, tokens: int) -> None:
+    """A capacity within a step that splits the sequence (``context``): refused, with the fix."""
+    split = STEP.get().sequence
+    if split is None or split.axis not in bound_axis_names() or jax.lax.axis_size(split.axis) == 1:
+        return
+    size = jax.lax.axis_size(split.axis)
+    raise ValueError(
+        f"fsdp_tp.routing.route: capacity={capacity} slots an expert, in a step that splits the "
+        f"sequence over {split.axis!r} ({size} devices): a device routes its {tokens} tokens of a group "
+        f"whose other tokens other devices hold, so its slots fill in another order than the unsharded "
+        f"model's and other tokens are dropped. Route dropless under the split (capacity_factor=None: "
+        f"every choice kept, each token's own), or give the {split.axis!r} devices to the batch axes."
+    )
 
 
 def dispatch(x: jax.Array, routing: Routing) -> jax.Array:
