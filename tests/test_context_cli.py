@@ -27,8 +27,13 @@ def run(*argv: str) -> tuple[int, str]:
     [
         ("linen", "data=2,context=2,tensor=2", "ring", ["--packed", "--microbatches", "2"]),  # (SP on)
         ("nnx", "fsdp=2,context=4", "auto", []),
+        ("nnx", "context=2,expert=2,tensor=2", "ring", ["--experts", "4"]),  # (the MoE LM, dropless)
     ],
-    ids=["linen-data2-context2-tensor2-packed", "nnx-fsdp2-context4-auto"],
+    ids=[
+        "linen-data2-context2-tensor2-packed",
+        "nnx-fsdp2-context4-auto",
+        "nnx-moe-context2-expert2-tensor2",
+    ],
 )
 def test_train_splits_the_sequence_over_context_and_passes_check(api, mesh, strategy, packed):
     """Packed: sentences of the corpus as documents, each microbatch's tokens counted against
@@ -42,13 +47,13 @@ def test_train_splits_the_sequence_over_context_and_passes_check(api, mesh, stra
 def test_packed_documents_ignored_by_the_sharded_run_fail_check(monkeypatch):
     """(negative control) the sharded step given one document a row while the twin reads the
     packed ones: --check sees it."""
-    from fsdp_tp.recipe import trainer
+    from fsdp_tp.recipe import batches
 
     def one_document(windows, eos):
         inputs, targets, segments, weights = packed(windows, eos)
         return inputs, targets, segments * 0 + 1, weights
 
-    monkeypatch.setattr(trainer, "packed", one_document)
+    monkeypatch.setattr(batches, "packed", one_document)
     flags = ["--api", "nnx", "--mesh", "data=2,context=2,tensor=2", "--packed", "--remat", "full"]
     code, out = run("train", "--steps", "2", "--check", "2", "--eval-every", "0", *flags)
     assert code == 1 and "-> FAILED" in out, out
@@ -121,9 +126,9 @@ def test_plan_counts_the_strategy_the_run_asks_for():
             ["--mesh", "fsdp=2,context=2,tensor=2", "--context-strategy", "ring"],
         ),
         (
+            ["--mesh", "data=2,context=2,expert=2", "--experts", "4", "--capacity-factor", "1.25"],
+            "--mesh context=2 with --capacity-factor 1.25: a device routes its own share of each sequence",
             ["--mesh", "data=2,context=2,expert=2", "--experts", "4"],
-            "--mesh context=2 with --experts: the MoE LM does not split its sequence yet",
-            ["--mesh", "data=4,expert=2", "--experts", "4"],
         ),
         (
             ["--mesh", "data=2,context=4", "--packed", "999"],
@@ -136,7 +141,7 @@ def test_plan_counts_the_strategy_the_run_asks_for():
             ["--mesh", "data=4,expert=2", "--experts", "4"],
         ),
     ],
-    ids=["seq-len", "all-to-all", "experts", "packed-token", "packed-experts"],
+    ids=["seq-len", "all-to-all", "capacity", "packed-token", "packed-experts"],
 )
 def test_a_split_the_run_cannot_take_is_one_line_and_its_fix_plans(flags, said, fixed, capsys):
     code, _ = run("plan", "--remat", "full", *flags)

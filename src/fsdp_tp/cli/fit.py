@@ -20,8 +20,9 @@ from jax.sharding import PartitionSpec as P
 
 from ..context import all_to_all_bytes, ring_bytes, ring_or_all_to_all
 from ..plan import Plan, make_plan
+from ..recipe.batches import batch_loss, split_windows
 from ..recipe.throughput import memory_stats
-from ..recipe.trainer import Settings, batch_loss, sharded_gpt
+from ..recipe.trainer import Settings, sharded_gpt
 from .checks import UsageError
 
 __all__ = [
@@ -54,10 +55,7 @@ def plan_of(settings: Settings, mesh) -> Plan:
     # One microbatch's activations are alive at a time (accumulate_gradients).
     rows = settings.batch // settings.microbatches
     windows = jax.ShapeDtypeStruct((rows, config.seq_len + 1), np.int32)
-    if settings.sequence is not None or settings.packed is not None:  # (inputs, targets[, documents])
-        tokens = jax.ShapeDtypeStruct((rows, config.seq_len), np.int32)
-        weights = jax.ShapeDtypeStruct((rows, config.seq_len), np.float32)
-        windows = (tokens, tokens) if settings.packed is None else (tokens, tokens, tokens, weights)  # type: ignore[assignment]
+    steps_batch = jax.eval_shape(lambda w: split_windows(settings, w), windows)  # (as the step's)
     batch = settings.batch_specs()
     return make_plan(
         model.init_fn,
@@ -67,7 +65,7 @@ def plan_of(settings: Settings, mesh) -> Plan:
         ids,
         check_vma=settings.check_vma,
         loss_fn=lambda params, batch: batch_loss(model, params, batch, settings.step_axes),
-        batch=windows,
+        batch=steps_batch,
         batch_specs=batch,
         sequence=settings.sequence,
     )

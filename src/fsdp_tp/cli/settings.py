@@ -137,10 +137,11 @@ def _sequence_split(args, mesh: dict, config) -> SequenceSplit | None:
     if size == 1:
         return None
     flag = f"--mesh {CONTEXT}={size}"
-    if config.experts:
+    if config.experts and config.capacity_factor is not None:
         raise UsageError(
-            f"{flag} with --experts: the MoE LM does not split its sequence yet; drop the {CONTEXT} axis "
-            f"(its devices to data: --mesh data={mesh.get('data', 1) * size},...), or drop --experts."
+            f"{flag} with --capacity-factor {config.capacity_factor:g}: a device routes its own share of "
+            f"each sequence, so a capacity would drop other tokens than the unsharded model does; drop "
+            f"--capacity-factor (dropless routing, exact under the split), or the {CONTEXT} axis."
         )
     chunks = 2 * size
     if config.seq_len % chunks:

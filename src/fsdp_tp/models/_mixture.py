@@ -54,7 +54,7 @@ def mixture(
     y = jax.vmap(combine)(experts(jax.vmap(dispatch)(groups, routing)), routing).reshape(b, s, d)
     fractions = jax.nn.one_hot(routing.chosen, count, dtype=logits.dtype).mean((0, 1, 2))
     balance = load_balancing_loss(fractions, routing.probs.mean((0, 1)), batch_axes)
-    return y.astype(x.dtype), (balance, router_z_loss(logits.reshape(-1, count)))
+    return y.astype(x.dtype), (balance, router_z_loss(logits))  # (over groups and tokens alike)
 
 
 def moe_fields(s: dict) -> dict:

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from fsdp_tp.attention import attend
 from fsdp_tp.tp import ColumnParallel, RowParallel, VocabParallel
 
 __all__ = ["FSDP_RULES", "RULES", "SIZES", "LlamaLM", "NNXLlamaLM", "attention"]
@@ -60,15 +61,20 @@ def rope(x: jax.Array, positions: jax.Array) -> jax.Array:
     """Rotary position embedding on ``x`` (..., seq, heads, head_dim)."""
     half = x.shape[-1] // 2
     freq = 1.0 / (10_000 ** (jnp.arange(half, dtype=x.dtype) / half))
-    angle = positions[:, None, None] * freq
+    angle = positions[..., None, None] * freq  # (positions (seq,) or (batch, seq))
     sin, cos = jnp.sin(angle), jnp.cos(angle)
     first, second = x[..., :half], x[..., half:]
     return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array | None = None) -> jax.Array:
     """Causal grouped-query attention: ``q`` (B, T, N, H), ``k``/``v`` (B, S, K, H), N a
-    multiple of K (query head n reads kv head n // (N / K)); every size from the shapes."""
+    multiple of K (query head n reads kv head n // (N / K)); every size from the shapes.
+    ``positions`` (B, T): each token's, given with the batch, and the library's attention
+    (:func:`~fsdp_tp.attention.attend`, computed across devices under a sequence split); else
+    ``0 .. T-1``, and the einsums here."""
+    if positions is not None:
+        return attend(rope(q, positions), rope(k, positions), v)
     b, t, n, h = q.shape
     kv = k.shape[-2]
     positions = jnp.arange(t, dtype=q.dtype)
@@ -92,11 +98,11 @@ class LinenAttention(nn.Module):
     dtype: Any = None  # the computation's (None: the parameters')
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, positions=None):
         d, kw = x.shape[-1], dict(param_dtype=self.param_dtype, dtype=self.dtype)
         q = nn.Einsum((d, self.heads, self.head_dim), "BTD,DNH->BTNH", False, name="q", **kw)(x)
         kv = nn.Einsum((2, d, self.kv_heads, self.head_dim), "BSD,CDKH->CBSKH", name="kv", **kw)(x)
-        out = attention(q, kv[0], kv[1])
+        out = attention(q, kv[0], kv[1], positions)
         return nn.Einsum((self.heads, self.head_dim, d), "BTNH,NHD->BTD", name="out", **kw)(out)
 
 
@@ -159,9 +165,9 @@ class NNXAttention(nnx.Module):
         self.kv = nnx.Einsum("BSD,CDKH->CBSKH", kv_shape, kv_shape[:1] + kv_shape[2:], **kw)
         self.out = nnx.Einsum("BTNH,NHD->BTD", (heads, head_dim, d), (d,), **kw)
 
-    def __call__(self, x):
+    def __call__(self, x, positions=None):
         kv = self.kv(x)
-        return self.out(attention(self.q(x), kv[0], kv[1]))
+        return self.out(attention(self.q(x), kv[0], kv[1], positions))
 
 
 class NNXMLP(nnx.Module):

@@ -94,10 +94,10 @@ class LinenMoEBlock(nn.Module):
     dtype: Any = None
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, positions=None):
         s, d, dtype, compute = self.sizes, x.shape[-1], self.param_dtype, self.dtype
         attn = LinenAttention(s["heads"], s["kv_heads"], s["head_dim"], dtype, compute, name="attn")
-        x = x + attn(rms_norm(x, self.param("attn_norm", nn.initializers.zeros, (d,), dtype)))
+        x = x + attn(rms_norm(x, self.param("attn_norm", nn.initializers.zeros, (d,), dtype)), positions)
         h = rms_norm(x, self.param("mlp_norm", nn.initializers.zeros, (d,), dtype))
         if not self.mixed:
             return x + LinenMLP(s["hidden"], dtype, compute, name="mlp")(h), jnp.zeros((), jnp.float32)
@@ -115,7 +115,9 @@ class MoELM(nn.Module):
     remat: str = "none"  # fsdp_tp.models.remat.REMAT_POLICIES: what each block keeps for the backward
 
     @nn.compact
-    def __call__(self, tokens):
+    def __call__(self, tokens, positions=None):
+        """``(logits, aux)`` of ``tokens`` (B, T); ``positions`` (B, T): each token's, with the
+        batch (a sequence split's: the device's tokens' places in the whole sequence)."""
         s = {**MOE_SIZES, **(self.sizes or {})}
         policy = remat_policy(self.remat, "MoELM")
         block = LinenMoEBlock if self.remat == "none" else nn.remat(LinenMoEBlock, policy=policy)
@@ -123,7 +125,7 @@ class MoELM(nn.Module):
         x, aux = embed(tokens), jnp.zeros((), jnp.float32)
         for i in range(s["layers"]):
             mixed = i % s["moe_every"] == s["moe_every"] - 1
-            x, more = block(s, mixed, self.param_dtype, self.dtype, name=f"block_{i}")(x)
+            x, more = block(s, mixed, self.param_dtype, self.dtype, name=f"block_{i}")(x, positions)
             aux = aux + more
         final = self.param("final_norm", nn.initializers.zeros, (s["d"],), self.param_dtype)
         return embed.attend(rms_norm(x, final)), aux
@@ -175,8 +177,8 @@ class NNXMoEBlock(nnx.Module):
             self.mlp = NNXMLP(d, s["hidden"], **kw)
         self.mixed = mixed
 
-    def __call__(self, x):
-        x = x + self.attn(rms_norm(x, self.attn_norm[...]))
+    def __call__(self, x, positions=None):
+        x = x + self.attn(rms_norm(x, self.attn_norm[...]), positions)
         h = rms_norm(x, self.mlp_norm[...])
         if not self.mixed:
             return x + self.mlp(h), jnp.zeros((), jnp.float32)
@@ -201,12 +203,12 @@ class NNXMoELM(nnx.Module):
         self.blocks = nnx.List(blocks)
         self.final_norm = nnx.Param(jnp.zeros((s["d"],), param_dtype))
 
-    def __call__(self, tokens):
+    def __call__(self, tokens, positions=None):
         x, aux = self.embed(tokens), jnp.zeros((), jnp.float32)
-        run = lambda block, x: block(x)
+        run = lambda block, x, positions: block(x, positions)
         if self.remat != "none":
             run = nnx.remat(run, policy=remat_policy(self.remat, "NNXMoELM"))
         for block in self.blocks:
-            x, more = run(block, x)
+            x, more = run(block, x, positions)
             aux = aux + more
         return self.embed.attend(rms_norm(x, self.final_norm[...])), aux

@@ -125,7 +125,8 @@ def sharded_moe_parts(
 ) -> tuple[Callable, Callable, Callable | None]:
     """``(init_fn, logits, twin_init_fn)`` of the MoE LM of ``config`` in ``api`` on a mesh of
     ``sizes``, as :class:`~fsdp_tp.recipe.trainer.ShardedGPT` holds them; ``logits(params,
-    ids)`` returns ``(logits, aux)``."""
+    ids[, positions])`` returns ``(logits, aux)``; ``batch_axes``: the step's (the sequence's
+    axis among them under a split: the load balance and the gathers' means over it too)."""
     storage, tp = moe_rules(sizes, dense=config.moe_every > 1)
     if api == "nnx":
         make = nnx_moe_maker(config)
@@ -133,9 +134,9 @@ def sharded_moe_parts(
             make, storage, tp_rules=tp, batch_axes=batch_axes, mixed_precision=mixed_precision
         )
         init = sharded.state_init_fn(tx)
-        return (lambda rng, _ids: init(rng)), (lambda p, ids: sharded.merge(p)(ids)), None
+        return (lambda rng, _ids: init(rng)), (lambda p, ids, *at: sharded.merge(p)(ids, *at)), None
     model = linen_shard_by_rules(
         MoELM, storage, batch_axes=batch_axes, mixed_precision=mixed_precision, tp_rules=tp
     )(config.moe_sizes(), dtype=jnp.dtype(config.dtype), remat=config.remat)
-    logits = lambda p, ids: model.apply({"params": p}, ids)
+    logits = lambda p, ids, *at: model.apply({"params": p}, ids, *at)  # (at: the tokens' positions)
     return state_init_fn(model, tx), logits, state_init_fn(config.model(), tx)

@@ -17,13 +17,14 @@ from jax.sharding import PartitionSpec as P
 
 from ..context._split import SequenceSplit
 from ..context._step import LaidOut
-from ..gradients import global_mean_loss, sync_gradients
+from ..gradients import sync_gradients
 from ..models import Layout
 from ..sharded_init import init_sharded
 from ..tp.pieces import vocab_parallel_cross_entropy
 from ..train import accumulate_gradients, as_a_step, shard_step, state_init_fn
+from .batches import batch_loss, split_windows
 from .config import ModelConfig
-from .data import Tokens, packed, windows_at
+from .data import Tokens, windows_at
 from .moe_lm import moe_loss, sharded_moe_parts
 
 __all__ = [
@@ -33,12 +34,9 @@ __all__ = [
     "Settings",
     "ShardedGPT",
     "Trainer",
-    "batch_loss",
     "init_arguments",
     "sharded_gpt",
-    "split_windows",
     "step_fn",
-    "window_loss",
 ]
 
 BATCH_AXES = ("data", "fsdp")
@@ -85,12 +83,13 @@ class Settings:
 
     def batch_specs(self):
         """The step's batch: the windows' rows, or, under a sequence split, their inputs and
-        targets (each ``(rows, seq_len)``) with the sequence over ``context``; packed, those
-        and the segment ids and loss weights (:func:`~fsdp_tp.recipe.data.packed`)."""
+        targets (each ``(rows, seq_len)``) with the sequence over ``context`` (and the MoE LM's
+        positions, for its RoPE); packed, those and the segment ids and loss weights
+        (:func:`~fsdp_tp.recipe.data.packed`)."""
         if self.sequence is None and self.packed is None:
             return P(self.batch_axes)
         token = P(self.batch_axes, self.sequence.axis) if self.sequence is not None else P(self.batch_axes)
-        return (token,) * (2 if self.packed is None else 4)
+        return (token,) * (4 if self.packed is not None else 3 if self.model.experts else 2)
 
     def optimizer(self) -> optax.GradientTransformation:
         """The optimizer on a warmup-cosine schedule, after global-norm clipping. Both run
@@ -130,7 +129,7 @@ def sharded_gpt(settings: Settings, sizes: dict, tx: optax.GradientTransformatio
     config = settings.model
     if config.experts:
         policy = settings.layout.mixed_precision
-        parts = sharded_moe_parts(config, settings.api, sizes, settings.batch_axes, tx, policy)
+        parts = sharded_moe_parts(config, settings.api, sizes, settings.step_axes, tx, policy)
         return ShardedGPT(*parts, objective=moe_loss)
     if settings.api == "nnx":
         from .nnx_gpt import sharded_gpt as sharded_nnx_gpt
@@ -145,36 +144,6 @@ def sharded_gpt(settings: Settings, sizes: dict, tx: optax.GradientTransformatio
     model = config.model(settings.layout)
     logits = lambda p, ids, segments=None: model.apply({"params": p}, ids, segments)
     return ShardedGPT(state_init_fn(model, tx), logits, state_init_fn(config.model(), tx))
-
-
-def window_loss(model: ShardedGPT, params, windows: jax.Array) -> jax.Array:
-    """Mean next-token loss of this device's windows ``(rows, seq_len + 1)`` under ``model``
-    (its ``logits`` and ``objective``)."""
-    return model.objective(model.logits(params, windows[:, :-1]), windows[:, 1:])
-
-
-def batch_loss(model: ShardedGPT, params, batch, axes=None, count=None) -> jax.Array:
-    """:func:`window_loss` of windows, or of a sequence split's ``(inputs, targets)``; of packed
-    documents ``(inputs, targets, segments, weights)``, the loss over the tokens ``weights``
-    keeps, token-weighted over ``axes`` (its mean there the global one, however unevenly the
-    devices count: :func:`~fsdp_tp.gradients.global_mean_loss`), ``count`` the tokens it
-    counts here (default: ``weights``'; a microbatch's share of its batch's)."""
-    if isinstance(batch, tuple) and len(batch) == 4:
-        inputs, targets, segments, weights = batch
-        losses = vocab_parallel_cross_entropy(model.logits(params, inputs, segments), targets)
-        return global_mean_loss((losses * weights).sum(), weights.sum() if count is None else count, axes)
-    if isinstance(batch, tuple):
-        return model.objective(model.logits(params, batch[0]), batch[1])
-    return window_loss(model, params, batch)
-
-
-def split_windows(settings: Settings, windows: jax.Array):
-    """The step's batch of ``windows`` ``(rows, seq_len + 1)``: themselves, or, under a sequence
-    split, their inputs and targets, which the step lays out over ``context``; packed, with
-    their documents (:func:`~fsdp_tp.recipe.data.packed`)."""
-    if settings.packed is not None:
-        return packed(windows, settings.packed)
-    return windows if settings.sequence is None else (windows[:, :-1], windows[:, 1:])
 
 
 def step_fn(settings: Settings, model: ShardedGPT) -> Callable:

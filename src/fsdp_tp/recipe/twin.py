@@ -5,6 +5,7 @@ curves and the largest parameter difference, leaf by leaf by path."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax.core.meta import unbox
@@ -47,6 +48,8 @@ def compare_with_twin(trainer: Trainer, tokens: Tokens, steps: int) -> tuple[flo
 
         def loss_fn(params):
             documents = () if s.packed is None else (segments,)  # (unpacked: a window is one)
+            if config.experts and s.sequence is not None:  # (positions: the library's attention, as split)
+                documents = (jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape),)
             out = trainer.twin.apply({"params": twin_reads(params)}, ids, *documents)
             if config.experts:  # (the MoE LM's logits and auxiliary losses)
                 return moe_loss(out, targets)
