@@ -14,7 +14,6 @@ import io
 import pytest
 
 from fsdp_tp.cli import main
-from fsdp_tp.recipe.data import packed
 
 
 def run(*argv: str) -> tuple[int, str]:
@@ -47,13 +46,13 @@ def test_train_splits_the_sequence_over_context_and_passes_check(api, mesh, stra
 def test_packed_documents_ignored_by_the_sharded_run_fail_check(monkeypatch):
     """(negative control) the sharded step given one document a row while the twin reads the
     packed ones: --check sees it."""
-    from fsdp_tp.recipe import batches
+    from fsdp_tp.recipe import batches, trainer
 
-    def one_document(windows, eos):
-        inputs, targets, segments, weights = packed(windows, eos)
+    def one_document(settings, windows):
+        inputs, targets, segments, weights = batches.split_windows(settings, windows)
         return inputs, targets, segments * 0 + 1, weights
 
-    monkeypatch.setattr(batches, "packed", one_document)
+    monkeypatch.setattr(trainer, "split_windows", one_document)  # (the sharded step's alone)
     flags = ["--api", "nnx", "--mesh", "data=2,context=2,tensor=2", "--packed", "--remat", "full"]
     code, out = run("train", "--steps", "2", "--check", "2", "--eval-every", "0", *flags)
     assert code == 1 and "-> FAILED" in out, out

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 
 from ._axes import bound_axis_names
 from ._batch import resolve_batch_axes
-from ._context import STEP
+from .context._step import sequence_split
 from .gradients import batch_mean
 
 __all__ = [
@@ -112,16 +112,15 @@ def route(logits: jax.Array, k: int, capacity: int | None = None, normalize: boo
 
 def _require_whole_sequence(capacity: int, tokens: int) -> None:
     """A capacity within a step that splits the sequence (``context``): refused, with the fix."""
-    split = STEP.get().sequence
-    if split is None or split.axis not in bound_axis_names() or jax.lax.axis_size(split.axis) == 1:
+    if (split := sequence_split()) is None:
         return
-    size = jax.lax.axis_size(split.axis)
+    axis, size = split
     raise ValueError(
         f"fsdp_tp.routing.route: capacity={capacity} slots an expert, in a step that splits the "
-        f"sequence over {split.axis!r} ({size} devices): a device routes its {tokens} tokens of a group "
+        f"sequence over {axis!r} ({size} devices): a device routes its {tokens} tokens of a group "
         f"whose other tokens other devices hold, so its slots fill in another order than the unsharded "
         f"model's and other tokens are dropped. Route dropless under the split (capacity_factor=None: "
-        f"every choice kept, each token's own), or give the {split.axis!r} devices to the batch axes."
+        f"every choice kept, each token's own), or give the {axis!r} devices to the batch axes."
     )
 
 

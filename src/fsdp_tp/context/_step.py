@@ -42,6 +42,7 @@ __all__ = [
     "checked_here",
     "jax_attention_across",
     "on_device",
+    "sequence_split",
     "split_here",
     "step_split",
 ]
@@ -145,6 +146,17 @@ class LaidOut:
 
         each = lambda spec, sub: jax.tree.map(lambda x: leaf(spec, x), sub)
         return jax.tree.map(each, specs, tree, is_leaf=_is_spec)
+
+
+def sequence_split() -> tuple[str, int] | None:
+    """The axis and size a step splits the sequence over here, in any trace of it, the plan
+    check's too (``None``: whole, or one device): a call there is checked as the blocks of the
+    model on the whole sequence, and what cannot split so (a routing capacity) is refused."""
+    split = STEP.get().sequence
+    if split is None or split.axis not in bound_axis_names():
+        return None
+    size = jax.lax.axis_size(split.axis)
+    return (split.axis, size) if size > 1 else None
 
 
 def split_here() -> SequenceSplit | None:

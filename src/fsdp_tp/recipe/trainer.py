@@ -89,7 +89,8 @@ class Settings:
         if self.sequence is None and self.packed is None:
             return P(self.batch_axes)
         token = P(self.batch_axes, self.sequence.axis) if self.sequence is not None else P(self.batch_axes)
-        return (token,) * (4 if self.packed is not None else 3 if self.model.experts else 2)
+        windows = jax.ShapeDtypeStruct((1, self.model.seq_len + 1), jnp.int32)
+        return jax.tree.map(lambda _: token, jax.eval_shape(lambda w: split_windows(self, w), windows))
 
     def optimizer(self) -> optax.GradientTransformation:
         """The optimizer on a warmup-cosine schedule, after global-norm clipping. Both run

@@ -5,13 +5,13 @@ curves and the largest parameter difference, leaf by leaf by path."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax.core.meta import unbox
 
 from ..train import state_init_fn
-from .data import Tokens, packed, windows_at
+from .batches import split_windows
+from .data import Tokens, windows_at
 from .moe_lm import linen_path, moe_loss
 from .trainer import Trainer
 
@@ -44,17 +44,17 @@ def compare_with_twin(trainer: Trainer, tokens: Tokens, steps: int) -> tuple[flo
 
     @jax.jit
     def twin_step(state, windows):
-        ids, targets, segments, weights = packed(windows, -1 if s.packed is None else s.packed)
+        # (the sharded step's batch, whole: its segment ids (packed) or positions (the MoE LM
+        # split) read as the sharded model reads them)
+        batch = split_windows(s, windows)
+        ids, targets, *read = batch if isinstance(batch, tuple) else (windows[:, :-1], windows[:, 1:])
 
         def loss_fn(params):
-            documents = () if s.packed is None else (segments,)  # (unpacked: a window is one)
-            if config.experts and s.sequence is not None:  # (positions: the library's attention, as split)
-                documents = (jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape),)
-            out = trainer.twin.apply({"params": twin_reads(params)}, ids, *documents)
+            out = trainer.twin.apply({"params": twin_reads(params)}, ids, *read[:1])
             if config.experts:  # (the MoE LM's logits and auxiliary losses)
                 return moe_loss(out, targets)
             losses = optax.softmax_cross_entropy_with_integer_labels(out, targets)
-            return losses.mean() if s.packed is None else (losses * weights).sum() / weights.sum()
+            return losses.mean() if s.packed is None else (losses * read[1]).sum() / read[1].sum()
 
         loss, grads = jax.value_and_grad(loss_fn)(state.params)
         return state.apply_gradients(grads=grads), loss

@@ -43,7 +43,8 @@ from typing import Any
 import jax
 
 from ..._axes import bound_axis_names
-from ..._context import CHECK, STEP
+from ..._context import CHECK
+from ...context._step import sequence_split
 from ...errors import RuleError, UncheckedPlanWarning, warn
 from .._find.plan import letter_hints
 from .._jaxpr.graph import Graph
@@ -122,16 +123,6 @@ class PlanCall:
     sizes: Mapping[str, int] | None = None
     whole: str = RULE_DROPPED
     split_by: tuple[str, ...] = ()
-
-
-def sequence_split() -> tuple[str, int] | None:
-    """The axis and size a step splits the sequence over here (``None``: whole, or one device):
-    a call there is checked as the blocks of the model on the whole sequence."""
-    split = STEP.get().sequence
-    if split is None or split.axis not in bound_axis_names():
-        return None
-    size = jax.lax.axis_size(split.axis)
-    return (split.axis, size) if size > 1 else None
 
 
 def check_call(call: PlanCall, checked: set) -> None:

@@ -66,14 +66,13 @@ def plain_call(run: Callable[[], Any], check: Callable[[set], None]) -> Any:
     compute blocks of the model on the whole sequence) unless a check ran inside it; outside a
     step that splits the sequence, or in the check's own traces (``unringed``: the unsharded
     model's among them), ``run()`` alone."""
-    calls = CHECK.get().calls
-    if calls is None or calls.inside or not checking() or CHECK.get().unringed or sequence_split() is None:
+    scope = CHECK.get()
+    calls = scope.calls
+    if calls is None or calls.inside or not checking() or scope.unringed or sequence_split() is None:
         return run()
-    before, calls.inside = calls.count, True
-    try:
+    before = calls.count
+    with laid_out():  # (a call inside it is its own, checked with it)
         out = run()
-    finally:
-        calls.inside = False
     if calls.count == before:
         check(calls.checked)
     return out
@@ -81,8 +80,9 @@ def plain_call(run: Callable[[], Any], check: Callable[[set], None]) -> Any:
 
 @contextlib.contextmanager
 def laid_out() -> Iterator[None]:
-    """Within, the call of a model a front end lays out (and checks itself): no call inside it
-    is a plain one (a Linen transform's module is the root of a scope of its own)."""
+    """Within, the call of a model a front end lays out (and checks itself), or a plain call
+    being run: no call inside it is a plain one of its own (a Linen transform's module is the
+    root of a scope of its own)."""
     calls = CHECK.get().calls
     if calls is None or calls.inside:
         yield
