@@ -21,7 +21,14 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 from fsdp_tp.analysis import parse_collectives
-from fsdp_tp.context import SequenceSplit, blocks_run, document_positions, ring_attention, ring_or_all_to_all
+from fsdp_tp.context import (
+    AttentionDropout,
+    SequenceSplit,
+    blocks_run,
+    document_positions,
+    ring_attention,
+    ring_or_all_to_all,
+)
 from fsdp_tp.context import _ring as ring_module
 from fsdp_tp.context import attention as across
 from fsdp_tp.errors import IndivisibleShapeError, UnboundAxisNameError
@@ -29,8 +36,12 @@ from fsdp_tp.errors import IndivisibleShapeError, UnboundAxisNameError
 B, D = 2, 4
 
 
-def dense(q, k, v, segments, causal):
-    """Softmax attention over the whole sequence, k and v repeated per query head."""
+DROP_KEY = jax.random.key(11)
+
+
+def dense(q, k, v, segments, causal, dropout: AttentionDropout | None = None):
+    """Softmax attention over the whole sequence, k and v repeated per query head (``dropout``:
+    flax's, one ``bernoulli`` over the weights, the softmax's sum left whole)."""
     heads, groups, length = q.shape[2], k.shape[2], q.shape[1]
     k, v = jnp.repeat(k, heads // groups, axis=2), jnp.repeat(v, heads // groups, axis=2)
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
@@ -44,19 +55,31 @@ def dense(q, k, v, segments, causal):
     p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0))
     total = p.sum(-1, keepdims=True)
     p = jnp.where(total > 0, p / jnp.where(total > 0, total, 1), 0)
+    if dropout is not None:
+        keep = jax.random.bernoulli(
+            DROP_KEY, 1 - dropout.rate, (1, 1, *p.shape[2:]) if dropout.broadcast else p.shape
+        )
+        p = p * keep / (1 - dropout.rate)
     return jnp.einsum("bhqk,bkhd->bqhd", p, v)
 
 
 @functools.cache
 def _compiled(
-    cp: int, balanced: bool, causal: bool, segmented: bool, check_vma: bool = True, strategy="ring"
+    cp: int,
+    balanced: bool,
+    causal: bool,
+    segmented: bool,
+    check_vma: bool = True,
+    strategy="ring",
+    dropout=None,
 ):
     """The attention's output and its vjp on global arrays (laid out and back), jitted once."""
     mesh = fsdp_tp.make_mesh({"context": cp}, devices=jax.devices()[:cp])
     split, seq = SequenceSplit(balanced=balanced), P(None, "context")
 
     def attention(q, k, v, segments):
-        local = lambda q, k, v, s: across(q, k, v, s, causal=causal, balanced=balanced, strategy=strategy)
+        options = dict(causal=causal, balanced=balanced, strategy=strategy, dropout=dropout, key=DROP_KEY)
+        local = lambda q, k, v, s: across(q, k, v, s, **options)
         if not segmented:
             local = functools.partial(lambda f, q, k, v: f(q, k, v, None), local)
         specs = (seq,) * (4 if segmented else 3)
@@ -79,12 +102,12 @@ def _inputs(length: int, heads: int, groups: int, seed: int = 0):
     return q, k, v, jax.random.normal(keys[3], q.shape, jnp.float64)
 
 
-def _equal(cp, balanced, causal, heads, groups, segments=None, check_vma=True, strategy="ring"):
+def _equal(cp, balanced, causal, heads, groups, segments=None, check_vma=True, strategy="ring", dropout=None):
     length = segments.shape[1] if segments is not None else 8 * cp
     q, k, v, cotangent = _inputs(length, heads, groups)
-    run = _compiled(cp, balanced, causal, segments is not None, check_vma, strategy)
+    run = _compiled(cp, balanced, causal, segments is not None, check_vma, strategy, dropout)
     out, grads = run(q, k, v, segments, cotangent)
-    want, vjp = jax.vjp(lambda q, k, v: dense(q, k, v, segments, causal), q, k, v)
+    want, vjp = jax.vjp(lambda q, k, v: dense(q, k, v, segments, causal, dropout), q, k, v)
     np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
     for got, expected in zip(grads, vjp(cotangent), strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-11, atol=1e-11)
@@ -129,6 +152,16 @@ def test_packed_documents_with_padding_equal_unsharded(data):
     with jax.enable_x64(True):
         for strategy in ("ring", "all_to_all"):
             _equal(cp, True, True, 8, 4, segments=jnp.asarray(np.stack(rows)), strategy=strategy)
+
+
+@pytest.mark.parametrize("strategy, broadcast", [("ring", False), ("all_to_all", True)])
+def test_attention_dropout_is_the_unsharded_mask_on_packed_documents(strategy, broadcast):
+    """Each block drops with its block of the one unsharded draw, forward and backward, over
+    documents cut across chunks and devices, padding included."""
+    ids = np.repeat(np.array([[1, 2, 3, 0], [1, 1, 2, 2]], np.int32), 8, axis=1)  # (2, 32)
+    with jax.enable_x64(True):
+        drop = AttentionDropout(0.3, broadcast)
+        _equal(4, True, True, 8, 4, segments=jnp.asarray(ids), strategy=strategy, dropout=drop)
 
 
 def test_negative_control_a_backward_that_keeps_the_first_hops_keys_is_caught(monkeypatch):

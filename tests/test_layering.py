@@ -55,6 +55,8 @@ CORE = (
     "context",
     "context._all_to_all",
     "context._blocks",
+    "context._dropout",
+    "context._flax",
     "context._ring",
     "context._split",
     "context._step",

@@ -4,17 +4,20 @@ across it, equal to the unsharded model's.
 :class:`SequenceSplit` lays a sequence out over the axis (balanced by default: every device
 does the same causal work); :func:`ring_attention` computes attention of a device's queries
 over every device's keys and values, passed round the ring; :func:`all_to_all_attention` by
-turning the sequence split into a head split and back; :func:`attention` picks either. A
+turning the sequence split into a head split and back; :func:`attention` picks either, with
+flax's attention dropout where asked (:class:`AttentionDropout`, the unsharded mask). A
 train step whose batch spec names ``context`` on the sequence dim (``P("data", "context")``)
 lays its batch out so and computes the library's attention across the axis (:mod:`._step`).
 """
 
 from ._all_to_all import all_to_all_attention, all_to_all_bytes, attention, ring_or_all_to_all
+from ._dropout import AttentionDropout
 from ._ring import blocks_run, ring_attention, ring_bytes
 from ._split import STRATEGIES, SequenceSplit, document_positions
 
 __all__ = [
     "STRATEGIES",
+    "AttentionDropout",
     "SequenceSplit",
     "all_to_all_attention",
     "all_to_all_bytes",

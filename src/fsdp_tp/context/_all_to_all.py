@@ -17,13 +17,16 @@ the ring holds one block at a time.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from .._axes import CONTEXT, require_axes
+from .._axes import CONTEXT, entry_axes, require_axes
 from .._layout import axis_text, require_divisible
 from . import _blocks
-from ._ring import _require_shapes, ring_attention
+from ._dropout import AttentionDropout
+from ._ring import _dropout_key, _require_shapes, ring_attention
 from ._split import STRATEGIES, SequenceSplit
 
 __all__ = ["all_to_all_attention", "all_to_all_bytes", "attention", "ring_or_all_to_all"]
@@ -62,10 +65,13 @@ def all_to_all_attention(
     causal: bool = True,
     balanced: bool = True,
     scale: float | None = None,
+    dropout: AttentionDropout | None = None,
+    key: jax.Array | None = None,
 ) -> jax.Array:
     """:func:`~fsdp_tp.context.ring_attention`'s result, by two all-to-alls each way: the axis's
     size must divide the kv heads (``k.shape[2]``). Differentiated by JAX (the transpose of an
-    all-to-all is the reverse all-to-all)."""
+    all-to-all is the reverse all-to-all). Attention dropout: this device's heads' block of the
+    unsharded mask, drawn in the sequence's order and taken in the devices'."""
     require_axes(axis, "all_to_all_attention")
     split, size = SequenceSplit(axis, balanced), jax.lax.axis_size(axis)
     _require_shapes(q, k, v, segment_ids, split)
@@ -82,7 +88,16 @@ def all_to_all_attention(
     segments = None if segment_ids is None else jax.lax.all_gather(segment_ids, axis, axis=1, tiled=True)
     mask = _blocks.causal_mask(index, index, segments, segments, causal)
     qs = qs.reshape(b, size * length, groups, -1, dim)
-    out = _blocks.whole(qs, ks, vs, mask, scale).reshape(b, size * length, -1, dim).astype(q.dtype)
+    keep = None
+    if dropout is not None:  # (this device's heads now: the axis splits them, minor to theirs)
+        heads = dataclasses.replace(dropout, heads=(*entry_axes(dropout.heads), axis))
+        total, zero = size * length, jnp.zeros((), jnp.int32)
+        shape = (b, qs.shape[2] * qs.shape[3], total, total)
+        drawn = heads.keep(_dropout_key(dropout, key), shape, groups, (zero, zero), total, qs.dtype)
+        keep = jnp.take(jnp.take(drawn, index, axis=-2), index, axis=-1)
+    scores_dtype = _blocks.compute_dtype(q.dtype)
+    keep = None if keep is None else keep.astype(scores_dtype)
+    out = _blocks.whole(qs, ks, vs, mask, scale, keep).reshape(b, size * length, -1, dim).astype(q.dtype)
     return jax.lax.all_to_all(out, axis, 1, 2, tiled=True)  # (back: this device's tokens, every head)
 
 

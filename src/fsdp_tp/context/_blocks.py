@@ -9,6 +9,12 @@ the compute dtype (float32, or the inputs' where wider). A block every entry of 
 masked (a causal future, another document) has max ``-inf``; the merge and the backward guard
 ``exp(-inf - -inf)``, and the ring skips such blocks altogether (:func:`live`).
 
+Attention dropout (flax's: the softmax's weights times ``keep / keep_prob``) multiplies the
+numerator only: a block's ``keep`` ``(B or 1, G, r, c_q, c_k)`` scales the probabilities the
+values are summed with, never the sum they are divided by. Its backward needs no more than
+the forward's: ``dV = (P∘K)ᵀ dO`` and ``dS = P∘(K∘dO·Vᵀ - δ)`` with ``δ`` the rows of
+``dO·O`` as before (``O`` already holds the mask).
+
 >>> import jax, jax.numpy as jnp
 >>> q, k = jax.random.normal(jax.random.key(0), (1, 4, 1, 2, 8)), jnp.ones((1, 4, 1, 8))
 >>> mask = causal_mask(jnp.arange(4), jnp.arange(4), None, None, causal=True)
@@ -79,12 +85,17 @@ def _scores(q, k, scale):
     return jnp.einsum("bqgrd,bkgd->bgrqk", q.astype(ct), k.astype(ct)) * scale
 
 
-def forward(q, k, v, mask, scale):
-    """This block's ``(max, sum, output)``: the softmax's numerator against ``k``, ``v``."""
+def _kept(p, keep):
+    return p if keep is None else p * keep.astype(p.dtype)
+
+
+def forward(q, k, v, mask, scale, keep=None):
+    """This block's ``(max, sum, output)``: the softmax's numerator against ``k``, ``v``
+    (``keep``: attention dropout's multipliers, on the values' weights only)."""
     s = jnp.where(mask[:, None, None], _scores(q, k, scale), -jnp.inf)
     m = s.max(-1)
     p = jnp.exp(s - _finite(m)[..., None])  # (a masked entry: exp(-inf) = 0)
-    return m, p.sum(-1), jnp.einsum("bgrqk,bkgd->bqgrd", p, v.astype(p.dtype))
+    return m, p.sum(-1), jnp.einsum("bgrqk,bkgd->bqgrd", _kept(p, keep), v.astype(p.dtype))
 
 
 def merge(state, block):
@@ -104,22 +115,23 @@ def finish(state) -> tuple[jax.Array, jax.Array]:
     return jnp.where(_rows(seen), o / _rows(total), 0.0), jnp.where(seen, m + jnp.log(total), 0.0)
 
 
-def whole(q, k, v, mask, scale=None) -> jax.Array:
+def whole(q, k, v, mask, scale=None, keep=None) -> jax.Array:
     """Attention of ``q`` over every key at once, one block: the output ``(B, c, G, r, D)`` in the
     compute dtype (``scale``: ``D ** -0.5`` where ``None``). All-to-all's, where a device holds
     the whole sequence for its heads, and the plan check's stand-in for the ring."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return finish(merge(empty(q), forward(q, k, v, mask, scale)))[0]
+    return finish(merge(empty(q), forward(q, k, v, mask, scale, keep)))[0]
 
 
-def backward(q, k, v, do, lse, delta, mask, scale):
+def backward(q, k, v, do, lse, delta, mask, scale, keep=None):
     """This block's ``(dq, dk, dv)``, from the saved log-sum-exp and ``delta`` (the rows of
-    ``do · out``): the softmax's probabilities recomputed, never stored."""
+    ``do · out``): the softmax's probabilities recomputed, never stored (``keep``: the
+    forward's dropout multipliers, drawn again)."""
     ct = compute_dtype(q.dtype)
     q, k, v, do = (t.astype(ct) for t in (q, k, v, do))
     p = jnp.where(mask[:, None, None], jnp.exp(_scores(q, k, scale) - lse[..., None]), 0.0)
-    dv = jnp.einsum("bgrqk,bqgrd->bkgd", p, do)
-    ds = p * (jnp.einsum("bqgrd,bkgd->bgrqk", do, v) - delta[..., None])
+    dv = jnp.einsum("bgrqk,bqgrd->bkgd", _kept(p, keep), do)
+    ds = p * (_kept(jnp.einsum("bqgrd,bkgd->bgrqk", do, v), keep) - delta[..., None])
     dq = jnp.einsum("bgrqk,bkgd->bqgrd", ds, k) * scale
     dk = jnp.einsum("bgrqk,bqgrd->bkgd", ds, q) * scale
     return dq, dk, dv

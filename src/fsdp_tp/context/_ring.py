@@ -16,7 +16,9 @@ over ``n`` devices, ``G`` kv heads of ``D`` dims, ``b`` bytes an element (``b_ac
 - backward: ``k`` and ``v`` again, plus ``n`` hops of their gradients:
   ``2(n-1)/n · B·S·G·D·b + 2 · B·S·G·D·b_acc``.
 
-Segment ids (packed documents) are all-gathered once a call (``B·S`` integers).
+Segment ids (packed documents) are all-gathered once a call (``B·S`` integers). Attention
+dropout (:class:`~fsdp_tp.context._dropout.AttentionDropout`) sends nothing: each block draws
+its block of the unsharded mask from the key, in the forward and again in the backward.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import jax.numpy as jnp
 from .._axes import CONTEXT, checks_vma, require_axes, varying_axes
 from .._layout import require_divisible
 from . import _blocks
+from ._dropout import AttentionDropout
 from ._split import SequenceSplit
 
 __all__ = ["blocks_run", "ring_attention", "ring_bytes"]
@@ -40,6 +43,7 @@ class _Ring:
     split: SequenceSplit
     causal: bool
     scale: float
+    dropout: AttentionDropout | None = None
 
 
 def ring_attention(
@@ -52,6 +56,8 @@ def ring_attention(
     causal: bool = True,
     balanced: bool = True,
     scale: float | None = None,
+    dropout: AttentionDropout | None = None,
+    key: jax.Array | None = None,
 ) -> jax.Array:
     """Softmax attention of this device's queries ``q`` ``(B, L, H, D)`` over the whole
     sequence's keys and values, of which this device holds ``k``, ``v`` ``(B, L, G, D)`` (``H``
@@ -60,6 +66,8 @@ def ring_attention(
     out (``balanced``: zigzag, the default; else contiguous). ``segment_ids`` ``(B, L)``: each
     token's document (a query sees keys of its own document only; 0 is padding, which no query
     sees and whose output is 0). The softmax is in float32 (float64 inputs: float64).
+    ``dropout`` with ``key`` (the unsharded model's dropout key): the weights dropped as the
+    unsharded attention drops them, each block with its block of the mask.
 
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import PartitionSpec as P
@@ -78,9 +86,9 @@ def ring_attention(
     require_axes(axis, "ring_attention")
     split = SequenceSplit(axis, balanced)
     _require_shapes(q, k, v, segment_ids, split)
-    ring = _Ring(split, causal, q.shape[-1] ** -0.5 if scale is None else scale)
+    ring = _Ring(split, causal, q.shape[-1] ** -0.5 if scale is None else scale, dropout)
     q, k, v = _alike(axis, q, k, v)
-    return _attention(ring, q, k, v, segment_ids)
+    return _attention(ring, q, k, v, segment_ids, _dropout_key(dropout, key))
 
 
 def ring_bytes(rows: int, length: int, kv_heads: int, head_dim: int, size: int, dtype) -> tuple[int, int]:
@@ -96,6 +104,19 @@ def ring_bytes(rows: int, length: int, kv_heads: int, head_dim: int, size: int, 
     elements = rows * length * kv_heads * head_dim
     forward = 2 * (size - 1) * elements * jnp.dtype(dtype).itemsize // size
     return forward, forward + 2 * elements * _blocks.compute_dtype(dtype).itemsize
+
+
+def _dropout_key(dropout: AttentionDropout | None, key):
+    """The key's data (uint32: the custom VJP's operand, no cotangent), or ``None``."""
+    if dropout is None:
+        return None
+    if key is None:
+        raise ValueError(
+            f"ring_attention: dropout={dropout} without a key; pass key= the unsharded model's dropout "
+            f"key (its mask is drawn from it, a block on each device)."
+        )
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    return jax.random.key_data(key)[..., :2] if typed else key
 
 
 def _alike(axis: str, *arrays):
@@ -169,6 +190,18 @@ def _part(x, a: int):
     return None if x is None else x[:, a]
 
 
+def _drawn(ring: _Ring, key, shape, groups: int, starts, total: int, dtype):
+    """This block's dropout multipliers (``None``: no dropout), drawn where the block runs."""
+    if ring.dropout is None:
+        return None
+    return ring.dropout.keep(key, shape, groups, starts, total, dtype)
+
+
+def _starts(ring: _Ring, me, source, n: int, a: int, p: int, c: int):
+    """Where this device's query part ``a`` and device ``source``'s key part ``p`` start."""
+    return ring.split.chunk_of(me, a, n) * c, ring.split.chunk_of(source, p, n) * c
+
+
 def _visiting(ring: _Ring, source, n: int, length: int, q_index, q_segments, segments_all):
     """Each ``(query part, key part, mask)`` of the block device ``source``'s keys make with
     this device's queries: what the forward, the backward and :func:`blocks_run` go through."""
@@ -209,14 +242,15 @@ def blocks_run(size: int, length: int, causal: bool = True, balanced: bool = Tru
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(ring: _Ring, q, k, v, segments):
-    return _forward(ring, q, k, v, segments)[0]
+def _attention(ring: _Ring, q, k, v, segments, key):
+    return _forward(ring, q, k, v, segments, key)[0]
 
 
-def _forward(ring: _Ring, q, k, v, segments):
+def _forward(ring: _Ring, q, k, v, segments, key):
     axis, parts = ring.split.axis, ring.split.parts
     b, length, heads, dim = q.shape
     groups, c = k.shape[2], length // parts
+    ct = _blocks.compute_dtype(q.dtype)
     n, me, q_index, q_segments = _setup(ring, q, segments)
     segments_all = None if segments is None else jax.lax.all_gather(segments, axis)  # (once a call)
     qs = q.reshape(b, parts, c, groups, heads // groups, dim)
@@ -225,22 +259,25 @@ def _forward(ring: _Ring, q, k, v, segments):
     for hop in range(n):
         ahead = _hop(kv, axis) if hop < n - 1 else kv  # (issued before this block is computed)
         ks, vs = (t.reshape(b, parts, c, groups, dim) for t in kv)
-        for a, p, mask in _visiting(ring, (me - hop) % n, n, length, q_index, q_segments, segments_all):
-            block = functools.partial(_merged, qs[:, a], ks[:, p], vs[:, p], mask, ring.scale)
+        source = (me - hop) % n
+        for a, p, mask in _visiting(ring, source, n, length, q_index, q_segments, segments_all):
+            starts = _starts(ring, me, source, n, a, p, c)
+            keep = functools.partial(_drawn, ring, key, (b, heads, c, c), groups, starts, n * length, ct)
+            block = functools.partial(_merged, qs[:, a], ks[:, p], vs[:, p], mask, ring.scale, keep)
             states[a] = jax.lax.cond(_blocks.live(mask), block, lambda state: state, states[a])
         kv = ahead
     finished = [_blocks.finish(state) for state in states]
     out = jnp.stack([o for o, _ in finished], 1).reshape(q.shape).astype(q.dtype)
     lse = jnp.stack([m for _, m in finished], 1)  # (B, parts, G, r, c)
-    return out, (q, k, v, segments, segments_all, out, lse)
+    return out, (q, k, v, segments, segments_all, key, out, lse)
 
 
-def _merged(q, k, v, mask, scale, state):
-    return _blocks.merge(state, _blocks.forward(q, k, v, mask, scale))
+def _merged(q, k, v, mask, scale, keep, state):
+    return _blocks.merge(state, _blocks.forward(q, k, v, mask, scale, keep()))
 
 
 def _backward(ring: _Ring, residuals, g):
-    q, k, v, segments, segments_all, out, lse = residuals
+    q, k, v, segments, segments_all, key, out, lse = residuals
     axis, parts = ring.split.axis, ring.split.parts
     b, length, heads, dim = q.shape
     groups, c = k.shape[2], length // parts
@@ -259,9 +296,10 @@ def _backward(ring: _Ring, residuals, g):
         ks, vs = (t.reshape(b, parts, c, groups, dim) for t in kv)
         dks, dvs = [grads[0][:, p] for p in range(parts)], [grads[1][:, p] for p in range(parts)]
         for a, p, mask in _visiting(ring, source, n, length, q_index, q_segments, segments_all):
-            block = functools.partial(
-                _added, qs[:, a], ks[:, p], vs[:, p], dos[:, a], lse[:, a], delta[:, a], mask, ring.scale
-            )
+            starts = _starts(ring, me, source, n, a, p, c)
+            keep = functools.partial(_drawn, ring, key, (b, heads, c, c), groups, starts, n * length, ct)
+            rows = (qs[:, a], ks[:, p], vs[:, p], dos[:, a], lse[:, a], delta[:, a])
+            block = functools.partial(_added, *rows, mask, ring.scale, keep)
             dq[a], dks[p], dvs[p] = jax.lax.cond(
                 _blocks.live(mask), block, lambda sums: sums, (dq[a], dks[p], dvs[p])
             )
@@ -269,11 +307,11 @@ def _backward(ring: _Ring, residuals, g):
         kv = ahead
     dq_all = jnp.stack(dq, 1).reshape(q.shape).astype(q.dtype)
     dk, dv = (t.reshape(k.shape).astype(k.dtype) for t in grads)
-    return dq_all, dk, dv, None
+    return dq_all, dk, dv, None, None
 
 
-def _added(q, k, v, do, lse, delta, mask, scale, sums):
-    dq, dk, dv = _blocks.backward(q, k, v, do, lse, delta, mask, scale)
+def _added(q, k, v, do, lse, delta, mask, scale, keep, sums):
+    dq, dk, dv = _blocks.backward(q, k, v, do, lse, delta, mask, scale, keep())  # (drawn again)
     return sums[0] + dq, sums[1] + dk, sums[2] + dv
 
 

@@ -190,9 +190,21 @@ def on_device(q, k, v, segment_ids=None, *, causal: bool = True, scale=None):
     return _blocks.whole(qs, ks, vs, mask, scale).reshape(*lead, length, heads, dim).astype(q.dtype)
 
 
-def across(split: SequenceSplit, q, k, v, segment_ids=None, *, causal: bool = True, scale=None):
+def across(
+    split: SequenceSplit,
+    q,
+    k,
+    v,
+    segment_ids=None,
+    *,
+    causal: bool = True,
+    scale=None,
+    dropout=None,
+    key=None,
+):
     """Attention of ``q`` ``(..., L, H, D)`` over ``k``, ``v`` ``(..., L, G, D)`` (a device's
-    tokens) across ``split``'s axis, by its strategy; leading dims folded into the batch."""
+    tokens) across ``split``'s axis, by its strategy; leading dims folded into the batch
+    (``dropout``, ``key``: :func:`~fsdp_tp.context.ring_attention`'s)."""
     lead = q.shape[:-3]
     fold = lambda t: t.reshape(-1, *t.shape[-3:])
     segments = None if segment_ids is None else segment_ids.reshape(-1, segment_ids.shape[-1])
@@ -206,6 +218,8 @@ def across(split: SequenceSplit, q, k, v, segment_ids=None, *, causal: bool = Tr
         causal=causal,
         balanced=split.balanced,
         scale=scale,
+        dropout=dropout,
+        key=key,
     )
     return out.reshape(*lead, *out.shape[-3:])
 

@@ -36,7 +36,8 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from .._axes import bound_axis_names, checks_vma, require_axes, varying_axes
+from .._axes import bound_axis_names, checks_vma, entry_axes, require_axes, varying_axes
+from .._context import STEP
 from .._renamed import renamed_keywords
 from .._types import AxisName, AxisNames
 from ..errors import FoldedDropoutWarning, warn
@@ -58,6 +59,7 @@ __all__ = [
     "splitting",
     "unplaceable_after",
     "warn_folded",
+    "weights_split",
     "wide_index",
 ]
 
@@ -164,6 +166,23 @@ def attention_key(
     if bound and checks_vma(bound[0]) and (axes := tuple(varying_axes(like))):
         probe = jax.lax.pcast(probe, axes, to="varying")
     return block_key(rng, activation_split(probe, batch_axes, where), where)
+
+
+def weights_split(query: jax.Array, batch_axes: Sequence[AxisName], where: str) -> tuple:
+    """In a step that splits the sequence: how the attention weights ``(B, H, ...)`` of
+    ``query`` ``(B, L, H, D)``, a device's tokens, are split on their rows and heads (box-name
+    entries): the rows over the batch axes but the sequence's, the heads as a head-parallel
+    role left them. The queries' and keys' dims are the attention's to place
+    (:class:`~fsdp_tp.context._dropout.AttentionDropout`)."""
+    axis = STEP.get().sequence.axis
+    probe = jnp.zeros((query.shape[0], query.shape[2], 1, 1), bool)
+    bound = bound_axis_names()
+    if bound and checks_vma(bound[0]) and (axes := tuple(varying_axes(query))):
+        probe = jax.lax.pcast(probe, axes, to="varying")
+    with STEP.scoped(tokens=None):  # (dim 1 of the weights is the heads, not the tokens)
+        split = activation_split(probe, tuple(dict.fromkeys((*batch_axes, axis))), where)
+    rows = tuple(a for a in entry_axes(split[0]) if a != axis)
+    return (rows[0] if len(rows) == 1 else rows or None), split[1]
 
 
 def exact_attention(attention_fn: Callable, batch_axes: Sequence[AxisName], where: str) -> Callable:

@@ -9,7 +9,8 @@ the unsharded draw by hashing its elements' *global* flat indices (:func:`flat_i
 draw from it, made by anyone's code on the block's shape (flax's attention dropout inside its
 own attention function), is the block of the same draw from the key, unsharded. One
 implementation per split and axis sizes, so JAX's caches, keyed on the key's type, never
-hand one split's draw to another.
+hand one split's draw to another. A dim may also be a :class:`Window` of a global dim at an
+offset the key carries (traced: a ring's visiting block of keys), where no mesh axis says it.
 
 >>> import jax
 >>> from jax.sharding import PartitionSpec as P
@@ -23,6 +24,7 @@ True
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -34,15 +36,27 @@ from jax.extend.random import define_prng_impl, threefry_2x32
 from .._axes import axis_size, entry_axes
 from ..context._split import SequenceSplit
 
-__all__ = ["block_key", "flat_index", "is_block_key", "keep_mask", "split_axes", "wide_index"]
+__all__ = ["Window", "block_key", "flat_index", "is_block_key", "keep_mask", "split_axes", "wide_index"]
 
-# per dim: None, an axis, or a tuple of axes (major first), as box names are; or the step's
-# SequenceSplit, for the sequence dim it lays out (a device's tokens, balanced: two chunks)
+# per dim: None, an axis, or a tuple of axes (major first), as box names are; the step's
+# SequenceSplit, for the sequence dim it lays out (a device's tokens, balanced: two chunks); or
+# a Window, a run of a dim's indices starting where the key says
 Split = tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """A dim of which the block holds consecutive indices of a global dim of ``total``, from
+    an offset the block key carries (:func:`block_key`'s ``starts``, one per window, in order):
+    attention weights' queries and keys in one block of a ring, whose place no mesh axis gives."""
+
+    total: int
 
 
 def split_axes(entry) -> tuple:
     """The mesh axes one entry of a :data:`Split` splits its dim over."""
+    if isinstance(entry, Window):
+        return ()
     return (entry.axis,) if isinstance(entry, SequenceSplit) else entry_axes(entry)
 
 
@@ -79,14 +93,19 @@ def wide_index(coords: Sequence[jax.Array], sizes: Sequence[int]) -> tuple[jax.A
     return total
 
 
-def flat_index(shape: tuple[int, ...], split: Split) -> tuple[jax.Array, jax.Array]:
+def flat_index(shape: tuple[int, ...], split: Split, starts=()) -> tuple[jax.Array, jax.Array]:
     """Inside ``jax.shard_map``: for each element of this device's block (``shape``, split as
-    ``split`` says), its flat index in the global array, as (high, low) uint32 words: the
-    counters ``jax.random`` hashes for that element (``iota_2x32_shape``)."""
+    ``split`` says; ``starts``: each :class:`Window`'s offset), its flat index in the global
+    array, as (high, low) uint32 words: the counters ``jax.random`` hashes for that element
+    (``iota_2x32_shape``)."""
     split = tuple(split) + (None,) * (len(shape) - len(split))
-    coords, sizes = [], []
+    coords, sizes, offsets = [], [], iter(starts)
     for dim, (n, s) in enumerate(zip(shape, split, strict=True)):
         coord = jax.lax.broadcasted_iota(_U32, shape, dim)
+        if isinstance(s, Window):
+            coords.append(coord + next(offsets).astype(_U32))
+            sizes.append(s.total)
+            continue
         if isinstance(s, SequenceSplit):  # (this device's tokens' places in the sequence)
             size = jax.lax.axis_size(s.axis)
             places = s.token_index(jax.lax.axis_index(s.axis), size, n).astype(_U32)
@@ -106,7 +125,7 @@ def flat_index(shape: tuple[int, ...], split: Split) -> tuple[jax.Array, jax.Arr
 def _block_bits(split: Split, key_data: jax.Array, bit_width: int, shape: tuple[int, ...]) -> jax.Array:
     """``random_bits``: this device's block of the key's bits, as threefry's partitionable draw
     makes them (32 bits: the two hashes xor-ed; 64: the first over the second)."""
-    high, low = flat_index(tuple(shape), split)
+    high, low = flat_index(tuple(shape), split, key_data[2:])
     if not high.size:
         return jnp.zeros(shape, _UINTS[bit_width])
     counts = jnp.concatenate([high.ravel(), low.ravel()])  # threefry_2x32 hashes (first half, second half)
@@ -128,8 +147,9 @@ def _refuse(*_):
 def _impl(split: Split, sizes: tuple[int, ...]):
     """The PRNG implementation of blocks split as ``split`` over axes of ``sizes`` (one each:
     JAX's caches, keyed on a key's type, then tell splits apart)."""
+    windows = sum(isinstance(s, Window) for s in split)  # (their offsets: key data past the key's)
     return define_prng_impl(
-        key_shape=(2,),
+        key_shape=(2 + windows,),
         seed=_refuse,
         split=_refuse,
         fold_in=_refuse,
@@ -142,7 +162,7 @@ def _key_data(key: jax.Array, where: str) -> jax.Array:
     typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
     impl = str(jax.random.key_impl(key)) if typed else "threefry2x32"
     if is_block_key(key):
-        return jax.random.key_data(key)  # (made again for another split: the same numbers)
+        return jax.random.key_data(key)[:2]  # (made again for another split: the same numbers)
     partitionable = bool(getattr(jax.config, "jax_threefry_partitionable"))  # noqa: B009 (untyped)
     if impl != "threefry2x32" or not partitionable:
         raise ValueError(
@@ -160,12 +180,16 @@ def is_block_key(key) -> bool:
     return typed and str(jax.random.key_impl(key)).startswith("fsdp_tp_block")
 
 
-def block_key(key: jax.Array, split: Split, where: str = "dropout") -> jax.Array:
+def block_key(key: jax.Array, split: Split, where: str = "dropout", starts=()) -> jax.Array:
     """Inside ``jax.shard_map``: a key whose every draw on a block's shape (split as ``split``
-    says) is this device's block of the same draw from ``key`` on the global shape."""
+    says; ``starts``: the offset of each :class:`Window` of it) is this device's block of the
+    same draw from ``key`` on the global shape."""
     split = tuple(split)
     sizes = tuple(axis_size(split_axes(s)) for s in split)
-    return jax.random.wrap_key_data(_key_data(key, where), impl=_impl(split, sizes))
+    data = _key_data(key, where)
+    if starts:
+        data = jnp.concatenate([data, jnp.stack([jnp.asarray(s).astype(data.dtype) for s in starts])])
+    return jax.random.wrap_key_data(data, impl=_impl(split, sizes))
 
 
 def keep_mask(key: jax.Array, keep_prob: float, shape: tuple[int, ...], split: Split, where: str = "dropout"):

@@ -22,6 +22,7 @@ import flax.linen as nn
 
 from .._tree import module_path
 from .._types import AxisName
+from ..context._flax import across_for
 from ..dropout import (
     activation_split,
     attention_key,
@@ -84,12 +85,15 @@ def _attention(batch_axes, module: nn.MultiHeadDotProductAttention, next_fun, ar
     same numbers. Another attention function folds the rng over the block's axes, and says so."""
     bound = inspect.signature(type(module).__call__).bind(module, *args, **kwargs)
     given = bound.arguments.get("dropout_rng")
+    where = f"{type(module).__name__} at {module_path(module.path) or 'the model'}"
+    instead = across_for(module.attention_fn, nn.dot_product_attention, batch_axes(), where)
+    if instead is not None:  # (a step that splits the sequence)
+        return _across(module, instead, next_fun, bound, args, kwargs)
     if module.dropout_rate == 0.0 or (given is not None and not is_block_key(given)):
         return next_fun(*args, **kwargs)
     deterministic = bound.arguments.get("deterministic")
     if nn.merge_param("deterministic", module.deterministic, deterministic) or module.is_initializing():
         return next_fun(*args, **kwargs)
-    where = f"{type(module).__name__} at {module_path(module.path) or 'the model'}"
     rng = given if given is not None else module.make_rng("dropout")
     inputs_q = bound.arguments["inputs_q"]
     if module.attention_fn is not nn.dot_product_attention:
@@ -102,3 +106,20 @@ def _attention(batch_axes, module: nn.MultiHeadDotProductAttention, next_fun, ar
     weights = (*inputs_q.shape[:-2], module.num_heads, inputs_q.shape[-2], keys.shape[-2])
     key = attention_key(rng, weights, inputs_q, module.broadcast_dropout, batch_axes(), where)
     return next_fun(*args, **{**kwargs, "dropout_rng": key})
+
+
+def _across(module: nn.MultiHeadDotProductAttention, instead, next_fun, bound, args, kwargs):
+    """The call in a step that splits the sequence, flax's attention function computed across
+    it (:func:`fsdp_tp.context._flax.flax_attention`), its rng made here (a head-parallel
+    role's clone, seen next, receives the same: the unsharded model's, from this module's path)."""
+    deterministic = bound.arguments.get("deterministic")
+    drops = module.dropout_rate > 0.0 and not module.is_initializing()
+    if drops and bound.arguments.get("dropout_rng") is None:
+        if not nn.merge_param("deterministic", module.deterministic, deterministic):
+            kwargs = {**kwargs, "dropout_rng": module.make_rng("dropout")}
+    own = module.attention_fn
+    object.__setattr__(module, "attention_fn", instead)  # (for this call: a module is frozen)
+    try:
+        return next_fun(*args, **kwargs)
+    finally:
+        object.__setattr__(module, "attention_fn", own)

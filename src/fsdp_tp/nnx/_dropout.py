@@ -18,6 +18,7 @@ import jax
 from flax import nnx
 
 from .._types import AxisName
+from ..context._flax import across_for
 from ..dropout import activation_split, dropout, exact_attention, folded_attention, warn_folded
 from ._read import unfolded
 from ._swap import Swap, swaps
@@ -62,10 +63,11 @@ def _attending(cls: type, batch_axes: tuple[AxisName, ...], path: str) -> dict:
 
     def __call__(self, *args, **kwargs):
         own = self.__dict__["attention_fn"]
-        exact = own is nnx.dot_product_attention
+        instead = across_for(own, nnx.dot_product_attention, batch_axes, where)  # (a split step)
+        exact = instead is not None or own is nnx.dot_product_attention
         if not exact:
             warn_folded(where, own)
-        wrapped = (exact_attention if exact else folded_attention)(own, batch_axes, where)
+        wrapped = instead or (exact_attention if exact else folded_attention)(own, batch_axes, where)
         object.__setattr__(self, "attention_fn", wrapped)
         try:
             with unfolded() if exact else contextlib.nullcontext():
