@@ -637,13 +637,13 @@ def test_attention_dropout_s_negative_controls_the_keys_block_and_the_backward(m
     """Each block's mask drawn at the queries' own place for the keys' (the visiting device's
     forgotten), or the backward without the mask: the harness sees other numbers."""
     import fsdp_tp.context._blocks as blocks
-    import fsdp_tp.context._ring as ring
+    from fsdp_tp.context._schedule import Schedule
 
     once = dict(rngs=DROP, steps=1, optimizers={})
     run = lambda: check_sharded(LinenDroppingLM(), BATCH, cross_entropy, DROP_MESH, **once)
     with monkeypatch.context() as patched:
-        starts = ring._starts
-        patched.setattr(ring, "_starts", lambda r, me, source, *rest: starts(r, me, me, *rest))
+        starts = Schedule.starts
+        patched.setattr(Schedule, "starts", lambda self, me, source, *rest: starts(self, me, me, *rest))
         with pytest.raises(AssertionError, match="output"):
             run()
     backward = blocks.backward

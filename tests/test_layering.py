@@ -58,6 +58,7 @@ CORE = (
     "context._dropout",
     "context._flax",
     "context._ring",
+    "context._schedule",
     "context._split",
     "context._step",
     "dropout",

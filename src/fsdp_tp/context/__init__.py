@@ -12,7 +12,8 @@ lays its batch out so and computes the library's attention across the axis (:mod
 
 from ._all_to_all import all_to_all_attention, all_to_all_bytes, attention, ring_or_all_to_all
 from ._dropout import AttentionDropout
-from ._ring import blocks_run, ring_attention, ring_bytes
+from ._ring import ring_attention, ring_bytes
+from ._schedule import blocks_run
 from ._split import STRATEGIES, SequenceSplit, document_positions
 
 __all__ = [

@@ -33,15 +33,15 @@ from .._axes import CONTEXT, checks_vma, require_axes, varying_axes
 from .._layout import require_divisible
 from . import _blocks
 from ._dropout import AttentionDropout
+from ._schedule import Schedule
 from ._split import SequenceSplit
 
-__all__ = ["blocks_run", "ring_attention", "ring_bytes"]
+__all__ = ["ring_attention", "ring_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
 class _Ring:
-    split: SequenceSplit
-    causal: bool
+    schedule: Schedule
     scale: float
     dropout: AttentionDropout | None = None
 
@@ -86,7 +86,7 @@ def ring_attention(
     require_axes(axis, "ring_attention")
     split = SequenceSplit(axis, balanced)
     _require_shapes(q, k, v, segment_ids, split)
-    ring = _Ring(split, causal, q.shape[-1] ** -0.5 if scale is None else scale, dropout)
+    ring = _Ring(Schedule(split, causal), q.shape[-1] ** -0.5 if scale is None else scale, dropout)
     q, k, v = _alike(axis, q, k, v)
     return _attention(ring, q, k, v, segment_ids, _dropout_key(dropout, key))
 
@@ -166,79 +166,11 @@ def _backward_hop(kv: tuple, axis: str) -> tuple:
     return k, v
 
 
-def _keys_of(ring: _Ring, source, n: int, length: int, segments_all):
-    """The indices ``(parts, c)`` and segment ids ``(B, parts, c)`` of device ``source``'s tokens."""
-    parts = ring.split.parts
-    index = ring.split.token_index(source, n, length).reshape(parts, length // parts)
-    if segments_all is None:
-        return index, None
-    segments = jax.lax.dynamic_index_in_dim(segments_all, source, 0, keepdims=False)
-    return index, segments.reshape(segments.shape[0], parts, -1)
-
-
-def _setup(ring: _Ring, q, segments):
-    """This device's place on the ring, its queries' indices ``(parts, c)`` and segment ids
-    ``(B, parts, c)``."""
-    axis, parts = ring.split.axis, ring.split.parts
-    n, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
-    b, length = q.shape[:2]
-    q_index = ring.split.token_index(me, n, length).reshape(parts, -1)
-    return n, me, q_index, None if segments is None else segments.reshape(b, parts, -1)
-
-
-def _part(x, a: int):
-    return None if x is None else x[:, a]
-
-
 def _drawn(ring: _Ring, key, shape, groups: int, starts, total: int, dtype):
     """This block's dropout multipliers (``None``: no dropout), drawn where the block runs."""
     if ring.dropout is None:
         return None
     return ring.dropout.keep(key, shape, groups, starts, total, dtype)
-
-
-def _starts(ring: _Ring, me, source, n: int, a: int, p: int, c: int):
-    """Where this device's query part ``a`` and device ``source``'s key part ``p`` start."""
-    return ring.split.chunk_of(me, a, n) * c, ring.split.chunk_of(source, p, n) * c
-
-
-def _visiting(ring: _Ring, source, n: int, length: int, q_index, q_segments, segments_all):
-    """Each ``(query part, key part, mask)`` of the block device ``source``'s keys make with
-    this device's queries: what the forward, the backward and :func:`blocks_run` go through."""
-    k_index, k_segments = _keys_of(ring, source, n, length, segments_all)
-    return [
-        (
-            a,
-            p,
-            _blocks.causal_mask(
-                q_index[a], k_index[p], _part(q_segments, a), _part(k_segments, p), ring.causal
-            ),
-        )
-        for a in range(ring.split.parts)
-        for p in range(ring.split.parts)
-    ]
-
-
-def blocks_run(size: int, length: int, causal: bool = True, balanced: bool = True) -> list[int]:
-    """The blocks of scores each of ``size`` devices computes for a sequence of ``length``
-    tokens (one document), a block wholly masked skipped: the ring's own schedule, counted.
-    A block is ``(length / size / parts)²`` entries (``parts``: 2 balanced, 1 contiguous).
-
-    >>> blocks_run(4, 64), blocks_run(4, 64, balanced=False)   # zigzag: the same work everywhere
-    ([9, 9, 9, 9], [1, 2, 3, 4])
-    """
-    ring, local = _Ring(SequenceSplit(balanced=balanced), causal, 1.0), length // size
-    ran = []
-    for me in range(size):
-        q_index = ring.split.token_index(me, size, local).reshape(ring.split.parts, -1)
-        ran.append(
-            sum(
-                int(_blocks.live(mask))
-                for hop in range(size)
-                for _, _, mask in _visiting(ring, (me - hop) % size, size, local, q_index, None, None)
-            )
-        )
-    return ran
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -247,11 +179,12 @@ def _attention(ring: _Ring, q, k, v, segments, key):
 
 
 def _forward(ring: _Ring, q, k, v, segments, key):
-    axis, parts = ring.split.axis, ring.split.parts
+    schedule = ring.schedule
+    axis, parts = schedule.split.axis, schedule.split.parts
     b, length, heads, dim = q.shape
     groups, c = k.shape[2], length // parts
     ct = _blocks.compute_dtype(q.dtype)
-    n, me, q_index, q_segments = _setup(ring, q, segments)
+    n, me, q_index, q_segments = schedule.place(q, segments)
     segments_all = None if segments is None else jax.lax.all_gather(segments, axis)  # (once a call)
     qs = q.reshape(b, parts, c, groups, heads // groups, dim)
     states = [_blocks.empty(qs[:, a]) for a in range(parts)]
@@ -260,8 +193,8 @@ def _forward(ring: _Ring, q, k, v, segments, key):
         ahead = _hop(kv, axis) if hop < n - 1 else kv  # (issued before this block is computed)
         ks, vs = (t.reshape(b, parts, c, groups, dim) for t in kv)
         source = (me - hop) % n
-        for a, p, mask in _visiting(ring, source, n, length, q_index, q_segments, segments_all):
-            starts = _starts(ring, me, source, n, a, p, c)
+        for a, p, mask in schedule.visiting(source, n, length, q_index, q_segments, segments_all):
+            starts = schedule.starts(me, source, n, a, p, c)
             keep = functools.partial(_drawn, ring, key, (b, heads, c, c), groups, starts, n * length, ct)
             block = functools.partial(_merged, qs[:, a], ks[:, p], vs[:, p], mask, ring.scale, keep)
             states[a] = jax.lax.cond(_blocks.live(mask), block, lambda state: state, states[a])
@@ -278,11 +211,12 @@ def _merged(q, k, v, mask, scale, keep, state):
 
 def _backward(ring: _Ring, residuals, g):
     q, k, v, segments, segments_all, key, out, lse = residuals
-    axis, parts = ring.split.axis, ring.split.parts
+    schedule = ring.schedule
+    axis, parts = schedule.split.axis, schedule.split.parts
     b, length, heads, dim = q.shape
     groups, c = k.shape[2], length // parts
     ct = _blocks.compute_dtype(q.dtype)
-    n, me, q_index, q_segments = _setup(ring, q, segments)
+    n, me, q_index, q_segments = schedule.place(q, segments)
     shape = (b, parts, c, groups, heads // groups, dim)
     qs, dos = q.reshape(shape), g.reshape(shape)
     rows = (dos.astype(ct) * out.reshape(shape).astype(ct)).sum(-1)
@@ -295,8 +229,8 @@ def _backward(ring: _Ring, residuals, g):
         source = (me - hop) % n
         ks, vs = (t.reshape(b, parts, c, groups, dim) for t in kv)
         dks, dvs = [grads[0][:, p] for p in range(parts)], [grads[1][:, p] for p in range(parts)]
-        for a, p, mask in _visiting(ring, source, n, length, q_index, q_segments, segments_all):
-            starts = _starts(ring, me, source, n, a, p, c)
+        for a, p, mask in schedule.visiting(source, n, length, q_index, q_segments, segments_all):
+            starts = schedule.starts(me, source, n, a, p, c)
             keep = functools.partial(_drawn, ring, key, (b, heads, c, c), groups, starts, n * length, ct)
             rows = (qs[:, a], ks[:, p], vs[:, p], dos[:, a], lse[:, a], delta[:, a])
             block = functools.partial(_added, *rows, mask, ring.scale, keep)

@@ -42,9 +42,10 @@ from .._renamed import renamed_keywords
 from .._types import AxisName, AxisNames
 from ..errors import FoldedDropoutWarning, warn
 from ._activation_split import Split, activation_split, split_after, splitting, unplaceable_after
-from ._block_key import block_key, is_block_key, keep_mask, split_axes, wide_index
+from ._block_key import Window, block_key, is_block_key, keep_mask, split_axes, wide_index
 
 __all__ = [
+    "Window",
     "activation_split",
     "attention_key",
     "block_key",
