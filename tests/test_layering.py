@@ -99,6 +99,7 @@ CORE = (
     "tp._jaxpr.relations",
     "tp._jaxpr.sites",
     "tp._matmul",
+    "tp._region",
     "tp._protocol",
     "tp._registered",
     "tp._role",

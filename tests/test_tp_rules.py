@@ -356,7 +356,8 @@ def _plain(tp, rules=(), **sizes):
             r"VocabParallel: nn.Embed; ExpertParallel: nn.Einsum\). If it computes an einsum of its "
             r"input and one kernel parameter, "
             r"tell the roles so: fsdp_tp.tp.register_einsum\(LayerNorm, equation, kernel=\.\.\., "
-            r"sizes=\.\.\.\); else drop the rule",
+            r"sizes=\.\.\.\); if its own code reads several raw kernels, name each one's split: "
+            r"fsdp_tp.tp.Region\(dims=\{'<parameter>': <dim from the end>, \.\.\.\}\); else drop the rule",
         ),
         # a layer another role computes: that role is named
         (

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import ClassVar
 
 import flax.linen as nn
+import jax
 from flax import errors as flax_errors
 from flax.core import meta
 
@@ -69,7 +70,7 @@ def _intercept(front: LinenFront, next_fun, args, kwargs, context):
     if found is None or context.method_name not in found[0].methods:
         return next_fun(*args, **kwargs)
     role, pattern, _ = found
-    if front.kinds.of(type(module)) not in role.kinds:
+    if not front.kinds.takes(role, type(module)):
         next_fun(*args, **kwargs)  # to name the module's children in the error
         plan.require_kind(path, found, type(module))
     require_axes(role.axis, f"tp rule {pattern!r}")
@@ -101,6 +102,8 @@ class LinenFront:
         """A clone of ``module`` with ``local``'s sizes as its attributes, bound to its scope
         (flax reads the stored blocks as its own parameters), running ``method``."""
         clone = _clone(self.seen, module, local_attributes(module, local, args, kwargs))
+        if local.blocks:
+            _read_as_blocks(clone, local.blocks, jax.lax.axis_size(role.axis))
         return _runner(clone, method, role, layer.path, local.read)
 
 
@@ -111,6 +114,29 @@ def _clone(seen: Seen, module: nn.Module, attributes: dict) -> nn.Module:
     if key not in seen.clones:  # the module is kept with its clone, so its id is not reused
         seen.clones[key] = (module, module.clone(parent=module.scope, **attributes))
     return seen.clones[key][1]
+
+
+def _read_as_blocks(clone: nn.Module, blocks: Mapping[str, int], size: int) -> None:
+    """``clone`` reads each parameter ``blocks`` names as this device's block along its dim while
+    its attributes keep the unsharded sizes (a module of raw kernels): flax checks a stored
+    parameter's shape against its init's at every read, so the init the clone's ``param`` checks
+    against is the block's (the module's own sizes, a ``size``-th of the dim) and a mistake in
+    them is still caught."""
+    own = type(clone).param
+
+    def param(name: str, init_fn: Callable, *init_args, **init_kwargs):
+        if name in blocks:
+            init_fn = functools.partial(_block_init, init_fn, blocks[name], size)
+        return own(clone, name, init_fn, *init_args, **init_kwargs)
+
+    object.__setattr__(clone, "param", param)  # (the module's own code calls self.param)
+
+
+def _block_init(init_fn: Callable, dim: int, size: int, *args, **kwargs):
+    """``init_fn``'s value cut to the first of ``size`` blocks along ``dim``: its shape, which
+    flax's check reads (abstractly; nothing here is drawn)."""
+    cut = lambda x: jax.lax.slice_in_dim(x, 0, x.shape[dim] // size, axis=dim % x.ndim)
+    return jax.tree.map(cut, init_fn(*args, **kwargs))
 
 
 def _runner(local: nn.Module, method: str, role: TPRole, path: str, read: Mapping[str, Callable]):

@@ -65,6 +65,8 @@ def layer_of(module: nn.Module, args: tuple, kwargs: dict) -> Layer:
     kind = LINEN.of(type(module))
     path = module_path(module.path) or type(module).__name__
     common: dict[str, Any] = {"kind": kind, "path": path, "dtype": getattr(module, "dtype", None)}
+    if kind is None:  # a module of the user's whose parameters its role names (Region)
+        return Layer(**common | {"kind": "module"})
     if kind in ("dense", "conv"):
         axis = dims(getattr(module, "axis", -1))
         return Layer(

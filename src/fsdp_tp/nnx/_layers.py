@@ -51,6 +51,8 @@ def layer_of(module: Any, path: str, kernel_shape: tuple[int, ...] = ()) -> Laye
     abstract model holds it (in the step its parameter is this device's block)."""
     kind = NNX.of(type(module))
     common: dict[str, Any] = {"kind": kind, "path": path, "dtype": getattr(module, "dtype", None)}
+    if kind is None:  # a module of the user's whose parameters its role names (Region)
+        return Layer(**common | {"kind": "module"})
     if (own := computes_of(type(module))) is not None:
         shape = kernel_shape or tuple(own.kernel_of(module, path).shape)
         return Layer(**common, equation=own.equation, kernel_shape=shape, parameters=(own.kernel,))

@@ -39,6 +39,11 @@ class Kinds:
         types = [t for kind in kinds for t in self.classes.get(kind, ())]
         return sep.join(f"{self.prefix}.{t.__name__}" for t in types)
 
+    def takes(self, role: TPRole, cls: type) -> bool:
+        """Whether ``role`` computes a module of class ``cls``: one of its kinds, or any module
+        for a role that names the module's parameters itself (``any_module``)."""
+        return role.any_module or self.of(cls) in role.kinds
+
     def roles_for(self, cls: type) -> list[str]:
         kind = self.of(cls)
         return [r.__name__ for r in ROLES if kind in r.kinds]

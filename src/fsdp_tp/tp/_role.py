@@ -64,7 +64,10 @@ class Local:
     adds the bias after its sum), ``num_heads`` and ``num_kv_heads`` (attention's),
     ``num_embeddings`` (an embedding's); ``read``: ``{parameter path under the module: a
     function of its stored value}``, what the call reads in its place (a block of a parameter
-    kept whole). A size a front end cannot write is an error there, never dropped.
+    kept whole); ``blocks``: ``{parameter name: dim}``, parameters the module reads as this
+    device's block along that dim while its attributes keep the unsharded sizes (a module of
+    raw kernels: a front end that checks a parameter against the module's sizes checks the
+    block's). A size a front end cannot write is an error there, never dropped.
 
     >>> Local(num_embeddings=8)
     Local(num_embeddings=8)
@@ -77,6 +80,7 @@ class Local:
     num_kv_heads: int | None = None
     num_embeddings: int | None = None
     read: Mapping[str, Callable[[jax.Array], jax.Array]] = dataclasses.field(default_factory=dict)
+    blocks: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def __repr__(self) -> str:  # (the sizes set, as a role's docstring shows them)
         given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -98,6 +102,9 @@ class TPRole:
     # Whether the axis is one the batch is split over (experts meet every device's tokens
     # there), where a tensor-parallel axis never is.
     on_batch_axis: ClassVar[bool] = False
+    # Whether the role takes a module of any class (its parameters named: a module of raw
+    # kernels), beside those of its kinds.
+    any_module: ClassVar[bool] = False
 
     def __post_init__(self):
         # A role with rings (collective_matmul) names a mode the rings have, checked once here.

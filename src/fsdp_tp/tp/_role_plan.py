@@ -73,7 +73,7 @@ class RolePlan:
         """The role ``found`` names computes a module of class ``cls`` (at ``path``); else the
         error that names a rule that works, from the modules met so far."""
         role, pattern, _ = found
-        if self.kinds.of(cls) not in role.kinds:
+        if not self.kinds.takes(role, cls):
             raise kind_error(role, pattern, cls, path, self.modules, self.kinds)
 
     def meet(

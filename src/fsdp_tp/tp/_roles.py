@@ -19,7 +19,10 @@ submodule computes on its slices over a mesh axis:
   by ``all_to_all`` and come back on the layer given ``returns=True``;
 - :class:`VocabParallel` (an embedding): the table split on the vocabulary; each device looks
   up the ids in its range and the rows are summed over the axis (``attend``, tied logits,
-  gathers the vocabulary).
+  gathers the vocabulary);
+- :class:`Region` (a module of any class holding raw kernels, read by its own einsums): each
+  parameter named split on its dim, the module's code run on the blocks, its input through *f*
+  and its output summed over the axis (or gathered).
 
 Sequence parallelism: give every role of the model ``sequence_dim`` (the sequence's dim of
 the activations, 1 for ``(batch, seq, ...)``). Between tensor-parallel layers each device then
@@ -52,6 +55,7 @@ from __future__ import annotations
 from ._experts import ExpertParallel
 from ._heads import HeadParallel
 from ._matmul import ColumnParallel, RowParallel
+from ._region import Region
 from ._registered import register_einsum
 from ._role import Layer, TPRole
 from ._vocab import VocabParallel
@@ -62,6 +66,7 @@ __all__ = [
     "ExpertParallel",
     "HeadParallel",
     "Layer",
+    "Region",
     "RowParallel",
     "TPRole",
     "VocabParallel",
@@ -69,4 +74,11 @@ __all__ = [
 ]
 
 # Every role a tp rule may name (the rules' errors list what each computes).
-ROLES: tuple[type[TPRole], ...] = (ColumnParallel, RowParallel, HeadParallel, VocabParallel, ExpertParallel)
+ROLES: tuple[type[TPRole], ...] = (
+    ColumnParallel,
+    RowParallel,
+    HeadParallel,
+    VocabParallel,
+    ExpertParallel,
+    Region,
+)

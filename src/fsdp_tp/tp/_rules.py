@@ -131,12 +131,13 @@ def kind_error(role: TPRole, pattern: str, cls: type, path: str, modules: Mappin
             f"{what}; {name} computes {computes} on its slices. Name the submodules a role computes, "
             f"e.g. ('{example}$', {role_name}()); under {path or 'the model'}: {_listed(below)}."
         )
-    every = "; ".join(f"{r.__name__}: {kinds.spelled(r.kinds, ', ')}" for r in ROLES)
+    every = "; ".join(f"{r.__name__}: {kinds.spelled(r.kinds, ', ')}" for r in ROLES if not r.any_module)
     return RuleError(
         f"{what}, which has no tensor-parallel role and no submodule one computes (roles compute "
         f"{every}). If it computes an einsum of its input and one kernel parameter, tell the roles so: "
-        f"fsdp_tp.tp.register_einsum({cls.__name__}, equation, kernel=..., sizes=...); else drop "
-        f"the rule (storage rules can still split its parameters)."
+        f"fsdp_tp.tp.register_einsum({cls.__name__}, equation, kernel=..., sizes=...); if its own code "
+        f"reads several raw kernels, name each one's split: fsdp_tp.tp.Region(dims={{'<parameter>': "
+        f"<dim from the end>, ...}}); else drop the rule (storage rules can still split its parameters)."
     )
 
 
@@ -209,7 +210,16 @@ def add_placements(
 def require_own_parameters(role: TPRole, pattern: str, layer: Layer, cls: type, names: Sequence[str]) -> None:
     """A dense, conv or einsum layer whose parameters are more than the role splits (a LoRA
     layer's ``lora_a`` / ``lora_b``; a registered class's bias) computes with parameters the
-    role does not split: refused at the rule or the init, not at the first step."""
+    role does not split: refused at the rule or the init, not at the first step. A module of raw
+    kernels (:class:`~fsdp_tp.tp.Region`): each parameter its role names is one it holds."""
+    if layer.kind == "module":
+        if missing := sorted(set(role.splits(layer)) - set(names)):
+            raise RuleError(
+                f"tp rule {pattern!r} -> {type(role).__name__} matches {layer.path}, a {cls.__name__} "
+                f"holding the parameters {sorted(names)}, and names {missing}, which it does not hold: "
+                f"name the parameters as the module holds them (their paths under {layer.path})."
+            )
+        return
     if layer.kind not in ("dense", "conv", "einsum"):
         return
     own = computes_of(cls)

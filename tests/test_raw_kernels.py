@@ -1,0 +1,205 @@
+"""Issue 85: tensor parallelism for a module of raw kernels (:class:`fsdp_tp.tp.Region`).
+
+A one-module SwiGLU MLP holds ``w_gate``, ``w_up`` ``(d, h)`` and ``w_down`` ``(h, d)`` as raw
+parameters and reads them with ``jnp.einsum`` in one ``__call__``, Linen and NNX alike. One rule
+names the module and the dim each kernel splits on; the module's own code runs on the blocks.
+Properties: invariants 1-5 against the unsharded model (float64, ``fsdp_tp.testing``) on data x
+tensor, fsdp x tensor (FSDP splits the other dim) and with sequence parallelism, both
+``check_vma``; the compiled step moves Megatron's minimum over ``tensor`` (one all-reduce forward,
+one backward per block, no weight gathered over it). Negative controls: a norm over the split
+hidden dim inside the module, and a split on the dim the first einsum contracts, are refused at
+the model's line (with the check off the harness catches them); a parameter named that the
+module does not hold, and dims passed where the axis goes, are one error with the fix.
+"""
+
+from __future__ import annotations
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import fsdp_tp
+from fsdp_tp.analysis import parse_collectives
+from fsdp_tp.errors import RuleError
+from fsdp_tp.testing import check_sharded
+from fsdp_tp.tp import ColumnParallel, Region, RowParallel, VocabParallel
+from fsdp_tp.tp._check.driver import switched_off
+from tests.refusals import named_fix
+
+D, H, V = 8, 16, 32
+SWIGLU = Region(dims={"w_gate": -1, "w_up": -1, "w_down": -2})
+RULES = [("mlp$", SWIGLU)]
+FSDP = [(r"w_(gate|up)$", P("fsdp")), (r"w_down$", P(None, "fsdp"))]  # (the dim tensor leaves whole)
+# sequence parallelism: the residual stream split along the tokens between the regions
+SEQUENCE = [
+    ("embed$", VocabParallel(sequence_dim=1)),
+    ("mlp$", Region(dims=SWIGLU.dims, sequence_dim=1)),
+    ("head$", ColumnParallel(sequence_dim=1, gather_output=True)),
+]
+TOKENS = jax.random.randint(jax.random.key(1), (8, 4), 0, V)
+BATCH = (TOKENS, jnp.roll(TOKENS, -1, axis=1))
+
+
+def cross_entropy(logits, targets):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def _swiglu(x, w_gate, w_up, w_down, norm: bool):
+    gate = jnp.einsum("btd,dh->bth", x, w_gate)
+    hidden = nn.silu(gate) * jnp.einsum("btd,dh->bth", x, w_up)
+    if norm:  # (a norm over the hidden units: each device would normalize its own block)
+        hidden = hidden / jnp.sqrt(jnp.mean(hidden**2, axis=-1, keepdims=True) + 1e-6)
+    return jnp.einsum("bth,hd->btd", hidden, w_down)
+
+
+class LinenSwiGLU(nn.Module):
+    norm: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        w_gate, w_up = (self.param(name, init, (D, H)) for name in ("w_gate", "w_up"))
+        return _swiglu(x, w_gate, w_up, self.param("w_down", init, (H, D)), self.norm)
+
+
+class LinenModel(nn.Module):
+    norm: bool = False
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(V, D, name="embed")(tokens)
+        x = x + LinenSwiGLU(self.norm, name="mlp")(nn.RMSNorm(name="norm")(x))
+        return nn.Dense(V, name="head")(x)
+
+
+class NNXSwiGLU(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, norm: bool = False):
+        init = nnx.initializers.lecun_normal()
+        self.w_gate, self.w_up = (nnx.Param(init(rngs.params(), (D, H))) for _ in range(2))
+        self.w_down, self.norm = nnx.Param(init(rngs.params(), (H, D))), norm
+
+    def __call__(self, x):
+        return _swiglu(x, self.w_gate[...], self.w_up[...], self.w_down[...], self.norm)
+
+
+class NNXModel(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, norm: bool = False):
+        self.embed, self.norm = nnx.Embed(V, D, rngs=rngs), nnx.RMSNorm(D, rngs=rngs)
+        self.mlp, self.head = NNXSwiGLU(rngs, norm), nnx.Linear(D, V, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        return self.head(x + self.mlp(self.norm(x)))
+
+
+def _model(api: str, norm: bool = False):
+    return LinenModel(norm) if api == "linen" else (lambda rngs: NNXModel(rngs, norm))
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_a_one_module_swiglu_by_its_kernels_splits_is_the_unsharded_model(api):
+    """data x tensor (SGD and AdamW, 3 steps); FSDP on the dim tensor leaves whole, unchecked
+    vma; sequence parallelism from the embedding to the logits."""
+    check_sharded(_model(api), BATCH, cross_entropy, {"data": 2, "tensor": 4}, tp_rules=RULES)
+    once = dict(steps=1, optimizers={})
+    fsdp = {"fsdp": 2, "tensor": 4}
+    check_sharded(_model(api), BATCH, cross_entropy, fsdp, FSDP, tp_rules=RULES, check_vma=False, **once)
+    check_sharded(_model(api), BATCH, cross_entropy, {"data": 4, "tensor": 2}, tp_rules=SEQUENCE, **once)
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_a_norm_between_the_region_s_einsums_is_refused_at_its_line_and_caught_unchecked(api):
+    mesh = {"data": 2, "tensor": 4}
+    with pytest.raises(RuleError, match=r"test_raw_kernels\.py:\d+ .*mean") as refused:
+        check_sharded(_model(api, norm=True), BATCH, cross_entropy, mesh, tp_rules=RULES, steps=1)
+    with switched_off(), pytest.raises(AssertionError, match="output"):
+        check_sharded(
+            _model(api, norm=True), BATCH, cross_entropy, mesh, tp_rules=RULES, steps=1, optimizers={}
+        )
+    named_fix(refused, "leave mlp whole (drop its tp rule)")
+    check_sharded(_model(api, norm=True), BATCH, cross_entropy, mesh, steps=1, optimizers={})
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_a_split_on_the_contracted_dim_of_the_first_einsum_is_refused(api):
+    wrong = [("mlp$", Region(dims={"w_gate": -2, "w_up": -1, "w_down": -2}))]
+    mesh = {"data": 2, "tensor": 4}
+    with pytest.raises(RuleError, match=r"test_raw_kernels\.py:\d+ .*'d' for operand 1 \(8\)") as refused:
+        check_sharded(_model(api), BATCH, cross_entropy, mesh, tp_rules=wrong, steps=1)
+    named_fix(refused, "leave the modules around that line whole")
+    check_sharded(_model(api), BATCH, cross_entropy, mesh, steps=1, optimizers={})
+
+
+def test_a_region_naming_what_the_module_does_not_hold_or_dims_for_the_axis_is_one_error_with_its_fix():
+    missing = [("mlp$", Region(dims={"w_gate": -1, "w_upp": -1, "w_down": -2}))]
+    with pytest.raises(RuleError, match=re.escape("names ['w_upp'], which it does not hold")):
+        check_sharded(
+            _model("linen"), BATCH, cross_entropy, {"data": 2, "tensor": 4}, tp_rules=missing, steps=1
+        )
+    with pytest.raises(RuleError, match=r"pass the parameters' dims by keyword: Region\(dims=") as told:
+        Region({"w_gate": -1})
+    named_fix(told, "Region(dims=")
+    with pytest.raises(RuleError, match="counted from the end"):
+        Region(dims={"w_down": 0})
+
+
+class LinenDenseSwiGLU(nn.Module):
+    """The same MLP, one kernel a module: Megatron's plan by the column and row roles."""
+
+    @nn.compact
+    def __call__(self, x):
+        gate, up = (nn.Dense(H, use_bias=False, name=name)(x) for name in ("gate", "up"))
+        return nn.Dense(D, use_bias=False, name="down")(nn.silu(gate) * up)
+
+
+DENSE_RULES = [(r"mlp/(gate|up)$", ColumnParallel()), (r"mlp/down$", RowParallel())]
+
+
+class Holder(nn.Module):
+    dense: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        # (a norm's scale before it: the input's gradient is needed, so f's backward runs)
+        return (LinenDenseSwiGLU if self.dense else LinenSwiGLU)(name="mlp")(nn.RMSNorm(name="norm")(x))
+
+
+def _step_collectives(module: Holder, tp_rules, check_vma: bool) -> list[tuple[str, int]]:
+    """``(kind, operand bytes)`` of every collective of the compiled SGD step of ``module`` on
+    data 2 x tensor 4: forward, backward and update."""
+    mesh = fsdp_tp.make_mesh({"data": 2, "tensor": 4})
+    model = fsdp_tp.shard_by_rules(Holder, [], batch_axes=("data",), tp_rules=tp_rules)(module.dense)
+    x = jnp.ones((8, 4, D))
+
+    def init_fn(rng):
+        params = model.init(rng, x[:4])["params"]
+        return fsdp_tp.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1), rng=rng)
+
+    def step_fn(state, x):
+        loss = lambda p: (model.apply({"params": p}, x) ** 2).mean()
+        grads = fsdp_tp.sync_gradients(jax.grad(loss)(state.params), ("data",))
+        return grads, ()
+
+    state, specs = fsdp_tp.init_sharded(init_fn, mesh, P(), jax.random.key(0), check_vma=check_vma)
+    step = fsdp_tp.shard_step(step_fn, mesh, specs, P("data"), metrics_specs=(), check_vma=check_vma)
+    text = step.lower(state, x).compile().as_text()
+    return sorted((c.kind, c.operand_bytes) for c in parse_collectives(text) if c.group_size > 1)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_a_region_moves_what_its_one_kernel_a_module_twin_moves_megatron_s_minimum(check_vma):
+    """One all-reduce over ``tensor`` forward (the row sum) and one backward (*f*, shared by the
+    gate and up reads), of a device's activations (4 x 4 x 8 float32); the gradients' sync over
+    ``data``; no kernel gathered over ``tensor``. The same as the model written one kernel a
+    module under Megatron's rules."""
+    region = _step_collectives(Holder(), RULES, check_vma)
+    activation = 4 * 4 * D * 4
+    assert [c for c in region if c == ("all-reduce", activation)] == [("all-reduce", activation)] * 2
+    assert not [c for c in region if c[0] == "all-gather"]
+    assert region == _step_collectives(Holder(dense=True), DENSE_RULES, check_vma)
