@@ -203,3 +203,32 @@ def test_a_region_moves_what_its_one_kernel_a_module_twin_moves_megatron_s_minim
     assert [c for c in region if c == ("all-reduce", activation)] == [("all-reduce", activation)] * 2
     assert not [c for c in region if c[0] == "all-gather"]
     assert region == _step_collectives(Holder(dense=True), DENSE_RULES, check_vma)
+
+
+class LinenDroppingSwiGLU(LinenSwiGLU):
+    """Dropout on the hidden units inside the module: where they split, only its code knows."""
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        w_gate, w_up = (self.param(name, init, (D, H)) for name in ("w_gate", "w_up"))
+        hidden = nn.Dropout(0.5, deterministic=False)(nn.silu(x @ w_gate) * (x @ w_up))
+        return hidden @ self.param("w_down", init, (H, D))
+
+
+class LinenDroppingModel(LinenModel):
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(V, D, name="embed")(tokens)
+        return nn.Dense(V, name="head")(x + LinenDroppingSwiGLU(name="mlp")(x))
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_dropout_inside_a_region_is_refused_in_both_check_vma_modes(check_vma):
+    """Unchecked, it drew a mask no block of the unsharded one (1,024 of 1,024 outputs off):
+    refused, naming the module and the fix; the model without the region's rule runs."""
+    run = dict(steps=1, optimizers={}, rngs={"dropout": jax.random.key(3)}, check_vma=check_vma)
+    mesh = {"data": 2, "tensor": 4}
+    with pytest.raises(ValueError, match=r"mlp/Dropout_0: .*a module a Region computes") as refused:
+        check_sharded(LinenDroppingModel(), BATCH, cross_entropy, mesh, tp_rules=RULES, **run)
+    assert "move it out of the module, after its sum" in str(refused.value)

@@ -41,7 +41,14 @@ from .._context import STEP
 from .._renamed import renamed_keywords
 from .._types import AxisName, AxisNames
 from ..errors import FoldedDropoutWarning, warn
-from ._activation_split import Split, activation_split, split_after, splitting, unplaceable_after
+from ._activation_split import (
+    Split,
+    activation_split,
+    split_after,
+    splitting,
+    unplaceable_after,
+    unplaceable_within,
+)
 from ._block_key import Window, block_key, is_block_key, keep_mask, split_axes, wide_index
 
 __all__ = [
@@ -59,6 +66,7 @@ __all__ = [
     "split_after",
     "splitting",
     "unplaceable_after",
+    "unplaceable_within",
     "warn_folded",
     "weights_split",
     "wide_index",

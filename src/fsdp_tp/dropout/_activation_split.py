@@ -69,6 +69,16 @@ def unplaceable_after(shape: tuple[int, ...]) -> None:
 
 
 @contextlib.contextmanager
+def unplaceable_within() -> Iterator[None]:
+    """Within (a module :class:`~fsdp_tp.tp.Region` runs as written on its kernels' blocks):
+    every activation is a block no split describes, its own code moving the split dims as it
+    likes, so dropout is refused in both ``check_vma`` modes (unchecked, it would draw a mask no
+    block of the unsharded one)."""
+    with STEP.scoped(region=((None, None),)):
+        yield
+
+
+@contextlib.contextmanager
 def splitting(dims: Mapping[int, AxisName] | None = None) -> Iterator[None]:
     """Within: activations are split on ``dims`` (a head-parallel attention's heads); after, as
     before. ``splitting()`` starts a model call whole, whatever an earlier trace left."""
@@ -87,7 +97,11 @@ def _region_dims(x: jax.Array, where: str) -> tuple[tuple[int, AxisName], ...]:
     placed = [dims for dims in matched if dims is not None]
     if not placed or len(placed) < len(matched) or len(set(placed)) > 1:
         why = (
-            "a block no split describes (kv heads kept whole, replicated=True)"
+            "the code of a module a Region computes on its kernels' blocks, whose activations' split "
+            "the roles do not know (dropout there: move it out of the module, after its sum, or give "
+            "the activation a column layer of its own)"
+            if (None, None) in entries
+            else "a block no split describes (kv heads kept whole, replicated=True)"
             if None in matched
             else f"the tensor-parallel roles know the split of activations of local shapes {known} only"
         )

@@ -27,7 +27,7 @@ from typing import ClassVar
 import jax
 
 from ..collectives import gather_from_axis
-from ..dropout import split_after
+from ..dropout import split_after, unplaceable_within
 from ..errors import RuleError
 from ._around import copied
 from ._role import Layer, Local, TPRole
@@ -81,7 +81,8 @@ class Region(TPRole):
 
     def call(self, method, run, layer, args, kwargs):
         args, kwargs = copied(args, kwargs, self.axis, self.sequence_dim)
-        out = run(*args, **kwargs)
+        with unplaceable_within():  # (dropout inside: which dims are split, the roles cannot tell)
+            out = run(*args, **kwargs)
         if not isinstance(out, jax.Array | jax.core.Tracer):
             raise RuleError(
                 f"{layer.path}: Region sums or gathers what the module returns over {self.axis!r}, and it "
