@@ -232,3 +232,84 @@ def test_dropout_inside_a_region_is_refused_in_both_check_vma_modes(check_vma):
     with pytest.raises(ValueError, match=r"mlp/Dropout_0: .*a module a Region computes") as refused:
         check_sharded(LinenDroppingModel(), BATCH, cross_entropy, mesh, tp_rules=RULES, **run)
     assert "move it out of the module, after its sum" in str(refused.value)
+
+
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 4
+ATTENTION = [("attn$", Region(dims={"q": -2, "kv": -2, "out": -3}))]
+
+
+def _attention(x, q, kv, out, kv_heads: int | None):
+    """Grouped-query causal attention from raw kernels q (d, H, hd), kv (2, d, G, hd), out (H, hd, d)
+    (Gemma's einsums); the groups from the arrays (``kv_heads=None``) or from a constant."""
+    b, t, _ = x.shape
+    queries = jnp.einsum("btd,dnh->btnh", x, q)
+    keys, values = jnp.einsum("bsd,cdkh->cbskh", x, kv)
+    groups = keys.shape[2] if kv_heads is None else kv_heads
+    queries = queries.reshape(b, t, groups, -1, queries.shape[-1])
+    scores = jnp.einsum("btkgh,bskh->bkgts", queries, keys) / jnp.sqrt(queries.shape[-1])
+    scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -jnp.inf)
+    mixed = jnp.einsum("bkgts,bskh->btkgh", jax.nn.softmax(scores, axis=-1), values)
+    return jnp.einsum("btnh,nhd->btd", mixed.reshape(b, t, -1, mixed.shape[-1]), out)
+
+
+class LinenRawAttention(nn.Module):
+    constant_groups: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        q = self.param("q", init, (D, HEADS, HEAD_DIM))
+        kv = self.param("kv", init, (2, D, KV_HEADS, HEAD_DIM))
+        out = self.param("out", init, (HEADS, HEAD_DIM, D))
+        return _attention(x, q, kv, out, KV_HEADS if self.constant_groups else None)
+
+
+class LinenAttentionLM(nn.Module):
+    constant_groups: bool = False
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(V, D, name="embed")(tokens)
+        x = x + LinenRawAttention(self.constant_groups, name="attn")(nn.RMSNorm(name="norm")(x))
+        return nn.Dense(V, name="head")(x)
+
+
+class NNXRawAttention(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, constant_groups: bool = False):
+        init = nnx.initializers.lecun_normal()
+        self.q = nnx.Param(init(rngs.params(), (D, HEADS, HEAD_DIM)))
+        self.kv = nnx.Param(init(rngs.params(), (2, D, KV_HEADS, HEAD_DIM)))
+        self.out = nnx.Param(init(rngs.params(), (HEADS, HEAD_DIM, D)))
+        self.constant_groups = constant_groups
+
+    def __call__(self, x):
+        groups = KV_HEADS if self.constant_groups else None
+        return _attention(x, self.q[...], self.kv[...], self.out[...], groups)
+
+
+class NNXAttentionLM(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, constant_groups: bool = False):
+        self.embed, self.norm = nnx.Embed(V, D, rngs=rngs), nnx.RMSNorm(D, rngs=rngs)
+        self.attn, self.head = NNXRawAttention(rngs, constant_groups), nnx.Linear(D, V, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        return self.head(x + self.attn(self.norm(x)))
+
+
+def _attention_lm(api: str, constant_groups: bool = False):
+    if api == "linen":
+        return LinenAttentionLM(constant_groups)
+    return lambda rngs: NNXAttentionLM(rngs, constant_groups)
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_raw_kernel_gqa_attention_by_its_heads_splits_is_the_unsharded_model(api):
+    """q split on its heads, the stacked kv on its kv heads, out on its heads: each device its
+    query heads' group (H/G = 2) on data 4 x tensor 2; the groups counted from a constant are
+    refused at the reshape (each device would regroup its 2 heads into 2 groups)."""
+    mesh = {"data": 4, "tensor": 2}
+    with pytest.raises(RuleError, match=r"test_raw_kernels\.py:\d+ .*reshape") as refused:
+        check_sharded(_attention_lm(api, True), BATCH, cross_entropy, mesh, tp_rules=ATTENTION, steps=1)
+    named_fix(refused, "size the dim the split lands on from the array, not from the module's constants")
+    check_sharded(_attention_lm(api), BATCH, cross_entropy, mesh, tp_rules=ATTENTION, steps=1)
