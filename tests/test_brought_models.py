@@ -22,7 +22,7 @@ from flax import nnx
 import fsdp_tp
 from fsdp_tp.errors import CheckPrecisionWarning, LayerLeftWholeWarning, RuleError
 from fsdp_tp.testing import NNXTwin, check_sharded
-from fsdp_tp.tp import ColumnParallel, RowParallel
+from fsdp_tp.tp import ColumnParallel, Region, RowParallel
 from tests.refusals import named_fix, role_named
 
 D = 8
@@ -303,9 +303,12 @@ def test_a_rule_on_raw_parameters_names_a_layer_per_kernel_not_a_pattern_refused
     with pytest.raises(RuleError) as refused:
         check_sharded(RawBlock, BATCH, mse, MESH, tp_rules=[("mlp/w_gate$", ColumnParallel())], steps=1)
     said = str(refused.value)
-    assert "mlp is a RawSwiGLU whose own code reads its raw parameters" in said and "'mlp$'" not in said
-    named_fix(refused, "give each kernel a layer of its own (nnx.Einsum or nnx.Linear")  # (issue 85's)
+    assert "mlp is a RawSwiGLU whose own code reads its raw parameters" in said
+    named_fix(refused, "give each kernel a layer of its own (nnx.Einsum or nnx.Linear")
     named_fix(refused, "or leave mlp whole (drop the rule")
+    named_fix(refused, "('mlp$', Region(dims={'<parameter>': <dim from the end>, ...}))")  # (issue 85)
+    region = Region(dims={"w_gate": -1, "w_up": -1, "w_down": -2})
+    check_sharded(RawBlock, BATCH, mse, MESH, tp_rules=[("mlp$", region)], steps=1, optimizers={})
     fsdp_tp.nnx.shard_by_rules(RawBlock, tp_rules=[])  # (rules are matched as the model is laid out)
     with pytest.raises(RuleError, match=r"drop the parameter name, e.g. 'up\$'") as refused:
         check_sharded(CallTimeDrop, BATCH, mse, MESH, tp_rules=[("up/kernel$", ColumnParallel())], steps=1)
@@ -344,10 +347,9 @@ class RawExperts(nnx.Module):
 @pytest.mark.parametrize(
     "make, mesh, axes, said",
     [
-        (RawBlock, MESH, None, r"on tensor=4 leaves 1 of 1 layers whole.*mlp \(its own code reads raw"),
         (RawExperts, {"data": 2, "expert": 4}, ("data", "expert"), r"on expert=4 leaves 1 of 1 .*the model"),
     ],
-    ids=["one-module-swiglu", "raw-experts"],
+    ids=["raw-experts"],
 )  # fmt: skip
 def test_auto_names_a_module_of_raw_kernels_it_leaves_whole(make, mesh, axes, said):
     """ "auto" left a module of raw kernels whole naming nothing, on a tensor axis and on an
@@ -355,6 +357,17 @@ def test_auto_names_a_module_of_raw_kernels_it_leaves_whole(make, mesh, axes, sa
     and the numbers are still the unsharded model's."""
     with pytest.warns(LayerLeftWholeWarning, match=said + r".*give each kernel a layer of its own"):
         check_sharded(make, BATCH, mse, mesh, tp_rules="auto", batch_axes=axes, steps=1)
+
+
+def test_auto_gives_a_one_module_swiglu_its_region_and_leaves_nothing_whole():
+    """It was left whole, named (issue 85): "auto" now splits its three kernels as one Region."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LayerLeftWholeWarning)
+        check_sharded(RawBlock, BATCH, mse, MESH, tp_rules="auto", steps=1, optimizers={})
+    plan = fsdp_tp.nnx.find_tp_rules(nnx.eval_shape(lambda: RawBlock(nnx.Rngs(0))), X, size=4)
+    assert plan.whole == () and plan.rules == (
+        ("^mlp$", Region(dims={"w_gate": -1, "w_up": -1, "w_down": -2})),
+    )
 
 
 def test_negative_control_a_norms_parameters_are_no_raw_kernels():

@@ -313,3 +313,29 @@ def test_raw_kernel_gqa_attention_by_its_heads_splits_is_the_unsharded_model(api
         check_sharded(_attention_lm(api, True), BATCH, cross_entropy, mesh, tp_rules=ATTENTION, steps=1)
     named_fix(refused, "size the dim the split lands on from the array, not from the module's constants")
     check_sharded(_attention_lm(api), BATCH, cross_entropy, mesh, tp_rules=ATTENTION, steps=1)
+
+
+def _found(api: str, model, size: int) -> str:
+    """The plan "auto" finds for ``model`` (a Linen module or an NNX constructor), printed."""
+    if api == "linen":
+        return str(fsdp_tp.linen.find_tp_rules(model, TOKENS, size=size))
+    return str(fsdp_tp.nnx.find_tp_rules(model(nnx.Rngs(0)), TOKENS, size=size))
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_auto_finds_each_raw_module_s_region_and_trains_equal_to_unsharded(api):
+    """ "auto" prints the Region a user would write for the SwiGLU and the attention, and trains
+    equal to unsharded with it; with a norm between the einsums it leaves the module whole,
+    naming the norm's line (the region it tried, refused)."""
+    assert "(r\"^mlp$\", Region(dims={'w_down': -2, 'w_gate': -1, 'w_up': -1}))," in _found(
+        api, _model(api), 4
+    )
+    said = _found(api, _attention_lm(api), 2)
+    assert "(r\"^attn$\", Region(dims={'kv': -2, 'out': -3, 'q': -2}))," in said
+    check_sharded(_model(api), BATCH, cross_entropy, {"data": 2, "tensor": 4}, tp_rules="auto", steps=1)
+    once = dict(steps=1, optimizers={})
+    check_sharded(_attention_lm(api), BATCH, cross_entropy, {"data": 4, "tensor": 2}, tp_rules="auto", **once)
+    left = _found(api, _model(api, norm=True), 4)
+    assert "Region(" not in left and re.search(
+        r"#   mlp: .*reduce_sum over dim 2 .* at tests/test_raw_kernels\.py:\d+", left
+    )

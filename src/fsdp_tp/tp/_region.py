@@ -33,7 +33,15 @@ from ._around import copied
 from ._role import Layer, Local, TPRole
 from .pieces import row_reduce
 
-__all__ = ["Region"]
+__all__ = ["Dims", "Region"]
+
+
+class Dims(tuple):
+    """A :class:`Region`'s ``{parameter: dim}``, hashable and in one order (a role is a frozen
+    value), shown as the dict a user writes."""
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
 
 
 @dataclass(frozen=True)
@@ -68,7 +76,7 @@ class Region(TPRole):
                 f"counted from the end ({bad or 'none named'}): Region(dims={{'w_gate': -1, 'w_up': -1, "
                 f"'w_down': -2}}) for kernels (d, h), (d, h) and (h, d)."
             )
-        object.__setattr__(self, "dims", tuple(sorted(given.items())))  # (hashable, one order)
+        object.__setattr__(self, "dims", Dims(sorted(given.items())))
 
     def splits(self, layer: Layer) -> dict[str, int]:
         return dict(self.dims)

@@ -149,12 +149,15 @@ def _parameter_hint(named: Sequence[str], modules: Mapping[str, type], kinds: Ki
     said = f"it matches parameters ({', '.join(named[:3])}); tp rules name modules"
     if (cls := modules.get(owner)) is not None and kinds.roles_for(cls):
         return f"{said}: drop the parameter name, e.g. {owner + '$'!r}"
+    region = f"({owner + '$'!r}, Region(dims={{'<parameter>': <dim from the end>, ...}}))"
     return (
         f"{said}, and {owner or 'the model'} is {f'a {cls.__name__}' if cls else 'a module'} whose own code "
-        f"reads its raw parameters, which no role computes, so naming it splits nothing. Fix: give each "
-        f"kernel a layer of its own (nnx.Einsum or nnx.Linear, nn.Einsum or nn.Dense, or a class of yours "
-        f"registered with fsdp_tp.tp.register_einsum) and name those, or leave {owner or 'it'} whole (drop "
-        f"the rule; storage rules still split its parameters over fsdp)"
+        f"reads its raw parameters, which no column or row role computes, so naming a parameter splits "
+        f"nothing. Fix: name the module and each kernel's split, {region} (fsdp_tp.tp.Region: its "
+        f"einsums run on the blocks, the output summed); or give each kernel a layer of its own "
+        f"(nnx.Einsum or nnx.Linear, nn.Einsum or nn.Dense, or a class of yours registered with "
+        f"fsdp_tp.tp.register_einsum) and name those, or leave {owner or 'it'} whole (drop the rule; "
+        f"storage rules still split its parameters over fsdp)"
     )
 
 

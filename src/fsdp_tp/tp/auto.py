@@ -37,7 +37,7 @@ from ._find.experts import expert_roles, with_within
 from ._find.plan import RAW, RAW_FIX, TPPlan, rules_for
 from ._find.regions import Refused, grow
 from ._jaxpr.graph import Graph, kernel_operand, kernels_of
-from ._roles import ColumnParallel, HeadParallel, Layer, RowParallel, TPRole, VocabParallel
+from ._roles import ColumnParallel, HeadParallel, Layer, Region, RowParallel, TPRole, VocabParallel
 
 # What a user calls: the plan of a traced function (the front ends' find_tp_rules trace a model)
 __all__ = ["Graph", "TPPlan", "find_plan"]
@@ -96,25 +96,35 @@ def find_plan(
     roles = dict(sorted(roles.items(), key=lambda item: first.get(item[0], len(graph.nodes))))
     otherwise = "no matmul reads its parameters" if axis is not None else "the mesh has no tensor axis"
     left = tuple((p, reasons.get(p, otherwise)) for p in layers if _leaf(p, roles, layers))
-    left += _raw_modules(graph, kernels, layers)
-    return TPPlan(rules_for(roles, list(layers)), roles, left, tuple(layers), tuple(regions))
+    left += _raw_modules(graph, kernels, layers, roles, reasons)
+    paths = [*layers, *(path for path in roles if path not in layers)]  # (modules of raw kernels)
+    return TPPlan(rules_for(roles, paths), roles, left, tuple(paths), tuple(regions))
 
 
 def _raw_modules(
-    graph: Graph, kernels: dict[int, int], layers: Mapping[str, Layer]
+    graph: Graph,
+    kernels: dict[int, int],
+    layers: Mapping[str, Layer],
+    roles: Mapping[str, TPRole],
+    reasons: Mapping[str, str],
 ) -> tuple[tuple[str, str], ...]:
     """``(module, why)`` for each module whose own code reads raw parameters through a matmul
-    or a lookup (an MoE block's ``(E, d, h)`` experts, a one-module SwiGLU): no role computes
-    such a module, so every plan leaves it whole, on every device, and says so."""
+    or a lookup (an MoE block's ``(E, d, h)`` experts) that the plan gives no :class:`Region`:
+    it is left whole, on every device, and the plan says so (``reasons``: why a split tried there
+    was refused)."""
     read: dict[str, dict[str, None]] = {}
     for node in (n for n in graph.nodes if n.prim in ("dot_general", "conv_general_dilated", "gather")):
         for value in node.ins[:1] if node.prim == "gather" else node.ins:  # (a lookup's table)
             if value in kernels:
                 module, _, name = graph.params[kernels[value]].rpartition("/")
-                if not module or not any(p in layers for p in _ancestors(module)):
+                if not module or not any(p in layers or p in roles for p in _ancestors(module)):
                     read.setdefault(module, {})[name] = None
+    # (where a Region's split was tried and refused, why; else why none could be)
+    why = lambda module: (
+        f"a Region's {reasons[module]}" if module in reasons else f"which no role computes: {RAW_FIX}"
+    )
     return tuple(
-        (module or "the model", f"{RAW} ({', '.join(names)}), which no role computes: {RAW_FIX}")
+        (module or "the model", f"{RAW} ({', '.join(names)}), {why(module)}")
         for module, names in read.items()
     )
 
@@ -171,13 +181,10 @@ def _roles(
     model's output), with the role that splits it so (or :class:`Refused`)."""
     by_owner: dict[str, dict[str, int]] = {}
     for param, dim in split.items():
-        module = param.rpartition("/")[0]
-        owner = _owner(module, layers)
-        if owner not in layers:
-            raise Refused(
-                f"it would split {param}, and {module or 'the model'} computes no tensor-parallel role"
-            )
+        owner = _owner(param.rpartition("/")[0], layers)
         by_owner.setdefault(owner, {})[param[len(owner) + 1 :]] = dim
+    if raw := [owner for owner in by_owner if owner not in layers]:
+        return _region(graph, by_owner, raw[0], output, axis, size)
     gather = output and not outputs_split
     names = set(graph.params.values())
     found = {}
@@ -185,6 +192,33 @@ def _roles(
         held = {p[len(owner) + 1 :] for p in names if p.startswith(f"{owner}/")}
         found[owner] = _role_for(owner, layers, splits, held, gather, axis, size)
     return found
+
+
+def _region(
+    graph: Graph, by_owner: dict[str, dict[str, int]], owner: str, output: bool, axis: str, size
+) -> dict[str, TPRole]:
+    """A region of one module's raw kernels, begun and summed inside its own code (a one-module
+    SwiGLU, raw-kernel attention): :class:`Region`, each kernel on the region's dim. A region
+    that also splits another module's parameters, or reaches the model's output unsummed, has
+    no role that computes it (:class:`Refused`)."""
+    splits = by_owner[owner]
+    if len(by_owner) > 1 or not owner or output:
+        param = f"{owner}/{next(iter(splits))}" if owner else next(iter(splits))
+        why = (
+            "its split leaves it unsummed"
+            if output and len(by_owner) == 1 and owner
+            else "its split spans modules"
+        )
+        raise Refused(
+            f"it would split {param}, and {owner or 'the model'} computes no tensor-parallel role but "
+            f"Region, whose split begins and is summed inside the module ({why})"
+        )
+    if size is not None:
+        values = {path: value for value, path in graph.params.items()}
+        for name, dim in splits.items():
+            if (n := graph.shapes[values[f"{owner}/{name}"]][dim]) % size:
+                raise Refused(f"{owner}/{name} dim {dim} has {n}, which {axis!r} of {size} does not divide")
+    return {owner: Region(axis, dims=splits)}
 
 
 def _role_for(

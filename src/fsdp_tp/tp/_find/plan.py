@@ -35,8 +35,9 @@ from .mesh import AUTO_AXIS
 # How a module of raw kernels is named where a plan leaves it whole, and what would split it
 RAW = "its own code reads raw parameters through matmuls"
 RAW_FIX = (
-    "give each kernel a layer of its own (an einsum module: nnx.Einsum, nn.Einsum, or a class "
-    "registered with fsdp_tp.tp.register_einsum) to split it"
+    "no split of its kernels begins and is summed inside its code (a Region's), so give each kernel "
+    "a layer of its own (an einsum module: nnx.Einsum, nn.Einsum, or a class registered with "
+    "fsdp_tp.tp.register_einsum) to split it"
 )
 
 __all__ = [
