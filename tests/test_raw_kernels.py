@@ -27,8 +27,9 @@ from jax.sharding import PartitionSpec as P
 import fsdp_tp
 from fsdp_tp.analysis import parse_collectives
 from fsdp_tp.errors import RuleError
+from fsdp_tp.models.moe import mixture
 from fsdp_tp.testing import check_sharded
-from fsdp_tp.tp import ColumnParallel, Region, RowParallel, VocabParallel
+from fsdp_tp.tp import ColumnParallel, ExpertParallel, Region, RowParallel, VocabParallel
 from fsdp_tp.tp._check.driver import switched_off
 from tests.refusals import named_fix
 
@@ -339,3 +340,141 @@ def test_auto_finds_each_raw_module_s_region_and_trains_equal_to_unsharded(api):
     assert "Region(" not in left and re.search(
         r"#   mlp: .*reduce_sum over dim 2 .* at tests/test_raw_kernels\.py:\d+", left
     )
+
+
+EXPERTS, TOP_K = 4, 2
+BANK = [("experts$", ExpertParallel(dims={"w_gate": -3, "w_up": -3, "w_down": -3}))]
+EINSUM_BANK = [(r"experts/(gate|up)$", ExpertParallel()), (r"experts/down$", ExpertParallel(returns=True))]
+EXPERT_MESH, EXPERT_AXES = {"data": 2, "expert": 4}, ("data", "expert")
+
+
+def _experts(x, w_gate, w_up, w_down):
+    """A gated expert MLP on buffers (groups, E, capacity, d), kernels (E, d, h) and (E, h, d)."""
+    hidden = nn.silu(jnp.einsum("gecd,edh->gech", x, w_gate)) * jnp.einsum("gecd,edh->gech", x, w_up)
+    return jnp.einsum("gech,ehd->gecd", hidden, w_down)
+
+
+class LinenRawBank(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        w_gate, w_up = (self.param(name, init, (EXPERTS, D, H)) for name in ("w_gate", "w_up"))
+        return _experts(x, w_gate, w_up, self.param("w_down", init, (EXPERTS, H, D)))
+
+
+class LinenEinsumBank(nn.Module):
+    """The same bank one kernel a module (the library's own experts' layout)."""
+
+    @nn.compact
+    def __call__(self, x):
+        gate, up = (nn.Einsum((EXPERTS, D, H), "GECD,EDH->GECH", False, name=n)(x) for n in ("gate", "up"))
+        return nn.Einsum((EXPERTS, H, D), "GECH,EHD->GECD", False, name="down")(nn.silu(gate) * up)
+
+
+class LinenRawMoE(nn.Module):
+    capacity_factor: float | None = None
+    einsums: bool = False
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(V, D, name="embed")(tokens)
+        bank = (LinenEinsumBank if self.einsums else LinenRawBank)(name="experts")
+        router = nn.Dense(EXPERTS, use_bias=False, name="router")
+        y, _ = mixture(x, router, bank, k=TOP_K, capacity_factor=self.capacity_factor, group_rows=1)
+        return nn.Dense(V, name="head")(x + y)
+
+
+class NNXRawBank(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        self.w_gate, self.w_up = (nnx.Param(init(rngs.params(), (EXPERTS, D, H))) for _ in range(2))
+        self.w_down = nnx.Param(init(rngs.params(), (EXPERTS, H, D)))
+
+    def __call__(self, x):
+        return _experts(x, self.w_gate[...], self.w_up[...], self.w_down[...])
+
+
+class NNXRawMoE(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, capacity_factor: float | None = None):
+        self.embed, self.head = nnx.Embed(V, D, rngs=rngs), nnx.Linear(D, V, rngs=rngs)
+        self.router = nnx.Linear(D, EXPERTS, use_bias=False, rngs=rngs)
+        self.experts, self.capacity_factor = NNXRawBank(rngs), capacity_factor
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        y, _ = mixture(
+            x, self.router, self.experts, k=TOP_K, capacity_factor=self.capacity_factor, group_rows=1
+        )
+        return self.head(x + y)
+
+
+def _raw_moe(api: str, capacity_factor: float | None = None):
+    if api == "linen":
+        return LinenRawMoE(capacity_factor)
+    return lambda rngs: NNXRawMoE(rngs, capacity_factor)
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_a_bank_of_raw_expert_kernels_by_its_experts_splits_is_the_unsharded_model(api):
+    """Top-2 routing, dropless and with a capacity (tokens dropped as unsharded), the bank's
+    kernels (E, d, h) split on E over ``expert`` (which splits the batch with ``data``)."""
+    once = dict(batch_axes=EXPERT_AXES, steps=1)
+    check_sharded(_raw_moe(api), BATCH, cross_entropy, EXPERT_MESH, tp_rules=BANK, **once)
+    check_sharded(_raw_moe(api, 1.0), BATCH, cross_entropy, EXPERT_MESH, tp_rules=BANK, optimizers={}, **once)
+
+
+def _moe_all_to_alls(einsums: bool) -> list[tuple[str, int]]:
+    """``(kind, operand bytes)`` of the collectives over ``expert`` of the compiled gradient of
+    the MoE LM on data 2 x expert 4 (the bank raw, or one einsum module a kernel)."""
+    mesh = fsdp_tp.make_mesh(EXPERT_MESH)
+    rules = EINSUM_BANK if einsums else BANK
+    model = fsdp_tp.shard_by_rules(LinenRawMoE, [], batch_axes=EXPERT_AXES, tp_rules=rules)(einsums=einsums)
+
+    def init_fn(rng):
+        params = model.init(rng, TOKENS[:1])["params"]
+        return fsdp_tp.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1), rng=rng)
+
+    def step_fn(state, data):
+        loss = lambda p: cross_entropy(model.apply({"params": p}, data[0]), data[1])
+        return fsdp_tp.sync_gradients(jax.grad(loss)(state.params), EXPERT_AXES), ()
+
+    state, specs = fsdp_tp.init_sharded(init_fn, mesh, P(), jax.random.key(0))
+    step = fsdp_tp.shard_step(step_fn, mesh, specs, P(EXPERT_AXES), metrics_specs=())
+    text = step.lower(state, BATCH).compile().as_text()
+    return sorted((c.kind, c.operand_bytes) for c in parse_collectives(text) if c.kind == "all-to-all")
+
+
+def test_a_raw_bank_moves_the_einsum_bank_s_all_to_alls_and_gathers_no_expert():
+    """One all-to-all to the experts' devices and one back, forward and backward: four, each of
+    a device's buffer, as the same bank written one nn.Einsum a kernel moves."""
+    raw = _moe_all_to_alls(einsums=False)
+    assert len(raw) == 4 and raw == _moe_all_to_alls(einsums=True)
+
+
+def test_negative_control_a_raw_bank_s_kernel_gradient_unscaled_is_caught(monkeypatch):
+    """A device's experts meet every device's tokens: their gradient is the mean over the
+    devices' losses. Left the sum (the 1/n scaling dropped), the harness sees n times it."""
+    import fsdp_tp.tp._experts as experts
+
+    monkeypatch.setattr(experts, "_cotangent_times", lambda x, factor: x)
+    with pytest.raises(AssertionError, match=r"grads\['experts'\]"):
+        once = dict(batch_axes=EXPERT_AXES, steps=1, optimizers={})
+        check_sharded(_raw_moe("linen"), BATCH, cross_entropy, EXPERT_MESH, tp_rules=BANK, **once)
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_auto_finds_a_bank_of_raw_expert_kernels_and_trains_equal_to_unsharded(api):
+    """On data x expert, "auto" gives the bank ExpertParallel on each kernel's experts dim (the
+    dim every einsum reading it batches over), printed as a user writes it; the plan trains equal
+    to unsharded. An expert axis that does not divide the experts leaves the bank whole, named."""
+    found = (
+        fsdp_tp.linen.find_tp_rules(LinenRawMoE(), TOKENS, expert_size=4)
+        if api == "linen"
+        else fsdp_tp.nnx.find_tp_rules(NNXRawMoE(nnx.Rngs(0)), TOKENS, expert_size=4)
+    )
+    assert found.rules == (("^experts$", BANK[0][1]),) and str(found).count("ExpertParallel(dims=") == 1
+    once = dict(batch_axes=EXPERT_AXES, steps=1, optimizers={})
+    check_sharded(_raw_moe(api), BATCH, cross_entropy, EXPERT_MESH, tp_rules="auto", **once)
+    if api == "linen":
+        left = str(fsdp_tp.linen.find_tp_rules(LinenRawMoE(), TOKENS, expert_size=3))
+        assert "#   experts: " in left and "its 4 experts, which 'expert' of 3 does not divide" in left

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -40,6 +41,7 @@ from .._batch import step_batch_axes
 from ..errors import RuleError
 from ._einsum import Equation, shrunk
 from ._matmul import ColumnParallel, RowParallel
+from ._region import named_dims
 from ._role import Layer, Local, TPRole
 from .pieces import once
 
@@ -59,12 +61,20 @@ class ExpertParallel(TPRole):
     input dim that is neither a kernel dim nor contracted (the groups). ``within``: each
     expert's own Megatron split over another axis, on the experts' devices (gate and up
     ``ColumnParallel()``, down ``RowParallel()`` over ``tensor``: the hidden dim split there too,
-    one all-reduce forward and one backward per expert MLP)."""
+    one all-reduce forward and one backward per expert MLP). ``dims`` (``{parameter: dim}``,
+    counted from the end): the role computes a module of raw expert kernels (any class) that
+    takes the dispatched buffers ``(groups, E, capacity, d)`` and gives them back, each named
+    kernel split on its experts dim: the buffers go to the experts' devices, the module's own
+    code runs on this device's experts, and its output comes back (one all-to-all each way).
+
+    >>> ExpertParallel(dims={"w_up": -3, "w_down": -3}).splits(Layer("module", "moe/experts"))
+    {'w_down': -3, 'w_up': -3}"""
 
     axis: str = EXPERT
     letter: str | None = None
     returns: bool = False
     within: TPRole | None = None
+    dims: Mapping[str, int] | tuple = ()
     kinds: ClassVar[tuple[str, ...]] = ("einsum",)
     on_batch_axis: ClassVar[bool] = True
 
@@ -72,6 +82,18 @@ class ExpertParallel(TPRole):
         super().__post_init__()
         if self.within is not None:
             _require_within(self.within, self.axis)
+        if self.dims:
+            example = "ExpertParallel(dims={'w_gate': -3, 'w_up': -3, 'w_down': -3}) for (E, d, h), (E, h, d)"
+            object.__setattr__(self, "dims", named_dims("ExpertParallel", self.dims, example))
+            if self.within is not None or self.letter is not None:
+                raise RuleError(
+                    f"ExpertParallel(dims={self.dims!r}, ...) computes a module of raw expert kernels, each "
+                    f"split on its experts' dim, taking and giving back buffers (groups, E, capacity, d); "
+                    f"letter= and within= are an einsum layer's: drop them."
+                )
+
+    def takes_any_module(self) -> bool:
+        return bool(self.dims)  # (a bank of raw expert kernels, whatever its class)
 
     def parts(self):
         return (self,) if self.within is None else (self, self.within)
@@ -87,6 +109,8 @@ class ExpertParallel(TPRole):
         return eq, letter, eq.kernel_dim(letter)
 
     def splits(self, layer):
+        if self.dims:
+            return dict(self.dims)
         eq, letter, dim = self._split(layer)
         kernel, *bias = layer.parameters
         return {kernel: dim - len(eq.kernel)} | {
@@ -94,10 +118,14 @@ class ExpertParallel(TPRole):
         }
 
     def divides(self, layer):
+        if self.dims:
+            return {}  # (the parameters' own sizes: storage checks each split names its dim)
         eq, letter, dim = self._split(layer)
         return {f"the experts (letter {letter!r} of {eq.text!r})": layer.kernel_shape[dim]}
 
     def local(self, layer, size):
+        if self.dims:
+            return Local(blocks=dict(self.dims))
         _, _, dim = self._split(layer)
         own = Local(kernel_shape=shrunk(layer.kernel_shape, dim, size))
         if self.within is None:
@@ -107,6 +135,8 @@ class ExpertParallel(TPRole):
         return self.within.local(experts, jax.lax.axis_size(self.within.axis))
 
     def call(self, method, run, layer, args, kwargs):
+        if self.dims:
+            return self._bank(run, layer, args, kwargs)
         eq, letter, dim = self._split(layer)
         _require_batch_axis(self.axis, layer.path)
         x, n = args[0], jax.lax.axis_size(self.axis)
@@ -131,6 +161,29 @@ class ExpertParallel(TPRole):
             back = _rows_dim(eq, eq.output, out.ndim)
             out = _all_to_all(out, self.axis, split=back, concat=eq.dim_of(letter, eq.output, out.ndim))
         return out
+
+    def _bank(self, run, layer: Layer, args: tuple, kwargs: dict):
+        """A module of raw expert kernels on its buffer ``(groups, E, capacity, d)``: each device's
+        slice of the experts to the device holding them, the module on this device's experts,
+        and its output back, with the gradients' scaling of an einsum's (one all-to-all each way)."""
+        _require_batch_axis(self.axis, layer.path)
+        x, n = args[0], jax.lax.axis_size(self.axis)
+        if x.ndim < 3 or x.shape[1] % n:
+            raise RuleError(
+                f"{layer.path} (ExpertParallel(dims=...) over {self.axis!r}, {n} devices): a module of raw "
+                f"expert kernels takes buffers (groups, E, capacity, d) with every expert, E a multiple of "
+                f"{n}; its input is {tuple(x.shape)}. Give the role to the module the dispatched buffers "
+                f"go through (fsdp_tp.routing.dispatch's), or write its experts as einsum layers."
+            )
+        sent = _cotangent_times(_all_to_all(x, self.axis, split=1, concat=0), n)
+        out = _cotangent_times(run(sent, *args[1:], **kwargs), 1 / n)
+        if getattr(out, "shape", ())[:2] != sent.shape[:2]:
+            raise RuleError(
+                f"{layer.path} (ExpertParallel(dims=...)): given this device's experts' buffer "
+                f"{tuple(sent.shape)} it returned {getattr(out, 'shape', type(out).__name__)}; a bank of "
+                f"raw expert kernels gives back a buffer (groups, E, capacity, d) to return to its tokens."
+            )
+        return _all_to_all(out, self.axis, split=0, concat=1)
 
 
 def _around(role: TPRole, method: str, run, layer: Layer, *args, **kwargs):

@@ -41,8 +41,8 @@ class Kinds:
 
     def takes(self, role: TPRole, cls: type) -> bool:
         """Whether ``role`` computes a module of class ``cls``: one of its kinds, or any module
-        for a role that names the module's parameters itself (``any_module``)."""
-        return role.any_module or self.of(cls) in role.kinds
+        for a role that names the module's parameters itself (``takes_any_module``)."""
+        return role.takes_any_module() or self.of(cls) in role.kinds
 
     def roles_for(self, cls: type) -> list[str]:
         kind = self.of(cls)

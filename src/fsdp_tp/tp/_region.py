@@ -33,7 +33,7 @@ from ._around import copied
 from ._role import Layer, Local, TPRole
 from .pieces import row_reduce
 
-__all__ = ["Dims", "Region"]
+__all__ = ["Dims", "Region", "named_dims"]
 
 
 class Dims(tuple):
@@ -68,15 +68,8 @@ class Region(TPRole):
                 f"Region({dict(self.axis)!r}): a role's first argument is its mesh axis; pass the "
                 f"parameters' dims by keyword: Region(dims={dict(self.axis)!r})."
             )
-        given = dict(self.dims)
-        bad = {name: dim for name, dim in given.items() if not _from_the_end(dim)}
-        if not given or bad:
-            raise RuleError(
-                f"Region(dims={given!r}): name each parameter of the module and the dim it splits on, "
-                f"counted from the end ({bad or 'none named'}): Region(dims={{'w_gate': -1, 'w_up': -1, "
-                f"'w_down': -2}}) for kernels (d, h), (d, h) and (h, d)."
-            )
-        object.__setattr__(self, "dims", Dims(sorted(given.items())))
+        example = "Region(dims={'w_gate': -1, 'w_up': -1, 'w_down': -2}) for kernels (d, h), (d, h), (h, d)"
+        object.__setattr__(self, "dims", named_dims("Region", self.dims, example))
 
     def splits(self, layer: Layer) -> dict[str, int]:
         return dict(self.dims)
@@ -102,5 +95,18 @@ class Region(TPRole):
         return row_reduce(out, self.axis, self.sequence_dim)
 
 
-def _from_the_end(dim) -> bool:
-    return isinstance(dim, int) and not isinstance(dim, bool) and dim < 0
+def named_dims(role: str, dims, example: str) -> Dims:
+    """A role's ``{parameter: dim}`` of a module of raw kernels, checked: at least one, each dim
+    a whole number counted from the end (a stacked scan dim in front then changes nothing)."""
+    given = dict(dims)
+    bad = {
+        name: dim
+        for name, dim in given.items()
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim >= 0
+    }
+    if not given or bad:
+        raise RuleError(
+            f"{role}(dims={given!r}): name each parameter of the module and the dim it splits on, "
+            f"counted from the end ({bad or 'none named'}): {example}."
+        )
+    return Dims(sorted(given.items()))

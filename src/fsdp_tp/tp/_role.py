@@ -103,7 +103,7 @@ class TPRole:
     # there), where a tensor-parallel axis never is.
     on_batch_axis: ClassVar[bool] = False
     # Whether the role takes a module of any class (its parameters named: a module of raw
-    # kernels), beside those of its kinds.
+    # kernels), beside those of its kinds; a role that may be told so takes_any_module().
     any_module: ClassVar[bool] = False
 
     def __post_init__(self):
@@ -116,6 +116,11 @@ class TPRole:
                 f"sequence dim counted from the front, a whole number >= 0 (1 for (batch, sequence, "
                 f"features)); the last dim is the features a role splits, never the sequence."
             )
+
+    def takes_any_module(self) -> bool:
+        """Whether this role computes a module of any class, its parameters named by the role
+        (a module of raw kernels), beside the classes of its ``kinds``."""
+        return self.any_module
 
     def splits(self, layer: Layer) -> dict[str, int]:
         """``{parameter path under the module: the dim split over the axis}``."""

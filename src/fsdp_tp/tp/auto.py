@@ -33,7 +33,7 @@ from .._axes import TENSOR
 from ..errors import IndivisibleShapeError, RuleError
 from ._einsum import Equation
 from ._experts import EXPERT, ExpertParallel
-from ._find.experts import expert_roles, with_within
+from ._find.experts import expert_roles, raw_banks, with_within
 from ._find.plan import RAW, RAW_FIX, TPPlan, rules_for
 from ._find.regions import Refused, grow
 from ._jaxpr.graph import Graph, kernel_operand, kernels_of
@@ -70,6 +70,7 @@ def find_plan(
     banks: dict[str, ExpertParallel] = {}
     if expert_size is not None:
         banks = expert_roles(graph, layers, expert_axis, expert_size, reasons)
+        banks |= raw_banks(graph, layers, expert_axis, expert_size, reasons)
         regions += [tuple(banks)] if banks else []
         axis = axis if size is not None else None
         if axis is None:  # (else each expert's hidden dim may go over the tensor axis within)
@@ -121,7 +122,9 @@ def _raw_modules(
                     read.setdefault(module, {})[name] = None
     # (where a Region's split was tried and refused, why; else why none could be)
     why = lambda module: (
-        f"a Region's {reasons[module]}" if module in reasons else f"which no role computes: {RAW_FIX}"
+        f"and no role splits it so: {reasons[module]}"
+        if module in reasons
+        else f"which no role computes: {RAW_FIX}"
     )
     return tuple(
         (module or "the model", f"{RAW} ({', '.join(names)}), {why(module)}")

@@ -35,9 +35,10 @@ from ...errors import IndivisibleShapeError, RuleError
 from .._einsum import Equation
 from .._experts import ExpertParallel
 from .._jaxpr.graph import Graph, kernel_operand, kernels_of
+from .._jaxpr.relations import Node
 from .._role import Layer, TPRole
 
-__all__ = ["expert_banks", "expert_roles", "with_within"]
+__all__ = ["expert_banks", "expert_roles", "raw_banks", "with_within"]
 
 _MATMUL = ("dot_general",)
 
@@ -106,6 +107,64 @@ def expert_roles(
             continue
         found[path] = role
     return found
+
+
+def raw_banks(
+    graph: Graph, layers: Mapping[str, Layer], axis: str, size: int, reasons: dict[str, str]
+) -> dict[str, ExpertParallel]:
+    """Each module of raw expert kernels no role's kind computes (``(E, d, h)`` parameters its own
+    einsums read): every matmul reading one of its parameters batches over one dim of it, the
+    same each time (the experts' ``e`` of ``'gecd,edh->gech'``). Its
+    ``ExpertParallel(dims=...)`` over ``axis``, where ``size`` divides the experts; else its
+    reason is kept."""
+    kernels, made = kernels_of(graph), {out: node for node in graph.nodes for out in node.outs}
+    batched: dict[str, dict[str, set[int]]] = {}
+    unbatched: set[str] = set()
+    for node in graph.nodes:
+        if node.prim not in _MATMUL or (kernel := kernel_operand(node, kernels)) is None:
+            continue
+        param = kernels[kernel]
+        module, _, name = graph.params[param].rpartition("/")
+        if not module or module in layers or any(module.startswith(f"{p}/") for p in layers):
+            continue
+        _, (lb, rb) = node.params["dimension_numbers"]
+        dims = lb if kernel == node.ins[0] else rb
+        at = _param_dim(made, kernel, dims[0], param) if len(dims) == 1 else None
+        if at is None:
+            unbatched.add(module)
+            continue
+        batched.setdefault(module, {}).setdefault(name, set()).add(at - len(graph.shapes[param]))
+    values = {path: value for value, path in graph.params.items()}
+    found: dict[str, ExpertParallel] = {}
+    for module, names in batched.items():
+        if module in unbatched or any(len(dims) != 1 for dims in names.values()):
+            continue
+        dims = {name: next(iter(at)) for name, at in names.items()}
+        experts = {graph.shapes[values[f"{module}/{name}"]][dim] for name, dim in dims.items()}
+        if any(e % size for e in experts):
+            said = ", ".join(map(str, sorted(experts)))
+            reasons[module] = (
+                f"ExpertParallel would split its {said} experts, which {axis!r} of {size} does not divide"
+            )
+            continue
+        found[module] = ExpertParallel(axis, dims=dims)
+    return found
+
+
+def _param_dim(made: Mapping[int, Node], value: int, dim: int, param: int) -> int | None:
+    """The dim of ``param`` that ``value``'s ``dim`` is, back through the layout operations
+    that made ``value`` from it (a transpose jnp.einsum put before its matmul)."""
+    while value != param:
+        node = made.get(value)
+        if node is None or not node.ins or node.ins[0] is None:
+            return None
+        source = node.ins[0]
+        group = next((g for g in node.same if (value, dim) in g), [])
+        dims = [d for v, d in group if v == source]
+        if len(dims) != 1:
+            return None
+        value, dim = source, dims[0]
+    return dim
 
 
 def with_within(bank: ExpertParallel, found: TPRole | None) -> TPRole:
