@@ -25,8 +25,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
-from fsdp_tp.analysis import parse_collectives
-from fsdp_tp.errors import RuleError
+from fsdp_tp.analysis import dot_flops, parse_collectives
+from fsdp_tp.errors import LayerLeftWholeWarning, RuleError
 from fsdp_tp.models.moe import mixture
 from fsdp_tp.testing import check_sharded
 from fsdp_tp.tp import ColumnParallel, ExpertParallel, Region, RowParallel, VocabParallel
@@ -171,9 +171,9 @@ class Holder(nn.Module):
         return (LinenDenseSwiGLU if self.dense else LinenSwiGLU)(name="mlp")(nn.RMSNorm(name="norm")(x))
 
 
-def _step_collectives(module: Holder, tp_rules, check_vma: bool) -> list[tuple[str, int]]:
+def _step_collectives(module: Holder, tp_rules, check_vma: bool) -> tuple[list[tuple[str, int]], int]:
     """``(kind, operand bytes)`` of every collective of the compiled SGD step of ``module`` on
-    data 2 x tensor 4: forward, backward and update."""
+    data 2 x tensor 4 (forward, backward and update), and its matmuls' FLOPs per device."""
     mesh = fsdp_tp.make_mesh({"data": 2, "tensor": 4})
     model = fsdp_tp.shard_by_rules(Holder, [], batch_axes=("data",), tp_rules=tp_rules)(module.dense)
     x = jnp.ones((8, 4, D))
@@ -189,21 +189,24 @@ def _step_collectives(module: Holder, tp_rules, check_vma: bool) -> list[tuple[s
 
     state, specs = fsdp_tp.init_sharded(init_fn, mesh, P(), jax.random.key(0), check_vma=check_vma)
     step = fsdp_tp.shard_step(step_fn, mesh, specs, P("data"), metrics_specs=(), check_vma=check_vma)
-    text = step.lower(state, x).compile().as_text()
-    return sorted((c.kind, c.operand_bytes) for c in parse_collectives(text) if c.group_size > 1)
+    lowered = step.lower(state, x)
+    text = lowered.compile().as_text()
+    found = sorted((c.kind, c.operand_bytes) for c in parse_collectives(text) if c.group_size > 1)
+    return found, dot_flops(lowered.as_text(dialect="hlo"))
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_a_region_moves_what_its_one_kernel_a_module_twin_moves_megatron_s_minimum(check_vma):
     """One all-reduce over ``tensor`` forward (the row sum) and one backward (*f*, shared by the
     gate and up reads), of a device's activations (4 x 4 x 8 float32); the gradients' sync over
-    ``data``; no kernel gathered over ``tensor``. The same as the model written one kernel a
-    module under Megatron's rules."""
-    region = _step_collectives(Holder(), RULES, check_vma)
+    ``data``; no kernel gathered over ``tensor``; a fourth of the matmuls' FLOPs. The same as the
+    model written one kernel a module under Megatron's rules."""
+    region, flops = _step_collectives(Holder(), RULES, check_vma)
     activation = 4 * 4 * D * 4
     assert [c for c in region if c == ("all-reduce", activation)] == [("all-reduce", activation)] * 2
     assert not [c for c in region if c[0] == "all-gather"]
-    assert region == _step_collectives(Holder(dense=True), DENSE_RULES, check_vma)
+    assert (region, flops) == _step_collectives(Holder(dense=True), DENSE_RULES, check_vma)
+    assert 4 * flops == _step_collectives(Holder(), [], check_vma)[1]  # (each device a fourth)
 
 
 class LinenDroppingSwiGLU(LinenSwiGLU):
@@ -374,6 +377,7 @@ class LinenEinsumBank(nn.Module):
 class LinenRawMoE(nn.Module):
     capacity_factor: float | None = None
     einsums: bool = False
+    shared: bool = False  # (a shared expert every token takes: a one-module SwiGLU)
 
     @nn.compact
     def __call__(self, tokens):
@@ -381,6 +385,8 @@ class LinenRawMoE(nn.Module):
         bank = (LinenEinsumBank if self.einsums else LinenRawBank)(name="experts")
         router = nn.Dense(EXPERTS, use_bias=False, name="router")
         y, _ = mixture(x, router, bank, k=TOP_K, capacity_factor=self.capacity_factor, group_rows=1)
+        if self.shared:
+            y = y + LinenSwiGLU(name="shared")(x)
         return nn.Dense(V, name="head")(x + y)
 
 
@@ -395,23 +401,24 @@ class NNXRawBank(nnx.Module):
 
 
 class NNXRawMoE(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs, capacity_factor: float | None = None):
+    def __init__(self, rngs: nnx.Rngs, capacity_factor: float | None = None, shared: bool = False):
         self.embed, self.head = nnx.Embed(V, D, rngs=rngs), nnx.Linear(D, V, rngs=rngs)
         self.router = nnx.Linear(D, EXPERTS, use_bias=False, rngs=rngs)
         self.experts, self.capacity_factor = NNXRawBank(rngs), capacity_factor
+        self.shared = NNXSwiGLU(rngs) if shared else None
 
     def __call__(self, tokens):
         x = self.embed(tokens)
         y, _ = mixture(
             x, self.router, self.experts, k=TOP_K, capacity_factor=self.capacity_factor, group_rows=1
         )
-        return self.head(x + y)
+        return self.head(x + y + (self.shared(x) if self.shared is not None else 0))
 
 
-def _raw_moe(api: str, capacity_factor: float | None = None):
+def _raw_moe(api: str, capacity_factor: float | None = None, shared: bool = False):
     if api == "linen":
-        return LinenRawMoE(capacity_factor)
-    return lambda rngs: NNXRawMoE(rngs, capacity_factor)
+        return LinenRawMoE(capacity_factor, shared=shared)
+    return lambda rngs: NNXRawMoE(rngs, capacity_factor, shared)
 
 
 @pytest.mark.parametrize("api", ["linen", "nnx"])
@@ -478,3 +485,30 @@ def test_auto_finds_a_bank_of_raw_expert_kernels_and_trains_equal_to_unsharded(a
     if api == "linen":
         left = str(fsdp_tp.linen.find_tp_rules(LinenRawMoE(), TOKENS, expert_size=3))
         assert "#   experts: " in left and "its 4 experts, which 'expert' of 3 does not divide" in left
+
+
+COMPOSED_MESH, COMPOSED_AXES = {"fsdp": 2, "expert": 2, "tensor": 2}, ("fsdp", "expert")
+# FSDP on the model dim each kernel's expert or tensor split leaves whole
+MOE_FSDP = [
+    (r"experts/w_(gate|up)$", P(None, "fsdp")),
+    (r"experts/w_down$", P(None, None, "fsdp")),
+    (r"shared/w_(gate|up)$", P("fsdp")),
+    (r"shared/w_down$", P(None, "fsdp")),
+]
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_a_raw_moe_with_a_shared_expert_on_fsdp_expert_tensor_by_rules_and_by_auto(api, check_vma):
+    """The bank over ``expert``, the shared expert (a one-module SwiGLU) a Region over
+    ``tensor``, both FSDP-split on their model dim, capacity 1.0: equal to unsharded by the
+    rules; "auto" finds the same roles and trains equal too."""
+    rules = [*BANK, ("shared$", SWIGLU)]
+    once = dict(batch_axes=COMPOSED_AXES, steps=1, check_vma=check_vma)
+    model = _raw_moe(api, 1.0, shared=True)
+    check_sharded(model, BATCH, cross_entropy, COMPOSED_MESH, MOE_FSDP, tp_rules=rules, **once)
+    if check_vma:  # (the router alone left whole: its softmax reads every expert's logit)
+        said = r"leaves 1 of 5 layers whole.*: router \(router/kernel"
+        with pytest.warns(LayerLeftWholeWarning, match=said):
+            auto = dict(tp_rules="auto", optimizers={})
+            check_sharded(model, BATCH, cross_entropy, COMPOSED_MESH, MOE_FSDP, **auto, **once)
