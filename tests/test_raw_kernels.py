@@ -512,3 +512,31 @@ def test_a_raw_moe_with_a_shared_expert_on_fsdp_expert_tensor_by_rules_and_by_au
         with pytest.warns(LayerLeftWholeWarning, match=said):
             auto = dict(tp_rules="auto", optimizers={})
             check_sharded(model, BATCH, cross_entropy, COMPOSED_MESH, MOE_FSDP, **auto, **once)
+
+
+class LinenRawHead(nn.Module):
+    """Logits from a raw kernel (d, V): a module that ends on a column."""
+
+    @nn.compact
+    def __call__(self, x):
+        return x @ self.param("w", nn.initializers.lecun_normal(), (D, V))
+
+
+class LinenRawHeadLM(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(V, D, name="embed")(tokens)
+        return LinenRawHead(name="head")(x + LinenSwiGLU(name="mlp")(x))
+
+
+def test_a_region_ending_on_a_column_gathers_its_output():
+    """``gather_output=True``: the head's vocabulary split over ``tensor``, its logits gathered
+    along their last dim; without it, each device's slice would be summed as a row's is, 8 of 32
+    logits a token: the plan check refuses it (a sum of blocks no read contracted)."""
+    head = Region(dims={"w": -1}, gather_output=True)
+    mesh, once = {"data": 2, "tensor": 4}, dict(steps=1, optimizers={})
+    check_sharded(LinenRawHeadLM(), BATCH, cross_entropy, mesh, tp_rules=[*RULES, ("head$", head)], **once)
+    summed = [*RULES, ("head$", Region(dims={"w": -1}))]
+    with pytest.raises(RuleError, match=r"psum\w* sums over 'tensor' \(4\) the blocks") as refused:
+        check_sharded(LinenRawHeadLM(), BATCH, cross_entropy, mesh, tp_rules=summed, **once)
+    named_fix(refused, "Region(..., gather_output=True)")  # (applied above)

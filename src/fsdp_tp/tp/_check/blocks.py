@@ -23,7 +23,7 @@ from collections.abc import Collection, Mapping
 
 from ...errors import RuleError
 from .._jaxpr.graph import Graph
-from .._jaxpr.ops import COLLECTIVES, FLAX_ATTENTION, RANDOM, is_block, linear, paired_shapes, sums_over
+from .._jaxpr.ops import COLLECTIVES, FLAX_ATTENTION, RANDOM, SUMS, is_block, linear, paired_shapes, sums_over
 from .._jaxpr.relations import Node, shape_text
 from .._jaxpr.sites import is_library, pair, scope_of, site_of, source_of, user_site
 from .partners import partners
@@ -137,6 +137,8 @@ class Blocks:
             self.sent(node)
         if node.prim in ("pvary", "pcast") and node.ins[0] in self.alike:  # (a retype: the same numbers)
             self.alike[node.outs[0]] = self.alike[node.ins[0]]
+        if node.prim in SUMS:
+            self.summed_blocks(node)
         if node.prim in COLLECTIVES:
             return
         sums = [self.partial[v] for v in node.ins if v in self.partial]
@@ -148,6 +150,25 @@ class Blocks:
                 self.partial[out] = sums[0]
             if origin is not None:
                 self.origin[out] = origin
+
+    def summed_blocks(self, node: Node) -> None:
+        """A role's sum over the axis of what each device holds a block of, no partial sum
+        (nothing contracted the split dim: a module of raw kernels ending on a column, given a
+        Region that sums): the blocks would be added, not joined, into another model's output."""
+        for v in node.ins:
+            if (
+                v is not None
+                and v not in self.partial
+                and v in self.origin
+                and max(self.known.get(v, (1,))) > 1
+            ):
+                held = shape_text(self.local.shapes[v])
+                why = (
+                    f"{node.prim} sums over {axes_text(self.sizes)} the blocks each device holds of {held} "
+                    f"(no partial sums: nothing contracted the split dim), adding what should be joined"
+                )
+                fix = "gather what the module returns (Region(..., gather_output=True)), or contract it first"
+                self.refuse(node, None, self.origin[v], why, fix)
 
     def sent(self, node: Node) -> None:
         """An all_to_all sends a buffer's rows to the experts' devices (its output holds theirs
