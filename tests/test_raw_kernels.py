@@ -25,6 +25,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
+from fsdp_tp import routing
 from fsdp_tp.analysis import dot_flops, parse_collectives
 from fsdp_tp.errors import LayerLeftWholeWarning, RuleError
 from fsdp_tp.models.moe import mixture
@@ -540,3 +541,45 @@ def test_a_region_ending_on_a_column_gathers_its_output():
     with pytest.raises(RuleError, match=r"psum\w* sums over 'tensor' \(4\) the blocks") as refused:
         check_sharded(LinenRawHeadLM(), BATCH, cross_entropy, mesh, tp_rules=summed, **once)
     named_fix(refused, "Region(..., gather_output=True)")  # (applied above)
+
+
+class LinenRoutingMoE(nn.Module):
+    """Router, dispatch, raw expert kernels and combine in one ``__call__`` (MaxText's layout)."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(V, D, name="embed")(tokens)
+        moe = LinenRoutingBlock(name="moe")
+        return nn.Dense(V, name="head")(x + moe(x))
+
+
+class LinenRoutingBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        router = self.param("router", init, (D, EXPERTS))
+        w_gate, w_up = (self.param(name, init, (EXPERTS, D, H)) for name in ("w_gate", "w_up"))
+        choices = jax.vmap(lambda group: routing.route(group, TOP_K, None))(x @ router)
+        out = _experts(
+            jax.vmap(routing.dispatch)(x, choices), w_gate, w_up, self.param("w_down", init, (EXPERTS, H, D))
+        )
+        return jax.vmap(routing.combine)(out, choices)
+
+
+def test_a_module_that_routes_in_its_own_call_is_named_and_refused_with_the_fix():
+    """Not yet split (issue 85 point 2's hard case): the all-to-all would stand between two of
+    its einsums, and a role runs around a module's call. "auto" names it with why and the fix;
+    a rule giving it ExpertParallel(dims=...) is refused before anything trains; the fix (the
+    kernels in a module of their own, the buffers through it) trains equal to unsharded."""
+    said = str(fsdp_tp.linen.find_tp_rules(LinenRoutingMoE(), TOKENS, expert_size=4))
+    assert "#   moe: " in said and "its own call routes too" in said
+    once = dict(batch_axes=EXPERT_AXES, steps=1, optimizers={})
+    bank = [("moe$", ExpertParallel(dims={"w_gate": -3, "w_up": -3, "w_down": -3}))]
+    with pytest.raises(
+        RuleError, match=r"moe \(ExpertParallel\(dims=...\) over 'expert'.*\(1, 4, 8\)"
+    ) as refused:
+        check_sharded(LinenRoutingMoE(), BATCH, cross_entropy, EXPERT_MESH, tp_rules=bank, **once)
+    named_fix(
+        refused, "put the experts' kernels in a module of their own that the dispatched buffers go through"
+    )
+    check_sharded(_raw_moe("linen"), BATCH, cross_entropy, EXPERT_MESH, tp_rules=BANK, **once)

@@ -168,12 +168,14 @@ class ExpertParallel(TPRole):
         and its output back, with the gradients' scaling of an einsum's (one all-to-all each way)."""
         _require_batch_axis(self.axis, layer.path)
         x, n = args[0], jax.lax.axis_size(self.axis)
-        if x.ndim < 3 or x.shape[1] % n:
+        if x.ndim != 4 or x.shape[1] % n:
             raise RuleError(
                 f"{layer.path} (ExpertParallel(dims=...) over {self.axis!r}, {n} devices): a module of raw "
                 f"expert kernels takes buffers (groups, E, capacity, d) with every expert, E a multiple of "
-                f"{n}; its input is {tuple(x.shape)}. Give the role to the module the dispatched buffers "
-                f"go through (fsdp_tp.routing.dispatch's), or write its experts as einsum layers."
+                f"{n}; its input is {tuple(x.shape)}. A module whose own call routes (its input the tokens) "
+                f"cannot be split around its call: put the experts' kernels in a module of their own that "
+                f"the dispatched buffers go through (fsdp_tp.routing.dispatch's) and give it the role, or "
+                f"write each kernel as an einsum layer (ExpertParallel() on each)."
             )
         sent = _cotangent_times(_all_to_all(x, self.axis, split=1, concat=0), n)
         out = _cotangent_times(run(sent, *args[1:], **kwargs), 1 / n)

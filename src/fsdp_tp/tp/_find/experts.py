@@ -137,7 +137,15 @@ def raw_banks(
     values = {path: value for value, path in graph.params.items()}
     found: dict[str, ExpertParallel] = {}
     for module, names in batched.items():
-        if module in unbatched or any(len(dims) != 1 for dims in names.values()):
+        if module in unbatched:  # (a router's matmul beside the experts': it routes in its call)
+            reasons[module] = (
+                "its own call routes too (a matmul over its parameters batched over no experts dim "
+                "beside its expert einsums), and ExpertParallel runs around a module's call: put its "
+                "expert kernels in a module of their own that the dispatched buffers go through "
+                "(ExpertParallel(dims=...)), or each in an einsum layer"
+            )
+            continue
+        if any(len(dims) != 1 for dims in names.values()):
             continue
         dims = {name: next(iter(at)) for name, at in names.items()}
         experts = {graph.shapes[values[f"{module}/{name}"]][dim] for name, dim in dims.items()}
