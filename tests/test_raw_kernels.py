@@ -70,16 +70,6 @@ class LinenSwiGLU(nn.Module):
         return _swiglu(x, w_gate, w_up, self.param("w_down", init, (H, D)), self.norm)
 
 
-class LinenModel(nn.Module):
-    norm: bool = False
-
-    @nn.compact
-    def __call__(self, tokens):
-        x = nn.Embed(V, D, name="embed")(tokens)
-        x = x + LinenSwiGLU(self.norm, name="mlp")(nn.RMSNorm(name="norm")(x))
-        return nn.Dense(V, name="head")(x)
-
-
 class NNXSwiGLU(nnx.Module):
     def __init__(self, rngs: nnx.Rngs, norm: bool = False):
         init = nnx.initializers.lecun_normal()
@@ -90,18 +80,41 @@ class NNXSwiGLU(nnx.Module):
         return _swiglu(x, self.w_gate[...], self.w_up[...], self.w_down[...], self.norm)
 
 
-class NNXModel(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs, norm: bool = False):
+class LinenLM(nn.Module):
+    """Embedding, one pre-norm residual block of raw kernels, logits: ``block`` "mlp" (the
+    SwiGLU; ``variant``: a norm inside) or "attn" (the attention; ``variant``: constant groups)."""
+
+    block: str = "mlp"
+    variant: bool = False
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(V, D, name="embed")(tokens)
+        inner = LinenSwiGLU if self.block == "mlp" else LinenRawAttention
+        x = x + inner(self.variant, name=self.block)(nn.RMSNorm(name="norm")(x))
+        return nn.Dense(V, name="head")(x)
+
+
+class NNXLM(nnx.Module):
+    """:class:`LinenLM` in NNX, the block under the same name."""
+
+    def __init__(self, rngs: nnx.Rngs, block: str = "mlp", variant: bool = False):
         self.embed, self.norm = nnx.Embed(V, D, rngs=rngs), nnx.RMSNorm(D, rngs=rngs)
-        self.mlp, self.head = NNXSwiGLU(rngs, norm), nnx.Linear(D, V, rngs=rngs)
+        inner = NNXSwiGLU if block == "mlp" else NNXRawAttention
+        self.block, self.head = block, nnx.Linear(D, V, rngs=rngs)
+        setattr(self, block, inner(rngs, variant))
 
     def __call__(self, tokens):
         x = self.embed(tokens)
-        return self.head(x + self.mlp(self.norm(x)))
+        return self.head(x + getattr(self, self.block)(self.norm(x)))
+
+
+def _lm(api: str, block: str, variant: bool = False):
+    return LinenLM(block, variant) if api == "linen" else (lambda rngs: NNXLM(rngs, block, variant))
 
 
 def _model(api: str, norm: bool = False):
-    return LinenModel(norm) if api == "linen" else (lambda rngs: NNXModel(rngs, norm))
+    return _lm(api, "mlp", norm)
 
 
 @pytest.mark.parametrize("api", ["linen", "nnx"])
@@ -221,7 +234,7 @@ class LinenDroppingSwiGLU(LinenSwiGLU):
         return hidden @ self.param("w_down", init, (H, D))
 
 
-class LinenDroppingModel(LinenModel):
+class LinenDroppingModel(LinenLM):
     @nn.compact
     def __call__(self, tokens):
         x = nn.Embed(V, D, name="embed")(tokens)
@@ -269,16 +282,6 @@ class LinenRawAttention(nn.Module):
         return _attention(x, q, kv, out, KV_HEADS if self.constant_groups else None)
 
 
-class LinenAttentionLM(nn.Module):
-    constant_groups: bool = False
-
-    @nn.compact
-    def __call__(self, tokens):
-        x = nn.Embed(V, D, name="embed")(tokens)
-        x = x + LinenRawAttention(self.constant_groups, name="attn")(nn.RMSNorm(name="norm")(x))
-        return nn.Dense(V, name="head")(x)
-
-
 class NNXRawAttention(nnx.Module):
     def __init__(self, rngs: nnx.Rngs, constant_groups: bool = False):
         init = nnx.initializers.lecun_normal()
@@ -292,20 +295,8 @@ class NNXRawAttention(nnx.Module):
         return _attention(x, self.q[...], self.kv[...], self.out[...], groups)
 
 
-class NNXAttentionLM(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs, constant_groups: bool = False):
-        self.embed, self.norm = nnx.Embed(V, D, rngs=rngs), nnx.RMSNorm(D, rngs=rngs)
-        self.attn, self.head = NNXRawAttention(rngs, constant_groups), nnx.Linear(D, V, rngs=rngs)
-
-    def __call__(self, tokens):
-        x = self.embed(tokens)
-        return self.head(x + self.attn(self.norm(x)))
-
-
 def _attention_lm(api: str, constant_groups: bool = False):
-    if api == "linen":
-        return LinenAttentionLM(constant_groups)
-    return lambda rngs: NNXAttentionLM(rngs, constant_groups)
+    return _lm(api, "attn", constant_groups)
 
 
 @pytest.mark.parametrize("api", ["linen", "nnx"])
