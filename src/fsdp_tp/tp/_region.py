@@ -58,8 +58,7 @@ class Region(TPRole):
     dims: Mapping[str, int] | tuple = ()
     gather_output: bool = False
     sequence_dim: int | None = None
-    kinds: ClassVar[tuple[str, ...]] = ("module",)
-    any_module: ClassVar[bool] = True
+    kinds: ClassVar[tuple[str, ...]] = ("module",)  # (any class: its parameters named)
 
     def __post_init__(self):
         super().__post_init__()

@@ -102,9 +102,6 @@ class TPRole:
     # Whether the axis is one the batch is split over (experts meet every device's tokens
     # there), where a tensor-parallel axis never is.
     on_batch_axis: ClassVar[bool] = False
-    # Whether the role takes a module of any class (its parameters named: a module of raw
-    # kernels), beside those of its kinds; a role that may be told so takes_any_module().
-    any_module: ClassVar[bool] = False
 
     def __post_init__(self):
         # A role with rings (collective_matmul) names a mode the rings have, checked once here.
@@ -119,8 +116,8 @@ class TPRole:
 
     def takes_any_module(self) -> bool:
         """Whether this role computes a module of any class, its parameters named by the role
-        (a module of raw kernels), beside the classes of its ``kinds``."""
-        return self.any_module
+        (a module of raw kernels: the ``"module"`` kind), beside the classes of its ``kinds``."""
+        return "module" in self.kinds
 
     def splits(self, layer: Layer) -> dict[str, int]:
         """``{parameter path under the module: the dim split over the axis}``."""

@@ -131,7 +131,9 @@ def kind_error(role: TPRole, pattern: str, cls: type, path: str, modules: Mappin
             f"{what}; {name} computes {computes} on its slices. Name the submodules a role computes, "
             f"e.g. ('{example}$', {role_name}()); under {path or 'the model'}: {_listed(below)}."
         )
-    every = "; ".join(f"{r.__name__}: {kinds.spelled(r.kinds, ', ')}" for r in ROLES if not r.any_module)
+    every = "; ".join(
+        f"{r.__name__}: {kinds.spelled(r.kinds, ', ')}" for r in ROLES if "module" not in r.kinds
+    )
     return RuleError(
         f"{what}, which has no tensor-parallel role and no submodule one computes (roles compute "
         f"{every}). If it computes an einsum of its input and one kernel parameter, tell the roles so: "

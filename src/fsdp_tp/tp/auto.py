@@ -34,7 +34,7 @@ from ..errors import IndivisibleShapeError, RuleError
 from ._einsum import Equation
 from ._experts import EXPERT, ExpertParallel
 from ._find.experts import expert_roles, raw_banks, with_within
-from ._find.plan import RAW, RAW_FIX, TPPlan, rules_for
+from ._find.plan import RAW, RAW_FIX, TPPlan, ancestors, rules_for
 from ._find.regions import Refused, grow
 from ._jaxpr.graph import Graph, kernel_operand, kernels_of
 from ._roles import ColumnParallel, HeadParallel, Layer, Region, RowParallel, TPRole, VocabParallel
@@ -118,7 +118,7 @@ def _raw_modules(
         for value in node.ins[:1] if node.prim == "gather" else node.ins:  # (a lookup's table)
             if value in kernels:
                 module, _, name = graph.params[kernels[value]].rpartition("/")
-                if not module or not any(p in layers or p in roles for p in _ancestors(module)):
+                if not module or not any(p in layers or p in roles for p in ancestors(module)):
                     read.setdefault(module, {})[name] = None
     # (where a Region's split was tried and refused, why; else why none could be)
     why = lambda module: (
@@ -156,19 +156,14 @@ def _first_reads(graph: Graph, kernels: dict[int, int]) -> dict[str, int]:
         if node.prim in ("dot_general", "conv_general_dilated", "gather"):
             for value in node.ins:
                 if value in kernels:
-                    for module in _ancestors(graph.params[kernels[value]].rpartition("/")[0]):
+                    for module in ancestors(graph.params[kernels[value]].rpartition("/")[0]):
                         first.setdefault(module, index)
     return first
 
 
-def _ancestors(module: str) -> list[str]:
-    parts = module.split("/")
-    return ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
-
-
 def _owner(module: str, layers: Mapping[str, Layer]) -> str:
     """The module a parameter's split belongs to: its own, or the attention it is part of."""
-    attention = (p for p in _ancestors(module)[:-1] if p in layers and layers[p].kind == "attention")
+    attention = (p for p in ancestors(module)[:-1] if p in layers and layers[p].kind == "attention")
     return next(attention, module)
 
 

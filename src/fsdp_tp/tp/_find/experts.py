@@ -37,6 +37,7 @@ from .._experts import ExpertParallel
 from .._jaxpr.graph import Graph, kernel_operand, kernels_of
 from .._jaxpr.relations import Node
 from .._role import Layer, TPRole
+from .plan import ancestors
 
 __all__ = ["expert_banks", "expert_roles", "raw_banks", "with_within"]
 
@@ -125,7 +126,7 @@ def raw_banks(
             continue
         param = kernels[kernel]
         module, _, name = graph.params[param].rpartition("/")
-        if not module or module in layers or any(module.startswith(f"{p}/") for p in layers):
+        if not module or any(p in layers for p in ancestors(module)):
             continue
         _, (lb, rb) = node.params["dimension_numbers"]
         dims = lb if kernel == node.ins[0] else rb

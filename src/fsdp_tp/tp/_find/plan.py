@@ -44,6 +44,7 @@ __all__ = [
     "RAW",
     "RAW_FIX",
     "TPPlan",
+    "ancestors",
     "fitted",
     "letter_hints",
     "rules_for",
@@ -137,6 +138,12 @@ def fitted(plan: TPPlan, attempt: Callable[[TPPlan], Any]) -> TPPlan:
             if reduced is None:
                 raise
             plan = reduced
+
+
+def ancestors(module: str) -> list[str]:
+    """``module``'s path and each of its parents', outermost first: ``a``, ``a/b``, ``a/b/c``."""
+    parts = module.split("/")
+    return ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
 def rules_for(roles: Mapping[str, TPRole], paths: list[str]) -> tuple[tuple[str, TPRole], ...]:
