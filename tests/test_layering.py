@@ -84,6 +84,7 @@ CORE = (
     "tp._check.refusals",
     "tp._check.round_trips",
     "tp._einsum",
+    "tp._expert_call",
     "tp._experts",
     "tp._find",
     "tp._find.driver",

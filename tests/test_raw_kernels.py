@@ -10,6 +10,9 @@ one backward per block, no weight gathered over it). Negative controls: a norm o
 hidden dim inside the module, and a split on the dim the first einsum contracts, are refused at
 the model's line (with the check off the harness catches them); a parameter named that the
 module does not hold, and dims passed where the axis goes, are one error with the fix.
+Raw expert kernels (:class:`fsdp_tp.tp.ExpertParallel` with ``dims``), a bank taking the
+dispatched buffers or a module routing in its own call, move the einsum bank's all-to-alls;
+their gradients' ``1/n`` dropped is caught; a kernel read otherwise is refused at its line.
 """
 
 from __future__ import annotations
@@ -422,12 +425,11 @@ def test_a_bank_of_raw_expert_kernels_by_its_experts_splits_is_the_unsharded_mod
     check_sharded(_raw_moe(api, 1.0), BATCH, cross_entropy, EXPERT_MESH, tp_rules=BANK, optimizers={}, **once)
 
 
-def _moe_all_to_alls(einsums: bool) -> list[tuple[str, int]]:
-    """``(kind, operand bytes)`` of the collectives over ``expert`` of the compiled gradient of
-    the MoE LM on data 2 x expert 4 (the bank raw, or one einsum module a kernel)."""
+def _moe_all_to_alls(cls: type[nn.Module], rules, **fields) -> list[tuple[str, int]]:
+    """``(kind, operand bytes)`` of the all-to-alls of the compiled gradient of an MoE LM
+    ``cls(**fields)`` on data 2 x expert 4 by ``rules``."""
     mesh = fsdp_tp.make_mesh(EXPERT_MESH)
-    rules = EINSUM_BANK if einsums else BANK
-    model = fsdp_tp.shard_by_rules(LinenRawMoE, [], batch_axes=EXPERT_AXES, tp_rules=rules)(einsums=einsums)
+    model = fsdp_tp.shard_by_rules(cls, [], batch_axes=EXPERT_AXES, tp_rules=rules)(**fields)
 
     def init_fn(rng):
         params = model.init(rng, TOKENS[:1])["params"]
@@ -440,22 +442,27 @@ def _moe_all_to_alls(einsums: bool) -> list[tuple[str, int]]:
     state, specs = fsdp_tp.init_sharded(init_fn, mesh, P(), jax.random.key(0))
     step = fsdp_tp.shard_step(step_fn, mesh, specs, P(EXPERT_AXES), metrics_specs=())
     text = step.lower(state, BATCH).compile().as_text()
-    return sorted((c.kind, c.operand_bytes) for c in parse_collectives(text) if c.kind == "all-to-all")
+    moved = [
+        (c.kind, c.operand_bytes) for c in parse_collectives(text) if c.kind in ("all-to-all", "all-gather")
+    ]
+    return sorted(moved)  # (no parameter is FSDP-split: an all-gather would be an expert's weights)
 
 
 def test_a_raw_bank_moves_the_einsum_bank_s_all_to_alls_and_gathers_no_expert():
     """One all-to-all to the experts' devices and one back, forward and backward: four, each of
-    a device's buffer, as the same bank written one nn.Einsum a kernel moves."""
-    raw = _moe_all_to_alls(einsums=False)
-    assert len(raw) == 4 and raw == _moe_all_to_alls(einsums=True)
+    a device's buffer, as the same bank written one nn.Einsum a kernel moves; so does a module
+    that routes in its own call (the all-to-alls placed inside it)."""
+    raw = _moe_all_to_alls(LinenRawMoE, BANK)
+    assert len(raw) == 4 and raw == _moe_all_to_alls(LinenRawMoE, EINSUM_BANK, einsums=True)
+    assert _moe_all_to_alls(LinenRoutingMoE, ROUTED) == raw
 
 
 def test_negative_control_a_raw_bank_s_kernel_gradient_unscaled_is_caught(monkeypatch):
     """A device's experts meet every device's tokens: their gradient is the mean over the
     devices' losses. Left the sum (the 1/n scaling dropped), the harness sees n times it."""
-    import fsdp_tp.tp._experts as experts
+    import fsdp_tp.tp._expert_call as expert_call
 
-    monkeypatch.setattr(experts, "_cotangent_times", lambda x, factor: x)
+    monkeypatch.setattr(expert_call, "cotangent_times", lambda x, factor: x)
     with pytest.raises(AssertionError, match=r"grads\['experts'\]"):
         once = dict(batch_axes=EXPERT_AXES, steps=1, optimizers={})
         check_sharded(_raw_moe("linen"), BATCH, cross_entropy, EXPERT_MESH, tp_rules=BANK, **once)
@@ -535,42 +542,117 @@ def test_a_region_ending_on_a_column_gathers_its_output():
 
 
 class LinenRoutingMoE(nn.Module):
-    """Router, dispatch, raw expert kernels and combine in one ``__call__`` (MaxText's layout)."""
+    capacity: int | None = None
 
     @nn.compact
     def __call__(self, tokens):
         x = nn.Embed(V, D, name="embed")(tokens)
-        moe = LinenRoutingBlock(name="moe")
-        return nn.Dense(V, name="head")(x + moe(x))
+        return nn.Dense(V, name="head")(x + LinenRoutingBlock(self.capacity, name="moe")(x))
+
+
+def _routed(x, router, w_gate, w_up, w_down, capacity: int | None):
+    """Router, dispatch, raw expert kernels and combine in one call (MaxText's layout): top-2 of
+    each row's tokens, buffers (rows, E, capacity, d)."""
+    choices = jax.vmap(lambda row: routing.route(row, TOP_K, capacity))(x @ router)
+    out = _experts(jax.vmap(routing.dispatch)(x, choices), w_gate, w_up, w_down)
+    return jax.vmap(routing.combine)(out, choices)
 
 
 class LinenRoutingBlock(nn.Module):
+    capacity: int | None = None
+
     @nn.compact
     def __call__(self, x):
         init = nn.initializers.lecun_normal()
         router = self.param("router", init, (D, EXPERTS))
         w_gate, w_up = (self.param(name, init, (EXPERTS, D, H)) for name in ("w_gate", "w_up"))
-        choices = jax.vmap(lambda group: routing.route(group, TOP_K, None))(x @ router)
-        out = _experts(
-            jax.vmap(routing.dispatch)(x, choices), w_gate, w_up, self.param("w_down", init, (EXPERTS, H, D))
-        )
-        return jax.vmap(routing.combine)(out, choices)
+        return _routed(x, router, w_gate, w_up, self.param("w_down", init, (EXPERTS, H, D)), self.capacity)
 
 
-def test_a_module_that_routes_in_its_own_call_is_named_and_refused_with_the_fix():
-    """Not yet split (issue 85 point 2's hard case): the all-to-all would stand between two of
-    its einsums, and a role runs around a module's call. "auto" names it with why and the fix;
-    a rule giving it ExpertParallel(dims=...) is refused before anything trains; the fix (the
-    kernels in a module of their own, the buffers through it) trains equal to unsharded."""
-    said = str(fsdp_tp.linen.find_tp_rules(LinenRoutingMoE(), TOKENS, expert_size=4))
-    assert "#   moe: " in said and "its own call routes too" in said
-    once = dict(batch_axes=EXPERT_AXES, steps=1, optimizers={})
-    bank = [("moe$", ExpertParallel(dims={"w_gate": -3, "w_up": -3, "w_down": -3}))]
-    with pytest.raises(
-        RuleError, match=r"moe \(ExpertParallel\(dims=...\) over 'expert'.*\(1, 4, 8\)"
-    ) as refused:
-        check_sharded(LinenRoutingMoE(), BATCH, cross_entropy, EXPERT_MESH, tp_rules=bank, **once)
-    named_fix(
-        refused, "put the experts' kernels in a module of their own that the dispatched buffers go through"
+class NNXRoutingBlock(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, capacity: int | None = None):
+        init = nnx.initializers.lecun_normal()
+        self.router = nnx.Param(init(rngs.params(), (D, EXPERTS)))
+        self.w_gate, self.w_up = (nnx.Param(init(rngs.params(), (EXPERTS, D, H))) for _ in range(2))
+        self.w_down, self.capacity = nnx.Param(init(rngs.params(), (EXPERTS, H, D))), capacity
+
+    def __call__(self, x):
+        weights = (self.router, self.w_gate, self.w_up, self.w_down)
+        return _routed(x, *(w[...] for w in weights), self.capacity)
+
+
+class NNXRoutingMoE(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, capacity: int | None = None):
+        self.embed, self.head = nnx.Embed(V, D, rngs=rngs), nnx.Linear(D, V, rngs=rngs)
+        self.moe = NNXRoutingBlock(rngs, capacity)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        return self.head(x + self.moe(x))
+
+
+ROUTED = [("moe$", ExpertParallel(dims={"w_gate": -3, "w_up": -3, "w_down": -3}))]
+
+
+def _routing_moe(api: str, capacity: int | None = None):
+    return LinenRoutingMoE(capacity) if api == "linen" else lambda rngs: NNXRoutingMoE(rngs, capacity)
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_a_module_that_routes_in_its_own_call_is_split_around_its_expert_einsums(api):
+    """Router, dispatch, raw experts and combine in one ``__call__``: ExpertParallel(dims=...)
+    puts the all-to-all between the dispatch and the first expert einsum and back before the
+    combine (the module's call traced and run again with them in place), dropless and with 2
+    slots an expert (tokens dropped as unsharded), equal to unsharded; "auto" finds the same
+    role, the router left whole as it is read."""
+    found = (
+        fsdp_tp.linen.find_tp_rules(LinenRoutingMoE(), TOKENS, expert_size=4)
+        if api == "linen"
+        else fsdp_tp.nnx.find_tp_rules(NNXRoutingMoE(nnx.Rngs(0)), TOKENS, expert_size=4)
     )
-    check_sharded(_raw_moe("linen"), BATCH, cross_entropy, EXPERT_MESH, tp_rules=BANK, **once)
+    assert found.rules == (("^moe$", ROUTED[0][1]),)
+    once = dict(batch_axes=EXPERT_AXES, steps=1)
+    check_sharded(_routing_moe(api), BATCH, cross_entropy, EXPERT_MESH, tp_rules=ROUTED, **once)
+    auto = dict(tp_rules="auto", optimizers={})
+    check_sharded(_routing_moe(api, capacity=2), BATCH, cross_entropy, EXPERT_MESH, **auto, **once)
+
+
+class LinenMisreadBlock(LinenRoutingBlock):
+    """The routed block reading an expert kernel otherwise than through an einsum over its
+    experts: summed into the output, or contracted over its experts."""
+
+    misread: str = "summed"
+
+    @nn.compact
+    def __call__(self, x):
+        out = super().__call__(x)
+        w_up = self.get_variable("params", "w_up")
+        if self.misread == "summed":
+            return out + jnp.mean(w_up)
+        return out + jnp.einsum("bse,edh->bsdh", x[..., :EXPERTS], w_up)[..., 0]
+
+
+class LinenMisreadMoE(nn.Module):
+    misread: str
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(V, D, name="embed")(tokens)
+        return nn.Dense(V, name="head")(x + LinenMisreadBlock(misread=self.misread, name="moe")(x))
+
+
+@pytest.mark.parametrize("misread", ["summed", "contracted"])
+def test_an_expert_kernel_read_otherwise_than_by_its_experts_is_refused_with_the_fix(misread):
+    """A kernel each device holds only its experts of, read whole (a sum of it) or with its experts
+    contracted, has no value on one device: refused at the model's line, naming the kernel; the
+    fix (the module left whole) trains equal to unsharded."""
+    once = dict(batch_axes=EXPERT_AXES, steps=1, optimizers={})
+    op = "reduce_sum" if misread == "summed" else "dot_general"
+    said = rf"{op} at tests/test_raw_kernels.py:\d+ \(LinenMisreadBlock.__call__\) reads the expert kernel"
+    said += " 'w_up'"
+    with pytest.raises(
+        RuleError, match=rf"moe \(ExpertParallel\(dims=...\) over 'expert'\): {said}"
+    ) as refused:
+        check_sharded(LinenMisreadMoE(misread), BATCH, cross_entropy, EXPERT_MESH, tp_rules=ROUTED, **once)
+    named_fix(refused, "leave the module whole")
+    check_sharded(LinenMisreadMoE(misread), BATCH, cross_entropy, EXPERT_MESH, **once)

@@ -3,7 +3,8 @@ is (:data:`NNX`), the :class:`~fsdp_tp.tp.Layer` a module is (:func:`layer_of`),
 subclass a module's class is swapped for, whose call runs the role with the local sizes
 written as the module's attributes for that call (:func:`computed`).
 
->>> from flax import nnx
+>>> import jax.extend
+from flax import nnx
 >>> layer = layer_of(nnx.Linear(8, 16, rngs=nnx.Rngs(0)), "mlp/up")
 >>> layer.kind, layer.features, layer.in_size
 ('dense', (16,), 8)
@@ -17,6 +18,7 @@ import functools
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
+import jax.extend
 from flax import nnx
 
 from .._tree import module_path
@@ -144,8 +146,14 @@ class NNXFront:
     def with_local(self, module, method: str, role: TPRole, layer: Layer, local: Local, args, kwargs):
         """``module``'s ``method`` with ``local``'s sizes set as its attributes for the call."""
         attributes, original = _attributes(module, local), getattr(self.cls, method)
+        made_in = _trace()
 
         def run(*args, **kwargs):
+            nonlocal attributes, made_in
+            if local.read and _trace() != made_in:
+                # (a role that traces the call anew, ExpertParallel(dims=...)'s: the reads made
+                # in that trace, where the role reads them, as Linen's map_variables makes them)
+                attributes, made_in = _attributes(module, local), _trace()
             with _set(attributes):
                 try:
                     return original(module, *args, **kwargs)
@@ -157,6 +165,10 @@ class NNXFront:
                     raise slice_error(layer.path, role, err) from None
 
         return run
+
+
+def _trace():
+    return jax.extend.core.get_opaque_trace_state(convention="fsdp_tp")
 
 
 @Swap.kind("role")

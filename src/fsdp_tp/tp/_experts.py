@@ -40,6 +40,8 @@ import jax
 from .._batch import step_batch_axes
 from ..errors import RuleError
 from ._einsum import Equation, shrunk
+from ._expert_call import cotangent_times as _cotangent_times
+from ._expert_call import experts_call, gathered_read
 from ._matmul import ColumnParallel, RowParallel
 from ._region import named_dims
 from ._role import Layer, Local, TPRole
@@ -62,10 +64,11 @@ class ExpertParallel(TPRole):
     expert's own Megatron split over another axis, on the experts' devices (gate and up
     ``ColumnParallel()``, down ``RowParallel()`` over ``tensor``: the hidden dim split there too,
     one all-reduce forward and one backward per expert MLP). ``dims`` (``{parameter: dim}``,
-    counted from the end): the role computes a module of raw expert kernels (any class) that
-    takes the dispatched buffers ``(groups, E, capacity, d)`` and gives them back, each named
-    kernel split on its experts dim: the buffers go to the experts' devices, the module's own
-    code runs on this device's experts, and its output comes back (one all-to-all each way).
+    counted from the end): the role computes a module of raw expert kernels (any class), each
+    named kernel split on its experts dim: a bank taking the dispatched buffers ``(groups, E,
+    capacity, d)``, or a whole mixture routing in its own call; the module's call runs again
+    with the buffers sent to the experts' devices before its einsums over the kernels and back
+    before anything else reads them (:mod:`fsdp_tp.tp._expert_call`: one all-to-all each way).
 
     >>> ExpertParallel(dims={"w_up": -3, "w_down": -3}).splits(Layer("module", "moe/experts"))
     {'w_down': -3, 'w_up': -3}"""
@@ -124,8 +127,8 @@ class ExpertParallel(TPRole):
         return {f"the experts (letter {letter!r} of {eq.text!r})": layer.kernel_shape[dim]}
 
     def local(self, layer, size):
-        if self.dims:
-            return Local(blocks=dict(self.dims))
+        if self.dims:  # (each kernel read at its size, the einsums then take the block: _expert_call)
+            return Local(read={name: gathered_read(self.axis, dim, name) for name, dim in dict(self.dims).items()})
         _, _, dim = self._split(layer)
         own = Local(kernel_shape=shrunk(layer.kernel_shape, dim, size))
         if self.within is None:
@@ -135,8 +138,9 @@ class ExpertParallel(TPRole):
         return self.within.local(experts, jax.lax.axis_size(self.within.axis))
 
     def call(self, method, run, layer, args, kwargs):
-        if self.dims:
-            return self._bank(run, layer, args, kwargs)
+        if self.dims:  # (a module of raw expert kernels: its own call, the all-to-alls placed inside)
+            _require_batch_axis(self.axis, layer.path)
+            return experts_call(run, args, kwargs, self.axis, layer.path)
         eq, letter, dim = self._split(layer)
         _require_batch_axis(self.axis, layer.path)
         x, n = args[0], jax.lax.axis_size(self.axis)
@@ -161,31 +165,6 @@ class ExpertParallel(TPRole):
             back = _rows_dim(eq, eq.output, out.ndim)
             out = _all_to_all(out, self.axis, split=back, concat=eq.dim_of(letter, eq.output, out.ndim))
         return out
-
-    def _bank(self, run, layer: Layer, args: tuple, kwargs: dict):
-        """A module of raw expert kernels on its buffer ``(groups, E, capacity, d)``: each device's
-        slice of the experts to the device holding them, the module on this device's experts,
-        and its output back, with the gradients' scaling of an einsum's (one all-to-all each way)."""
-        _require_batch_axis(self.axis, layer.path)
-        x, n = args[0], jax.lax.axis_size(self.axis)
-        if x.ndim != 4 or x.shape[1] % n:
-            raise RuleError(
-                f"{layer.path} (ExpertParallel(dims=...) over {self.axis!r}, {n} devices): a module of raw "
-                f"expert kernels takes buffers (groups, E, capacity, d) with every expert, E a multiple of "
-                f"{n}; its input is {tuple(x.shape)}. A module whose own call routes (its input the tokens) "
-                f"cannot be split around its call: put the experts' kernels in a module of their own that "
-                f"the dispatched buffers go through (fsdp_tp.routing.dispatch's) and give it the role, or "
-                f"write each kernel as an einsum layer (ExpertParallel() on each)."
-            )
-        sent = _cotangent_times(_all_to_all(x, self.axis, split=1, concat=0), n)
-        out = _cotangent_times(run(sent, *args[1:], **kwargs), 1 / n)
-        if getattr(out, "shape", ())[:2] != sent.shape[:2]:
-            raise RuleError(
-                f"{layer.path} (ExpertParallel(dims=...)): given this device's experts' buffer "
-                f"{tuple(sent.shape)} it returned {getattr(out, 'shape', type(out).__name__)}; a bank of "
-                f"raw expert kernels gives back a buffer (groups, E, capacity, d) to return to its tokens."
-            )
-        return _all_to_all(out, self.axis, split=0, concat=1)
 
 
 def _around(role: TPRole, method: str, run, layer: Layer, *args, **kwargs):
@@ -233,19 +212,3 @@ def _rows_dim(eq: Equation, operand: str, ndim: int) -> int:
 
 def _all_to_all(x: jax.Array, axis: str, split: int, concat: int) -> jax.Array:
     return jax.lax.all_to_all(x, axis, split % x.ndim, concat % x.ndim, tiled=True)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _cotangent_times(x: jax.Array, factor: float) -> jax.Array:
-    return x
-
-
-def _cotangent_times_fwd(x, factor):
-    return x, None
-
-
-def _cotangent_times_bwd(factor, _, cotangent):
-    return (cotangent * factor,)
-
-
-_cotangent_times.defvjp(_cotangent_times_fwd, _cotangent_times_bwd)

@@ -114,13 +114,12 @@ def raw_banks(
     graph: Graph, layers: Mapping[str, Layer], axis: str, size: int, reasons: dict[str, str]
 ) -> dict[str, ExpertParallel]:
     """Each module of raw expert kernels no role's kind computes (``(E, d, h)`` parameters its own
-    einsums read): every matmul reading one of its parameters batches over one dim of it, the
-    same each time (the experts' ``e`` of ``'gecd,edh->gech'``). Its
-    ``ExpertParallel(dims=...)`` over ``axis``, where ``size`` divides the experts; else its
-    reason is kept."""
+    einsums read): a parameter every matmul reading it batches over one dim of it, the same
+    each time (the experts' ``e`` of ``'gecd,edh->gech'``), is an expert kernel; the module's
+    other parameters (a router its own call reads) stay whole. Its ``ExpertParallel(dims=...)``
+    over ``axis``, where ``size`` divides the experts; else its reason is kept."""
     kernels, made = kernels_of(graph), {out: node for node in graph.nodes for out in node.outs}
-    batched: dict[str, dict[str, set[int]]] = {}
-    unbatched: set[str] = set()
+    reads: dict[str, dict[str, set[int | None]]] = {}  # (None: a read batched over no dim of it)
     for node in graph.nodes:
         if node.prim not in _MATMUL or (kernel := kernel_operand(node, kernels)) is None:
             continue
@@ -131,24 +130,15 @@ def raw_banks(
         _, (lb, rb) = node.params["dimension_numbers"]
         dims = lb if kernel == node.ins[0] else rb
         at = _param_dim(made, kernel, dims[0], param) if len(dims) == 1 else None
-        if at is None:
-            unbatched.add(module)
-            continue
-        batched.setdefault(module, {}).setdefault(name, set()).add(at - len(graph.shapes[param]))
+        reads.setdefault(module, {}).setdefault(name, set()).add(
+            None if at is None else at - len(graph.shapes[param])
+        )
     values = {path: value for value, path in graph.params.items()}
     found: dict[str, ExpertParallel] = {}
-    for module, names in batched.items():
-        if module in unbatched:  # (a router's matmul beside the experts': it routes in its call)
-            reasons[module] = (
-                "its own call routes too (a matmul over its parameters batched over no experts dim "
-                "beside its expert einsums), and ExpertParallel runs around a module's call: put its "
-                "expert kernels in a module of their own that the dispatched buffers go through "
-                "(ExpertParallel(dims=...)), or each in an einsum layer"
-            )
-            continue
-        if any(len(dims) != 1 for dims in names.values()):
-            continue
-        dims = {name: next(iter(at)) for name, at in names.items()}
+    for module, names in reads.items():
+        dims = {name: next(iter(at)) for name, at in names.items() if len(at) == 1 and None not in at}
+        if not dims or len(dims) < sum(None not in at for at in names.values()):
+            continue  # (no expert kernel, or one read over two dims: no experts dim to split)
         experts = {graph.shapes[values[f"{module}/{name}"]][dim] for name, dim in dims.items()}
         if any(e % size for e in experts):
             said = ", ".join(map(str, sorted(experts)))

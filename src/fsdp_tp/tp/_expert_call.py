@@ -1,0 +1,323 @@
+"""A module's own call with its raw expert kernels on this device's experts: the all-to-alls
+placed between its operations, where its einsums read the kernels (:func:`experts_call`).
+
+A mixture of experts written in one ``__call__`` (MaxText's and DeepSeek's layout) routes its
+tokens, dispatches them into buffers ``(groups, E, capacity, d)``, runs them through raw
+kernels ``(E, d, h)`` and combines the results, all inside the module. A role runs around a
+module's call, so it cannot put the all-to-all between the dispatch and the first expert
+einsum. Here the call is traced once (abstractly, each expert kernel read at its full size as
+the gather of this device's block, which is never run) and re-run operation by operation on
+this device's values, each value either as the model computed it (*whole*) or laid out on the
+experts' devices (:class:`Place`: a ``1/n`` of its experts dim, ``n`` times its rows):
+
+- an einsum (``dot_general``) batching over a kernel's experts dim takes the kernel's block
+  and its other operand sent to the experts' devices (``all_to_all``: split on the experts,
+  concatenated on the operand's first free dim, the rows), once per value however many
+  einsums read it; its result stays there;
+- an elementwise operation (a ``jax.nn.silu`` between the gate and up einsums, even a jitted or
+  custom-derivative one) of values laid out alike computes there;
+- anything else that reads a value laid out so (the combine einsum, a reshape, a norm) gets it
+  back first (the inverse ``all_to_all``), as do the module's outputs.
+
+So the tokens go to their experts once and come back once, and the expert weights are never
+gathered. The gradient a device's experts get is the sum over every device's tokens: it is
+scaled by ``1/n`` (the loss is their mean), as for the einsum role
+(:class:`~fsdp_tp.tp.ExpertParallel`). A kernel read otherwise (its experts dim contracted, a
+weight norm) is refused with the op and the fix.
+
+Long because the re-run is one class: its three rules (an expert einsum, an elementwise
+operation, anything else) read and write the same places of the same values.
+
+>>> import functools, jax, jax.numpy as jnp
+>>> from jax.sharding import PartitionSpec as P
+>>> from fsdp_tp import make_mesh
+>>> mesh = make_mesh({"expert": 4}, devices=jax.devices()[:4])
+>>> def bank(x, w):  # buffers (groups, E, capacity, d), kernels (E, d, h)
+...     return jax.nn.relu(jnp.einsum("gecd,edh->gech", x, w)).sum(-1)
+>>> x, w = jnp.ones((4, 8, 2, 3)), jnp.arange(8 * 3 * 5.0).reshape(8, 3, 5)
+>>> @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("expert"), P("expert")), out_specs=P("expert"))
+... def split(x, w):
+...     read = gathered_read("expert", -3, "w")
+...     return experts_call(lambda x: bank(x, read(w)), (x,), {}, "expert", "moe")
+>>> bool(jnp.allclose(split(x, w), bank(x, w)))
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.extend.core as jcore
+import numpy as np
+from jax._src import source_info_util  # private: the user's line for each op run again, as eval_jaxpr
+
+from ..errors import RuleError
+from ._jaxpr.relations import ELEMENTWISE
+from ._jaxpr.sites import user_site
+
+__all__ = ["Place", "cotangent_times", "experts_call", "gathered_read"]
+
+_MARK = "fsdp_tp_expert_kernel"
+# Calls whose body a value laid out on the experts' devices may go through when the body is
+# elementwise (jax.nn.silu is jitted; jax.nn.relu has a custom derivative).
+_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "remat"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """Where a value is laid out on the experts' devices: ``experts``, the dim holding this
+    device's experts (``1/n`` of them); ``rows``, the dim every device's rows are concatenated
+    on (``n`` times the rows), ``None`` for a kernel (this device's block, no rows)."""
+
+    experts: int
+    rows: int | None = None
+
+    def permuted(self, order: tuple[int, ...]) -> Place:
+        rows = None if self.rows is None else order.index(self.rows)
+        return Place(order.index(self.experts), rows)
+
+
+def gathered_read(axis: str, dim: int, name: str) -> Callable[[jax.Array], jax.Array]:
+    """How a module reads expert kernel ``name`` (split on ``dim`` over ``axis``) inside
+    :func:`experts_call`: at its full size, as the gather of this device's block, so the
+    module's own code traces as written. :func:`experts_call` never runs the gather: the
+    einsums reading it take the block."""
+
+    def read(block: jax.Array) -> jax.Array:
+        with jax.named_scope(f"{_MARK}:{name}"):
+            return jax.lax.all_gather(block, axis, axis=dim % block.ndim, tiled=True)
+
+    return read
+
+
+def experts_call(run: Callable, args: tuple, kwargs: dict, axis: str, path: str) -> Any:
+    """``run(*args, **kwargs)`` (a module's call whose expert kernels are read through
+    :func:`gathered_read`) with its values on the experts' devices between the einsums over
+    the kernels and what reads their results (see the module's docstring)."""
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    arrays = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array | jax.core.Tracer)]
+
+    def traced(*values):
+        given = list(leaves)
+        for i, value in zip(arrays, values, strict=True):
+            given[i] = value
+        a, k = jax.tree.unflatten(tree, given)
+        return run(*a, **k)
+
+    closed, shape = jax.make_jaxpr(traced, return_shape=True)(*(leaves[i] for i in arrays))
+    outs = _Rerun(axis, jax.lax.axis_size(axis), path).run(
+        closed.jaxpr, closed.consts, [leaves[i] for i in arrays]
+    )
+    return jax.tree.unflatten(jax.tree.structure(shape), outs)
+
+
+class _Rerun:
+    """One re-run of a traced call: each value and, for those laid out on the experts' devices,
+    its :class:`Place`."""
+
+    def __init__(self, axis: str, n: int, path: str):
+        self.axis, self.n, self.path = axis, n, path
+        self.sent: dict[tuple, Any] = {}  # (value, experts dim, rows dim): sent once
+        self.returned: dict[Any, Any] = {}
+        self.places: dict[Any, Place] = {}
+        self.kernels: dict[Any, str] = {}  # (the kernels' names, for the refusals)
+
+    def run(self, jaxpr, consts, args) -> list:
+        env: dict = {}
+        for var, value in [*zip(jaxpr.constvars, consts, strict=True), *zip(jaxpr.invars, args, strict=True)]:
+            env[var] = value
+        for eqn in jaxpr.eqns:
+            outs, places = self._eqn(eqn, env)
+            named = next(
+                (self.kernels[v] for v in eqn.invars if self._place(v) is not None and v in self.kernels),
+                None,
+            )
+            for var, value, place in zip(eqn.outvars, outs, places, strict=True):
+                env[var] = value
+                if place is not None:
+                    self.places[var] = place
+                if named is not None and place is not None and place.rows is None:  # (a cast, a transpose)
+                    self.kernels.setdefault(var, named)
+        return [self._whole(var, env, "the module's output") for var in jaxpr.outvars]
+
+    def _read(self, atom, env):
+        return atom.val if isinstance(atom, jcore.Literal) else env[atom]
+
+    def _place(self, atom) -> Place | None:
+        return None if isinstance(atom, jcore.Literal) else self.places.get(atom)
+
+    def _eqn(self, eqn, env) -> tuple[list, list]:
+        name, places = eqn.primitive.name, [self._place(v) for v in eqn.invars]
+        marked = re.search(_MARK + r":(\w+)", str(eqn.source_info.name_stack))
+        if name == "all_gather" and marked:
+            self.kernels[eqn.outvars[0]] = marked.group(1)
+            kernel = self._read(eqn.invars[0], env)  # this device's block: the gather never runs
+            return [kernel], [Place(eqn.params["all_gather_dimension"])]
+        if name == "dot_general" and any(p is not None and p.rows is None for p in places):
+            return self._expert_einsum(eqn, env, places)
+        if any(p is not None for p in places):
+            laid = self._alike(eqn, places)
+            if laid is not None:
+                return self._elementwise(eqn, env, laid)
+        outs = _bind(eqn, [self._whole(v, env, _line(eqn)) for v in eqn.invars])
+        return outs, [None] * len(outs)
+
+    def _expert_einsum(self, eqn, env, places) -> tuple[list, list]:
+        """An einsum reading a kernel's block: its experts dim must be one it batches over; the
+        other operand goes to the experts' devices (or is there already)."""
+        (contract, batch) = eqn.params["dimension_numbers"]
+        k = next(i for i, p in enumerate(places) if p is not None and p.rows is None)
+        kernel, other = eqn.invars[k], eqn.invars[1 - k]
+        experts = places[k].experts
+        if experts not in batch[k] or (places[1 - k] is not None and places[1 - k].rows is None):
+            raise RuleError(
+                f"{self.path} (ExpertParallel(dims=...) over {self.axis!r}): {_line(eqn)} reads the expert "
+                f"kernel {self._name(kernel)} batched over no experts dim (as the 'e' of 'gecd,edh->gech' "
+                f"is) or against another kernel; write it so, or leave the module whole."
+            )
+        i, there = batch[k].index(experts), places[1 - k]
+        on, free = batch[1 - k][i], _free(other.aval.ndim, contract[1 - k], batch[1 - k])
+        if there is not None and there.experts == on:  # (already there: another einsum's result)
+            rows, x = there.rows, self._read(other, env)
+        elif free:
+            rows, x = free[0], self._sent(other, env, on, free[0])
+        else:
+            raise RuleError(
+                f"{self.path} (ExpertParallel(dims=...) over {self.axis!r}): {_line(eqn)} reads an expert "
+                f"kernel with an operand {_shape(other)} that has no dim to carry the rows to the experts' "
+                f"devices: dispatch the tokens into buffers (groups, E, capacity, d) first."
+            )
+        operands = [None, None]
+        operands[k], operands[1 - k] = self._read(kernel, env), x
+        (out,) = _bind(eqn, operands)
+        # (dot_general's result: batch dims, then the first operand's free dims, then the second's)
+        n_batch = len(batch[0])
+        first_free = _free(eqn.invars[0].aval.ndim, contract[0], batch[0])
+        at = n_batch + (first_free.index(rows) if k == 1 else len(first_free) + free.index(rows))
+        return [out], [Place(i, at)]
+
+    def _sent(self, var, env, experts: int, rows: int):
+        """``var`` sent to the experts' devices along ``experts``, its rows on ``rows`` (once)."""
+        if (var, experts, rows) not in self.sent:
+            moved = jax.lax.all_to_all(self._whole(var, env, ""), self.axis, experts, rows, tiled=True)
+            self.sent[var, experts, rows] = cotangent_times(moved, self.n)
+        return self.sent[var, experts, rows]
+
+    def _whole(self, atom, env, reader: str):
+        """``atom``'s value as the model computed it: sent back from the experts' devices if it
+        is laid out there (once); a kernel's block cannot be (its experts are on other devices)."""
+        value, place = self._read(atom, env), self._place(atom)
+        if place is None:
+            return value
+        if place.rows is None:
+            raise RuleError(
+                f"{self.path} (ExpertParallel(dims=...) over {self.axis!r}): {reader} reads the expert "
+                f"kernel {self._name(atom)} other than through an einsum over its experts (each device "
+                f"holds its own experts' block); read the kernel only in the experts' einsums, or leave "
+                f"the module whole."
+            )
+        if atom not in self.returned:
+            back = cotangent_times(value, 1 / self.n)
+            self.returned[atom] = jax.lax.all_to_all(back, self.axis, place.rows, place.experts, tiled=True)
+        return self.returned[atom]
+
+    def _name(self, kernel) -> str:
+        return repr(self.kernels.get(kernel, _shape(kernel)))
+
+    def _alike(self, eqn, places) -> Place | None:
+        """The one place of an elementwise operation's values laid out on the experts' devices
+        (the others scalars), or ``None`` where it cannot compute there."""
+        laid = {p for p in places if p is not None}
+        if len(laid) != 1:
+            return None
+        (place,) = laid
+        if eqn.primitive.name == "transpose":
+            return place.permuted(tuple(eqn.params["permutation"]))
+        shapes = {v.aval.shape for v, p in zip(eqn.invars, places, strict=True) if p is not None}
+        others = [v for v, p in zip(eqn.invars, places, strict=True) if p is None]
+        if len(shapes) != 1 or any(np.shape(v.aval) != () for v in others):
+            return None
+        if any(v.aval.shape != next(iter(shapes)) for v in eqn.outvars):
+            return None
+        name = eqn.primitive.name
+        if name in ELEMENTWISE:
+            return place
+        inner = _body(eqn)
+        return place if place.rows is not None and inner is not None and _elementwise(inner) else None
+
+    def _elementwise(self, eqn, env, place: Place) -> tuple[list, list]:
+        """An elementwise operation on this device's experts' values: a primitive as it is; a
+        call (whose body is traced at the whole shape) on the values reshaped to that shape, as
+        many elements in another order, which an elementwise body cannot tell apart."""
+        ins = [self._read(v, env) for v in eqn.invars]
+        if eqn.primitive.name in ELEMENTWISE or eqn.primitive.name == "transpose":
+            outs = _bind(eqn, ins)
+            return outs, [place] * len(outs)
+        local = next(x.shape for x, v in zip(ins, eqn.invars, strict=True) if self._place(v) is not None)
+        wide = [
+            x.reshape(v.aval.shape) if np.shape(x) == local else x
+            for x, v in zip(ins, eqn.invars, strict=True)
+        ]
+        outs = [o.reshape(local) for o in _bind(eqn, wide)]
+        return outs, [place] * len(outs)
+
+
+def _bind(eqn, ins: list) -> list:
+    """The model's operation ``eqn`` on ``ins``, made at the model's line (the plan check and
+    its refusals name it there), as ``jax.core.eval_jaxpr`` makes it."""
+    info = eqn.source_info
+    with source_info_util.user_context(info.traceback, name_stack=info.name_stack):
+        out = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _free(ndim: int, contract, batch) -> list[int]:
+    return [d for d in range(ndim) if d not in contract and d not in batch]
+
+
+def _body(eqn):
+    """The jaxpr a call-like operation runs (``None`` for any other)."""
+    if eqn.primitive.name not in _CALLS:
+        return None
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        if key in eqn.params:
+            body = eqn.params[key]
+            return getattr(body, "jaxpr", body)
+    return None
+
+
+def _elementwise(jaxpr) -> bool:
+    """Whether every operation of ``jaxpr`` computes each position from the same positions
+    (scalars broadcast at most), through calls."""
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name in ELEMENTWISE:
+            continue
+        if name == "broadcast_in_dim" and np.shape(eqn.invars[0].aval) == ():
+            continue
+        inner = _body(eqn)
+        if inner is None or not _elementwise(inner):
+            return False
+    return True
+
+
+def _line(eqn) -> str:
+    """The operation and the model's line that made it, as the plan check names them."""
+    return f"{eqn.primitive.name} at {user_site(eqn.source_info) or 'a line JAX does not record'}"
+
+
+def _shape(var) -> str:
+    return str(tuple(var.aval.shape))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def cotangent_times(x: jax.Array, factor: float) -> jax.Array:
+    return x
+
+
+cotangent_times.defvjp(lambda x, factor: (x, None), lambda factor, _, cotangent: (cotangent * factor,))
