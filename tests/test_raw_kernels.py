@@ -525,15 +525,21 @@ class LinenRawHeadLM(nn.Module):
 
 def test_a_region_ending_on_a_column_gathers_its_output():
     """``gather_output=True``: the head's vocabulary split over ``tensor``, its logits gathered
-    along their last dim; without it, each device's slice would be summed as a row's is, 8 of 32
-    logits a token: the plan check refuses it (a sum of blocks no read contracted)."""
+    along their last dim, as "auto" finds it (a region reaching the model's output), equal to
+    unsharded. Without it, each device's slice would be summed as a row's is, 8 of 32 logits a
+    token: the plan check refuses it (a sum of blocks no read contracted). Asked to leave the
+    output split, "auto" leaves the head whole, named."""
     head = Region(dims={"w": -1}, gather_output=True)
+    found = fsdp_tp.linen.find_tp_rules(LinenRawHeadLM(), TOKENS, size=4)
+    assert found.rules[1:] == (("^mlp$", SWIGLU), ("^head$", head))
     mesh, once = {"data": 2, "tensor": 4}, dict(steps=1, optimizers={})
-    check_sharded(LinenRawHeadLM(), BATCH, cross_entropy, mesh, tp_rules=[*RULES, ("head$", head)], **once)
+    check_sharded(LinenRawHeadLM(), BATCH, cross_entropy, mesh, tp_rules="auto", **once)
     summed = [*RULES, ("head$", Region(dims={"w": -1}))]
     with pytest.raises(RuleError, match=r"psum\w* sums over 'tensor' \(4\) the blocks") as refused:
         check_sharded(LinenRawHeadLM(), BATCH, cross_entropy, mesh, tp_rules=summed, **once)
-    named_fix(refused, "Region(..., gather_output=True)")  # (applied above)
+    named_fix(refused, "Region(..., gather_output=True)")  # (applied above, as "auto" found it)
+    left = str(fsdp_tp.linen.find_tp_rules(LinenRawHeadLM(), TOKENS, size=4, outputs_split=True))
+    assert "#   head: " in left and "leave the model's output split (outputs_split=True)" in left
 
 
 class LinenRoutingMoE(nn.Module):

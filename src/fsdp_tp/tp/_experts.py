@@ -128,7 +128,9 @@ class ExpertParallel(TPRole):
 
     def local(self, layer, size):
         if self.dims:  # (each kernel read at its size, the einsums then take the block: _expert_call)
-            return Local(read={name: gathered_read(self.axis, dim, name) for name, dim in dict(self.dims).items()})
+            return Local(
+                read={name: gathered_read(self.axis, dim, name) for name, dim in dict(self.dims).items()}
+            )
         _, _, dim = self._split(layer)
         own = Local(kernel_shape=shrunk(layer.kernel_shape, dim, size))
         if self.within is None:

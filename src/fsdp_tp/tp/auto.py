@@ -182,7 +182,7 @@ def _roles(
         owner = _owner(param.rpartition("/")[0], layers)
         by_owner.setdefault(owner, {})[param[len(owner) + 1 :]] = dim
     if raw := [owner for owner in by_owner if owner not in layers]:
-        return _region(graph, by_owner, raw[0], output, axis, size)
+        return _region(graph, by_owner, raw[0], output, axis, size, outputs_split)
     gather = output and not outputs_split
     names = set(graph.params.values())
     found = {}
@@ -193,30 +193,38 @@ def _roles(
 
 
 def _region(
-    graph: Graph, by_owner: dict[str, dict[str, int]], owner: str, output: bool, axis: str, size
+    graph: Graph,
+    by_owner: dict[str, dict[str, int]],
+    owner: str,
+    output: bool,
+    axis: str,
+    size,
+    outputs_split: bool,
 ) -> dict[str, TPRole]:
     """A region of one module's raw kernels, begun and summed inside its own code (a one-module
-    SwiGLU, raw-kernel attention): :class:`Region`, each kernel on the region's dim. A region
-    that also splits another module's parameters, or reaches the model's output unsummed, has
-    no role that computes it (:class:`Refused`)."""
+    SwiGLU, raw-kernel attention): :class:`Region`, each kernel on the region's dim; one that
+    reaches the model's output unsummed (a raw head) gathers it (``gather_output``). A region
+    that also splits another module's parameters, or would leave the output split
+    (``outputs_split``: no role leaves a Region's so), has no role that computes it
+    (:class:`Refused`)."""
     splits = by_owner[owner]
-    if len(by_owner) > 1 or not owner or output:
+    if len(by_owner) > 1 or not owner or (output and outputs_split):
         param = f"{owner}/{next(iter(splits))}" if owner else next(iter(splits))
-        why = (
-            "its split leaves it unsummed"
-            if output and len(by_owner) == 1 and owner
-            else "its split spans modules"
-        )
+        if len(by_owner) == 1 and owner:  # (outputs_split: a Region gathers what it leaves split)
+            raise Refused(
+                f"it would split {param} and leave the model's output split (outputs_split=True), "
+                f"and {owner} computes no tensor-parallel role but Region, which gathers its output"
+            )
         raise Refused(
             f"it would split {param}, and {owner or 'the model'} computes no tensor-parallel role but "
-            f"Region, whose split begins and is summed inside the module ({why})"
+            f"Region, whose split begins and is summed inside the module (its split spans modules)"
         )
     if size is not None:
         values = {path: value for value, path in graph.params.items()}
         for name, dim in splits.items():
             if (n := graph.shapes[values[f"{owner}/{name}"]][dim]) % size:
                 raise Refused(f"{owner}/{name} dim {dim} has {n}, which {axis!r} of {size} does not divide")
-    return {owner: Region(axis, dims=splits)}
+    return {owner: Region(axis, dims=splits, gather_output=output)}
 
 
 def _role_for(
