@@ -657,3 +657,79 @@ def test_an_expert_kernel_read_otherwise_than_by_its_experts_is_refused_with_the
         check_sharded(LinenMisreadMoE(misread), BATCH, cross_entropy, EXPERT_MESH, tp_rules=ROUTED, **once)
     named_fix(refused, "leave the module whole")
     check_sharded(LinenMisreadMoE(misread), BATCH, cross_entropy, EXPERT_MESH, **once)
+
+
+HIDDEN = Region(dims={"w_gate": -1, "w_up": -1, "w_down": -2})  # (each expert's hidden dim)
+HYBRID = [("moe$", ExpertParallel(dims=ROUTED[0][1].dims, within=HIDDEN))]
+HYBRID_MESH, HYBRID_AXES = {"data": 2, "expert": 2, "tensor": 2}, ("data", "expert")
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_raw_experts_over_expert_with_each_hidden_dim_over_tensor_are_the_unsharded_model(api):
+    """``within=Region(dims=...)``: the routed module's kernels split on their experts over
+    ``expert`` and each expert's hidden dim over ``tensor`` (a kernel on two axes), equal to
+    unsharded on data 2 x expert 2 x tensor 2; "auto" finds the same role (its within the
+    Region it finds over tensor) and trains equal with check_vma off."""
+    once = dict(batch_axes=HYBRID_AXES, steps=1)
+    check_sharded(_routing_moe(api), BATCH, cross_entropy, HYBRID_MESH, tp_rules=HYBRID, **once)
+    if api == "linen":
+        found = fsdp_tp.linen.find_tp_rules(LinenRoutingMoE(), TOKENS, size=2, expert_size=2)
+        assert dict(found.rules)["^moe$"] == HYBRID[0][1]
+        unchecked = dict(tp_rules="auto", optimizers={}, check_vma=False)
+        check_sharded(LinenRoutingMoE(), BATCH, cross_entropy, HYBRID_MESH, **unchecked, **once)
+
+
+def _hybrid_collectives(cls: type[nn.Module], rules, **fields) -> list[tuple[str, int]]:
+    """``(kind, operand bytes)`` of every collective of the compiled gradient of an MoE LM on
+    data 2 x expert 2 x tensor 2 by ``rules``."""
+    mesh = fsdp_tp.make_mesh(HYBRID_MESH)
+    model = fsdp_tp.shard_by_rules(cls, [], batch_axes=HYBRID_AXES, tp_rules=rules)(**fields)
+
+    def init_fn(rng):
+        params = model.init(rng, TOKENS[:1])["params"]
+        return fsdp_tp.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1), rng=rng)
+
+    def step_fn(state, data):
+        loss = lambda p: cross_entropy(model.apply({"params": p}, data[0]), data[1])
+        return fsdp_tp.sync_gradients(jax.grad(loss)(state.params), HYBRID_AXES), ()
+
+    state, specs = fsdp_tp.init_sharded(init_fn, mesh, P(), jax.random.key(0))
+    step = fsdp_tp.shard_step(step_fn, mesh, specs, P(HYBRID_AXES), metrics_specs=())
+    return sorted(
+        (c.kind, c.operand_bytes) for c in parse_collectives(step.lower(state, BATCH).compile().as_text())
+    )
+
+
+def test_raw_experts_split_twice_move_what_einsum_experts_split_twice_move():
+    """The raw bank with ``within=Region(...)`` compiles to the collectives of the same bank
+    written one nn.Einsum a kernel under ``ExpertParallel(within=ColumnParallel())`` for gate
+    and up and ``within=RowParallel()`` for down: the all-to-alls each way, one all-reduce over
+    ``tensor`` forward (down's sum) and one backward (gate's and up's input gradients, *f*
+    once), no weight gathered."""
+    raw = [("experts$", ExpertParallel(dims=BANK[0][1].dims, within=HIDDEN))]
+    einsums = [
+        (r"experts/(gate|up)$", ExpertParallel(within=ColumnParallel())),
+        (r"experts/down$", ExpertParallel(returns=True, within=RowParallel())),
+    ]
+    moved = _hybrid_collectives(LinenRawMoE, raw)
+    assert moved == _hybrid_collectives(LinenRawMoE, einsums, einsums=True)
+    assert not [c for c in moved if c[0] == "all-gather"]
+
+
+def test_negative_control_raw_experts_split_twice_without_f_are_caught(monkeypatch):
+    """Without *f* on the buffers sent to the experts, their gradient is one device's part
+    of the hidden dims' sum over ``tensor``: the harness sees the embedding's gradient off."""
+    import fsdp_tp.tp._expert_call as expert_call
+
+    monkeypatch.setattr(expert_call, "copy_to_axis", lambda x, axis: x)
+    with pytest.raises(AssertionError, match=r"grads\['embed'\]"):
+        once = dict(batch_axes=HYBRID_AXES, steps=1, optimizers={}, check_vma=False)
+        check_sharded(LinenRoutingMoE(), BATCH, cross_entropy, HYBRID_MESH, tp_rules=HYBRID, **once)
+
+
+def test_raw_experts_within_a_column_role_is_refused_with_the_fix():
+    """On raw expert kernels each expert's hidden split is a Region naming each kernel's dim;
+    an einsum layer's ColumnParallel there is refused, naming the Region, which then runs."""
+    with pytest.raises(RuleError, match=r"on raw expert kernels \(dims=\) Region\(dims=...\)") as refused:
+        ExpertParallel(dims=ROUTED[0][1].dims, within=ColumnParallel())
+    named_fix(refused, "Region(dims=...) naming each kernel's hidden dim")  # (trained above)

@@ -102,9 +102,7 @@ class LinenFront:
         """A clone of ``module`` with ``local``'s sizes as its attributes, bound to its scope
         (flax reads the stored blocks as its own parameters), running ``method``."""
         clone = _clone(self.seen, module, local_attributes(module, local, args, kwargs))
-        if local.blocks:
-            _read_as_blocks(clone, local.blocks, jax.lax.axis_size(role.axis))
-        return _runner(clone, method, role, layer.path, local.read)
+        return _runner(clone, method, role, layer.path, local)
 
 
 def _clone(seen: Seen, module: nn.Module, attributes: dict) -> nn.Module:
@@ -139,20 +137,25 @@ def _block_init(init_fn: Callable, dim: int, size: int, *args, **kwargs):
     return jax.tree.map(cut, init_fn(*args, **kwargs))
 
 
-def _runner(local: nn.Module, method: str, role: TPRole, path: str, read: Mapping[str, Callable]):
-    """``local``'s ``method``, reading each parameter ``read`` names through its function (a
-    block of a parameter kept whole: flax's ``map_variables`` over the module's own scope)."""
+def _runner(clone: nn.Module, method: str, role: TPRole, path: str, local: Local):
+    """``clone``'s ``method``, reading each parameter ``local.read`` names through its function
+    (a block of a parameter kept whole: flax's ``map_variables`` over the module's own scope)
+    and each ``local.blocks`` names as a block (on the module the call runs: map_variables
+    binds a clone of its own)."""
+    size = jax.lax.axis_size(local.blocks_axis or role.axis) if local.blocks else 0
 
     def call(module: nn.Module, *args, **kwargs):
+        if local.blocks:
+            _read_as_blocks(module, local.blocks, size)
         with calling(local=current().local | {id(module)}):
             return getattr(module, method)(*args, **kwargs)
 
-    if read:
-        call = nn.map_variables(call, "params", trans_in_fn=functools.partial(_read, read, role.axis))
+    if local.read:
+        call = nn.map_variables(call, "params", trans_in_fn=functools.partial(_read, local.read, role.axis))
 
     def run(*args, **kwargs):
         try:
-            return call(local, *args, **kwargs)
+            return call(clone, *args, **kwargs)
         except flax_errors.ScopeParamShapeError as err:
             raise slice_error(path, role, err) from None
 

@@ -56,6 +56,7 @@ import jax.extend.core as jcore
 import numpy as np
 from jax._src import source_info_util  # private: the user's line for each op run again, as eval_jaxpr
 
+from ..collectives import copy_to_axis, reduce_from_axis
 from ..errors import RuleError
 from ._jaxpr.relations import ELEMENTWISE
 from ._jaxpr.sites import user_site
@@ -65,6 +66,8 @@ __all__ = ["Place", "cotangent_times", "experts_call", "gathered_read"]
 _MARK = "fsdp_tp_expert_kernel"
 # Calls whose body a value laid out on the experts' devices may go through when the body is
 # elementwise (jax.nn.silu is jitted; jax.nn.relu has a custom derivative).
+# Elementwise operations that a part of a sum may go through (the sum of their results is theirs).
+_LINEAR = frozenset({"convert_element_type", "copy", "copy_p", "neg", "pvary", "pcast"})
 _CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "remat"})
 
 
@@ -72,14 +75,19 @@ _CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call"
 class Place:
     """Where a value is laid out on the experts' devices: ``experts``, the dim holding this
     device's experts (``1/n`` of them); ``rows``, the dim every device's rows are concatenated
-    on (``n`` times the rows), ``None`` for a kernel (this device's block, no rows)."""
+    on (``n`` times the rows), ``None`` for a kernel (this device's block, no rows). With each
+    expert's hidden dim split over another axis too (``within``): ``hidden``, the dim of a
+    kernel that is its block there; ``partial``, a value that is this device's part of a sum
+    over that axis (an einsum contracted the hidden blocks)."""
 
     experts: int
     rows: int | None = None
+    hidden: int | None = None
+    partial: bool = False
 
     def permuted(self, order: tuple[int, ...]) -> Place:
-        rows = None if self.rows is None else order.index(self.rows)
-        return Place(order.index(self.experts), rows)
+        at = lambda dim: None if dim is None else order.index(dim)
+        return Place(order.index(self.experts), at(self.rows), at(self.hidden), self.partial)
 
 
 def gathered_read(axis: str, dim: int, name: str) -> Callable[[jax.Array], jax.Array]:
@@ -95,10 +103,13 @@ def gathered_read(axis: str, dim: int, name: str) -> Callable[[jax.Array], jax.A
     return read
 
 
-def experts_call(run: Callable, args: tuple, kwargs: dict, axis: str, path: str) -> Any:
+def experts_call(run: Callable, args: tuple, kwargs: dict, axis: str, path: str, within=None) -> Any:
     """``run(*args, **kwargs)`` (a module's call whose expert kernels are read through
     :func:`gathered_read`) with its values on the experts' devices between the einsums over
-    the kernels and what reads their results (see the module's docstring)."""
+    the kernels and what reads their results (see the module's docstring). ``within``: a
+    :class:`~fsdp_tp.tp.Region` splitting each expert's hidden dim over its axis, Megatron's
+    way on the experts' devices: a buffer a column einsum reads enters through *f* (once), and
+    what the row einsum leaves partial is summed over that axis before it goes back."""
     leaves, tree = jax.tree.flatten((args, kwargs))
     arrays = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array | jax.core.Tracer)]
 
@@ -110,7 +121,7 @@ def experts_call(run: Callable, args: tuple, kwargs: dict, axis: str, path: str)
         return run(*a, **k)
 
     closed, shape = jax.make_jaxpr(traced, return_shape=True)(*(leaves[i] for i in arrays))
-    outs = _Rerun(axis, jax.lax.axis_size(axis), path).run(
+    outs = _Rerun(axis, jax.lax.axis_size(axis), path, within).run(
         closed.jaxpr, closed.consts, [leaves[i] for i in arrays]
     )
     return jax.tree.unflatten(jax.tree.structure(shape), outs)
@@ -120,18 +131,22 @@ class _Rerun:
     """One re-run of a traced call: each value and, for those laid out on the experts' devices,
     its :class:`Place`."""
 
-    def __init__(self, axis: str, n: int, path: str):
+    def __init__(self, axis: str, n: int, path: str, within):
         self.axis, self.n, self.path = axis, n, path
-        self.sent: dict[tuple, Any] = {}  # (value, experts dim, rows dim): sent once
+        self.hidden = dict(within.dims) if within is not None else {}
+        self.tensor = within.axis if within is not None else None
+        self.sent: dict[tuple, tuple] = {}  # (value id, experts dim, rows dim): sent once
         self.returned: dict[Any, Any] = {}
         self.places: dict[Any, Place] = {}
         self.kernels: dict[Any, str] = {}  # (the kernels' names, for the refusals)
 
     def run(self, jaxpr, consts, args) -> list:
-        env: dict = {}
-        for var, value in [*zip(jaxpr.constvars, consts, strict=True), *zip(jaxpr.invars, args, strict=True)]:
-            env[var] = value
-        for eqn in jaxpr.eqns:
+        env = dict(zip(jaxpr.constvars, consts, strict=True)) | dict(zip(jaxpr.invars, args, strict=True))
+        self._eqns(jaxpr.eqns, env)
+        return [self._whole(var, env, "the module's output") for var in jaxpr.outvars]
+
+    def _eqns(self, eqns, env: dict) -> None:
+        for eqn in eqns:
             outs, places = self._eqn(eqn, env)
             named = next(
                 (self.kernels[v] for v in eqn.invars if self._place(v) is not None and v in self.kernels),
@@ -143,7 +158,6 @@ class _Rerun:
                     self.places[var] = place
                 if named is not None and place is not None and place.rows is None:  # (a cast, a transpose)
                     self.kernels.setdefault(var, named)
-        return [self._whole(var, env, "the module's output") for var in jaxpr.outvars]
 
     def _read(self, atom, env):
         return atom.val if isinstance(atom, jcore.Literal) else env[atom]
@@ -155,17 +169,36 @@ class _Rerun:
         name, places = eqn.primitive.name, [self._place(v) for v in eqn.invars]
         marked = re.search(_MARK + r":(\w+)", str(eqn.source_info.name_stack))
         if name == "all_gather" and marked:
-            self.kernels[eqn.outvars[0]] = marked.group(1)
+            name = self.kernels[eqn.outvars[0]] = marked.group(1)
             kernel = self._read(eqn.invars[0], env)  # this device's block: the gather never runs
-            return [kernel], [Place(eqn.params["all_gather_dimension"])]
+            hidden = self.hidden[name] % kernel.ndim if name in self.hidden else None
+            return [kernel], [Place(eqn.params["all_gather_dimension"], hidden=hidden)]
         if name == "dot_general" and any(p is not None and p.rows is None for p in places):
             return self._expert_einsum(eqn, env, places)
         if any(p is not None for p in places):
             laid = self._alike(eqn, places)
             if laid is not None:
                 return self._elementwise(eqn, env, laid)
-        outs = _bind(eqn, [self._whole(v, env, _line(eqn)) for v in eqn.invars])
+        ins = [self._whole(v, env, _line(eqn)) for v in eqn.invars]
+        if self.tensor is not None and name == "pvary":
+            # (made where a value the trace typed varying over the hidden dims' axis, a part of
+            # a sum there, met another: that value is summed now, so each operation's operands
+            # are aligned where it is made, as JAX's tracing does, by _bind)
+            return ins, [None]
+        body = _body(eqn)
+        if body is not None and any(_vma(x) != _vma(v.aval) for x, v in zip(ins, eqn.invars, strict=True)):
+            return self._inlined(eqn, body, ins, env)
+        outs = _bind(eqn, ins)
         return outs, [None] * len(outs)
+
+    def _inlined(self, eqn, body, ins: list, env: dict) -> tuple[list, list]:
+        """A call whose operands are typed otherwise than its body was traced with (a value
+        summed here that the trace typed as a part of a sum): its body run here, op by op."""
+        consts = getattr(eqn.params.get("jaxpr"), "consts", ())
+        env.update(zip(body.constvars, consts, strict=True))
+        env.update(zip(body.invars, ins, strict=True))
+        self._eqns(body.eqns, env)
+        return [self._whole(v, env, _line(eqn)) for v in body.outvars], [None] * len(body.outvars)
 
     def _expert_einsum(self, eqn, env, places) -> tuple[list, list]:
         """An einsum reading a kernel's block: its experts dim must be one it batches over; the
@@ -182,10 +215,11 @@ class _Rerun:
             )
         i, there = batch[k].index(experts), places[1 - k]
         on, free = batch[1 - k][i], _free(other.aval.ndim, contract[1 - k], batch[1 - k])
+        column = places[k].hidden is not None and places[k].hidden not in contract[k]
         if there is not None and there.experts == on:  # (already there: another einsum's result)
             rows, x = there.rows, self._read(other, env)
         elif free:
-            rows, x = free[0], self._sent(other, env, on, free[0])
+            rows, x = free[0], self._sent(other, env, on, free[0], copied=column)
         else:
             raise RuleError(
                 f"{self.path} (ExpertParallel(dims=...) over {self.axis!r}): {_line(eqn)} reads an expert "
@@ -199,14 +233,23 @@ class _Rerun:
         n_batch = len(batch[0])
         first_free = _free(eqn.invars[0].aval.ndim, contract[0], batch[0])
         at = n_batch + (first_free.index(rows) if k == 1 else len(first_free) + free.index(rows))
-        return [out], [Place(i, at)]
+        partial = places[k].hidden is not None and places[k].hidden in contract[k]
+        return [out], [Place(i, at, partial=partial)]
 
-    def _sent(self, var, env, experts: int, rows: int):
-        """``var`` sent to the experts' devices along ``experts``, its rows on ``rows`` (once)."""
-        if (var, experts, rows) not in self.sent:
-            moved = jax.lax.all_to_all(self._whole(var, env, ""), self.axis, experts, rows, tiled=True)
-            self.sent[var, experts, rows] = cotangent_times(moved, self.n)
-        return self.sent[var, experts, rows]
+    def _sent(self, var, env, experts: int, rows: int, copied: bool):
+        """``var`` sent to the experts' devices along ``experts``, its rows on ``rows``, once
+        per value (JAX's tracing may have retyped one value into several), through *f* over
+        the hidden dims' axis where ``copied`` (a column einsum reads it)."""
+        value = self._whole(var, env, "")
+        key = (id(value), experts, rows)
+        if key not in self.sent:  # (the value kept with it: its id is not reused)
+            moved = jax.lax.all_to_all(value, self.axis, experts, rows, tiled=True)
+            self.sent[key] = (value, cotangent_times(moved, self.n), None)
+        value, moved, through_f = self.sent[key]
+        if copied and through_f is None:
+            through_f = copy_to_axis(moved, self.tensor)
+            self.sent[key] = (value, moved, through_f)
+        return through_f if copied else moved
 
     def _whole(self, atom, env, reader: str):
         """``atom``'s value as the model computed it: sent back from the experts' devices if it
@@ -222,6 +265,8 @@ class _Rerun:
                 f"the module whole."
             )
         if atom not in self.returned:
+            if place.partial:  # (the row einsum's parts, summed over the hidden dims' axis)
+                value = reduce_from_axis(value, self.tensor)
             back = cotangent_times(value, 1 / self.n)
             self.returned[atom] = jax.lax.all_to_all(back, self.axis, place.rows, place.experts, tiled=True)
         return self.returned[atom]
@@ -238,6 +283,8 @@ class _Rerun:
         (place,) = laid
         if eqn.primitive.name == "transpose":
             return place.permuted(tuple(eqn.params["permutation"]))
+        if place.partial and eqn.primitive.name not in _LINEAR:
+            return None  # (a part of a sum: summed first, where it is whole)
         shapes = {v.aval.shape for v, p in zip(eqn.invars, places, strict=True) if p is not None}
         others = [v for v, p in zip(eqn.invars, places, strict=True) if p is None]
         if len(shapes) != 1 or any(np.shape(v.aval) != () for v in others):
@@ -269,11 +316,29 @@ class _Rerun:
 
 def _bind(eqn, ins: list) -> list:
     """The model's operation ``eqn`` on ``ins``, made at the model's line (the plan check and
-    its refusals name it there), as ``jax.core.eval_jaxpr`` makes it."""
+    its refusals name it there), as ``jax.core.eval_jaxpr`` makes it, its operands first made
+    varying over the same axes (JAX's tracing makes them so; a value this re-run sums may be
+    invariant where the trace had it vary)."""
+    arrays = [x for x in ins if hasattr(x, "aval") or isinstance(x, jax.Array)]
+    if _body(eqn) is None and len(arrays) > 1:
+        union = frozenset().union(*map(_vma, arrays))
+        ins = [_varying(x, union) for x in ins]
     info = eqn.source_info
     with source_info_util.user_context(info.traceback, name_stack=info.name_stack):
         out = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _vma(x) -> frozenset:
+    """The axes ``x`` (a value or an abstract one) varies over under ``check_vma``."""
+    aval = x if isinstance(x, jax.core.AbstractValue) else getattr(x, "aval", None)
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(manual.varying) if manual is not None else frozenset()
+
+
+def _varying(x, axes: frozenset):
+    missing = tuple(sorted(axes - _vma(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing and hasattr(x, "aval") else x
 
 
 def _free(ndim: int, contract, batch) -> list[int]:

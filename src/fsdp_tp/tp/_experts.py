@@ -43,7 +43,7 @@ from ._einsum import Equation, shrunk
 from ._expert_call import cotangent_times as _cotangent_times
 from ._expert_call import experts_call, gathered_read
 from ._matmul import ColumnParallel, RowParallel
-from ._region import named_dims
+from ._region import Region, named_dims
 from ._role import Layer, Local, TPRole
 from .pieces import once
 
@@ -68,7 +68,8 @@ class ExpertParallel(TPRole):
     named kernel split on its experts dim: a bank taking the dispatched buffers ``(groups, E,
     capacity, d)``, or a whole mixture routing in its own call; the module's call runs again
     with the buffers sent to the experts' devices before its einsums over the kernels and back
-    before anything else reads them (:mod:`fsdp_tp.tp._expert_call`: one all-to-all each way).
+    before anything else reads them (:mod:`fsdp_tp.tp._expert_call`: one all-to-all each way);
+    its ``within`` a :class:`~fsdp_tp.tp.Region` naming each kernel's hidden dim.
 
     >>> ExpertParallel(dims={"w_up": -3, "w_down": -3}).splits(Layer("module", "moe/experts"))
     {'w_down': -3, 'w_up': -3}"""
@@ -83,17 +84,17 @@ class ExpertParallel(TPRole):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.within is not None:
-            _require_within(self.within, self.axis)
         if self.dims:
             example = "ExpertParallel(dims={'w_gate': -3, 'w_up': -3, 'w_down': -3}) for (E, d, h), (E, h, d)"
             object.__setattr__(self, "dims", named_dims("ExpertParallel", self.dims, example))
-            if self.within is not None or self.letter is not None:
+            if self.letter is not None:
                 raise RuleError(
-                    f"ExpertParallel(dims={self.dims!r}, ...) computes a module of raw expert kernels, each "
-                    f"split on its experts' dim, taking and giving back buffers (groups, E, capacity, d); "
-                    f"letter= and within= are an einsum layer's: drop them."
+                    f"ExpertParallel(dims={self.dims!r}, letter={self.letter!r}) computes a module of raw "
+                    f"expert kernels, each split on the experts' dim dims names; letter= is an einsum "
+                    f"layer's: drop it."
                 )
+        if self.within is not None:
+            _require_within(self.within, self.axis, raw=bool(self.dims))
 
     def takes_any_module(self) -> bool:
         return bool(self.dims)  # (a bank of raw expert kernels, whatever its class)
@@ -128,9 +129,12 @@ class ExpertParallel(TPRole):
 
     def local(self, layer, size):
         if self.dims:  # (each kernel read at its size, the einsums then take the block: _expert_call)
-            return Local(
-                read={name: gathered_read(self.axis, dim, name) for name, dim in dict(self.dims).items()}
-            )
+            read = {name: gathered_read(self.axis, dim, name) for name, dim in dict(self.dims).items()}
+            if self.within is None:
+                return Local(read=read)
+            # (each expert's hidden dim a block over the within Region's axis, read as the block)
+            hidden = dict(self.within.dims)  # type: ignore[attr-defined]
+            return Local(read=read, blocks=hidden, blocks_axis=self.within.axis)
         _, _, dim = self._split(layer)
         own = Local(kernel_shape=shrunk(layer.kernel_shape, dim, size))
         if self.within is None:
@@ -142,7 +146,7 @@ class ExpertParallel(TPRole):
     def call(self, method, run, layer, args, kwargs):
         if self.dims:  # (a module of raw expert kernels: its own call, the all-to-alls placed inside)
             _require_batch_axis(self.axis, layer.path)
-            return experts_call(run, args, kwargs, self.axis, layer.path)
+            return experts_call(run, args, kwargs, self.axis, layer.path, self.within)
         eq, letter, dim = self._split(layer)
         _require_batch_axis(self.axis, layer.path)
         x, n = args[0], jax.lax.axis_size(self.axis)
@@ -173,16 +177,24 @@ def _around(role: TPRole, method: str, run, layer: Layer, *args, **kwargs):
     return role.around(method, run, layer, args, kwargs)
 
 
-def _require_within(role: TPRole, axis: str) -> None:
-    """``within`` is a plain column or row role over another axis: a buffer of experts has no
-    sequence to split or ring over, and its output is the experts' (no gather, no kept block)."""
+def _require_within(role: TPRole, axis: str, raw: bool) -> None:
+    """``within`` is a plain role over another axis: a column or row one on an einsum layer
+    (a buffer of experts has no sequence to split or ring over, and its output is the
+    experts': no gather, no kept block), or on raw expert kernels a :class:`Region` naming
+    each kernel's hidden dim (its output summed, not gathered)."""
     kind = type(role)
-    plain = kind in (ColumnParallel, RowParallel) and role == kind(role.axis, letter=role.letter)  # type: ignore[call-arg, attr-defined]
+    if raw:
+        plain = kind is Region and role == Region(role.axis, dims=role.dims)  # type: ignore[attr-defined]
+        example = "ExpertParallel(dims={...}, within=Region(dims={'w_gate': -1, 'w_up': -1, 'w_down': -2}))"
+    else:
+        plain = kind in (ColumnParallel, RowParallel) and role == kind(role.axis, letter=role.letter)  # type: ignore[call-arg, attr-defined]
+        example = "ExpertParallel(within=ColumnParallel(axis='tensor'))"
     if not plain or role.axis == axis:
         raise RuleError(
             f"ExpertParallel(within={role!r}) over {axis!r}: within is each expert's Megatron split over "
-            f"another axis, ColumnParallel() for gate and up, RowParallel() for down (a letter= at most), "
-            f"on an axis other than {axis!r}; e.g. ExpertParallel(within=ColumnParallel(axis='tensor'))."
+            f"another axis: on einsum layers ColumnParallel() for gate and up, RowParallel() for down "
+            f"(a letter= at most); on raw expert kernels (dims=) Region(dims=...) naming each kernel's "
+            f"hidden dim; on an axis other than {axis!r}, e.g. {example}."
         )
 
 

@@ -67,7 +67,8 @@ class Local:
     kept whole); ``blocks``: ``{parameter name: dim}``, parameters the module reads as this
     device's block along that dim while its attributes keep the unsharded sizes (a module of
     raw kernels: a front end that checks a parameter against the module's sizes checks the
-    block's). A size a front end cannot write is an error there, never dropped.
+    block's), blocks over ``blocks_axis`` (``None``: the role's). A size a front end cannot
+    write is an error there, never dropped.
 
     >>> Local(num_embeddings=8)
     Local(num_embeddings=8)
@@ -81,6 +82,7 @@ class Local:
     num_embeddings: int | None = None
     read: Mapping[str, Callable[[jax.Array], jax.Array]] = dataclasses.field(default_factory=dict)
     blocks: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    blocks_axis: str | None = None
 
     def __repr__(self) -> str:  # (the sizes set, as a role's docstring shows them)
         given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
