@@ -97,6 +97,7 @@ CORE = (
     "tp._jaxpr",
     "tp._jaxpr.graph",
     "tp._jaxpr.ops",
+    "tp._jaxpr.rebind",
     "tp._jaxpr.relations",
     "tp._jaxpr.sites",
     "tp._matmul",

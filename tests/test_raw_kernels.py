@@ -733,3 +733,60 @@ def test_raw_experts_within_a_column_role_is_refused_with_the_fix():
     with pytest.raises(RuleError, match=r"on raw expert kernels \(dims=\) Region\(dims=...\)") as refused:
         ExpertParallel(dims=ROUTED[0][1].dims, within=ColumnParallel())
     named_fix(refused, "Region(dims=...) naming each kernel's hidden dim")  # (trained above)
+
+
+class LinenDroppingRoutingBlock(LinenRoutingBlock):
+    """The routed block with dropout on its experts' hidden units, between the einsums."""
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        router = self.param("router", init, (D, EXPERTS))
+        w_gate, w_up = (self.param(name, init, (EXPERTS, D, H)) for name in ("w_gate", "w_up"))
+        choices = jax.vmap(lambda row: routing.route(row, TOP_K, None))(x @ router)
+        buffers = jax.vmap(routing.dispatch)(x, choices)
+        hidden = nn.silu(jnp.einsum("gecd,edh->gech", buffers, w_gate)) * jnp.einsum(
+            "gecd,edh->gech", buffers, w_up
+        )
+        hidden = nn.Dropout(0.25, deterministic=False)(hidden)
+        out = jnp.einsum("gech,ehd->gecd", hidden, self.param("w_down", init, (EXPERTS, H, D)))
+        return jax.vmap(routing.combine)(out, choices)
+
+
+class LinenDroppingRoutingMoE(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(V, D, name="embed")(tokens)
+        return nn.Dense(V, name="head")(x + LinenDroppingRoutingBlock(name="moe")(x))
+
+
+DROPOUT = {"dropout": jax.random.key(3)}
+
+
+def test_dropout_on_routed_experts_draws_the_unsharded_mask_and_split_twice_is_refused():
+    """Dropout between the expert einsums draws the unsharded mask's block of this device's rows
+    (whole, before the all-to-all) and sends it with them: equal to unsharded. With each
+    expert's hidden dim split over ``tensor`` too, which dims are split the dropout cannot
+    tell: refused before anything trains, as inside a Region; the fix named (the experts alone
+    on their axis) runs."""
+    once = dict(batch_axes=HYBRID_AXES, steps=1, optimizers={}, rngs=DROPOUT)
+    check_sharded(LinenDroppingRoutingMoE(), BATCH, cross_entropy, HYBRID_MESH, tp_rules=ROUTED, **once)
+    with pytest.raises(ValueError, match=r"moe/Dropout_0: .*splits twice") as refused:
+        check_sharded(LinenDroppingRoutingMoE(), BATCH, cross_entropy, HYBRID_MESH, tp_rules=HYBRID, **once)
+    named_fix(refused, "drop within=, the experts alone on their axis")  # (ROUTED: run above)
+
+
+def test_negative_control_a_routed_dropout_mask_not_sent_with_its_rows_is_caught(monkeypatch):
+    """The mask applied where the buffer's rows went, without sending it: another mask's
+    positions, caught by the harness."""
+    import fsdp_tp.tp._expert_call as expert_call
+
+    def unsent(self, var, env, place):  # (this device's rows' mask, read in the sent layout)
+        local = list(var.aval.shape)
+        local[place.experts], local[place.rows] = local[place.experts] // self.n, local[place.rows] * self.n
+        return env[var].reshape(local)
+
+    monkeypatch.setattr(expert_call._Rerun, "_there", unsent)
+    with pytest.raises(AssertionError, match=r"output"):
+        once = dict(batch_axes=EXPERT_AXES, steps=1, optimizers={}, rngs=DROPOUT)
+        check_sharded(LinenDroppingRoutingMoE(), BATCH, cross_entropy, EXPERT_MESH, tp_rules=ROUTED, **once)

@@ -68,7 +68,8 @@ class Step:
     (an NNX Variable's ``get_value`` takes no argument); ``sequence``: the step's
     :class:`~fsdp_tp.context.SequenceSplit` (``None``: the sequence whole on each device), read
     by the library's attention, which then computes across its axis; ``tokens``: a device's
-    tokens a sequence under it (dim 1 of the batch's leaves it splits), for dropout's masks."""
+    tokens a sequence under it (dim 1 of the batch's leaves it splits), for dropout's masks;
+    ``unplaceable``: why a dropout inside the module a role runs as written cannot be placed."""
 
     batch_axes: tuple | None = None
     per_device: bool = False
@@ -77,6 +78,7 @@ class Step:
     keys_as_stored: bool = False
     sequence: Any = None
     tokens: int | None = None
+    unplaceable: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -68,13 +68,21 @@ def unplaceable_after(shape: tuple[int, ...]) -> None:
     STEP.update(region=(*STEP.get().region, (None, tuple(shape))))
 
 
+# Why a dropout inside a module of raw kernels cannot be placed, and its fix (a Region's)
+_RAW_CODE = (
+    "the code of a module a Region computes on its kernels' blocks, whose activations' split "
+    "the roles do not know (dropout there: move it out of the module, after its sum, or give "
+    "the activation a column layer of its own)"
+)
+
+
 @contextlib.contextmanager
-def unplaceable_within() -> Iterator[None]:
+def unplaceable_within(why: str = _RAW_CODE) -> Iterator[None]:
     """Within (a module :class:`~fsdp_tp.tp.Region` runs as written on its kernels' blocks):
     every activation is a block no split describes, its own code moving the split dims as it
     likes, so dropout is refused in both ``check_vma`` modes (unchecked, it would draw a mask no
-    block of the unsharded one)."""
-    with STEP.scoped(region=((None, None),)):
+    block of the unsharded one); ``why`` says so, with the fix, for the role that runs it."""
+    with STEP.scoped(region=((None, None),), unplaceable=why):
         yield
 
 
@@ -97,9 +105,7 @@ def _region_dims(x: jax.Array, where: str) -> tuple[tuple[int, AxisName], ...]:
     placed = [dims for dims in matched if dims is not None]
     if not placed or len(placed) < len(matched) or len(set(placed)) > 1:
         why = (
-            "the code of a module a Region computes on its kernels' blocks, whose activations' split "
-            "the roles do not know (dropout there: move it out of the module, after its sum, or give "
-            "the activation a column layer of its own)"
+            STEP.get().unplaceable
             if (None, None) in entries
             else "a block no split describes (kv heads kept whole, replicated=True)"
             if None in matched

@@ -3,8 +3,7 @@ is (:data:`NNX`), the :class:`~fsdp_tp.tp.Layer` a module is (:func:`layer_of`),
 subclass a module's class is swapped for, whose call runs the role with the local sizes
 written as the module's attributes for that call (:func:`computed`).
 
->>> import jax.extend
-from flax import nnx
+>>> from flax import nnx
 >>> layer = layer_of(nnx.Linear(8, 16, rngs=nnx.Rngs(0)), "mlp/up")
 >>> layer.kind, layer.features, layer.in_size
 ('dense', (16,), 8)

@@ -25,8 +25,15 @@ scaled by ``1/n`` (the loss is their mean), as for the einsum role
 (:class:`~fsdp_tp.tp.ExpertParallel`). A kernel read otherwise (its experts dim contracted, a
 weight norm) is refused with the op and the fix.
 
-Long because the re-run is one class: its three rules (an expert einsum, an elementwise
-operation, anything else) read and write the same places of the same values.
+With each expert's hidden dim split over another axis too (``within``, a
+:class:`~fsdp_tp.tp.Region`), a buffer a column einsum reads enters through *f* once and the
+row einsum's parts are summed before they go back. A dropout between the einsums draws its
+mask on this device's rows, whole, and the mask goes with them (refused when split twice: which
+dims are the hidden blocks, it cannot tell). Each operation is made again at the model's line
+(:mod:`fsdp_tp.tp._jaxpr.rebind`).
+
+Long because the re-run is one class: its rules (an expert einsum, an elementwise operation,
+anything else) read and write the same places of the same values.
 
 >>> import functools, jax, jax.numpy as jnp
 >>> from jax.sharding import PartitionSpec as P
@@ -45,6 +52,7 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import re
@@ -54,21 +62,25 @@ from typing import Any
 import jax
 import jax.extend.core as jcore
 import numpy as np
-from jax._src import source_info_util  # private: the user's line for each op run again, as eval_jaxpr
 
 from ..collectives import copy_to_axis, reduce_from_axis
+from ..dropout import unplaceable_within
 from ..errors import RuleError
+from ._jaxpr.rebind import bind, body, elementwise, line, vma
 from ._jaxpr.relations import ELEMENTWISE
-from ._jaxpr.sites import user_site
 
 __all__ = ["Place", "cotangent_times", "experts_call", "gathered_read"]
 
 _MARK = "fsdp_tp_expert_kernel"
-# Calls whose body a value laid out on the experts' devices may go through when the body is
-# elementwise (jax.nn.silu is jitted; jax.nn.relu has a custom derivative).
+# Why a dropout is refused inside raw experts split twice, and its fix
+_SPLIT_TWICE = (
+    "the code of a module whose raw expert kernels ExpertParallel(dims=..., within=Region(...)) "
+    "splits twice, each expert's hidden dim on its Region's axis as its kernels' dims say, which "
+    "the dropout cannot tell apart (dropout there: drop within=, the experts alone on their axis, "
+    "where its mask is drawn on this device's rows and sent with them)"
+)
 # Elementwise operations that a part of a sum may go through (the sum of their results is theirs).
 _LINEAR = frozenset({"convert_element_type", "copy", "copy_p", "neg", "pvary", "pcast"})
-_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "remat"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +132,11 @@ def experts_call(run: Callable, args: tuple, kwargs: dict, axis: str, path: str,
         a, k = jax.tree.unflatten(tree, given)
         return run(*a, **k)
 
-    closed, shape = jax.make_jaxpr(traced, return_shape=True)(*(leaves[i] for i in arrays))
+    # (each expert's hidden dim split too: which dims of an activation are, a dropout inside
+    # cannot tell, so it is refused, as inside a Region; else a mask is drawn on this device's
+    # rows, whole, and sent with them)
+    with unplaceable_within(_SPLIT_TWICE) if within is not None else contextlib.nullcontext():
+        closed, shape = jax.make_jaxpr(traced, return_shape=True)(*(leaves[i] for i in arrays))
     outs = _Rerun(axis, jax.lax.axis_size(axis), path, within).run(
         closed.jaxpr, closed.consts, [leaves[i] for i in arrays]
     )
@@ -139,6 +155,7 @@ class _Rerun:
         self.returned: dict[Any, Any] = {}
         self.places: dict[Any, Place] = {}
         self.kernels: dict[Any, str] = {}  # (the kernels' names, for the refusals)
+        self.splats: dict[Any, tuple] = {}  # (a scalar broadcast: made again at a place's shape)
 
     def run(self, jaxpr, consts, args) -> list:
         env = dict(zip(jaxpr.constvars, consts, strict=True)) | dict(zip(jaxpr.invars, args, strict=True))
@@ -147,6 +164,8 @@ class _Rerun:
 
     def _eqns(self, eqns, env: dict) -> None:
         for eqn in eqns:
+            if eqn.primitive.name == "broadcast_in_dim" and np.shape(eqn.invars[0].aval) == ():
+                self.splats[eqn.outvars[0]] = (self._read(eqn.invars[0], env), eqn.outvars[0].aval.dtype)
             outs, places = self._eqn(eqn, env)
             named = next(
                 (self.kernels[v] for v in eqn.invars if self._place(v) is not None and v in self.kernels),
@@ -179,26 +198,26 @@ class _Rerun:
             laid = self._alike(eqn, places)
             if laid is not None:
                 return self._elementwise(eqn, env, laid)
-        ins = [self._whole(v, env, _line(eqn)) for v in eqn.invars]
+        ins = [self._whole(v, env, line(eqn)) for v in eqn.invars]
         if self.tensor is not None and name == "pvary":
             # (made where a value the trace typed varying over the hidden dims' axis, a part of
             # a sum there, met another: that value is summed now, so each operation's operands
-            # are aligned where it is made, as JAX's tracing does, by _bind)
+            # are aligned where it is made, as JAX's tracing does, by bind)
             return ins, [None]
-        body = _body(eqn)
-        if body is not None and any(_vma(x) != _vma(v.aval) for x, v in zip(ins, eqn.invars, strict=True)):
-            return self._inlined(eqn, body, ins, env)
-        outs = _bind(eqn, ins)
+        inner = body(eqn)
+        if inner is not None and any(vma(x) != vma(v.aval) for x, v in zip(ins, eqn.invars, strict=True)):
+            return self._inlined(eqn, inner, ins, env)
+        outs = bind(eqn, ins)
         return outs, [None] * len(outs)
 
-    def _inlined(self, eqn, body, ins: list, env: dict) -> tuple[list, list]:
+    def _inlined(self, eqn, inner, ins: list, env: dict) -> tuple[list, list]:
         """A call whose operands are typed otherwise than its body was traced with (a value
         summed here that the trace typed as a part of a sum): its body run here, op by op."""
         consts = getattr(eqn.params.get("jaxpr"), "consts", ())
-        env.update(zip(body.constvars, consts, strict=True))
-        env.update(zip(body.invars, ins, strict=True))
-        self._eqns(body.eqns, env)
-        return [self._whole(v, env, _line(eqn)) for v in body.outvars], [None] * len(body.outvars)
+        env.update(zip(inner.constvars, consts, strict=True))
+        env.update(zip(inner.invars, ins, strict=True))
+        self._eqns(inner.eqns, env)
+        return [self._whole(v, env, line(eqn)) for v in inner.outvars], [None] * len(inner.outvars)
 
     def _expert_einsum(self, eqn, env, places) -> tuple[list, list]:
         """An einsum reading a kernel's block: its experts dim must be one it batches over; the
@@ -209,7 +228,7 @@ class _Rerun:
         experts = places[k].experts
         if experts not in batch[k] or (places[1 - k] is not None and places[1 - k].rows is None):
             raise RuleError(
-                f"{self.path} (ExpertParallel(dims=...) over {self.axis!r}): {_line(eqn)} reads the expert "
+                f"{self.path} (ExpertParallel(dims=...) over {self.axis!r}): {line(eqn)} reads the expert "
                 f"kernel {self._name(kernel)} batched over no experts dim (as the 'e' of 'gecd,edh->gech' "
                 f"is) or against another kernel; write it so, or leave the module whole."
             )
@@ -222,13 +241,13 @@ class _Rerun:
             rows, x = free[0], self._sent(other, env, on, free[0], copied=column)
         else:
             raise RuleError(
-                f"{self.path} (ExpertParallel(dims=...) over {self.axis!r}): {_line(eqn)} reads an expert "
+                f"{self.path} (ExpertParallel(dims=...) over {self.axis!r}): {line(eqn)} reads an expert "
                 f"kernel with an operand {_shape(other)} that has no dim to carry the rows to the experts' "
                 f"devices: dispatch the tokens into buffers (groups, E, capacity, d) first."
             )
         operands = [None, None]
         operands[k], operands[1 - k] = self._read(kernel, env), x
-        (out,) = _bind(eqn, operands)
+        (out,) = bind(eqn, operands)
         # (dot_general's result: batch dims, then the first operand's free dims, then the second's)
         n_batch = len(batch[0])
         first_free = _free(eqn.invars[0].aval.ndim, contract[0], batch[0])
@@ -271,6 +290,18 @@ class _Rerun:
             self.returned[atom] = jax.lax.all_to_all(back, self.axis, place.rows, place.experts, tiled=True)
         return self.returned[atom]
 
+    def _there(self, var, env, place: Place):
+        """A whole operand of an elementwise operation on values at ``place``: a scalar's
+        broadcast made there; anything else (a mask drawn on this device's rows) sent there."""
+        assert place.rows is not None  # (_alike: a kernel's block has no whole operand beside it)
+        if var in self.splats:
+            scalar, dtype = self.splats[var]
+            local = list(var.aval.shape)
+            local[place.experts] //= self.n
+            local[place.rows] *= self.n
+            return jax.lax.broadcast_in_dim(scalar, tuple(local), ()).astype(dtype)
+        return self._sent(var, env, place.experts, place.rows, copied=False)
+
     def _name(self, kernel) -> str:
         return repr(self.kernels.get(kernel, _shape(kernel)))
 
@@ -287,15 +318,19 @@ class _Rerun:
             return None  # (a part of a sum: summed first, where it is whole)
         shapes = {v.aval.shape for v, p in zip(eqn.invars, places, strict=True) if p is not None}
         others = [v for v, p in zip(eqn.invars, places, strict=True) if p is None]
-        if len(shapes) != 1 or any(np.shape(v.aval) != () for v in others):
-            return None
-        if any(v.aval.shape != next(iter(shapes)) for v in eqn.outvars):
+        if len(shapes) != 1 or any(v.aval.shape != next(iter(shapes)) for v in eqn.outvars):
             return None
         name = eqn.primitive.name
+        if name in ELEMENTWISE and place.rows is not None and not place.partial:
+            # (a whole operand of the same shape, a dropout mask drawn on this device's rows:
+            # sent along with them, _elementwise)
+            return place if all(np.shape(v.aval) in ((), shapes.copy().pop()) for v in others) else None
+        if any(np.shape(v.aval) != () for v in others):
+            return None
         if name in ELEMENTWISE:
             return place
-        inner = _body(eqn)
-        return place if place.rows is not None and inner is not None and _elementwise(inner) else None
+        inner = body(eqn)
+        return place if place.rows is not None and inner is not None and elementwise(inner) else None
 
     def _elementwise(self, eqn, env, place: Place) -> tuple[list, list]:
         """An elementwise operation on this device's experts' values: a primitive as it is; a
@@ -303,77 +338,22 @@ class _Rerun:
         many elements in another order, which an elementwise body cannot tell apart."""
         ins = [self._read(v, env) for v in eqn.invars]
         if eqn.primitive.name in ELEMENTWISE or eqn.primitive.name == "transpose":
-            outs = _bind(eqn, ins)
+            for i, v in enumerate(eqn.invars):
+                if self._place(v) is None and np.shape(v.aval) != ():
+                    ins[i] = self._there(v, env, place)
+            outs = bind(eqn, ins)
             return outs, [place] * len(outs)
         local = next(x.shape for x, v in zip(ins, eqn.invars, strict=True) if self._place(v) is not None)
         wide = [
             x.reshape(v.aval.shape) if np.shape(x) == local else x
             for x, v in zip(ins, eqn.invars, strict=True)
         ]
-        outs = [o.reshape(local) for o in _bind(eqn, wide)]
+        outs = [o.reshape(local) for o in bind(eqn, wide)]
         return outs, [place] * len(outs)
-
-
-def _bind(eqn, ins: list) -> list:
-    """The model's operation ``eqn`` on ``ins``, made at the model's line (the plan check and
-    its refusals name it there), as ``jax.core.eval_jaxpr`` makes it, its operands first made
-    varying over the same axes (JAX's tracing makes them so; a value this re-run sums may be
-    invariant where the trace had it vary)."""
-    arrays = [x for x in ins if hasattr(x, "aval") or isinstance(x, jax.Array)]
-    if _body(eqn) is None and len(arrays) > 1:
-        union = frozenset().union(*map(_vma, arrays))
-        ins = [_varying(x, union) for x in ins]
-    info = eqn.source_info
-    with source_info_util.user_context(info.traceback, name_stack=info.name_stack):
-        out = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
-def _vma(x) -> frozenset:
-    """The axes ``x`` (a value or an abstract one) varies over under ``check_vma``."""
-    aval = x if isinstance(x, jax.core.AbstractValue) else getattr(x, "aval", None)
-    manual = getattr(aval, "manual_axis_type", None)
-    return frozenset(manual.varying) if manual is not None else frozenset()
-
-
-def _varying(x, axes: frozenset):
-    missing = tuple(sorted(axes - _vma(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing and hasattr(x, "aval") else x
 
 
 def _free(ndim: int, contract, batch) -> list[int]:
     return [d for d in range(ndim) if d not in contract and d not in batch]
-
-
-def _body(eqn):
-    """The jaxpr a call-like operation runs (``None`` for any other)."""
-    if eqn.primitive.name not in _CALLS:
-        return None
-    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-        if key in eqn.params:
-            body = eqn.params[key]
-            return getattr(body, "jaxpr", body)
-    return None
-
-
-def _elementwise(jaxpr) -> bool:
-    """Whether every operation of ``jaxpr`` computes each position from the same positions
-    (scalars broadcast at most), through calls."""
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if name in ELEMENTWISE:
-            continue
-        if name == "broadcast_in_dim" and np.shape(eqn.invars[0].aval) == ():
-            continue
-        inner = _body(eqn)
-        if inner is None or not _elementwise(inner):
-            return False
-    return True
-
-
-def _line(eqn) -> str:
-    """The operation and the model's line that made it, as the plan check names them."""
-    return f"{eqn.primitive.name} at {user_site(eqn.source_info) or 'a line JAX does not record'}"
 
 
 def _shape(var) -> str:
