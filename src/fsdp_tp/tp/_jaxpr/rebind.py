@@ -39,7 +39,10 @@ def bind(eqn, ins: list) -> list:
         union = frozenset().union(*map(vma, arrays))
         ins = [_varying(x, union) for x in ins]
     info = eqn.source_info
-    with source_info_util.user_context(info.traceback, name_stack=info.name_stack):
+    # (the name stack the call is made under, then the operation's own: the module's path, by
+    # which the plan check pairs it with the unsharded trace's)
+    name_stack = source_info_util.current_name_stack() + info.name_stack
+    with source_info_util.user_context(info.traceback, name_stack=name_stack):
         out = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
     return list(out) if eqn.primitive.multiple_results else [out]
 

@@ -216,10 +216,15 @@ def _key(node: Node) -> tuple | None:
 
 def module_of(scope: str) -> str:
     """The module path of a name stack, each name said once (a Linen role's clone repeats its
-    module's name: ``LM/mlp/up/up``)."""
+    module's name: ``LM/mlp/up/up``; a call through ``nn.map_variables`` adds the call's name
+    after it: ``LM/moe/moe.call/moe``).
+
+    >>> module_of("LM/moe/moe.call/moe/router")
+    'LM/moe/router'
+    """
     parts: list[str] = []
     for part in scope.split("/"):
-        if not parts or parts[-1] != part:
+        if not parts or (parts[-1] != part and not part.startswith(parts[-1] + ".")):
             parts.append(part)
     return "/".join(parts)
 
