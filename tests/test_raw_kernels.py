@@ -441,11 +441,11 @@ def test_a_bank_of_raw_expert_kernels_by_its_experts_splits_is_the_unsharded_mod
         assert "#   experts: " in left and "its 4 experts, which 'expert' of 3 does not divide" in left
 
 
-def _moe_all_to_alls(cls: type[nn.Module], rules, **fields) -> list[tuple[str, int]]:
-    """``(kind, operand bytes)`` of the all-to-alls of the compiled gradient of an MoE LM
-    ``cls(**fields)`` on data 2 x expert 4 by ``rules``."""
-    mesh = fsdp_tp.make_mesh(EXPERT_MESH)
-    model = fsdp_tp.shard_by_rules(cls, [], batch_axes=EXPERT_AXES, tp_rules=rules)(**fields)
+def _moe_collectives(cls: type[nn.Module], rules, mesh=EXPERT_MESH, **fields) -> list[tuple[str, int]]:
+    """``(kind, operand bytes)`` of every collective of the compiled gradient of an MoE LM
+    ``cls(**fields)`` on ``mesh`` (its batch over data and expert) by ``rules``."""
+    axes = ("data", "expert")
+    model = fsdp_tp.shard_by_rules(cls, [], batch_axes=axes, tp_rules=rules)(**fields)
 
     def init_fn(rng):
         params = model.init(rng, TOKENS[:1])["params"]
@@ -453,15 +453,18 @@ def _moe_all_to_alls(cls: type[nn.Module], rules, **fields) -> list[tuple[str, i
 
     def step_fn(state, data):
         loss = lambda p: cross_entropy(model.apply({"params": p}, data[0]), data[1])
-        return fsdp_tp.sync_gradients(jax.grad(loss)(state.params), EXPERT_AXES), ()
+        return fsdp_tp.sync_gradients(jax.grad(loss)(state.params), axes), ()
 
-    state, specs = fsdp_tp.init_sharded(init_fn, mesh, P(), jax.random.key(0))
-    step = fsdp_tp.shard_step(step_fn, mesh, specs, P(EXPERT_AXES), metrics_specs=())
+    state, specs = fsdp_tp.init_sharded(init_fn, fsdp_tp.make_mesh(mesh), P(), jax.random.key(0))
+    step = fsdp_tp.shard_step(step_fn, fsdp_tp.make_mesh(mesh), specs, P(axes), metrics_specs=())
     text = step.lower(state, BATCH).compile().as_text()
-    moved = [
-        (c.kind, c.operand_bytes) for c in parse_collectives(text) if c.kind in ("all-to-all", "all-gather")
-    ]
-    return sorted(moved)  # (no parameter is FSDP-split: an all-gather would be an expert's weights)
+    return sorted((c.kind, c.operand_bytes) for c in parse_collectives(text))
+
+
+def _moe_all_to_alls(cls: type[nn.Module], rules, **fields) -> list[tuple[str, int]]:
+    """The all-to-alls and all-gathers of :func:`_moe_collectives` on data 2 x expert 4 (no
+    parameter is FSDP-split: an all-gather would be an expert's weights)."""
+    return [c for c in _moe_collectives(cls, rules, **fields) if c[0] in ("all-to-all", "all-gather")]
 
 
 def test_a_raw_bank_moves_the_einsum_bank_s_all_to_alls_and_gathers_no_expert():
@@ -691,27 +694,6 @@ def test_raw_experts_over_expert_with_each_hidden_dim_over_tensor_are_the_unshar
     )
 
 
-def _hybrid_collectives(cls: type[nn.Module], rules, **fields) -> list[tuple[str, int]]:
-    """``(kind, operand bytes)`` of every collective of the compiled gradient of an MoE LM on
-    data 2 x expert 2 x tensor 2 by ``rules``."""
-    mesh = fsdp_tp.make_mesh(HYBRID_MESH)
-    model = fsdp_tp.shard_by_rules(cls, [], batch_axes=HYBRID_AXES, tp_rules=rules)(**fields)
-
-    def init_fn(rng):
-        params = model.init(rng, TOKENS[:1])["params"]
-        return fsdp_tp.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1), rng=rng)
-
-    def step_fn(state, data):
-        loss = lambda p: cross_entropy(model.apply({"params": p}, data[0]), data[1])
-        return fsdp_tp.sync_gradients(jax.grad(loss)(state.params), HYBRID_AXES), ()
-
-    state, specs = fsdp_tp.init_sharded(init_fn, mesh, P(), jax.random.key(0))
-    step = fsdp_tp.shard_step(step_fn, mesh, specs, P(HYBRID_AXES), metrics_specs=())
-    return sorted(
-        (c.kind, c.operand_bytes) for c in parse_collectives(step.lower(state, BATCH).compile().as_text())
-    )
-
-
 def test_raw_experts_split_twice_move_what_einsum_experts_split_twice_move():
     """The raw bank with ``within=Region(...)`` compiles to the collectives of the same bank
     written one nn.Einsum a kernel under ``ExpertParallel(within=ColumnParallel())`` for gate
@@ -723,8 +705,8 @@ def test_raw_experts_split_twice_move_what_einsum_experts_split_twice_move():
         (r"experts/(gate|up)$", ExpertParallel(within=ColumnParallel())),
         (r"experts/down$", ExpertParallel(returns=True, within=RowParallel())),
     ]
-    moved = _hybrid_collectives(LinenRawMoE, raw)
-    assert moved == _hybrid_collectives(LinenRawMoE, einsums, einsums=True)
+    moved = _moe_collectives(LinenRawMoE, raw, HYBRID_MESH)
+    assert moved == _moe_collectives(LinenRawMoE, einsums, HYBRID_MESH, einsums=True)
     assert not [c for c in moved if c[0] == "all-gather"]
 
 
