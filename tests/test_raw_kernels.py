@@ -793,3 +793,31 @@ def test_negative_control_a_routed_dropout_mask_not_sent_with_its_rows_is_caught
     with pytest.raises(AssertionError, match=r"output"):
         once = dict(batch_axes=EXPERT_AXES, steps=1, optimizers={}, rngs=DROPOUT)
         check_sharded(LinenDroppingRoutingMoE(), BATCH, cross_entropy, EXPERT_MESH, tp_rules=ROUTED, **once)
+
+
+class LinenRectifiedRoutingBlock(LinenRoutingBlock):
+    """The routed block with a custom-derivative function (jax.nn.relu) on its combined output."""
+
+    @nn.compact
+    def __call__(self, x):
+        return jax.nn.relu(super().__call__(x))
+
+
+class LinenRectifiedRoutingMoE(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(V, D, name="embed")(tokens)
+        return nn.Dense(V, name="head")(x + LinenRectifiedRoutingBlock(name="moe")(x))
+
+
+def test_a_custom_derivative_on_raw_experts_split_twice_is_refused_and_the_fix_runs():
+    """Split twice, the experts' output is summed over ``tensor`` where the trace typed it a
+    part of that sum: a function with a custom derivative (relu's, 0 at 0) cannot run as
+    traced, nor its body stand in for it. Refused at its line; the fix named (within= dropped)
+    trains equal to unsharded."""
+    once = dict(batch_axes=HYBRID_AXES, steps=1, optimizers={})
+    model = LinenRectifiedRoutingMoE()
+    with pytest.raises(RuleError, match=r"custom_jvp_call at .*custom derivative") as refused:
+        check_sharded(model, BATCH, cross_entropy, HYBRID_MESH, tp_rules=HYBRID, **once)
+    named_fix(refused, "or drop within=")
+    check_sharded(model, BATCH, cross_entropy, HYBRID_MESH, tp_rules=ROUTED, **once)

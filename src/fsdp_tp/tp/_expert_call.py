@@ -212,7 +212,15 @@ class _Rerun:
 
     def _inlined(self, eqn, inner, ins: list, env: dict) -> tuple[list, list]:
         """A call whose operands are typed otherwise than its body was traced with (a value
-        summed here that the trace typed as a part of a sum): its body run here, op by op."""
+        summed here that the trace typed as a part of a sum): its body run here, op by op; a
+        custom derivative's body is not its derivative (``jax.nn.relu``'s at 0), so refused."""
+        if eqn.primitive.name.startswith("custom_"):
+            raise RuleError(
+                f"{self.path} (ExpertParallel(dims=..., within=...)): {line(eqn)} is a function with a "
+                f"custom derivative on the experts' output summed over {self.tensor!r}, which its "
+                f"trace typed as a part of that sum; it cannot run as traced. Apply it inside the "
+                f"experts (before the row einsum) or after the module, or drop within=."
+            )
         consts = getattr(eqn.params.get("jaxpr"), "consts", ())
         env.update(zip(inner.constvars, consts, strict=True))
         env.update(zip(inner.invars, ins, strict=True))
