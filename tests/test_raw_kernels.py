@@ -821,3 +821,45 @@ def test_a_custom_derivative_on_raw_experts_split_twice_is_refused_and_the_fix_r
         check_sharded(model, BATCH, cross_entropy, HYBRID_MESH, tp_rules=HYBRID, **once)
     named_fix(refused, "or drop within=")
     check_sharded(model, BATCH, cross_entropy, HYBRID_MESH, tp_rules=ROUTED, **once)
+
+
+class NNXDroppingRoutingBlock(NNXRoutingBlock):
+    """The routed NNX block with an nnx.Dropout on its experts' hidden units."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        super().__init__(rngs)
+        self.dropout = nnx.Dropout(0.25, rngs=rngs)
+
+    def __call__(self, x):
+        choices = jax.vmap(lambda row: routing.route(row, TOP_K, None))(x @ self.router[...])
+        buffers = jax.vmap(routing.dispatch)(x, choices)
+        gate, up = (jnp.einsum("gecd,edh->gech", buffers, w[...]) for w in (self.w_gate, self.w_up))
+        out = jnp.einsum("gech,ehd->gecd", self.dropout(nnx.silu(gate) * up), self.w_down[...])
+        return jax.vmap(routing.combine)(out, choices)
+
+
+class NNXDroppingRoutingMoE(nnx.Module):
+    """The routed NNX model with dropout inside its block (``inside``), or after the block's
+    output (the fix its refusal names)."""
+
+    def __init__(self, rngs: nnx.Rngs, inside: bool = True):
+        self.embed, self.head = nnx.Embed(V, D, rngs=rngs), nnx.Linear(D, V, rngs=rngs)
+        self.moe = NNXDroppingRoutingBlock(rngs) if inside else NNXRoutingBlock(rngs)
+        self.dropout = None if inside else nnx.Dropout(0.25, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        y = self.moe(x)
+        return self.head(x + (y if self.dropout is None else self.dropout(y)))
+
+
+def test_an_nnx_dropout_inside_a_routed_module_is_refused_and_the_fix_runs():
+    """NNX draws a dropout mask by updating its rng count, state made outside the trace the
+    role runs the module's call in: refused at the module with the fix (the dropout after the
+    module's output), which draws the unsharded mask, equal to unsharded."""
+    once = dict(batch_axes=EXPERT_AXES, steps=1, optimizers={})
+    with pytest.raises(RuleError, match=r"moe: ExpertParallel traces this module's call anew") as refused:
+        check_sharded(NNXDroppingRoutingMoE, BATCH, cross_entropy, EXPERT_MESH, tp_rules=ROUTED, **once)
+    named_fix(refused, "Move that layer out of the module (a dropout after its output)")
+    outside = lambda rngs: NNXDroppingRoutingMoE(rngs, inside=False)
+    check_sharded(outside, BATCH, cross_entropy, EXPERT_MESH, tp_rules=ROUTED, **once)

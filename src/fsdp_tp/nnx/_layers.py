@@ -18,9 +18,11 @@ from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import jax.extend
+from flax import errors as flax_errors
 from flax import nnx
 
 from .._tree import module_path
+from ..errors import RuleError
 from ..tp import Layer, RowParallel, TPRole
 from ..tp._front import Kinds, Local, compute, computes_of, dims, slice_error
 from ._swap import Swap
@@ -162,8 +164,23 @@ class NNXFront:
                     if not (isinstance(role, RowParallel) or "contracting dimensions" in str(err)):
                         raise
                     raise slice_error(layer.path, role, err) from None
+                except flax_errors.TraceContextError as err:
+                    raise _mutated_in_trace(layer.path, role, err) from None
 
         return run
+
+
+def _mutated_in_trace(path: str, role: TPRole, err: Exception) -> RuleError:
+    """A module whose call mutates NNX state (an ``nnx.Dropout``'s rng count), run by a role
+    that traces the call anew to place its collectives inside it (``ExpertParallel(dims=...)``):
+    the state was made outside that trace, and NNX refuses the write."""
+    return RuleError(
+        f"{path}: {type(role).__name__} traces this module's call anew to place its all-to-alls "
+        f"inside it, and the call updates NNX state made outside that trace ({str(err).split(' (')[0]}: "
+        f"an nnx.Dropout's rng count, a BatchNorm's statistics). Move that layer out of the module "
+        f"(a dropout after its output), or write the module in Linen, whose dropout draws the "
+        f"unsharded mask inside it."
+    )
 
 
 def _trace():

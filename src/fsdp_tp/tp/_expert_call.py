@@ -186,7 +186,7 @@ class _Rerun:
 
     def _eqn(self, eqn, env) -> tuple[list, list]:
         name, places = eqn.primitive.name, [self._place(v) for v in eqn.invars]
-        marked = re.search(_MARK + r":(\w+)", str(eqn.source_info.name_stack))
+        marked = re.search(_MARK + r":([\w/.-]+)", str(eqn.source_info.name_stack))
         if name == "all_gather" and marked:
             name = self.kernels[eqn.outvars[0]] = marked.group(1)
             kernel = self._read(eqn.invars[0], env)  # this device's block: the gather never runs
