@@ -356,10 +356,11 @@ EINSUM_BANK = [(r"experts/(gate|up)$", ExpertParallel()), (r"experts/down$", Exp
 EXPERT_MESH, EXPERT_AXES = {"data": 2, "expert": 4}, ("data", "expert")
 
 
-def _experts(x, w_gate, w_up, w_down):
-    """A gated expert MLP on buffers (groups, E, capacity, d), kernels (E, d, h) and (E, h, d)."""
+def _experts(x, w_gate, w_up, w_down, dropout=None):
+    """A gated expert MLP on buffers (groups, E, capacity, d), kernels (E, d, h) and (E, h, d);
+    ``dropout``: a layer on its hidden units."""
     hidden = nn.silu(jnp.einsum("gecd,edh->gech", x, w_gate)) * jnp.einsum("gecd,edh->gech", x, w_up)
-    return jnp.einsum("gech,ehd->gecd", hidden, w_down)
+    return jnp.einsum("gech,ehd->gecd", hidden if dropout is None else dropout(hidden), w_down)
 
 
 class LinenRawBank(nn.Module):
@@ -566,35 +567,39 @@ class LinenRoutingMoE(nn.Module):
         return nn.Dense(V, name="head")(x + LinenRoutingBlock(self.capacity, name="moe")(x))
 
 
-def _routed(x, router, w_gate, w_up, w_down, capacity: int | None):
+def _routed(x, router, w_gate, w_up, w_down, capacity: int | None, dropout=None):
     """Router, dispatch, raw expert kernels and combine in one call (MaxText's layout): top-2 of
-    each row's tokens, buffers (rows, E, capacity, d)."""
+    each row's tokens, buffers (rows, E, capacity, d); ``dropout`` on the experts' hidden units."""
     choices = jax.vmap(lambda row: routing.route(row, TOP_K, capacity))(x @ router)
-    out = _experts(jax.vmap(routing.dispatch)(x, choices), w_gate, w_up, w_down)
+    out = _experts(jax.vmap(routing.dispatch)(x, choices), w_gate, w_up, w_down, dropout)
     return jax.vmap(routing.combine)(out, choices)
 
 
 class LinenRoutingBlock(nn.Module):
     capacity: int | None = None
+    dropout: float = 0.0  # (on the experts' hidden units, between the einsums)
 
     @nn.compact
     def __call__(self, x):
         init = nn.initializers.lecun_normal()
         router = self.param("router", init, (D, EXPERTS))
         w_gate, w_up = (self.param(name, init, (EXPERTS, D, H)) for name in ("w_gate", "w_up"))
-        return _routed(x, router, w_gate, w_up, self.param("w_down", init, (EXPERTS, H, D)), self.capacity)
+        w_down = self.param("w_down", init, (EXPERTS, H, D))
+        dropout = nn.Dropout(self.dropout, deterministic=False) if self.dropout else None
+        return _routed(x, router, w_gate, w_up, w_down, self.capacity, dropout)
 
 
 class NNXRoutingBlock(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs, capacity: int | None = None):
+    def __init__(self, rngs: nnx.Rngs, capacity: int | None = None, dropout: float = 0.0):
         init = nnx.initializers.lecun_normal()
         self.router = nnx.Param(init(rngs.params(), (D, EXPERTS)))
         self.w_gate, self.w_up = (nnx.Param(init(rngs.params(), (EXPERTS, D, H))) for _ in range(2))
         self.w_down, self.capacity = nnx.Param(init(rngs.params(), (EXPERTS, H, D))), capacity
+        self.dropout = nnx.Dropout(dropout, rngs=rngs) if dropout else None
 
     def __call__(self, x):
         weights = (self.router, self.w_gate, self.w_up, self.w_down)
-        return _routed(x, *(w[...] for w in weights), self.capacity)
+        return _routed(x, *(w[...] for w in weights), self.capacity, self.dropout)
 
 
 class NNXRoutingMoE(nnx.Module):
@@ -738,29 +743,11 @@ def test_raw_experts_within_a_column_role_is_refused_with_the_fix():
     named_fix(refused, "Region(dims=...) naming each kernel's hidden dim")  # (trained above)
 
 
-class LinenDroppingRoutingBlock(LinenRoutingBlock):
-    """The routed block with dropout on its experts' hidden units, between the einsums."""
-
-    @nn.compact
-    def __call__(self, x):
-        init = nn.initializers.lecun_normal()
-        router = self.param("router", init, (D, EXPERTS))
-        w_gate, w_up = (self.param(name, init, (EXPERTS, D, H)) for name in ("w_gate", "w_up"))
-        choices = jax.vmap(lambda row: routing.route(row, TOP_K, None))(x @ router)
-        buffers = jax.vmap(routing.dispatch)(x, choices)
-        hidden = nn.silu(jnp.einsum("gecd,edh->gech", buffers, w_gate)) * jnp.einsum(
-            "gecd,edh->gech", buffers, w_up
-        )
-        hidden = nn.Dropout(0.25, deterministic=False)(hidden)
-        out = jnp.einsum("gech,ehd->gecd", hidden, self.param("w_down", init, (EXPERTS, H, D)))
-        return jax.vmap(routing.combine)(out, choices)
-
-
 class LinenDroppingRoutingMoE(nn.Module):
     @nn.compact
     def __call__(self, tokens):
         x = nn.Embed(V, D, name="embed")(tokens)
-        return nn.Dense(V, name="head")(x + LinenDroppingRoutingBlock(name="moe")(x))
+        return nn.Dense(V, name="head")(x + LinenRoutingBlock(dropout=0.25, name="moe")(x))
 
 
 DROPOUT = {"dropout": jax.random.key(3)}
@@ -823,28 +810,13 @@ def test_a_custom_derivative_on_raw_experts_split_twice_is_refused_and_the_fix_r
     check_sharded(model, BATCH, cross_entropy, HYBRID_MESH, tp_rules=ROUTED, **once)
 
 
-class NNXDroppingRoutingBlock(NNXRoutingBlock):
-    """The routed NNX block with an nnx.Dropout on its experts' hidden units."""
-
-    def __init__(self, rngs: nnx.Rngs):
-        super().__init__(rngs)
-        self.dropout = nnx.Dropout(0.25, rngs=rngs)
-
-    def __call__(self, x):
-        choices = jax.vmap(lambda row: routing.route(row, TOP_K, None))(x @ self.router[...])
-        buffers = jax.vmap(routing.dispatch)(x, choices)
-        gate, up = (jnp.einsum("gecd,edh->gech", buffers, w[...]) for w in (self.w_gate, self.w_up))
-        out = jnp.einsum("gech,ehd->gecd", self.dropout(nnx.silu(gate) * up), self.w_down[...])
-        return jax.vmap(routing.combine)(out, choices)
-
-
 class NNXDroppingRoutingMoE(nnx.Module):
     """The routed NNX model with dropout inside its block (``inside``), or after the block's
     output (the fix its refusal names)."""
 
     def __init__(self, rngs: nnx.Rngs, inside: bool = True):
         self.embed, self.head = nnx.Embed(V, D, rngs=rngs), nnx.Linear(D, V, rngs=rngs)
-        self.moe = NNXDroppingRoutingBlock(rngs) if inside else NNXRoutingBlock(rngs)
+        self.moe = NNXRoutingBlock(rngs, dropout=0.25 if inside else 0.0)
         self.dropout = None if inside else nnx.Dropout(0.25, rngs=rngs)
 
     def __call__(self, tokens):

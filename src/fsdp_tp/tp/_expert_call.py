@@ -326,13 +326,13 @@ class _Rerun:
             return None  # (a part of a sum: summed first, where it is whole)
         shapes = {v.aval.shape for v, p in zip(eqn.invars, places, strict=True) if p is not None}
         others = [v for v, p in zip(eqn.invars, places, strict=True) if p is None]
-        if len(shapes) != 1 or any(v.aval.shape != next(iter(shapes)) for v in eqn.outvars):
+        if len(shapes) != 1 or any(v.aval.shape not in shapes for v in eqn.outvars):
             return None
         name = eqn.primitive.name
         if name in ELEMENTWISE and place.rows is not None and not place.partial:
             # (a whole operand of the same shape, a dropout mask drawn on this device's rows:
             # sent along with them, _elementwise)
-            return place if all(np.shape(v.aval) in ((), shapes.copy().pop()) for v in others) else None
+            return place if all(np.shape(v.aval) == () or v.aval.shape in shapes for v in others) else None
         if any(np.shape(v.aval) != () for v in others):
             return None
         if name in ELEMENTWISE:
