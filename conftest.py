@@ -2,28 +2,12 @@
 hypothesis profiles. It runs before any test module imports jax's backend."""
 
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-
-def _compilation_cache() -> Path:
-    """One directory per test run, shared by the xdist workers and the CLI subprocesses
-    the docs tests start: a program compiled twice anywhere in the run (the same model at
-    the same shapes: a twin's step, a CLI run repeated by two pages) is compiled once. The
-    tests still trace, lower and run every program; only XLA's compile is reused."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
-    return Path(tempfile.gettempdir()) / "fsdp_tp_test_jax_cache" / run
-
-
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(_compilation_cache())
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 # XLA's CPU backend generates cheaper code for the tests (and the CLI runs they start) than for a
 # user. The XLA passes before code generation run either way, so every collective, byte and
@@ -78,13 +62,18 @@ import jax  # noqa: E402  (after the environment above: jax reads it at import)
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+from fsdp_tp import compile_cache  # noqa: E402
+
 jax.config.update("jax_num_cpu_devices", 8)
 
-
-def pytest_sessionfinish(session):
-    # The controller (not an xdist worker) removes the run's cache when the run ends.
-    if not hasattr(session.config, "workerinput"):
-        shutil.rmtree(_compilation_cache(), ignore_errors=True)
+# XLA's compiled programs kept across runs (fsdp_tp.compile_cache: ~/.cache/fsdp_tp/jax, or
+# $FSDP_TP_COMPILE_CACHE; "off" compiles everything): the xdist workers and the CLI processes the
+# tests start share it, so a program compiled twice anywhere (a twin's step, a CLI run two pages
+# repeat) compiles once, and a second run of the tree, or CI after a developer's run, compiles
+# only what changed. The tests still trace, lower and run every program. The controller trims
+# the cache and sets JAX's environment before the xdist workers start; they inherit it.
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    compile_cache.enable()
 
 
 # Each test file's time (its tests' setup, call and teardown, summed over the workers that ran
@@ -94,13 +83,19 @@ def pytest_sessionfinish(session):
 # is compile-bound (test_einsum_tp and test_tp_rules, -n 0: 124 s of XLA compiles, 45 s of
 # tracing and 21 s of lowering in 206 s), so the columns say what a file's time is made of. A
 # jit traced inside another's trace is counted in both: the trace column is an upper bound.
+# The last two columns: the programs read from the compilation cache (hits) and compiled
+# (misses: a compile that asked the cache and found nothing, or an entry it could not trust).
 _JAX_EVENTS = {
     "/jax/core/compile/jaxpr_trace_duration": 0,
     "/jax/core/compile/jaxpr_to_mlir_module_duration": 1,
     "/jax/core/compile/backend_compile_duration": 2,
 }
-_JAX_SECONDS = [0.0, 0.0, 0.0]  # this process's, since its last test report
-_FILE_SECONDS: dict[str, list[float]] = {}  # file: [seconds, trace, lower, compile]
+_CACHE_EVENTS = {
+    "/jax/compilation_cache/cache_hits": 3,
+    "/jax/compilation_cache/compile_requests_use_cache": 4,
+}
+_JAX_SECONDS = [0.0] * 5  # this process's, since its last test report: trace, lower, compile, hits, asked
+_FILE_SECONDS: dict[str, list[float]] = {}  # file: [seconds, trace, lower, compile, hits, asked]
 
 
 def _count_jax_seconds(event: str, duration: float, **_) -> None:
@@ -108,7 +103,13 @@ def _count_jax_seconds(event: str, duration: float, **_) -> None:
         _JAX_SECONDS[column] += duration
 
 
+def _count_cache_events(event: str, **_) -> None:
+    if (column := _CACHE_EVENTS.get(event)) is not None:
+        _JAX_SECONDS[column] += 1
+
+
 jax.monitoring.register_event_duration_secs_listener(_count_jax_seconds)
+jax.monitoring.register_event_listener(_count_cache_events)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -117,14 +118,14 @@ def pytest_runtest_makereport(item, call):
     # user_properties: each phase's report carries the JAX seconds since the last one.
     report = (yield).get_result()
     report.user_properties.append(("jax_seconds", tuple(_JAX_SECONDS)))
-    _JAX_SECONDS[:] = [0.0, 0.0, 0.0]
+    _JAX_SECONDS[:] = [0.0] * len(_JAX_SECONDS)
 
 
 def pytest_runtest_logreport(report):
     file = report.nodeid.split("::", 1)[0]
     file = "src/ (the doctests)" if file.startswith("src/") else file
-    jax_seconds = dict(report.user_properties).get("jax_seconds", (0.0, 0.0, 0.0))
-    row = _FILE_SECONDS.setdefault(file, [0.0, 0.0, 0.0, 0.0])
+    jax_seconds = dict(report.user_properties).get("jax_seconds", (0.0,) * len(_JAX_SECONDS))
+    row = _FILE_SECONDS.setdefault(file, [0.0] * (1 + len(_JAX_SECONDS)))
     for i, seconds in enumerate((report.duration, *jax_seconds)):
         row[i] += seconds
 
@@ -133,12 +134,17 @@ def pytest_terminal_summary(terminalreporter):
     if hasattr(terminalreporter.config, "workerinput") or not _FILE_SECONDS:
         return
     terminalreporter.write_sep("=", "seconds per test file (summed over workers)")
-    heading = f"{'all':>8}  {'trace':>7}  {'lower':>7}  {'compile':>7}  (jax's, in the test processes)"
-    terminalreporter.write_line(heading)
+    heading = f"{'all':>8}  {'trace':>7}  {'lower':>7}  {'compile':>7}  {'hits':>6}  {'misses':>6}"
+    terminalreporter.write_line(f"{heading}  (jax's, in the test processes; programs from the cache)")
     rows = sorted(_FILE_SECONDS.items(), key=lambda item: -item[1][0])
     total = [sum(column) for column in zip(*_FILE_SECONDS.values(), strict=True)]
-    for file, row in [*rows, ("in all", total)]:
-        terminalreporter.write_line(f"{row[0]:8.1f}  {row[1]:7.1f}  {row[2]:7.1f}  {row[3]:7.1f}  {file}")
+    for file, (seconds, trace, lower, compiled, hits, asked) in [*rows, ("in all", total)]:
+        counts = f"{hits:6.0f}  {asked - hits:6.0f}"
+        terminalreporter.write_line(
+            f"{seconds:8.1f}  {trace:7.1f}  {lower:7.1f}  {compiled:7.1f}  {counts}  {file}"
+        )
+    where = compile_cache.cache_dir()
+    terminalreporter.write_line(f"compilation cache: {where or 'off'} ({compile_cache.ENV}=off: none)")
 
 
 # Modules whose tests share a module-scoped fixture that takes a minute to build (the bench's

@@ -50,6 +50,7 @@ CORE = (
     "checkpoint._state_tree",
     "collective_matmul",
     "collectives",
+    "compile_cache",
     "collectives._gather",
     "collectives._mean_grad_gather",
     "context",
