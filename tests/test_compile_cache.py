@@ -10,6 +10,7 @@ information differ between the runs as a fresh clone's do."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -89,6 +90,17 @@ def test_a_program_from_the_cache_is_bit_identical_and_found_from_another_folder
     assert warm["digest"] == cold["digest"]
 
 
+def test_a_cache_copied_elsewhere_is_still_warm(first_run, tmp_path):
+    """On CPU the cache's own path is not in the key (no GPU autotuning cache named inside it):
+    a cache restored to another place (a CI system's saved cache) is read as it was."""
+    root, cache, cold = first_run
+    copy = tmp_path / "restored"
+    shutil.copytree(cache, copy)
+    moved = _run(root / "checkout_d", copy)
+    assert moved["hits"] == moved["asked"] == cold["asked"]
+    assert moved["digest"] == cold["digest"]
+
+
 def test_negative_control_another_program_misses(first_run):
     """The hits counted above are the cache's answers: a program that differs (one constant)
     compiles anew, and computes other bits."""
@@ -100,12 +112,12 @@ def test_negative_control_another_program_misses(first_run):
 
 @pytest.mark.parametrize("damage", ["truncated", "flipped"])
 def test_a_damaged_entry_is_compiled_again_not_trusted(first_run, damage, tmp_path):
-    """An entry cut short (a process killed while writing it) or with bytes changed, in place
-    (a copied cache is another cache: JAX's key holds the cache's own path), is refused with
-    JAX's warning, the program compiled again, and the result the fresh compile's, bit for bit."""
-    _, _, cold = first_run
+    """An entry cut short (a process killed while writing it) or with bytes changed is refused
+    with JAX's warning, the program compiled again, and the result the fresh compile's, bit for
+    bit."""
+    _, first_cache, cold = first_run
     cache = tmp_path / "cache"
-    assert _run(tmp_path / "checkout", cache)["digest"] == cold["digest"]
+    shutil.copytree(first_cache, cache)
     for entry in cache.iterdir():
         data = bytearray(entry.read_bytes())
         if damage == "truncated":
