@@ -30,6 +30,7 @@ from fsdp_tp.testing import (
     Comparison,
     NNXSharded,
     NNXTwin,
+    Reference,
     assert_trees_close,
     check_equal,
 )
@@ -110,8 +111,13 @@ def batches(case: Case, count: int):
         yield (jax.random.normal(kx, (*lead, case.in_dim)), jax.random.normal(ky, (*lead, case.out_dim)))
 
 
-def check_equivalence(case: Case, sync: Callable = fsdp_tp.sync_gradients, steps: int = 3) -> None:
-    check_equal(case.comparison, list(batches(case, steps)), jax.random.key(case.seed), OPTIMIZERS, sync)
+def check_equivalence(
+    case: Case, sync: Callable = fsdp_tp.sync_gradients, steps: int = 3, reference: Reference | None = None
+) -> None:
+    """``reference``: the twin's run shared with every check of the same twin, loss and reads."""
+    key = (case.reference, case.reference_loss, case.twin_reads)
+    data, rng = list(batches(case, steps)), jax.random.key(case.seed)
+    check_equal(case.comparison, data, rng, OPTIMIZERS, sync, reference=reference, key=key)
 
 
 def step_program(

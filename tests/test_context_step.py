@@ -36,7 +36,7 @@ from fsdp_tp.context._step import LaidOut
 from fsdp_tp.errors import IndivisibleShapeError, RuleError, UncheckedPlanWarning
 from fsdp_tp.gradients import global_mean_loss
 from fsdp_tp.models.moe import LinenMoE
-from fsdp_tp.testing import check_sharded
+from fsdp_tp.testing import Reference, check_sharded
 from fsdp_tp.tp import ColumnParallel, ExpertParallel, RowParallel
 from fsdp_tp.tp._check.driver import switched_off
 from tests.refusals import named_fix
@@ -163,6 +163,9 @@ FSDP = [
 ]
 TP = [(r"(q|k|v|up)$", ColumnParallel()), (r"(out|down)$", RowParallel())]
 BATCH = packed_batch()
+# The unsharded runs the mesh list below compares with: five of its cases share one (the same
+# model, batch and loss), computed once a test process.
+LINEN_TWINS = Reference()
 
 
 @pytest.mark.parametrize(
@@ -201,6 +204,7 @@ def test_a_linen_model_with_its_sequence_split_is_the_unsharded_model(mesh, tp_r
         sequence=sequence,
         steps=2,
         check_vma=check_vma,
+        reference=LINEN_TWINS,
     )
 
 

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import fsdp_tp
 from fsdp_tp.bench.baselines import tutorial_sync_gradients
+from fsdp_tp.testing import Reference
 from tests.conftest import MESHES, WIDTHS, mesh_of, replicated_ok
 from tests.equivalence import Case, check_equivalence
 from tests.models import MLP, Block, ScanMLP
@@ -53,10 +54,14 @@ def test_mlp_equals_unsharded(case):
     check_equivalence(case)
 
 
+EVERY_MESH = Reference()  # (one unsharded run for the meshes and modes below, a test process)
+
+
 @replicated_ok
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_every_mesh_and_both_modes(check_vma):
-    """The drawn cases above are few in CI; this pins one FSDP case per mesh and mode."""
+    """The drawn cases above are few in CI; this pins one FSDP case per mesh and mode, each
+    against the one unsharded run (a Reference: computed by the first, read by the others)."""
     dense = fsdp_tp.shard_module_params(nn.Dense, "fsdp", min_weight_size=0)
     for data, fsdp in MESHES:
         check_equivalence(
@@ -70,7 +75,9 @@ def test_every_mesh_and_both_modes(check_vma):
                 out_dim=8,
             ),
             steps=1,
+            reference=EVERY_MESH,
         )
+    assert EVERY_MESH.computed == 1
 
 
 @replicated_ok

@@ -25,6 +25,7 @@ from fsdp_tp.testing import (
     Comparison,
     NNXSharded,
     NNXTwin,
+    Reference,
     _harness,
     _programs,
     check_equal,
@@ -94,8 +95,10 @@ def test_negative_control_a_wrong_rule_fails_naming_the_output():
         check_sharded(_model("linen", by_count=True), BATCH, mse, MESH, tp_rules=RULES, rngs=DROP)
 
 
-def _nnx_pair(mesh, check_vma: bool = True) -> Comparison:
-    make = lambda rngs: nnx.Sequential(nnx.Linear(D, 32, rngs=rngs), nnx.Linear(32, D, rngs=rngs))
+def _nnx_pair(mesh, check_vma: bool = True, init=None) -> Comparison:
+    """``init``: the kernels' initializer (default nnx.Linear's)."""
+    linear = lambda n, m, rngs: nnx.Linear(n, m, **({"kernel_init": init} if init else {}), rngs=rngs)
+    make = lambda rngs: nnx.Sequential(linear(D, 32, rngs), linear(32, D, rngs))
     rules = [(r"kernel$", jax.sharding.PartitionSpec("fsdp"))]
     sharded = NNXSharded(make, rules, batch_axes=("data", "fsdp"))
     loss = lambda model, params, x, y: mse(model.apply({"params": params}, x), y)
@@ -128,13 +131,35 @@ def test_negative_control_a_per_device_optimizer_fails_naming_a_parameter(monkey
         check_equal(pair, [BATCH, BATCH], KEY, optimizers=optimizers)
 
 
+EVERY_MESH = Reference()  # (one unsharded run for all the meshes below)
+
+
 @settings(max_examples=4, deadline=None, database=None, derandomize=True)
 @given(mesh=meshes(("data", "tensor")).filter(lambda mesh: HEADS % mesh.shape["tensor"] == 0))
 def test_every_mesh_the_devices_form(mesh):
     """The three lines a user writes: a strategy of meshes (here those whose tensor axis
     divides the heads: on tensor 8 the check refuses the model, each device half a head), and
-    the check."""
-    check_sharded(_model("linen"), BATCH, mse, mesh, tp_rules=RULES, steps=1, rngs=DROP)
+    the check, against one unsharded run computed once (a Reference)."""
+    check_sharded(_model("linen"), BATCH, mse, mesh, tp_rules=RULES, steps=1, rngs=DROP, reference=EVERY_MESH)
+    assert EVERY_MESH.computed == 1
+
+
+def test_a_reference_s_run_still_fails_a_wrong_model_and_a_key_it_misses_is_refused():
+    """A run read from a Reference is compared as a computed one is: a missing sync on another
+    mesh still fails naming the gradient. A key that misses what the twin depends on (here one
+    key for two models) is refused at the twin's init, the first leaf that differs named."""
+    twins = Reference()
+    meshes = [fsdp_tp.make_mesh({"data": 2, "fsdp": 4}), fsdp_tp.make_mesh({"data": 4, "fsdp": 2})]
+    check_equal(_nnx_pair(meshes[0]), [BATCH], KEY, reference=twins, key="mlp")
+    wrong = lambda grads, axes: grads
+    with pytest.raises(AssertionError, match=r"^grads\['layers'\]\[0\]\['bias'\]: \d+ of 32 elements"):
+        check_equal(_nnx_pair(meshes[1]), [BATCH], KEY, sync=wrong, reference=twins, key="mlp")
+    assert (twins.computed, twins.read) == (1, 1)
+    other = _nnx_pair(meshes[1], init=nnx.initializers.ones)
+    with pytest.raises(AssertionError, match=r"started from other parameters \(the twin's init\['layers'\]"):
+        check_equal(other, [BATCH], KEY, reference=twins, key="mlp")
+    with pytest.raises(TypeError, match="reference= needs key="):
+        check_equal(other, [BATCH], KEY, reference=twins)
 
 
 def _unseeded(rngs):

@@ -7,6 +7,7 @@ one it was built from (docs/design.md invariants 1-5).
 - :func:`check_equal` over a :class:`Comparison`: the same check on a sharded model and a twin
   you built (the suite's own equivalence tests run it).
 - :func:`assert_trees_close`: the comparison, leaf by leaf, with its message.
+- :class:`Reference`: the unsharded run computed once, read by every check of the same twin.
 - :func:`meshes`: a hypothesis strategy of the meshes the devices can form.
 - :class:`NNXSharded`, :class:`NNXTwin`: an NNX model as the check calls one.
 """
@@ -22,6 +23,7 @@ from ._meshes import mesh_shapes as mesh_shapes
 from ._meshes import meshes as meshes
 from ._nnx import NNXSharded as NNXSharded
 from ._nnx import NNXTwin as NNXTwin
+from ._reference import Reference as Reference
 
 __all__ = [
     "ATOL",
@@ -30,6 +32,7 @@ __all__ = [
     "Comparison",
     "NNXSharded",
     "NNXTwin",
+    "Reference",
     "assert_trees_close",
     "check_equal",
     "check_sharded",

@@ -26,6 +26,7 @@ from ._harness import OPTIMIZERS, Comparison, check_equal
 from ._nnx import NNXSharded, NNXTwin, initial_state
 from ._precision import require_float64, widened
 from ._precision import wide as _wide
+from ._reference import Reference, fingerprint, identity
 
 __all__ = ["check_sharded"]
 
@@ -48,6 +49,7 @@ def check_sharded(
     seed: int = 0,
     rngs: Mapping[str, jax.Array] | None = None,
     sequence: SequenceSplit | None = None,
+    reference: Reference | None = None,
 ) -> None:
     """Proves ``model`` laid out by ``rules`` and ``tp_rules`` on ``mesh`` equal to the unsharded
     model, or raises ``AssertionError`` naming the first leaf that differs (its path, both
@@ -75,6 +77,9 @@ def check_sharded(
     sequence is split too: dim 1 of every leaf of the batch and the outputs past a vector, laid
     out as ``shard_step`` lays it, the model's attention (:func:`~fsdp_tp.attention.attend`)
     computed across devices; positions and segment ids the model reads go in with the inputs.
+    ``reference`` (a :class:`~fsdp_tp.testing.Reference`): the unsharded run computed once for
+    every check given it with the same model, batch, loss, seed, steps, optimizers, ``float64``
+    and ``rngs`` (the same objects: a new ``lambda`` is a new loss), whatever the mesh and rules.
 
     >>> import jax, jax.numpy as jnp, flax.linen as nn
     >>> from fsdp_tp.tp import ColumnParallel, RowParallel
@@ -110,7 +115,8 @@ def check_sharded(
         pair = Comparison(
             sharded, twin, mesh, axes, per_device, unsharded, check_vma=check_vma, sequence=split
         )
-        check_equal(pair, [(x, y)] * steps, jax.random.key(seed), optimizers)
+        key = (identity(model), identity(loss), seed, float64, fingerprint(rngs) if rngs else None)
+        check_equal(pair, [(x, y)] * steps, jax.random.key(seed), optimizers, reference=reference, key=key)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ This is the suite's own proof (``tests/equivalence.py`` calls it) and the user's
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -30,6 +30,7 @@ from flax.core import meta
 from ..gradients import sync_gradients
 from ._compare import assert_trees_close
 from ._programs import Comparison, inits, sharded_step, train_state, twin_run
+from ._reference import Reference, TwinRun, fingerprint
 
 __all__ = [
     "OPTIMIZERS",
@@ -57,12 +58,16 @@ def check_equal(
     rng: jax.Array,
     optimizers: Mapping[str, Callable[[], optax.GradientTransformation]] = OPTIMIZERS,
     sync: Callable = sync_gradients,
+    reference: Reference | None = None,
+    key: Hashable = None,
 ) -> None:
     """Raises ``AssertionError`` naming the first leaf where ``c.model`` is not ``c.twin``: init,
     then outputs, loss and gradients on ``data[0]``, then, at each step of a batch, every
     optimizer's update but the first's, and the parameters after the first's steps (all of
     ``optimizers`` in one program a side: :func:`alongside`). ``sync``: the gradient sync the
-    sharded step uses."""
+    sharded step uses. ``reference``: the twin's run read from it where a check under the same
+    ``key`` (what ``c.twin``, its loss and its reads are, which only the caller can name) on the
+    same batches, rng and optimizers computed it (:class:`~fsdp_tp.testing.Reference`)."""
     x, y = data[0]
     boxed, twin_params = inits(c, rng, x)
     assert_trees_close(meta.unbox(boxed), twin_params, "init", exact=True)
@@ -74,7 +79,17 @@ def check_equal(
     named = dict(optimizers) if optimizers else {"": optax.set_to_zero}
     batches = data if optimizers else data[:1]
     tx = alongside({name: make() for name, make in named.items()})
-    want, states, read = twin_run(c, tx, twin_params, batches, reads=True)
+    compute = lambda: TwinRun(twin_params, *twin_run(c, tx, twin_params, batches, reads=True))
+    if reference is None:
+        twin = compute()
+    else:
+        if key is None:
+            raise TypeError(
+                "fsdp_tp.testing.check_equal: reference= needs key=, a hashable naming what the twin "
+                "computes (its model, loss and reads: a check only shares runs of the same twin)."
+            )
+        twin = reference.run((key, fingerprint((batches, rng)), tuple(named.items())), twin_params, compute)
+    want, states, read = twin.params, twin.states, twin.reads
     state, state_specs = train_state(c, tx, boxed, rng)
     reads = c.output_spec or c.specs_of(read[0])  # (a scalar: P())
     step = sharded_step(c, state_specs, sync, reads=reads, batch_specs=c.specs_of((x, y)))
