@@ -4,8 +4,10 @@ For each lane (a Python with the project installed: by default ``.venv`` for Pyt
 jax 0.10 and ``.venv312`` for 3.12 with jax 0.12, those that exist), the README's test command
 runs twice over a new, empty compilation cache (``fsdp_tp.compile_cache``): **cold**, as on a
 fresh machine (programs compiled twice in the run still compile once), then **warm**, the same
-tree run again (CI after a developer's run). The user's own cache is not touched. Printed: each
-run's wall time, its tests, the programs read from the cache and compiled, and warm ÷ cold::
+tree run again (CI after a developer's run). Then the programs compiled are added to the user's
+own cache (``~/.cache/fsdp_tp/jax``; on CPU a cache is relocatable), which the runs did not read,
+so the next run there is warm. Printed: each run's wall time, its tests, the programs read from
+the cache and compiled, and warm ÷ cold::
 
     python tests/suite_time.py                      # both lanes, the whole suite (about 40 min)
     python tests/suite_time.py --lane .venv/bin/python -- tests/test_nnx.py   # one lane, one file
@@ -20,11 +22,14 @@ import argparse
 import dataclasses
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from fsdp_tp import compile_cache
 
 __all__ = ["Run", "main", "run_suite"]
 
@@ -62,6 +67,16 @@ def run_suite(python: Path, cache: Path, pytest_args: list[str]) -> Run:
     return Run(wall, outcome.group(1), int(table.group(5)), int(table.group(6)), done.returncode)
 
 
+def _add_to(users: Path | None, cache: Path) -> None:
+    """The entries of ``cache`` that ``users`` (the user's cache; ``None``: off) lacks, copied in."""
+    if users is None:
+        return
+    users.mkdir(parents=True, exist_ok=True)
+    for entry in cache.iterdir():
+        if entry.is_file() and not (users / entry.name).exists():
+            shutil.copy2(entry, users / entry.name)
+
+
 def _versions(python: Path) -> str:
     probe = (
         "import sys, jax, flax; "
@@ -95,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
                 failed |= run.returncode != 0
+            _add_to(compile_cache.cache_dir(), Path(cache))
         print(f"{label:<45} warm / cold = {runs['warm'].wall / runs['cold'].wall:.2f}", flush=True)
     return 1 if failed else 0
 

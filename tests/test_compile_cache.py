@@ -153,13 +153,15 @@ def test_the_cache_is_trimmed_to_its_bound_least_recently_used_first(tmp_path):
     ]
 
 
-def test_the_suite_s_timing_script_runs_a_lane_cold_then_warm():
+def test_the_suite_s_timing_script_runs_a_lane_cold_then_warm(tmp_path):
     """tests/suite_time.py, the one command every report of the suite's time comes from, as it
     is typed, on one test of this lane: the cold run compiles through a new cache, the warm one
-    reads from it every program the cold one asked for, and both pass."""
+    reads from it every program the cold one asked for, both pass, and what they compiled is
+    added to the user's cache (here a directory of the test's)."""
     one_test = "tests/test_fsdp_units.py::test_gather_inverts_shard"
     argv = [sys.executable, "tests/suite_time.py", "--lane", sys.executable, "--", one_test, "-n", "0", "-q"]
-    env = {k: v for k, v in os.environ.items() if k != compile_cache.ENV}
+    users = tmp_path / "users_cache"
+    env = {**os.environ, compile_cache.ENV: str(users)}
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = dict(re.findall(r"(cold|warm) +\S+ +(\d+ +\d+) +1 passed$", done.stdout, re.M))
@@ -167,3 +169,4 @@ def test_the_suite_s_timing_script_runs_a_lane_cold_then_warm():
     # (cold: a program the run compiles twice is read the second time)
     assert cold_misses > 0 and warm_misses == 0 and warm_hits == cold_hits + cold_misses, done.stdout
     assert "warm / cold = " in done.stdout
+    assert len(list(users.iterdir())) == cold_misses
