@@ -12,7 +12,8 @@ the cache and compiled, and warm ÷ cold::
     python tests/suite_time.py                      # both lanes, the whole suite (about 40 min)
     python tests/suite_time.py --lane .venv/bin/python -- tests/test_nnx.py   # one lane, one file
 
-Arguments after ``--`` go to pytest in place of the whole suite. Run it on an idle machine:
+Arguments after ``--`` go to pytest in place of the whole suite; ``--log DIR`` keeps each run's
+output (its per-file table says where the time went). Run it on an idle machine:
 the times are the machine's, and say nothing of another.
 """
 
@@ -51,8 +52,9 @@ class Run:
     returncode: int
 
 
-def run_suite(python: Path, cache: Path, pytest_args: list[str]) -> Run:
-    """The README's test command (``python -m pytest``) on ``python``, through ``cache``."""
+def run_suite(python: Path, cache: Path, pytest_args: list[str], log: Path | None = None) -> Run:
+    """The README's test command (``python -m pytest``) on ``python``, through ``cache``; its
+    output written to ``log``, if given."""
     # (a run started from inside pytest must not pass as one of its workers, nor take its cache)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "JAX_COMPILATION_CACHE"))}
     env["FSDP_TP_COMPILE_CACHE"] = str(cache)
@@ -61,6 +63,9 @@ def run_suite(python: Path, cache: Path, pytest_args: list[str]) -> Run:
         [str(python), "-m", "pytest", *pytest_args], cwd=ROOT, env=env, capture_output=True, text=True
     )
     wall = time.monotonic() - start
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(done.stdout + done.stderr)
     table, outcome = _IN_ALL.search(done.stdout), _OUTCOME.search(done.stdout)
     if table is None or outcome is None:
         raise SystemExit(f"{python}: no pytest summary (exit {done.returncode}):\n{done.stdout[-3000:]}")
@@ -94,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lane", action="append", type=Path, help="a Python with the project installed")
+    parser.add_argument("--log", type=Path, help="a directory for each run's output")
     args = parser.parse_args(ours)
     lanes = args.lane or [p for p in LANES if p.exists()]
     failed = False
@@ -103,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="fsdp_tp_suite_cache_") as cache:
             runs = {}
             for kind in ("cold", "warm"):
-                run = runs[kind] = run_suite(python, Path(cache), pytest_args)
+                log = args.log / f"{label.split(',')[0].replace(' ', '')}-{kind}.txt" if args.log else None
+                run = runs[kind] = run_suite(python, Path(cache), pytest_args, log)
                 minutes = f"{int(run.wall // 60)}:{run.wall % 60:04.1f}"
                 print(
                     f"{label:<45} {kind:<5} {minutes:>8} {run.hits:>6} {run.misses:>6}  {run.outcome}",
