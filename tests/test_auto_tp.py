@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 import fsdp_tp
 import fsdp_tp.linen._traced
 import fsdp_tp.testing
+from fsdp_tp._check.driver import switched_off
 from fsdp_tp.analysis import dot_flops, operand_count, parse_collectives
 from fsdp_tp.errors import LayerLeftWholeWarning, RuleError
 from fsdp_tp.linen.tp_rules import mlp_rules
@@ -37,7 +38,6 @@ from fsdp_tp.models.nnx_transformer import NNXTransformer, tp_rules
 from fsdp_tp.sharded_init import abstract_init
 from fsdp_tp.testing import NNXSharded as Sharded
 from fsdp_tp.tp import ColumnParallel, RowParallel, VocabParallel
-from fsdp_tp.tp._check.driver import switched_off
 from fsdp_tp.tp._find import regions as _regions
 from fsdp_tp.tp._find.plan import warn_left_whole
 from fsdp_tp.tp.pieces import shared_column_inputs

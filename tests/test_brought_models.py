@@ -321,7 +321,7 @@ def test_a_dependencys_frame_is_never_the_models_line():
     as the model's line. Its frames are how an operation was made, as JAX's are."""
     import opt_einsum
 
-    from fsdp_tp.tp._jaxpr.sites import made_by_jax, users_file
+    from fsdp_tp._trace.sites import made_by_jax, users_file
 
     contract = os.path.join(os.path.dirname(opt_einsum.__file__), "contract.py")
     assert made_by_jax(contract) and not users_file(contract)

@@ -29,16 +29,16 @@ import fsdp_tp
 import fsdp_tp.attention
 import fsdp_tp.routing
 from fsdp_tp import sync_gradients
+from fsdp_tp._check.driver import switched_off
 from fsdp_tp.analysis import parse_collectives
 from fsdp_tp.attention import attend
 from fsdp_tp.context import SequenceSplit, document_positions
-from fsdp_tp.context._step import LaidOut
 from fsdp_tp.errors import IndivisibleShapeError, RuleError, UncheckedPlanWarning
 from fsdp_tp.gradients import global_mean_loss
 from fsdp_tp.models.moe import LinenMoE
 from fsdp_tp.testing import Reference, check_sharded
 from fsdp_tp.tp import ColumnParallel, ExpertParallel, RowParallel
-from fsdp_tp.tp._check.driver import switched_off
+from fsdp_tp.train._sequence_layout import LaidOut
 from tests.refusals import named_fix
 
 _JAX_ATTENTION = jax.nn.dot_product_attention

@@ -26,10 +26,10 @@ from jax.sharding import PartitionSpec as P
 import fsdp_tp
 import fsdp_tp.linen._dropout
 import fsdp_tp.nnx
+from fsdp_tp._check.driver import switched_off
 from fsdp_tp.dropout import fold_over_block, keep_mask, wide_index
 from fsdp_tp.errors import FoldedDropoutWarning, RuleError
 from fsdp_tp.testing import check_sharded
-from fsdp_tp.tp._check.driver import switched_off
 from tests.equivalence import ATOL, RTOL
 
 MESHES = {

@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 
 import fsdp_tp
 import fsdp_tp.tp._registered
+from fsdp_tp._check.driver import switched_off
 from fsdp_tp.analysis import operand_count, parse_collectives
 from fsdp_tp.bench.llama_rows import llama_section, measure
 from fsdp_tp.bench.lm_step import lowered_lm_step
@@ -40,7 +41,6 @@ from fsdp_tp.testing import NNXSharded as Sharded
 from fsdp_tp.testing import NNXTwin as Twin
 from fsdp_tp.tp import ColumnParallel, RowParallel, register_einsum
 from fsdp_tp.tp import _matmul as tp_matmul
-from fsdp_tp.tp._check.driver import switched_off
 from tests.conftest import first_block
 from tests.equivalence import Case, check_equivalence, check_split, next_token_loss
 from tests.refusals import named_fix

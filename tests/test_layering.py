@@ -32,11 +32,26 @@ CORE = (
     "_renamed",
     "_axes",
     "_batch",
+    "_check",
+    "_check.blocks",
+    "_check.driver",
+    "_check.failures",
+    "_check.partners",
+    "_check.plain",
+    "_check.refusals",
+    "_check.round_trips",
     "_context",
     "_init_watch",
     "_layout",
     "_optimizer",
+    "_sequence_split",
     "_trace",
+    "_trace.graph",
+    "_trace.ops",
+    "_trace.rebind",
+    "_trace.per_device",
+    "_trace.relations",
+    "_trace.sites",
     "_tree",
     "_types",
     "analysis",
@@ -54,14 +69,13 @@ CORE = (
     "collectives._gather",
     "collectives._mean_grad_gather",
     "context",
+    "context._across",
     "context._all_to_all",
     "context._blocks",
     "context._dropout",
     "context._flax",
     "context._ring",
     "context._schedule",
-    "context._split",
-    "context._step",
     "dropout",
     "dropout._activation_split",
     "dropout._block_key",
@@ -76,31 +90,18 @@ CORE = (
     "sharded_init",
     "tp",
     "tp._around",
-    "tp._check",
-    "tp._check.blocks",
-    "tp._check.driver",
-    "tp._check.failures",
-    "tp._check.partners",
-    "tp._check.plain",
-    "tp._check.refusals",
-    "tp._check.round_trips",
     "tp._einsum",
     "tp._expert_call",
     "tp._experts",
     "tp._find",
     "tp._find.driver",
+    "tp._find.finder",
     "tp._find.experts",
     "tp._find.mesh",
     "tp._find.plan",
     "tp._find.regions",
     "tp._front",
     "tp._heads",
-    "tp._jaxpr",
-    "tp._jaxpr.graph",
-    "tp._jaxpr.ops",
-    "tp._jaxpr.rebind",
-    "tp._jaxpr.relations",
-    "tp._jaxpr.sites",
     "tp._matmul",
     "tp._region",
     "tp._protocol",
@@ -118,6 +119,7 @@ CORE = (
     "tp_roles",
     "tp_rules",
     "train",
+    "train._sequence_layout",
     "train._microbatches",
 )
 
@@ -274,7 +276,7 @@ _TIERS = {"core": "core", "front ends": "front end", "applications": "applicatio
 def _mapped(text: str) -> dict[str, tuple[int, int, list[str]]]:
     """``{tier: (count in the intro, count in the section's heading, modules in its rows)}``
     read off architecture.md's map: a ``### The <tier> (N modules)`` section per tier, one row
-    per module, its path in the first cell (``tp/_check/driver.py``, ``cli/__init__.py``), or one
+    per module, its path in the first cell (``_check/driver.py``, ``cli/__init__.py``), or one
     row per folder of the applications (``bench/``: every module under it, one concept)."""
     found = {}
     for title, tier in _TIERS.items():
@@ -319,10 +321,10 @@ def test_the_architecture_map_lists_every_module_once_in_its_tier_with_true_coun
 
 def test_negative_control_a_stale_map_is_caught():
     text = ARCHITECTURE.read_text()
-    row = "| `tp/_jaxpr/ops.py` |"
+    row = "| `_trace/ops.py` |"
     assert row in text
     gone = _map_problems(text.replace(row, "| `tp/_gone.py` |"))
-    assert any("missing ['tp._jaxpr.ops']" in p for p in gone)
+    assert any("missing ['_trace.ops']" in p for p in gone)
     core = int(re.search(r"### The core \((\d+) modules\)", text)[1])
     miscounted = text.replace(f"({core} modules)", f"({core - 1} modules)", 1)
     assert any(f"{core} modules, the page says {core - 1}" in p for p in _map_problems(miscounted))
@@ -330,7 +332,7 @@ def test_negative_control_a_stale_map_is_caught():
     assert any("two sentences" in p for p in _map_problems(text.replace(line, line[:-2] + " x" * 120 + " |")))
     # a folder row stands for its modules in the applications only
     with pytest.raises(AssertionError, match="list each"):
-        _map_problems(text.replace(line, "| `tp/_jaxpr/` | the trace read |"))
+        _map_problems(text.replace(line, "| `_trace/` | the trace read |"))
 
 
 # Outside linen/, the modules that import the Linen front end or flax.linen themselves, and why
@@ -723,7 +725,7 @@ def test_no_role_s_call_takes_an_argument_the_base_class_lacks():
     assert _call_arguments(flagged) != _call_arguments(TPRole)
 
 
-# Issue 83 point 1: the plan check of a call is driven once, in the core (tp/_check.check_call):
+# Issue 83 point 1: the plan check of a call is driven once, in the core (_check.check_call):
 # a front end (Linen's rules, NNX's, the Linen Megatron layers' at init) traces and names for it
 # (a PlanCall) and runs none of its steps itself.
 _DRIVER_STEPS = ("check_plan", "raise_failure", "references_for")
@@ -739,10 +741,10 @@ def _driver_steps(source: str, where: str, steps: tuple[str, ...] = _DRIVER_STEP
 
 
 def test_the_plan_check_is_driven_once_for_both_front_ends():
+    from fsdp_tp._check import driver as _check
     from fsdp_tp.linen import _check as linen_check
     from fsdp_tp.linen import _layers_check
     from fsdp_tp.nnx import _check as nnx_check
-    from fsdp_tp.tp._check import driver as _check
 
     assert linen_check.drive is nnx_check.drive is _layers_check.drive is _check.check_call
     found = set()
@@ -750,7 +752,7 @@ def test_the_plan_check_is_driven_once_for_both_front_ends():
         file = _module_file(name)
         where = file.relative_to(PACKAGE).as_posix()
         found |= {hit.split(":")[0] for hit in _driver_steps(file.read_text(), where)}
-    assert found == {"tp/_check/driver.py"}
+    assert found == {"_check/driver.py"}
     # (negative control) a front end running the check's steps itself is seen
     assert _driver_steps("check_plan(local, references, sizes, where, named)\n", "m") == ["m:1"]
 
@@ -802,16 +804,100 @@ def test_the_architecture_page_is_short():
     assert words <= 3000, f"docs/architecture.md is {words} words: shorten rows, not the map's coverage"
 
 
+# Issue 98: rooms by concept. The check (_check/) stands above the tensor plan (tp/) and the
+# sequence split (context/); tp/ is the tensor plan alone; the traced program and its reading
+# (_trace/) stand on the foundations alone; no room imports one that imports it back.
+_FOUNDATIONS = frozenset({"_tree", "_types", "_layout"})
+
+
+def _room(module: str) -> str:
+    return module.split(".")[0]
+
+
+def _floor_problems(imports: dict[str, set[str]]) -> list[str]:
+    """Each edge of ``imports`` that leaves its room's floor, with why."""
+    problems = []
+    for m, ours in imports.items():
+        for i in ours:
+            if _room(m) == "tp" and _room(i) in ("_check", "context"):
+                problems.append(f"{m} imports {i}: tp/ holds the tensor plan alone")
+            if _room(m) == "_trace" and _room(i) != "_trace" and i not in _FOUNDATIONS:
+                problems.append(f"{m} imports {i}: _trace/ stands on {sorted(_FOUNDATIONS)} alone")
+    return sorted(problems)
+
+
+def _rooms(imports: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The rooms (a top-level module or package) and the arrows between them."""
+    rooms: dict[str, set[str]] = {}
+    for m, ours in imports.items():
+        rooms.setdefault(_room(m), set()).update(_room(i) for i in ours if _room(i) != _room(m))
+    return rooms
+
+
+def test_the_tensor_plan_and_the_trace_keep_to_their_floors():
+    assert _floor_problems(_import_graph()) == []
+    # (negative controls) tp reaching up into the check, the trace reading into a role
+    wrong = {"tp._role": {"_check.driver", "_trace.graph"}, "_trace.graph": {"tp._role", "_tree"}}
+    assert _floor_problems(wrong) == [
+        "_trace.graph imports tp._role: _trace/ stands on ['_layout', '_tree', '_types'] alone",
+        "tp._role imports _check.driver: tp/ holds the tensor plan alone",
+    ]
+
+
+def test_no_room_imports_a_room_that_imports_it_back():
+    """Issue 98: dropout/ imported context/, which imported dropout/ (the split's layout now
+    stands beside _layout, in _sequence_split.py, under both)."""
+    assert _cycles(_rooms(_import_graph())) == []
+    # (negative control) the arrow that ran back up
+    assert _cycles(_rooms({"dropout._block_key": {"context._split"}, "context._dropout": {"dropout.x"}})) == [
+        ["context", "dropout"]
+    ]
+
+
+def _private_names(module: str) -> list[str]:
+    """The private names (``_x``, not a module) ``module`` imports from another module."""
+    path = _module_file(module)
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.ImportFrom) or node.module == "__future__" or not node.level:
+            continue
+        base = path.parent
+        for _ in range(node.level - 1):
+            base = base.parent
+        source = base.joinpath(*(node.module or "").split("."))
+        for alias in node.names:
+            name = alias.name
+            is_module = (source / f"{name}.py").exists() or (source / name / "__init__.py").exists()
+            if name.startswith("_") and not name.startswith("__") and not is_module:
+                found.append(f"{module} imports {name} from {'.' * node.level}{node.module or ''}")
+    return found
+
+
+def test_no_module_imports_another_s_private_name():
+    """Issue 98 point 6: a name another module uses is not private (testing/_programs.py took
+    sharded_init._programs; context/_all_to_all.py two of _ring's; nnx/_model.py a constant)."""
+    assert [p for m in _all_modules() for p in _private_names(m)] == []
+
+
+def test_negative_control_a_private_name_imported_is_seen(tmp_path, monkeypatch):
+    (tmp_path / "a.py").write_text("from .b import _hidden, visible\nfrom . import _c\n")
+    (tmp_path / "_c.py").write_text("")
+    monkeypatch.setitem(globals(), "_module_file", lambda module: tmp_path / f"{module}.py")
+    assert _private_names("a") == ["a imports _hidden from .b"]
+
+
 # Issue 83's proof: linen/ and nnx/ reach tp's insides only through the seam (tp/_front.py: what a
 # front end does for the core and what it is given) and the drivers (the check's, its plain calls',
 # the finder's); tp's other private modules move without touching a front end (49 edges into 11 of
 # them before, at 7f40e28).
-_DOORS_INTO_TP = frozenset({"tp._front", "tp._check.driver", "tp._check.plain", "tp._find.driver"})
+_DOORS_INTO_TP = frozenset({"tp._front", "_check.driver", "_check.plain", "tp._find.driver"})
 
 
 def _side_doors(imports: dict[str, set[str]]) -> list[str]:
-    """Each ``module imports tp-private`` edge of ``imports`` that is not a door."""
-    private = lambda m: m.startswith("tp.") and any(part.startswith("_") for part in m.split("."))
+    """Each ``module imports tp-private`` (or check-private) edge of ``imports`` that is not a
+    door: the front ends reach ``tp`` and ``_check`` through their drivers."""
+    behind_tp = lambda m: m.startswith("tp.") and any(part.startswith("_") for part in m.split("."))
+    private = lambda m: behind_tp(m) or m.startswith("_check.")
     return sorted(
         f"{m} imports {i}"
         for m, ours in imports.items()
@@ -825,6 +911,7 @@ def test_the_front_ends_reach_tp_through_its_package_the_seam_and_the_drivers():
     assert _side_doors(fronts) == [], "import it from fsdp_tp.tp._front (add it to the seam's __all__)"
     # (negative control) a front end importing a tp module behind the seam is seen
     assert _side_doors({"linen.x": {"tp._rules", "tp._front", "tp"}}) == ["linen.x imports tp._rules"]
+    assert _side_doors({"nnx.x": {"_check.blocks", "_check.driver"}}) == ["nnx.x imports _check.blocks"]
 
 
 def test_the_seam_gives_what_it_names():

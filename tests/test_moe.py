@@ -25,6 +25,7 @@ import fsdp_tp.tp._experts as experts_module
 import fsdp_tp.tp._find.experts as expert_plan
 import fsdp_tp.train
 from fsdp_tp import TrainState, make_mesh, make_plan, shard_by_rules
+from fsdp_tp._check.driver import switched_off
 from fsdp_tp.analysis import operand_count, parse_collectives
 from fsdp_tp.bench.lm_step import lowered_lm_step
 from fsdp_tp.bench.moe_rows import MOE_SIZES as MOE_BENCH_SIZES
@@ -37,7 +38,6 @@ from fsdp_tp.nnx import find_tp_rules as nnx_find_tp_rules
 from fsdp_tp.routing import capacity, combine, dispatch, route
 from fsdp_tp.testing import check_sharded
 from fsdp_tp.tp import ColumnParallel, ExpertParallel, RowParallel, register_einsum
-from fsdp_tp.tp._check.driver import switched_off
 from tests.refusals import named_fix, role_named
 
 

@@ -17,11 +17,11 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 import fsdp_tp.nnx
+from fsdp_tp._check.driver import switched_off
 from fsdp_tp.errors import RuleError
 from fsdp_tp.nnx._read import ReadPlan
 from fsdp_tp.testing import NNXSharded as Sharded
 from fsdp_tp.testing import NNXTwin as Twin
-from fsdp_tp.tp._check.driver import switched_off
 from tests.conftest import mesh_of
 from tests.equivalence import Case, check_equivalence
 from tests.nnx_models import MLPStack, NormDropNet

@@ -24,10 +24,10 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 from fsdp_tp import ColumnParallelDense, RowParallelDense
+from fsdp_tp._check.driver import switched_off
 from fsdp_tp.errors import LayerLeftWholeWarning, RuleError, UncheckedPlanWarning
 from fsdp_tp.testing import check_sharded
 from fsdp_tp.tp import ColumnParallel, RowParallel, VocabParallel
-from fsdp_tp.tp._check.driver import switched_off
 from tests.equivalence import check_split
 from tests.refusals import named_fix, role_named
 
@@ -363,8 +363,8 @@ def test_an_operation_on_a_literal_made_a_value_does_not_shift_its_lines_pairs(m
     MoE LM. Here ``optimization_barrier`` makes the literal a value on both jax lines; the
     device's convert of ``x`` must pair with the unsharded convert of ``x``. Negative control:
     counting the operations on literals pairs the literal's convert instead."""
-    from fsdp_tp.tp._jaxpr import sites as _sites
-    from fsdp_tp.tp._jaxpr.graph import Graph
+    from fsdp_tp._trace import sites as _sites
+    from fsdp_tp._trace.graph import Graph
 
     x = jnp.ones(4, jnp.bfloat16)
     reference = Graph.trace(lambda x: _scaled(x, 2.0), x)
@@ -392,8 +392,8 @@ def test_a_parameter_an_initializer_makes_of_literals_is_paired_as_the_model_rea
     the plan check warned it could not decide the sequence-parallel Llama's RMS norm. A device's
     trace reads the scale as the argument it is; each op of the norm pairs with its own.
     Negative control: without the parameters told apart, the norm's ops are left unpaired."""
-    from fsdp_tp.tp._jaxpr import sites as _sites
-    from fsdp_tp.tp._jaxpr.graph import Graph
+    from fsdp_tp._trace import sites as _sites
+    from fsdp_tp._trace.graph import Graph
 
     x = jnp.ones((2, 4))
     init = lambda x, scale: (_norm(x, scale), {"scale": scale})

@@ -29,12 +29,12 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
 from fsdp_tp import routing
+from fsdp_tp._check.driver import switched_off
 from fsdp_tp.analysis import dot_flops, parse_collectives
 from fsdp_tp.errors import LayerLeftWholeWarning, RuleError
 from fsdp_tp.models.moe import mixture
 from fsdp_tp.testing import check_sharded
 from fsdp_tp.tp import ColumnParallel, ExpertParallel, Region, RowParallel, VocabParallel
-from fsdp_tp.tp._check.driver import switched_off
 from tests.refusals import named_fix
 
 D, H, V = 8, 16, 32

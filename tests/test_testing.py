@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
+from fsdp_tp._check.driver import switched_off
 from fsdp_tp.errors import MeshShapeError
 from fsdp_tp.testing import (
     Comparison,
@@ -33,7 +34,6 @@ from fsdp_tp.testing import (
     meshes,
 )
 from fsdp_tp.tp import ColumnParallel, RowParallel
-from fsdp_tp.tp._check.driver import switched_off
 from tests.equivalence import Case, step_program
 
 D, HEADS = 16, 4

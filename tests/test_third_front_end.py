@@ -20,11 +20,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
+from fsdp_tp._check.driver import PlanCall, check_call, own_trace, switched_off
+from fsdp_tp._trace.graph import Graph
 from fsdp_tp.errors import RuleError
 from fsdp_tp.tp import ColumnParallel, Layer, RowParallel
-from fsdp_tp.tp._check.driver import PlanCall, check_call, own_trace, switched_off
 from fsdp_tp.tp._front import FrontEnd, Kinds, compute
-from fsdp_tp.tp._jaxpr.graph import Graph
 from tests.refusals import named_fix
 
 SIZES = {"up": 32, "down": 8}  # each layer's output features, as the unsharded model has them

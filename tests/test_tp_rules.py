@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
+from fsdp_tp._check.driver import switched_off
 from fsdp_tp.analysis import (
     array_bytes,
     collective_summary,
@@ -43,7 +44,6 @@ from fsdp_tp.tp import ColumnParallel, HeadParallel, RowParallel, VocabParallel
 from fsdp_tp.tp import _heads as tp_heads
 from fsdp_tp.tp import _matmul as tp_matmul
 from fsdp_tp.tp import _vocab as tp_vocab
-from fsdp_tp.tp._check.driver import switched_off
 from fsdp_tp.tp._role import Local
 from tests.conftest import mesh_of
 from tests.equivalence import Case, check_equivalence, next_token_loss

@@ -9,7 +9,10 @@ tensor-parallel roles; Megatron's pieces in :mod:`fsdp_tp.tp.pieces`),
 state, checks), :mod:`fsdp_tp.rules` (the rule grammar, specs for ``jax.jit``),
 :mod:`fsdp_tp.mesh`, :mod:`fsdp_tp.train`, :mod:`fsdp_tp.sharded_init`,
 :mod:`fsdp_tp.checkpoint`, :mod:`fsdp_tp.analysis`, :mod:`fsdp_tp.dropout`,
-:mod:`fsdp_tp.errors`. The front ends: :mod:`fsdp_tp.linen` (its modules
+:mod:`fsdp_tp.context` (the sequence split over ``context``, attention across it),
+:mod:`fsdp_tp.attention` (softmax attention, framework-free), :mod:`fsdp_tp.routing` (a
+mixture's router and dispatch), :mod:`fsdp_tp.compile_cache` (compiled programs kept across
+runs), :mod:`fsdp_tp.errors`. The front ends: :mod:`fsdp_tp.linen` (its modules
 :mod:`fsdp_tp.linen.fsdp`, :mod:`fsdp_tp.linen.layers`, :mod:`fsdp_tp.linen.tp_rules`) and
 :mod:`fsdp_tp.nnx`. And :mod:`fsdp_tp.models`. Each public name has one path (0.1's and 0.2's
 others warn: :mod:`fsdp_tp._aliases`); ``docs/architecture.md`` maps the modules.
@@ -30,6 +33,7 @@ from . import sharded_init as sharded_init
 from . import tp as tp
 from . import train as train
 from ._aliases import aliases_of
+from ._check import plain as _plain
 from .checkpoint import Checkpoints as Checkpoints
 from .gradients import sync_gradients as sync_gradients
 from .linen.fsdp import shard_module_params as shard_module_params
@@ -44,7 +48,6 @@ from .mesh import simulate_cpu_devices as simulate_cpu_devices
 from .plan import make_plan as make_plan
 from .precision import MixedPrecision as MixedPrecision
 from .sharded_init import init_sharded as init_sharded
-from .tp._check import plain as _plain
 from .tp.pieces import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from .train import TrainState as TrainState
 from .train import accumulate_gradients as accumulate_gradients

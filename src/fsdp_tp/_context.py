@@ -88,7 +88,7 @@ class Check:
     rings there (the same numbers, each layer called once), and attention on a device's tokens
     (a sequence split's ring is not the tensor plan's concern); ``calls``: within a step that
     splits the sequence, its record of the calls checked against the whole sequence
-    (:class:`fsdp_tp.tp._check.plain.Calls`; ``None``: no such step)."""
+    (:class:`fsdp_tp._check.plain.Calls`; ``None``: no such step)."""
 
     off: bool = False
     unringed: bool = False

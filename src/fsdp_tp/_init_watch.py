@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .tp._check.driver import checking
+from ._check.driver import checking
 
 __all__ = ["Watcher", "watch_inits", "watched_init"]
 

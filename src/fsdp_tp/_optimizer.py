@@ -45,7 +45,7 @@ from jax.sharding import PartitionSpec
 
 from ._axes import entry_axes, varying_axes
 from ._context import STEP
-from ._trace import specs_of
+from ._trace.per_device import specs_of
 from ._tree import first_difference, named_shardings
 from ._types import PyTree
 from .analysis import array_bytes

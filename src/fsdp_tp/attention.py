@@ -13,8 +13,9 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from ._sequence_split import checked_here, split_here
+from .context._across import across, on_device
 from .context._blocks import causal_mask
-from .context._step import across, checked_here, on_device, split_here
 
 __all__ = ["ATTENTION_IMPLEMENTATIONS", "attend", "resolved_implementation"]
 

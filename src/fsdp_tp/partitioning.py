@@ -2,7 +2,7 @@
 
 A train state built inside ``jax.shard_map`` carries its layout in its
 ``nn.Partitioned`` boxes. Tracing the init once, abstractly, yields the
-``PartitionSpec`` of every leaf (:mod:`fsdp_tp._trace`); those specs then serve as the
+``PartitionSpec`` of every leaf (:mod:`fsdp_tp._trace.per_device`); those specs then serve as the
 init's ``out_specs`` and as the train step's ``in_specs``/``out_specs``.
 """
 
@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from ._layout import check_fit
-from ._trace import flat_specs_of, specs_of, trace_per_device
+from ._trace.per_device import flat_specs_of, specs_of, trace_per_device
 from ._tree import first_difference
 from ._types import PyTree, Specs
 from .errors import SpecError, SpecTreeMismatchError

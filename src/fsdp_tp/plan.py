@@ -19,15 +19,15 @@ from jax.sharding import PartitionSpec
 
 from ._axes import entry_axes
 from ._optimizer import block_counts, optimizer_state_bytes
-from ._trace import trace_per_device
+from ._sequence_split import SequenceSplit
+from ._trace.per_device import trace_per_device
 from ._tree import path_of
 from ._types import Specs
 from .analysis import array_bytes
 from .analysis._step_memory import temp_bytes
 from .analysis._step_wire import step_wire, wire_lines
-from .context._split import SequenceSplit
-from .context._step import LaidOut, step_split
 from .train import as_a_step
+from .train._sequence_layout import LaidOut, step_split
 
 __all__ = ["Plan", "PlanRow", "make_plan"]
 

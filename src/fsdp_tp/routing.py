@@ -39,7 +39,7 @@ import jax.numpy as jnp
 
 from ._axes import bound_axis_names
 from ._batch import resolve_batch_axes
-from .context._step import sequence_split
+from ._sequence_split import sequence_split
 from .gradients import batch_mean
 
 __all__ = [

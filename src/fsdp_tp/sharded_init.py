@@ -1,6 +1,6 @@
 """Sharded init: the train state built straight into its shardings, equal to the unsharded init.
 
-One abstract trace of the sharded init (:mod:`fsdp_tp._trace`) gives the state's tree,
+One abstract trace of the sharded init (:mod:`fsdp_tp._trace.per_device`) gives the state's tree,
 boxes and specs. Then either that per-device program runs under ``jax.shard_map`` (each
 device computes a parameter in full and keeps its block), or, given ``twin_init_fn``,
 the unsharded twin's init runs under ``jax.jit`` with the specs as ``out_shardings``, so
@@ -28,7 +28,7 @@ from ._optimizer import (
     with_optimizer_state,
     without_optimizer_state,
 )
-from ._trace import specs_of, trace_per_device
+from ._trace.per_device import specs_of, trace_per_device
 from ._types import PyTree, Specs
 from .errors import SpecTreeMismatchError
 from .partitioning import check_specs
@@ -88,7 +88,9 @@ def init_sharded(
     True
     """
     _require_init_fn(init_fn)
-    traced, programs = _programs(init_fn, mesh, in_specs, args, twin_init_fn, one_leaf_at_a_time, check_vma)
+    traced, programs = init_programs(
+        init_fn, mesh, in_specs, args, twin_init_fn, one_leaf_at_a_time, check_vma
+    )
     leaves = [leaf for program in programs for leaf in program(*args)]
     state = with_optimizer_state(jax.tree.unflatten(traced.treedef, leaves), mesh)
     return state, specs_of(state, mesh)
@@ -133,7 +135,9 @@ def lower_init(
     >>> [low.compile().memory_analysis().output_size_in_bytes for low in lowered]  # 1/8 of each
     [32, 1024]
     """
-    traced, programs = _programs(init_fn, mesh, in_specs, args, twin_init_fn, one_leaf_at_a_time, check_vma)
+    traced, programs = init_programs(
+        init_fn, mesh, in_specs, args, twin_init_fn, one_leaf_at_a_time, check_vma
+    )
     lowered = [program.lower(*args) for program in programs]
     # The optimizer's state is built from the global parameters: lower it from their shapes
     # (the lowered programs' outputs; tracing the programs again would only repeat them).
@@ -161,7 +165,7 @@ def abstract_init(
     ((32, 64), P(None, 'fsdp'), (32, 8))
     """
     _require_init_fn(init_fn)
-    traced, programs = _programs(init_fn, mesh, in_specs, args, None, False, check_vma)
+    traced, programs = init_programs(init_fn, mesh, in_specs, args, None, False, check_vma)
     # (each program evaluated on shapes: the traced init runs again abstractly, no model call)
     leaves = [leaf for program in programs for leaf in jax.eval_shape(program, *args)]
     state = optimizer_state_shapes(_laid_out(traced, leaves, mesh), mesh)
@@ -177,7 +181,7 @@ def _laid_out(traced, leaves: list, mesh) -> PyTree:
     return jax.tree.unflatten(traced.treedef, laid_out)
 
 
-def _programs(init_fn, mesh, in_specs, args, twin_init_fn, one_leaf_at_a_time, check_vma):
+def init_programs(init_fn, mesh, in_specs, args, twin_init_fn, one_leaf_at_a_time, check_vma):
     """The trace of the sharded init and the jitted programs that build its leaves."""
     if not isinstance(mesh, Mesh | AbstractMesh):
         raise TypeError(

@@ -1,7 +1,7 @@
 """The memory one device's step needs beyond its inputs and outputs, as XLA compiles it, on
 a mesh of any size.
 
-A per-device program (a jaxpr traced under ``jax.shard_map``, as :mod:`fsdp_tp._trace`
+A per-device program (a jaxpr traced under ``jax.shard_map``, as :mod:`fsdp_tp._trace.per_device`
 gives it) cannot be compiled for an ``AbstractMesh``: its collectives name axes no device
 here has. But its memory does not depend on what the collectives compute, only on the
 shapes they take and give. So each collective is replaced by a *stand-in* of the same

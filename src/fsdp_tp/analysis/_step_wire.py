@@ -1,6 +1,6 @@
 """The bytes one device's step sends, read off its per-device program, on a mesh of any size.
 
-A per-device program (a jaxpr traced under ``jax.shard_map``, as :mod:`fsdp_tp._trace` gives
+A per-device program (a jaxpr traced under ``jax.shard_map``, as :mod:`fsdp_tp._trace.per_device` gives
 it) names each collective with its axes and its operand's shape and dtype: that is all the
 ring model of ``docs/design.md`` needs, so no device and no compiler is asked. Each collective
 becomes an :class:`~fsdp_tp.analysis.Collective` (the record the HLO parser gives, with the

@@ -1,6 +1,6 @@
 """What finding the Megatron plan costs (``find_tp_rules``, one abstract trace of the model's
 forward), on 32-layer models in both Flax APIs, what checking it against a device's trace adds
-(``size=`` checks the plan found: :mod:`fsdp_tp.tp._check.driver`), and whether the plan found gives
+(``size=`` checks the plan found: :mod:`fsdp_tp._check.driver`), and whether the plan found gives
 every module the role the model's hand-written rules give it.
 """
 
@@ -18,11 +18,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .. import nnx as fsdp_nnx
+from .._check.driver import switched_off
 from ..linen.auto_rules import find_tp_rules
 from ..models.llama import RULES, LlamaLM, NNXLlamaLM
 from ..models.llama import SIZES as LLAMA
 from ..models.nnx_transformer import NNXTransformer, tp_rules
-from ..tp._check.driver import switched_off
 from ..tp.auto import TPPlan
 from .figures import median
 from .report import spread

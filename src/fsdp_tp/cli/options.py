@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from .._sequence_split import STRATEGIES
 from ..attention import ATTENTION_IMPLEMENTATIONS
-from ..context._split import STRATEGIES
 from ..models.remat import REMAT_POLICIES
 from ..recipe.config import PRESETS
 from ..recipe.trainer import APIS

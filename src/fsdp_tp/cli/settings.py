@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._axes import CONTEXT
-from ..context._split import SequenceSplit
+from .._sequence_split import SequenceSplit
 from ..errors import MeshShapeError
 from ..mesh import DEFAULT_AXIS_NAMES, parse_mesh
 from ..models import Layout

@@ -7,14 +7,15 @@ over every device's keys and values, passed round the ring; :func:`all_to_all_at
 turning the sequence split into a head split and back; :func:`attention` picks either, with
 flax's attention dropout where asked (:class:`AttentionDropout`, the unsharded mask). A
 train step whose batch spec names ``context`` on the sequence dim (``P("data", "context")``)
-lays its batch out so and computes the library's attention across the axis (:mod:`._step`).
+lays its batch out so (:mod:`fsdp_tp.train._sequence_layout`) and computes the library's
+attention across the axis (:mod:`._across`).
 """
 
+from .._sequence_split import STRATEGIES, SequenceSplit, document_positions
 from ._all_to_all import all_to_all_attention, all_to_all_bytes, attention, ring_or_all_to_all
 from ._dropout import AttentionDropout
 from ._ring import ring_attention, ring_bytes
 from ._schedule import blocks_run
-from ._split import STRATEGIES, SequenceSplit, document_positions
 
 __all__ = [
     "STRATEGIES",

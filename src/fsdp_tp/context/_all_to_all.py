@@ -24,10 +24,10 @@ import jax.numpy as jnp
 
 from .._axes import CONTEXT, entry_axes, require_axes
 from .._layout import axis_text, require_divisible
+from .._sequence_split import STRATEGIES, SequenceSplit
 from . import _blocks
 from ._dropout import AttentionDropout
-from ._ring import _dropout_key, _require_shapes, ring_attention
-from ._split import STRATEGIES, SequenceSplit
+from ._ring import dropout_key, require_shapes, ring_attention
 
 __all__ = ["all_to_all_attention", "all_to_all_bytes", "attention", "ring_or_all_to_all"]
 
@@ -74,7 +74,7 @@ def all_to_all_attention(
     unsharded mask, drawn in the sequence's order and taken in the devices'."""
     require_axes(axis, "all_to_all_attention")
     split, size = SequenceSplit(axis, balanced), jax.lax.axis_size(axis)
-    _require_shapes(q, k, v, segment_ids, split)
+    require_shapes(q, k, v, segment_ids, split)
     fix = "pass strategy='ring' (or 'auto', which takes the ring here)"
     require_divisible(
         "all_to_all_attention", "the kv heads a device holds", k.shape[2], axis_text(axis), size, fix
@@ -93,7 +93,7 @@ def all_to_all_attention(
         heads = dataclasses.replace(dropout, heads=(*entry_axes(dropout.heads), axis))
         total, zero = size * length, jnp.zeros((), jnp.int32)
         shape = (b, qs.shape[2] * qs.shape[3], total, total)
-        drawn = heads.keep(_dropout_key(dropout, key), shape, groups, (zero, zero), total, qs.dtype)
+        drawn = heads.keep(dropout_key(dropout, key), shape, groups, (zero, zero), total, qs.dtype)
         keep = jnp.take(jnp.take(drawn, index, axis=-2), index, axis=-1)
     scores_dtype = _blocks.compute_dtype(q.dtype)
     keep = None if keep is None else keep.astype(scores_dtype)

@@ -6,7 +6,7 @@ included: :func:`flax_attention`.
 over the keys a device holds and draws its dropout mask on that device's weights. Within a
 split step the front ends hand the module :func:`flax_attention`'s function for the call
 instead, with flax's signature: attention computed across the split's axis
-(:func:`~fsdp_tp.context._step.across`), and the weights dropped with each block's block of
+(:func:`~fsdp_tp.context._across.across`), and the weights dropped with each block's block of
 the mask the unsharded model draws from the same ``dropout_rng``
 (:class:`~fsdp_tp.context._dropout.AttentionDropout`): the unsharded numbers, the mask's too.
 What the ring cannot read (a mask or bias built from a device's tokens, weights sown, einsums
@@ -21,10 +21,11 @@ from collections.abc import Callable, Sequence
 
 import jax.numpy as jnp
 
+from .._sequence_split import checked_here, split_here
 from .._types import AxisName
 from ..dropout import weights_split
+from ._across import across, on_device
 from ._dropout import AttentionDropout
-from ._step import across, checked_here, on_device, split_here
 
 __all__ = ["across_for", "flax_attention"]
 

@@ -31,12 +31,12 @@ import jax.numpy as jnp
 
 from .._axes import CONTEXT, checks_vma, require_axes, varying_axes
 from .._layout import require_divisible
+from .._sequence_split import SequenceSplit
 from . import _blocks
 from ._dropout import AttentionDropout
 from ._schedule import Schedule
-from ._split import SequenceSplit
 
-__all__ = ["ring_attention", "ring_bytes"]
+__all__ = ["dropout_key", "require_shapes", "ring_attention", "ring_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +85,10 @@ def ring_attention(
     """
     require_axes(axis, "ring_attention")
     split = SequenceSplit(axis, balanced)
-    _require_shapes(q, k, v, segment_ids, split)
+    require_shapes(q, k, v, segment_ids, split)
     ring = _Ring(Schedule(split, causal), q.shape[-1] ** -0.5 if scale is None else scale, dropout)
     q, k, v = _alike(axis, q, k, v)
-    return _attention(ring, q, k, v, segment_ids, _dropout_key(dropout, key))
+    return _attention(ring, q, k, v, segment_ids, dropout_key(dropout, key))
 
 
 def ring_bytes(rows: int, length: int, kv_heads: int, head_dim: int, size: int, dtype) -> tuple[int, int]:
@@ -106,7 +106,7 @@ def ring_bytes(rows: int, length: int, kv_heads: int, head_dim: int, size: int, 
     return forward, forward + 2 * elements * _blocks.compute_dtype(dtype).itemsize
 
 
-def _dropout_key(dropout: AttentionDropout | None, key):
+def dropout_key(dropout: AttentionDropout | None, key):
     """The key's data (uint32: the custom VJP's operand, no cotangent), or ``None``."""
     if dropout is None:
         return None
@@ -131,7 +131,7 @@ def _alike(axis: str, *arrays):
     return tuple(widen(a) if axes - varying_axes(a) else a for a in arrays)
 
 
-def _require_shapes(q, k, v, segment_ids, split: SequenceSplit) -> None:
+def require_shapes(q, k, v, segment_ids, split: SequenceSplit) -> None:
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
         raise ValueError(
             f"ring_attention: q {q.shape}, k {k.shape}, v {v.shape}; pass q (batch, tokens, heads, dim) "

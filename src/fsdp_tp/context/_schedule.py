@@ -17,8 +17,8 @@ import dataclasses
 
 import jax
 
+from .._sequence_split import SequenceSplit
 from . import _blocks
-from ._split import SequenceSplit
 
 __all__ = ["Schedule", "blocks_run"]
 

@@ -21,8 +21,8 @@ import jax
 
 from .._axes import bound_axis_names, checks_vma, varying_axes
 from .._context import STEP
+from .._sequence_split import SequenceSplit
 from .._types import AxisName
-from ..context._split import SequenceSplit
 
 __all__ = ["Split", "activation_split", "split_after", "splitting", "unplaceable_after"]
 

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.extend.random import define_prng_impl, threefry_2x32
 
 from .._axes import axis_size, entry_axes
-from ..context._split import SequenceSplit
+from .._sequence_split import SequenceSplit
 
 __all__ = ["Window", "block_key", "flat_index", "is_block_key", "keep_mask", "split_axes", "wide_index"]
 

@@ -1,5 +1,5 @@
 """A Linen model's tp plan checked against what the model computes, before anything trains:
-the core's :func:`~fsdp_tp.tp._check.driver.check_plan` over one device's trace of the model's call
+the core's :func:`~fsdp_tp._check.driver.check_plan` over one device's trace of the model's call
 under the plan and the unsharded model's trace on the same inputs.
 
 :func:`check_call` runs where :func:`~fsdp_tp.shard_by_rules`'s model is first called with a plan
@@ -19,9 +19,9 @@ from typing import Any
 import flax.linen as nn
 import jax
 
+from .._check.driver import PlanCall, checking, own_trace
+from .._check.driver import check_call as drive
 from .._tree import static_split
-from ..tp._check.driver import PlanCall, checking, own_trace
-from ..tp._check.driver import check_call as drive
 from ..tp._front import CompiledRole, Graph, module_of, role_of, spelled
 from ._call import calling, current
 from ._traced import traced_on_shapes
@@ -72,7 +72,7 @@ def check_call(
 ) -> None:
     """Refuses (``RuleError``) a plan under which ``module``'s call on ``args`` does not compute
     blocks of the unsharded ``target``'s, once per fields, input shapes and axis sizes
-    (:func:`~fsdp_tp.tp._check.driver.check_call`). ``reference``: the unsharded trace on these
+    (:func:`~fsdp_tp._check.driver.check_call`). ``reference``: the unsharded trace on these
     inputs, where the caller has it; ``where``: the caller a refusal names (else
     ``shard_by_rules(<target>)``)."""
     if not checking():

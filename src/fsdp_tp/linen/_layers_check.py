@@ -26,11 +26,11 @@ import flax.linen as nn
 import jax
 from jax.sharding import PartitionSpec
 
+from .._check.driver import PlanCall, own_trace
+from .._check.driver import check_call as drive
 from .._init_watch import watch_inits
-from .._trace import trace_per_device
+from .._trace.per_device import trace_per_device
 from .._tree import module_path, static_split
-from ..tp._check.driver import PlanCall, own_trace
-from ..tp._check.driver import check_call as drive
 from ..tp._find.driver import plan_mesh
 from ..tp._front import Graph, module_of
 from .layers.attention import AttentionBlock
@@ -120,7 +120,7 @@ def _library_model(module: nn.Module) -> bool:
 def _check(call: _Call, mesh: Any, check_vma: bool, error: Exception | None) -> None:
     """Refuses (``RuleError``) where ``call`` on a device does not compute blocks of the same
     call with every layer whole, or (``error``: the call failed on a device) says why it failed
-    (:func:`~fsdp_tp.tp._check.driver.check_call`, on the mesh's sizes)."""
+    (:func:`~fsdp_tp._check.driver.check_call`, on the mesh's sizes)."""
     shape = dict(mesh.shape)
     sizes = {layer.axis: shape[layer.axis] for layer in call.layers.values() if layer.axis in shape}
     if not any(n > 1 for n in sizes.values()):

@@ -1,5 +1,5 @@
 """A plain Linen ``model.apply`` in a step that splits the sequence, checked against the model
-on the whole sequence (:mod:`fsdp_tp.tp._check.plain`): an interceptor sees each root module's
+on the whole sequence (:mod:`fsdp_tp._check.plain`): an interceptor sees each root module's
 call (the module ``apply`` binds, under no other module) and checks it, as
 :func:`~fsdp_tp.shard_by_rules`'s model is checked, unless a laid-out model's check ran inside.
 """
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import flax.linen as nn
 
-from ..tp._check.plain import plain_call, register
+from .._check.plain import plain_call, register
 from ._check import check_call
 
 __all__: list[str] = []

@@ -1,4 +1,4 @@
-"""A Linen model's call read as a :class:`~fsdp_tp.tp._jaxpr.graph.Graph`, with its layers by path
+"""A Linen model's call read as a :class:`~fsdp_tp._trace.graph.Graph`, with its layers by path
 (:func:`traced`: what the plan finder reads, boxed parameters as their values), also on the
 shapes of a call's arguments alone (:func:`traced_on_shapes`: what a refused plan's letters are
 compared with).

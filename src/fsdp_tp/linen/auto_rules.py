@@ -1,6 +1,6 @@
 """The Megatron plan of a Linen model, found from what it computes (:func:`find_tp_rules`; per
 call for ``tp_rules="auto"``: :class:`~fsdp_tp.linen._auto.AutoRules`). For an axis size, the plan is
-checked against what each device computes (:mod:`fsdp_tp.tp._check.driver`): a region the check refuses
+checked against what each device computes (:mod:`fsdp_tp._check.driver`): a region the check refuses
 (attention that regroups a device's features by its own head count) is left whole, with the
 check's reason.
 

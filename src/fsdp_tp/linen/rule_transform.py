@@ -32,12 +32,12 @@ from jax.sharding import PartitionSpec
 from .._aliases import REMOVED_IN
 from .._axes import bound_axis_names, entry_axes
 from .._batch import DEFAULT_BATCH_AXES, checked_batch_axes, resolve_batch_axes
+from .._check.plain import laid_out
+from .._sequence_split import sequence_split
 from .._types import AxisName, AxisNames
 from ..errors import RuleError, warn
 from ..precision import MixedPrecision, checked_policy
 from ..rules import REPLICATED, CompiledRule, Rules, as_spec, compile_rules, spec_for, unmatched_warning
-from ..tp._check.driver import sequence_split
-from ..tp._check.plain import laid_out
 from ..tp._find.driver import AUTO_AXIS
 from ..tp._front import (
     CompiledRole,

@@ -1,7 +1,7 @@
 """The mixture of experts both front ends' blocks compute (:func:`mixture`: route a group's
 tokens, run the experts on their buffers, combine, and the two auxiliary losses), the MoE
 LM's default sizes and the weights of its losses. Model code, as a user's would be: the plan
-check reads its operations as the model's own (:mod:`fsdp_tp.tp._jaxpr.sites`).
+check reads its operations as the model's own (:mod:`fsdp_tp._trace.sites`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """An NNX model's tp plan checked against what the model computes, before anything trains: the
-core's :func:`~fsdp_tp.tp._check.driver.check_plan` over one device's trace of the model's call under
+core's :func:`~fsdp_tp._check.driver.check_plan` over one device's trace of the model's call under
 the plan and the unsharded model's trace on the same inputs.
 
 :meth:`~fsdp_tp.nnx.ShardedModel.merge` gives the model it builds a class whose call checks
@@ -17,9 +17,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from .._check.driver import PlanCall, checking, own_trace
+from .._check.driver import check_call as drive
+from .._sequence_split import sequence_split
 from .._tree import static_split
-from ..tp._check.driver import PlanCall, checking, own_trace, sequence_split
-from ..tp._check.driver import check_call as drive
 from ..tp._front import Graph, RolePlan, spelled
 from ._swap import Swap
 from ._traced import MARK, scoped
@@ -42,7 +43,7 @@ def check_call(
 ) -> None:
     """Refuses (``RuleError``) ``plan`` where the merged ``model``'s call on ``args`` does not
     compute blocks of the unsharded ``reference``'s (abstract), once per input shapes and sizes
-    (:func:`~fsdp_tp.tp._check.driver.check_call`). ``traced``: the unsharded call on these inputs,
+    (:func:`~fsdp_tp._check.driver.check_call`). ``traced``: the unsharded call on these inputs,
     where the caller has traced it."""
     if not checking() or (not plan.roles and sequence_split() is None):
         return  # (the check's own trace of the call, or nothing to check: nothing read)

@@ -11,9 +11,9 @@ from flax import nnx
 from ..errors import RuleError
 from ._swap import Swap
 
-__all__ = ["built", "keyword_only", "require_constructor", "scan_errors_named"]
+__all__ = ["CALLER", "built", "keyword_only", "require_constructor", "scan_errors_named"]
 
-_CALLER = "fsdp_tp.nnx.shard_by_rules"
+CALLER = "fsdp_tp.nnx.shard_by_rules"
 
 
 def require_constructor(make_model) -> None:
@@ -22,18 +22,18 @@ def require_constructor(make_model) -> None:
     if isinstance(make_model, nnx.Module):
         name = type(make_model).__name__
         raise TypeError(
-            f"{_CALLER}: got a built {name}; pass its constructor, e.g. lambda rngs: {name}(..., "
+            f"{CALLER}: got a built {name}; pass its constructor, e.g. lambda rngs: {name}(..., "
             f"rngs=rngs): each device builds its block of every parameter from the rng, so the init "
             f"is the unsharded one."
         )
     cls = make_model if isinstance(make_model, type) else type(make_model)
     if any(c.__module__.startswith("flax.linen") for c in cls.__mro__):
         raise TypeError(
-            f"{_CALLER}: got the Linen module {cls.__name__}; this is the NNX front end. For a Linen "
+            f"{CALLER}: got the Linen module {cls.__name__}; this is the NNX front end. For a Linen "
             f"model use fsdp_tp.shard_by_rules({cls.__name__}, rules) (the same rules and roles)."
         )
     if not callable(make_model):
-        raise TypeError(f"{_CALLER}: make_model must build the model from nnx.Rngs; got {make_model!r}.")
+        raise TypeError(f"{CALLER}: make_model must build the model from nnx.Rngs; got {make_model!r}.")
 
 
 def built(make_model, rng=0) -> nnx.Module:
@@ -51,7 +51,7 @@ def built(make_model, rng=0) -> nnx.Module:
             name = getattr(make_model, "__name__", type(make_model).__name__)
             name = "Model" if name == "<lambda>" else name
             raise TypeError(
-                f"{_CALLER}: the constructor is called as make_model(rngs) with an nnx.Rngs alone, and "
+                f"{CALLER}: the constructor is called as make_model(rngs) with an nnx.Rngs alone, and "
                 f"it needs more ({err}); pass a function of the rngs that gives the rest, e.g. "
                 f"lambda rngs: {name}(..., rngs=rngs)."
             ) from None
@@ -59,7 +59,7 @@ def built(make_model, rng=0) -> nnx.Module:
         model = make_model(rngs=rngs) if keyword else make_model(rngs)
     if not isinstance(model, nnx.Module):
         raise TypeError(
-            f"{_CALLER}: make_model(nnx.Rngs(...)) returned a {type(model).__name__}, not an nnx.Module; "
+            f"{CALLER}: make_model(nnx.Rngs(...)) returned a {type(model).__name__}, not an nnx.Module; "
             f"pass a constructor of the model, e.g. lambda rngs: Model(..., rngs=rngs)."
         )
     return model
@@ -102,7 +102,7 @@ def scan_errors_named(cls: type, first_split: tuple[str, ...]) -> dict:
             if "different leading axis sizes" not in str(err):
                 raise
             raise RuleError(
-                f"{_CALLER}: nnx.scan got a stack whose parameters split their layer dim ({err}). "
+                f"{CALLER}: nnx.scan got a stack whose parameters split their layer dim ({err}). "
                 f"Rules split the first dim of {', '.join(first_split)}: an nnx.vmap stack's layer "
                 f"dim must stay whole (the scan hands each layer its slice); start those specs "
                 f"with None, e.g. P(None, 'fsdp')."

@@ -22,15 +22,15 @@ from .._axes import bound_axis_names
 from .._batch import checked_batch_axes, resolve_batch_axes
 from .._layout import check_fit
 from .._optimizer import checked_tx
+from .._sequence_split import sequence_split
 from .._types import AxisNames
 from ..dropout import split_after
 from ..errors import warn
 from ..precision import MixedPrecision, checked_policy
 from ..rules import REPLICATED, Rules, as_spec, compile_rules, unmatched_warning
-from ..tp._check.driver import sequence_split
 from ..train import TrainState
 from ._check import PlanChecks, checked_class
-from ._constructor import _CALLER, built, require_constructor, scan_errors_named
+from ._constructor import CALLER, built, require_constructor, scan_errors_named
 from ._dropout import exact_dropouts
 from ._layers import path_text
 from ._specs import Placements, storage_specs
@@ -68,18 +68,18 @@ class ShardedModel:
         require_constructor(make_model)
         self._make = make_model
         self.precision = precision
-        self._rules = compile_rules(rules, _CALLER)
-        self.batch_axes = checked_batch_axes(batch_axes, _CALLER)
+        self._rules = compile_rules(rules, CALLER)
+        self.batch_axes = checked_batch_axes(batch_axes, CALLER)
         abstract = nnx.eval_shape(lambda: built(make_model))
         self.graphdef, params, rest = split_model(abstract)
         self._params = list(nnx.to_flat_state(params))
         self._rest = list(nnx.to_flat_state(rest))
         paths = [path_text(path) for path, _ in self._params]
         storage, used = storage_specs(self._params, self._rules, default, logical_axis_rules)
-        if warning := unmatched_warning(self._rules, used, paths, _CALLER):
+        if warning := unmatched_warning(self._rules, used, paths, CALLER):
             warn(warning)
         self._checks = PlanChecks(self, inputs)
-        self._layouts = Placements(abstract, storage, tp_rules, inputs, _CALLER, self._checks.attempt)
+        self._layouts = Placements(abstract, storage, tp_rules, inputs, CALLER, self._checks.attempt)
 
     @property
     def specs(self) -> dict[Path, PartitionSpec]:
@@ -116,7 +116,7 @@ class ShardedModel:
         """``init_fn(rng)`` for :func:`fsdp_tp.init_sharded`: a :class:`~fsdp_tp.TrainState` of
         the blocks, the other Variables as ``model_state``, the optimizer ``tx`` and ``rng``."""
 
-        checked_tx(tx, f"{_CALLER}(...).state_init_fn")
+        checked_tx(tx, f"{CALLER}(...).state_init_fn")
 
         def init_fn(rng, *extra):
             _rng_alone(extra, "state_init_fn(tx)")
@@ -135,7 +135,7 @@ class ShardedModel:
         over the batch axes, so each batch shard draws its own values."""
         if not bound_axis_names():
             raise ValueError(
-                f"{_CALLER}(...).merge: called outside jax.shard_map; merge builds one device's model "
+                f"{CALLER}(...).merge: called outside jax.shard_map; merge builds one device's model "
                 f"from its blocks inside the step. Outside it, read the global parameters into an "
                 f"unsharded model: nnx.update(model, nnx.State(jax.tree.map(lambda b: b.value, "
                 f"params, is_leaf=lambda b: hasattr(b, 'names'))))."
@@ -143,14 +143,14 @@ class ShardedModel:
         flat, layout = flat_tree(params), self._layouts()
         if lacking := [path_text(p) for p, _ in self._params if p not in flat]:
             raise ValueError(
-                f"{_CALLER}(...).merge: the params given lack {len(lacking)} of the model's "
+                f"{CALLER}(...).merge: the params given lack {len(lacking)} of the model's "
                 f"{len(self._params)} parameters ({', '.join(lacking[:4])}{', ...' * (len(lacking) > 4)}): "
                 f"pass the whole tree init_sharded made (state.params), every layer in it."
             )
-        batch_axes = resolve_batch_axes(self.batch_axes, _CALLER)
+        batch_axes = resolve_batch_axes(self.batch_axes, CALLER)
         batch = frozenset(batch_axes)
         variables = param_variables(self._params, flat, layout, batch, self.precision)
-        rest = other_variables(self._rest, model_state, batch_axes, _CALLER)
+        rest = other_variables(self._rest, model_state, batch_axes, CALLER)
         model = nnx.merge(self.graphdef, nnx.from_flat_state(variables), nnx.from_flat_state(rest))
         compute_roles(model, layout.roles)
         exact_dropouts(model, batch_axes, path_text)
@@ -174,7 +174,7 @@ def _rng_alone(extra: tuple, fn: str) -> None:
     too; an NNX constructor needs none): named, with the call that works."""
     if extra:
         raise TypeError(
-            f"{_CALLER}(...).{fn} is called with the rng alone, and init_sharded passed {len(extra)} "
+            f"{CALLER}(...).{fn} is called with the rng alone, and init_sharded passed {len(extra)} "
             f"more argument(s): the model's constructor needs no inputs. Pass "
             f"init_sharded(sharded.{fn}, mesh, P(), rng)."
         )
@@ -224,8 +224,8 @@ def shard_by_rules(
     >>> specs.params["kernel"], state.params["kernel"].value.shape
     (P('fsdp', None), (8, 16))
     """
-    default = as_spec(default, _CALLER, "default=")
-    precision = checked_policy(mixed_precision, _CALLER)
+    default = as_spec(default, CALLER, "default=")
+    precision = checked_policy(mixed_precision, CALLER)
     return ShardedModel(
         make_model, rules, tp_rules, default, batch_axes, logical_axis_rules, precision, inputs
     )

@@ -1,5 +1,5 @@
 """A model from ``nnx.merge`` in a step that splits the sequence, checked against the model on
-the whole sequence at its first call (:mod:`fsdp_tp.tp._check.plain`): within the step's trace
+the whole sequence at its first call (:mod:`fsdp_tp._check.plain`): within the step's trace
 ``nnx.merge`` gives the model a class whose call is checked so (:func:`plain_checked`), unless a
 laid-out model's check (:meth:`~fsdp_tp.nnx.ShardedModel.merge`'s) ran inside. NNX has no
 interceptor; ``nnx.merge`` is how a step rebuilds a model from its state.
@@ -12,8 +12,9 @@ from collections.abc import Iterator
 
 from flax import nnx
 
-from ..tp._check.driver import checking, sequence_split
-from ..tp._check.plain import plain_call, register
+from .._check.driver import checking
+from .._check.plain import plain_call, register
+from .._sequence_split import sequence_split
 from ..tp._front import RolePlan
 from ._check import check_call
 from ._layers import NNX

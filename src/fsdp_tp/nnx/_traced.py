@@ -1,4 +1,4 @@
-"""An NNX model's call read as a :class:`~fsdp_tp.tp._jaxpr.graph.Graph` (:func:`traced`, what the
+"""An NNX model's call read as a :class:`~fsdp_tp._trace.graph.Graph` (:func:`traced`, what the
 plan finder reads), and models whose modules' calls name their paths (:func:`scoped`): NNX
 records no module in a trace, so the finder's trace and the plan check's pair operations by
 these names.

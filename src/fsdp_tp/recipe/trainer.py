@@ -15,13 +15,13 @@ from flax.core.meta import unbox
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..context._split import SequenceSplit
-from ..context._step import LaidOut
+from .._sequence_split import SequenceSplit
 from ..gradients import sync_gradients
 from ..models import Layout
 from ..sharded_init import init_sharded
 from ..tp.pieces import vocab_parallel_cross_entropy
 from ..train import accumulate_gradients, as_a_step, shard_step, state_init_fn
+from ..train._sequence_layout import LaidOut
 from .batches import batch_loss, split_windows
 from .config import ModelConfig
 from .data import Tokens, windows_at

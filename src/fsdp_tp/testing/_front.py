@@ -16,8 +16,8 @@ from jax.sharding import Mesh
 
 from .._axes import CONTEXT, as_axis_tuple
 from .._batch import DEFAULT_BATCH_AXES
+from .._sequence_split import SequenceSplit
 from .._types import AxisNames
-from ..context._split import SequenceSplit
 from ..linen._testing import is_linen, linen_pair
 from ..mesh import make_mesh
 from ..nnx._constructor import built as _built

@@ -27,9 +27,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
+from .._trace.sites import user_site
 from ..errors import CheckPrecisionWarning, warn
 from ..nnx._constructor import keyword_only
-from ..tp._jaxpr.sites import user_site
 from ._compare import ATOL, RTOL
 
 __all__ = ["narrow_site", "require_float64", "wide", "widened"]

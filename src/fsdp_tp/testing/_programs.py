@@ -23,11 +23,11 @@ from flax.core import meta
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from .._sequence_split import SequenceSplit
 from .._tree import named_shardings
-from ..context._split import SequenceSplit
 from ..gradients import batch_mean, sync_gradients
 from ..partitioning import specs_of
-from ..sharded_init import _programs as init_programs  # (init_sharded's, without running them)
+from ..sharded_init import init_programs  # (init_sharded's, without running them)
 from ..train import TrainState, shard_step
 
 __all__ = ["Comparison", "inits", "loss_and_outputs", "sharded_step", "train_state", "twin_run"]

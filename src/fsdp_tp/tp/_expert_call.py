@@ -30,7 +30,7 @@ With each expert's hidden dim split over another axis too (``within``, a
 row einsum's parts are summed before they go back. A dropout between the einsums draws its
 mask on this device's rows, whole, and the mask goes with them (refused when split twice: which
 dims are the hidden blocks, it cannot tell). Each operation is made again at the model's line
-(:mod:`fsdp_tp.tp._jaxpr.rebind`).
+(:mod:`fsdp_tp._trace.rebind`).
 
 Long because the re-run is one class: its rules (an expert einsum, an elementwise operation,
 anything else) read and write the same places of the same values.
@@ -63,11 +63,11 @@ import jax
 import jax.extend.core as jcore
 import numpy as np
 
+from .._trace.rebind import bind, body, elementwise, line, vma
+from .._trace.relations import ELEMENTWISE
 from ..collectives import copy_to_axis, reduce_from_axis
 from ..dropout import unplaceable_within
 from ..errors import RuleError
-from ._jaxpr.rebind import bind, body, elementwise, line, vma
-from ._jaxpr.relations import ELEMENTWISE
 
 __all__ = ["Place", "cotangent_times", "experts_call", "gathered_read"]
 

@@ -48,11 +48,11 @@ from typing import Any
 
 import jax
 
+from .._trace.graph import Graph
+from .._trace.sites import module_of
 from ._einsum import Equation
 from ._experts import EXPERT
 from ._find.plan import spelled
-from ._jaxpr.graph import Graph
-from ._jaxpr.sites import module_of
 from ._protocol import FrontEnd, Kinds
 from ._registered import computes_of
 from ._role import Layer, Local, TPRole, axes_of

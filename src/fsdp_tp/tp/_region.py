@@ -7,7 +7,7 @@ names the dim each of them splits on; the module's own code then runs on its blo
 written: what enters is the same on every device (Megatron's *f*, once per distinct input),
 what leaves is summed once over the axis (*g*), or gathered along its last dim for a module
 that ends on a column. The plan check reads the module's trace against the unsharded one
-(:mod:`fsdp_tp.tp._check`), so only elementwise operations may stand between a column read
+(:mod:`fsdp_tp._check`), so only elementwise operations may stand between a column read
 and a row read: a norm over the split hidden dim, or a split on the dim the first einsum
 contracts, is refused at the model's line before anything trains.
 

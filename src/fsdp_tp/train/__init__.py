@@ -18,16 +18,17 @@ from jax.sharding import Mesh, PartitionSpec
 
 from .._aliases import aliases_of
 from .._batch import batch_axes_of, batch_split_over
+from .._check.plain import step_calls
 from .._context import STEP
 from .._optimizer import checked_tx, per_device_step, refuse_on_shards
+from .._sequence_split import SequenceSplit
 from .._tree import named_shardings
 from .._types import PyTree, Specs
-from ..context._split import SequenceSplit
-from ..context._step import LaidOut, jax_attention_across, step_split
+from ..context._across import jax_attention_across
 from ..partitioning import check_specs
-from ..tp._check.plain import step_calls
 from ..tp.pieces import shared_column_inputs
 from ._microbatches import accumulate_gradients
+from ._sequence_layout import LaidOut, step_split
 
 __all__ = ["TrainState", "accumulate_gradients", "shard_step", "state_init_fn"]
 
@@ -108,8 +109,8 @@ def as_a_step(batch_specs: Specs, sequence: SequenceSplit | None = None, tokens=
     of ``batch_specs`` is split over, or say that they were told others; layers that read one
     activation share its collective (Megatron's *f*, an expert layer's dispatch). Under a
     ``sequence`` split its axis is a batch axis too (each device's loss is over its tokens) and
-    attention computes across it (:mod:`fsdp_tp.context._step`); ``tokens``: a device's tokens a
-    sequence (:meth:`~fsdp_tp.context._step.LaidOut.tokens`)."""
+    attention computes across it (:mod:`fsdp_tp.context._across`); ``tokens``: a device's tokens a
+    sequence (:meth:`~fsdp_tp.train._sequence_layout.LaidOut.tokens`)."""
     axes = batch_axes_of(batch_specs)
     if sequence is not None:
         axes = (*(axes or ()), sequence.axis)
@@ -149,7 +150,7 @@ def shard_step(
     the way in, and each output laid out as such a batch leaf is put back in the batch's
     order; inside, the axis is a batch axis (sync the gradients and average the loss over it
     too) and the library's attention computes over every device's keys. The model is checked
-    against the whole sequence at its first call (:mod:`fsdp_tp.tp._check.plain`): laid out
+    against the whole sequence at its first call (:mod:`fsdp_tp._check.plain`): laid out
     by ``shard_by_rules``, or a plain Linen ``apply`` or ``nnx.merge``'s model; a step that
     calls it otherwise warns (``UncheckedPlanWarning``): prove it with
     :func:`fsdp_tp.testing.check_sharded` on that mesh.

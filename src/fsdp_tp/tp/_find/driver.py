@@ -3,7 +3,7 @@
 ``find_tp_rules(model, x, size=4)`` and ``tp_rules="auto"`` are one computation: the model's
 call traced once, abstractly, Megatron's plan found from it
 (:func:`~fsdp_tp.tp.auto.find_plan`), and, for an axis size, the plan checked where each
-device computes (:mod:`fsdp_tp.tp._check.driver`), each region the check refuses left whole with
+device computes (:mod:`fsdp_tp._check.driver`), each region the check refuses left whole with
 its reason (:func:`~fsdp_tp.tp._find.plan.fitted`). A front end only traces its model's call and
 initializes the model under a plan (a :class:`FindCall`); the sizes are the ones a user
 passes (:class:`Sizes`, checked on an abstract mesh of them) or the bound axes' under the
@@ -28,11 +28,11 @@ from collections.abc import Callable, Mapping
 
 from ..._axes import TENSOR
 from ..._context import STEP
-from ..._trace import trace_per_device
+from ..._trace.graph import Graph
+from ..._trace.per_device import trace_per_device
 from .._experts import EXPERT
-from .._jaxpr.graph import Graph
 from .._roles import Layer
-from ..auto import find_plan
+from .finder import find_plan
 from .mesh import AUTO_AXIS, auto_sizes, calling, plan_mesh, require_size
 from .plan import TPPlan, fitted, warn_left_whole
 

@@ -31,11 +31,11 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
+from ..._trace.graph import Graph, kernel_operand, kernels_of
+from ..._trace.relations import Node
 from ...errors import IndivisibleShapeError, RuleError
 from .._einsum import Equation
 from .._experts import ExpertParallel
-from .._jaxpr.graph import Graph, kernel_operand, kernels_of
-from .._jaxpr.relations import Node
 from .._role import Layer, TPRole
 from .plan import ancestors
 

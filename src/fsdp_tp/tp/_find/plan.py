@@ -23,10 +23,10 @@ from typing import Any
 
 from ..._axes import TENSOR
 from ..._context import CHECK
+from ..._trace.relations import DRAWN
 from ...errors import LayerLeftWholeWarning, RuleError, warn
 from .._einsum import Equation
 from .._experts import EXPERT
-from .._jaxpr.relations import DRAWN
 from .._matmul import ColumnParallel, RowParallel
 from .._roles import Layer, TPRole
 from .._rules import compile_tp_rules, role_of
@@ -124,7 +124,7 @@ class TPPlan:
 
 def fitted(plan: TPPlan, attempt: Callable[[TPPlan], Any]) -> TPPlan:
     """``plan`` less each region the plan check refuses: ``attempt(plan)`` traces the model
-    under the plan, which checks it (:mod:`fsdp_tp.tp._check.driver`); a region it refuses is left
+    under the plan, which checks it (:mod:`fsdp_tp._check.driver`); a region it refuses is left
     whole, named with the check's reason, and the rest tried again. A refusal it cannot lay on
     one region (the model failing on its slices) is raised."""
     if CHECK.get().off:  # (inside the check's own trace, or a test's switched_off)

@@ -1,9 +1,9 @@
-"""Megatron's regions in a traced computation (:class:`~fsdp_tp.tp._jaxpr.graph.Graph`): from one
+"""Megatron's regions in a traced computation (:class:`~fsdp_tp._trace.graph.Graph`): from one
 split of a parameter read by a matmul, every value that must then be split with it, until
 each path ends in a matmul that sums the split away (a row layer) or the split meets
 something that cannot take it (the reason the plan gives).
 
-A region grows by the graph's relations (:class:`~fsdp_tp.tp._jaxpr.graph.Node`'s ``same``):
+A region grows by the graph's relations (:class:`~fsdp_tp._trace.graph.Node`'s ``same``):
 a value split on a dim splits every value its operations keep that dim's positions with,
 forward and back. A matmul of an activation by a parameter (a *kernel*) is where Megatron's
 layers are:
@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from .._jaxpr.graph import Graph, Node, contracted_pairs, kernel_operand
-from .._jaxpr.relations import shape_text
-from .._jaxpr.sites import source_of, user_site
+from ..._trace.graph import Graph, Node, contracted_pairs, kernel_operand
+from ..._trace.relations import shape_text
+from ..._trace.sites import source_of, user_site
 
 __all__ = ["Refused", "Region", "grow"]
 

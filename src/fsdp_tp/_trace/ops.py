@@ -1,5 +1,5 @@
 """What an operation does to a device's block of a value and to a partial sum, as the plan
-check (:mod:`fsdp_tp.tp._check.blocks`) reads them: which operations sum over a dim (their result a
+check (:mod:`fsdp_tp._check.blocks`) reads them: which operations sum over a dim (their result a
 partial sum), which are linear in a partial sum (it may pass them, to be summed after), which
 collectives of the library complete a sum, and when a device's part of the dims a reshape groups
 is still a block of them.

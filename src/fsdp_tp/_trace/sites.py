@@ -11,7 +11,7 @@ The n-th operation of a line, primitive and module (the name stack it was made u
 trace is the n-th in the other.
 
 >>> import jax, jax.numpy as jnp
->>> from fsdp_tp.tp._jaxpr.graph import Graph
+>>> from fsdp_tp._trace.graph import Graph
 >>> graph = Graph.trace(lambda p, x: jnp.tanh(x @ p), jnp.ones((4, 8)), jnp.ones((2, 4)))
 >>> site = site_of(graph.nodes[1].source)
 >>> graph.nodes[1].prim, site.function, is_library(graph.nodes[1])
@@ -110,7 +110,7 @@ def source_of(node: Node):
     library's.
 
     >>> import jax, jax.numpy as jnp
-    >>> from fsdp_tp.tp._jaxpr.graph import Graph
+    >>> from fsdp_tp._trace.graph import Graph
     >>> [cumsum] = Graph.trace(lambda p, x: jnp.cumsum(x, axis=1), {}, jnp.ones((2, 4))).nodes
     >>> site_of(cumsum.source), site_of(source_of(cumsum)).function
     (None, '<lambda>')

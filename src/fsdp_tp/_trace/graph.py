@@ -1,8 +1,8 @@
 """A traced computation as the plan finder reads it: one flat list of operations (every
 nested ``jit``, custom derivative and ``remat`` inlined, a ``scan``'s body read once) over
 numbered values, each operation saying which dims of its operands and results are the same
-positions (:class:`~fsdp_tp.tp._jaxpr.relations.Node`'s ``same``) and which dims it mixes
-(``mixes``; :mod:`fsdp_tp.tp._jaxpr.relations` knows JAX's primitives).
+positions (:class:`~fsdp_tp._trace.relations.Node`'s ``same``) and which dims it mixes
+(``mixes``; :mod:`fsdp_tp._trace.relations` knows JAX's primitives).
 
 A split of one dim of a value is possible only if every operation it reaches keeps that
 dim's positions apart: an elementwise op, a transpose or a reshape that keeps the dim
@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import jax.extend.core as jcore
 
-from ..._tree import module_path
+from .._tree import module_path
 from .relations import Node, relate
 
 __all__ = ["Graph", "Node", "contracted_pairs", "kernel_operand", "kernels_of"]

@@ -45,7 +45,7 @@ class Node:
     """One operation: ``ins`` / ``outs`` are value ids (``None``: a literal), ``same`` the
     groups of ``(value, dim)`` that are one dim's positions (split one, split them all),
     ``mixes`` the ``(value, dim)`` it computes across, with what it does there; ``source``:
-    where the model's code made it (:func:`~fsdp_tp.tp._jaxpr.sites.site_of` reads it)."""
+    where the model's code made it (:func:`~fsdp_tp._trace.sites.site_of` reads it)."""
 
     prim: str
     ins: list[int | None]

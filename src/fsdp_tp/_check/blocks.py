@@ -1,10 +1,10 @@
 """One device's trace read against the unsharded model's, operation by operation
 (:class:`Blocks`): whether each keeps every device's part a block of the unsharded computation.
 
-For each operation the model's code made in both traces (:func:`~fsdp_tp.tp._jaxpr.sites.pair`), a
+For each operation the model's code made in both traces (:func:`~fsdp_tp._trace.sites.pair`), a
 dim's two sizes say what a device holds of it: all of it, or a block (16 of 64: a fourth).
 Then an operation that computes across a dim (a ``mixes`` of
-:class:`~fsdp_tp.tp._jaxpr.graph.Node`: a max, a slice, a flip, a concatenation, an index) must not
+:class:`~fsdp_tp._trace.graph.Node`: a max, a slice, a flip, a concatenation, an index) must not
 cross a block, except a sum (a ``reduce_sum``, a contraction, a table looked up on its rows),
 whose result is a *partial sum* that only linear operations may touch until a role sums it
 over the axis; a reshape keeps each device's part a block (:func:`_block`); every dim a
@@ -21,11 +21,11 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Mapping
 
-from ...errors import RuleError
-from .._jaxpr.graph import Graph
-from .._jaxpr.ops import COLLECTIVES, FLAX_ATTENTION, RANDOM, SUMS, is_block, linear, paired_shapes, sums_over
-from .._jaxpr.relations import Node, shape_text
-from .._jaxpr.sites import is_library, pair, scope_of, site_of, source_of, user_site
+from .._trace.graph import Graph
+from .._trace.ops import COLLECTIVES, FLAX_ATTENTION, RANDOM, SUMS, is_block, linear, paired_shapes, sums_over
+from .._trace.relations import Node, shape_text
+from .._trace.sites import is_library, pair, scope_of, site_of, source_of, user_site
+from ..errors import RuleError
 from .partners import partners
 from .refusals import (
     RULE_DROPPED,
@@ -349,7 +349,7 @@ class Blocks:
 
     def leave_whole(self, module: str) -> str:
         """How to leave ``module`` whole so that the plan is then accepted: with the layers it
-        is split together with (:func:`~fsdp_tp.tp._check.partners.partners`), each of whose
+        is split together with (:func:`~fsdp_tp._check.partners.partners`), each of whose
         splits would be refused again beside a whole one."""
         together = partners(self.reference, module, self.named)
         if len(together) == 1:

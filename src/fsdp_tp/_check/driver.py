@@ -42,15 +42,15 @@ from typing import Any
 
 import jax
 
-from ..._axes import bound_axis_names
-from ..._context import CHECK
-from ...context._step import sequence_split
-from ...errors import RuleError, UncheckedPlanWarning, warn
-from .._find.plan import letter_hints
-from .._jaxpr.graph import Graph
-from .._role import Layer, axes_of
-from .._rules import CompiledRole
-from ..auto import find_plan
+from .._axes import bound_axis_names
+from .._context import CHECK
+from .._sequence_split import sequence_split
+from .._trace.graph import Graph
+from ..errors import RuleError, UncheckedPlanWarning, warn
+from ..tp._find.finder import find_plan
+from ..tp._find.plan import letter_hints
+from ..tp._role import Layer, axes_of
+from ..tp._rules import CompiledRole
 from .blocks import Blocks
 from .failures import raise_failure
 from .refusals import RULE_DROPPED, Named
@@ -66,7 +66,6 @@ __all__ = [
     "own_trace",
     "raise_failure",
     "references_for",
-    "sequence_split",
     "switched_off",
 ]
 

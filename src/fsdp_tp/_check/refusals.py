@@ -1,4 +1,4 @@
-"""The words of the plan check's refusals (:class:`~fsdp_tp.tp._check.blocks.Blocks` raises
+"""The words of the plan check's refusals (:class:`~fsdp_tp._check.blocks.Blocks` raises
 them): the shapes, the axes and the names spelled, the fix for a reshape and for a mix of split
 features, and a refusal blamed on the module whose split it is.
 
@@ -12,9 +12,9 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping
 
-from ...errors import RuleError
-from .._jaxpr.graph import Graph
-from .._jaxpr.relations import shape_text
+from .._trace.graph import Graph
+from .._trace.relations import shape_text
+from ..errors import RuleError
 
 __all__ = [
     "RULE_DROPPED",

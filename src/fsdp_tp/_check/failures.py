@@ -8,9 +8,9 @@ import traceback
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NoReturn
 
-from ...errors import RuleError
-from .._experts import ExpertParallel
-from .._jaxpr.sites import Site, flax_file, made_by_jax, users_file
+from .._trace.sites import Site, flax_file, made_by_jax, users_file
+from ..errors import RuleError
+from ..tp._experts import ExpertParallel
 from .refusals import RULE_DROPPED, axes_text
 
 __all__ = ["raise_failure"]

@@ -8,7 +8,7 @@ names the region: from the refused layer forward to the first layers that sum wh
 (a role whose name says ``Row``), and back from those to every layer with a role whose output
 reaches them (q's siblings k and v).
 
-Read off the unsharded model's trace (:class:`~fsdp_tp.tp._jaxpr.graph.Graph`), its operations named
+Read off the unsharded model's trace (:class:`~fsdp_tp._trace.graph.Graph`), its operations named
 as the plan check names them (``named(name stack) -> (module, role as written)``).
 
 >>> _in_order(["out", "k", "q"], {"q": 0, "k": 1, "out": 2})
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .._jaxpr.graph import Graph, kernel_operand, kernels_of
-from .._jaxpr.sites import scope_of
+from .._trace.graph import Graph, kernel_operand, kernels_of
+from .._trace.sites import scope_of
 
 __all__ = ["partners"]
 

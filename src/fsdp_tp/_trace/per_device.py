@@ -34,8 +34,8 @@ from flax.core.meta import Partitioned
 from jax.extend.core import ClosedJaxpr
 from jax.sharding import PartitionSpec
 
-from ._layout import fit_problems
-from ._types import PyTree, Specs
+from .._layout import fit_problems
+from .._types import PyTree, Specs
 
 __all__ = ["Traced", "flat_specs_of", "specs_of", "trace_per_device"]
 

@@ -1,7 +1,7 @@
 """An expert layer's output sent back to the tokens' devices and straight back to the
 experts' (``ExpertParallel(returns=True)`` on gate and up as well as down): the same numbers
 at an all_to_all each way more than the bank needs, refused by the plan check
-(:func:`~fsdp_tp.tp._check.driver.check_plan`) in a device's trace, naming the layer that alone
+(:func:`~fsdp_tp._check.driver.check_plan`) in a device's trace, naming the layer that alone
 should return.
 
 >>> import jax, jax.numpy as jnp
@@ -21,10 +21,10 @@ fsdp_tp.errors.RuleError: demo: gate return their outputs to the tokens' devices
 
 from __future__ import annotations
 
-from ...errors import RuleError
-from .._jaxpr.graph import Graph
-from .._jaxpr.relations import ELEMENTWISE
-from .._jaxpr.sites import scope_of
+from .._trace.graph import Graph
+from .._trace.relations import ELEMENTWISE
+from .._trace.sites import scope_of
+from ..errors import RuleError
 from .refusals import Named, blaming
 
 __all__ = ["require_no_round_trip"]

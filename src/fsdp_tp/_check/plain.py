@@ -3,7 +3,7 @@
 Under a step's sequence split (:mod:`fsdp_tp.context`) a model that builds positions from a
 device's length, or a mask from its shapes, computes wrong numbers without an error, whether
 or not the library laid it out. A model laid out by ``shard_by_rules`` is checked at its first
-call (:func:`~fsdp_tp.tp._check.driver.check_call`); a plain ``model.apply`` in the user's own
+call (:func:`~fsdp_tp._check.driver.check_call`); a plain ``model.apply`` in the user's own
 step is checked here. Each front end registers how it sees such a call (:func:`register`:
 Linen's interceptor of a root module's call, NNX's ``nnx.merge``) and runs it through
 :func:`plain_call`, which checks it with the front end's ``check`` unless a check ran inside it
@@ -25,9 +25,10 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..._context import CHECK
-from ...errors import UncheckedPlanWarning, warn
-from .driver import checking, sequence_split
+from .._context import CHECK
+from .._sequence_split import sequence_split
+from ..errors import UncheckedPlanWarning, warn
+from .driver import checking
 
 __all__ = ["Calls", "laid_out", "plain_call", "register", "register_when_loaded", "step_calls"]
 

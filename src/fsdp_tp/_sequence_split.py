@@ -1,4 +1,6 @@
-"""How a sequence is laid out over the ``context`` axis: :class:`SequenceSplit`.
+"""How a sequence is laid out over the ``context`` axis: :class:`SequenceSplit`; and, inside a
+step's trace, the split it runs (:func:`sequence_split`, :func:`split_here`,
+:func:`checked_here`).
 
 A contiguous split gives device ``i`` of ``n`` tokens ``[i·S/n, (i+1)·S/n)``: under a causal
 mask its queries see ``i + 1/2`` blocks of keys on average, so the last device does
@@ -26,10 +28,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._axes import CONTEXT
-from .._layout import axis_text, require_divisible
+from ._axes import CONTEXT, bound_axis_names
+from ._context import CHECK, STEP
+from ._layout import axis_text, require_divisible
 
-__all__ = ["STRATEGIES", "SequenceSplit", "document_positions"]
+__all__ = [
+    "STRATEGIES",
+    "SequenceSplit",
+    "checked_here",
+    "document_positions",
+    "sequence_split",
+    "split_here",
+]
 
 STRATEGIES = ("ring", "all_to_all", "auto")
 """How attention is computed across the ``context`` axis: ``ring`` (k, v passed round),
@@ -123,3 +133,32 @@ class SequenceSplit:
         chunks = self.chunks(size)
         cut = x.reshape(*x.shape[:dim], chunks, x.shape[dim] // chunks, *x.shape[dim + 1 :])
         return jnp.take(cut, order, axis=dim).reshape(x.shape)
+
+
+def sequence_split() -> tuple[str, int] | None:
+    """The axis and size a step splits the sequence over here, in any trace of it, the plan
+    check's too (``None``: whole, or one device): a call there is checked as the blocks of the
+    model on the whole sequence, and what cannot split so (a routing capacity) is refused."""
+    split = STEP.get().sequence
+    if split is None or split.axis not in bound_axis_names():
+        return None
+    size = jax.lax.axis_size(split.axis)
+    return (split.axis, size) if size > 1 else None
+
+
+def split_here() -> SequenceSplit | None:
+    """The step's sequence split where its axis is bound (inside its per-device trace), else
+    ``None``: attention called here computes across the axis. In the plan check's own traces
+    (``unringed``) it is ``None``: there attention is :func:`on_device`'s."""
+    split = STEP.get().sequence
+    if split is None or CHECK.get().unringed or split.axis not in bound_axis_names():
+        return None
+    return split
+
+
+def checked_here() -> bool:
+    """Whether this is the plan check's trace of a call in a step that splits the sequence:
+    attention is then :func:`on_device`'s, the library's own operations in both of the check's
+    traces (a device's, the whole sequence's), which it carries as it carries a collective."""
+    split = STEP.get().sequence
+    return split is not None and CHECK.get().unringed and split.axis in bound_axis_names()
