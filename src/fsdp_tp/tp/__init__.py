@@ -1,9 +1,11 @@
 """Tensor parallelism, once for every front end: the roles a tp rule gives a submodule.
 
 ``from fsdp_tp.tp import ColumnParallel, RowParallel``: the roles (:class:`ColumnParallel`,
-:class:`RowParallel`, :class:`HeadParallel`, :class:`VocabParallel`), what a role sees of a
-module (:class:`Layer`) and the base of a role of your own (:class:`TPRole`, listed in
-:data:`ROLES`), and :func:`register_einsum` for a module class of your own. The same objects
+:class:`RowParallel`, :class:`HeadParallel`, :class:`VocabParallel`; :class:`ExpertParallel`
+for a mixture's experts over ``expert``; :class:`Region` for a module of raw kernels its own
+einsums read), what a role sees of a module (:class:`Layer`) and the base of a role of your own
+(:class:`TPRole`, listed in :data:`ROLES`), and :func:`register_einsum` for a module class of
+your own. The same objects
 serve both Flax APIs: pass ``(pattern, role)`` rules as ``tp_rules=`` to
 :func:`fsdp_tp.shard_by_rules` (Linen) or :func:`fsdp_tp.nnx.shard_by_rules`; each front end's
 ``find_tp_rules`` (:func:`fsdp_tp.linen.find_tp_rules`, :func:`fsdp_tp.nnx.find_tp_rules`)
