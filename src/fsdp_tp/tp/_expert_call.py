@@ -32,7 +32,8 @@ mask on this device's rows, whole, and the mask goes with them (refused when spl
 dims are the hidden blocks, it cannot tell). Each operation is made again at the model's line
 (:mod:`fsdp_tp._trace.rebind`).
 
-Long because the re-run is one class: its rules (an expert einsum, an elementwise operation,
+Long because the re-run is one class: its rules (a kernel's read and an expert einsum, keyed by
+primitive in :data:`_RULES` as JAX's own interpreters keep theirs; then an elementwise operation,
 anything else) read and write the same places of the same values.
 
 >>> import functools, jax, jax.numpy as jnp
@@ -57,7 +58,7 @@ import dataclasses
 import functools
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.extend.core as jcore
@@ -100,6 +101,34 @@ class Place:
     def permuted(self, order: tuple[int, ...]) -> Place:
         at = lambda dim: None if dim is None else order.index(dim)
         return Place(order.index(self.experts), at(self.rows), at(self.hidden), self.partial)
+
+
+class _Ran(NamedTuple):
+    """An operation re-run: its outputs' values and where each is laid out (``None``: whole)."""
+
+    values: list
+    places: list[Place | None]
+
+    @staticmethod
+    def whole(values: list) -> _Ran:
+        return _Ran(values, [None] * len(values))
+
+
+class _Sent(NamedTuple):
+    """A value sent to the experts' devices (kept with it, so its id, the key, is not reused),
+    what arrived there, and that through *f* over the hidden dims' axis once a column einsum
+    read it (``None`` until then)."""
+
+    value: Any
+    moved: Any
+    through_f: Any | None
+
+
+class _Splat(NamedTuple):
+    """A scalar broadcast, made again at a place's shape where it meets laid-out values."""
+
+    scalar: Any
+    dtype: Any
 
 
 def gathered_read(axis: str, dim: int, name: str) -> Callable[[jax.Array], jax.Array]:
@@ -151,11 +180,11 @@ class _Rerun:
         self.axis, self.n, self.path = axis, n, path
         self.hidden = dict(within.dims) if within is not None else {}
         self.tensor = within.axis if within is not None else None
-        self.sent: dict[tuple, tuple] = {}  # (value id, experts dim, rows dim): sent once
+        self.sent: dict[tuple[int, int, int], _Sent] = {}  # (value id, experts dim, rows dim): sent once
         self.returned: dict[Any, Any] = {}
         self.places: dict[Any, Place] = {}
         self.kernels: dict[Any, str] = {}  # (the kernels' names, for the refusals)
-        self.splats: dict[Any, tuple] = {}  # (a scalar broadcast: made again at a place's shape)
+        self.splats: dict[Any, _Splat] = {}
 
     def run(self, jaxpr, consts, args) -> list:
         env = dict(zip(jaxpr.constvars, consts, strict=True)) | dict(zip(jaxpr.invars, args, strict=True))
@@ -165,7 +194,8 @@ class _Rerun:
     def _eqns(self, eqns, env: dict) -> None:
         for eqn in eqns:
             if eqn.primitive.name == "broadcast_in_dim" and np.shape(eqn.invars[0].aval) == ():
-                self.splats[eqn.outvars[0]] = (self._read(eqn.invars[0], env), eqn.outvars[0].aval.dtype)
+                scalar = self._read(eqn.invars[0], env)
+                self.splats[eqn.outvars[0]] = _Splat(scalar, eqn.outvars[0].aval.dtype)
             outs, places = self._eqn(eqn, env)
             named = next(
                 (self.kernels[v] for v in eqn.invars if self._place(v) is not None and v in self.kernels),
@@ -184,33 +214,44 @@ class _Rerun:
     def _place(self, atom) -> Place | None:
         return None if isinstance(atom, jcore.Literal) else self.places.get(atom)
 
-    def _eqn(self, eqn, env) -> tuple[list, list]:
-        name, places = eqn.primitive.name, [self._place(v) for v in eqn.invars]
-        marked = re.search(_MARK + r":([\w/.-]+)", str(eqn.source_info.name_stack))
-        if name == "all_gather" and marked:
-            name = self.kernels[eqn.outvars[0]] = marked.group(1)
-            kernel = self._read(eqn.invars[0], env)  # this device's block: the gather never runs
-            hidden = self.hidden[name] % kernel.ndim if name in self.hidden else None
-            return [kernel], [Place(eqn.params["all_gather_dimension"], hidden=hidden)]
-        if name == "dot_general" and any(p is not None and p.rows is None for p in places):
-            return self._expert_einsum(eqn, env, places)
-        if any(p is not None for p in places):
+    def _eqn(self, eqn, env) -> _Ran:
+        """The operation re-run: by its primitive's rule (:data:`_RULES`) where it has one that
+        applies, else on its values where they are laid out alike (:meth:`_elementwise`), else
+        as the model computed it (:meth:`_as_computed`)."""
+        places = [self._place(v) for v in eqn.invars]
+        rule = _RULES.get(eqn.primitive.name)
+        ran = rule(self, eqn, env, places) if rule is not None else None
+        if ran is None and any(p is not None for p in places):
             laid = self._alike(eqn, places)
             if laid is not None:
-                return self._elementwise(eqn, env, laid)
+                ran = self._elementwise(eqn, env, laid)
+        return ran if ran is not None else self._as_computed(eqn, env)
+
+    def _kernel_read(self, eqn, env, places) -> _Ran | None:
+        """A kernel's read (the gather :func:`gathered_read` traced): this device's block, at
+        its place; the gather never runs. ``None`` for any other all-gather."""
+        marked = re.search(_MARK + r":([\w/.-]+)", str(eqn.source_info.name_stack))
+        if not marked:
+            return None
+        name = self.kernels[eqn.outvars[0]] = marked.group(1)
+        kernel = self._read(eqn.invars[0], env)
+        hidden = self.hidden[name] % kernel.ndim if name in self.hidden else None
+        return _Ran([kernel], [Place(eqn.params["all_gather_dimension"], hidden=hidden)])
+
+    def _as_computed(self, eqn, env) -> _Ran:
+        """The operation on whole values, as the model computed it."""
         ins = [self._whole(v, env, line(eqn)) for v in eqn.invars]
-        if self.tensor is not None and name == "pvary":
+        if self.tensor is not None and eqn.primitive.name == "pvary":
             # (made where a value the trace typed varying over the hidden dims' axis, a part of
             # a sum there, met another: that value is summed now, so each operation's operands
             # are aligned where it is made, as JAX's tracing does, by bind)
-            return ins, [None]
+            return _Ran(ins, [None])
         inner = body(eqn)
         if inner is not None and any(vma(x) != vma(v.aval) for x, v in zip(ins, eqn.invars, strict=True)):
             return self._inlined(eqn, inner, ins, env)
-        outs = bind(eqn, ins)
-        return outs, [None] * len(outs)
+        return _Ran.whole(bind(eqn, ins))
 
-    def _inlined(self, eqn, inner, ins: list, env: dict) -> tuple[list, list]:
+    def _inlined(self, eqn, inner, ins: list, env: dict) -> _Ran:
         """A call whose operands are typed otherwise than its body was traced with (a value
         summed here that the trace typed as a part of a sum): its body run here, op by op; a
         custom derivative's body is not its derivative (``jax.nn.relu``'s at 0), so refused."""
@@ -225,11 +266,14 @@ class _Rerun:
         env.update(zip(inner.constvars, consts, strict=True))
         env.update(zip(inner.invars, ins, strict=True))
         self._eqns(inner.eqns, env)
-        return [self._whole(v, env, line(eqn)) for v in inner.outvars], [None] * len(inner.outvars)
+        return _Ran.whole([self._whole(v, env, line(eqn)) for v in inner.outvars])
 
-    def _expert_einsum(self, eqn, env, places) -> tuple[list, list]:
+    def _expert_einsum(self, eqn, env, places) -> _Ran | None:
         """An einsum reading a kernel's block: its experts dim must be one it batches over; the
-        other operand goes to the experts' devices (or is there already)."""
+        other operand goes to the experts' devices (or is there already). ``None`` for an
+        einsum that reads no kernel's block."""
+        if not any(p is not None and p.rows is None for p in places):
+            return None
         (contract, batch) = eqn.params["dimension_numbers"]
         k = next(i for i, p in enumerate(places) if p is not None and p.rows is None)
         kernel, other = eqn.invars[k], eqn.invars[1 - k]
@@ -261,7 +305,7 @@ class _Rerun:
         first_free = _free(eqn.invars[0].aval.ndim, contract[0], batch[0])
         at = n_batch + (first_free.index(rows) if k == 1 else len(first_free) + free.index(rows))
         partial = places[k].hidden is not None and places[k].hidden in contract[k]
-        return [out], [Place(i, at, partial=partial)]
+        return _Ran([out], [Place(i, at, partial=partial)])
 
     def _sent(self, var, env, experts: int, rows: int, copied: bool):
         """``var`` sent to the experts' devices along ``experts``, its rows on ``rows``, once
@@ -269,14 +313,13 @@ class _Rerun:
         the hidden dims' axis where ``copied`` (a column einsum reads it)."""
         value = self._whole(var, env, "")
         key = (id(value), experts, rows)
-        if key not in self.sent:  # (the value kept with it: its id is not reused)
+        if key not in self.sent:
             moved = jax.lax.all_to_all(value, self.axis, experts, rows, tiled=True)
-            self.sent[key] = (value, cotangent_times(moved, self.n), None)
-        value, moved, through_f = self.sent[key]
-        if copied and through_f is None:
-            through_f = copy_to_axis(moved, self.tensor)
-            self.sent[key] = (value, moved, through_f)
-        return through_f if copied else moved
+            self.sent[key] = _Sent(value, cotangent_times(moved, self.n), None)
+        sent = self.sent[key]
+        if copied and sent.through_f is None:
+            sent = self.sent[key] = sent._replace(through_f=copy_to_axis(sent.moved, self.tensor))
+        return sent.through_f if copied else sent.moved
 
     def _whole(self, atom, env, reader: str):
         """``atom``'s value as the model computed it: sent back from the experts' devices if it
@@ -303,11 +346,11 @@ class _Rerun:
         broadcast made there; anything else (a mask drawn on this device's rows) sent there."""
         assert place.rows is not None  # (_alike: a kernel's block has no whole operand beside it)
         if var in self.splats:
-            scalar, dtype = self.splats[var]
+            splat = self.splats[var]
             local = list(var.aval.shape)
             local[place.experts] //= self.n
             local[place.rows] *= self.n
-            return jax.lax.broadcast_in_dim(scalar, tuple(local), ()).astype(dtype)
+            return jax.lax.broadcast_in_dim(splat.scalar, tuple(local), ()).astype(splat.dtype)
         return self._sent(var, env, place.experts, place.rows, copied=False)
 
     def _name(self, kernel) -> str:
@@ -340,7 +383,7 @@ class _Rerun:
         inner = body(eqn)
         return place if place.rows is not None and inner is not None and elementwise(inner) else None
 
-    def _elementwise(self, eqn, env, place: Place) -> tuple[list, list]:
+    def _elementwise(self, eqn, env, place: Place) -> _Ran:
         """An elementwise operation on this device's experts' values: a primitive as it is; a
         call (whose body is traced at the whole shape) on the values reshaped to that shape, as
         many elements in another order, which an elementwise body cannot tell apart."""
@@ -350,14 +393,22 @@ class _Rerun:
                 if self._place(v) is None and np.shape(v.aval) != ():
                     ins[i] = self._there(v, env, place)
             outs = bind(eqn, ins)
-            return outs, [place] * len(outs)
+            return _Ran(outs, [place] * len(outs))
         local = next(x.shape for x, v in zip(ins, eqn.invars, strict=True) if self._place(v) is not None)
         wide = [
             x.reshape(v.aval.shape) if np.shape(x) == local else x
             for x, v in zip(ins, eqn.invars, strict=True)
         ]
         outs = [o.reshape(local) for o in bind(eqn, wide)]
-        return outs, [place] * len(outs)
+        return _Ran(outs, [place] * len(outs))
+
+
+# The rules by primitive (each ``None`` where it does not apply: the operation is then re-run as
+# :meth:`_Rerun._eqn` says for any other).
+_RULES: dict[str, Callable[[_Rerun, Any, dict, list], _Ran | None]] = {
+    "all_gather": _Rerun._kernel_read,
+    "dot_general": _Rerun._expert_einsum,
+}
 
 
 def _free(ndim: int, contract, batch) -> list[int]:
