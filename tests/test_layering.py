@@ -52,6 +52,7 @@ CORE = (
     "_trace.per_device",
     "_trace.relations",
     "_trace.sites",
+    "_trace.walk",
     "_tree",
     "_types",
     "analysis",

@@ -16,12 +16,15 @@ positions alone. Used by :mod:`fsdp_tp.tp._expert_call`, which re-runs a module'
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import numpy as np
 from jax._src import source_info_util  # private: the user's line for each op made again, as eval_jaxpr
 
 from .relations import ELEMENTWISE
 from .sites import user_site
+from .walk import equations
 
 __all__ = ["bind", "body", "elementwise", "line", "vma"]
 
@@ -72,17 +75,18 @@ def body(eqn):
 
 def elementwise(jaxpr) -> bool:
     """Whether every operation of ``jaxpr`` computes each position from the same positions
-    (scalars broadcast at most), through calls."""
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if name in ELEMENTWISE:
-            continue
-        if name == "broadcast_in_dim" and np.shape(eqn.invars[0].aval) == ():
-            continue
-        inner = body(eqn)
-        if inner is None or not elementwise(inner):
-            return False
-    return True
+    (scalars broadcast at most), through calls (a call's own operations are walked too; any
+    other operation holding a jaxpr, a scan, is not elementwise)."""
+    return all(
+        eqn.primitive.name in ELEMENTWISE
+        or (eqn.primitive.name == "broadcast_in_dim" and _scalar(eqn.invars[0]))
+        or body(eqn) is not None
+        for eqn in equations(jaxpr)
+    )
+
+
+def _scalar(var: Any) -> bool:
+    return np.shape(var.aval) == ()
 
 
 def line(eqn) -> str:

@@ -25,9 +25,10 @@ import os
 
 import jax.numpy as jnp
 from flax import nnx
-from jax.extend.core import ClosedJaxpr, Jaxpr
+from jax.extend.core import ClosedJaxpr
 
 from .._trace.sites import user_site
+from .._trace.walk import equations
 from ..errors import CheckPrecisionWarning, warn
 from ..nnx._constructor import keyword_only
 from ._compare import ATOL, RTOL
@@ -81,7 +82,7 @@ def narrow_site(closed: ClosedJaxpr) -> tuple[str, str, str] | None:
     calls) computes its softmax in float32 whatever its inputs' dtype, by design: no dtype of
     the model's changes that, so it is not named (its rounding, 1e-7 relative, is far inside
     the tolerance)."""
-    for eqn in _equations(closed.jaxpr):
+    for eqn in equations(closed.jaxpr):
         if eqn.primitive.name not in _ROUNDING or _in_jax_nn(eqn.source_info):
             continue
         given = getattr(eqn.invars[0].aval, "dtype", None)
@@ -117,16 +118,3 @@ _JAX_NN = os.sep + os.path.join("jax", "_src", "nn") + os.sep
 def _in_jax_nn(source) -> bool:
     traceback = getattr(source, "traceback", None)
     return traceback is not None and any(_JAX_NN in frame.file_name for frame in traceback.frames)
-
-
-def _equations(jaxpr: Jaxpr):
-    """Every equation, an inner jaxpr's before the one that holds it (a remat's or a scan's
-    results are its body's: the body's operation is the one to name)."""
-    for eqn in jaxpr.eqns:
-        for value in eqn.params.values():
-            for inner in value if isinstance(value, tuple | list) else (value,):
-                if isinstance(inner, ClosedJaxpr):
-                    yield from _equations(inner.jaxpr)
-                elif isinstance(inner, Jaxpr):
-                    yield from _equations(inner)
-        yield eqn
