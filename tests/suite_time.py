@@ -13,7 +13,9 @@ the cache and compiled, and warm ÷ cold::
     python tests/suite_time.py --lane .venv/bin/python -- tests/test_nnx.py   # one lane, one file
 
 Arguments after ``--`` go to pytest in place of the whole suite; ``--log DIR`` keeps each run's
-output (its per-file table says where the time went). Run it on an idle machine:
+output (its per-file table says where the time went); ``--record`` writes the table into
+``docs/benchmarks.md``'s section on the suite (``--record PAGE``: another page). Run it on an
+idle machine:
 the times are the machine's, and say nothing of another.
 """
 
@@ -21,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -31,8 +35,9 @@ import time
 from pathlib import Path
 
 from fsdp_tp import compile_cache
+from fsdp_tp.bench.report import SUITE_END, SUITE_START
 
-__all__ = ["Run", "main", "run_suite"]
+__all__ = ["Run", "main", "record", "run_suite"]
 
 ROOT = Path(__file__).resolve().parents[1]
 LANES = (ROOT / ".venv" / "bin" / "python", ROOT / ".venv312" / "bin" / "python")
@@ -72,6 +77,41 @@ def run_suite(python: Path, cache: Path, pytest_args: list[str], log: Path | Non
     return Run(wall, outcome.group(1), int(table.group(5)), int(table.group(6)), done.returncode)
 
 
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)}:{seconds % 60:04.1f}"
+
+
+def record(page: Path, lanes: dict[str, dict[str, Run]]) -> None:
+    """``lanes`` (each lane's cold and warm run) written as the table between ``page``'s suite
+    markers (the section added at its end where it has none)."""
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    machine = f"{platform.machine()} {platform.system()}, {os.cpu_count()} cores"
+    rows = [
+        SUITE_START,
+        f"Measured {when} on {machine} by `python tests/suite_time.py --record`: each lane runs the "
+        f"README's test command twice over a new compilation cache, **cold** (a fresh machine) then "
+        f"**warm** (the same tree again: CI after a developer's run). Programs: compiled (misses), "
+        f"and read from the cache (hits; cold, those compiled earlier in the same run).",
+        "",
+        "| lane | cold | warm | warm ÷ cold | cold: compiled, read | warm: compiled, read | tests |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for lane, runs in lanes.items():
+        cold, warm = runs["cold"], runs["warm"]
+        rows.append(
+            f"| {lane} | {_minutes(cold.wall)} | {_minutes(warm.wall)} | {warm.wall / cold.wall:.2f} "
+            f"| {cold.misses:,}, {cold.hits:,} | {warm.misses:,}, {warm.hits:,} | {warm.outcome} |"
+        )
+    rows.append(SUITE_END)
+    table, text = "\n".join(rows), page.read_text()
+    if SUITE_START in text and SUITE_END in text:
+        head, rest = text.split(SUITE_START, 1)
+        text = head + table + rest.split(SUITE_END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n### The test suite\n\n" + table + "\n"
+    page.write_text(text)
+
+
 def _add_to(users: Path | None, cache: Path) -> None:
     """The entries of ``cache`` that ``users`` (the user's cache; ``None``: off) lacks, copied in."""
     if users is None:
@@ -100,14 +140,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lane", action="append", type=Path, help="a Python with the project installed")
     parser.add_argument("--log", type=Path, help="a directory for each run's output")
+    parser.add_argument(
+        "--record", nargs="?", type=Path, const=ROOT / "docs" / "benchmarks.md", help="the page to write"
+    )
     args = parser.parse_args(ours)
     lanes = args.lane or [p for p in LANES if p.exists()]
-    failed = False
+    failed, measured = False, {}
     print(f"{'lane':<45} {'run':<5} {'wall':>8} {'hits':>6} {'misses':>6}  tests")
     for python in lanes:
         label = _versions(python)
         with tempfile.TemporaryDirectory(prefix="fsdp_tp_suite_cache_") as cache:
-            runs = {}
+            runs = measured[label] = {}
             for kind in ("cold", "warm"):
                 log = args.log / f"{label.split(',')[0].replace(' ', '')}-{kind}.txt" if args.log else None
                 run = runs[kind] = run_suite(python, Path(cache), pytest_args, log)
@@ -119,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                 failed |= run.returncode != 0
             _add_to(compile_cache.cache_dir(), Path(cache))
         print(f"{label:<45} warm / cold = {runs['warm'].wall / runs['cold'].wall:.2f}", flush=True)
+    if args.record is not None:
+        record(args.record, measured)
     return 1 if failed else 0
 
 

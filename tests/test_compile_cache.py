@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_tp import compile_cache
+from fsdp_tp.bench.report import suite_section
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -156,10 +157,14 @@ def test_the_cache_is_trimmed_to_its_bound_least_recently_used_first(tmp_path):
 def test_the_suite_s_timing_script_runs_a_lane_cold_then_warm(tmp_path):
     """tests/suite_time.py, the one command every report of the suite's time comes from, as it
     is typed, on one test of this lane: the cold run compiles through a new cache, the warm one
-    reads from it every program the cold one asked for, both pass, and what they compiled is
-    added to the user's cache (here a directory of the test's)."""
+    reads from it every program the cold one asked for, both pass, what they compiled is added to
+    the user's cache (here a directory of the test's), and --record writes the lane's row into
+    the benchmarks page's section, which the bench carries over when it writes the page anew."""
+    page = tmp_path / "benchmarks.md"
+    page.write_text("# Benchmarks\n" + suite_section(None) + "\n### After\n")
     one_test = "tests/test_fsdp_units.py::test_gather_inverts_shard"
-    argv = [sys.executable, "tests/suite_time.py", "--lane", sys.executable, "--", one_test, "-n", "0", "-q"]
+    argv = [sys.executable, "tests/suite_time.py", "--lane", sys.executable, "--record", str(page)]
+    argv += ["--", one_test, "-n", "0", "-q"]
     users = tmp_path / "users_cache"
     env = {**os.environ, compile_cache.ENV: str(users)}
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -170,3 +175,8 @@ def test_the_suite_s_timing_script_runs_a_lane_cold_then_warm(tmp_path):
     assert cold_misses > 0 and warm_misses == 0 and warm_hits == cold_hits + cold_misses, done.stdout
     assert "warm / cold = " in done.stdout
     assert len(list(users.iterdir())) == cold_misses
+    written = page.read_text()
+    assert "Not measured yet" not in written and written.endswith("\n### After\n")
+    (row,) = [line for line in written.splitlines() if line.startswith(f"| Python {sys.version.split()[0]}")]
+    assert row.endswith(f"| {cold_misses:,}, {cold_hits:,} | 0, {warm_hits:,} | 1 passed |"), row
+    assert row in suite_section(written)  # (what the bench writes into the page anew)

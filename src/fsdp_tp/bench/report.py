@@ -7,10 +7,12 @@ from pathlib import Path
 
 from .figures import Figures, median
 
-__all__ = ["headline", "markdown", "replace_headline", "spread"]
+__all__ = ["SUITE_END", "SUITE_START", "headline", "markdown", "replace_headline", "spread", "suite_section"]
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
 START, END = "<!-- bench:headline:start -->", "<!-- bench:headline:end -->"
+# The test suite's times: written by tests/suite_time.py --record, carried over by the bench.
+SUITE_START, SUITE_END = "<!-- suite:start -->", "<!-- suite:end -->"
 
 
 def _mb(n: float) -> str:
@@ -135,3 +137,17 @@ def _build_section(build_times: dict[int, tuple[float, float, float]]) -> list[s
     for layers, (library, plain, ratio) in sorted(build_times.items()):
         lines.append(f"| {layers} | {library:.2f} | {plain:.2f} | {ratio:.2f} | {library / base:.2f} |")
     return lines
+
+
+def suite_section(previous: str | None) -> str:
+    """The page's section on the test suite's time: its table as ``tests/suite_time.py --record``
+    last wrote it into ``previous`` (the page before this run), which the bench does not measure.
+
+    >>> print(suite_section(None).splitlines()[-2])
+    Not measured yet: run `python tests/suite_time.py --record`.
+    """
+    found = re.search(re.escape(SUITE_START) + r".*?" + re.escape(SUITE_END), previous or "", re.S)
+    block = found.group(0) if found else (
+        f"{SUITE_START}\nNot measured yet: run `python tests/suite_time.py --record`.\n{SUITE_END}"
+    )
+    return "\n### The test suite\n\n" + block + "\n"

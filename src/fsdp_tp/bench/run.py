@@ -30,7 +30,7 @@ from .precision_rows import (
     training_section,
     wire,
 )
-from .report import headline, markdown, replace_headline, spread
+from .report import headline, markdown, replace_headline, spread, suite_section
 from .variants import IMPLEMENTATIONS, STRATEGIES, Strategy, Variant, build_variant
 from .workloads import WORKLOADS, bench_layout, gpt
 
@@ -179,7 +179,9 @@ def run_benchmarks(
     text += _overhead_section(overhead) + optimizer_section(costs) + nnx_section(nnx) + llama_section(llama)
     text += auto_section(found) + precision_section(wires, wire_times) + training_section(losses, _STEPS)
     text += moe_section(moe) + context_section(context)
-    (out_dir / "benchmarks.md").write_text(text)
+    page = out_dir / "benchmarks.md"
+    text += suite_section(page.read_text() if page.exists() else None)
+    page.write_text(text)
     if readme is not None and "gpt" in results:
         replace_headline(readme, headline(results, times))
     print(f"wrote {out_dir / 'benchmarks.md'}" + "".join(f", {p}" for p in paths), file=out)
