@@ -94,21 +94,22 @@ _CACHE_EVENTS = {
     "/jax/compilation_cache/cache_hits": 3,
     "/jax/compilation_cache/compile_requests_use_cache": 4,
 }
-_JAX_SECONDS = [0.0] * 5  # this process's, since its last test report: trace, lower, compile, hits, asked
+# this process's, since its last test report: seconds tracing, lowering, compiling; hits, asked
+_JAX_SINCE_REPORT = [0.0] * 5
 _FILE_SECONDS: dict[str, list[float]] = {}  # file: [seconds, trace, lower, compile, hits, asked]
 
 
-def _count_jax_seconds(event: str, duration: float, **_) -> None:
+def _count_jax_durations(event: str, duration: float, **_) -> None:
     if (column := _JAX_EVENTS.get(event)) is not None:
-        _JAX_SECONDS[column] += duration
+        _JAX_SINCE_REPORT[column] += duration
 
 
 def _count_cache_events(event: str, **_) -> None:
     if (column := _CACHE_EVENTS.get(event)) is not None:
-        _JAX_SECONDS[column] += 1
+        _JAX_SINCE_REPORT[column] += 1
 
 
-jax.monitoring.register_event_duration_secs_listener(_count_jax_seconds)
+jax.monitoring.register_event_duration_secs_listener(_count_jax_durations)
 jax.monitoring.register_event_listener(_count_cache_events)
 
 
@@ -117,15 +118,15 @@ def pytest_runtest_makereport(item, call):
     # Made where the test ran (an xdist worker), then sent to the controller with its
     # user_properties: each phase's report carries the JAX seconds since the last one.
     report = (yield).get_result()
-    report.user_properties.append(("jax_seconds", tuple(_JAX_SECONDS)))
-    _JAX_SECONDS[:] = [0.0] * len(_JAX_SECONDS)
+    report.user_properties.append(("jax_seconds", tuple(_JAX_SINCE_REPORT)))
+    _JAX_SINCE_REPORT[:] = [0.0] * len(_JAX_SINCE_REPORT)
 
 
 def pytest_runtest_logreport(report):
     file = report.nodeid.split("::", 1)[0]
     file = "src/ (the doctests)" if file.startswith("src/") else file
-    jax_seconds = dict(report.user_properties).get("jax_seconds", (0.0,) * len(_JAX_SECONDS))
-    row = _FILE_SECONDS.setdefault(file, [0.0] * (1 + len(_JAX_SECONDS)))
+    jax_seconds = dict(report.user_properties).get("jax_seconds", (0.0,) * len(_JAX_SINCE_REPORT))
+    row = _FILE_SECONDS.setdefault(file, [0.0] * (1 + len(_JAX_SINCE_REPORT)))
     for i, seconds in enumerate((report.duration, *jax_seconds)):
         row[i] += seconds
 
