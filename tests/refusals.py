@@ -77,6 +77,10 @@ _CODE = (
     "which no test can derive from the message; the test beside it shows the written fix accepted"
 )
 BY_HAND: dict[str, str] = {
+    # (issue 99: the model normalizes each shard by its own statistics on purpose, to read the
+    # step's model state; the fix, BatchNorm(axis_name=...), is applied in test_model_state.py)
+    "test_nnx.py::test_a_step_updates_batch_statistics_and_rng_counts_as_the_twin": _SABOTAGED,
+    "test_moe.py::test_negative_control_a_load_balancing_loss_not_the_global_batchs_is_caught": _SABOTAGED,
     "test_agreeing_layouts.py::test_negative_control_the_old_suggestion_is_refused_in_turn": _SABOTAGED,
     "test_auto_tp.py::test_negative_control_a_finder_blind_to_a_norms_mean": _SABOTAGED,
     "test_dropout.py::"

@@ -40,6 +40,7 @@ CORE = (
     "_check.plain",
     "_check.refusals",
     "_check.round_trips",
+    "_check.step",
     "_context",
     "_init_watch",
     "_layout",

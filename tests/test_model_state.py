@@ -18,10 +18,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import fsdp_tp
+from fsdp_tp._check.driver import switched_off
 from fsdp_tp.checkpoint import Checkpoints
+from fsdp_tp.errors import RuleError
 from fsdp_tp.gradients import batch_mean
 from tests.equivalence import ADAM_EPS, assert_trees_close
 from tests.plain_models import PlainResNet
+from tests.refusals import named_fix
 
 BATCH, SIDE, STEPS = 16, 6, 3
 
@@ -125,14 +128,27 @@ def test_batchnorm_model_trains_like_the_unsharded_run(mesh_axes, batch_axes, ch
 
 def test_negative_control_per_device_statistics_differ_from_the_global_batch():
     """A BatchNorm that normalises by its own shard's statistics (no axis_name), its running
-    averages then averaged by batch_mean, is not the unsharded model: the check must see it."""
+    averages then averaged by batch_mean, is not the unsharded model: the whole step's check
+    refuses it before the first step, at the BatchNorm's line (its variance reads each device's
+    share of the batch's mean, issue 99); the check off, the harness sees it."""
     tx = optax.sgd(0.1)
     _, state, _, step = _sharded(
         {"data": 2, "fsdp": 4}, ("data", "fsdp"), True, tx, "fsdp", per_device_stats=True
     )
-    _, loss = step(state, next(_batches()))
+    with pytest.raises(
+        RuleError, match=r"plain_models.py:\d+ \(PlainResNet.__call__\).*reads the partial sums"
+    ) as refused:
+        step(state, next(_batches()))
+    with switched_off():
+        _, loss = step(state, next(_batches()))
     _, twin_losses = _twin_run(tx)
     assert not np.allclose(loss, twin_losses[0], rtol=1e-5, atol=1e-6)
+    # The fix it names, the model's BatchNorm(axis_name=batch_axes): the unsharded model's steps
+    # (test_batchnorm_model_trains_like_the_unsharded_run, over these axes)
+    named_fix(refused, "BatchNorm(axis_name=('data', 'fsdp'))")
+    _, state, _, step = _sharded({"data": 2, "fsdp": 4}, ("data", "fsdp"), True, tx, "fsdp")
+    _, loss = step(state, next(_batches()))
+    np.testing.assert_allclose(loss, twin_losses[0], rtol=1e-5, atol=1e-6)
 
 
 def _per_data_shard():

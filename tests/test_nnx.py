@@ -160,11 +160,19 @@ def _norm_drop_step(check_vma: bool):
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_a_step_updates_batch_statistics_and_rng_counts_as_the_twin(check_vma):
     """BatchNorm's running mean after one step is the twin's (each device's statistics of its
-    batch shard, averaged: the global batch's), and the dropout stream advanced by one draw."""
+    batch shard, averaged: the global batch's), and the dropout stream advanced by one draw.
+    The model normalizes each shard by its own statistics (no ``axis_name``), another function
+    than the unsharded model's: the whole step's check refuses it at the norm's line (issue 99);
+    off, the step's model state is what this test reads."""
     x = jax.random.normal(jax.random.key(1), (16, 4))
     state, step = _norm_drop_step(check_vma)
     assert jax.tree.leaves(state.model_state["BatchStat"])  # mean and var, as the model holds them
-    state, _ = step(state, x)
+    with pytest.raises(
+        RuleError, match=r"nnx_models.py:\d+ \(NormDropNet.__call__\).*reads the partial sums"
+    ):
+        step(state, x)
+    with switched_off():
+        state, _ = step(state, x)
 
     twin = NormDropNet(4, 8, 4, nnx.Rngs(0))
     twin(x)  # one training call: its statistics move as the sharded step's did

@@ -37,6 +37,7 @@ __all__ = [
     "SequenceSplit",
     "checked_here",
     "document_positions",
+    "next_token_targets",
     "sequence_split",
     "split_here",
 ]
@@ -60,6 +61,39 @@ def document_positions(segment_ids: jax.Array) -> jax.Array:
     )
     first = jax.lax.cummax(jnp.where(starts, index, 0), axis=segment_ids.ndim - 1)
     return jnp.where(segment_ids == 0, 0, index - first)
+
+
+def next_token_targets(
+    tokens: jax.Array, segment_ids: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Each token's next token as its target, and the target's weight (float32): 0 for the
+    last token, a padding token (segment id 0) and the last token of a document (its next is
+    another document's), else 1. Computed on the whole batch before a step lays it out, and
+    passed as batch leaves split like the tokens: a shift inside the step (``jnp.roll``,
+    ``logits[:, :-1]``) pairs tokens across a device's chunks when the sequence is split.
+
+    >>> targets, weights = next_token_targets(jnp.array([5, 6, 7, 8, 9, 0]), jnp.array([1, 1, 1, 2, 2, 0]))
+    >>> targets.tolist(), weights.tolist()
+    ([6, 7, 8, 9, 0, 0], [1.0, 1.0, 0.0, 1.0, 0.0, 0.0])
+
+    With them the loss is the token-weighted mean of the whole batch under every split:
+    ``global_mean_loss((ce * weights).sum(), weights.sum(), axes)`` in the step.
+    """
+    tokens = jnp.asarray(tokens)
+    targets = jnp.concatenate([tokens[..., 1:], jnp.zeros_like(tokens[..., :1])], -1)
+    last = jnp.arange(tokens.shape[-1]) < tokens.shape[-1] - 1
+    keep = jnp.broadcast_to(last, tokens.shape)
+    if segment_ids is not None:
+        segment_ids = jnp.asarray(segment_ids)
+        if segment_ids.shape != tokens.shape or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+            raise ValueError(
+                f"next_token_targets: segment_ids must be integers of the tokens' shape "
+                f"{tuple(tokens.shape)}, got {segment_ids.dtype} {tuple(segment_ids.shape)}; pass one id a "
+                f"token (0 for padding), as fsdp_tp.context.document_positions takes them."
+            )
+        following = jnp.concatenate([segment_ids[..., 1:], jnp.zeros_like(segment_ids[..., :1])], -1)
+        keep = keep & (segment_ids != 0) & (following == segment_ids)
+    return targets, keep.astype(jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,6 +63,32 @@ def resolved_implementation(implementation: str, dtype) -> Literal["reference", 
     return "cudnn" if jax.default_backend() == "gpu" and sixteen_bit else "xla"
 
 
+def _require_fitting(q, k, v, segment_ids) -> None:
+    """q, k, v and the segment ids that fit, or one line naming the argument and the fix (they
+    ended in an einsum's label error or a broadcast deep in the attention, sharded or not)."""
+    if q.ndim < 3 or k.shape != v.shape or k.ndim != q.ndim:
+        raise ValueError(
+            f"attend: q {q.shape}, k {k.shape}, v {v.shape}; pass q (..., tokens, heads, dim) and k, v "
+            f"(..., tokens, kv_heads, dim) of one shape."
+        )
+    heads, groups = q.shape[-2], k.shape[-2]
+    if heads % groups or q.shape[:-3] != k.shape[:-3] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"attend: q {q.shape} and k, v {k.shape} do not fit: the same leading dims and head dim, and "
+            f"kv heads that divide the {heads} query heads (grouped-query attention: {heads} // kv_heads "
+            f"queries a kv head); {groups} does not" + (" divide them." if heads % groups else " differ.")
+        )
+    if segment_ids is None:
+        return
+    want = q.shape[:-2]
+    if tuple(segment_ids.shape) != tuple(want) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise ValueError(
+            f"attend: segment_ids {segment_ids.dtype} {tuple(segment_ids.shape)}; pass one integer "
+            f"document id per token, {tuple(want)} (q's dims but its heads and head dim; 0 is padding), e.g. "
+            f"segments.astype(jnp.int32) of shape (batch, tokens)."
+        )
+
+
 def attend(q, k, v, causal: bool = True, implementation: str = "reference", *, segment_ids=None) -> jax.Array:
     """Softmax attention of q ``(..., S, H, D)`` over k, v ``(..., S, G, D)`` (H a multiple of
     G: grouped-query attention); the softmax is in f32 at least whichever ``implementation``
@@ -82,6 +108,7 @@ def attend(q, k, v, causal: bool = True, implementation: str = "reference", *, s
     >>> a.shape, bool(jnp.allclose(a, b, atol=1e-6))
     ((2, 6, 4, 8), True)
     """
+    _require_fitting(q, k, v, segment_ids)
     chosen = resolved_implementation(implementation, q.dtype)
     if (split := split_here()) is not None:
         return across(split, q, k, v, segment_ids, causal=causal)

@@ -18,6 +18,7 @@ declared this one's attributes is merged back (issue 83).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Collection, Mapping
 
@@ -38,10 +39,26 @@ from .refusals import (
     mixing_fix,
     names_text,
     reshape_fix,
+    step_mixing_fix,
+    step_partial_fix,
     values_text,
 )
 
 __all__ = ["Blocks"]
+
+
+def _axes_of(node: Node) -> tuple:
+    """The mesh axes a collective runs over (``psum``'s ``axes``, the others' ``axis_name``)."""
+    axes = node.params.get("axes", node.params.get("axis_name", ()))
+    return axes if isinstance(axes, tuple) else (axes,)
+
+
+def _backward(node: Node) -> bool:
+    """Whether ``node`` is of a backward pass (JAX's transpose of the forward's, its name stack
+    marked so, or a call's it is inlined from): a step's backward computes what its forward
+    reads, by the transposes of the same operations, checked as the forward's."""
+    stacks = [str(getattr(source, "name_stack", "")) for source in (node.source, *node.callers)]
+    return any("transpose(" in stack for stack in stacks)
 
 
 class Blocks:
@@ -63,8 +80,10 @@ class Blocks:
         whole: str = RULE_DROPPED,
         split_by: Collection[str] = (),
         sequence: str | None = None,
+        step: bool = False,
     ):
         self.sequence = sequence  # (the axis a step splits the sequence over, if it does)
+        self.step = step  # (the whole step read against it on the whole batch: _check.step)
         self.local, self.reference, self.where, self.named, self.whole = local, reference, where, named, whole
         self.split_by = split_by
         self.sizes = dict(sizes)
@@ -89,6 +108,8 @@ class Blocks:
             self.undecided["every operation (none of the device's pairs with the unsharded model's)"] = None
         for index, node in enumerate(self.local.nodes):
             if not node.outs:  # (a callback, a print: it computes nothing the model reads)
+                continue
+            if self.step and _backward(node):  # (the forward's mirror: checked as it)
                 continue
             if node.prim != "all_to_all":
                 self.rowwise(node, self.reference.nodes[self.pairs[index]] if index in self.pairs else None)
@@ -124,7 +145,9 @@ class Blocks:
         """Whether ``node`` cuts values every device holds whole (not literals, the model's
         inputs, what the library made or a known block)."""
         ins = [v for v in node.ins if v is not None]
-        split = lambda v: v in self.library or v in self.local.inputs or max(self.known.get(v, (1,))) > 1
+        split = lambda v: (
+            v in self.library or v in self.local.inputs or max(self.known.get(v, (1,)), default=1) > 1
+        )
         return bool(ins) and not any(split(v) for v in ins)
 
     def touched(self, node: Node) -> bool:
@@ -137,9 +160,10 @@ class Blocks:
             self.sent(node)
         if node.prim in ("pvary", "pcast") and node.ins[0] in self.alike:  # (a retype: the same numbers)
             self.alike[node.outs[0]] = self.alike[node.ins[0]]
-        if node.prim in SUMS:
+        across = node.prim in COLLECTIVES and not (self.step and not self.over_split(node))
+        if node.prim in SUMS and across:
             self.summed_blocks(node)
-        if node.prim in COLLECTIVES:
+        if across:
             return
         sums = [self.partial[v] for v in node.ins if v in self.partial]
         origin = next((self.origin[v] for v in node.ins if v in self.origin), None)
@@ -151,6 +175,11 @@ class Blocks:
             if origin is not None:
                 self.origin[out] = origin
 
+    def over_split(self, node: Node) -> bool:
+        """Whether collective ``node`` runs over an axis of the split read (a step's batch axes;
+        a tensor role's ``psum`` in a step is the model's, over its own)."""
+        return any(a in self.sizes for a in _axes_of(node))
+
     def summed_blocks(self, node: Node) -> None:
         """A role's sum over the axis of what each device holds a block of, no partial sum
         (nothing contracted the split dim: a module of raw kernels ending on a column, given a
@@ -160,7 +189,7 @@ class Blocks:
                 v is not None
                 and v not in self.partial
                 and v in self.origin
-                and max(self.known.get(v, (1,))) > 1
+                and max(self.known.get(v, (1,)), default=1) > 1
             ):
                 held = shape_text(self.local.shapes[v])
                 why = (
@@ -212,23 +241,31 @@ class Blocks:
         """What a device holds of each dim of ``value``: 1 (all of it, or other devices' rows)
         or n (a block, an n-th)."""
         rows = self.rows.get(value, frozenset())
-        held = tuple(b if d in rows else a for d, (a, b) in enumerate(zip(held, whole, strict=True)))
+        # (an empty dim holds nothing to split: read as whole)
+        held = tuple(
+            b if d in rows or a == 0 else a for d, (a, b) in enumerate(zip(held, whole, strict=True))
+        )
         for d, (a, b) in enumerate(zip(held, whole, strict=True)):
-            if a > b or b % a or self.total % (b // a):
+            if a and (a > b or b % a or self.total % (b // a)):
                 self.refuse(
                     node,
                     ref,
                     self.origin.get(value, scope_of(node)),
-                    f"each device computes on dim {d} of size {a} where the unsharded model has {b}, "
+                    f"each device computes on dim {d} of size {a} where the {self._whole} has {b}, "
                     f"not a block of it over {axes_text(self.sizes)}",
-                    "split and gather alike in a column layer and its row layer (the same sequence_dim, "
+                    step_mixing_fix(self.sequence)
+                    if self.step
+                    else "split and gather alike in a column layer and its row layer (the same sequence_dim, "
                     "or none), and feed the model whole inputs or its sequence slices",
                 )
-        return tuple(b // a for a, b in zip(held, whole, strict=True))
+        return tuple(b // a if a else 1 for a, b in zip(held, whole, strict=True))
 
     def rule(self, node: Node, ref: Node | None, factors: dict[int, tuple[int, ...]]) -> None:
         """One operation's checks, given what a device holds of its values (``factors``)."""
         sums = [v for v in node.ins if v in self.partial]
+        if self.step and node.prim in SUMS and sums and self.over_split(node):  # (the step's own psum)
+            self.collected(node, self.partial[sums[0]])
+            return
         split = [(v, d) for v, f in factors.items() for d, n in enumerate(f) if n > 1]
         if not split and not sums:
             self.carried(node)
@@ -238,15 +275,40 @@ class Blocks:
             if ref is None or sums or any(n > 1 for n in factors.get(out, ())):
                 self.origin[out] = origin
         made = self.mixed(node, ref, factors, split, origin)
-        if sums and not linear(node, sums):
+        # (a step's whole term added to its share, an auxiliary loss: its pmean adds it once)
+        offset = self.step and node.prim in ("add", "sub", "add_any")
+        if sums and not linear(node, sums) and not offset:
             self.refuse_partial(node, ref, self.partial[sums[0]])
         if sums or made:
             module = scope_of(node) if self.named(scope_of(node))[0] else origin  # (the row layer's)
             contracted = node.prim in ("dot_general", "conv_general_dilated")
-            made_here = PartialSum(made or "", str(user_site(source_of(node))), module, contracted)
+            over = (
+                max(  # (one operand's summed dims: a contraction sums the other's alike)
+                    math.prod(factors[v][d] for u, d in split if u == v and sums_over(node, v, d))
+                    for v, _ in split
+                )
+                if made
+                else 1
+            )
+            made_here = PartialSum(made or "", str(user_site(source_of(node))), module, contracted, over)
             record = self.partial[sums[0]] if sums else made_here
+            if sums and made:  # (summed again over split dims: a share of a share)
+                record = dataclasses.replace(record, over=record.over * over)
             for out in node.outs:
                 self.partial[out] = record
+
+    def collected(self, node: Node, made: PartialSum) -> None:
+        """The step's own sum over mesh axes (a ``psum``, a ``pmean``'s): the partial sums it
+        reads are whole after it where its axes hold every share (``made.over`` of them), else
+        still a share of the sum (a ``pmean`` over ``data`` of what is split over ``data`` and
+        ``context`` too)."""
+        axes = _axes_of(node)
+        summed = math.prod(self.sizes.get(a, 1) for a in axes if isinstance(a, str))
+        if summed >= made.over:
+            return
+        left = dataclasses.replace(made, over=made.over // summed, missed=(*made.missed, *map(str, axes)))
+        for out in node.outs:
+            self.partial[out] = left
 
     def mixed(self, node: Node, ref: Node | None, factors: dict, split: list, origin: str) -> str | None:
         """Refuses an operation that computes across a block; returns what it sums, if it
@@ -269,7 +331,8 @@ class Blocks:
                 features = d == len(self.local.shapes[v]) - 1
                 # (the step's sequence split: the only split, or a dim other than the features)
                 by_sequence = self.sequence is not None and (not features or len(self.sizes) == 1)
-                self.refuse(node, ref, origin, why, mixing_fix(node.prim, features), by_sequence)
+                fix = step_mixing_fix(self.sequence) if self.step else mixing_fix(node.prim, features)
+                self.refuse(node, ref, origin, why, fix, by_sequence)
         for group in node.same:  # (a dim of 1 on both sides is broadcast: no block)
             found = {factors[v][d] for v, d in group if v in factors and self._size(v, d, factors) > 1}
             if len(found) > 1:
@@ -302,6 +365,8 @@ class Blocks:
             split = {d for d, (a, b) in enumerate(zip(held, whole, strict=False)) if a != b}
             if value in self.partial or not split <= {d % max(len(held), 1) for d in split_outputs}:
                 what = "partial sums" if value in self.partial else f"split on dim {min(split)}"
+                if self.step:
+                    self.refuse_step_output(value, what, held, whole)
                 module, role = self.named(self.origin.get(value, ""))
                 by = f" (by {role} on {module})" if module else ""
                 err = RuleError(
@@ -310,6 +375,20 @@ class Blocks:
                     f"the last ColumnParallel gather_output=True."
                 )
                 raise blaming(err, module, f"the plan check: the model's output would leave {what}")
+
+    def refuse_step_output(self, value: int, what: str, held: tuple, whole: tuple) -> None:
+        """A step's result (a gradient, a metric) that is one device's share of a sum, or its
+        block of a value split another way than the batch."""
+        made = self.partial.get(value)
+        where = f" of {made.what} at {made.site}" if made else ""
+        summed = f", summed over {names_text(list(made.missed))} only" if made and made.missed else ""
+        axes = tuple(self.sizes)
+        raise RuleError(
+            f"{self.where}: the step returns {what}{where}{summed}: {shape_text(held)} on each device, "
+            f"{shape_text(whole)} on the whole batch, which is split over {axes_text(self.sizes)}. Fix: "
+            f"pmean (or psum) it over every axis the batch is split over: jax.lax.pmean(x, {axes!r}) "
+            f"(sync_gradients(grads, {axes!r}) for the gradients)."
+        )
 
     def refuse_reshape(self, node: Node, ref: Node, origin: str, major: int) -> None:
         full, held = self.reference.shapes[ref.outs[0]], self.local.shapes[node.outs[0]]
@@ -327,6 +406,10 @@ class Blocks:
         if node.prim in ("add", "sub", "add_any") and made.contracted:
             why = f"{node.prim} adds a value whole on every device to {partial}, counted {self.total} times"
             fix = "add it after the sum (RowParallel adds a module's bias once, after its sum)"
+        elif self.step:
+            summed = f" (summed over {names_text(list(made.missed))} only)" if made.missed else ""
+            why = f"{node.prim} reads {partial}{summed} before they are summed over {axes_text(self.sizes)}"
+            fix = step_partial_fix(node.prim, tuple(self.sizes))
         else:
             why = f"{node.prim} reads {partial} before anything sums them over {axes_text(self.sizes)}"
             fix = "a mean, norm or softmax of split features must see them all: compute it after the sum"
@@ -358,6 +441,14 @@ class Blocks:
         whole = self.whole.replace("its tp rule", "their tp rules")
         return f"leave {module} whole together with {names_text(others)}, the layers split with it ({whole})"
 
+    @property
+    def _what(self) -> str:
+        return "step" if self.step else "model"
+
+    @property
+    def _whole(self) -> str:
+        return "step on the whole batch" if self.step else "unsharded model"
+
     def refuse(
         self, node: Node, ref: Node | None, origin: str, why: str, fix: str, by_sequence=False
     ) -> None:
@@ -373,12 +464,14 @@ class Blocks:
         verb = "split" if role.startswith("the ") else "splits"  # ("the tp rules", "the Megatron layers")
         splits = f"{role} on {module or 'the model'} {verb}"
         # (the step's split: the only one, or a dim no role's module splits, past the features)
-        if self.sequence is not None and (by_sequence or len(self.sizes) == 1 or role.startswith("the ")):
+        if self.step:  # (no module to leave whole: the step's own code, over the batch's axes)
+            splits, module, drop = f"the batch split over {axes_text(self.sizes)} reaches", "", ""
+        elif self.sequence is not None and (by_sequence or len(self.sizes) == 1 or role.startswith("the ")):
             splits, module, drop = f"the sequence split over {self.sequence!r} reaches", "", ""
             fix = SEQUENCE_SPLIT  # (not a rule's: nothing to leave whole)
         err = RuleError(
-            f"{self.where}: {splits} what the model's code at {at} "
-            f"does not keep apart: {node.prim} ({shapes}): {why}; the sharded model would compute "
+            f"{self.where}: {splits} what the {self._what}'s code at {at} "
+            f"does not keep apart: {node.prim} ({shapes}): {why}; the sharded {self._what} would compute "
             f"another function. Fix: {fix}{drop}."
         )
         raise blaming(err, module, f"the plan check: {node.prim} at {at}: {why}")

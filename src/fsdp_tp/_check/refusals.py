@@ -26,6 +26,8 @@ __all__ = [
     "mixing_fix",
     "names_text",
     "reshape_fix",
+    "step_mixing_fix",
+    "step_partial_fix",
     "values_text",
 ]
 
@@ -48,6 +50,8 @@ class PartialSum:
     site: str
     module: str
     contracted: bool  # a matmul's (a row layer's products), not a reduction's (a mean, a norm)
+    over: int = 0  # how many devices' shares it is one of (the step's check: _check.step)
+    missed: tuple[str, ...] = ()  # the axes a step's psum summed it over, too few
 
 
 def reshape_fix(full: tuple[int, ...], held: tuple[int, ...], major: int) -> str:
@@ -110,6 +114,30 @@ def mixing_fix(prim: str, features: bool = True) -> str:
     if prim in ("slice", "split", "dynamic_slice", "concatenate", "pad", "gather"):
         return "give each part its own layer (q, k and v apart) and rule, so each device splits each part"
     return "compute it where that dim is whole (after the row layer's sum)"
+
+
+def step_mixing_fix(sequence: str | None) -> str:
+    """The fix for a step's own code computing across the tokens or rows the batch split gives
+    each device: a next-token shift with the batch (before the layout), a reduction by sums."""
+    shift = (
+        "shift the targets with the batch, on the whole sequence before the step lays it out: "
+        "targets, weights = fsdp_tp.context.next_token_targets(tokens, segment_ids), passed as batch leaves "
+        "split like the tokens (no slice, roll or pad of a per-token leaf in the step)"
+    )
+    reduce = "reduce over the batch's tokens and rows only by sums, summed over its axes after"
+    return f"{shift}; {reduce}" if sequence is not None else f"{reduce}; {shift}"
+
+
+def step_partial_fix(prim: str, axes: tuple[str, ...]) -> str:
+    """The fix for a step's per-device share of a sum read by a non-linear op: a ratio of
+    per-device sums (a token-weighted mean a device, then averaged), batch statistics of a
+    device's rows (a norm without ``axis_name``)."""
+    return (
+        f"complete the sum over every device before the {prim}: psum it (pmean for a mean) over "
+        f"{axes!r}; a token-weighted loss: fsdp_tp.gradients.global_mean_loss(local_sum, local_count, "
+        f"{axes!r}) (a per-device loss whose pmean is the whole batch's weighted mean); batch "
+        f"statistics: BatchNorm(axis_name={axes!r})"
+    )
 
 
 def values_text(graph: Graph, values) -> str:

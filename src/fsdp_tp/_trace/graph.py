@@ -155,7 +155,7 @@ class Graph:
             scope[var] = self._new(var.aval.shape)
             kind = "carry" if i < consts + carry else "scan_slice"
             self._add(Node(kind, [ins[i]], [scope[var]], {}))
-        self._inline(body, scope, callers)
+        self._inline(body, scope, (eqn.source_info, *callers))  # (the scan's: a backward's, say)
         for j, (outer, var) in enumerate(zip(eqn.outvars, body.outvars, strict=True)):
             env[outer] = self._new(outer.aval.shape)
             self._add(Node("carry" if j < carry else "scan_stack", [self._id(scope, var)], [env[outer]], {}))

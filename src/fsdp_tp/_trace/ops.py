@@ -74,7 +74,7 @@ def linear(node: Node, sums: list[int]) -> bool:
     may be summed over the axis after it: scaled, moved, cast, contracted with a whole value."""
     if node.prim in LINEAR:
         return True
-    if node.prim in ("add", "sub", "add_any", "concatenate"):
+    if node.prim in ("add", "sub", "add_any", "concatenate", "stack"):
         return len(sums) == len(node.ins)  # (a whole term, a literal, would be added n times)
     if node.prim in ("mul", "dot_general"):
         return len(sums) == 1

@@ -216,8 +216,8 @@ def _dot(node: Node, ins: list, outs: list) -> None:
 
 def _conv(node: Node, ins: list, outs: list) -> None:
     """A convolution as a matmul over its feature dims: the input's features contracted with
-    the kernel's input features, the kernel's output features the result's; the spatial and
-    batch dims mixed (windows, and a kernel's gradient summed over them)."""
+    the kernel's input features, the kernel's output features the result's, each example the
+    result's; the spatial dims mixed (windows)."""
     ((x, xs), (k, ks)), (out, os) = ins, outs[0]
     lhs, rhs, res = node.params["dimension_numbers"]
     node.mixes |= {
@@ -228,6 +228,10 @@ def _conv(node: Node, ins: list, outs: list) -> None:
     if node.params.get("feature_group_count", 1) == 1 and node.params.get("batch_group_count", 1) == 1:
         del node.mixes[(k, rhs[0])], node.mixes[(out, res[1])]
         node.same.append([(k, rhs[0]), (out, res[1])])
+        # Each example convolved alone (a batch split keeps it); a kernel's gradient is another
+        # convolution, whose examples are its contracted features.
+        del node.mixes[(x, lhs[0])], node.mixes[(out, res[0])]
+        node.same.append([(x, lhs[0]), (out, res[0])])
         node.mixes[(x, lhs[1])] = f"conv_general_dilated contracts dim {lhs[1]} of {shape_text(xs)}"
         node.mixes[(k, rhs[1])] = f"conv_general_dilated contracts dim {rhs[1]} of {shape_text(ks)}"
     node.params["contracted"] = ((x, lhs[1]), (k, rhs[1]))
@@ -250,9 +254,16 @@ def _gather(node: Node, ins: list, outs: list) -> None:
             node.same.append([(table, d), (out, o)])
     # Each id looks its row up alone: the ids' dims (but the last, the index vector) are the
     # result's batch dims, one for one (a sequence split keeps a lookup token by token).
+    # A dim of the table batched with one of the ids (``jnp.take_along_axis``: each row, each
+    # token its own lookup) is that batch dim too.
     if len(ins) > 1 and (ids := ins[1])[0] is not None:
         batch = [o for o in range(len(outs[0][1])) if o not in dn.offset_dims]
+        batched = dict(zip(dn.start_indices_batching_dims, dn.operand_batching_dims, strict=True))
         if len(batch) == len(ids[1]) - 1:
             for d, o in zip(range(len(ids[1]) - 1), batch, strict=True):
                 node.mixes.pop((ids[0], d), None), node.mixes.pop((out, o), None)
-                node.same.append([(ids[0], d), (out, o)])
+                group = [(ids[0], d), (out, o)]
+                if d in batched:
+                    node.mixes.pop((table, batched[d]), None)
+                    group.append((table, batched[d]))
+                node.same.append(group)

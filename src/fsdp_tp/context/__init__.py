@@ -11,7 +11,7 @@ lays its batch out so (:mod:`fsdp_tp.train._sequence_layout`) and computes the l
 attention across the axis (:mod:`._across`).
 """
 
-from .._sequence_split import STRATEGIES, SequenceSplit, document_positions
+from .._sequence_split import STRATEGIES, SequenceSplit, document_positions, next_token_targets
 from ._all_to_all import all_to_all_attention, all_to_all_bytes, attention, ring_or_all_to_all
 from ._dropout import AttentionDropout
 from ._ring import ring_attention, ring_bytes
@@ -26,6 +26,7 @@ __all__ = [
     "attention",
     "blocks_run",
     "document_positions",
+    "next_token_targets",
     "ring_attention",
     "ring_bytes",
     "ring_or_all_to_all",

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from .._axes import CONTEXT, checks_vma, require_axes, varying_axes
+from .._context import STEP
 from .._layout import require_divisible
 from .._sequence_split import SequenceSplit
 from . import _blocks
@@ -144,6 +145,13 @@ def require_shapes(q, k, v, segment_ids, split: SequenceSplit) -> None:
             f"and head dim, and kv heads that divide the {heads} query heads."
         )
     by, fix = "the chunks a balanced split gives a device", "pass balanced=False"
+    if STEP.get().sequence is not None:  # (the step laid the tokens out whole: the step's code cut them)
+        fix = (
+            "the step lays each device's tokens out in whole chunks, so the step's code cut them "
+            "(tokens[:, :-1]): call the model on the batch's tokens and shift the targets with the "
+            "batch, before the step lays it out: targets, weights = "
+            "fsdp_tp.context.next_token_targets(tokens, segment_ids)"
+        )
     require_divisible("ring_attention", "a device's tokens", length, by, split.parts, fix)
     if segment_ids is not None and segment_ids.shape != (b, length):
         raise ValueError(

@@ -8,10 +8,12 @@ one it was built from (docs/design.md invariants 1-5).
   you built (the suite's own equivalence tests run it).
 - :func:`assert_trees_close`: the comparison, leaf by leaf, with its message.
 - :class:`Reference`: the unsharded run computed once, read by every check of the same twin.
+- :class:`Inputs`: the inputs of a model that takes several (``model(tokens, positions)``).
 - :func:`meshes`: a hypothesis strategy of the meshes the devices can form.
 - :class:`NNXSharded`, :class:`NNXTwin`: an NNX model as the check calls one.
 """
 
+from ._arguments import Inputs as Inputs
 from ._compare import ATOL as ATOL
 from ._compare import RTOL as RTOL
 from ._compare import assert_trees_close as assert_trees_close
@@ -30,6 +32,7 @@ __all__ = [
     "OPTIMIZERS",
     "RTOL",
     "Comparison",
+    "Inputs",
     "NNXSharded",
     "NNXTwin",
     "Reference",

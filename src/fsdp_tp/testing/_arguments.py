@@ -1,6 +1,7 @@
 """:func:`~fsdp_tp.testing.check_sharded`'s arguments checked before anything is built: each
 mistake one line naming the argument, what was given and what works (it ended in a raw
-``IndexError``, ``KeyError`` or ``'...' object is not callable`` deep in the harness).
+``IndexError``, ``KeyError`` or ``'...' object is not callable`` deep in the harness); and the
+inputs of a model that takes several (:class:`Inputs`).
 
 >>> import optax
 >>> require_arguments(batch=(1, 2), mesh={"data": 8}, steps=0, optimizers={}, rngs=None, batch_axes=None)
@@ -14,16 +15,56 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import numpy as np
 from jax.sharding import Mesh
 
 from .._axes import CONTEXT
 from .._batch import DEFAULT_BATCH_AXES
 
-__all__ = ["require_arguments", "require_model"]
+__all__ = ["Inputs", "called", "require_arguments", "require_model"]
 
 _CALLER = "fsdp_tp.testing.check_sharded"
 _FACTORY = "{'sgd': lambda: optax.sgd(0.1)}"
+
+
+@jax.tree_util.register_pytree_node_class
+class Inputs:
+    """The inputs of a model that takes several, as a batch's inputs: with
+    ``Inputs(tokens, positions, mask=mask)`` the check calls ``model(tokens, positions,
+    mask=mask)`` (Linen: ``apply(variables, tokens, positions, mask=mask)``); each array is a
+    leaf of the batch, split as every leaf is (its rows; under a ``context`` axis its dim 1).
+
+    >>> import jax.numpy as jnp
+    >>> inputs = Inputs(jnp.ones((2, 4)), scale=jnp.full((2, 4), 3.0))
+    >>> called(lambda x, scale: x * scale, inputs).sum().item()
+    24.0
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.args, self.kwargs = args, kwargs
+
+    def tree_flatten(self):
+        names = tuple(sorted(self.kwargs))
+        return (self.args, tuple(self.kwargs[n] for n in names)), names
+
+    @classmethod
+    def tree_unflatten(cls, names, children):
+        args, values = children
+        return cls(*args, **dict(zip(names, values, strict=True)))
+
+    def __repr__(self) -> str:
+        shown = [*(repr(getattr(a, "shape", a)) for a in self.args)]
+        shown += [f"{k}={getattr(v, 'shape', v)!r}" for k, v in self.kwargs.items()]
+        return f"Inputs({', '.join(shown)})"
+
+
+def called(fn, inputs: Any, *before: Any, **extra: Any) -> Any:
+    """``fn(*before, inputs, **extra)``, or, for :class:`Inputs`, ``fn(*before, *args,
+    **kwargs, **extra)``."""
+    if isinstance(inputs, Inputs):
+        return fn(*before, *inputs.args, **inputs.kwargs, **extra)
+    return fn(*before, inputs, **extra)
 
 
 def require_model(model: Any) -> None:

@@ -1,6 +1,10 @@
 """The proof for a user's own model: :func:`check_sharded` builds the sharded model and its
 unsharded twin from what the user has (the model, the rules, a mesh, a batch and a loss) and
-runs the suite's check (:func:`~fsdp_tp.testing.check_equal`) on them."""
+runs the suite's check (:func:`~fsdp_tp.testing.check_equal`) on them.
+
+Long because the one entry point reads every form of the user's call: a model of either API,
+of one input or several, a loss as a mean or as ``(sum, weight)``, and names each of them that
+cannot run, with its fix, before anything is built."""
 
 from __future__ import annotations
 
@@ -16,12 +20,15 @@ from jax.sharding import Mesh
 
 from .._axes import CONTEXT, as_axis_tuple
 from .._batch import DEFAULT_BATCH_AXES
+from .._check.driver import checking
 from .._sequence_split import SequenceSplit
 from .._types import AxisNames
+from ..errors import RuleError
+from ..gradients import global_mean_loss
 from ..linen._testing import is_linen, linen_pair
 from ..mesh import make_mesh
 from ..nnx._constructor import built as _built
-from ._arguments import require_arguments, require_model
+from ._arguments import Inputs, called, require_arguments, require_model
 from ._harness import OPTIMIZERS, Comparison, check_equal
 from ._nnx import NNXSharded, NNXTwin, initial_state
 from ._precision import require_float64, widened
@@ -107,16 +114,52 @@ def check_sharded(
         call = _streams(model, rngs)
         built = _pair(model, rules, tp_rules, step_axes, x, seed, float64)
         sharded, twin = (_Called(m, call, rngs or {}, float64) for m in built)
-        shapes = _require_scalar_loss(twin, loss, x, y, seed, float64)
+        shapes, weighted = _require_scalar_loss(twin, loss, x, y, seed, float64)
         shards = int(np.prod([mesh.shape[a] for a in axes]))
         tokens = mesh.shape[split.axis] if split is not None else 1
         per_device = lambda m, p, x, y: loss(_whole(m.apply({"params": p}, x), shapes, shards, tokens), y)
         unsharded = lambda m, p, x, y: loss(m.apply({"params": p}, x), y)
+        if weighted:  # ((sum, weight): the whole batch's sum over its weight, on every split)
+            per_device = _weighted(
+                per_device, lambda total, weight: global_mean_loss(total, weight, step_axes)
+            )
+            unsharded = _weighted(unsharded, lambda total, weight: total / weight)
+        reduction = WEIGHTED if weighted else AVERAGED
         pair = Comparison(
-            sharded, twin, mesh, axes, per_device, unsharded, check_vma=check_vma, sequence=split
+            sharded,
+            twin,
+            mesh,
+            axes,
+            per_device,
+            unsharded,
+            check_vma=check_vma,
+            sequence=split,
+            reduction=reduction,
         )
         key = (identity(model), identity(loss), seed, float64, fingerprint(rngs) if rngs else None)
-        check_equal(pair, [(x, y)] * steps, jax.random.key(seed), optimizers, reference=reference, key=key)
+        try:
+            check_equal(
+                pair, [(x, y)] * steps, jax.random.key(seed), optimizers, reference=reference, key=key
+            )
+        except RuleError as err:  # (the step check's: here the loss is the user's, the step ours)
+            if "reads the partial sums" in str(err) and not weighted:
+                err.args = (f"{err.args[0]} {_RATIO_FIX}", *err.args[1:])
+            raise
+
+
+# How check_sharded reduces the devices' losses, as a failure on the loss names it.
+AVERAGED = "the devices' losses averaged (pmean): right for a mean over equal counts"
+WEIGHTED = "the token-weighted mean: every device's sum over every device's weight"
+_RATIO_FIX = (
+    "In check_sharded, return the loss as (sum, weight), e.g. lambda out, y: ((ce(out, y) * w).sum(), "
+    "w.sum()): the check divides the whole batch's sum by its weight, sharded (global_mean_loss) and "
+    "unsharded alike."
+)
+
+
+def _weighted(loss: Callable, reduce: Callable) -> Callable:
+    """``loss`` returning ``(sum, weight)``, reduced to one value by ``reduce``."""
+    return lambda m, p, x, y: reduce(*loss(m, p, x, y))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,13 +174,17 @@ class _Called:
 
     def init(self, rng, x):
         linen = is_linen(self.model)
-        variables = self.model.init({"params": rng, **self.streams} if linen and self.streams else rng, x)
+        variables = called(
+            self.model.init, x, {"params": rng, **self.streams} if linen and self.streams else rng
+        )
         # float64 reaches every layer through its parameters: a layer left at flax's default
         # param_dtype=float32 (dtype=None) computes in the promoted dtype of its inputs and
         # parameters, so a token model's first layer would keep the whole model in float32.
         return jax.tree.map(_wide, variables) if self.float64 else variables
 
     def apply(self, variables, x):
+        if is_linen(self.model):  # (an NNX model's face unpacks the inputs itself)
+            return called(self.model.apply, x, variables, **self.call())
         return self.model.apply(variables, x, **self.call())
 
 
@@ -196,27 +243,43 @@ def _require_splittable(x, y, mesh: Mesh, axes: tuple, split: SequenceSplit | No
                 split.require_divides(np.shape(leaf)[1], mesh.shape[split.axis], f"{_CALLER} ({name})")
 
 
-def _require_scalar_loss(twin, loss, x, y, seed: int, float64: bool) -> list[tuple[int, ...]]:
-    """The twin's output shapes, once its loss is known to be a scalar (and, under ``float64``,
-    a warning where an operation of its computes narrower)."""
-    params = jax.eval_shape(lambda: twin.init(jax.random.key(seed), x)["params"])
-    applied = lambda p: (out := twin.apply({"params": p}, x), loss(out, y))
-    jaxpr, (outputs, value) = jax.make_jaxpr(applied, return_shape=True)(params)  # (one trace for all)
-    if np.shape(value) != ():
+def _require_scalar_loss(twin, loss, x, y, seed: int, float64: bool) -> tuple[list[tuple[int, ...]], bool]:
+    """The twin's output shapes, once its loss is known to be a scalar or a ``(sum, weight)``
+    pair of scalars (the second result: which), and, under ``float64``, a warning where an
+    operation of its computes narrower."""
+    try:
+        params = jax.eval_shape(lambda: twin.init(jax.random.key(seed), x)["params"])
+        applied = lambda p: (out := twin.apply({"params": p}, x), loss(out, y))
+        jaxpr, (outputs, value) = jax.make_jaxpr(applied, return_shape=True)(params)  # (one trace for all)
+    except TypeError as err:
+        if isinstance(x, Inputs):
+            raise
+        raise TypeError(
+            f"{_CALLER}: the unsharded model called on the batch's inputs raised TypeError: {err}. The "
+            f"check calls model(inputs), the inputs one argument (a pytree); a model of several takes "
+            f"them as fsdp_tp.testing.Inputs(tokens, positions, mask=...): batch=(Inputs(...), targets)."
+        ) from err
+    weighted = isinstance(value, tuple) and len(value) == 2 and all(np.shape(v) == () for v in value)
+    if not weighted and (isinstance(value, tuple) or np.shape(value) != ()):
+        got = f"a tuple of {len(value)}" if isinstance(value, tuple) else f"shape {np.shape(value)}"
         raise ValueError(
-            f"{_CALLER}: loss(outputs, targets) returns shape {np.shape(value)}; the check needs the "
-            f"batch's mean loss, a scalar: reduce it, e.g. lambda out, y: jnp.mean(...)."
+            f"{_CALLER}: loss(outputs, targets) returns {got}; the check needs the batch's mean loss, a "
+            f"scalar (reduce it, e.g. lambda out, y: jnp.mean(...)), or a token-weighted loss as "
+            f"(sum, weight), two scalars."
         )
     if float64:
         require_float64(jaxpr, _CALLER)
-    return [tuple(leaf.shape) for leaf in jax.tree.leaves(outputs)]
+    return [tuple(leaf.shape) for leaf in jax.tree.leaves(outputs)], weighted
 
 
 def _whole(outputs, shapes: list[tuple[int, ...]], shards: int, tokens: int = 1):
     """``outputs`` (one device's), refused where a leaf is left split beyond its rows, which
     the batch axes split ``shards`` ways, and its sequence (dim 1), split ``tokens`` ways (a
     last ColumnParallel without ``gather_output``, whose logits only a vocabulary-parallel loss
-    reads): ``loss`` is the twin's, of whole outputs."""
+    reads): ``loss`` is the twin's, of whole outputs. Not in the step check's own traces,
+    one of which runs the step on the whole batch (:mod:`fsdp_tp._check.step`)."""
+    if not checking():
+        return outputs
     for leaf, shape in zip(jax.tree.leaves(outputs), shapes, strict=True):
         rows = (shape[0] // shards, *shape[1:]) if shape else shape
         if len(rows) > 1 and tokens > 1:

@@ -96,7 +96,8 @@ def check_equal(
     for j, ((x, y), twin_state) in enumerate(zip(batches, states, strict=True)):
         state, metrics = step(state, (x, y))
         if j == 0:
-            for what, got, expected in zip(("output", "loss", "grads"), metrics, read, strict=True):
+            labels = ("output", f"loss ({c.reduction})", "grads")
+            for what, got, expected in zip(labels, metrics, read, strict=True):
                 assert_trees_close(meta.unbox(got), expected, what)
         for name, update in state.opt_state.updates.items():
             wanted = twin_state.updates[name]

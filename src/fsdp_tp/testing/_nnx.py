@@ -18,6 +18,7 @@ from flax import nnx
 from ..nnx import shard_by_rules
 from ..nnx._constructor import built
 from ..nnx._state import model_state_of, split_model
+from ._arguments import called
 
 __all__ = ["NNXSharded", "NNXTwin", "initial_state"]
 
@@ -33,11 +34,11 @@ class NNXSharded:
         self.sharded = shard_by_rules(make, rules, **options)
         self.model_state = initial_state(make, seed) if model_state is None else model_state
 
-    def init(self, rng, *_inputs):
+    def init(self, rng, *_inputs, **_keywords):
         return {"params": self.sharded.init(rng)[0]}
 
     def apply(self, variables, x, **call):
-        return self.sharded.merge(variables["params"], self.model_state)(x, **call)
+        return called(self.sharded.merge(variables["params"], self.model_state), x, **call)
 
 
 class NNXTwin:
@@ -50,7 +51,7 @@ class NNXTwin:
         self.graphdef, self.abstract = nnx.split(nnx.eval_shape(lambda: built(make, 0)))
         self.model_state = initial_state(make, seed) if model_state is None else model_state
 
-    def init(self, rng, *_inputs):
+    def init(self, rng, *_inputs, **_keywords):
         return {"params": _pure(nnx.state(built(self.make, rng), nnx.Param))}
 
     def apply(self, variables, x, **call):
@@ -60,7 +61,7 @@ class NNXTwin:
         state = nnx.from_flat_state(
             [(path, v.copy(by_path[_key(path, v)])) for path, v in nnx.to_flat_state(self.abstract)]
         )
-        return nnx.merge(self.graphdef, state)(x, **call)
+        return called(nnx.merge(self.graphdef, state), x, **call)
 
 
 def initial_state(make, seed: int) -> dict:

@@ -39,7 +39,8 @@ class Comparison:
     over ``batch_axes``. ``loss(model, params, x, y)``: a batch's mean loss (per device, its
     rows); ``twin_loss`` the twin's (default: the same); ``twin_reads(params)``: what the twin
     computes on (a mixed-precision run's rounded parameters); ``output_spec``: the sharded
-    output's layout (default: split like the batch). ``sequence``: the sequence (dim 1 of every
+    output's layout (default: split like the batch); ``reduction``: how the devices' losses
+    make one, as a failure on the loss says. ``sequence``: the sequence (dim 1 of every
     leaf of the batch and outputs past a vector) split over its axis as well, which is then a
     batch axis of the step (:attr:`step_axes`)."""
 
@@ -53,6 +54,7 @@ class Comparison:
     output_spec: P | None = None
     check_vma: bool = True
     sequence: SequenceSplit | None = None
+    reduction: str = "the devices' losses averaged (pmean)"  # (how the loss is made one value, named)
 
     @property
     def step_axes(self) -> tuple:

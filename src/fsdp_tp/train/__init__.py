@@ -19,6 +19,7 @@ from jax.sharding import Mesh, PartitionSpec
 from .._aliases import aliases_of
 from .._batch import batch_axes_of, batch_split_over
 from .._check.plain import step_calls
+from .._check.step import check_step
 from .._context import STEP
 from .._optimizer import checked_tx, per_device_step, refuse_on_shards
 from .._sequence_split import SequenceSplit
@@ -119,6 +120,13 @@ def as_a_step(batch_specs: Specs, sequence: SequenceSplit | None = None, tokens=
             yield
 
 
+def _split_sizes(batch_specs: Specs, sizes, split: SequenceSplit | None) -> dict:
+    """The axes the batch is split over (rows, and the sequence under ``split``), with their
+    sizes, those of one device left out: what the whole step is checked over."""
+    axes = [*(batch_axes_of(batch_specs) or ()), *((split.axis,) if split is not None else ())]
+    return {axis: sizes[axis] for axis in axes if sizes.get(axis, 1) > 1}
+
+
 def shard_step(
     step_fn: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]],
     mesh: Mesh,
@@ -155,6 +163,12 @@ def shard_step(
     calls it otherwise warns (``UncheckedPlanWarning``): prove it with
     :func:`fsdp_tp.testing.check_sharded` on that mesh.
 
+    The whole step is checked too, under every batch split (:mod:`fsdp_tp._check.step`): traced
+    as each device runs it and on the whole batch, at its first call; a shift of the tokens in
+    the step (shift them with the batch: :func:`~fsdp_tp.context.next_token_targets`), a ratio of a
+    device's sums before the ``pmean`` (:func:`~fsdp_tp.gradients.global_mean_loss`), a result
+    averaged over fewer axes than the batch is split over, are refused at their line.
+
     The state is donated, so the caller must not reuse the state it passed. When JAX
     rejects the state or batch, they are checked against their specs, so a mismatched tree
     or an indivisible batch fails with a message naming the leaf.
@@ -185,12 +199,19 @@ def shard_step(
     split = step_split(batch_specs, mesh.shape, sequence)
     laid = LaidOut(split, mesh.shape[split.axis], batch_specs) if split is not None else None
 
+    split_sizes = _split_sizes(batch_specs, mesh.shape, split)
+
     def per_device_fn(state, batch):
         with as_a_step(batch_specs, split, laid.tokens(batch) if laid is not None else None):
             if split is None:
-                return inner(state, batch)
-            with step_calls("shard_step"):  # (a plain apply checked against the whole sequence)
-                return inner(state, batch)
+                out = inner(state, batch)
+            else:
+                with step_calls("shard_step"):  # (a plain apply checked against the whole sequence)
+                    out = inner(state, batch)
+            # (the model's own check ran in the call above; now the code around it)
+            axis = split.axis if split is not None else None
+            check_step(inner, state, batch, batch_specs, split_sizes, "shard_step", axis)
+            return out
 
     per_device = jax.shard_map(
         per_device_fn,
@@ -202,6 +223,7 @@ def shard_step(
 
     def update(state, batch):
         if laid is not None:  # (the user's order in and out; the chunks the ring expects inside)
+            laid.require_per_token(batch)
             batch = laid.batch(batch)
         grads, metrics, *new_model_state = per_device(state, batch)
         if laid is not None:
@@ -224,6 +246,8 @@ def shard_step(
             # A mismatched tree or an indivisible batch is rejected while tracing, before
             # anything runs or is donated: only then is it worth walking the trees to say
             # which leaf and which dim (no per-step cost on the happy path).
+            if laid is not None:  # (a leaf laid out otherwise than the tokens: said before its sizes)
+                laid.require_per_token(batch)
             check_specs(state, state_specs, mesh, "state")
             check_specs(batch, batch_specs, mesh, "batch")
             raise err

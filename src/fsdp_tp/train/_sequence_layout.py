@@ -113,6 +113,47 @@ class LaidOut:
         jax.tree.map(each, self.batch_specs, tree, is_leaf=_is_spec)
         return found.pop() if len(found) == 1 else None
 
+    def require_per_token(self, tree: Any, where: str = "shard_step") -> None:
+        """Refuses, naming the leaf's path, a batch leaf laid out otherwise than the tokens: one
+        with the sequence's length on dim 1 that its spec leaves whole (each device would read
+        every token's against its own), or one split like the tokens of another length (a
+        target cut by a shift: shifted with the batch it keeps the length)."""
+        leaves: list[tuple[str, Any, PartitionSpec]] = []
+
+        def each(path, spec, sub):
+            for inner, x in jax.tree_util.tree_flatten_with_path(sub)[0]:
+                leaves.append((jax.tree_util.keystr((*path, *inner)), x, spec))
+
+        jax.tree_util.tree_map_with_path(each, self.batch_specs, tree, is_leaf=_is_spec)
+        split = {
+            name: (x, spec)
+            for name, x, spec in leaves
+            if _is_spec(spec) and _dims_over(spec, self.split.axis)
+        }
+        at = lambda x, spec: x.shape[_dims_over(spec, self.split.axis)[0][0]]
+        if not split:
+            return
+        first, (longest, spec) = max(split.items(), key=lambda item: at(*item[1]))
+        length = at(longest, spec)
+        for name, (x, leaf_spec) in split.items():
+            if at(x, leaf_spec) != length:
+                raise ValueError(
+                    f"{where}: batch leaf {name} {tuple(x.shape)} is split over {self.split.axis!r} with "
+                    f"{at(x, leaf_spec)} tokens where {first} has {length}: every leaf the split lays out "
+                    f"holds the same tokens. A target cut by a shift (tokens[:, 1:]) is shifted with the "
+                    f"batch instead, keeping the length: targets, weights = "
+                    f"fsdp_tp.context.next_token_targets(tokens, segment_ids)."
+                )
+        for name, x, leaf_spec in leaves:
+            if name in split or getattr(x, "ndim", 0) < 2 or x.shape[1] != length:
+                continue
+            raise ValueError(
+                f"{where}: batch leaf {name or 'batch'} {tuple(x.shape)} holds the sequence's {length} "
+                f"tokens on dim 1, but its spec {leaf_spec} leaves them whole while the tokens' ({first}: "
+                f"{spec}) split them over {self.split.axis!r}: each device would read all {length} "
+                f"against its {length // self.size}. Give it the tokens' spec, {spec}."
+            )
+
     def outputs(self, tree: Any, specs: Specs) -> Any:
         per_token = {
             _normal(s)
