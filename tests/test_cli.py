@@ -11,6 +11,7 @@ import sys
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -154,10 +155,27 @@ def test_every_optimizer_clipped_passes_check(optimizer):
 
 
 def test_negative_control_check_fails_on_a_broken_build(monkeypatch):
-    """Gradients left unsynced over the batch shards: --check must notice and exit 1."""
+    """Gradients left unsynced over the batch shards (the step check reads the forward only;
+    without check_vma nothing else sees them): --check must notice and exit 1."""
     monkeypatch.setattr(trainer_module, "sync_gradients", lambda grads, axes: grads)
     code, out = run("train", "--steps", "1", "--check", "3", "--no-check-vma")
     assert code == 1 and "FAILED" in out, out
+
+
+def test_check_1_compares_an_update_that_moves_the_parameters(monkeypatch):
+    """Issue 99 point 7: warmup's first step is at learning rate 0, so ``--check 1`` compared an
+    update that moved nothing; it starts one step into the schedule now. (negative control)
+    gradients of the wrong sign (synced, so no check refuses them; Adam's update is blind to
+    their scale) fail ``--check 1``."""
+    code, out = run("train", "--steps", "1", "--check", "1")
+    moved = float(out.split("largest parameter difference ")[1].split()[0])
+    assert code == 0 and "-> ok" in out and moved > 0, out  # (the update moved the parameters: rounding)
+    real = trainer_module.sync_gradients
+    monkeypatch.setattr(
+        trainer_module, "sync_gradients", lambda grads, axes: jax.tree.map(jnp.negative, real(grads, axes))
+    )
+    code, out = run("train", "--steps", "1", "--check", "1")
+    assert code == 1 and "-> FAILED" in out, out
 
 
 def test_plan_of_a_cluster_mesh_prints_the_table():

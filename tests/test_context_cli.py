@@ -41,6 +41,11 @@ def test_train_splits_the_sequence_over_context_and_passes_check(api, mesh, stra
     code, out = run("train", "--steps", "2", "--check", "2", "--eval-every", "0", *flags)
     assert code == 0, out
     assert "context=" in out.splitlines()[0] and "-> ok" in out, out
+    # The header says what the step does with the sequence (issue 99 point 7)
+    size = int(mesh.split("context=")[1].split(",")[0])
+    said = f"sequence over context={size}: {64 // size} tokens a device (balanced: 2 chunks a device), "
+    said += "attention across it by " + {"auto": "auto: ring"}.get(strategy, strategy)  # (4 heads, 2 kv)
+    assert said in out.splitlines()[0], out.splitlines()[0]
 
 
 def test_packed_documents_ignored_by_the_sharded_run_fail_check(monkeypatch):
@@ -139,8 +144,14 @@ def test_plan_counts_the_strategy_the_run_asks_for():
             "--packed 46 with --experts: the MoE LM takes no segment ids yet; drop --packed",
             ["--mesh", "data=4,expert=2", "--experts", "4"],
         ),
+        (
+            ["--mesh", "data=8", "--context-strategy", "all_to_all"],
+            "--context-strategy all_to_all without a context axis in --mesh (data=8): nothing splits the "
+            "sequence, so no attention crosses devices; add context=N to --mesh, or drop --context-strategy.",
+            ["--mesh", "data=8"],
+        ),
     ],
-    ids=["seq-len", "all-to-all", "capacity", "packed-token", "packed-experts"],
+    ids=["seq-len", "all-to-all", "capacity", "packed-token", "packed-experts", "strategy-without-context"],
 )
 def test_a_split_the_run_cannot_take_is_one_line_and_its_fix_plans(flags, said, fixed, capsys):
     code, _ = run("plan", "--remat", "full", *flags)

@@ -50,7 +50,7 @@ def _compute_flags(p, remat_default: str) -> None:
     p.add_argument(
         "--context-strategy",
         choices=STRATEGIES,
-        default="ring",
+        default=None,  # (ring; given without a context axis, refused: it would do nothing)
         help="with a context axis in --mesh (the sequence split over it): attention across it by a "
         "ring of k and v, all_to_all (heads split instead), or auto (the fewer bytes)",
     )

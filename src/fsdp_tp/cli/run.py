@@ -13,6 +13,7 @@ import numpy as np
 
 from ..attention import resolved_implementation
 from ..checkpoint import Checkpoints
+from ..context import ring_or_all_to_all
 from ..mesh import make_mesh
 from ..recipe.data import Tokens
 from ..recipe.throughput import peak_tflops
@@ -52,7 +53,27 @@ def _summary(settings: Settings, sizes: dict, plan, name: str) -> str:
         f"optimizer {mib(plan.optimizer_bytes)} ({settings.optimizer_name}, "
         f"{f'clip {settings.clip_norm:g}' if settings.clip_norm else 'no clipping'}), "
         f"activations {mib(plan.activation_bytes or 0)} (remat {settings.model.remat}, "
-        f"{_attention_text(settings)} attention)" + _precision_text(settings)
+        f"{_attention_text(settings)} attention)"
+        + _sequence_text(settings, sizes)
+        + _precision_text(settings)
+    )
+
+
+def _sequence_text(settings: Settings, sizes: dict) -> str:
+    """The sequence split, as the step lays it out: a device's tokens, the layout, the strategy."""
+    split = settings.sequence
+    if split is None:
+        return ""
+    size, config, tensor = sizes[split.axis], settings.model, sizes.get("tensor", 1)
+    layout = "balanced: 2 chunks a device" if split.balanced else "contiguous"
+    strategy = split.strategy
+    if strategy == "auto":  # (the one it takes: the fewer bytes for a device's heads)
+        strategy = (
+            f"auto: {ring_or_all_to_all(config.num_heads // tensor, config.num_kv_heads // tensor, size)}"
+        )
+    return (
+        f"; sequence over {split.axis}={size}: {config.seq_len // size} tokens a device "
+        f"({layout}), attention across it by {strategy.replace('_', '-')}"
     )
 
 

@@ -134,7 +134,15 @@ def _sequence_split(args, mesh: dict, config) -> SequenceSplit | None:
     """The sequence split a ``context`` axis in ``--mesh`` asks for, or ``None``; a sequence
     or a strategy it cannot take is one line with the fix."""
     size = mesh.get(CONTEXT, 1)
+    strategy = getattr(args, "context_strategy", None)
     if size == 1:
+        if strategy is not None:
+            raise UsageError(
+                f"--context-strategy {strategy} without a {CONTEXT} axis in --mesh "
+                f"({','.join(f'{k}={v}' for k, v in mesh.items() if v > 1)}): nothing splits the "
+                f"sequence, so no attention crosses devices; add {CONTEXT}=N to --mesh, or drop "
+                f"--context-strategy."
+            )
         return None
     flag = f"--mesh {CONTEXT}={size}"
     if config.experts and config.capacity_factor is not None:
@@ -150,7 +158,7 @@ def _sequence_split(args, mesh: dict, config) -> SequenceSplit | None:
             f"{chunks} chunks; use --seq-len {-(-config.seq_len // chunks) * chunks}."
         )
     kv_here = config.num_kv_heads // max(mesh.get("tensor", 1), 1)
-    strategy = getattr(args, "context_strategy", "ring")
+    strategy = strategy or "ring"
     if strategy == "all_to_all" and kv_here % size:
         raise UsageError(
             f"--context-strategy all_to_all on {flag}: a device holds {kv_here} kv heads (--kv-heads "

@@ -15,7 +15,7 @@ from .data import Tokens, windows_at
 from .moe_lm import linen_path, moe_loss
 from .trainer import Trainer
 
-__all__ = ["compare_with_twin"]
+__all__ = ["compare_with_twin", "past_warmup_zero"]
 
 
 def compare_with_twin(trainer: Trainer, tokens: Tokens, steps: int) -> tuple[float, float, list, list]:
@@ -41,6 +41,10 @@ def compare_with_twin(trainer: Trainer, tokens: Tokens, steps: int) -> tuple[flo
 
     state_fn = state_init_fn(trainer.twin, trainer.tx)
     state = jax.jit(state_fn)(jax.random.key(s.seed), np.zeros((s.batch, config.seq_len), np.int32))
+    # Warmup's first step is at learning rate 0: it moves nothing, so a wrong gradient there
+    # would pass. Both start one step into the schedule, the first update that moves them.
+    state = state.replace(opt_state=past_warmup_zero(state.opt_state, s.warmup))
+    trainer.state = trainer.state.replace(opt_state=past_warmup_zero(trainer.state.opt_state, s.warmup))
 
     @jax.jit
     def twin_step(state, windows):
@@ -72,6 +76,28 @@ def compare_with_twin(trainer: Trainer, tokens: Tokens, steps: int) -> tuple[flo
         float(np.max(np.abs(sharded[path].reshape(b.shape) - b))) for path, b in twin.items()
     )
     return loss_diff, param_diff, losses, twin_losses
+
+
+def past_warmup_zero(opt_state, warmup: int):
+    """``opt_state`` with each optax step count (a ``count`` field) at 1 where a ``warmup``
+    starts the schedule at 0, each on its own sharding: the first update that moves.
+
+    >>> import optax, jax.numpy as jnp
+    >>> state = optax.adam(1e-3).init(jnp.zeros(2))
+    >>> int(past_warmup_zero(state, warmup=20)[0].count), int(past_warmup_zero(state, warmup=0)[0].count)
+    (1, 0)
+    """
+    if not warmup:
+        return opt_state
+
+    def counted(path, leaf):
+        if getattr(path[-1], "name", None) != "count":
+            return leaf
+        return jax.device_put(
+            np.ones(np.shape(leaf), np.asarray(leaf).dtype), getattr(leaf, "sharding", None)
+        )
+
+    return jax.tree_util.tree_map_with_path(counted, opt_state)
 
 
 def _by_path(tree) -> dict[tuple, np.ndarray]:
