@@ -172,7 +172,7 @@ def test_positions_built_from_the_local_length_are_refused_and_unchecked_caught(
     at its line; (negative control) with the check off, caught by the harness."""
     line = inspect.getsourcelines(attention)[1] + 2
     mesh = {"data": 2, "context": 4}
-    with pytest.raises(RuleError, match=rf"test_context_step\.py:{line} ") as refused:
+    with pytest.raises(RuleError, match=rf"packed_lm\.py:{line} ") as refused:
         check_sharded(LinenLM(local_positions=True), BATCH, cross_entropy, mesh, steps=1)
     with switched_off(), pytest.raises(AssertionError, match="output"):
         check_sharded(LinenLM(local_positions=True), BATCH, cross_entropy, mesh, steps=1)

@@ -172,7 +172,7 @@ def _unseeded(rngs):
         (Attention(), (X[:3], BATCH[1][:3]), mse, {"data": 2, "tensor": 4}, ValueError,
          r"inputs have 3 rows .* batch axes \('data',\) .* a multiple of 2 rows"),
         (Attention(), BATCH, lambda out, y: (out - y) ** 2, {"data": 2, "tensor": 4}, ValueError,
-         r"returns shape \(8, 6, 16\); .* a scalar: reduce it"),
+         r"returns shape \(8, 6, 16\); .* a scalar \(reduce it"),
         (_unseeded, BATCH, mse, {"data": 8}, ValueError,
          r"built different parameters twice: it draws from an rng"),
         (Attention(), BATCH, mse, {"data": 16}, MeshShapeError, r"16 devices"),

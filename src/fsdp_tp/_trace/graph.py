@@ -58,7 +58,12 @@ class Graph:
     def trace(cls, fn: Callable, params: Any, *args: Any) -> Graph:
         """``fn(params, *args)``: ``params`` a pytree of arrays (or ``jax.ShapeDtypeStruct``),
         whose paths name the parameters as the rules do (``block_0/mlp/up/kernel``)."""
-        closed = jax.make_jaxpr(fn)(params, *args)
+        return cls.read(jax.make_jaxpr(fn)(params, *args), params)
+
+    @classmethod
+    def read(cls, closed, params: Any) -> Graph:
+        """The graph of ``closed``, a jaxpr traced of ``fn(params, ...)`` (what :meth:`trace`
+        reads): a caller that runs the jaxpr too traces the function once."""
         graph = cls()
         named = _paths(params)
         env: dict[Any, int] = {}
