@@ -67,14 +67,12 @@ def check_step(
     sizes: Mapping[str, int],
     where: str,
     sequence: str | None = None,
-    local: Graph | None = None,
 ) -> None:
     """Refuses (``RuleError``) a step ``run(state, batch)`` whose per-device trace (on this
     device's ``batch``) does not compute blocks of its trace on the whole batch, or returns
     a device's share of a sum. ``sizes``: the axes the batch is split over (their sizes, each
     > 1); ``sequence``: the axis that splits the sequence, if one does (its refusals say how
-    to shift targets with the batch). Inside the step's per-device trace, its axes bound.
-    ``local``: the device's trace where the caller has it (the step's own, run from its jaxpr)."""
+    to shift targets with the batch). Inside the step's per-device trace, its axes bound."""
     if not checking() or not sizes:
         return
     whole = whole_shapes(batch, batch_specs, sizes)
@@ -85,7 +83,7 @@ def check_step(
         return run(state, jax.tree.unflatten(tree, map(_like, leaves, varying)))
 
     with own_trace():  # (no check inside the check's traces; attention on each side's tokens)
-        local = local if local is not None else Graph.trace(run, state, batch)
+        local = Graph.trace(run, state, batch)
         try:
             reference = Graph.trace(on_whole, state, whole)
         except Exception:  # (a step sized from its device's block, which the model's check read)

@@ -14,18 +14,15 @@ from collections.abc import Callable, Iterator
 import jax
 from flax import struct
 from flax.training import train_state
-from jax.extend.core import jaxpr_as_fun
 from jax.sharding import Mesh, PartitionSpec
 
 from .._aliases import aliases_of
 from .._batch import batch_axes_of, batch_split_over
-from .._check.driver import checking
 from .._check.plain import step_calls
 from .._check.step import check_step
 from .._context import STEP
 from .._optimizer import checked_tx, per_device_step, refuse_on_shards
 from .._sequence_split import SequenceSplit
-from .._trace.graph import Graph
 from .._tree import named_shardings
 from .._types import PyTree, Specs
 from ..context._across import jax_attention_across
@@ -204,28 +201,17 @@ def shard_step(
 
     split_sizes = _split_sizes(batch_specs, mesh.shape, split)
 
-    def run(state, batch):
-        if split is None:
-            return inner(state, batch)
-        with step_calls("shard_step"):  # (a plain apply checked against the whole sequence)
-            return inner(state, batch)
-
     def per_device_fn(state, batch):
         with as_a_step(batch_specs, split, laid.tokens(batch) if laid is not None else None):
+            if split is None:
+                out = inner(state, batch)
+            else:
+                with step_calls("shard_step"):  # (a plain apply checked against the whole sequence)
+                    out = inner(state, batch)
+            # (the model's own check ran in the call above; now the code around it)
             axis = split.axis if split is not None else None
-            if not checking() or not split_sizes:
-                return run(state, batch)
-            if split is not None and split.strategy != "ring":  # (heads split by all-to-all: the
-                out = run(state, batch)  # check's own trace keeps attention on the device)
-                check_step(inner, state, batch, batch_specs, split_sizes, "shard_step", axis)
-                return out
-            # The step traced once, its jaxpr both run and read by the whole step's check (after
-            # the model's own, which ran in the trace): the check traces only the whole batch's.
-            closed, shapes = jax.make_jaxpr(run, return_shape=True)(state, batch)
-            local = Graph.read(closed, state)
-            check_step(inner, state, batch, batch_specs, split_sizes, "shard_step", axis, local=local)
-            out = jaxpr_as_fun(closed)(*jax.tree.leaves((state, batch)))
-            return jax.tree.unflatten(jax.tree.structure(shapes), out)
+            check_step(inner, state, batch, batch_specs, split_sizes, "shard_step", axis)
+            return out
 
     per_device = jax.shard_map(
         per_device_fn,
