@@ -30,6 +30,7 @@ ELEMENTWISE = frozenset(
     is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or pow real
     reduce_precision rem round rsqrt select_n sign sin sinh sqrt square stop_gradient sub tan tanh
     xor optimization_barrier sharding_constraint shift_left shift_right_logical shift_right_arithmetic
+    one_minus_square
     population_count clz bitcast_convert_type""".split()
     # (and what moves no position: check_vma's type markers, a sum or max over devices)
     + "pvary pcast psum psum_invariant psum2 pmax pmin".split()
