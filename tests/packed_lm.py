@@ -9,17 +9,27 @@ of its own).
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.nn import dot_product_attention
 
 from fsdp_tp.attention import attend
 from fsdp_tp.context import document_positions
 
 VOCAB, D, HEADS, KV, HEAD_DIM, HIDDEN = 32, 16, 4, 2, 4, 32
 ROWS, LENGTH = 2, 16
+# JAX's attention as models bind it: by its attribute at the call, imported by name, or a
+# partial made at import (before any step runs)
+JAX_ATTENTION = {
+    "causal": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+    "imported": lambda q, k, v: dot_product_attention(q, k, v, is_causal=True),
+    "partial": functools.partial(jax.nn.dot_product_attention, is_causal=True),
+}
 
 
 def rope(x, positions):
@@ -47,7 +57,7 @@ def attention(q, k, v, batch, local_positions: bool = False, jax_attention: str 
     if jax_attention == "mask":  # (a causal mask of the model's own, from the length it sees)
         return jax.nn.dot_product_attention(q, k, v, mask=jnp.tril(jnp.ones((length, length), bool)))
     if jax_attention:  # (as a model calls JAX's: causal, one document a row)
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        return JAX_ATTENTION[jax_attention](q, k, v)
     return attend(q, k, v, segment_ids=batch["segments"])
 
 

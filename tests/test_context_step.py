@@ -68,6 +68,12 @@ def _rows(n: int):
     return jax.tree.map(joined, *[p[0] for p in parts]), jnp.concatenate([p[1] for p in parts])
 
 
+def _source_line(code, text: str) -> int:
+    """The number of the line of ``code``'s source that holds ``text``."""
+    lines, first = inspect.getsourcelines(code)
+    return first + next(i for i, line in enumerate(lines) if text in line)
+
+
 def cross_entropy(logits, targets):
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
@@ -130,21 +136,44 @@ def test_an_nnx_model_with_its_sequence_split_is_the_unsharded_model():
     check_sharded(NNXLM, BATCH, cross_entropy, mesh, tp_rules="auto", steps=1, optimizers={})  # (beside it)
 
 
-def test_jax_attention_as_the_model_calls_it_is_computed_across_and_a_local_mask_refused():
+@pytest.mark.parametrize("bound", ["causal", "imported", "partial"])
+def test_jax_attention_as_the_model_calls_it_is_computed_across_and_a_local_mask_refused(bound):
     """``jax.nn.dot_product_attention(..., is_causal=True)`` inside the step computes across the
-    axis; with a mask (built from a device's tokens) it is refused with the fix; outside the
-    step it is JAX's own again."""
+    axis however the model bound it (issue 99 point 5: by its attribute, imported by name, a
+    partial made at import); with a mask (built from a device's tokens) it is refused with the
+    fix; outside the step it is JAX's own again."""
     tokens, targets = BATCH
     plain = {"tokens": tokens["tokens"], "positions": jnp.broadcast_to(jnp.arange(LENGTH), (ROWS, LENGTH))}
     mesh = {"data": 2, "context": 4}
-    check_sharded(LinenLM(jax_attention="causal"), (plain, targets), cross_entropy, mesh, steps=1)
+    check_sharded(LinenLM(jax_attention=bound), (plain, targets), cross_entropy, mesh, steps=1)
     assert jax.nn.dot_product_attention is _JAX_ATTENTION
+    if bound != "causal":
+        return
+    line = _source_line(attention, "mask=jnp.tril")  # (the call with the model's own mask)
     with pytest.raises(
-        ValueError,
-        match=r"dot_product_attention\(mask=\.\.\.\) inside a step .*\.attend\(q, k, v, segment_ids",
-    ):
+        RuleError,
+        match=rf"packed_lm\.py:{line} \(attention\): jax\.nn\.dot_product_attention\(mask=\.\.\.\) inside "
+        r"a step .*\.attend\(q, k, v, segment_ids",
+    ) as refused:
         check_sharded(LinenLM(jax_attention="mask"), (plain, targets), cross_entropy, mesh, steps=1)
     assert jax.nn.dot_product_attention is _JAX_ATTENTION
+    named_fix(refused, "pass is_causal=True for a causal mask")  # (the model above, is_causal=True)
+
+
+def test_negative_control_jax_attention_bound_by_name_left_to_the_check_is_refused(monkeypatch):
+    """Without the interception by identity (JAX's attention caught only where it is called by
+    its attribute), a model that imported it by name attends over a device's tokens: the check
+    refuses it at the model's line, never silently."""
+    across = fsdp_tp.context._across
+    monkeypatch.setattr(across, "_PATCHED", across._PATCHED[:1])  # (the attribute alone, as before)
+    tokens, targets = BATCH
+    plain = {"tokens": tokens["tokens"], "positions": jnp.broadcast_to(jnp.arange(LENGTH), (ROWS, LENGTH))}
+    with pytest.raises(RuleError, match=r"packed_lm\.py:\d+ ") as refused:
+        check_sharded(
+            LinenLM(jax_attention="imported"), (plain, targets), cross_entropy, {"context": 8}, steps=1
+        )
+    named_fix(refused, "fsdp_tp.attention.attend")  # (the model's attention by attend, with its segments)
+    check_sharded(LinenLM(), BATCH, cross_entropy, {"context": 8}, steps=1, optimizers={})
 
 
 def test_all_to_all_where_the_axis_does_not_divide_a_device_s_kv_heads_is_refused_with_its_fix():
@@ -292,7 +321,7 @@ def _tiny_step(batch_specs, sequence=None, mesh=STEP_MESH):
         apply_fn=None, params={"w": jnp.ones(())}, tx=optax.sgd(1.0), rng=rng
     )
     state, specs = fsdp_tp.init_sharded(init_fn, mesh, P(), jax.random.key(0))
-    axes = ("data", "context")
+    axes = tuple(mesh.axis_names)
 
     def step_fn(state, x):
         loss, grads = jax.value_and_grad(lambda p: (p["w"] * x).mean())(state.params)
@@ -327,6 +356,20 @@ def test_a_step_s_sequence_split_asked_wrong_is_refused_and_the_fix_runs(specs, 
     x = jnp.arange(2 * LENGTH, dtype=jnp.float32).reshape(2, LENGTH)
     with pytest.warns(UncheckedPlanWarning, match="no model call in it was checked against the whole"):
         _, loss = step(state, x)  # (its "model" a product: no call the check could read)
+    assert float(loss) == float(x.mean())
+
+
+def test_a_sequence_axis_of_another_name_is_told_to_the_step_and_the_fix_runs():
+    """Issue 99 point 4: a batch spec that splits the tokens over an axis named 'seq' was taken
+    for a batch over 'data' alone, and the refusal (sync_gradients') advised axes=('data',),
+    which ends raw; the fix is to name the axis to the step, and then the step runs."""
+    mesh = {"data": 2, "seq": 4}
+    with pytest.raises(ValueError, match=r"dim 1 over 'seq'.*sequence=SequenceSplit\(axis='seq'\)"):
+        _tiny_step(P("data", "seq"), None, mesh)
+    state, step = _tiny_step(P("data", "seq"), SequenceSplit(axis="seq"), mesh)  # (the fix it names)
+    x = jnp.arange(2 * LENGTH, dtype=jnp.float32).reshape(2, LENGTH)
+    with pytest.warns(UncheckedPlanWarning, match="no model call in it was checked against the whole"):
+        _, loss = step(state, x)
     assert float(loss) == float(x.mean())
 
 
@@ -596,8 +639,12 @@ def test_flax_attention_nnx_computes_across_and_a_mask_from_local_shapes_is_refu
     check_sharded(NNXAttentionLM, BATCH, cross_entropy, {"data": 2, "context": 4}, steps=1)
     full = lambda rngs: NNXAttentionLM(rngs, causal=False)
     check_sharded(full, BATCH, cross_entropy, {"data": 2, "context": 2, "tensor": 2}, steps=1, optimizers={})
-    said = r"MultiHeadDotProductAttention at attn: flax's attention function given mask=\.\.\. inside a step"
-    with pytest.raises(ValueError, match=said) as refused:
+    line = _source_line(LinenAttentionLM, "(x, mask=mask)")  # (the module's call, with the mask)
+    said = (
+        rf"MultiHeadDotProductAttention at attn \(called at tests/test_context_step\.py:{line} "
+        rf"\(LinenAttentionLM\.__call__\)\): flax's attention function given mask=\.\.\. inside a step"
+    )
+    with pytest.raises(RuleError, match=said) as refused:
         check_sharded(LinenAttentionLM(), BATCH, cross_entropy, {"data": 2, "context": 4}, steps=1)
     named_fix(refused, "jax.nn.dot_product_attention with is_causal=True")
     fixed = LinenAttentionLM(fixed=True)

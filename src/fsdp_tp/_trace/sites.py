@@ -39,6 +39,7 @@ from .relations import Node
 
 __all__ = [
     "Site",
+    "calling_site",
     "flax_file",
     "is_library",
     "made_by_jax",
@@ -130,6 +131,18 @@ def user_site(source) -> Site | None:
         if users_file(frame.file_name):
             return Site(frame.file_name, frame.line_num, frame.function_name)
     return site_of(source)
+
+
+def calling_site() -> Site | None:
+    """Where the user's code called what runs now: the innermost frame of the Python stack in a
+    :func:`users_file` (while a model traces, the model's line that reached the library)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if users_file(code.co_filename):
+            return Site(code.co_filename, frame.f_lineno, code.co_qualname)
+        frame = frame.f_back
+    return None
 
 
 def made_by_jax(file: str) -> bool:

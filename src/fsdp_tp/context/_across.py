@@ -1,9 +1,15 @@
 """Attention inside a step that splits the sequence, computed across the ``context`` axis:
 :func:`across` (the library's ring or all-to-all, by the split's strategy), :func:`on_device`
-(what the plan check traces in its place), and ``jax.nn.dot_product_attention`` as a model
-calls it by that name, intercepted while a step's per-device trace runs
-(:func:`jax_attention_across`: the one attribute of another library the package patches, listed
-on ``docs/architecture.md``'s page of state no import shows).
+(what the plan check traces in its place), and ``jax.nn.dot_product_attention`` however a model
+bound it, intercepted while a step's per-device trace runs (:func:`jax_attention_across`).
+
+A model reaches JAX's attention by its attribute at the call, by a name it imported, through
+a ``functools.partial`` made at import or a module's ``attention_fn=``: each holds the same
+function object, which runs its XLA implementation by the name its module looks up at the
+call. So both names are patched within the trace: the attribute (every implementation, cuDNN's
+too) and ``jax._src.nn.functions._dot_product_attention_xla`` (every binding; a private name
+of JAX's, the same signature on jax 0.10-0.12). These are the attributes of other libraries
+the package patches, listed on ``docs/architecture.md``'s page of state no import shows.
 """
 
 from __future__ import annotations
@@ -13,8 +19,11 @@ from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
+from jax._src.nn import functions as _jax_nn
 
 from .._sequence_split import SequenceSplit, checked_here, split_here
+from .._trace.sites import calling_site
+from ..errors import RuleError
 from . import _blocks
 from ._all_to_all import attention
 
@@ -69,41 +78,106 @@ def across(
 
 
 _JAX_ATTENTION = jax.nn.dot_product_attention
+_JAX_XLA = _jax_nn._dot_product_attention_xla
+
+
+def _refuse_unread(split: SequenceSplit, given: dict) -> None:
+    """A mask, bias or lengths given to JAX's attention in a split step: a ``RuleError`` at the
+    model's line (they hold a device's tokens only; the ring cannot read them)."""
+    if named := [name for name, value in given.items() if value is not None and value is not False]:
+        site = calling_site()
+        raise RuleError(
+            f"{f'{site}: ' if site is not None else ''}jax.nn.dot_product_attention("
+            f"{', '.join(f'{n}=...' for n in named)}) inside a step that splits the sequence over "
+            f"{split.axis!r}: a mask or bias the model builds holds a device's tokens only, and the "
+            f"attention across devices cannot read it. Fix: pass is_causal=True for a causal mask, and "
+            f"packed documents' segment ids through fsdp_tp.attention.attend(q, k, v, segment_ids=...)."
+        )
 
 
 def _jax_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False, **rest):
-    """``jax.nn.dot_product_attention`` within a step that splits the sequence: computed across
-    the axis where it can be (no ``bias`` or ``mask``: both are built from a device's local
-    shapes), refused otherwise."""
+    """``jax.nn.dot_product_attention`` called by its attribute within a step that splits the
+    sequence: computed across the axis where it can be (no ``bias`` or ``mask``: both are built
+    from a device's local shapes), refused otherwise."""
     split = split_here()
     if split is None and checked_here() and bias is None and mask is None:
         return on_device(query, key, value, causal=is_causal, scale=scale)
     if split is None:
         return _JAX_ATTENTION(query, key, value, bias, mask, scale=scale, is_causal=is_causal, **rest)
-    given = {"bias": bias, "mask": mask, **{k: v for k, v in rest.items() if k != "implementation"}}
-    if named := [name for name, value in given.items() if value is not None and value is not False]:
-        raise ValueError(
-            f"jax.nn.dot_product_attention({', '.join(f'{n}=...' for n in named)}) inside a step that "
-            f"splits the sequence over {split.axis!r}: a mask or bias the model builds holds a device's "
-            f"tokens only, and the attention across devices cannot read it. Pass is_causal=True for a "
-            f"causal mask, and packed documents' segment ids through "
-            f"fsdp_tp.attention.attend(q, k, v, segment_ids=...)."
-        )
+    _refuse_unread(
+        split, {"bias": bias, "mask": mask, **{k: v for k, v in rest.items() if k != "implementation"}}
+    )
     if query.ndim == 3:  # (T, N, H): one sequence
         return across(split, query[None], key[None], value[None], causal=is_causal, scale=scale)[0]
     return across(split, query, key, value, causal=is_causal, scale=scale)
 
 
+def _jax_attention_xla(
+    query,
+    key,
+    value,
+    bias,
+    mask,
+    is_causal,
+    scale,
+    q_seqlen,
+    kv_seqlen,
+    local_window_size,
+    return_residual=False,
+):
+    """What every binding of ``jax.nn.dot_product_attention`` runs (its XLA implementation, once
+    it has checked the shapes and made them ``(B, T, N, H)``, the scale given): within a split
+    step, :func:`_jax_attention`'s attention across the axis."""
+    split = split_here()
+    given = {
+        "bias": bias,
+        "mask": mask,
+        "query_seq_lengths": q_seqlen,
+        "key_value_seq_lengths": kv_seqlen,
+        "local_window_size": local_window_size,
+        "return_residual": return_residual,
+    }
+    unread = any(value is not None and value is not False for value in given.values())
+    if split is None and checked_here() and not unread:
+        return on_device(query, key, value, causal=is_causal, scale=scale)
+    if split is None:
+        return _JAX_XLA(
+            query,
+            key,
+            value,
+            bias,
+            mask,
+            is_causal,
+            scale,
+            q_seqlen,
+            kv_seqlen,
+            local_window_size,
+            return_residual,
+        )
+    _refuse_unread(split, given)
+    return across(split, query, key, value, causal=is_causal, scale=scale)
+
+
+# (the module, the name, what it runs within a split step's trace)
+_PATCHED = (
+    (jax.nn, "dot_product_attention", _jax_attention),
+    (_jax_nn, "_dot_product_attention_xla", _jax_attention_xla),
+)
+
+
 @contextlib.contextmanager
 def jax_attention_across(split: SequenceSplit | None) -> Iterator[None]:
-    """Within (a step's per-device trace, where ``split`` is not ``None``):
-    ``jax.nn.dot_product_attention`` computes across the split's axis (:func:`_jax_attention`),
-    as a model calls it by that name. Reset when the trace ends."""
+    """Within (a step's per-device trace, where ``split`` is not ``None``): JAX's
+    ``dot_product_attention`` computes across the split's axis however the model bound it
+    (:data:`_PATCHED`). Reset when the trace ends."""
     if split is None:
         yield
         return
-    jax.nn.dot_product_attention = _jax_attention
+    saved = [(module, name, getattr(module, name)) for module, name, _ in _PATCHED]
+    for module, name, patched in _PATCHED:
+        setattr(module, name, patched)
     try:
         yield
     finally:
-        jax.nn.dot_product_attention = _JAX_ATTENTION
+        for module, name, original in saved:
+            setattr(module, name, original)

@@ -22,8 +22,10 @@ from collections.abc import Callable, Sequence
 import jax.numpy as jnp
 
 from .._sequence_split import checked_here, split_here
+from .._trace.sites import calling_site
 from .._types import AxisName
 from ..dropout import weights_split
+from ..errors import RuleError
 from ._across import across, on_device
 from ._dropout import AttentionDropout
 
@@ -61,10 +63,12 @@ def _refuse_unread(where: str, axis: str, given: dict) -> None:
         "qk_attn_weights_einsum": "leave the module's einsums flax's own",
         "attn_weights_value_einsum": "leave the module's einsums flax's own",
     }
-    raise ValueError(
-        f"{where}: flax's attention function given {', '.join(f'{n}=...' for n in named)} inside a step "
-        f"that splits the sequence over {axis!r}: the attention across devices cannot read it (it holds a "
-        f"device's tokens only, or every key's weights at once). Fix: {'; '.join(fixes[n] for n in named)}."
+    site = calling_site()  # (the model's line that called the module: Linen's and NNX's refusal alike)
+    raise RuleError(
+        f"{where}{f' (called at {site})' if site is not None else ''}: flax's attention function given "
+        f"{', '.join(f'{n}=...' for n in named)} inside a step that splits the sequence over {axis!r}: the "
+        f"attention across devices cannot read it (it holds a device's tokens only, or every key's "
+        f"weights at once). Fix: {'; '.join(fixes[n] for n in named)}."
     )
 
 

@@ -63,6 +63,8 @@ def step_split(
                 )
             found = True
     if not found:
+        if given is None:
+            _refuse_other_splits(specs, split.axis, where)
         if given is not None:
             raise ValueError(
                 f"{where}: sequence={given} splits the sequence over {split.axis!r}, but no batch spec "
@@ -76,6 +78,29 @@ def step_split(
             f"mesh ({dict(sizes)}); add it (make_mesh({{..., {split.axis!r}: n}})) or drop it from the specs."
         )
     return split
+
+
+def _refuse_other_splits(specs: list[PartitionSpec], axis: str, where: str) -> None:
+    """A leaf's dim past the rows split over another axis than the sequence split's: the step
+    would take it for rows split over the first dim's axes alone, and each device would compute
+    on its block of that dim as if it were the whole (the split named: ``SequenceSplit(axis=...)``)."""
+    for spec in specs:
+        for dim, entry in enumerate(spec):
+            named = entry_axes(entry)
+            if dim == 0 or not named:
+                continue
+            fix = (
+                f"pass sequence=SequenceSplit(axis={named[0]!r}) (fsdp_tp.context.SequenceSplit) to "
+                f"split the sequence over it"
+                if len(named) == 1
+                else "split the sequence over one axis, named by sequence=SequenceSplit(axis=...)"
+            )
+            raise ValueError(
+                f"{where}: batch spec {spec} splits dim {dim} over {entry!r}, past the rows; a step splits "
+                f"a leaf's dims past the rows only as its sequence, over the axis its sequence split names "
+                f"({axis!r} unless told): {fix}, with attention computed across it, or leave dim {dim} "
+                f"whole (P({spec[0]!r}))."
+            )
 
 
 def _normal(spec: PartitionSpec) -> tuple:
