@@ -645,6 +645,63 @@ def test_a_module_that_routes_in_its_own_call_is_split_around_its_expert_einsums
         )
 
 
+class LinenSharedExpertBlock(LinenRoutingBlock):
+    """The routed block with a shared expert every token takes, its layers submodules of the
+    block (MaxText's and DeepSeek's layout: ``shared_gate``, ``shared_up``, ``shared_down``)."""
+
+    @nn.compact
+    def __call__(self, x):
+        shared = nn.silu(nn.Dense(H, name="shared_gate")(x)) * nn.Dense(H, name="shared_up")(x)
+        return super().__call__(x) + nn.Dense(D, name="shared_down")(shared)
+
+
+class NNXSharedExpertBlock(NNXRoutingBlock):
+    def __init__(self, rngs: nnx.Rngs):
+        super().__init__(rngs)
+        self.shared_gate, self.shared_up = (nnx.Linear(D, H, rngs=rngs) for _ in range(2))
+        self.shared_down = nnx.Linear(H, D, rngs=rngs)
+
+    def __call__(self, x):
+        shared = nnx.silu(self.shared_gate(x)) * self.shared_up(x)
+        return super().__call__(x) + self.shared_down(shared)
+
+
+class LinenSharedExpertMoE(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(V, D, name="embed")(tokens)
+        return nn.Dense(V, name="head")(x + LinenSharedExpertBlock(name="moe")(x))
+
+
+class NNXSharedExpertMoE(NNXRoutingMoE):
+    def __init__(self, rngs: nnx.Rngs):
+        super().__init__(rngs)
+        self.moe = NNXSharedExpertBlock(rngs)
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_a_routed_module_holding_its_shared_expert_is_planned_whole_inside_and_a_rule_there_refused(api):
+    """Issue 99 point 8: find_tp_rules(size=2, expert_size=2) raised on its own plan ("tp rule
+    '...shared_gate$' -> ColumnParallel matches no submodule", listing it): a role inside a
+    module whose ExpertParallel(dims=...) runs its call again never runs. The plan now leaves
+    the shared expert whole, says why, and trains equal to unsharded on data x expert x tensor;
+    such a rule by hand is refused naming the module around it, and the fix (dropping it) runs."""
+    model = LinenSharedExpertMoE() if api == "linen" else NNXSharedExpertMoE
+    find = fsdp_tp.linen.find_tp_rules if api == "linen" else fsdp_tp.nnx.find_tp_rules
+    found = find(model if api == "linen" else model(nnx.Rngs(0)), TOKENS, size=2, expert_size=2)
+    assert [pattern for pattern, _ in found.rules] == ["^embed$", "^moe$", "^head$"]
+    assert {path for path, why in found.whole if "ExpertParallel(dims=...) runs its call again" in why} == {
+        f"moe/shared_{name}" for name in ("gate", "up", "down")
+    }
+    once = dict(batch_axes=HYBRID_AXES, steps=1, optimizers={})
+    check_sharded(model, BATCH, cross_entropy, HYBRID_MESH, tp_rules=found.rules, **once)
+    inside = [*ROUTED, ("moe/shared_(gate|up)$", ColumnParallel()), ("moe/shared_down$", RowParallel())]
+    with pytest.raises(RuleError, match=r"names moe/shared_gate, inside moe, whose role") as refused:
+        check_sharded(model, BATCH, cross_entropy, HYBRID_MESH, tp_rules=inside, **once)
+    named_fix(refused, "Fix: drop the rule")
+    check_sharded(model, BATCH, cross_entropy, HYBRID_MESH, tp_rules=ROUTED, **once)
+
+
 class LinenMisreadBlock(LinenRoutingBlock):
     """The routed block reading an expert kernel otherwise than through an einsum over its
     experts: summed into the output, or contracted over its experts."""

@@ -99,6 +99,9 @@ class ExpertParallel(TPRole):
     def takes_any_module(self) -> bool:
         return bool(self.dims)  # (a bank of raw expert kernels, whatever its class)
 
+    def runs_call_again(self) -> bool:
+        return bool(self.dims)  # (fsdp_tp.tp._expert_call)
+
     def parts(self):
         return (self,) if self.within is None else (self, self.within)
 

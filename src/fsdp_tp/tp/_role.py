@@ -121,6 +121,11 @@ class TPRole:
         (a module of raw kernels: the ``"module"`` kind), beside the classes of its ``kinds``."""
         return "module" in self.kinds
 
+    def runs_call_again(self) -> bool:
+        """Whether the role runs the module's call again operation by operation (its trace re-run
+        with collectives placed inside it), so that no role of a submodule inside it runs."""
+        return False
+
     def splits(self, layer: Layer) -> dict[str, int]:
         """``{parameter path under the module: the dim split over the axis}``."""
         raise NotImplementedError

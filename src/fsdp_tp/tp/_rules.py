@@ -255,13 +255,34 @@ def require_all_matched(
     params: Sequence[str],
     kinds: Kinds,
 ) -> None:
-    """Every tp rule named a submodule; else a RuleError listing the submodules a rule can name."""
+    """Every tp rule named a submodule; else a RuleError listing the submodules a rule can name,
+    or, where it names one inside a module whose role runs its call again, saying so."""
     for index, rule in enumerate(rules):
         if index in used:
             continue
+        _require_outside_rerun_calls(rule, [rules[i] for i in sorted(used)], modules)
         named = [p for p in params if rule.regex.search(p)]
         hint = _parameter_hint(named, modules, kinds) if named else "fix the pattern or drop the rule"
         raise RuleError(
             f"tp rule {rule.pattern!r} -> {type(rule.role).__name__} matches no submodule; {hint}. "
             f"Submodules a tp rule can name: {_listed(_nameable(modules, kinds))}."
         )
+
+
+def _require_outside_rerun_calls(
+    rule: CompiledRole, used: Sequence[CompiledRole], modules: Mapping[str, type]
+) -> None:
+    """A rule that matched nothing because the submodules it names are inside a module whose
+    role runs its call again (:meth:`~fsdp_tp.tp.TPRole.runs_call_again`): that, and the fix."""
+    for path in (p for p in modules if p and rule.regex.search(p)):
+        for outer in (r for r in used if r.role.runs_call_again()):
+            inside = (a for a in modules if a and path.startswith(a + "/") and outer.regex.search(a))
+            if (bank := next(inside, None)) is not None:
+                role = f"{type(outer.role).__name__}(dims=...)"
+                raise RuleError(
+                    f"tp rule {rule.pattern!r} -> {type(rule.role).__name__} names {path}, inside {bank}, "
+                    f"whose role (tp rule {outer.pattern!r} -> {role}) runs its call again operation by "
+                    f"operation: a role inside it never runs. Fix: drop the rule ({path} then "
+                    f"computes whole on the tokens each device holds, as find_tp_rules leaves it), or move "
+                    f"it out of {bank} to give it a role."
+                )

@@ -74,6 +74,7 @@ def find_plan(
         regions.append(tuple(found))
         taken |= set(split)
     roles |= {path: with_within(bank, roles.get(path)) for path, bank in banks.items()}
+    roles, regions = _outside_rerun_calls(roles, regions, banks, reasons)
     first = _first_reads(graph, kernels)
     roles = dict(sorted(roles.items(), key=lambda item: first.get(item[0], len(graph.nodes))))
     otherwise = "no matmul reads its parameters" if axis is not None else "the mesh has no tensor axis"
@@ -146,6 +147,29 @@ def _owner(module: str, layers: Mapping[str, Layer]) -> str:
     """The module a parameter's split belongs to: its own, or the attention it is part of."""
     attention = (p for p in ancestors(module)[:-1] if p in layers and layers[p].kind == "attention")
     return next(attention, module)
+
+
+def _outside_rerun_calls(
+    roles: dict[str, TPRole], regions: list[tuple[str, ...]], banks: Mapping[str, TPRole], reasons: dict
+) -> tuple[dict[str, TPRole], list[tuple[str, ...]]]:
+    """``roles`` and ``regions`` less each region with a module inside a bank whose role re-runs
+    its call as written (``ExpertParallel(dims=...)``: the module's operations run again on a
+    device's values, so a role of a submodule inside it would never run, and a rule naming it
+    would match nothing); those modules left whole, each with why (``reasons``)."""
+    rerun = [path for path, bank in banks.items() if bank.runs_call_again()]
+    inside = lambda path: next((bank for bank in rerun if path.startswith(bank + "/")), None)
+    dropped = {path for region in regions if any(map(inside, region)) for path in region}
+    for path in sorted(dropped):
+        bank = inside(path)
+        reasons[path] = (
+            f"inside {bank}, whose ExpertParallel(dims=...) runs its call again operation by operation "
+            f"(a role inside it would not run)"
+            if bank is not None
+            else f"split with modules inside {', '.join(sorted({b for p in dropped if (b := inside(p))}))}, "
+            f"whose ExpertParallel(dims=...) runs its call again"
+        )
+    kept = {path: role for path, role in roles.items() if path not in dropped}
+    return kept, [region for region in regions if not dropped.intersection(region)]
 
 
 def _leaf(path: str, roles: Mapping[str, TPRole], layers: Mapping[str, Layer]) -> bool:
