@@ -27,6 +27,7 @@ import functools
 import os
 import sys
 import sysconfig
+import types
 from collections import defaultdict
 
 import flax
@@ -136,7 +137,7 @@ def user_site(source) -> Site | None:
 def calling_site() -> Site | None:
     """Where the user's code called what runs now: the innermost frame of the Python stack in a
     :func:`users_file` (while a model traces, the model's line that reached the library)."""
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         if users_file(code.co_filename):
