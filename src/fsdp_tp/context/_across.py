@@ -112,50 +112,28 @@ def _jax_attention(query, key, value, bias=None, mask=None, *, scale=None, is_ca
     return across(split, query, key, value, causal=is_causal, scale=scale)
 
 
-def _jax_attention_xla(
-    query,
-    key,
-    value,
-    bias,
-    mask,
-    is_causal,
-    scale,
-    q_seqlen,
-    kv_seqlen,
-    local_window_size,
-    return_residual=False,
-):
+def _jax_attention_xla(query, key, value, bias, mask, **given):
     """What every binding of ``jax.nn.dot_product_attention`` runs (its XLA implementation, once
-    it has checked the shapes and made them ``(B, T, N, H)``, the scale given): within a split
-    step, :func:`_jax_attention`'s attention across the axis."""
-    split = split_here()
-    given = {
-        "bias": bias,
-        "mask": mask,
-        "query_seq_lengths": q_seqlen,
-        "key_value_seq_lengths": kv_seqlen,
-        "local_window_size": local_window_size,
-        "return_residual": return_residual,
+    it has checked the shapes and made them ``(B, T, N, H)``; ``given``: ``is_causal``, the
+    ``scale``, the sequence lengths, the local window and ``return_residual``, by keyword as JAX
+    passes them): within a split step, :func:`_jax_attention`'s attention across the axis."""
+    split, causal, scale = split_here(), given["is_causal"], given["scale"]
+    unread = {"bias": bias, "mask": mask, "query_seq_lengths": given.get("q_seqlen")}
+    unread |= {
+        "key_value_seq_lengths": given.get("kv_seqlen"),
+        "local_window_size": given.get("local_window_size"),
     }
-    unread = any(value is not None and value is not False for value in given.values())
-    if split is None and checked_here() and not unread:
-        return on_device(query, key, value, causal=is_causal, scale=scale)
+    unread |= {"return_residual": given.get("return_residual", False)}
+    if (
+        split is None
+        and checked_here()
+        and not any(v is not None and v is not False for v in unread.values())
+    ):
+        return on_device(query, key, value, causal=causal, scale=scale)
     if split is None:
-        return _JAX_XLA(
-            query,
-            key,
-            value,
-            bias,
-            mask,
-            is_causal,
-            scale,
-            q_seqlen,
-            kv_seqlen,
-            local_window_size,
-            return_residual,
-        )
-    _refuse_unread(split, given)
-    return across(split, query, key, value, causal=is_causal, scale=scale)
+        return _JAX_XLA(query, key, value, bias, mask, **given)
+    _refuse_unread(split, unread)
+    return across(split, query, key, value, causal=causal, scale=scale)
 
 
 # (the module, the name, what it runs within a split step's trace)
