@@ -29,6 +29,7 @@ from .._trace.sites import is_library, pair, scope_of, site_of, source_of, user_
 from ..errors import RuleError
 from .partners import partners
 from .refusals import (
+    PARTIAL_SUM_READ,
     RULE_DROPPED,
     SEQUENCE_SPLIT,
     SEQUENCE_WHOLE,
@@ -410,6 +411,7 @@ class Blocks:
             summed = f" (summed over {names_text(list(made.missed))} only)" if made.missed else ""
             why = f"{node.prim} reads {partial}{summed} before they are summed over {axes_text(self.sizes)}"
             fix = step_partial_fix(node.prim, tuple(self.sizes))
+            self.refuse(node, ref, made.module, why, fix, kind=PARTIAL_SUM_READ)
         else:
             why = f"{node.prim} reads {partial} before anything sums them over {axes_text(self.sizes)}"
             fix = "a mean, norm or softmax of split features must see them all: compute it after the sum"
@@ -450,7 +452,7 @@ class Blocks:
         return "step on the whole batch" if self.step else "unsharded model"
 
     def refuse(
-        self, node: Node, ref: Node | None, origin: str, why: str, fix: str, by_sequence=False
+        self, node: Node, ref: Node | None, origin: str, why: str, fix: str, by_sequence=False, kind=""
     ) -> None:
         module, role = self.named(origin)
         sides = (("in", node.ins, ref.ins if ref else []), ("out", node.outs, ref.outs if ref else []))
@@ -474,4 +476,4 @@ class Blocks:
             f"does not keep apart: {node.prim} ({shapes}): {why}; the sharded {self._what} would compute "
             f"another function. Fix: {fix}{drop}."
         )
-        raise blaming(err, module, f"the plan check: {node.prim} at {at}: {why}")
+        raise blaming(err, module, f"the plan check: {node.prim} at {at}: {why}", kind)

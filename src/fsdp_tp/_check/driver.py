@@ -53,10 +53,11 @@ from ..tp._role import Layer, axes_of
 from ..tp._rules import CompiledRole
 from .blocks import Blocks
 from .failures import raise_failure
-from .refusals import RULE_DROPPED, Named
+from .refusals import PARTIAL_SUM_READ, RULE_DROPPED, Named
 from .round_trips import require_no_round_trip
 
 __all__ = [
+    "PARTIAL_SUM_READ",
     "Graph",
     "PlanCall",
     "Reference",

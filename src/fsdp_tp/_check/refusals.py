@@ -89,10 +89,16 @@ def names_text(modules: list[str]) -> str:
     return modules[0] if len(modules) == 1 else f"{', '.join(modules[:-1])} and {modules[-1]}"
 
 
-def blaming(err: RuleError, module: str, reason: str) -> RuleError:
+# A refusal's kind (``err.kind``), where a caller acts on it: the step's own code reads a
+# device's share of a sum (check_sharded then names the (sum, weight) loss it takes).
+PARTIAL_SUM_READ = "a partial sum read"
+
+
+def blaming(err: RuleError, module: str, reason: str, kind: str = "") -> RuleError:
     """``err`` carrying the module it refuses (``err.module``: a plan finder leaves its region
-    whole) and the reason in a few words (``err.reason``)."""
-    err.module, err.reason = module, reason  # type: ignore[attr-defined]
+    whole), the reason in a few words (``err.reason``) and its kind (``err.kind``, e.g.
+    :data:`PARTIAL_SUM_READ`; empty: none a caller acts on)."""
+    err.module, err.reason, err.kind = module, reason, kind  # type: ignore[attr-defined]
     return err
 
 

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from .._axes import CONTEXT, as_axis_tuple
 from .._batch import DEFAULT_BATCH_AXES
-from .._check.driver import checking
+from .._check.driver import PARTIAL_SUM_READ, checking
 from .._sequence_split import SequenceSplit
 from .._types import AxisNames
 from ..errors import RuleError
@@ -142,7 +142,7 @@ def check_sharded(
                 pair, [(x, y)] * steps, jax.random.key(seed), optimizers, reference=reference, key=key
             )
         except RuleError as err:  # (the step check's: here the loss is the user's, the step ours)
-            if "reads the partial sums" in str(err) and not weighted:
+            if getattr(err, "kind", "") == PARTIAL_SUM_READ and not weighted:
                 err.args = (f"{err.args[0]} {_RATIO_FIX}", *err.args[1:])
             raise
 
