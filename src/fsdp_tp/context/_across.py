@@ -81,10 +81,15 @@ _JAX_ATTENTION = jax.nn.dot_product_attention
 _JAX_XLA = _jax_nn._dot_product_attention_xla
 
 
+def _named(given: dict) -> list[str]:
+    """The arguments of ``given`` the model set (neither ``None`` nor ``False``)."""
+    return [name for name, value in given.items() if value is not None and value is not False]
+
+
 def _refuse_unread(split: SequenceSplit, given: dict) -> None:
     """A mask, bias or lengths given to JAX's attention in a split step: a ``RuleError`` at the
     model's line (they hold a device's tokens only; the ring cannot read them)."""
-    if named := [name for name, value in given.items() if value is not None and value is not False]:
+    if named := _named(given):
         site = calling_site()
         raise RuleError(
             f"{f'{site}: ' if site is not None else ''}jax.nn.dot_product_attention("
@@ -118,17 +123,16 @@ def _jax_attention_xla(query, key, value, bias, mask, **given):
     ``scale``, the sequence lengths, the local window and ``return_residual``, by keyword as JAX
     passes them): within a split step, :func:`_jax_attention`'s attention across the axis."""
     split, causal, scale = split_here(), given["is_causal"], given["scale"]
-    unread = {"bias": bias, "mask": mask, "query_seq_lengths": given.get("q_seqlen")}
-    unread |= {
-        "key_value_seq_lengths": given.get("kv_seqlen"),
-        "local_window_size": given.get("local_window_size"),
+    unread = {"bias": bias, "mask": mask} | {
+        name: given.get(key)
+        for name, key in (
+            ("query_seq_lengths", "q_seqlen"),
+            ("key_value_seq_lengths", "kv_seqlen"),
+            ("local_window_size", "local_window_size"),
+            ("return_residual", "return_residual"),
+        )
     }
-    unread |= {"return_residual": given.get("return_residual", False)}
-    if (
-        split is None
-        and checked_here()
-        and not any(v is not None and v is not False for v in unread.values())
-    ):
+    if split is None and checked_here() and not _named(unread):
         return on_device(query, key, value, causal=causal, scale=scale)
     if split is None:
         return _JAX_XLA(query, key, value, bias, mask, **given)
