@@ -159,14 +159,14 @@ def _outside_rerun_calls(
     rerun = [path for path, bank in banks.items() if bank.runs_call_again()]
     inside = lambda path: next((bank for bank in rerun if path.startswith(bank + "/")), None)
     dropped = {path for region in regions if any(map(inside, region)) for path in region}
+    hit = ", ".join(sorted({bank for path in dropped if (bank := inside(path))}))
     for path in sorted(dropped):
         bank = inside(path)
         reasons[path] = (
             f"inside {bank}, whose ExpertParallel(dims=...) runs its call again operation by operation "
             f"(a role inside it would not run)"
             if bank is not None
-            else f"split with modules inside {', '.join(sorted({b for p in dropped if (b := inside(p))}))}, "
-            f"whose ExpertParallel(dims=...) runs its call again"
+            else f"split with modules inside {hit}, whose ExpertParallel(dims=...) runs its call again"
         )
     kept = {path: role for path, role in roles.items() if path not in dropped}
     return kept, [region for region in regions if not dropped.intersection(region)]
