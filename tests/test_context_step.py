@@ -718,3 +718,15 @@ def test_expert_parallel_under_the_sequence_split_is_the_unsharded_model_and_a_c
             run(1.0)
     named_fix(refused, "Route dropless under the split (capacity_factor=None")
     run(None)
+
+
+def test_a_per_token_output_split_past_the_sequence_comes_back_in_the_batchs_order():
+    # Logits split on their vocabulary over tensor (a column-parallel head's) are per-token:
+    # P("data", "context", "tensor") starts as the tokens' spec does. They were left in the
+    # split's order, silently (found loading a checkpoint: issue 100).
+    laid = LaidOut(SequenceSplit(), 4, {"tokens": P("data", "context")})
+    logits = jnp.arange(2 * 16 * 3).reshape(2, 16, 3)
+    spread = laid.batch({"tokens": logits})["tokens"]
+    assert not jnp.array_equal(spread, logits)  # (the balanced split reorders: the test can fail)
+    assert jnp.array_equal(laid.outputs(spread, P("data", "context", "tensor")), logits)
+    assert jnp.array_equal(laid.outputs(spread, P("data", None, "tensor")), spread)  # (not split: as it is)

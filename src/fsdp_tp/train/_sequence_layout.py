@@ -180,6 +180,10 @@ class LaidOut:
             )
 
     def outputs(self, tree: Any, specs: Specs) -> Any:
+        """``tree`` (a step's outputs by ``specs``) with each per-token leaf back in the batch's
+        order: one whose spec starts as a split batch leaf's does — the rows and the sequence
+        alike; dims past those free (logits split on their vocabulary over ``tensor``,
+        ``P("data", "context", "tensor")``, are per-token too)."""
         per_token = {
             _normal(s)
             for s in jax.tree.leaves(self.batch_specs, is_leaf=_is_spec)
@@ -190,7 +194,7 @@ class LaidOut:
     def _each(self, tree, specs, move, only: set | None):
         def leaf(spec, x):
             dims = _dims_over(spec, self.split.axis) if _is_spec(spec) else []
-            if not dims or (only is not None and _normal(spec) not in only):
+            if not dims or (only is not None and not any(tuple(spec)[: len(b)] == b for b in only)):
                 return x
             return move(x, dims[0][0], self.size)
 
