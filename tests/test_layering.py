@@ -249,7 +249,7 @@ def test_bench_and_the_cli_share_the_recipe_not_each_other():
 # Above the core and the two front ends: the model zoo, the main job's recipe, the CLI, the
 # benchmarks and the equivalence proof users and the suite share (each may use both front
 # ends), the package's own __init__ and __main__.
-APPLICATIONS = ("models", "recipe", "cli", "bench", "testing")
+APPLICATIONS = ("models", "hub", "recipe", "cli", "bench", "testing")
 TOP_LEVEL = (TOP, "__main__")
 
 
@@ -345,6 +345,7 @@ IMPORT_LINEN = {
     "models.transformer": "the GPT written in Linen",
     "models.llama": "the einsum Llama written in both APIs",
     "models.moe": "the MoE block and its LM written in both APIs",
+    "hub.decoder": "the decoder a Hugging Face config describes, written in both APIs",
     "bench.baselines": "plain Flax baselines the library is measured against",
     "bench.figures": "reads the Linen workloads' nn.Partitioned boxes",
     "bench.variants": "the Linen model each benchmark variant shards",

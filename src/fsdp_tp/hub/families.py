@@ -1,0 +1,48 @@
+"""The mappings from the Hub's checkpoint names to the decoder's parameters
+(:mod:`fsdp_tp.hub.decoder`), a family each, written in :mod:`fsdp_tp.hub.mapping`'s rules.
+
+transformers stores a Linear's weight ``(out, in)``; the decoder's einsum kernels are ``(in,
+heads, head_dim)`` for q/k/v, ``(heads, head_dim, out)`` for the attention's output, ``(in,
+out)`` for the MLP and the head. So each projection is a transpose, and the attention's a split
+of ``heads * head_dim`` into its two dims.
+
+>>> from fsdp_tp.hub.decoder import DecoderConfig
+>>> rules, ignore = mapping(DecoderConfig(64, 32, 4, 2, 8, 48, 2))
+>>> [rule.path for rule in rules][:3]
+['embed/embedding', 'final_norm', 'head/kernel']
+"""
+
+from __future__ import annotations
+
+from .decoder import DecoderConfig
+from .mapping import Rule, SplitDim, Transpose
+
+__all__ = ["mapping"]
+
+_LAYER = r"model\.layers\.(\d+)\."
+
+
+def mapping(config: DecoderConfig) -> tuple[list[Rule], list[str]]:
+    """The rules that load a Llama-layout checkpoint into the decoder of ``config``, and the
+    stored tensors to leave unread (older exports' rotary tables, which the decoder computes)."""
+    heads = (Transpose(), SplitDim(1, (config.heads, -1)))  # (N*H, D) -> (D, N, H)
+    kv_heads = (Transpose(), SplitDim(1, (config.kv_heads, -1)))
+    linear = (Transpose(),)
+    rules = [
+        Rule(r"model\.embed_tokens\.weight", "embed/embedding"),
+        Rule(r"model\.norm\.weight", "final_norm"),
+        Rule(r"lm_head\.weight", "head/kernel", linear),
+        Rule(_LAYER + r"input_layernorm\.weight", r"block_\1/attn_norm"),
+        Rule(_LAYER + r"post_attention_layernorm\.weight", r"block_\1/mlp_norm"),
+        Rule(_LAYER + r"self_attn\.q_proj\.weight", r"block_\1/attn/q/kernel", heads),
+        Rule(_LAYER + r"self_attn\.k_proj\.weight", r"block_\1/attn/k/kernel", kv_heads),
+        Rule(_LAYER + r"self_attn\.v_proj\.weight", r"block_\1/attn/v/kernel", kv_heads),
+        # (D, N*H) -> (N*H, D) -> (N, H, D)
+        Rule(
+            _LAYER + r"self_attn\.o_proj\.weight",
+            r"block_\1/attn/out/kernel",
+            (Transpose(), SplitDim(0, (config.heads, -1))),
+        ),
+        Rule(_LAYER + r"mlp\.(gate|up|down)_proj\.weight", r"block_\1/mlp/\2/kernel", linear),
+    ]
+    return rules, [_LAYER + r"self_attn\.rotary_emb\.inv_freq"]

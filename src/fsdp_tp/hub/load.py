@@ -1,0 +1,142 @@
+"""A checkpoint straight into a sharded model's arrays: each process reads only the blocks its
+own devices hold, converts them to the parameter's dtype on the way, and writes nothing to disk.
+
+The target is the model's parameters as the library lays them out — :func:`~fsdp_tp.sharded_init
+.abstract_init`'s shapes (nothing allocated yet) or :func:`~fsdp_tp.init_sharded`'s arrays —
+Linen boxes and NNX variables kept. Every tensor is matched and every shape checked
+(:func:`~fsdp_tp.hub.mapping.match`) before any block is read: a checkpoint that does not fit
+fails whole, with nothing on the devices.
+
+Each array is built by ``jax.make_array_from_callback``: JAX asks each process for its own
+devices' blocks only, so no host reads, or holds, what it does not own. A block that several of
+a process's devices hold (replicas over ``data``) is read once. The host memory a load takes
+beyond what the devices end up holding is one block (the stored box, then its views) at a time.
+
+>>> import os, tempfile, numpy as np, jax
+>>> from jax.sharding import NamedSharding, PartitionSpec as P
+>>> from fsdp_tp import make_mesh
+>>> from fsdp_tp.hub.safetensors import write
+>>> from fsdp_tp.hub.mapping import Rule, Transpose
+>>> directory = tempfile.mkdtemp()
+>>> write(os.path.join(directory, "model.safetensors"), {"w": np.arange(32, dtype=np.float32).reshape(4, 8)})
+>>> mesh = make_mesh({"fsdp": 8})
+>>> target = {"kernel": jax.ShapeDtypeStruct((8, 4), np.float32, sharding=NamedSharding(mesh, P("fsdp")))}
+>>> params, report = load(directory, target, [Rule("w", "kernel", (Transpose(),))])
+>>> params["kernel"].sharding.spec, np.asarray(params["kernel"])[1].tolist()
+(P('fsdp',), [1.0, 9.0, 17.0, 25.0])
+
+Each device's block is a column of the stored ``w``: four 4-byte ranges 32 bytes apart, read as
+one range of 100 bytes (:data:`~fsdp_tp.hub.safetensors.COALESCE`); read exactly, they sum to
+the tensor:
+
+>>> load(Checkpoint(directory, coalesce=0), target, [Rule("w", "kernel", (Transpose(),))])[1]
+LoadReport(bytes_read=128, bytes_stored=128, blocks=8)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._tree import path_of
+from .._types import PyTree
+from ..errors import CheckpointMismatchError
+from .directory import Checkpoint
+from .mapping import Box, Rule, Source, match
+
+__all__ = ["LoadReport", "load", "param_path"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadReport:
+    """What one process read: ``bytes_read`` from the files, ``bytes_stored`` of the tensors
+    it read from (their whole size), ``blocks`` read."""
+
+    bytes_read: int
+    bytes_stored: int
+    blocks: int
+
+
+def param_path(key_path) -> str:
+    """A leaf's parameter path as rules name it: its box (Linen's ``Partitioned``, an NNX
+    variable) left out, ``"block_0/attn/q/kernel"``."""
+    keys = tuple(key_path)
+    if keys and isinstance(keys[-1], jax.tree_util.GetAttrKey) and keys[-1].name == "value":
+        keys = keys[:-1]
+    return path_of(keys)
+
+
+def load(
+    checkpoint: str | os.PathLike | Checkpoint,
+    target: PyTree,
+    rules: Sequence[Rule],
+    ignore: Sequence[str] = (),
+) -> tuple[PyTree, LoadReport]:
+    """``target``'s tree with each leaf read from ``checkpoint`` (a directory or a
+    :class:`~fsdp_tp.hub.directory.Checkpoint`) by ``rules``, in the leaf's shape, dtype and
+    sharding; and what this process read. Stored tensors that ``ignore``'s patterns match are
+    left unread (a checkpoint's rotary tables, say)."""
+    opened = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
+    paths = [param_path(key_path) for key_path, _ in leaves]
+    shapes = {path: tuple(leaf.shape) for path, (_, leaf) in zip(paths, leaves, strict=True)}
+    stored = {name: opened.shape(name) for name in opened.names()}
+    plan = match(rules, stored, shapes, ignore, where=opened.file)
+    _require_dtypes(opened, plan, {p: leaf.dtype for p, (_, leaf) in zip(paths, leaves, strict=True)})
+    read_before, blocks = opened.bytes_read, 0
+    arrays = []
+    for path, (_, leaf) in zip(paths, leaves, strict=True):
+        cache: dict[Box, np.ndarray] = {}
+
+        def block(index, path=path, leaf=leaf, cache=cache):
+            nonlocal blocks
+            box = tuple(s.indices(n)[:2] for s, n in zip(index, leaf.shape, strict=True))
+            if box not in cache:
+                cache[box] = _block(opened, plan[path], box, leaf.dtype)
+                blocks += 1
+            return cache[box]
+
+        arrays.append(jax.make_array_from_callback(leaf.shape, leaf.sharding, block))
+    stored_bytes = sum(
+        opened.entries[s.name][1].end - opened.entries[s.name][1].begin for ss in plan.values() for s in ss
+    )
+    report = LoadReport(opened.bytes_read - read_before, stored_bytes, blocks)
+    return jax.tree_util.tree_unflatten(treedef, arrays), report
+
+
+def _block(opened: Checkpoint, sources: list[Source], box: Box, dtype) -> np.ndarray:
+    """The parameter's ``box``, each stacked index's source read for its part only."""
+    out = np.empty(tuple(hi - lo for lo, hi in box), dtype)
+    stacked = len(sources[0].at)
+    inner = box[stacked:]
+    for source in sources:
+        if all(lo <= i < hi for i, (lo, hi) in zip(source.at, box, strict=False)):
+            part = source.block(opened.read(source.name, source.box(inner)), inner)
+            out[tuple(i - lo for i, (lo, _) in zip(source.at, box, strict=False))] = part
+    return out
+
+
+def _require_dtypes(opened: Checkpoint, plan: dict[str, list[Source]], dtypes: dict) -> None:
+    """A float parameter takes any float tensor (converted); anything else only its own kind."""
+    problems = []
+    for path, sources in plan.items():
+        want = np.dtype(dtypes[path])
+        for source in sources:
+            have = opened.dtype(source.name)
+            if have != want and not (
+                jnp.issubdtype(have, jnp.floating) and jnp.issubdtype(want, jnp.floating)
+            ):
+                problems.append(
+                    f"tensor {source.name!r} ({opened.file(source.name)}) is {have}, but {path!r} is {want}: "
+                    f"only floats convert to another float; fix the rule or the model's dtype"
+                )
+    if problems:
+        raise CheckpointMismatchError(
+            f"the checkpoint does not fit the model ({len(problems)} problems; nothing was loaded):\n  "
+            + "\n  ".join(problems)
+        )

@@ -1,0 +1,74 @@
+"""Writes the tiny Hugging Face checkpoints the hub tests load, and the logits the Hub's own
+(torch) implementation computes on them: run once where torch and transformers install; the
+suite reads the files and never needs torch.
+
+    python -m venv /tmp/hub && /tmp/hub/bin/pip install torch==2.13.0 transformers safetensors
+    /tmp/hub/bin/python tests/hub_checkpoints/record.py
+
+Each family's directory: ``config.json``, ``model.safetensors`` (float32), a bfloat16 copy in
+``bf16/``, and ``logits.npy`` on ``TOKENS``: each checkpoint loaded back by transformers in float64 (so
+``bf16/logits.npy`` are the bfloat16 weights' logits).
+"""
+
+import json
+import pathlib
+
+import numpy as np
+import torch
+import transformers
+
+HERE = pathlib.Path(__file__).parent
+TOKENS = [[1, 5, 9, 13, 2, 60, 33, 7, 41, 19, 3, 50], [4, 8, 15, 16, 23, 42, 0, 63, 31, 12, 11, 10]]
+
+FAMILIES = {
+    # llama3 RoPE scaling with its three regimes hit at head_dim 8 (wavelengths 6.3, 63, 628,
+    # 6283 against 16 and 64), untied head.
+    "llama": transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        max_position_embeddings=128,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+}
+
+
+def main():
+    torch.manual_seed(0)
+    for family, config in FAMILIES.items():
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        # A random init's norms are ones and its biases zeros: make every tensor random, so a
+        # mapping that drops or swaps one shows.
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.copy_(torch.randn_like(parameter) * 0.3)
+        directory = HERE / family
+        model.save_pretrained(directory, safe_serialization=True)
+        model.to(torch.bfloat16).save_pretrained(directory / "bf16", safe_serialization=True)
+        # Each checkpoint's logits as a user of transformers gets them: the files loaded back, in
+        # float64 (the RoPE tables computed anew on load, as transformers computes them).
+        for written in (directory, directory / "bf16"):
+            (written / "generation_config.json").unlink(missing_ok=True)
+            loaded = transformers.AutoModelForCausalLM.from_pretrained(written, dtype=torch.float64).eval()
+            with torch.no_grad():
+                logits = loaded(torch.tensor(TOKENS)).logits.numpy()
+            np.save(written / "logits.npy", logits)
+            print(written, logits.shape, float(np.abs(logits).max()))
+        (directory / "tokens.json").write_text(json.dumps(TOKENS))
+
+
+if __name__ == "__main__":
+    main()

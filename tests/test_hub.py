@@ -1,0 +1,344 @@
+"""Issue 100, first part: a Hugging Face checkpoint read straight into a sharded model's arrays.
+
+The format read as untrusted input (every lie a header can tell refused before it steers a read,
+the honest file read: negative control), any block of any tensor equal to the slice of the array
+written (hypothesis), the checkpoint's problems named tensor by tensor before anything is read
+(and each named fix loads), and the Llama family equal to the Hub's own implementation: logits
+that transformers (torch) computed on a tiny checkpoint it wrote (``tests/hub_checkpoints``,
+recorded once by ``record.py`` there) against the decoder loaded from it, Linen and NNX, on one
+device and on data x fsdp x tensor and fsdp x context x tensor meshes (the library's Megatron and
+FSDP layouts, the sequence split by the step), each process reading each byte it holds once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import shutil
+import struct
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
+
+import fsdp_tp
+import fsdp_tp.nnx
+from fsdp_tp import TrainState, make_mesh, shard_step
+from fsdp_tp.errors import CheckpointCorruptError, CheckpointMismatchError
+from fsdp_tp.hub import Checkpoint, Decoder, DecoderConfig, NNXDecoder, Rule, load, mapping
+from fsdp_tp.hub.decoder import TP_RULES, fsdp_rules
+from fsdp_tp.hub.safetensors import read_block, read_header, write
+from fsdp_tp.sharded_init import abstract_init
+
+HERE = os.path.join(os.path.dirname(__file__), "hub_checkpoints")
+LLAMA = os.path.join(HERE, "llama")
+# The Hub's logits are float64 runs of the stored weights; the decoder computes in float32, as
+# transformers' own RoPE tables are computed: equal to float32 rounding (measured 5.3e-7 on
+# logits up to 1.5, every mesh).
+FLOAT32_ROUNDING = 2e-6
+
+
+def _honest(tmp_path, **tensors) -> str:
+    path = os.path.join(tmp_path, "model.safetensors")
+    write(path, tensors or {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(4, np.int32)})
+    return path
+
+
+def _with_header(path: str, header: dict | bytes, data: bytes = b"", length: int | None = None) -> str:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    with open(path, "wb") as file:
+        file.write(struct.pack("<Q", len(raw) if length is None else length) + raw + data)
+    return path
+
+
+def _three_bytes(path: str) -> str:
+    with open(path, "wb") as file:
+        file.write(b"\x10\0\0")
+    return path
+
+
+LIES = {
+    "header longer than the file": (lambda p: _with_header(p, {}, length=1 << 20), "header of 1048576 bytes"),
+    "offsets past the end": (
+        lambda p: _with_header(p, {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4),
+        "'w': data_offsets [0, 8] do not lie within the file's 4 bytes",
+    ),
+    "overlapping tensors": (
+        lambda p: _with_header(
+            p,
+            {
+                "w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "x": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+            },
+            b"\0" * 12,
+        ),
+        "'w' and 'x' overlapping bytes",
+    ),
+    "bytes not the shape's": (
+        lambda p: _with_header(p, {"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8),
+        "'w': holds 8 bytes, but F32 of shape (3,) takes 12",
+    ),
+    "unknown dtype": (
+        lambda p: _with_header(p, {"w": {"dtype": "PICKLE", "shape": [1], "data_offsets": [0, 1]}}, b"\0"),
+        "'w': dtype 'PICKLE' is none of",
+    ),
+    "a name given twice": (
+        lambda p: _with_header(
+            p,
+            b'{"w": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}, '
+            b'"w": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}',
+            b"\0",
+        ),
+        "names given twice: ['w']",
+    ),
+    "not JSON": (lambda p: _with_header(p, b"\x80garbage"), "not JSON"),
+    "a negative or boolean size": (
+        lambda p: _with_header(p, {"w": {"dtype": "U8", "shape": [True], "data_offsets": [0, 1]}}, b"\0"),
+        "shape [True] is not a list of non-negative integers",
+    ),
+    "shorter than its length": (_three_bytes, "is 3 bytes, shorter than the 8-byte header length"),
+}
+
+
+@pytest.mark.parametrize("lie", sorted(LIES))
+def test_a_header_that_lies_is_refused_before_it_steers_a_read(tmp_path, lie):
+    make, said = LIES[lie]
+    path = make(str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointCorruptError, match="download it again") as refused:
+        Checkpoint(tmp_path)
+    assert path in str(refused.value) and said in str(refused.value)
+
+
+def test_the_honest_file_and_a_sharded_index_read_and_an_index_that_lies_is_refused(tmp_path):
+    # (the negative control of the lies above: the same reader reads what tells the truth)
+    path = _honest(tmp_path)
+    assert Checkpoint(tmp_path).read("a").tolist() == [[0, 1, 2], [3, 4, 5]]
+    os.rename(path, tmp_path / "part-1.safetensors")
+    write(str(tmp_path / "part-2.safetensors"), {"c": np.full((2,), 7, np.float32)})
+    index = {"weight_map": {"a": "part-1.safetensors", "b": "part-1.safetensors", "c": "part-2.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert {n: Checkpoint(tmp_path).file(n) for n in "abc"} == {
+        "a": "part-1.safetensors",
+        "b": "part-1.safetensors",
+        "c": "part-2.safetensors",
+    }
+    for shard, error, said in [
+        ("../outside.safetensors", CheckpointCorruptError, "not a file name in the directory"),
+        (
+            "part-3.safetensors",
+            CheckpointMismatchError,
+            "the download is incomplete; fetch part-3.safetensors",
+        ),
+    ]:
+        (tmp_path / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": {**index["weight_map"], "c": shard}})
+        )
+        with pytest.raises(error, match="tensor 'c'") as refused:
+            Checkpoint(tmp_path)
+        assert said in str(refused.value)
+    # The fix it names: fetch the shard.
+    shutil.copy(tmp_path / "part-2.safetensors", tmp_path / "part-3.safetensors")
+    assert Checkpoint(tmp_path).read("c").tolist() == [7, 7]
+
+
+@st.composite
+def _tensor_and_box(draw):
+    shape = tuple(draw(st.lists(st.integers(1, 5), min_size=0, max_size=4)))
+    dtype = draw(st.sampled_from([np.float32, ml_dtypes.bfloat16, np.float16, np.int32, np.uint8]))
+    box = []
+    for n in shape:
+        lo = draw(st.integers(0, n - 1))
+        box.append((lo, draw(st.integers(lo + 1, n))))
+    return (np.arange(int(np.prod(shape))) % 250 + 1).astype(dtype).reshape(shape), tuple(box)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_tensor_and_box(), st.sampled_from([0, 8, 4096]))
+def test_a_block_read_is_that_slice_of_the_tensor_and_reads_its_bytes(
+    tmp_path_factory, tensor_and_box, coalesce
+):
+    tensor, box = tensor_and_box
+    path = _honest(tmp_path_factory.mktemp("st"), t=tensor, z_pad=np.zeros(8, np.uint8))
+    entry = read_header(path)["t"]
+    block, nbytes = read_block(path, entry, box, coalesce)
+    wanted = tensor[tuple(slice(lo, hi) for lo, hi in box)]
+    assert block.dtype == tensor.dtype and np.array_equal(block, wanted)
+    if coalesce == 0:
+        assert nbytes == wanted.nbytes
+    assert wanted.nbytes <= nbytes <= tensor.nbytes
+    # Negative control: the same box read one element off (bytes the header did not give it) differs.
+    size = tensor.dtype.itemsize
+    off_by_one = dataclasses.replace(entry, begin=entry.begin + size, end=entry.end + size)
+    assert not np.array_equal(read_block(path, off_by_one, box, coalesce)[0], wanted)
+
+
+def _decoder_config(directory: str = LLAMA) -> DecoderConfig:
+    return DecoderConfig.from_hub(Checkpoint(directory).config)
+
+
+def _one_device(api: str, directory: str, config: DecoderConfig | None = None, rules=None):
+    """The decoder loaded from ``directory`` on one device, and its logits on the recorded tokens."""
+    config = config or _decoder_config(directory)
+    tokens = jnp.array(json.loads(open(os.path.join(LLAMA, "tokens.json")).read()))
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    if api == "linen":
+        model = Decoder(config)
+        shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens)["params"])
+        apply = lambda params: model.apply({"params": params}, tokens)
+    else:
+        from flax import nnx
+
+        graph, shapes = nnx.split(nnx.eval_shape(lambda: NNXDecoder(config, nnx.Rngs(0))))
+        apply = lambda params: nnx.merge(graph, params)(tokens)
+    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes)
+    params, report = load(directory, target, *(rules or mapping(config)))
+    return np.asarray(jax.jit(apply)(params)), report
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_a_llama_checkpoint_loaded_gives_the_hubs_logits_on_one_device(api):
+    for directory in (LLAMA, os.path.join(LLAMA, "bf16")):  # (bf16: its own weights' logits)
+        logits, report = _one_device(api, directory)
+        np.testing.assert_allclose(
+            logits, np.load(os.path.join(directory, "logits.npy")), rtol=0, atol=FLOAT32_ROUNDING
+        )
+        assert report.blocks == 21  # (each tensor read once: 2 layers x 9, 3 others)
+
+
+def test_each_part_of_the_mapping_and_llama3_scaling_shows_in_the_logits():
+    # Negative controls of the test above: what each would miss makes the logits differ.
+    want = np.load(os.path.join(LLAMA, "logits.npy"))
+    config = _decoder_config()
+    rules, ignore = mapping(config)
+    swapped = [
+        dataclasses.replace(
+            r, path=r.path.replace("/k/", "/v/") if "/k/" in r.path else r.path.replace("/v/", "/k/")
+        )
+        for r in rules
+    ]
+    for wrong in [
+        dict(config=dataclasses.replace(config, rope_scaling=())),  # (llama3's scaling left out)
+        dict(rules=(swapped, ignore)),  # (keys and values swapped)
+    ]:
+        logits, _ = _one_device("linen", LLAMA, **wrong)
+        assert np.abs(logits - want).max() > 100 * FLOAT32_ROUNDING
+
+
+def _step_logits(api: str, axes: dict, batch_axes: tuple, checkpoint: Checkpoint, tokens):
+    """The logits the library's step computes on ``tokens`` with the decoder loaded from
+    ``checkpoint`` into its layout on ``axes`` (Megatron's tensor split, FSDP over ``batch_axes``)."""
+    mesh, config = make_mesh(axes), DecoderConfig.from_hub(checkpoint.config)
+    split = "context" in axes
+    spec = P(batch_axes[0], "context") if split else P(batch_axes)
+    batch = {"tokens": tokens, "positions": jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)}
+    storage = fsdp_rules(batch_axes if len(batch_axes) > 1 else batch_axes[0])
+    if api == "linen":
+        model = fsdp_tp.shard_by_rules(Decoder, storage, batch_axes=batch_axes, tp_rules=TP_RULES)(config)
+        init = lambda key, b: model.init(key, b)["params"]
+        apply = lambda params, b: model.apply({"params": params}, b)
+    else:
+        sharded = fsdp_tp.nnx.shard_by_rules(
+            functools.partial(NNXDecoder, config), storage, batch_axes=batch_axes, tp_rules=TP_RULES
+        )
+        init = lambda key, b: sharded.init(key)[0]
+        apply = lambda params, b: sharded.merge(params)(b)
+    state_fn = lambda key, b: TrainState.create(
+        apply_fn=None, params=init(key, b), tx=optax.set_to_zero(), rng=key
+    )
+    shapes, specs = abstract_init(state_fn, mesh, (P(), spec), jax.random.key(0), batch)
+    params, report = load(checkpoint, shapes.params, *mapping(config))
+    state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding), shapes).replace(
+        params=params
+    )
+    step_fn = lambda state, b: (jax.tree.map(jnp.zeros_like, state.params), apply(state.params, b))
+    # (the head is column-parallel: logits come out split on their vocabulary over tensor)
+    rows_and_sequence = (batch_axes[0], "context") if split else (batch_axes, None)
+    step = shard_step(step_fn, mesh, specs, spec, metrics_specs=P(*rows_and_sequence, "tensor"))
+    return np.asarray(step(state, batch)[1]), report
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+@pytest.mark.parametrize(
+    "axes, batch_axes",
+    [
+        ({"data": 2, "fsdp": 2, "tensor": 2}, ("data", "fsdp")),
+        ({"fsdp": 2, "context": 2, "tensor": 2}, ("fsdp", "context")),
+    ],
+    ids=["data2-fsdp2-tensor2", "fsdp2-context2-tensor2"],
+)
+def test_a_llama_checkpoint_loaded_into_the_librarys_layout_gives_the_hubs_logits(api, axes, batch_axes):
+    tokens = jnp.array(json.loads(open(os.path.join(LLAMA, "tokens.json")).read()))
+    want = np.load(os.path.join(LLAMA, "logits.npy"))
+    if "data" in axes:  # (a row a data x fsdp device)
+        tokens, want = jnp.concatenate([tokens, tokens[::-1]]), np.concatenate([want, want[::-1]])
+    checkpoint = Checkpoint(LLAMA, coalesce=0)
+    logits, report = _step_logits(api, axes, batch_axes, checkpoint, tokens)
+    np.testing.assert_allclose(logits, want, rtol=0, atol=FLOAT32_ROUNDING)
+    # One process holds every device here: it reads each byte of the checkpoint once (a block
+    # that several of its devices hold, once), however the layout cuts the tensors.
+    assert (
+        report.bytes_read
+        == report.bytes_stored
+        == os.path.getsize(os.path.join(LLAMA, "model.safetensors"))
+        - (8 + struct.unpack("<Q", open(os.path.join(LLAMA, "model.safetensors"), "rb").read(8))[0])
+    )
+
+
+def test_what_does_not_fit_is_named_tensor_by_tensor_before_anything_is_read(tmp_path):
+    config = _decoder_config()
+    rules, ignore = mapping(config)
+    target = jax.eval_shape(
+        lambda: Decoder(config).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    )
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), target)
+    shutil.copytree(LLAMA, tmp_path / "ck")
+    stored = Checkpoint(tmp_path / "ck")
+    tensors = {name: stored.read(name) for name in stored.names()}
+    cases = [
+        # (what the checkpoint holds, the rules, what the message says)
+        (
+            {**tensors, "model.extra.weight": np.ones(2, np.float32)},
+            rules,
+            "tensor 'model.extra.weight' (model.safetensors) matches no rule: add a Rule for it, or its "
+            "pattern to ignore=",
+        ),
+        (
+            {k: v for k, v in tensors.items() if k != "model.layers.1.mlp.up_proj.weight"},
+            rules,
+            "parameter 'block_1/mlp/up/kernel' of shape (32, 48): nothing fills it",
+        ),
+        (
+            {**tensors, "model.layers.0.self_attn.q_proj.weight": np.ones((24, 32), np.float32)},
+            rules,
+            "tensor 'model.layers.0.self_attn.q_proj.weight' (model.safetensors) of shape (24, 32) gives "
+            "(32, 4, 6)",
+        ),
+        (tensors, [Rule(r"model\.norm\.weight", "norm"), *rules], "maps to 'norm', which the model lacks"),
+        (
+            {**tensors, "model.norm.weight": np.ones(32, np.int32)},
+            rules,
+            "tensor 'model.norm.weight' (model.safetensors) is int32, but 'final_norm' is float32",
+        ),
+    ]
+    for held, case_rules, said in cases:
+        write(str(tmp_path / "ck" / "model.safetensors"), held)
+        checkpoint = Checkpoint(tmp_path / "ck")
+        with pytest.raises(CheckpointMismatchError, match="nothing was loaded") as refused:
+            load(checkpoint, target, case_rules, ignore)
+        assert said in str(refused.value), str(refused.value)
+        assert checkpoint.bytes_read == 0
+    # The fix the first names works: the pattern in ignore= (or a rule).
+    write(
+        str(tmp_path / "ck" / "model.safetensors"), {**tensors, "model.extra.weight": np.ones(2, np.float32)}
+    )
+    params, _ = load(tmp_path / "ck", target, rules, [*ignore, r"model\.extra\.weight"])
+    assert np.array_equal(np.asarray(params["final_norm"]), tensors["model.norm.weight"])
