@@ -32,9 +32,10 @@ from jax.sharding import PartitionSpec as P
 import fsdp_tp
 import fsdp_tp.nnx
 from fsdp_tp import TrainState, make_mesh, shard_step
-from fsdp_tp.errors import CheckpointCorruptError, CheckpointMismatchError
+from fsdp_tp.errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointSaveError
 from fsdp_tp.hub import Checkpoint, Decoder, DecoderConfig, NNXDecoder, Rule, load, mapping
 from fsdp_tp.hub.decoder import TP_RULES, fsdp_rules
+from fsdp_tp.hub.export import export
 from fsdp_tp.hub.safetensors import read_block, read_header, write
 from fsdp_tp.sharded_init import abstract_init
 
@@ -232,7 +233,7 @@ def test_each_part_of_the_mapping_and_llama3_scaling_shows_in_the_logits():
         assert np.abs(logits - want).max() > 100 * FLOAT32_ROUNDING
 
 
-def _step_logits(api: str, axes: dict, batch_axes: tuple, checkpoint: Checkpoint, tokens):
+def _step_logits(api: str, axes: dict, batch_axes: tuple, checkpoint: Checkpoint, tokens, out=None):
     """The logits the library's step computes on ``tokens`` with the decoder loaded from
     ``checkpoint`` into its layout on ``axes`` (Megatron's tensor split, FSDP over ``batch_axes``)."""
     mesh, config = make_mesh(axes), DecoderConfig.from_hub(checkpoint.config)
@@ -262,6 +263,8 @@ def _step_logits(api: str, axes: dict, batch_axes: tuple, checkpoint: Checkpoint
     # (the head is column-parallel: logits come out split on their vocabulary over tensor)
     rows_and_sequence = (batch_axes[0], "context") if split else (batch_axes, None)
     step = shard_step(step_fn, mesh, specs, spec, metrics_specs=P(*rows_and_sequence, "tensor"))
+    if out is not None:  # (the loaded parameters back to the Hub's layout, from this mesh's shards)
+        export(params, *mapping(config)[:1], like=checkpoint, directory=out, ignore=mapping(config)[1])
     return np.asarray(step(state, batch)[1]), report
 
 
@@ -274,13 +277,15 @@ def _step_logits(api: str, axes: dict, batch_axes: tuple, checkpoint: Checkpoint
     ],
     ids=["data2-fsdp2-tensor2", "fsdp2-context2-tensor2"],
 )
-def test_a_llama_checkpoint_loaded_into_the_librarys_layout_gives_the_hubs_logits(api, axes, batch_axes):
+def test_a_llama_checkpoint_loaded_into_the_librarys_layout_gives_the_hubs_logits(
+    api, axes, batch_axes, tmp_path
+):
     tokens = jnp.array(json.loads(open(os.path.join(LLAMA, "tokens.json")).read()))
     want = np.load(os.path.join(LLAMA, "logits.npy"))
     if "data" in axes:  # (a row a data x fsdp device)
         tokens, want = jnp.concatenate([tokens, tokens[::-1]]), np.concatenate([want, want[::-1]])
     checkpoint = Checkpoint(LLAMA, coalesce=0)
-    logits, report = _step_logits(api, axes, batch_axes, checkpoint, tokens)
+    logits, report = _step_logits(api, axes, batch_axes, checkpoint, tokens, out=tmp_path / "export")
     np.testing.assert_allclose(logits, want, rtol=0, atol=FLOAT32_ROUNDING)
     # One process holds every device here: it reads each byte of the checkpoint once (a block
     # that several of its devices hold, once), however the layout cuts the tensors.
@@ -290,16 +295,50 @@ def test_a_llama_checkpoint_loaded_into_the_librarys_layout_gives_the_hubs_logit
         == os.path.getsize(os.path.join(LLAMA, "model.safetensors"))
         - (8 + struct.unpack("<Q", open(os.path.join(LLAMA, "model.safetensors"), "rb").read(8))[0])
     )
+    # Exported from the mesh's shards, the checkpoint is the one loaded, tensor for tensor, bit
+    # for bit: what transformers reads from it is what it read from the original.
+    exported = Checkpoint(tmp_path / "export")
+    assert exported.names() == checkpoint.names() and exported.config == checkpoint.config
+    for name in checkpoint.names():
+        assert np.array_equal(exported.read(name), checkpoint.read(name)), name
+
+
+def test_an_export_in_bf16_rounds_as_torch_does_and_never_leaves_half_a_directory(tmp_path):
+    config = _decoder_config()
+    rules, ignore = mapping(config)
+    params, _ = load(LLAMA, _target(config), rules, ignore)
+    export(params, rules, like=LLAMA, directory=tmp_path / "bf16", dtype="BF16")
+    exported, torch_rounded = Checkpoint(tmp_path / "bf16"), Checkpoint(os.path.join(LLAMA, "bf16"))
+    for name in torch_rounded.names():
+        assert exported.dtype(name) == torch_rounded.dtype(name)
+        assert np.array_equal(
+            exported.read(name).view(np.uint16), torch_rounded.read(name).view(np.uint16)
+        ), name
+    with pytest.raises(CheckpointSaveError, match="exists; export writes a new directory whole"):
+        export(params, rules, like=LLAMA, directory=tmp_path / "bf16")
+    # A parameter the model lacks fails before anything is written: no directory, no temporary.
+    with pytest.raises(
+        CheckpointMismatchError, match=r"nothing was written(.|\n)*'head/kernel', which the model lacks"
+    ):
+        export(
+            {k: v for k, v in params.items() if k != "head"}, rules, like=LLAMA, directory=tmp_path / "half"
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bf16"]
+
+
+def _target(config: DecoderConfig):
+    """The Linen decoder's parameters' shapes, on one device."""
+    shapes = jax.eval_shape(
+        lambda: Decoder(config).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    )
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes)
 
 
 def test_what_does_not_fit_is_named_tensor_by_tensor_before_anything_is_read(tmp_path):
     config = _decoder_config()
     rules, ignore = mapping(config)
-    target = jax.eval_shape(
-        lambda: Decoder(config).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
-    )
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), target)
+    target = _target(config)
     shutil.copytree(LLAMA, tmp_path / "ck")
     stored = Checkpoint(tmp_path / "ck")
     tensors = {name: stored.read(name) for name in stored.names()}

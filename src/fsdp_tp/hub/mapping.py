@@ -51,6 +51,11 @@ class View:
     def apply(self, block: np.ndarray, box: Box, shape: tuple[int, ...]) -> np.ndarray:
         raise NotImplementedError
 
+    def undo(self, block: np.ndarray, box: Box, shape: tuple[int, ...]) -> np.ndarray:
+        """The input block (of :meth:`cover`'s box) that gives output ``block`` (of ``box``):
+        the way back, for an export."""
+        raise NotImplementedError
+
 
 @dataclasses.dataclass(frozen=True)
 class Transpose(View):
@@ -75,6 +80,9 @@ class Transpose(View):
 
     def apply(self, block, box, shape):
         return block.transpose(self._perm(block.ndim))
+
+    def undo(self, block, box, shape):
+        return block.transpose(np.argsort(self._perm(block.ndim)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +118,12 @@ class SplitDim(View):
         inner = tuple(slice(lo, hi) for lo, hi in box[d + 1 : d + len(sizes)])
         return rows[(slice(None),) * (d + 1) + inner]
 
+    def undo(self, block, box, shape):
+        sizes, d = self._sizes(shape), self.dim
+        if any(box[d + i] != (0, n) for i, n in enumerate(sizes[1:], 1)):
+            raise ValueError(f"a block {box} split inside dims {d + 1}.. of {sizes} is not a box of dim {d}")
+        return block.reshape(*block.shape[:d], -1, *block.shape[d + len(sizes) :])
+
 
 @dataclasses.dataclass(frozen=True)
 class Take(View):
@@ -129,6 +143,9 @@ class Take(View):
         return (*box[: self.dim], (lo + self.start, hi + self.start), *box[self.dim + 1 :])
 
     def apply(self, block, box, shape):
+        return block
+
+    def undo(self, block, box, shape):
         return block
 
 
@@ -166,15 +183,26 @@ class Source:
             box = view.cover(box, shape)
         return box
 
+    def _boxes(self, box: Box) -> list[Box]:
+        """The box of the stored tensor, then of each view's output, that ``box`` needs."""
+        boxes = [box]
+        for view, shape in zip(reversed(self.views), reversed(self.shapes()[:-1]), strict=True):
+            boxes.append(view.cover(boxes[-1], shape))
+        return boxes[::-1]
+
     def block(self, stored: np.ndarray, box: Box) -> np.ndarray:
         """The parameter's ``box`` from ``stored``, the stored tensor's :meth:`box` of it."""
-        boxes, shapes = [box], self.shapes()
-        for view, shape in zip(reversed(self.views), reversed(shapes[:-1]), strict=True):
-            boxes.append(view.cover(boxes[-1], shape))
-        boxes.reverse()
-        for view, shape, out_box in zip(self.views, shapes[:-1], boxes[1:], strict=True):
+        for view, shape, out_box in zip(self.views, self.shapes()[:-1], self._boxes(box)[1:], strict=True):
             stored = view.apply(stored, out_box, shape)
         return stored
+
+    def unblock(self, value: np.ndarray, box: Box) -> tuple[Box, np.ndarray]:
+        """The stored tensor's box and values that the parameter's ``value`` (its ``box``) is:
+        the views undone, for an export."""
+        boxes, shapes = self._boxes(box), self.shapes()
+        for view, shape, out_box in zip(self.views[::-1], shapes[-2::-1], boxes[:0:-1], strict=True):
+            value = view.undo(value, out_box, shape)
+        return boxes[0], value
 
 
 def match(
@@ -183,12 +211,13 @@ def match(
     params: Mapping[str, tuple[int, ...]],
     ignore: Sequence[str] = (),
     where=lambda name: "the checkpoint",
+    done: str = "loaded",
 ) -> dict[str, list[Source]]:
     """Each parameter's sources, every stored tensor taken by the first rule matching it. Raises
     one :class:`~fsdp_tp.errors.CheckpointMismatchError` listing every problem, a line each: a
     tensor no rule takes (and no ``ignore`` pattern), a rule's path the model lacks, a shape that
     does not fit, two tensors for one place, a parameter (or a layer of one) nothing fills.
-    ``where(name)`` names a tensor's file."""
+    ``where(name)`` names a tensor's file; ``done`` what did not happen ("nothing was loaded")."""
     compiled = [(re.compile(rule.pattern), rule) for rule in rules]
     skipped = [re.compile(pattern) for pattern in ignore]
     found: dict[str, dict[tuple[int, ...], Source]] = {path: {} for path in params}
@@ -250,7 +279,7 @@ def match(
             )
     if problems:
         raise CheckpointMismatchError(
-            f"the checkpoint does not fit the model ({len(problems)} problems; nothing was loaded):\n  "
+            f"the checkpoint does not fit the model ({len(problems)} problems; nothing was {done}):\n  "
             + "\n  ".join(problems)
         )
     return {path: [sources[i] for i in sorted(sources)] for path, sources in found.items()}
