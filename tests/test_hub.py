@@ -34,13 +34,15 @@ import fsdp_tp.nnx
 from fsdp_tp import TrainState, make_mesh, shard_step
 from fsdp_tp.errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointSaveError
 from fsdp_tp.hub import Checkpoint, Decoder, DecoderConfig, NNXDecoder, Rule, load, mapping
-from fsdp_tp.hub.decoder import TP_RULES, fsdp_rules
+from fsdp_tp.hub.decoder import fsdp_rules, tp_rules
 from fsdp_tp.hub.export import export
 from fsdp_tp.hub.safetensors import read_block, read_header, write
 from fsdp_tp.sharded_init import abstract_init
 
 HERE = os.path.join(os.path.dirname(__file__), "hub_checkpoints")
 LLAMA = os.path.join(HERE, "llama")
+# llama3 RoPE scaling and an untied head; q/k/v biases; per-head q/k norms, a tied head
+FAMILIES = ["llama", "qwen2", "qwen3"]
 # The Hub's logits are float64 runs of the stored weights; the decoder computes in float32, as
 # transformers' own RoPE tables are computed: equal to float32 rounding (measured 5.3e-7 on
 # logits up to 1.5, every mesh).
@@ -188,7 +190,7 @@ def _decoder_config(directory: str = LLAMA) -> DecoderConfig:
 def _one_device(api: str, directory: str, config: DecoderConfig | None = None, rules=None):
     """The decoder loaded from ``directory`` on one device, and its logits on the recorded tokens."""
     config = config or _decoder_config(directory)
-    tokens = jnp.array(json.loads(open(os.path.join(LLAMA, "tokens.json")).read()))
+    tokens = _tokens()
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     if api == "linen":
         model = Decoder(config)
@@ -204,14 +206,19 @@ def _one_device(api: str, directory: str, config: DecoderConfig | None = None, r
     return np.asarray(jax.jit(apply)(params)), report
 
 
+def _tokens():
+    return jnp.array(json.loads(open(os.path.join(HERE, "tokens.json")).read()))
+
+
 @pytest.mark.parametrize("api", ["linen", "nnx"])
-def test_a_llama_checkpoint_loaded_gives_the_hubs_logits_on_one_device(api):
-    for directory in (LLAMA, os.path.join(LLAMA, "bf16")):  # (bf16: its own weights' logits)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_checkpoint_loaded_gives_the_hubs_logits_on_one_device(family, api):
+    for directory in (os.path.join(HERE, family), os.path.join(HERE, family, "bf16")):  # (bf16: its own)
         logits, report = _one_device(api, directory)
         np.testing.assert_allclose(
             logits, np.load(os.path.join(directory, "logits.npy")), rtol=0, atol=FLOAT32_ROUNDING
         )
-        assert report.blocks == 21  # (each tensor read once: 2 layers x 9, 3 others)
+        assert report.blocks == len(Checkpoint(directory).names())  # (each tensor read once)
 
 
 def test_each_part_of_the_mapping_and_llama3_scaling_shows_in_the_logits():
@@ -240,14 +247,16 @@ def _step_logits(api: str, axes: dict, batch_axes: tuple, checkpoint: Checkpoint
     split = "context" in axes
     spec = P(batch_axes[0], "context") if split else P(batch_axes)
     batch = {"tokens": tokens, "positions": jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)}
-    storage = fsdp_rules(batch_axes if len(batch_axes) > 1 else batch_axes[0])
+    storage = fsdp_rules(config, batch_axes if len(batch_axes) > 1 else batch_axes[0])
     if api == "linen":
-        model = fsdp_tp.shard_by_rules(Decoder, storage, batch_axes=batch_axes, tp_rules=TP_RULES)(config)
+        model = fsdp_tp.shard_by_rules(Decoder, storage, batch_axes=batch_axes, tp_rules=tp_rules(config))(
+            config
+        )
         init = lambda key, b: model.init(key, b)["params"]
         apply = lambda params, b: model.apply({"params": params}, b)
     else:
         sharded = fsdp_tp.nnx.shard_by_rules(
-            functools.partial(NNXDecoder, config), storage, batch_axes=batch_axes, tp_rules=TP_RULES
+            functools.partial(NNXDecoder, config), storage, batch_axes=batch_axes, tp_rules=tp_rules(config)
         )
         init = lambda key, b: sharded.init(key)[0]
         apply = lambda params, b: sharded.merge(params)(b)
@@ -260,15 +269,18 @@ def _step_logits(api: str, axes: dict, batch_axes: tuple, checkpoint: Checkpoint
         params=params
     )
     step_fn = lambda state, b: (jax.tree.map(jnp.zeros_like, state.params), apply(state.params, b))
-    # (the head is column-parallel: logits come out split on their vocabulary over tensor)
+    # (an untied head is column-parallel: logits come out split on their vocabulary over tensor;
+    # the vocabulary-parallel embedding's tied logits come out whole)
     rows_and_sequence = (batch_axes[0], "context") if split else (batch_axes, None)
-    step = shard_step(step_fn, mesh, specs, spec, metrics_specs=P(*rows_and_sequence, "tensor"))
+    vocabulary = None if config.tied else "tensor"
+    step = shard_step(step_fn, mesh, specs, spec, metrics_specs=P(*rows_and_sequence, vocabulary))
     if out is not None:  # (the loaded parameters back to the Hub's layout, from this mesh's shards)
         export(params, *mapping(config)[:1], like=checkpoint, directory=out, ignore=mapping(config)[1])
     return np.asarray(step(state, batch)[1]), report
 
 
 @pytest.mark.parametrize("api", ["linen", "nnx"])
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize(
     "axes, batch_axes",
     [
@@ -277,14 +289,14 @@ def _step_logits(api: str, axes: dict, batch_axes: tuple, checkpoint: Checkpoint
     ],
     ids=["data2-fsdp2-tensor2", "fsdp2-context2-tensor2"],
 )
-def test_a_llama_checkpoint_loaded_into_the_librarys_layout_gives_the_hubs_logits(
-    api, axes, batch_axes, tmp_path
+def test_a_checkpoint_loaded_into_the_librarys_layout_gives_the_hubs_logits(
+    family, api, axes, batch_axes, tmp_path
 ):
-    tokens = jnp.array(json.loads(open(os.path.join(LLAMA, "tokens.json")).read()))
-    want = np.load(os.path.join(LLAMA, "logits.npy"))
+    directory = os.path.join(HERE, family)
+    tokens, want = _tokens(), np.load(os.path.join(directory, "logits.npy"))
     if "data" in axes:  # (a row a data x fsdp device)
         tokens, want = jnp.concatenate([tokens, tokens[::-1]]), np.concatenate([want, want[::-1]])
-    checkpoint = Checkpoint(LLAMA, coalesce=0)
+    checkpoint = Checkpoint(directory, coalesce=0)
     logits, report = _step_logits(api, axes, batch_axes, checkpoint, tokens, out=tmp_path / "export")
     np.testing.assert_allclose(logits, want, rtol=0, atol=FLOAT32_ROUNDING)
     # One process holds every device here: it reads each byte of the checkpoint once (a block
@@ -292,8 +304,8 @@ def test_a_llama_checkpoint_loaded_into_the_librarys_layout_gives_the_hubs_logit
     assert (
         report.bytes_read
         == report.bytes_stored
-        == os.path.getsize(os.path.join(LLAMA, "model.safetensors"))
-        - (8 + struct.unpack("<Q", open(os.path.join(LLAMA, "model.safetensors"), "rb").read(8))[0])
+        == os.path.getsize(os.path.join(directory, "model.safetensors"))
+        - (8 + struct.unpack("<Q", open(os.path.join(directory, "model.safetensors"), "rb").read(8))[0])
     )
     # Exported from the mesh's shards, the checkpoint is the one loaded, tensor for tensor, bit
     # for bit: what transformers reads from it is what it read from the original.

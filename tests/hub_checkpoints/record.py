@@ -43,6 +43,34 @@ FAMILIES = {
             "original_max_position_embeddings": 64,
         },
     ),
+    # q/k/v biases; tied-free, default RoPE at another theta
+    "qwen2": transformers.Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        max_position_embeddings=128,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+    ),
+    # each head's query and key RMS-normed before RoPE, an explicit head_dim (not d / heads),
+    # the head tied to the embedding
+    "qwen3": transformers.Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        max_position_embeddings=128,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
 }
 
 
@@ -67,7 +95,7 @@ def main():
                 logits = loaded(torch.tensor(TOKENS)).logits.numpy()
             np.save(written / "logits.npy", logits)
             print(written, logits.shape, float(np.abs(logits).max()))
-        (directory / "tokens.json").write_text(json.dumps(TOKENS))
+    (HERE / "tokens.json").write_text(json.dumps(TOKENS))
 
 
 if __name__ == "__main__":

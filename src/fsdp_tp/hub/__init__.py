@@ -13,19 +13,18 @@ layout::
 
     checkpoint = Checkpoint(directory)
     config = DecoderConfig.from_hub(checkpoint.config)
-    model = fsdp_tp.shard_by_rules(Decoder, fsdp_rules(), tp_rules=TP_RULES)(config)
+    model = fsdp_tp.shard_by_rules(Decoder, fsdp_rules(config), tp_rules=tp_rules(config))(config)
     shapes, specs = abstract_init(init_fn, mesh, in_specs, *args)
     params, report = load(checkpoint, shapes.params, *mapping(config))
 """
 
-from .decoder import TP_RULES, Decoder, DecoderConfig, NNXDecoder, fsdp_rules
+from .decoder import Decoder, DecoderConfig, NNXDecoder, fsdp_rules, tp_rules
 from .directory import Checkpoint
 from .families import mapping
 from .load import LoadReport, load
 from .mapping import Rule, SplitDim, Take, Transpose
 
 __all__ = [
-    "TP_RULES",
     "Checkpoint",
     "Decoder",
     "DecoderConfig",
@@ -38,4 +37,5 @@ __all__ = [
     "fsdp_rules",
     "load",
     "mapping",
+    "tp_rules",
 ]

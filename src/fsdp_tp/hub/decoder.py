@@ -7,7 +7,7 @@ the head is tied; a config this decoder does not compute (another ``model_type``
 scaling) is refused, naming the key and what it supports — never run approximately.
 
 Einsum projections, one per Hub weight (``q``, ``k``, ``v``, ``out``; ``gate``, ``up``,
-``down``), so the Megatron plan is one rule a projection (:data:`TP_RULES`); the attention is
+``down``), so the Megatron plan is one rule a projection (:func:`tp_rules`); the attention is
 the library's (:func:`~fsdp_tp.attention.attend`: under a sequence split, computed across
 devices). Both front ends' parameters have the same paths, ``block_0/attn/q/kernel``, so one
 mapping from the checkpoint's names serves both (:mod:`fsdp_tp.hub.families`).
@@ -39,39 +39,42 @@ from ..attention import attend
 from ..errors import CheckpointMismatchError
 from ..tp import ColumnParallel, RowParallel, VocabParallel
 
-__all__ = ["TP_RULES", "Decoder", "DecoderConfig", "NNXDecoder", "fsdp_rules", "rope_frequencies"]
+__all__ = ["Decoder", "DecoderConfig", "NNXDecoder", "fsdp_rules", "rope_frequencies", "tp_rules"]
 
-# The Megatron plan: heads over `tensor` (q, k, v column-parallel on their heads 'N'/'K', the
-# output einsum row-parallel), the MLP's gate and up column-, down row-parallel, the embedding
-# and an untied head by vocabulary.
-TP_RULES = [
-    (r"embed$", VocabParallel()),
-    (r"attn/(q|k|v)$", ColumnParallel()),
-    (r"attn/out$", RowParallel()),
-    (r"mlp/(gate|up)$", ColumnParallel()),
-    (r"mlp/down$", RowParallel()),
-    (r"head$", ColumnParallel()),
-]
-
-_FAMILIES = ("llama",)
+_FAMILIES = ("llama", "qwen2", "qwen3")
 
 
-def fsdp_rules(axes: str | tuple[str, ...] = "fsdp") -> list:
+def tp_rules(config: DecoderConfig) -> list:
+    """The Megatron plan: heads over ``tensor`` (q, k, v column-parallel on their heads, the
+    output einsum row-parallel), the MLP's gate and up column-, down row-parallel, the
+    embedding (so a tied head) by vocabulary, an untied head column-parallel."""
+    rules = [
+        (r"embed$", VocabParallel()),
+        (r"attn/(q|k|v)$", ColumnParallel()),
+        (r"attn/out$", RowParallel()),
+        (r"mlp/(gate|up)$", ColumnParallel()),
+        (r"mlp/down$", RowParallel()),
+    ]
+    return rules if config.tied else [*rules, (r"head$", ColumnParallel())]
+
+
+def fsdp_rules(config: DecoderConfig, axes: str | tuple[str, ...] = "fsdp") -> list:
     """Storage rules for FSDP over ``axes`` (``("fsdp", "context")`` where the sequence is split
-    too): each kernel on its model dim ``D``, the dim :data:`TP_RULES` leave whole, the
-    embedding on its model dim (its vocabulary goes over ``tensor``); norms stay replicated.
+    too): each kernel on its model dim ``D``, the dim :func:`tp_rules` leave whole, the
+    embedding on its model dim (its vocabulary goes over ``tensor``); norms and biases stay
+    replicated.
 
-    >>> fsdp_rules()[0]
+    >>> fsdp_rules(DecoderConfig(64, 32, 4, 2, 8, 48, 2))[0]
     ('attn/(q|k|v)/kernel$', P('fsdp',))
     """
-    return [
+    rules = [
         (r"attn/(q|k|v)/kernel$", P(axes)),
         (r"attn/out/kernel$", P(None, None, axes)),
         (r"mlp/(gate|up)/kernel$", P(axes)),
         (r"mlp/down/kernel$", P(None, axes)),
         (r"embedding$", P(None, axes)),
-        (r"head/kernel$", P(axes)),
     ]
+    return rules if config.tied else [*rules, (r"head/kernel$", P(axes))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +92,8 @@ class DecoderConfig:
     rope_theta: float = 10_000.0
     rope_scaling: tuple[tuple[str, float], ...] = ()  # llama3's factors, sorted (hashable)
     tied: bool = False
+    qkv_bias: bool = False  # (Qwen 2's q, k and v projections)
+    qk_norm: bool = False  # (Qwen 3's RMSNorm of each query and key head, before RoPE)
 
     @classmethod
     def from_hub(cls, config: Mapping[str, Any]) -> DecoderConfig:
@@ -99,12 +104,16 @@ class DecoderConfig:
                 f"config.json: model_type {family!r} is not one the decoder computes ({list(_FAMILIES)}); "
                 f"write a DecoderConfig and a mapping for it (fsdp_tp.hub.mapping.Rule)."
             )
-        for key, unsupported in (("attention_bias", True), ("mlp_bias", True)):
-            if config.get(key, False) == unsupported:
-                raise CheckpointMismatchError(
-                    f"config.json: {key}={unsupported} is not computed by the decoder yet; a {family} "
-                    f"checkpoint with biases needs a decoder with them."
-                )
+        # Qwen 2 always has q/k/v biases; Llama's and Qwen 3's attention_bias puts one on the
+        # output projection too, which the decoder does not hold (nor an MLP's biases).
+        unsupported = [key for key in ("attention_bias", "mlp_bias") if config.get(key, False)]
+        if config.get("use_sliding_window") or "sliding_attention" in config.get("layer_types", ()):
+            unsupported.append("a sliding window (use_sliding_window, layer_types)")
+        if unsupported:
+            raise CheckpointMismatchError(
+                f"config.json: {', '.join(unsupported)} is not computed by the decoder yet; a {family} "
+                f"checkpoint with it would load into a model that computes otherwise."
+            )
         rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", config.get("rope_theta", 10_000.0))
         kind = rope.pop("rope_type", rope.pop("type", "default"))
@@ -126,6 +135,8 @@ class DecoderConfig:
             rope_theta=float(theta),
             rope_scaling=tuple(sorted((k, float(v)) for k, v in rope.items())) if kind == "llama3" else (),
             tied=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2",
+            qk_norm=family == "qwen3",
         )
 
 
@@ -186,9 +197,13 @@ class _LinenAttention(nn.Module):
     @nn.compact
     def __call__(self, x, positions, segments):
         c, inv = self.config, rope_frequencies(self.config)
-        q = nn.Einsum((c.d, c.heads, c.head_dim), "BTD,DNH->BTNH", False, name="q")(x)
-        k = nn.Einsum((c.d, c.kv_heads, c.head_dim), "BTD,DNH->BTNH", False, name="k")(x)
-        v = nn.Einsum((c.d, c.kv_heads, c.head_dim), "BTD,DNH->BTNH", False, name="v")(x)
+        q = nn.Einsum((c.d, c.heads, c.head_dim), "BTD,DNH->BTNH", c.qkv_bias, name="q")(x)
+        k = nn.Einsum((c.d, c.kv_heads, c.head_dim), "BTD,DNH->BTNH", c.qkv_bias, name="k")(x)
+        v = nn.Einsum((c.d, c.kv_heads, c.head_dim), "BTD,DNH->BTNH", c.qkv_bias, name="v")(x)
+        if c.qk_norm:
+            ones = nn.initializers.ones
+            q = _rms_norm(q, self.param("q_norm", ones, (c.head_dim,)), c.norm_eps)
+            k = _rms_norm(k, self.param("k_norm", ones, (c.head_dim,)), c.norm_eps)
         attended = attend(_rope(q, positions, inv), _rope(k, positions, inv), v, segment_ids=segments)
         return nn.Einsum((c.heads, c.head_dim, c.d), "BTNH,NHD->BTD", False, name="out")(attended)
 
@@ -239,15 +254,23 @@ class Decoder(nn.Module):
 class _NNXAttention(nnx.Module):
     def __init__(self, c: DecoderConfig, rngs: nnx.Rngs):
         self.config = c
-        self.q = nnx.Einsum("BTD,DNH->BTNH", (c.d, c.heads, c.head_dim), None, rngs=rngs)
-        self.k = nnx.Einsum("BTD,DNH->BTNH", (c.d, c.kv_heads, c.head_dim), None, rngs=rngs)
-        self.v = nnx.Einsum("BTD,DNH->BTNH", (c.d, c.kv_heads, c.head_dim), None, rngs=rngs)
+        bias = lambda n: (n, c.head_dim) if c.qkv_bias else None
+        self.q = nnx.Einsum("BTD,DNH->BTNH", (c.d, c.heads, c.head_dim), bias(c.heads), rngs=rngs)
+        self.k = nnx.Einsum("BTD,DNH->BTNH", (c.d, c.kv_heads, c.head_dim), bias(c.kv_heads), rngs=rngs)
+        self.v = nnx.Einsum("BTD,DNH->BTNH", (c.d, c.kv_heads, c.head_dim), bias(c.kv_heads), rngs=rngs)
         self.out = nnx.Einsum("BTNH,NHD->BTD", (c.heads, c.head_dim, c.d), None, rngs=rngs)
+        if c.qk_norm:
+            self.q_norm = nnx.Param(jnp.ones((c.head_dim,)))
+            self.k_norm = nnx.Param(jnp.ones((c.head_dim,)))
 
     def __call__(self, x, positions, segments):
-        inv = rope_frequencies(self.config)
-        q, k = _rope(self.q(x), positions, inv), _rope(self.k(x), positions, inv)
-        return self.out(attend(q, k, self.v(x), segment_ids=segments))
+        c, inv = self.config, rope_frequencies(self.config)
+        q, k = self.q(x), self.k(x)
+        if c.qk_norm:
+            q, k = _rms_norm(q, self.q_norm[...], c.norm_eps), _rms_norm(k, self.k_norm[...], c.norm_eps)
+        return self.out(
+            attend(_rope(q, positions, inv), _rope(k, positions, inv), self.v(x), segment_ids=segments)
+        )
 
 
 class _NNXMLP(nnx.Module):

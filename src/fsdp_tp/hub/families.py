@@ -28,6 +28,7 @@ def mapping(config: DecoderConfig) -> tuple[list[Rule], list[str]]:
     heads = (Transpose(), SplitDim(1, (config.heads, -1)))  # (N*H, D) -> (D, N, H)
     kv_heads = (Transpose(), SplitDim(1, (config.kv_heads, -1)))
     linear = (Transpose(),)
+    per_head = lambda n: (SplitDim(0, (n, -1)),)
     rules = [
         Rule(r"model\.embed_tokens\.weight", "embed/embedding"),
         Rule(r"model\.norm\.weight", "final_norm"),
@@ -44,5 +45,13 @@ def mapping(config: DecoderConfig) -> tuple[list[Rule], list[str]]:
             (Transpose(), SplitDim(0, (config.heads, -1))),
         ),
         Rule(_LAYER + r"mlp\.(gate|up|down)_proj\.weight", r"block_\1/mlp/\2/kernel", linear),
+        # Qwen 2's biases, Qwen 3's norms of each head
+        Rule(_LAYER + r"self_attn\.q_proj\.bias", r"block_\1/attn/q/bias", per_head(config.heads)),
+        Rule(_LAYER + r"self_attn\.(k|v)_proj\.bias", r"block_\1/attn/\2/bias", per_head(config.kv_heads)),
+        Rule(_LAYER + r"self_attn\.(q|k)_norm\.weight", r"block_\1/attn/\2_norm"),
     ]
-    return rules, [_LAYER + r"self_attn\.rotary_emb\.inv_freq"]
+    ignore = [_LAYER + r"self_attn\.rotary_emb\.inv_freq"]
+    if config.tied:  # (the head is the embedding: a stored copy of it is not read)
+        rules = [rule for rule in rules if rule.path != "head/kernel"]
+        ignore.append(r"lm_head\.weight")
+    return rules, ignore
