@@ -18,6 +18,8 @@ import json
 import os
 import shutil
 import struct
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +40,7 @@ from fsdp_tp.hub.decoder import fsdp_rules, tp_rules
 from fsdp_tp.hub.export import export
 from fsdp_tp.hub.safetensors import read_block, read_header, write
 from fsdp_tp.sharded_init import abstract_init
+from tests.processes import free_port
 
 HERE = os.path.join(os.path.dirname(__file__), "hub_checkpoints")
 LLAMA = os.path.join(HERE, "llama")
@@ -393,3 +396,30 @@ def test_what_does_not_fit_is_named_tensor_by_tensor_before_anything_is_read(tmp
     )
     params, _ = load(tmp_path / "ck", target, rules, [*ignore, r"model\.extra\.weight"])
     assert np.array_equal(np.asarray(params["final_norm"]), tensors["model.norm.weight"])
+
+
+def test_two_processes_each_read_the_blocks_their_devices_hold_and_export_them(tmp_path):
+    # FSDP over 8 devices, 4 a process: each process holds half of every kernel and embedding
+    # row block and the whole of each (replicated) norm, and reads exactly those bytes.
+    port = free_port()
+    script = os.path.join(os.path.dirname(__file__), "hub_process.py")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, str(port), str(i), str(tmp_path / "export")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outputs]
+    reads = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    checkpoint = Checkpoint(LLAMA)
+    replicated = sum(checkpoint.read(n).nbytes for n in checkpoint.names() if n.endswith("norm.weight"))
+    stored = reads[0]["bytes_stored"]
+    assert [r["bytes_read"] for r in reads] == [(stored - replicated) // 2 + replicated] * 2
+    assert replicated < (stored - replicated) // 2  # (so the equality above says half, not all)
+    exported = Checkpoint(tmp_path / "export")  # (each block written by the process that holds it)
+    for name in checkpoint.names():
+        assert np.array_equal(exported.read(name), checkpoint.read(name)), name
