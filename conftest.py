@@ -66,10 +66,6 @@ from fsdp_tp import compile_cache  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-# The script that wrote the Hub checkpoints the suite reads needs torch and transformers, which
-# the suite never does: it is run by hand (its docstring), never imported for doctests.
-collect_ignore = ["tests/hub_checkpoints/record.py"]
-
 # XLA's compiled programs kept across runs (fsdp_tp.compile_cache: ~/.cache/fsdp_tp/jax, or
 # $FSDP_TP_COMPILE_CACHE; "off" compiles everything): the xdist workers and the CLI processes the
 # tests start share it, so a program compiled twice anywhere (a twin's step, a CLI run two pages

@@ -11,7 +11,9 @@ import json
 import os
 import sys
 
-CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hub_checkpoints", "llama")
+CHECKPOINT = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples", "hub_checkpoints", "llama"
+)
 
 
 def main(port: int, process_id: int, out: str) -> None:

@@ -4,7 +4,7 @@ The format read as untrusted input (every lie a header can tell refused before i
 the honest file read: negative control), any block of any tensor equal to the slice of the array
 written (hypothesis), the checkpoint's problems named tensor by tensor before anything is read
 (and each named fix loads), and the Llama family equal to the Hub's own implementation: logits
-that transformers (torch) computed on a tiny checkpoint it wrote (``tests/hub_checkpoints``,
+that transformers (torch) computed on a tiny checkpoint it wrote (``examples/hub_checkpoints``,
 recorded once by ``record.py`` there) against the decoder loaded from it, Linen and NNX, on one
 device and on data x fsdp x tensor and fsdp x context x tensor meshes (the library's Megatron and
 FSDP layouts, the sequence split by the step), each process reading each byte it holds once.
@@ -42,7 +42,7 @@ from fsdp_tp.hub.safetensors import read_block, read_header, write
 from fsdp_tp.sharded_init import abstract_init
 from tests.processes import free_port
 
-HERE = os.path.join(os.path.dirname(__file__), "hub_checkpoints")
+HERE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "hub_checkpoints")
 LLAMA = os.path.join(HERE, "llama")
 # llama3 RoPE scaling and an untied head; q/k/v biases; per-head q/k norms, a tied head
 FAMILIES = ["llama", "qwen2", "qwen3"]

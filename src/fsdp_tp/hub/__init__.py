@@ -21,7 +21,7 @@ layout::
 from .decoder import Decoder, DecoderConfig, NNXDecoder, fsdp_rules, tp_rules
 from .directory import Checkpoint
 from .families import mapping
-from .load import LoadReport, load
+from .load import LoadReport, load, train_state
 from .mapping import Rule, SplitDim, Take, Transpose
 
 __all__ = [
@@ -38,4 +38,5 @@ __all__ = [
     "load",
     "mapping",
     "tp_rules",
+    "train_state",
 ]

@@ -44,10 +44,12 @@ __all__ = ["Decoder", "DecoderConfig", "NNXDecoder", "fsdp_rules", "rope_frequen
 _FAMILIES = ("llama", "qwen2", "qwen3")
 
 
-def tp_rules(config: DecoderConfig) -> list:
+def tp_rules(config: DecoderConfig, gather_logits: bool = False) -> list:
     """The Megatron plan: heads over ``tensor`` (q, k, v column-parallel on their heads, the
     output einsum row-parallel), the MLP's gate and up column-, down row-parallel, the
-    embedding (so a tied head) by vocabulary, an untied head column-parallel."""
+    embedding (so a tied head) by vocabulary, an untied head column-parallel: its logits split
+    on the vocabulary for :func:`~fsdp_tp.vocab_parallel_cross_entropy`, or whole where
+    ``gather_logits`` (for a loss that reads them whole, as ``check_sharded``'s twin does)."""
     rules = [
         (r"embed$", VocabParallel()),
         (r"attn/(q|k|v)$", ColumnParallel()),
@@ -55,7 +57,7 @@ def tp_rules(config: DecoderConfig) -> list:
         (r"mlp/(gate|up)$", ColumnParallel()),
         (r"mlp/down$", RowParallel()),
     ]
-    return rules if config.tied else [*rules, (r"head$", ColumnParallel())]
+    return rules if config.tied else [*rules, (r"head$", ColumnParallel(gather_output=gather_logits))]
 
 
 def fsdp_rules(config: DecoderConfig, axes: str | tuple[str, ...] = "fsdp") -> list:

@@ -43,13 +43,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._optimizer import with_optimizer_state
 from .._tree import path_of
 from .._types import PyTree
 from ..errors import CheckpointMismatchError
 from .directory import Checkpoint
 from .mapping import Box, Rule, Source, match
 
-__all__ = ["LoadReport", "load", "param_path"]
+__all__ = ["LoadReport", "load", "param_path", "train_state"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +108,20 @@ def load(
     )
     report = LoadReport(opened.bytes_read - read_before, stored_bytes, blocks)
     return jax.tree_util.tree_unflatten(treedef, arrays), report
+
+
+def train_state(shapes: PyTree, params: PyTree, mesh, rng: jax.Array | None = None) -> PyTree:
+    """The train state a fine-tune starts from: ``shapes`` (a ``TrainState`` of shapes, as
+    :func:`~fsdp_tp.sharded_init.abstract_init` gives it: nothing allocated) with the loaded
+    ``params``, step 0, ``rng`` (default ``jax.random.key(0)``) and the optimizer's state built
+    by its ``tx.init`` on the global parameters, each leaf laid out as
+    :func:`~fsdp_tp.init_sharded` lays it, so the step takes it with ``abstract_init``'s specs."""
+    step = jax.device_put(jnp.zeros(shapes.step.shape, shapes.step.dtype), shapes.step.sharding)
+    fields = dict(step=step, params=params, opt_state=None)
+    if hasattr(shapes, "rng"):  # (the library's TrainState; flax's has none)
+        fields["rng"] = jax.device_put(jax.random.key(0) if rng is None else rng, shapes.rng.sharding)
+    state = shapes.replace(**fields)
+    return with_optimizer_state(state, mesh)
 
 
 def _block(opened: Checkpoint, sources: list[Source], box: Box, dtype) -> np.ndarray:

@@ -3,7 +3,7 @@
 suite reads the files and never needs torch.
 
     python -m venv /tmp/hub && /tmp/hub/bin/pip install torch==2.13.0 transformers safetensors
-    /tmp/hub/bin/python tests/hub_checkpoints/record.py
+    /tmp/hub/bin/python examples/hub_checkpoints/record.py
 
 Each family's directory: ``config.json``, ``model.safetensors`` (float32), a bfloat16 copy in
 ``bf16/``, and ``logits.npy`` on ``TOKENS``: each checkpoint loaded back by transformers in float64 (so
