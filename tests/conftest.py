@@ -60,3 +60,18 @@ def first_block(param, dim, blocks, axis, *_, **__):
     width = param.shape[dim] // blocks
     kept = max(1, blocks // jax.lax.axis_size(axis)) * width
     return jax.lax.slice_in_dim(copy_to_axis(param, axis), 0, kept, axis=dim)
+
+
+@pytest.fixture
+def compiled_here(monkeypatch):
+    """The programs the test compiles are compiled, never loaded from the compilation cache
+    (they are still written to it). For a program that XLA's CPU runtime runs wrongly once
+    deserialized: the scanned, rematerialized LM whose FSDP gathers run inside the scan's
+    loop (``tests/test_per_layer_gather.py``) deadlocked in a rendezvous (a device of one fsdp
+    group joining another group's all-gather) or gave NaN on one group's rows in 4 of 40
+    runs of that test loaded from the cache, 0 of 40 compiled (2026-12-07, jax 0.10.2;
+    ``FSDP_TP_COMPILE_CACHE=off`` against the cache, alternating, one process a run).
+    JAX's reader is private: both supported jax versions name it so."""
+    from jax._src import compilation_cache
+
+    monkeypatch.setattr(compilation_cache, "get_executable_and_time", lambda *args, **kwargs: (None, None))
