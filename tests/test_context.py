@@ -39,15 +39,16 @@ B, D = 2, 4
 DROP_KEY = jax.random.key(11)
 
 
-def dense(q, k, v, segments, causal, dropout: AttentionDropout | None = None):
+def dense(q, k, v, segments, causal, dropout: AttentionDropout | None = None, window: int | None = None):
     """Softmax attention over the whole sequence, k and v repeated per query head (``dropout``:
-    flax's, one ``bernoulli`` over the weights, the softmax's sum left whole)."""
+    flax's, one ``bernoulli`` over the weights, the softmax's sum left whole; ``window``: the
+    last ``window`` diagonals of the causal triangle, as transformers' sliding window)."""
     heads, groups, length = q.shape[2], k.shape[2], q.shape[1]
     k, v = jnp.repeat(k, heads // groups, axis=2), jnp.repeat(v, heads // groups, axis=2)
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
     mask = jnp.ones((1, length, length), bool)
     if causal:
-        mask = jnp.tril(mask)
+        mask = jnp.tril(mask) & ~(jnp.tril(mask, -window) if window else jnp.zeros_like(mask))
     if segments is not None:
         mask = mask & (segments[:, :, None] == segments[:, None, :]) & (segments[:, None, :] != 0)
     s = jnp.where(mask[:, None], s, -jnp.inf)
@@ -72,13 +73,16 @@ def _compiled(
     check_vma: bool = True,
     strategy="ring",
     dropout=None,
+    window=None,
 ):
     """The attention's output and its vjp on global arrays (laid out and back), jitted once."""
     mesh = fsdp_tp.make_mesh({"context": cp}, devices=jax.devices()[:cp])
     split, seq = SequenceSplit(balanced=balanced), P(None, "context")
 
     def attention(q, k, v, segments):
-        options = dict(causal=causal, balanced=balanced, strategy=strategy, dropout=dropout, key=DROP_KEY)
+        options = dict(
+            causal=causal, balanced=balanced, strategy=strategy, dropout=dropout, key=DROP_KEY, window=window
+        )
         local = lambda q, k, v, s: across(q, k, v, s, **options)
         if not segmented:
             local = functools.partial(lambda f, q, k, v: f(q, k, v, None), local)
@@ -102,12 +106,23 @@ def _inputs(length: int, heads: int, groups: int, seed: int = 0):
     return q, k, v, jax.random.normal(keys[3], q.shape, jnp.float64)
 
 
-def _equal(cp, balanced, causal, heads, groups, segments=None, check_vma=True, strategy="ring", dropout=None):
+def _equal(
+    cp,
+    balanced,
+    causal,
+    heads,
+    groups,
+    segments=None,
+    check_vma=True,
+    strategy="ring",
+    dropout=None,
+    window=None,
+):
     length = segments.shape[1] if segments is not None else 8 * cp
     q, k, v, cotangent = _inputs(length, heads, groups)
-    run = _compiled(cp, balanced, causal, segments is not None, check_vma, strategy, dropout)
+    run = _compiled(cp, balanced, causal, segments is not None, check_vma, strategy, dropout, window)
     out, grads = run(q, k, v, segments, cotangent)
-    want, vjp = jax.vjp(lambda q, k, v: dense(q, k, v, segments, causal, dropout), q, k, v)
+    want, vjp = jax.vjp(lambda q, k, v: dense(q, k, v, segments, causal, dropout, window), q, k, v)
     np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
     for got, expected in zip(grads, vjp(cotangent), strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-11, atol=1e-11)
@@ -132,6 +147,27 @@ def test_all_to_all_attention_equals_the_unsharded_attention_and_its_gradients(b
     """Ulysses: where cp divides the kv heads, the sequence split turned to a head split and back."""
     with jax.enable_x64(True):
         _equal(4, balanced, True, 8, 4, strategy="all_to_all")
+
+
+@pytest.mark.parametrize(
+    "strategy, balanced, window", [("ring", True, 3), ("ring", False, 8), ("all_to_all", True, 5)]
+)
+def test_a_sliding_window_across_devices_equals_the_unsharded_window(strategy, balanced, window):
+    """Issue 100: Mistral's and Phi-3's sliding window (a query sees itself and the window - 1
+    tokens before it), over chunks of 4 tokens on 4 devices: windows inside a chunk, across
+    chunks and across devices, packed documents too; the ring skips blocks wholly outside it."""
+    segments = jnp.asarray(np.repeat([[1, 2, 3, 0], [1, 1, 2, 2]], [5, 11, 14, 2], axis=1).astype(np.int32))
+    with jax.enable_x64(True):
+        _equal(4, balanced, True, 8, 4, strategy=strategy, window=window)
+        _equal(4, balanced, True, 8, 4, segments=segments, strategy=strategy, window=window)
+        # (negative control: attention across without the window is not the windowed one)
+        q, k, v, cotangent = _inputs(32, 8, 4)
+        whole, _ = _compiled(4, balanced, True, False, True, strategy)(q, k, v, None, cotangent)
+        assert not np.allclose(whole, dense(q, k, v, None, True, window=window))
+    # The ring's work: the blocks a device computes fall with the window.
+    assert sum(blocks_run(4, 32, balanced=balanced, window=window)) < sum(
+        blocks_run(4, 32, balanced=balanced)
+    )
 
 
 @settings(max_examples=12, deadline=None)

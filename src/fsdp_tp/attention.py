@@ -25,19 +25,22 @@ ATTENTION_IMPLEMENTATIONS = ("reference", "xla", "cudnn", "auto")
 attention on NVIDIA GPUs, 16-bit inputs only), ``auto`` (cuDNN where it can run, else XLA)."""
 
 
-def _reference_attention(q, k, v, causal: bool, segment_ids=None):
+def _reference_attention(q, k, v, causal: bool, segment_ids=None, window=None):
     """q: (..., S, H, D); k, v: (..., S, G, D) with H a multiple of G; softmax in f32 (float64
     inputs: float64, so a float64 twin stays float64 through it). ``segment_ids`` (..., S): a
-    query sees its own document's keys; padding (0) sees none and gives 0, as the ring's."""
+    query sees its own document's keys; padding (0) sees none and gives 0, as the ring's.
+    ``window``: each query sees itself and the ``window - 1`` keys before it."""
     heads, groups = q.shape[-2], k.shape[-2]
     k = jnp.repeat(k, heads // groups, axis=-2)
     v = jnp.repeat(v, heads // groups, axis=-2)
     wide = jnp.promote_types(q.dtype, jnp.float32)
     logits = jnp.einsum("...qhd,...khd->...hqk", q, k).astype(wide) / jnp.sqrt(q.shape[-1])
+    if window is not None and segment_ids is None:
+        segment_ids = jnp.ones(q.shape[:-2], jnp.int32)  # (one document: the window's mask alone)
     if segment_ids is not None:
         index = jnp.arange(q.shape[-3])
         segments = segment_ids.reshape(-1, index.shape[0])
-        mask = causal_mask(index, index, segments, segments, causal).reshape(*segment_ids.shape, -1)
+        mask = causal_mask(index, index, segments, segments, causal, window).reshape(*segment_ids.shape, -1)
         mask = mask[..., None, :, :]  # (..., 1, q, k): every head alike
         logits = jnp.where(mask, logits, jnp.finfo(wide).min)
         weights = jax.nn.softmax(logits, axis=-1) * mask.any(-1, keepdims=True)  # (padding: 0)
@@ -89,12 +92,24 @@ def _require_fitting(q, k, v, segment_ids) -> None:
         )
 
 
-def attend(q, k, v, causal: bool = True, implementation: str = "reference", *, segment_ids=None) -> jax.Array:
+def attend(
+    q,
+    k,
+    v,
+    causal: bool = True,
+    implementation: str = "reference",
+    *,
+    segment_ids=None,
+    window: int | None = None,
+) -> jax.Array:
     """Softmax attention of q ``(..., S, H, D)`` over k, v ``(..., S, G, D)`` (H a multiple of
     G: grouped-query attention); the softmax is in f32 at least whichever ``implementation``
     (one of :data:`ATTENTION_IMPLEMENTATIONS`) computes it. Only ``reference`` repeats k and v
     per group; the others read each kv head once. ``segment_ids`` ``(..., S)``: packed
     documents (a query sees keys of its own document only; 0 is padding, whose output is 0).
+    ``window`` (causal only): sliding-window attention, each query seeing itself and the
+    ``window - 1`` tokens before it (Mistral's, Phi-3's ``sliding_window``); under a sequence
+    split the ring skips the blocks wholly outside it.
 
     Inside a step that splits the sequence (:func:`~fsdp_tp.shard_step` with a batch spec
     naming ``context``), q, k, v and ``segment_ids`` are a device's tokens and attention is
@@ -107,18 +122,29 @@ def attend(q, k, v, causal: bool = True, implementation: str = "reference", *, s
     >>> a, b = attend(q, kv, kv), attend(q, kv, kv, implementation="xla")
     >>> a.shape, bool(jnp.allclose(a, b, atol=1e-6))
     ((2, 6, 4, 8), True)
+    >>> near = attend(q, kv, kv, window=2)   # each query: itself and the token before it
+    >>> bool(jnp.allclose(near[:, 1], attend(q[:, :2], kv[:, :2], kv[:, :2])[:, 1], atol=1e-6))
+    True
     """
     _require_fitting(q, k, v, segment_ids)
+    if window is not None and (not causal or not isinstance(window, int) or window < 1):
+        raise ValueError(
+            f"attend: window={window!r} with causal={causal}; a sliding window is a positive int of "
+            f"tokens and causal (each query sees itself and the window - 1 tokens before it)."
+        )
     chosen = resolved_implementation(implementation, q.dtype)
     if (split := split_here()) is not None:
-        return across(split, q, k, v, segment_ids, causal=causal)
+        return across(split, q, k, v, segment_ids, causal=causal, window=window)
     if checked_here():  # (the plan check's trace in such a step: the library's, as the ring is)
-        return on_device(q, k, v, segment_ids, causal=causal)
+        return on_device(q, k, v, segment_ids, causal=causal, window=window)
     if chosen == "reference" or segment_ids is not None:  # (a document mask: the einsums')
-        return _reference_attention(q, k, v, causal, segment_ids)
+        return _reference_attention(q, k, v, causal, segment_ids, window)
     assert chosen in ("xla", "cudnn")
     # jax.nn.dot_product_attention takes (batch, seq, heads, dim): fold any leading dims.
     lead = q.shape[:-3]
     fold = lambda t: t.reshape(-1, *t.shape[-3:])
-    out = jax.nn.dot_product_attention(fold(q), fold(k), fold(v), is_causal=causal, implementation=chosen)
+    local = None if window is None else (window - 1, 0)
+    out = jax.nn.dot_product_attention(
+        fold(q), fold(k), fold(v), is_causal=causal, implementation=chosen, local_window_size=local
+    )
     return out.reshape(*lead, *out.shape[-3:])

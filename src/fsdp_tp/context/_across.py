@@ -30,7 +30,7 @@ from ._all_to_all import attention
 __all__ = ["across", "jax_attention_across", "on_device"]
 
 
-def on_device(q, k, v, segment_ids=None, *, causal: bool = True, scale=None):
+def on_device(q, k, v, segment_ids=None, *, causal: bool = True, scale=None, window=None):
     """Attention of ``q`` ``(..., S, H, D)`` over ``k``, ``v`` ``(..., S, G, D)``, all of it on
     this device, by the ring's own block (:mod:`._blocks`): what the check traces in its place."""
     lead, (length, heads, dim), groups = q.shape[:-3], q.shape[-3:], k.shape[-2]
@@ -39,7 +39,7 @@ def on_device(q, k, v, segment_ids=None, *, causal: bool = True, scale=None):
     qs = qs.reshape(*qs.shape[:2], groups, heads // groups, dim)
     segments = None if segment_ids is None else segment_ids.reshape(-1, length)
     index = jnp.arange(length)
-    mask = _blocks.causal_mask(index, index, segments, segments, causal)
+    mask = _blocks.causal_mask(index, index, segments, segments, causal, window)
     return _blocks.whole(qs, ks, vs, mask, scale).reshape(*lead, length, heads, dim).astype(q.dtype)
 
 
@@ -54,10 +54,11 @@ def across(
     scale=None,
     dropout=None,
     key=None,
+    window=None,
 ):
     """Attention of ``q`` ``(..., L, H, D)`` over ``k``, ``v`` ``(..., L, G, D)`` (a device's
     tokens) across ``split``'s axis, by its strategy; leading dims folded into the batch
-    (``dropout``, ``key``: :func:`~fsdp_tp.context.ring_attention`'s)."""
+    (``dropout``, ``key``, ``window``: :func:`~fsdp_tp.context.ring_attention`'s)."""
     lead = q.shape[:-3]
     fold = lambda t: t.reshape(-1, *t.shape[-3:])
     segments = None if segment_ids is None else segment_ids.reshape(-1, segment_ids.shape[-1])
@@ -73,6 +74,7 @@ def across(
         scale=scale,
         dropout=dropout,
         key=key,
+        window=window,
     )
     return out.reshape(*lead, *out.shape[-3:])
 

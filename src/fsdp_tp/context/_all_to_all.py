@@ -67,6 +67,7 @@ def all_to_all_attention(
     scale: float | None = None,
     dropout: AttentionDropout | None = None,
     key: jax.Array | None = None,
+    window: int | None = None,
 ) -> jax.Array:
     """:func:`~fsdp_tp.context.ring_attention`'s result, by two all-to-alls each way: the axis's
     size must divide the kv heads (``k.shape[2]``). Differentiated by JAX (the transpose of an
@@ -86,7 +87,7 @@ def all_to_all_attention(
     groups = ks.shape[2]
     index = jnp.concatenate([split.token_index(d, size, length) for d in range(size)])
     segments = None if segment_ids is None else jax.lax.all_gather(segment_ids, axis, axis=1, tiled=True)
-    mask = _blocks.causal_mask(index, index, segments, segments, causal)
+    mask = _blocks.causal_mask(index, index, segments, segments, causal, window)
     qs = qs.reshape(b, size * length, groups, -1, dim)
     keep = None
     if dropout is not None:  # (this device's heads now: the axis splits them, minor to theirs)
@@ -104,7 +105,7 @@ def all_to_all_attention(
 def attention(q, k, v, segment_ids=None, *, strategy: str = "ring", **options) -> jax.Array:
     """Attention across the ``context`` axis by ``strategy`` (one of :data:`STRATEGIES`;
     ``auto``: :func:`ring_or_all_to_all`); ``options``: :func:`~fsdp_tp.context.ring_attention`'s
-    keywords (``axis``, ``causal``, ``balanced``, ``scale``), which both strategies take."""
+    keywords (``axis``, ``causal``, ``balanced``, ``scale``, ``window``), which both strategies take."""
     if strategy not in STRATEGIES:
         raise ValueError(f"context attention: strategy {strategy!r} is not one of {STRATEGIES}.")
     if strategy == "auto":

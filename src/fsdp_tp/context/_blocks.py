@@ -33,13 +33,19 @@ from .._axes import varying_axes
 __all__ = ["backward", "causal_mask", "empty", "finish", "forward", "live", "merge", "whole"]
 
 
-def causal_mask(q_index, k_index, q_segments, k_segments, causal: bool) -> jax.Array:
+def causal_mask(
+    q_index, k_index, q_segments, k_segments, causal: bool, window: int | None = None
+) -> jax.Array:
     """``(B or 1, c_q, c_k)``: which key each query sees, from the tokens' indices in the
-    sequence (a key after the query is masked where ``causal``) and their documents (segment
-    ids ``(B, c)``, or ``None``: one document; 0 is padding, which no query sees)."""
+    sequence (a key after the query is masked where ``causal``; with a sliding ``window``, a
+    key ``window`` or more tokens before it too: the query and the ``window - 1`` before it, as
+    transformers' sliding-window attention) and their documents (segment ids ``(B, c)``, or
+    ``None``: one document; 0 is padding, which no query sees)."""
     mask = jnp.ones((1, q_index.shape[0], k_index.shape[0]), bool)
     if causal:
         mask = k_index[None, None, :] <= q_index[None, :, None]
+    if window is not None:
+        mask = mask & (q_index[None, :, None] - k_index[None, None, :] < window)
     if q_segments is not None:
         same = q_segments[:, :, None] == k_segments[:, None, :]
         mask = mask & same & (k_segments[:, None, :] != 0)

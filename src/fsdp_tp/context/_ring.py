@@ -59,6 +59,7 @@ def ring_attention(
     scale: float | None = None,
     dropout: AttentionDropout | None = None,
     key: jax.Array | None = None,
+    window: int | None = None,
 ) -> jax.Array:
     """Softmax attention of this device's queries ``q`` ``(B, L, H, D)`` over the whole
     sequence's keys and values, of which this device holds ``k``, ``v`` ``(B, L, G, D)`` (``H``
@@ -68,7 +69,9 @@ def ring_attention(
     token's document (a query sees keys of its own document only; 0 is padding, which no query
     sees and whose output is 0). The softmax is in float32 (float64 inputs: float64).
     ``dropout`` with ``key`` (the unsharded model's dropout key): the weights dropped as the
-    unsharded attention drops them, each block with its block of the mask.
+    unsharded attention drops them, each block with its block of the mask. ``window``: a
+    sliding window (causal; each query sees itself and the ``window - 1`` tokens before it),
+    the blocks wholly outside it skipped.
 
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import PartitionSpec as P
@@ -87,7 +90,7 @@ def ring_attention(
     require_axes(axis, "ring_attention")
     split = SequenceSplit(axis, balanced)
     require_shapes(q, k, v, segment_ids, split)
-    ring = _Ring(Schedule(split, causal), q.shape[-1] ** -0.5 if scale is None else scale, dropout)
+    ring = _Ring(Schedule(split, causal, window), q.shape[-1] ** -0.5 if scale is None else scale, dropout)
     q, k, v = _alike(axis, q, k, v)
     return _attention(ring, q, k, v, segment_ids, dropout_key(dropout, key))
 

@@ -25,10 +25,13 @@ __all__ = ["Schedule", "blocks_run"]
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """The blocks a ring over ``split``'s axis runs, ``causal`` or not."""
+    """The blocks a ring over ``split``'s axis runs, ``causal`` or not, within a sliding
+    ``window`` where one is given (a block wholly outside it is skipped: a layer's work grows
+    with the window, not the sequence)."""
 
     split: SequenceSplit
     causal: bool
+    window: int | None = None
 
     def place(self, q, segments):
         """This device's place on the ring ``(n, me)``, its queries' indices ``(parts, c)``
@@ -44,7 +47,7 @@ class Schedule:
         with this device's queries (``segments_all``: every device's segment ids, or ``None``)."""
         k_index, k_segments = self._keys_of(source, n, length, segments_all)
         mask = lambda a, p: _blocks.causal_mask(
-            q_index[a], k_index[p], _part(q_segments, a), _part(k_segments, p), self.causal
+            q_index[a], k_index[p], _part(q_segments, a), _part(k_segments, p), self.causal, self.window
         )
         return [(a, p, mask(a, p)) for a in range(self.split.parts) for p in range(self.split.parts)]
 
@@ -67,15 +70,19 @@ def _part(x, a: int):
     return None if x is None else x[:, a]
 
 
-def blocks_run(size: int, length: int, causal: bool = True, balanced: bool = True) -> list[int]:
+def blocks_run(
+    size: int, length: int, causal: bool = True, balanced: bool = True, window: int | None = None
+) -> list[int]:
     """The blocks of scores each of ``size`` devices computes for a sequence of ``length``
     tokens (one document), a block wholly masked skipped: the ring's own schedule, counted.
     A block is ``(length / size / parts)²`` entries (``parts``: 2 balanced, 1 contiguous).
 
     >>> blocks_run(8, 128), blocks_run(8, 128, balanced=False)   # zigzag: 17 blocks each
     ([17, 17, 17, 17, 17, 17, 17, 17], [1, 2, 3, 4, 5, 6, 7, 8])
+    >>> blocks_run(8, 1024, window=64)   # a window of 64: each 64-token chunk and the one before
+    [3, 4, 4, 4, 4, 4, 4, 4]
     """
-    schedule, local = Schedule(SequenceSplit(balanced=balanced), causal), length // size
+    schedule, local = Schedule(SequenceSplit(balanced=balanced), causal, window), length // size
     ran = []
     for me in range(size):
         q_index = schedule.split.token_index(me, size, local).reshape(schedule.split.parts, -1)
