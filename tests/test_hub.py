@@ -44,8 +44,9 @@ from tests.processes import free_port
 
 HERE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "hub_checkpoints")
 LLAMA = os.path.join(HERE, "llama")
-# llama3 RoPE scaling and an untied head; q/k/v biases; per-head q/k norms, a tied head
-FAMILIES = ["llama", "qwen2", "qwen3"]
+# llama3 RoPE scaling and an untied head; q/k/v biases; per-head q/k norms, a tied head; a
+# sliding window; fused qkv and gate_up weights and a window
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "phi3"]
 # The Hub's logits are float64 runs of the stored weights; the decoder computes in float32, as
 # transformers' own RoPE tables are computed: equal to float32 rounding (measured 5.3e-7 on
 # logits up to 1.5, every mesh).
@@ -221,7 +222,10 @@ def test_a_checkpoint_loaded_gives_the_hubs_logits_on_one_device(family, api):
         np.testing.assert_allclose(
             logits, np.load(os.path.join(directory, "logits.npy")), rtol=0, atol=FLOAT32_ROUNDING
         )
-        assert report.blocks == len(Checkpoint(directory).names())  # (each tensor read once)
+        assert report.blocks == len(
+            jax.tree.leaves(_target(DecoderConfig.from_hub(Checkpoint(directory).config)))
+        )
+        assert report.bytes_read == report.bytes_stored  # (every byte once, a fused tensor's too)
 
 
 def test_each_part_of_the_mapping_and_llama3_scaling_shows_in_the_logits():

@@ -71,6 +71,19 @@ FAMILIES = {
         max_position_embeddings=128,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     ),
+    # a sliding window of 5 tokens (the 12 tokens see past it), every layer
+    "mistral": transformers.MistralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        max_position_embeddings=128, sliding_window=5, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    ),
+    # q, k and v in one weight (qkv_proj), gate and up in another (gate_up_proj); a window of 7
+    "phi3": transformers.Phi3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=128,
+        original_max_position_embeddings=128, sliding_window=7, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
 }
 
 

@@ -41,7 +41,7 @@ from ..tp import ColumnParallel, RowParallel, VocabParallel
 
 __all__ = ["Decoder", "DecoderConfig", "NNXDecoder", "fsdp_rules", "rope_frequencies", "tp_rules"]
 
-_FAMILIES = ("llama", "qwen2", "qwen3")
+_FAMILIES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
 
 
 def tp_rules(config: DecoderConfig, gather_logits: bool = False) -> list:
@@ -96,6 +96,12 @@ class DecoderConfig:
     tied: bool = False
     qkv_bias: bool = False  # (Qwen 2's q, k and v projections)
     qk_norm: bool = False  # (Qwen 3's RMSNorm of each query and key head, before RoPE)
+    windows: tuple[int | None, ...] = ()  # each layer's sliding window (none: every layer whole)
+    family: str = "llama"  # (config.json's model_type: the names its checkpoints store)
+
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window: each query sees itself and ``window - 1`` before it."""
+        return self.windows[layer] if self.windows else None
 
     @classmethod
     def from_hub(cls, config: Mapping[str, Any]) -> DecoderConfig:
@@ -109,8 +115,6 @@ class DecoderConfig:
         # Qwen 2 always has q/k/v biases; Llama's and Qwen 3's attention_bias puts one on the
         # output projection too, which the decoder does not hold (nor an MLP's biases).
         unsupported = [key for key in ("attention_bias", "mlp_bias") if config.get(key, False)]
-        if config.get("use_sliding_window") or "sliding_attention" in config.get("layer_types", ()):
-            unsupported.append("a sliding window (use_sliding_window, layer_types)")
         if unsupported:
             raise CheckpointMismatchError(
                 f"config.json: {', '.join(unsupported)} is not computed by the decoder yet; a {family} "
@@ -119,6 +123,12 @@ class DecoderConfig:
         rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", config.get("rope_theta", 10_000.0))
         kind = rope.pop("rope_type", rope.pop("type", "default"))
+        partial = rope.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise CheckpointMismatchError(
+                f"config.json: partial_rotary_factor={partial} (RoPE on part of each head) is not computed "
+                f"by the decoder; it rotates whole heads."
+            )
         if kind not in ("default", "llama3"):
             raise CheckpointMismatchError(
                 f"config.json: RoPE type {kind!r} is not computed by the decoder (it computes 'default' and "
@@ -139,7 +149,27 @@ class DecoderConfig:
             tied=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2",
             qk_norm=family == "qwen3",
+            windows=_windows(config),
+            family=family,
         )
+
+
+def _windows(config: Mapping[str, Any]) -> tuple[int | None, ...]:
+    """Each layer's sliding window from ``config.json``: its ``layer_types`` where it names them
+    (``sliding_attention`` layers windowed), else Qwen 2's ``use_sliding_window`` (layers from
+    ``max_window_layers`` on), else Mistral's and Phi-3's ``sliding_window`` (every layer)."""
+    window, layers = config.get("sliding_window"), config["num_hidden_layers"]
+    if window is None:
+        return ()
+    if "layer_types" in config:
+        kinds = config["layer_types"]
+    elif "use_sliding_window" in config:  # (Qwen 2 and 3 without layer_types)
+        first = config.get("max_window_layers", layers) if config["use_sliding_window"] else layers
+        kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    else:
+        kinds = ["sliding_attention"] * layers
+    windows = tuple(window if kind == "sliding_attention" else None for kind in kinds)
+    return windows if any(w is not None for w in windows) else ()
 
 
 def rope_frequencies(config: DecoderConfig) -> np.ndarray:
@@ -195,6 +225,7 @@ def _inputs(tokens, positions, segment_ids) -> tuple[jax.Array, jax.Array, jax.A
 
 class _LinenAttention(nn.Module):
     config: DecoderConfig
+    window: int | None = None
 
     @nn.compact
     def __call__(self, x, positions, segments):
@@ -206,7 +237,9 @@ class _LinenAttention(nn.Module):
             ones = nn.initializers.ones
             q = _rms_norm(q, self.param("q_norm", ones, (c.head_dim,)), c.norm_eps)
             k = _rms_norm(k, self.param("k_norm", ones, (c.head_dim,)), c.norm_eps)
-        attended = attend(_rope(q, positions, inv), _rope(k, positions, inv), v, segment_ids=segments)
+        attended = attend(
+            _rope(q, positions, inv), _rope(k, positions, inv), v, segment_ids=segments, window=self.window
+        )
         return nn.Einsum((c.heads, c.head_dim, c.d), "BTNH,NHD->BTD", False, name="out")(attended)
 
 
@@ -223,12 +256,13 @@ class _LinenMLP(nn.Module):
 
 class _LinenBlock(nn.Module):
     config: DecoderConfig
+    layer: int = 0
 
     @nn.compact
     def __call__(self, x, positions, segments):
         c, ones = self.config, nn.initializers.ones
         h = _rms_norm(x, self.param("attn_norm", ones, (c.d,)), c.norm_eps)
-        x = x + _LinenAttention(c, name="attn")(h, positions, segments)
+        x = x + _LinenAttention(c, c.window(self.layer), name="attn")(h, positions, segments)
         return x + _LinenMLP(c, name="mlp")(_rms_norm(x, self.param("mlp_norm", ones, (c.d,)), c.norm_eps))
 
 
@@ -246,7 +280,7 @@ class Decoder(nn.Module):
         embed = nn.Embed(c.vocab, c.d, name="embed")
         x = embed(tokens)
         for i in range(c.layers):
-            x = _LinenBlock(c, name=f"block_{i}")(x, positions, segments)
+            x = _LinenBlock(c, i, name=f"block_{i}")(x, positions, segments)
         x = _rms_norm(x, self.param("final_norm", nn.initializers.ones, (c.d,)), c.norm_eps)
         if c.tied:
             return embed.attend(x)
@@ -254,8 +288,8 @@ class Decoder(nn.Module):
 
 
 class _NNXAttention(nnx.Module):
-    def __init__(self, c: DecoderConfig, rngs: nnx.Rngs):
-        self.config = c
+    def __init__(self, c: DecoderConfig, rngs: nnx.Rngs, window: int | None = None):
+        self.config, self.window = c, window
         bias = lambda n: (n, c.head_dim) if c.qkv_bias else None
         self.q = nnx.Einsum("BTD,DNH->BTNH", (c.d, c.heads, c.head_dim), bias(c.heads), rngs=rngs)
         self.k = nnx.Einsum("BTD,DNH->BTNH", (c.d, c.kv_heads, c.head_dim), bias(c.kv_heads), rngs=rngs)
@@ -270,9 +304,8 @@ class _NNXAttention(nnx.Module):
         q, k = self.q(x), self.k(x)
         if c.qk_norm:
             q, k = _rms_norm(q, self.q_norm[...], c.norm_eps), _rms_norm(k, self.k_norm[...], c.norm_eps)
-        return self.out(
-            attend(_rope(q, positions, inv), _rope(k, positions, inv), self.v(x), segment_ids=segments)
-        )
+        q, k = _rope(q, positions, inv), _rope(k, positions, inv)
+        return self.out(attend(q, k, self.v(x), segment_ids=segments, window=self.window))
 
 
 class _NNXMLP(nnx.Module):
@@ -286,10 +319,10 @@ class _NNXMLP(nnx.Module):
 
 
 class _NNXBlock(nnx.Module):
-    def __init__(self, c: DecoderConfig, rngs: nnx.Rngs):
+    def __init__(self, c: DecoderConfig, rngs: nnx.Rngs, layer: int = 0):
         self.eps = c.norm_eps
         self.attn_norm = nnx.Param(jnp.ones((c.d,)))
-        self.attn = _NNXAttention(c, rngs)
+        self.attn = _NNXAttention(c, rngs, c.window(layer))
         self.mlp_norm = nnx.Param(jnp.ones((c.d,)))
         self.mlp = _NNXMLP(c, rngs)
 
@@ -305,7 +338,7 @@ class NNXDecoder(nnx.Module):
         c = self.config = config
         self.embed = nnx.Embed(c.vocab, c.d, rngs=rngs)
         for i in range(c.layers):  # (named as Linen names them: one mapping serves both)
-            setattr(self, f"block_{i}", _NNXBlock(c, rngs))
+            setattr(self, f"block_{i}", _NNXBlock(c, rngs, i))
         self.final_norm = nnx.Param(jnp.ones((c.d,)))
         if not c.tied:
             self.head = nnx.Einsum("BTD,DV->BTV", (c.d, c.vocab), None, rngs=rngs)

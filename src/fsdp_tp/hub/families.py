@@ -15,7 +15,7 @@ of ``heads * head_dim`` into its two dims.
 from __future__ import annotations
 
 from .decoder import DecoderConfig
-from .mapping import Rule, SplitDim, Transpose
+from .mapping import Rule, SplitDim, Take, Transpose
 
 __all__ = ["mapping"]
 
@@ -29,7 +29,8 @@ def mapping(config: DecoderConfig) -> tuple[list[Rule], list[str]]:
     kv_heads = (Transpose(), SplitDim(1, (config.kv_heads, -1)))
     linear = (Transpose(),)
     per_head = lambda n: (SplitDim(0, (n, -1)),)
-    rules = [
+    rules = _fused(config, heads, kv_heads, linear) if config.family == "phi3" else []
+    rules += [
         Rule(r"model\.embed_tokens\.weight", "embed/embedding"),
         Rule(r"model\.norm\.weight", "final_norm"),
         Rule(r"lm_head\.weight", "head/kernel", linear),
@@ -55,3 +56,27 @@ def mapping(config: DecoderConfig) -> tuple[list[Rule], list[str]]:
         rules = [rule for rule in rules if rule.path != "head/kernel"]
         ignore.append(r"lm_head\.weight")
     return rules, ignore
+
+
+def _fused(config: DecoderConfig, heads: tuple, kv_heads: tuple, linear: tuple) -> list[Rule]:
+    """Phi-3's fused weights taken apart: ``qkv_proj`` (q's rows, then k's, then v's) and
+    ``gate_up_proj`` (gate's rows, then up's)."""
+    q, kv, f = config.heads * config.head_dim, config.kv_heads * config.head_dim, config.hidden
+    attn, mlp = r"block_\1/attn", r"block_\1/mlp"
+    return [
+        Rule(
+            _LAYER + r"self_attn\.qkv_proj\.weight",
+            f"{attn}/q/kernel",
+            (Take(0, 0, q), *heads),
+            also=(
+                (f"{attn}/k/kernel", (Take(0, q, q + kv), *kv_heads)),
+                (f"{attn}/v/kernel", (Take(0, q + kv, q + 2 * kv), *kv_heads)),
+            ),
+        ),
+        Rule(
+            _LAYER + r"mlp\.gate_up_proj\.weight",
+            f"{mlp}/gate/kernel",
+            (Take(0, 0, f), *linear),
+            also=((f"{mlp}/up/kernel", (Take(0, f, 2 * f), *linear)),),
+        ),
+    ]

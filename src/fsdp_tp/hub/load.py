@@ -56,7 +56,8 @@ __all__ = ["LoadReport", "load", "param_path", "train_state"]
 @dataclasses.dataclass(frozen=True)
 class LoadReport:
     """What one process read: ``bytes_read`` from the files, ``bytes_stored`` of the tensors
-    it read from (their whole size), ``blocks`` read."""
+    it read from (their whole size, each once), ``blocks``: the parameters' blocks it built (a
+    block several of its devices hold, once)."""
 
     bytes_read: int
     bytes_stored: int
@@ -103,9 +104,8 @@ def load(
             return cache[box]
 
         arrays.append(jax.make_array_from_callback(leaf.shape, leaf.sharding, block))
-    stored_bytes = sum(
-        opened.entries[s.name][1].end - opened.entries[s.name][1].begin for ss in plan.values() for s in ss
-    )
+    read_from = {s.name for sources in plan.values() for s in sources}  # (a fused tensor once)
+    stored_bytes = sum(opened.entries[name][1].end - opened.entries[name][1].begin for name in read_from)
     report = LoadReport(opened.bytes_read - read_before, stored_bytes, blocks)
     return jax.tree_util.tree_unflatten(treedef, arrays), report
 

@@ -159,6 +159,12 @@ class Rule:
     path: str
     views: tuple[View, ...] = ()
     at: tuple[int | str, ...] = ()
+    also: tuple[tuple[str, tuple[View, ...]], ...] = ()  # more parameters it fills: a fused tensor's
+
+    def targets(self) -> tuple[tuple[str, tuple[View, ...]], ...]:
+        """Each ``(path, views)`` the tensor fills: one, or a fused tensor's parts (Phi-3's
+        ``qkv_proj`` fills q, k and v, each through its :class:`Take`)."""
+        return ((self.path, tuple(self.views)), *self.also)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,40 +238,12 @@ def match(
                 )
             continue
         m, rule = hit
-        path = m.expand(rule.path)
         at = tuple(int(m.expand(a)) if isinstance(a, str) else a for a in rule.at)
-        source = Source(name, tuple(stored[name]), tuple(rule.views), at)
-        if path not in params:
-            problems.append(
-                f"tensor {name!r} ({where(name)}) maps to {path!r}, which the model lacks; its "
-                f"parameters are like {sorted(params)[:3]}: fix the rule's path"
-            )
-            continue
-        shape = params[path]
-        try:
-            viewed = source.shapes()[-1]
-        except ValueError as err:
-            problems.append(f"tensor {name!r} ({where(name)}) of shape {source.shape}: {err}")
-            continue
-        if (
-            len(at) + len(viewed) != len(shape)
-            or tuple(shape[len(at) :]) != viewed
-            or any(not 0 <= i < n for i, n in zip(at, shape, strict=False))
-        ):
-            problems.append(
-                f"tensor {name!r} ({where(name)}) of shape {source.shape} gives {viewed} at {at} of "
-                f"{path!r}, "
-                f"whose shape is {tuple(shape)}: the model's config is not the checkpoint's (sizes, layers, "
-                f"heads) or the rule's views are wrong"
-            )
-            continue
-        if at in found[path]:
-            problems.append(
-                f"tensors {found[path][at].name!r} and {name!r} both fill {path!r} at {at}: "
-                f"make the rules' patterns or indices tell them apart"
-            )
-            continue
-        found[path][at] = source
+        for path, views in rule.targets():
+            source = Source(name, tuple(stored[name]), views, at)
+            problem = _placed(source, m.expand(path), params, found, where)
+            if problem:
+                problems.append(problem)
     for path, sources in found.items():
         stacked = params[path][: len(next(iter(sources.values())).at)] if sources else ()
         missing = [i for i in np.ndindex(*stacked) if i not in sources] if sources else [()]
@@ -283,3 +261,32 @@ def match(
             + "\n  ".join(problems)
         )
     return {path: [sources[i] for i in sorted(sources)] for path, sources in found.items()}
+
+
+def _placed(source: Source, path: str, params, found: dict, where) -> str | None:
+    """``source`` recorded as filling ``path`` at its index, or the problem that stops it."""
+    name, at = source.name, source.at
+    if path not in params:
+        return (
+            f"tensor {name!r} ({where(name)}) maps to {path!r}, which the model lacks; its "
+            f"parameters are like {sorted(params)[:3]}: fix the rule's path"
+        )
+    shape = params[path]
+    try:
+        viewed = source.shapes()[-1]
+    except ValueError as err:
+        return f"tensor {name!r} ({where(name)}) of shape {source.shape}: {err}"
+    fits = len(at) + len(viewed) == len(shape) and tuple(shape[len(at) :]) == viewed
+    if not fits or any(not 0 <= i < n for i, n in zip(at, shape, strict=False)):
+        return (
+            f"tensor {name!r} ({where(name)}) of shape {source.shape} gives {viewed} at {at} of {path!r}, "
+            f"whose shape is {tuple(shape)}: the model's config is not the checkpoint's (sizes, layers, "
+            f"heads) or the rule's views are wrong"
+        )
+    if at in found[path]:
+        return (
+            f"tensors {found[path][at].name!r} and {name!r} both fill {path!r} at {at}: "
+            f"make the rules' patterns or indices tell them apart"
+        )
+    found[path][at] = source
+    return None
