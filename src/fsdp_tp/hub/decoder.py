@@ -2,9 +2,11 @@
 the Hub's own implementation computes.
 
 :class:`DecoderConfig` reads the sizes, the RMSNorm's epsilon, the RoPE (its ``theta`` and its
-``llama3`` scaling, under ``rope_scaling`` or transformers 5's ``rope_parameters``) and whether
-the head is tied; a config this decoder does not compute (another ``model_type``, another RoPE
-scaling) is refused, naming the key and what it supports — never run approximately.
+``llama3`` scaling, under ``rope_scaling`` or transformers 5's ``rope_parameters``), whether
+the head is tied, Qwen 2's q/k/v biases, Qwen 3's per-head q/k norms and each layer's sliding
+window (Mistral, Phi-3, Qwen's windowed layers); a config this decoder does not compute
+(another ``model_type``, another RoPE scaling, an output bias) is refused, naming the key and
+what it supports — never run approximately.
 
 Einsum projections, one per Hub weight (``q``, ``k``, ``v``, ``out``; ``gate``, ``up``,
 ``down``), so the Megatron plan is one rule a projection (:func:`tp_rules`); the attention is
