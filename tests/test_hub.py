@@ -427,3 +427,20 @@ def test_two_processes_each_read_the_blocks_their_devices_hold_and_export_them(t
     exported = Checkpoint(tmp_path / "export")  # (each block written by the process that holds it)
     for name in checkpoint.names():
         assert np.array_equal(exported.read(name), checkpoint.read(name)), name
+
+
+def test_the_benchmarks_load_section_at_small_sizes():
+    # Each loader in its own process, FSDP over 8 devices: both read the file's data bytes exactly
+    # once and leave the same bytes on the devices (the norms' 8 copies included); the section
+    # names both. (Its memory and seconds are the benchmark's, measured at 1.25 GB.)
+    from fsdp_tp.bench.hub_rows import HUB_CONFIG, hub_costs, hub_section
+
+    small = dict(HUB_CONFIG, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1)
+    small |= dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    measured = hub_costs(small)
+    norms = 3 * 64 * 4  # (two norms in the layer, the final one; float32)
+    for run in measured.runs.values():
+        assert run["read"] == measured.data_bytes
+        assert run["held"] == measured.data_bytes + 7 * norms
+    text = hub_section(measured)
+    assert "| fsdp_tp | 1.00 |" in text and "| read_then_device_put | 1.00 |" in text

@@ -18,6 +18,7 @@ import jax
 from .auto_rows import auto_costs, auto_section
 from .context_rows import context_costs, context_section
 from .figures import Figures, build_seconds, compile_seconds, exact_figures, median, step_seconds
+from .hub_rows import hub_costs, hub_section
 from .llama_rows import llama_costs, llama_section
 from .moe_rows import moe_costs, moe_section
 from .nnx_rows import nnx_costs, nnx_section
@@ -143,6 +144,8 @@ def run_benchmarks(
     print("moe: expert parallelism vs experts stored split measured", file=out, flush=True)
     context = context_costs(blocks, steps)
     print("context: ring attention vs all-gathered k, v measured", file=out, flush=True)
+    loaded = hub_costs()
+    print("hub: a 1.25 GB checkpoint loaded to shards vs read whole then device_put", file=out, flush=True)
     wires = [wire(label) for label in POLICIES]
     wire_times = timed_steps(wires, blocks, steps)
     losses = {
@@ -178,7 +181,7 @@ def run_benchmarks(
     text = markdown(results, titles, times, compile_times, _header(argv), paths, build_times)
     text += _overhead_section(overhead) + optimizer_section(costs) + nnx_section(nnx) + llama_section(llama)
     text += auto_section(found) + precision_section(wires, wire_times) + training_section(losses, _STEPS)
-    text += moe_section(moe) + context_section(context)
+    text += moe_section(moe) + context_section(context) + hub_section(loaded)
     page = out_dir / "benchmarks.md"
     text += suite_section(page.read_text() if page.exists() else None)
     page.write_text(text)

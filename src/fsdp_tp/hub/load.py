@@ -25,12 +25,12 @@ beyond what the devices end up holding is one block (the stored box, then its vi
 >>> params["kernel"].sharding.spec, np.asarray(params["kernel"])[1].tolist()
 (P('fsdp',), [1.0, 9.0, 17.0, 25.0])
 
-Each device's block is a column of the stored ``w``: four 4-byte ranges 32 bytes apart, read as
-one range of 100 bytes (:data:`~fsdp_tp.hub.safetensors.COALESCE`); read exactly, they sum to
-the tensor:
+Each device's block is a column of the stored ``w``. This process holds all eight, which tile
+the kernel: it reads their span once, the tensor's 128 bytes in one range, and gives each device
+its column. A process holding only some columns reads only theirs, a range a row:
 
->>> load(Checkpoint(directory, coalesce=0), target, [Rule("w", "kernel", (Transpose(),))])[1]
-LoadReport(bytes_read=128, bytes_stored=128, blocks=8)
+>>> report
+LoadReport(bytes_read=128, bytes_stored=128, blocks=1)
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ __all__ = ["LoadReport", "load", "param_path", "train_state"]
 @dataclasses.dataclass(frozen=True)
 class LoadReport:
     """What one process read: ``bytes_read`` from the files, ``bytes_stored`` of the tensors
-    it read from (their whole size, each once), ``blocks``: the parameters' blocks it built (a
-    block several of its devices hold, once)."""
+    it read from (their whole size, each once), ``blocks``: the boxes it read, a parameter's
+    one where its devices' blocks tile a box, else one a distinct block."""
 
     bytes_read: int
     bytes_stored: int
@@ -93,14 +93,20 @@ def load(
     read_before, blocks = opened.bytes_read, 0
     arrays = []
     for path, (_, leaf) in zip(paths, leaves, strict=True):
+        held = _held(leaf)
+        blocks += 1 if held is not None else len(set(_boxes(leaf)))
         cache: dict[Box, np.ndarray] = {}
 
-        def block(index, path=path, leaf=leaf, cache=cache):
-            nonlocal blocks
+        def block(index, path=path, leaf=leaf, cache=cache, held=held):
             box = tuple(s.indices(n)[:2] for s, n in zip(index, leaf.shape, strict=True))
+            if held is not None:  # (one read of all this process holds; each device's a view)
+                if held not in cache:
+                    cache[held] = _block(opened, plan[path], held, leaf.dtype)
+                return cache[held][
+                    tuple(slice(lo - h, hi - h) for (lo, hi), (h, _) in zip(box, held, strict=True))
+                ]
             if box not in cache:
                 cache[box] = _block(opened, plan[path], box, leaf.dtype)
-                blocks += 1
             return cache[box]
 
         arrays.append(jax.make_array_from_callback(leaf.shape, leaf.sharding, block))
@@ -124,11 +130,32 @@ def train_state(shapes: PyTree, params: PyTree, mesh, rng: jax.Array | None = No
     return with_optimizer_state(state, mesh)
 
 
+def _boxes(leaf) -> list[Box]:
+    """The boxes of ``leaf`` this process's devices hold, one a device."""
+    indices = leaf.sharding.addressable_devices_indices_map(leaf.shape).values()
+    return [tuple(s.indices(n)[:2] for s, n in zip(index, leaf.shape, strict=True)) for index in indices]
+
+
+def _held(leaf) -> Box | None:
+    """The box spanning every block this process holds, where those blocks tile it (FSDP over a
+    process's own devices: read once, in long ranges, and sliced), else ``None`` (each block
+    read on its own: reading the span would read bytes no device here holds)."""
+    boxes = set(_boxes(leaf))
+    span = tuple((min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(len(leaf.shape)))
+    volume = lambda box: int(np.prod([hi - lo for lo, hi in box]))
+    return span if sum(volume(b) for b in boxes) == volume(span) else None
+
+
 def _block(opened: Checkpoint, sources: list[Source], box: Box, dtype) -> np.ndarray:
-    """The parameter's ``box``, each stacked index's source read for its part only."""
-    out = np.empty(tuple(hi - lo for lo, hi in box), dtype)
+    """The parameter's ``box``, each stacked index's source read for its part only. One source
+    in the parameter's dtype is given as read, its views not copied (the device copies it)."""
     stacked = len(sources[0].at)
     inner = box[stacked:]
+    if not stacked:
+        (source,) = sources
+        part = source.block(opened.read(source.name, source.box(inner)), inner)
+        return part if part.dtype == np.dtype(dtype) else part.astype(dtype)
+    out = np.empty(tuple(hi - lo for lo, hi in box), dtype)
     for source in sources:
         if all(lo <= i < hi for i, (lo, hi) in zip(source.at, box, strict=False)):
             part = source.block(opened.read(source.name, source.box(inner)), inner)

@@ -210,15 +210,24 @@ def read_block(
     path: str | os.PathLike, entry: Entry, box: Box, coalesce: int = COALESCE
 ) -> tuple[np.ndarray, int]:
     """``box`` (a ``(start, stop)`` a dim) of ``entry``, in its own dtype, and the bytes read.
-    Memory beyond the block: one read's buffer."""
+    A range read alone goes straight into the block; memory beyond the block is one coalesced
+    read's buffer, where ranges were joined across a gap."""
     out = np.empty(tuple(hi - lo for lo, hi in box), entry.np_dtype)
     into, cursor, total = out.reshape(-1).view(np.uint8), 0, 0
     with open(path, "rb") as file:
         for offset, length, members in reads(spans(entry, box), coalesce):
-            raw = os.pread(file.fileno(), length, offset)
-            if len(raw) != length:  # (the file shrank since its header was read)
-                raise _corrupt(path, f"tensor {entry.name!r}: ended {length - len(raw)} bytes early")
+            if len(members) == 1:  # (no gap: the bytes land where they belong)
+                got = os.preadv(file.fileno(), [into[cursor : cursor + length]], offset)
+                raw = None
+            else:
+                raw = os.pread(file.fileno(), length, offset)
+                got = len(raw)
+            if got != length:  # (the file shrank since its header was read)
+                raise _corrupt(path, f"tensor {entry.name!r}: ended {length - got} bytes early")
             total += length
+            if raw is None:
+                cursor += length
+                continue
             for start, size in members:  # (each range is the box's next row, in order)
                 into[cursor : cursor + size] = np.frombuffer(raw, np.uint8, size, start - offset)
                 cursor += size
