@@ -156,9 +156,9 @@ def hub_section(m: HubMeasured) -> str:
         f"\n### Loading a downloaded checkpoint\n\n"
         f"A Llama-shaped float32 checkpoint of {gb(m.data_bytes)} ({HUB_CONFIG['num_hidden_layers']} "
         f"layers of d {HUB_CONFIG['hidden_size']}, vocabulary {HUB_CONFIG['vocab_size']:,}), loaded onto "
-        f"FSDP over 8 CPU devices by `fsdp_tp.hub.load` and by reading every tensor whole then `device_put`. Host "
-        f"buffers: the most NumPy held at once during the load (the devices' own buffers not counted), and "
-        f"÷ the largest tensor ({gb(m.largest)}).\n\n"
+        f"FSDP over 8 CPU devices by `fsdp_tp.hub.load` and by reading every tensor whole then "
+        f"`device_put`. Host buffers: the most NumPy held at once during the load (the devices' own "
+        f"buffers not counted), and ÷ the largest tensor ({gb(m.largest)}).\n\n"
         "| loader | bytes read ÷ the file's data | host buffers at peak (÷ largest tensor) | the devices "
         "hold | seconds ÷ fsdp_tp's |\n|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
     )
