@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -38,6 +39,7 @@ from fsdp_tp.errors import CheckpointCorruptError, CheckpointMismatchError, Chec
 from fsdp_tp.hub import Checkpoint, Decoder, DecoderConfig, NNXDecoder, Rule, load, mapping
 from fsdp_tp.hub.decoder import fsdp_rules, tp_rules
 from fsdp_tp.hub.export import export
+from fsdp_tp.hub.load import param_path
 from fsdp_tp.hub.safetensors import read_block, read_header, write
 from fsdp_tp.sharded_init import abstract_init
 from tests.processes import free_port
@@ -444,3 +446,32 @@ def test_the_benchmarks_load_section_at_small_sizes():
         assert run["held"] == measured.data_bytes + 7 * norms
     text = hub_section(measured)
     assert "| fsdp_tp | 1.00 |" in text and "| read_then_device_put | 1.00 |" in text
+
+
+def _roles(rules, modules: list[str]) -> dict:
+    """Each module's role by ``rules`` (the first whose pattern ``re.search``es its path)."""
+    return {m: next((role for pattern, role in rules if re.search(pattern, m)), None) for m in modules}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3"])  # (untied, tied, fused in the checkpoint)
+def test_auto_finds_the_hand_written_megatron_plan(family):
+    from flax import nnx
+
+    import fsdp_tp.linen
+
+    config = _decoder_config(os.path.join(HERE, family))
+    tokens = jax.ShapeDtypeStruct((2, 12), jnp.int32)
+    modules = sorted({p.rsplit("/", 1)[0] for p in map(param_path, _paths(_target(config)))})
+    hand = _roles(tp_rules(config), modules)
+    assert sum(role is not None for role in hand.values()) == 7 * config.layers + 2 - config.tied
+    linen = fsdp_tp.linen.find_tp_rules(Decoder(config), tokens, size=2, outputs_split=True)
+    abstract = nnx.eval_shape(lambda: NNXDecoder(config, nnx.Rngs(0)))
+    found_nnx = fsdp_tp.nnx.find_tp_rules(abstract, tokens, size=2, outputs_split=True)
+    assert _roles(linen.rules, modules) == hand == _roles(found_nnx.rules, modules)
+    # (negative control: one role changed is seen)
+    changed = [(r"attn/out$", tp_rules(config)[1][1]), *tp_rules(config)]
+    assert _roles(changed, modules) != hand
+
+
+def _paths(tree) -> list:
+    return [path for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
