@@ -7,7 +7,8 @@ suite reads the files and never needs torch.
 
 Each family's directory: ``config.json``, ``model.safetensors`` (float32), a bfloat16 copy in
 ``bf16/``, and ``logits.npy`` on ``TOKENS``: each checkpoint loaded back by transformers in float64 (so
-``bf16/logits.npy`` are the bfloat16 weights' logits).
+``bf16/logits.npy`` are the bfloat16 weights' logits), and ``float32_logits.npy``: the same in
+float32, whose distance from the float64 logits is the rounding a float32 run is held to.
 """
 
 import json
@@ -104,6 +105,31 @@ FAMILIES = {
         eos_token_id=2,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     ),
+    # (1 + w) norms, four a block; sqrt(d) embedding scale; tanh-GELU; per-head q/k norms; a
+    # query scalar other than head_dim; a local layer (window 5, theta 10k) then a global one
+    # (theta 1M, linear scaling 4); tied logits soft-capped at 3
+    "gemma3": transformers.Gemma3TextConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=128,
+        query_pre_attn_scalar=16,
+        sliding_window=5,
+        final_logit_softcapping=3.0,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+        },
+    ),
 }
 
 
@@ -127,6 +153,11 @@ def main():
             with torch.no_grad():
                 logits = loaded(torch.tensor(TOKENS)).logits.numpy()
             np.save(written / "logits.npy", logits)
+            # (and in float32: how far transformers' own float32 run is from float64, the
+            # rounding a float32 implementation is held to)
+            loaded = transformers.AutoModelForCausalLM.from_pretrained(written, dtype=torch.float32).eval()
+            with torch.no_grad():
+                np.save(written / "float32_logits.npy", loaded(torch.tensor(TOKENS)).logits.numpy())
             print(written, logits.shape, float(np.abs(logits).max()))
     (HERE / "tokens.json").write_text(json.dumps(TOKENS))
 

@@ -35,7 +35,13 @@ def mapping(config: DecoderConfig) -> tuple[list[Rule], list[str]]:
         Rule(r"model\.norm\.weight", "final_norm"),
         Rule(r"lm_head\.weight", "head/kernel", linear),
         Rule(_LAYER + r"input_layernorm\.weight", r"block_\1/attn_norm"),
-        Rule(_LAYER + r"post_attention_layernorm\.weight", r"block_\1/mlp_norm"),
+        # (Gemma's post_attention_layernorm follows the attention; Llama's comes before the MLP)
+        Rule(
+            _LAYER + r"post_attention_layernorm\.weight",
+            r"block_\1/attn_post_norm" if config.sandwich_norms else r"block_\1/mlp_norm",
+        ),
+        Rule(_LAYER + r"pre_feedforward_layernorm\.weight", r"block_\1/mlp_norm"),
+        Rule(_LAYER + r"post_feedforward_layernorm\.weight", r"block_\1/mlp_post_norm"),
         Rule(_LAYER + r"self_attn\.q_proj\.weight", r"block_\1/attn/q/kernel", heads),
         Rule(_LAYER + r"self_attn\.k_proj\.weight", r"block_\1/attn/k/kernel", kv_heads),
         Rule(_LAYER + r"self_attn\.v_proj\.weight", r"block_\1/attn/v/kernel", kv_heads),

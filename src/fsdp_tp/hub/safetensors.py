@@ -217,7 +217,7 @@ def read_block(
     with open(path, "rb") as file:
         for offset, length, members in reads(spans(entry, box), coalesce):
             if len(members) == 1:  # (no gap: the bytes land where they belong)
-                got = os.preadv(file.fileno(), [into[cursor : cursor + length]], offset)
+                got = os.preadv(file.fileno(), [into[cursor : cursor + length].data], offset)
                 raw = None
             else:
                 raw = os.pread(file.fileno(), length, offset)
