@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import json
 import os
 import re
@@ -345,3 +346,44 @@ def test_auto_finds_the_hand_written_megatron_plan(family):
 
 def _paths(tree) -> list:
     return [path for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+LLAMA_3_8B = {  # (Meta-Llama-3.1-8B's config.json, its sizes and RoPE)
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+}
+
+
+def test_plan_from_a_config_alone_says_what_each_of_4096_devices_holds_and_reads(tmp_path):
+    # An 8B model on data 8 x fsdp 64 x tensor 8, no weights, no devices: every weight matrix is
+    # split 512 ways (its D over fsdp, its heads, features or vocabulary over tensor), each norm
+    # whole; a device reads its elements in the checkpoint's bfloat16.
+    from fsdp_tp.cli.main import main
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_8B))
+    out = io.StringIO()
+    argv = ["plan", "--from", str(tmp_path), "--mesh", "data=8,fsdp=64,tensor=8", "--batch", "512"]
+    assert main(argv, out=out) == 0
+    total, norms = 8_030_261_248, (2 * 32 + 1) * 4096  # (Llama 3 8B's parameters; its norms')
+    elements = (total - norms) // 512 + norms
+    assert (
+        f"reads per device: {2 * elements:,} B of the checkpoint ({elements:,} elements of 2 B"
+        in out.getvalue()
+    )
+    assert f"params {4 * elements:,} B" in out.getvalue()  # (float32 on the devices)

@@ -30,6 +30,7 @@ from ._integrity import fingerprints, meta_digest, mismatches
 from ._state_tree import check_saved
 
 __all__ = [
+    "barrier",
     "cause",
     "moved_aside",
     "read_meta",
@@ -176,18 +177,18 @@ def require_arrays(state: PyTree, step: int) -> None:
 def moved_aside(path: Path, name: str) -> Path:
     """``path`` renamed to ``name`` beside it (``name.1``, ``name.2``, ... where taken), by one
     process, the others waiting for it; returns the new path."""
-    _sync(f"fsdp_tp set aside {name}")  # every process names the same destination
+    barrier(f"fsdp_tp set aside {name}")  # every process names the same destination
     moved, suffix = path.parent / name, 0
     while moved.exists():
         suffix += 1
         moved = path.parent / f"{name}.{suffix}"
     if jax.process_index() == 0:
         path.rename(moved)
-    _sync(f"fsdp_tp set aside {name} done")
+    barrier(f"fsdp_tp set aside {name} done")
     return moved
 
 
-def _sync(name: str) -> None:
+def barrier(name: str) -> None:
     """A barrier across the processes of a multi-process run (nothing in a single one)."""
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils

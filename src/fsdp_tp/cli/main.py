@@ -108,9 +108,14 @@ def main(argv: list[str] | None = None, out=sys.stdout) -> int:
     try:
         check_ranges(args)
         if args.command == "plan":
+            sizes = mesh_sizes(args.mesh or DEFAULT_MESH, args.experts)
+            if args.from_dir:
+                from .hub_plan import print_hub_plan
+
+                print_hub_plan(args.from_dir, sizes, args.batch, args.seq_len or 2048, out)
+                return 0
             from .fit import print_plan
 
-            sizes = mesh_sizes(args.mesh or DEFAULT_MESH, args.experts)
             print_plan(settings_of(args, sizes), sizes, out)
             return 0
         return _checked_train(args, out)

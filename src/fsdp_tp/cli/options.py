@@ -258,6 +258,13 @@ def parser(description: str) -> argparse.ArgumentParser:
     )
     for p in (train, plan):
         _model_flags(p)
+    plan.add_argument(
+        "--from",
+        dest="from_dir",
+        metavar="DIR",
+        help="plan a downloaded Hugging Face checkpoint's model (its config.json; no weights needed) "
+        "instead of the preset's GPT",
+    )
     _train_flags(train)
     _bench_flags(
         sub.add_parser(

@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from .._types import PyTree
-from ..checkpoint._files import _sync
+from ..checkpoint._files import barrier
 from ..errors import CheckpointSaveError
 from .directory import INDEX, Checkpoint
 from .load import param_path
@@ -87,17 +87,17 @@ def export(
                 out.write(struct.pack("<Q", len(header)) + header)
                 out.truncate(8 + len(header) + sum(e.end - e.begin for e in entries.values()))
         _write_sidecars(source, temporary, files)
-    _sync(f"fsdp_tp export {target.name} laid out")
+    barrier(f"fsdp_tp export {target.name} laid out")
     try:
         _write_blocks(leaves, plan, files, temporary)
     except BaseException:
         if jax.process_index() == 0:  # (nothing half-written is left behind)
             shutil.rmtree(temporary, ignore_errors=True)
         raise
-    _sync(f"fsdp_tp export {target.name} written")
+    barrier(f"fsdp_tp export {target.name} written")
     if jax.process_index() == 0:
         os.replace(temporary, target)
-    _sync(f"fsdp_tp export {target.name} done")
+    barrier(f"fsdp_tp export {target.name} done")
 
 
 def _write_blocks(leaves: dict, plan, files, temporary: Path) -> None:
