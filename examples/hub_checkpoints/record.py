@@ -21,112 +21,49 @@ import transformers
 HERE = pathlib.Path(__file__).parent
 TOKENS = [[1, 5, 9, 13, 2, 60, 33, 7, 41, 19, 3, 50], [4, 8, 15, 16, 23, 42, 0, 63, 31, 12, 11, 10]]
 
+# Every family's sizes: 2 layers of d 32, 4 query heads and 2 kv heads, an MLP of 48, 64 tokens.
+SMALL = dict(
+    vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=128,
+)
+DEFAULT_ROPE = lambda theta: {"rope_type": "default", "rope_theta": theta}
+
 FAMILIES = {
     # llama3 RoPE scaling with its three regimes hit at head_dim 8 (wavelengths 6.3, 63, 628,
     # 6283 against 16 and 64), untied head.
     "llama": transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        max_position_embeddings=128,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 10000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
+        **SMALL, head_dim=8, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
     ),
     # q/k/v biases; tied-free, default RoPE at another theta
     "qwen2": transformers.Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        max_position_embeddings=128,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+        **SMALL, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters=DEFAULT_ROPE(1000.0)
     ),
     # each head's query and key RMS-normed before RoPE, an explicit head_dim (not d / heads),
     # the head tied to the embedding
     "qwen3": transformers.Qwen3Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        max_position_embeddings=128,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        **SMALL, head_dim=16, rms_norm_eps=1e-6, tie_word_embeddings=True, rope_parameters=DEFAULT_ROPE(1e6)
     ),
     # a sliding window of 5 tokens (the 12 tokens see past it), every layer
     "mistral": transformers.MistralConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        max_position_embeddings=128,
-        sliding_window=5,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        **SMALL, head_dim=8, rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=5,
+        rope_parameters=DEFAULT_ROPE(1e6),
     ),
     # q, k and v in one weight (qkv_proj), gate and up in another (gate_up_proj); a window of 7
     "phi3": transformers.Phi3Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        max_position_embeddings=128,
-        original_max_position_embeddings=128,
-        sliding_window=7,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        **SMALL, rms_norm_eps=1e-5, tie_word_embeddings=False, original_max_position_embeddings=128,
+        sliding_window=7, pad_token_id=0, bos_token_id=1, eos_token_id=2, rope_parameters=DEFAULT_ROPE(10000.0),
     ),
     # (1 + w) norms, four a block; sqrt(d) embedding scale; tanh-GELU; per-head q/k norms; a
     # query scalar other than head_dim; a local layer (window 5, theta 10k) then a global one
     # (theta 1M, linear scaling 4); tied logits soft-capped at 3
     "gemma3": transformers.Gemma3TextConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=128,
-        query_pre_attn_scalar=16,
-        sliding_window=5,
-        final_logit_softcapping=3.0,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
+        **SMALL, head_dim=8, rms_norm_eps=1e-6, query_pre_attn_scalar=16, sliding_window=5,
+        final_logit_softcapping=3.0, pad_token_id=0, eos_token_id=1, bos_token_id=2,
         layer_types=["sliding_attention", "full_attention"],
         rope_parameters={
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "sliding_attention": DEFAULT_ROPE(10000.0),
             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
         },
     ),
