@@ -53,7 +53,8 @@ FAMILIES = {
     # q, k and v in one weight (qkv_proj), gate and up in another (gate_up_proj); a window of 7
     "phi3": transformers.Phi3Config(
         **SMALL, rms_norm_eps=1e-5, tie_word_embeddings=False, original_max_position_embeddings=128,
-        sliding_window=7, pad_token_id=0, bos_token_id=1, eos_token_id=2, rope_parameters=DEFAULT_ROPE(10000.0),
+        sliding_window=7, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        rope_parameters=DEFAULT_ROPE(10000.0),
     ),
     # (1 + w) norms, four a block; sqrt(d) embedding scale; tanh-GELU; per-head q/k norms; a
     # query scalar other than head_dim; a local layer (window 5, theta 10k) then a global one
