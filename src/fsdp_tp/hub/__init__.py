@@ -18,7 +18,8 @@ layout::
     params, report = load(checkpoint, shapes.params, *mapping(config))
 """
 
-from .decoder import Decoder, DecoderConfig, NNXDecoder, fsdp_rules, tp_rules
+from .config import DecoderConfig
+from .decoder import Decoder, NNXDecoder, fsdp_rules, tp_rules
 from .directory import Checkpoint
 from .families import mapping
 from .load import LoadReport, load, train_state

@@ -36,7 +36,7 @@ from ..attention import attend
 from ..tp import ColumnParallel, RowParallel, VocabParallel
 from .config import DecoderConfig, rope_frequencies
 
-__all__ = ["Decoder", "DecoderConfig", "NNXDecoder", "fsdp_rules", "rope_frequencies", "tp_rules"]
+__all__ = ["Decoder", "NNXDecoder", "fsdp_rules", "tp_rules"]
 
 
 def tp_rules(config: DecoderConfig, gather_logits: bool = False) -> list:

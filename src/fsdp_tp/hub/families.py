@@ -6,7 +6,7 @@ heads, head_dim)`` for q/k/v, ``(heads, head_dim, out)`` for the attention's out
 out)`` for the MLP and the head. So each projection is a transpose, and the attention's a split
 of ``heads * head_dim`` into its two dims.
 
->>> from fsdp_tp.hub.decoder import DecoderConfig
+>>> from fsdp_tp.hub.config import DecoderConfig
 >>> rules, ignore = mapping(DecoderConfig(64, 32, 4, 2, 8, 48, 2))
 >>> [rule.path for rule in rules][:3]
 ['embed/embedding', 'final_norm', 'head/kernel']
@@ -14,7 +14,7 @@ of ``heads * head_dim`` into its two dims.
 
 from __future__ import annotations
 
-from .decoder import DecoderConfig
+from .config import DecoderConfig
 from .mapping import Rule, SplitDim, Take, Transpose
 
 __all__ = ["mapping"]
