@@ -39,7 +39,7 @@ from ..checkpoint._files import barrier
 from ..errors import CheckpointSaveError
 from .directory import INDEX, Checkpoint
 from .load import param_path
-from .mapping import Rule, match
+from .mapping import Rule, box_of, match
 from .safetensors import DTYPES, Entry, spans
 
 __all__ = ["export"]
@@ -107,7 +107,7 @@ def _write_blocks(leaves: dict, plan, files, temporary: Path) -> None:
         for shard in leaves[path].addressable_shards:
             if shard.replica_id != 0:  # (one replica writes each block)
                 continue
-            box = tuple(s.indices(n)[:2] for s, n in zip(shard.index, leaves[path].shape, strict=True))
+            box = box_of(shard.index, leaves[path].shape)
             value = np.asarray(shard.data)
             stacked = len(sources[0].at)
             for source_ in sources:

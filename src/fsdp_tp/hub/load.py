@@ -48,7 +48,7 @@ from .._tree import path_of
 from .._types import PyTree
 from ..errors import CheckpointMismatchError
 from .directory import Checkpoint
-from .mapping import Box, Rule, Source, match
+from .mapping import Box, Rule, Source, box_of, match
 
 __all__ = ["LoadReport", "load", "param_path", "train_state"]
 
@@ -93,12 +93,14 @@ def load(
     read_before, blocks = opened.bytes_read, 0
     arrays = []
     for path, (_, leaf) in zip(paths, leaves, strict=True):
-        held = _held(leaf)
-        blocks += 1 if held is not None else len(set(_boxes(leaf)))
+        indices = leaf.sharding.addressable_devices_indices_map(leaf.shape).values()
+        boxes = {box_of(index, leaf.shape) for index in indices}
+        held = _held(boxes, len(leaf.shape))
+        blocks += 1 if held is not None else len(boxes)
         cache: dict[Box, np.ndarray] = {}
 
         def block(index, path=path, leaf=leaf, cache=cache, held=held):
-            box = tuple(s.indices(n)[:2] for s, n in zip(index, leaf.shape, strict=True))
+            box = box_of(index, leaf.shape)
             if held is not None:  # (one read of all this process holds; each device's a view)
                 if held not in cache:
                     cache[held] = _block(opened, plan[path], held, leaf.dtype)
@@ -130,18 +132,11 @@ def train_state(shapes: PyTree, params: PyTree, mesh, rng: jax.Array | None = No
     return with_optimizer_state(state, mesh)
 
 
-def _boxes(leaf) -> list[Box]:
-    """The boxes of ``leaf`` this process's devices hold, one a device."""
-    indices = leaf.sharding.addressable_devices_indices_map(leaf.shape).values()
-    return [tuple(s.indices(n)[:2] for s, n in zip(index, leaf.shape, strict=True)) for index in indices]
-
-
-def _held(leaf) -> Box | None:
-    """The box spanning every block this process holds, where those blocks tile it (FSDP over a
-    process's own devices: read once, in long ranges, and sliced), else ``None`` (each block
-    read on its own: reading the span would read bytes no device here holds)."""
-    boxes = set(_boxes(leaf))
-    span = tuple((min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(len(leaf.shape)))
+def _held(boxes: set[Box], ndim: int) -> Box | None:
+    """The box spanning ``boxes`` (the distinct blocks this process holds), where they tile it
+    (FSDP over a process's own devices: read once, in long ranges, and sliced), else ``None``
+    (each block read on its own: reading the span would read bytes no device here holds)."""
+    span = tuple((min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(ndim))
     volume = lambda box: int(np.prod([hi - lo for lo, hi in box]))
     return span if sum(volume(b) for b in boxes) == volume(span) else None
 

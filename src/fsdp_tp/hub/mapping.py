@@ -33,9 +33,18 @@ import numpy as np
 
 from ..errors import CheckpointMismatchError
 
-__all__ = ["Rule", "Source", "SplitDim", "Take", "Transpose", "View", "match"]
+__all__ = ["Rule", "Source", "SplitDim", "Take", "Transpose", "View", "box_of", "match"]
 
 Box = tuple[tuple[int, int], ...]
+
+
+def box_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
+    """A device's block ``index`` (JAX's slices, ``None`` ends included) as ``(start, stop)`` a dim.
+
+    >>> box_of((slice(None), slice(2, 4)), (3, 8))
+    ((0, 3), (2, 4))
+    """
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
 
 
 class View:
