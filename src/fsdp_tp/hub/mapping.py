@@ -39,11 +39,8 @@ Box = tuple[tuple[int, int], ...]
 
 
 def box_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
-    """A device's block ``index`` (JAX's slices, ``None`` ends included) as ``(start, stop)`` a dim.
-
-    >>> box_of((slice(None), slice(2, 4)), (3, 8))
-    ((0, 3), (2, 4))
-    """
+    """A device's block ``index`` (JAX's slices) as ``(start, stop)`` a dim: ``((0, 3), (2, 4))``
+    for ``(slice(None), slice(2, 4))`` of ``(3, 8)``."""
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
 
 
