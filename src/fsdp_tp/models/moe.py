@@ -31,17 +31,47 @@ over the batch axes before the product (:func:`~fsdp_tp.routing.load_balancing_l
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from ..tp import ColumnParallel, ExpertParallel, RowParallel
 from ._mixture import MOE_SIZES, mixture, moe_fields, weighted
 from .llama import NNXMLP, LinenAttention, LinenMLP, NNXAttention, rms_norm
 from .remat import remat_policy
 
-__all__ = ["MOE_SIZES", "LinenMoE", "MoELM", "NNXMoE", "NNXMoELM", "mixture"]
+__all__ = ["EXPERTS_FSDP", "MOE_SIZES", "LinenMoE", "MoELM", "NNXMoE", "NNXMoELM", "expert_rules", "mixture"]
+
+# FSDP on the experts' model dim: the one neither the expert split nor the hidden split takes.
+EXPERTS_FSDP = [
+    (r"experts/(gate|up)/kernel$", P(None, "fsdp")),
+    (r"experts/down/kernel$", P(None, None, "fsdp")),
+]
+
+
+def expert_rules(sizes: Mapping[str, int]) -> list:
+    """The tp rules of an expert bank (``experts/gate``, ``up``, ``down``) on a mesh of axis
+    ``sizes``: the experts over ``expert`` where it is above 1 (tokens sent to them by
+    ``all_to_all``), each expert's hidden dim over ``tensor`` where that is (gate and up
+    column-, down row-parallel: on the experts' devices where both are).
+
+    >>> [type(role).__name__ for _, role in expert_rules({"expert": 2, "tensor": 1})]
+    ['ExpertParallel', 'ExpertParallel']
+    >>> type(expert_rules({"expert": 2, "tensor": 2})[1][1].within).__name__
+    'RowParallel'
+    """
+    over_tensor = sizes.get("tensor", 1) > 1
+    column, row = (ColumnParallel(), RowParallel()) if over_tensor else (None, None)
+    if sizes.get("expert", 1) > 1:
+        return [
+            (r"experts/(gate|up)$", ExpertParallel(within=column)),
+            (r"experts/down$", ExpertParallel(returns=True, within=row)),
+        ]
+    return [(r"experts/(gate|up)$", column), (r"experts/down$", row)] if over_tensor else []
 
 
 class LinenExperts(nn.Module):

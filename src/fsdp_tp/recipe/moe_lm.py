@@ -36,43 +36,21 @@ from flax import nnx
 
 from ..linen.rule_transform import shard_by_rules as linen_shard_by_rules
 from ..models.llama import FSDP_RULES, RULES
-from ..models.moe import MoELM, NNXMoELM
+from ..models.moe import EXPERTS_FSDP, MoELM, NNXMoELM, expert_rules
 from ..nnx import shard_by_rules as nnx_shard_by_rules
 from ..precision import MixedPrecision
-from ..tp import ColumnParallel, ExpertParallel, RowParallel
 from ..train import state_init_fn
 from .config import ModelConfig
 
 __all__ = ["linen_path", "moe_loss", "moe_rules", "nnx_moe_maker", "sharded_moe_parts"]
-
-_EXPERT_PARALLEL = [
-    (r"experts/(gate|up)$", ExpertParallel()),
-    (r"experts/down$", ExpertParallel(returns=True)),
-]
-_EXPERTS_OVER_TENSOR = [(r"experts/(gate|up)$", ColumnParallel()), (r"experts/down$", RowParallel())]
-_EXPERTS_OVER_BOTH = [  # (each expert's hidden dim split over tensor on the experts' devices)
-    (r"experts/(gate|up)$", ExpertParallel(within=ColumnParallel())),
-    (r"experts/down$", ExpertParallel(returns=True, within=RowParallel())),
-]
-# FSDP on the experts' model dim: the one neither the expert split nor the hidden split takes.
-_EXPERTS_FSDP = [
-    (r"experts/(gate|up)/kernel$", jax.sharding.PartitionSpec(None, "fsdp")),
-    (r"experts/down/kernel$", jax.sharding.PartitionSpec(None, None, "fsdp")),
-]
 
 
 def moe_rules(sizes: Mapping[str, int], dense: bool = False) -> tuple[list, list]:
     """``(storage rules, tp rules)`` of the MoE LM on a mesh of axis ``sizes`` (see the module);
     ``dense``: some layers hold a dense MLP (``moe_every`` > 1), whose rules then join."""
     keep = lambda rules: [(pattern, x) for pattern, x in rules if dense or "mlp/" not in pattern]
-    tp: list = []
-    if sizes.get("tensor", 1) > 1:
-        tp += keep(RULES)
-    if sizes.get("expert", 1) > 1:
-        tp += _EXPERTS_OVER_BOTH if sizes.get("tensor", 1) > 1 else _EXPERT_PARALLEL
-    elif sizes.get("tensor", 1) > 1:
-        tp += _EXPERTS_OVER_TENSOR
-    storage = [*keep(FSDP_RULES), *_EXPERTS_FSDP] if sizes.get("fsdp", 1) > 1 else []
+    tp = [*(keep(RULES) if sizes.get("tensor", 1) > 1 else []), *expert_rules(sizes)]
+    storage = [*keep(FSDP_RULES), *EXPERTS_FSDP] if sizes.get("fsdp", 1) > 1 else []
     return storage, tp
 
 
