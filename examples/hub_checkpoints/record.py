@@ -3,7 +3,7 @@
 suite reads the files and never needs torch.
 
     python -m venv /tmp/hub && /tmp/hub/bin/pip install torch==2.13.0 transformers safetensors
-    /tmp/hub/bin/python examples/hub_checkpoints/record.py
+    /tmp/hub/bin/python examples/hub_checkpoints/record.py [FAMILY ...]   # (none named: all)
 
 Each family's directory: ``config.json``, ``model.safetensors`` (float32), a bfloat16 copy in
 ``bf16/``, and ``logits.npy`` on ``TOKENS``: each checkpoint loaded back by transformers in float64 (so
@@ -13,6 +13,7 @@ float32, whose distance from the float64 logits is the rounding a float32 run is
 
 import json
 import pathlib
+import sys
 
 import numpy as np
 import torch
@@ -68,12 +69,27 @@ FAMILIES = {
             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
         },
     ),
+    # a mixture of experts: layer 0 a dense MLP (mlp_only_layers), layer 1 four experts of 24,
+    # each token's top 2 renormalized; each expert's three weights stored on their own
+    "qwen3_moe": transformers.Qwen3MoeConfig(
+        **SMALL, head_dim=8, rms_norm_eps=1e-6, tie_word_embeddings=False, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[0], norm_topk_prob=True,
+        rope_parameters=DEFAULT_ROPE(1e6),
+    ),
 }
 
 
-def main():
-    torch.manual_seed(0)
-    for family, config in FAMILIES.items():
+def load(directory: pathlib.Path, dtype):
+    """The checkpoint in ``directory`` as transformers loads it, in ``dtype``; a mixture of experts
+    by its reference loop over the experts (the grouped kernel takes no float64)."""
+    moe = {"experts_implementation": "eager"} if "qwen3_moe" in directory.parts else {}
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **moe).eval()
+
+
+def main(families: list[str]):
+    for family in families or FAMILIES:
+        config = FAMILIES[family]
+        torch.manual_seed(sorted(FAMILIES).index(family))  # (a family recorded alone: the same weights)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         # A random init's norms are ones and its biases zeros: make every tensor random, so a
         # mapping that drops or swaps one shows.
@@ -87,13 +103,13 @@ def main():
         # float64 (the RoPE tables computed anew on load, as transformers computes them).
         for written in (directory, directory / "bf16"):
             (written / "generation_config.json").unlink(missing_ok=True)
-            loaded = transformers.AutoModelForCausalLM.from_pretrained(written, dtype=torch.float64).eval()
+            loaded = load(written, torch.float64)
             with torch.no_grad():
                 logits = loaded(torch.tensor(TOKENS)).logits.numpy()
             np.save(written / "logits.npy", logits)
             # (and in float32: how far transformers' own float32 run is from float64, the
             # rounding a float32 implementation is held to)
-            loaded = transformers.AutoModelForCausalLM.from_pretrained(written, dtype=torch.float32).eval()
+            loaded = load(written, torch.float32)
             with torch.no_grad():
                 np.save(written / "float32_logits.npy", loaded(torch.tensor(TOKENS)).logits.numpy())
             print(written, logits.shape, float(np.abs(logits).max()))
@@ -101,4 +117,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
