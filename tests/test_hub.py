@@ -1,10 +1,11 @@
 """Issue 100: a Hugging Face checkpoint read straight into a sharded model's arrays, and back.
 
-Each family (Llama 3, Qwen 2 and 3, Mistral, Phi-3, Gemma 3) equal to the Hub's own
+Each family (Llama 3, Qwen 2 and 3, Mistral, Phi-3, Gemma 3, Qwen 3 MoE) equal to the Hub's own
 implementation: logits that transformers (torch) computed on a tiny checkpoint it wrote
 (``examples/hub_checkpoints``, recorded once by ``record.py`` there) against the decoder loaded
 from it, Linen and NNX, on one device and on data x fsdp x tensor and fsdp x context x tensor
-meshes (the library's Megatron and FSDP layouts, the sequence split by the step), each process
+meshes, the mixture's on fsdp x expert x tensor too (the library's Megatron, expert and FSDP
+layouts, the sequence split by the step), each process
 reading each byte it holds once (two processes: each its half); exported back bit for bit; the
 checkpoint's problems named tensor by tensor before anything is read (each named fix loads);
 "auto" finding the hand-written plan. The format itself: ``tests/test_safetensors.py``.
@@ -34,8 +35,17 @@ import fsdp_tp
 import fsdp_tp.nnx
 from fsdp_tp import TrainState, make_mesh, shard_step
 from fsdp_tp.errors import CheckpointMismatchError, CheckpointSaveError
-from fsdp_tp.hub import Checkpoint, Decoder, DecoderConfig, NNXDecoder, Rule, load, mapping
-from fsdp_tp.hub.decoder import fsdp_rules, tp_rules
+from fsdp_tp.hub import (
+    Checkpoint,
+    Decoder,
+    DecoderConfig,
+    NNXDecoder,
+    Rule,
+    fsdp_rules,
+    load,
+    mapping,
+    tp_rules,
+)
 from fsdp_tp.hub.export import export
 from fsdp_tp.hub.load import param_path
 from fsdp_tp.hub.safetensors import write
@@ -46,8 +56,9 @@ HERE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "hub_check
 LLAMA = os.path.join(HERE, "llama")
 # llama3 RoPE scaling and an untied head; q/k/v biases; per-head q/k norms, a tied head; a
 # sliding window; fused qkv and gate_up weights and a window; Gemma 3's (1 + w) sandwich norms,
-# scaled embeddings, tanh-GELU, query scalar, local and global layers and soft-capped logits
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3"]
+# scaled embeddings, tanh-GELU, query scalar, local and global layers and soft-capped logits; a
+# mixture of experts (a dense layer, then one of four experts, each stored on its own)
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "qwen3_moe"]
 
 
 def _assert_hubs(logits, directory: str, rows=lambda x: x) -> None:
@@ -118,6 +129,23 @@ def test_each_part_of_the_mapping_and_llama3_scaling_shows_in_the_logits():
     ]:
         logits, _ = _one_device("linen", LLAMA, **wrong)
         assert np.abs(logits - want).max() > 1e-3
+    # The mixture's: experts stacked in another order; the top-k weights left unnormalized.
+    moe = os.path.join(HERE, "qwen3_moe")
+    want, config = np.load(os.path.join(moe, "logits.npy")), _decoder_config(moe)
+    rules, ignore = mapping(config)
+    expert = next(r for r in rules if r.at)  # (experts 0 and 1 swapped in the bank)
+    swapped = [r for r in rules if not r.at] + [
+        dataclasses.replace(
+            expert, pattern=expert.pattern.replace(r"experts\.(\d+)", f"experts\\.({i})"), at=(j,)
+        )
+        for i, j in enumerate([1, 0, *range(2, config.experts)])
+    ]
+    for wrong in [
+        dict(rules=(swapped, ignore)),
+        dict(config=dataclasses.replace(config, normalize_top_k=False)),
+    ]:
+        logits, _ = _one_device("linen", moe, **wrong)
+        assert np.abs(logits - want).max() > 1e-3
 
 
 def _step_logits(api: str, axes: dict, batch_axes: tuple, checkpoint: Checkpoint, tokens, out=None):
@@ -127,16 +155,16 @@ def _step_logits(api: str, axes: dict, batch_axes: tuple, checkpoint: Checkpoint
     split = "context" in axes
     spec = P(batch_axes[0], "context") if split else P(batch_axes)
     batch = {"tokens": tokens, "positions": jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)}
-    storage = fsdp_rules(config, batch_axes if len(batch_axes) > 1 else batch_axes[0])
+    # (FSDP over the batch's axes but expert, which the experts' own dim takes)
+    over = tuple(axis for axis in batch_axes if axis != "expert")
+    storage, roles = fsdp_rules(config, over if len(over) > 1 else over[0]), tp_rules(config, sizes=axes)
     if api == "linen":
-        model = fsdp_tp.shard_by_rules(Decoder, storage, batch_axes=batch_axes, tp_rules=tp_rules(config))(
-            config
-        )
+        model = fsdp_tp.shard_by_rules(Decoder, storage, batch_axes=batch_axes, tp_rules=roles)(config)
         init = lambda key, b: model.init(key, b)["params"]
         apply = lambda params, b: model.apply({"params": params}, b)
     else:
         sharded = fsdp_tp.nnx.shard_by_rules(
-            functools.partial(NNXDecoder, config), storage, batch_axes=batch_axes, tp_rules=tp_rules(config)
+            functools.partial(NNXDecoder, config), storage, batch_axes=batch_axes, tp_rules=roles
         )
         init = lambda key, b: sharded.init(key)[0]
         apply = lambda params, b: sharded.merge(params)(b)
@@ -159,21 +187,23 @@ def _step_logits(api: str, axes: dict, batch_axes: tuple, checkpoint: Checkpoint
     return np.asarray(step(state, batch)[1]), report
 
 
+MESHES = {
+    "data2-fsdp2-tensor2": ({"data": 2, "fsdp": 2, "tensor": 2}, ("data", "fsdp")),
+    "fsdp2-context2-tensor2": ({"fsdp": 2, "context": 2, "tensor": 2}, ("fsdp", "context")),
+    # (the experts over expert, each one's hidden dim over tensor; tokens sent to them)
+    "fsdp2-expert2-tensor2": ({"fsdp": 2, "expert": 2, "tensor": 2}, ("fsdp", "expert")),
+}
+LAYOUTS = [(family, mesh) for family in FAMILIES for mesh in list(MESHES)[:2]] + [
+    ("qwen3_moe", "fsdp2-expert2-tensor2")
+]
+
+
 @pytest.mark.parametrize("api", ["linen", "nnx"])
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize(
-    "axes, batch_axes",
-    [
-        ({"data": 2, "fsdp": 2, "tensor": 2}, ("data", "fsdp")),
-        ({"fsdp": 2, "context": 2, "tensor": 2}, ("fsdp", "context")),
-    ],
-    ids=["data2-fsdp2-tensor2", "fsdp2-context2-tensor2"],
-)
-def test_a_checkpoint_loaded_into_the_librarys_layout_gives_the_hubs_logits(
-    family, api, axes, batch_axes, tmp_path
-):
-    directory, tokens, rows = os.path.join(HERE, family), _tokens(), lambda x: x
-    if "data" in axes:  # (a row a data x fsdp device)
+@pytest.mark.parametrize("family, mesh", LAYOUTS, ids=[f"{f}-{m}" for f, m in LAYOUTS])
+def test_a_checkpoint_loaded_into_the_librarys_layout_gives_the_hubs_logits(family, mesh, api, tmp_path):
+    (axes, batch_axes), directory = MESHES[mesh], os.path.join(HERE, family)
+    tokens, rows = _tokens(), lambda x: x
+    if "context" not in axes:  # (a row a device of the batch's four)
         rows = lambda x: np.concatenate([x, x[::-1]])
         tokens = jnp.concatenate([tokens, tokens[::-1]])
     checkpoint = Checkpoint(directory, coalesce=0)
@@ -324,7 +354,7 @@ def _roles(rules, modules: list[str]) -> dict:
     return {m: next((role for pattern, role in rules if re.search(pattern, m)), None) for m in modules}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3"])  # (untied, tied, fused in the checkpoint)
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "qwen3_moe"])  # (untied, tied, fused, experts)
 def test_auto_finds_the_hand_written_megatron_plan(family):
     from flax import nnx
 
@@ -333,12 +363,16 @@ def test_auto_finds_the_hand_written_megatron_plan(family):
     config = _decoder_config(os.path.join(HERE, family))
     tokens = jax.ShapeDtypeStruct((2, 12), jnp.int32)
     modules = sorted({p.rsplit("/", 1)[0] for p in map(param_path, _paths(_target(config)))})
-    hand = _roles(tp_rules(config), modules)
-    assert sum(role is not None for role in hand.values()) == 7 * config.layers + 2 - config.tied
-    linen = fsdp_tp.linen.find_tp_rules(Decoder(config), tokens, size=2, outputs_split=True)
     abstract = nnx.eval_shape(lambda: NNXDecoder(config, nnx.Rngs(0)))
-    found_nnx = fsdp_tp.nnx.find_tp_rules(abstract, tokens, size=2, outputs_split=True)
-    assert _roles(linen.rules, modules) == hand == _roles(found_nnx.rules, modules)
+    # (a mixture's experts over tensor alone, then over expert with each one's hidden over tensor)
+    for experts in (None, 2) if config.moe_layers else (None,):
+        sizes = {"expert": experts or 1, "tensor": 2}
+        hand = _roles(tp_rules(config, sizes=sizes), modules)
+        assert sum(role is not None for role in hand.values()) == 7 * config.layers + 2 - config.tied
+        find = dict(size=2, outputs_split=True, expert_size=experts)
+        linen = fsdp_tp.linen.find_tp_rules(Decoder(config), tokens, **find)
+        found_nnx = fsdp_tp.nnx.find_tp_rules(abstract, tokens, **find)
+        assert _roles(linen.rules, modules) == hand == _roles(found_nnx.rules, modules)
     # (negative control: one role changed is seen)
     changed = [(r"attn/out$", tp_rules(config)[1][1]), *tp_rules(config)]
     assert _roles(changed, modules) != hand
@@ -387,3 +421,43 @@ def test_plan_from_a_config_alone_says_what_each_of_4096_devices_holds_and_reads
         in out.getvalue()
     )
     assert f"params {4 * elements:,} B" in out.getvalue()  # (float32 on the devices)
+
+
+QWEN3_30B_A3B = {  # (Qwen3-30B-A3B's config.json: its sizes and its mixture)
+    "model_type": "qwen3_moe",
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-06,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_plan_from_a_mixture_of_experts_config_splits_the_experts_over_expert(tmp_path):
+    # Qwen3-30B-A3B on fsdp 16 x expert 8 x tensor 4: each expert kernel split 512 ways (its
+    # experts over expert, D over fsdp, the expert's hidden over tensor), the attention, the
+    # embedding and the head 64 ways (fsdp x tensor; expert splits the batch), routers and norms whole.
+    from fsdp_tp.cli.main import main
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    out = io.StringIO()
+    argv = ["plan", "--from", str(tmp_path), "--mesh", "fsdp=16,expert=8,tensor=4", "--batch", "128"]
+    assert main(argv, out=out) == 0
+    v, d, layers, heads, kv, h, e, f = 151936, 2048, 48, 32, 4, 128, 128, 768
+    dense = 2 * v * d + layers * d * h * (2 * heads + 2 * kv)  # (embedding, head, q k v out)
+    experts, whole = layers * 3 * e * d * f, layers * (d * e + 2 * d + 2 * h) + d  # (routers and norms)
+    assert dense + experts + whole == 30_532_122_624  # (Qwen3-30B-A3B's parameters)
+    elements = dense // 64 + experts // 512 + whole
+    assert f"reads per device: {2 * elements:,} B of the checkpoint ({elements:,} elements" in out.getvalue()

@@ -4,7 +4,8 @@ abstract, so an 8B model on 4,096 devices plans on a laptop).
 
 The model is the library's decoder (:mod:`fsdp_tp.hub.decoder`) laid out as a fine-tune lays it:
 FSDP over the mesh's ``fsdp`` axis (:func:`~fsdp_tp.hub.fsdp_rules`), Megatron's plan over
-``tensor`` (:func:`~fsdp_tp.hub.tp_rules`), AdamW's state beside the parameters. Each device reads
+``tensor`` (:func:`~fsdp_tp.hub.tp_rules`), a mixture's experts over ``expert`` (which splits the
+batch too), AdamW's state beside the parameters. Each device reads
 its parameters' blocks from the checkpoint in the checkpoint's own dtype (``config.json``'s, or
 the files' where they are there), so its bytes read are its parameter bytes scaled by that
 dtype's size.
@@ -49,7 +50,7 @@ def stored_itemsize(directory: Path, config: dict) -> int:
 
 def hub_plan(directory: str | Path, sizes: dict, batch: int, seq_len: int) -> tuple[Plan, DecoderConfig]:
     """The plan of ``directory``'s model on an abstract mesh of ``sizes``, its batch of ``batch``
-    sequences of ``seq_len`` tokens split over the mesh's ``data`` and ``fsdp`` axes."""
+    sequences of ``seq_len`` tokens split over the mesh's ``data``, ``fsdp`` and ``expert`` axes."""
     path = Path(directory)
     if not (path / "config.json").is_file():
         raise CheckpointMismatchError(
@@ -57,9 +58,10 @@ def hub_plan(directory: str | Path, sizes: dict, batch: int, seq_len: int) -> tu
             f"download (its config.json is all the plan reads)."
         )
     config = DecoderConfig.from_hub(json.loads((path / "config.json").read_text()))
-    batch_axes = tuple(a for a in ("data", "fsdp") if a in sizes)
+    batch_axes = tuple(a for a in ("data", "fsdp", "expert") if a in sizes)
     storage = fsdp_rules(config) if sizes.get("fsdp", 1) > 1 else []
-    tp = tp_rules(config) if sizes.get("tensor", 1) > 1 else []
+    split = sizes.get("tensor", 1) > 1 or (config.moe_layers and sizes.get("expert", 1) > 1)
+    tp = tp_rules(config, sizes=sizes) if split else []
     model = fsdp_tp.shard_by_rules(Decoder, storage, batch_axes=batch_axes, tp_rules=tp)(config)
     tx = optax.adamw(1e-5)
 

@@ -4,8 +4,9 @@
 :mod:`~fsdp_tp.hub.directory` (a checkpoint directory: one file or an index of shards),
 :mod:`~fsdp_tp.hub.mapping` (checkpoint names to parameter paths, and the views between their
 layouts), :mod:`~fsdp_tp.hub.load` (each process reads only its own devices' blocks),
-:mod:`~fsdp_tp.hub.decoder` (the decoder a ``config.json`` describes, Linen and NNX) and
-:mod:`~fsdp_tp.hub.families` (each family's mapping).
+:mod:`~fsdp_tp.hub.decoder` (the decoder a ``config.json`` describes, Linen and NNX),
+:mod:`~fsdp_tp.hub.layout` (its layout on a mesh, as rules) and :mod:`~fsdp_tp.hub.families`
+(each family's mapping).
 
 A fine-tune starts so: the decoder's config from the checkpoint, its state laid out on the mesh
 (:func:`~fsdp_tp.sharded_init.abstract_init`: shapes only), then its parameters read into that
@@ -19,9 +20,10 @@ layout::
 """
 
 from .config import DecoderConfig
-from .decoder import Decoder, NNXDecoder, fsdp_rules, tp_rules
+from .decoder import Decoder, NNXDecoder
 from .directory import Checkpoint
 from .families import mapping
+from .layout import fsdp_rules, tp_rules
 from .load import LoadReport, load, train_state
 from .mapping import Rule, SplitDim, Take, Transpose
 

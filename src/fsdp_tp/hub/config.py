@@ -3,10 +3,10 @@
 :meth:`DecoderConfig.from_hub` reads the sizes, the RMSNorm (its epsilon; Gemma's ``1 + w``), the
 RoPE (``theta``; llama3's or linear scaling; Gemma's own theta for its local layers), the head
 (tied or not; Gemma's logit soft-cap), Qwen 2's q/k/v biases, per-head q/k norms (Qwen 3, Gemma
-3), Gemma's embedding scale, sandwich norms, tanh-GELU and query scalar, and each layer's sliding
-window. A config the decoder does not compute (another ``model_type``, another RoPE, an output
-bias, a partial rotary factor, attention soft-capping) is refused, naming the key — never run
-approximately.
+3), Gemma's embedding scale, sandwich norms, tanh-GELU and query scalar, each layer's sliding
+window, and Qwen 3 MoE's mixture (its layers, experts, top-k). A config the decoder does not
+compute (another ``model_type``, another RoPE, an output bias, a partial rotary factor, attention
+soft-capping) is refused, naming the key — never run approximately.
 
 >>> c = DecoderConfig.from_hub({"model_type": "llama", "vocab_size": 64, "hidden_size": 32,
 ...     "num_attention_heads": 4, "intermediate_size": 48, "num_hidden_layers": 2})
@@ -27,7 +27,7 @@ from ..errors import CheckpointMismatchError
 
 __all__ = ["FAMILIES", "DecoderConfig", "rope_frequencies"]
 
-FAMILIES = ("gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3")
+FAMILIES = ("gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3", "qwen3_moe")
 _ROPES = ("default", "llama3", "linear")
 
 
@@ -58,10 +58,19 @@ class DecoderConfig:
     query_scale: float | None = None  # (Gemma's query_pre_attn_scalar: scores over its root)
     logit_cap: float | None = None  # (Gemma's final logits: cap * tanh(logits / cap))
     family: str = "llama"  # (config.json's model_type: the names its checkpoints store)
+    experts: int = 0  # (Qwen 3 MoE's: the experts of each mixture layer; 0: every MLP dense)
+    top_k: int = 0  # (the experts each token takes)
+    expert_hidden: int = 0  # (each expert's MLP width)
+    normalize_top_k: bool = False  # (a token's k weights renormalized to sum to 1)
+    moe_layers: tuple[int, ...] = ()  # (the layers whose MLP is the mixture)
 
     def window(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window: each query sees itself and ``window - 1`` before it."""
         return self.windows[layer] if self.windows else None
+
+    def mixture(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is the mixture of experts (else the dense MLP)."""
+        return layer in self.moe_layers
 
     @classmethod
     def from_hub(cls, config: Mapping[str, Any]) -> DecoderConfig:
@@ -92,7 +101,7 @@ class DecoderConfig:
             local_rope_theta=local,
             tied=bool(config.get("tie_word_embeddings", gemma)),
             qkv_bias=family == "qwen2",
-            qk_norm=family in ("qwen3", "gemma3_text"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"),
             windows=_windows(config),
             norm_offset=1.0 if gemma else 0.0,
             embed_scale=gemma,
@@ -101,6 +110,7 @@ class DecoderConfig:
             query_scale=float(config["query_pre_attn_scalar"]) if gemma else None,
             logit_cap=config.get("final_logit_softcapping") if gemma else None,
             family=family,
+            **_experts(config),
         )
 
 
@@ -117,6 +127,23 @@ def _refuse_unsupported(family: str, config: Mapping[str, Any]) -> None:
             f"config.json: {', '.join(unsupported)} is not computed by the decoder yet; a {family} "
             f"checkpoint with it would load into a model that computes otherwise."
         )
+
+
+def _experts(config: Mapping[str, Any]) -> dict:
+    """Qwen 3 MoE's mixture: every ``decoder_sparse_step``-th layer's MLP, but those of
+    ``mlp_only_layers`` (transformers' own rule), softmax then top-k routing, dropless."""
+    count = config.get("num_experts", config.get("num_local_experts", 0))
+    if config.get("model_type") != "qwen3_moe" or not count:
+        return {}
+    step, dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers") or ())
+    layers = range(config["num_hidden_layers"])
+    return dict(
+        experts=count,
+        top_k=config["num_experts_per_tok"],
+        expert_hidden=config["moe_intermediate_size"],
+        normalize_top_k=bool(config.get("norm_topk_prob", False)),
+        moe_layers=tuple(i for i in layers if i not in dense and (i + 1) % step == 0),
+    )
 
 
 def _ropes(config: Mapping[str, Any], gemma: bool) -> tuple[dict, float | None]:

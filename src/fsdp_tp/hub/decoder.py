@@ -6,8 +6,12 @@ Llama's blocks, and Qwen's, Mistral's, Phi-3's and Gemma 3's differences, each a
 numerics both front ends share are written once here (norm, RoPE and attention, gate,
 embedding scale, soft-cap); the modules only hold the parameters.
 
+A mixture of experts (Qwen 3 MoE's) is the library's block (:class:`~fsdp_tp.models.moe.LinenMoE`,
+``block_1/moe/router`` and the bank ``block_1/moe/experts/gate`` of ``(E, d, h)``): dropless,
+softmax then top-k, as transformers routes.
+
 Einsum projections, one per Hub weight (``q``, ``k``, ``v``, ``out``; ``gate``, ``up``,
-``down``), so the Megatron plan is one rule a projection (:func:`tp_rules`); the attention is
+``down``), so the Megatron plan is one rule a projection (:mod:`fsdp_tp.hub.layout`); the attention is
 the library's (:func:`~fsdp_tp.attention.attend`: under a sequence split, computed across
 devices). Both front ends' parameters have the same paths, ``block_0/attn/q/kernel``, so one
 mapping from the checkpoint's names serves both (:mod:`fsdp_tp.hub.families`).
@@ -30,48 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from ..attention import attend
-from ..tp import ColumnParallel, RowParallel, VocabParallel
+from ..models.moe import LinenMoE, NNXMoE
 from .config import DecoderConfig, rope_frequencies
 
-__all__ = ["Decoder", "NNXDecoder", "fsdp_rules", "tp_rules"]
-
-
-def tp_rules(config: DecoderConfig, gather_logits: bool = False) -> list:
-    """The Megatron plan: heads over ``tensor`` (q, k, v column-parallel on their heads, the
-    output einsum row-parallel), the MLP's gate and up column-, down row-parallel, the
-    embedding (so a tied head) by vocabulary, an untied head column-parallel: its logits split
-    on the vocabulary for :func:`~fsdp_tp.vocab_parallel_cross_entropy`, or whole where
-    ``gather_logits`` (for a loss that reads them whole, as ``check_sharded``'s twin does)."""
-    rules = [
-        (r"embed$", VocabParallel()),
-        (r"attn/(q|k|v)$", ColumnParallel()),
-        (r"attn/out$", RowParallel()),
-        (r"mlp/(gate|up)$", ColumnParallel()),
-        (r"mlp/down$", RowParallel()),
-    ]
-    return rules if config.tied else [*rules, (r"head$", ColumnParallel(gather_output=gather_logits))]
-
-
-def fsdp_rules(config: DecoderConfig, axes: str | tuple[str, ...] = "fsdp") -> list:
-    """Storage rules for FSDP over ``axes`` (``("fsdp", "context")`` where the sequence is split
-    too): each kernel on its model dim ``D``, the dim :func:`tp_rules` leave whole, the
-    embedding on its model dim (its vocabulary goes over ``tensor``); norms and biases stay
-    replicated.
-
-    >>> fsdp_rules(DecoderConfig(64, 32, 4, 2, 8, 48, 2))[0]
-    ('attn/(q|k|v)/kernel$', P('fsdp',))
-    """
-    rules = [
-        (r"attn/(q|k|v)/kernel$", P(axes)),
-        (r"attn/out/kernel$", P(None, None, axes)),
-        (r"mlp/(gate|up)/kernel$", P(axes)),
-        (r"mlp/down/kernel$", P(None, axes)),
-        (r"embedding$", P(None, axes)),
-    ]
-    return rules if config.tied else [*rules, (r"head/kernel$", P(axes))]
+__all__ = ["Decoder", "NNXDecoder"]
 
 
 def _rope(x: jax.Array, positions: jax.Array, inv: np.ndarray) -> jax.Array:
@@ -172,7 +140,12 @@ class _LinenBlock(nn.Module):
         norm = lambda name, h: _norm(c, h, self.param(name, _norm_init(c), (c.d,)))
         h = _LinenAttention(c, self.layer, name="attn")(norm("attn_norm", x), positions, segments)
         x = x + (norm("attn_post_norm", h) if c.sandwich_norms else h)
-        h = _LinenMLP(c, name="mlp")(norm("mlp_norm", x))
+        h = norm("mlp_norm", x)
+        if c.mixture(self.layer):  # (its load-balancing and z-losses left out, as transformers' logits)
+            moe = LinenMoE(c.experts, c.top_k, c.expert_hidden, normalize=c.normalize_top_k, name="moe")
+            h = moe(h)[0]
+        else:
+            h = _LinenMLP(c, name="mlp")(h)
         return x + (norm("mlp_post_norm", h) if c.sandwich_norms else h)
 
 
@@ -238,7 +211,12 @@ class _NNXBlock(nnx.Module):
         self.attn_norm = _weight(c, c.d)
         self.attn = _NNXAttention(c, rngs, layer)
         self.mlp_norm = _weight(c, c.d)
-        self.mlp = _NNXMLP(c, rngs)
+        if c.mixture(layer):
+            normalize = c.normalize_top_k
+            self.moe = NNXMoE(c.d, c.experts, c.top_k, c.expert_hidden, rngs=rngs, normalize=normalize)
+        else:
+            self.mlp = _NNXMLP(c, rngs)
+        self.layer = layer
         if c.sandwich_norms:
             self.attn_post_norm, self.mlp_post_norm = _weight(c, c.d), _weight(c, c.d)
 
@@ -246,7 +224,8 @@ class _NNXBlock(nnx.Module):
         c = self.config
         h = self.attn(_norm(c, x, self.attn_norm[...]), positions, segments)
         x = x + (_norm(c, h, self.attn_post_norm[...]) if c.sandwich_norms else h)
-        h = self.mlp(_norm(c, x, self.mlp_norm[...]))
+        h = _norm(c, x, self.mlp_norm[...])
+        h = self.moe(h)[0] if c.mixture(self.layer) else self.mlp(h)
         return x + (_norm(c, h, self.mlp_post_norm[...]) if c.sandwich_norms else h)
 
 

@@ -4,7 +4,8 @@
 transformers stores a Linear's weight ``(out, in)``; the decoder's einsum kernels are ``(in,
 heads, head_dim)`` for q/k/v, ``(heads, head_dim, out)`` for the attention's output, ``(in,
 out)`` for the MLP and the head. So each projection is a transpose, and the attention's a split
-of ``heads * head_dim`` into its two dims.
+of ``heads * head_dim`` into its two dims. A mixture's experts, one tensor each in the checkpoint,
+are stacked into the bank's leading expert dim (each at its index).
 
 >>> from fsdp_tp.hub.config import DecoderConfig
 >>> rules, ignore = mapping(DecoderConfig(64, 32, 4, 2, 8, 48, 2))
@@ -56,6 +57,14 @@ def mapping(config: DecoderConfig) -> tuple[list[Rule], list[str]]:
         Rule(_LAYER + r"self_attn\.q_proj\.bias", r"block_\1/attn/q/bias", per_head(config.heads)),
         Rule(_LAYER + r"self_attn\.(k|v)_proj\.bias", r"block_\1/attn/\2/bias", per_head(config.kv_heads)),
         Rule(_LAYER + r"self_attn\.(q|k)_norm\.weight", r"block_\1/attn/\2_norm"),
+        # Qwen 3 MoE's router, and its experts, each stored on its own, stacked into the bank
+        Rule(_LAYER + r"mlp\.gate\.weight", r"block_\1/moe/router/kernel", linear),
+        Rule(
+            _LAYER + r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight",
+            r"block_\1/moe/experts/\3/kernel",
+            linear,
+            at=(r"\2",),
+        ),
     ]
     ignore = [_LAYER + r"self_attn\.rotary_emb\.inv_freq"]
     if config.tied:  # (the head is the embedding: a stored copy of it is not read)
