@@ -235,6 +235,9 @@ class NNXDecoder(nnx.Module):
     def __init__(self, config: DecoderConfig, rngs: nnx.Rngs):
         c = self.config = config
         self.embed = nnx.Embed(c.vocab, c.d, rngs=rngs)
+        # (NNX's Embed fixes its compute dtype to the init's, float32: it would round what a
+        # load puts there, float64 say; None computes in the parameters' dtype, as Linen's does)
+        self.embed.dtype = None
         for i in range(c.layers):  # (named as Linen names them: one mapping serves both)
             setattr(self, f"block_{i}", _NNXBlock(c, rngs, i))
         self.final_norm = _weight(c, c.d)
