@@ -2,7 +2,7 @@
 (torch) implementation computes on them: run once where torch and transformers install; the
 suite reads the files and never needs torch.
 
-    python -m venv /tmp/hub && /tmp/hub/bin/pip install torch==2.13.0 transformers safetensors
+    python -m venv /tmp/hub && /tmp/hub/bin/pip install torch==2.13.0 transformers safetensors tokenizers
     /tmp/hub/bin/python examples/hub_checkpoints/record.py [FAMILY ...]   # (none named: all)
 
 Each family's directory: ``config.json``, ``model.safetensors`` (float32), a bfloat16 copy in
@@ -114,6 +114,26 @@ def main(families: list[str]):
                 np.save(written / "float32_logits.npy", loaded(torch.tensor(TOKENS)).logits.numpy())
             print(written, logits.shape, float(np.abs(logits).max()))
     (HERE / "tokens.json").write_text(json.dumps(TOKENS))
+    write_tokenizer(HERE / "llama")
+
+
+def write_tokenizer(directory: pathlib.Path) -> None:
+    """A ``tokenizer.json`` of the tiny checkpoints' 64 tokens, for ``fsdp-tp finetune``'s text:
+    byte-pair merges over the lowercase letters, space and punctuation, learnt from a few
+    sentences (anything else is ``<unk>``, 0), written by the ``tokenizers`` package as the Hub's
+    are."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Lowercase()
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    alphabet = list("abcdefghijklmnopqrstuvwxyz.,'\u2581")
+    trainer = trainers.BpeTrainer(
+        vocab_size=64, special_tokens=["<unk>"], initial_alphabet=alphabet, limit_alphabet=len(alphabet)
+    )
+    text = ["The cat sees the river at night.", "A dog follows the old man.", "My friend likes the moon."]
+    tokenizer.train_from_iterator(text * 20, trainer)
+    tokenizer.save(str(directory / "tokenizer.json"))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
     fsdp-tp train --checkpoint-dir ckpt --resume   # save every 100 steps; continue the newest
     fsdp-tp plan --preset base --mesh data=8,fsdp=64,tensor=8 --batch 512
     fsdp-tp bench                        # every strategy vs the baselines -> docs/benchmarks.md
+    fsdp-tp finetune --from DIR --data corpus.txt --check 2 --export tuned/   # a Hub checkpoint
 
 Bad input exits with status 2 and one line saying what to change.
 """
@@ -107,6 +108,10 @@ def main(argv: list[str] | None = None, out=sys.stdout) -> int:
         return bench(args, argv[1:], out)
     try:
         check_ranges(args)
+        if args.command == "finetune":
+            from .finetune import finetune
+
+            return finetune(args, out)
         if args.command == "plan":
             sizes = mesh_sizes(args.mesh or DEFAULT_MESH, args.experts)
             if args.from_dir:

@@ -10,6 +10,7 @@ from ..models.remat import REMAT_POLICIES
 from ..recipe.config import PRESETS
 from ..recipe.trainer import APIS
 from .experts import add_expert_flags
+from .finetune_flags import add_finetune_flags
 from .supervise import add_process_flags
 from .workdir import add_checkpoint_flags
 
@@ -249,7 +250,7 @@ def _scan_layers_flag(p, default: bool, why: str) -> None:
 
 
 def parser(description: str) -> argparse.ArgumentParser:
-    """The ``fsdp-tp`` parser: ``train`` (the default command), ``plan`` and ``bench``."""
+    """The ``fsdp-tp`` parser: ``train`` (the default command), ``plan``, ``finetune`` and ``bench``."""
     top = argparse.ArgumentParser(prog="fsdp-tp", description=description, formatter_class=_Help)
     sub = top.add_subparsers(dest="command", required=False)
     train = sub.add_parser("train", help="train the model (the default command)", formatter_class=_Help)
@@ -266,6 +267,13 @@ def parser(description: str) -> argparse.ArgumentParser:
         "instead of the preset's GPT",
     )
     _train_flags(train)
+    add_finetune_flags(
+        sub.add_parser(
+            "finetune",
+            help="fine-tune a downloaded Hugging Face checkpoint, all its weights",
+            formatter_class=_Help,
+        )
+    )
     _bench_flags(
         sub.add_parser(
             "bench", help="measure every strategy against the baselines; write docs", formatter_class=_Help
