@@ -148,10 +148,13 @@ def test_each_part_of_the_mapping_and_llama3_scaling_shows_in_the_logits():
         assert np.abs(logits - want).max() > 1e-3
 
 
-def _step_logits(api: str, axes: dict, batch_axes: tuple, checkpoint: Checkpoint, tokens, out=None):
+def _step_logits(
+    api: str, axes: dict, batch_axes: tuple, checkpoint: Checkpoint, tokens, out=None, scan=False
+):
     """The logits the library's step computes on ``tokens`` with the decoder loaded from
     ``checkpoint`` into its layout on ``axes`` (Megatron's tensor split, FSDP over ``batch_axes``)."""
-    mesh, config = make_mesh(axes), DecoderConfig.from_hub(checkpoint.config)
+    config = dataclasses.replace(DecoderConfig.from_hub(checkpoint.config), scan=scan)
+    mesh = make_mesh(axes)
     split = "context" in axes
     spec = P(batch_axes[0], "context") if split else P(batch_axes)
     batch = {"tokens": tokens, "positions": jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)}
@@ -193,21 +196,28 @@ MESHES = {
     # (the experts over expert, each one's hidden dim over tensor; tokens sent to them)
     "fsdp2-expert2-tensor2": ({"fsdp": 2, "expert": 2, "tensor": 2}, ("fsdp", "expert")),
 }
-LAYOUTS = [(family, mesh) for family in FAMILIES for mesh in list(MESHES)[:2]] + [
-    ("qwen3_moe", "fsdp2-expert2-tensor2")
+LAYOUTS = [(family, mesh, False) for family in FAMILIES for mesh in list(MESHES)[:2]] + [
+    ("qwen3_moe", "fsdp2-expert2-tensor2", False),
+    # (scanned: each layer's tensors stacked into one parameter a weight, split alike)
+    ("llama", "data2-fsdp2-tensor2", True),
+    ("phi3", "fsdp2-context2-tensor2", True),
 ]
 
 
 @pytest.mark.parametrize("api", ["linen", "nnx"])
-@pytest.mark.parametrize("family, mesh", LAYOUTS, ids=[f"{f}-{m}" for f, m in LAYOUTS])
-def test_a_checkpoint_loaded_into_the_librarys_layout_gives_the_hubs_logits(family, mesh, api, tmp_path):
+@pytest.mark.parametrize(
+    "family, mesh, scan", LAYOUTS, ids=[f"{f}-{m}" + ("-scan" if s else "") for f, m, s in LAYOUTS]
+)
+def test_a_checkpoint_loaded_into_the_librarys_layout_gives_the_hubs_logits(
+    family, mesh, scan, api, tmp_path
+):
     (axes, batch_axes), directory = MESHES[mesh], os.path.join(HERE, family)
     tokens, rows = _tokens(), lambda x: x
     if "context" not in axes:  # (a row a device of the batch's four)
         rows = lambda x: np.concatenate([x, x[::-1]])
         tokens = jnp.concatenate([tokens, tokens[::-1]])
     checkpoint = Checkpoint(directory, coalesce=0)
-    logits, report = _step_logits(api, axes, batch_axes, checkpoint, tokens, out=tmp_path / "export")
+    logits, report = _step_logits(api, axes, batch_axes, checkpoint, tokens, tmp_path / "export", scan)
     _assert_hubs(logits, directory, rows)
     # One process holds every device here: it reads each byte of the checkpoint once (a block
     # that several of its devices hold, once), however the layout cuts the tensors.
@@ -246,6 +256,16 @@ def test_an_export_in_bf16_rounds_as_torch_does_and_never_leaves_half_a_director
             {k: v for k, v in params.items() if k != "head"}, rules, like=LLAMA, directory=tmp_path / "half"
         )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bf16"]
+
+
+def test_a_scan_over_layers_that_differ_is_refused_naming_them_and_unrolled_they_load():
+    for family, says in [("gemma3", "sliding windows [5, None]"), ("qwen3_moe", "mixture layers [1] of 2")]:
+        directory = os.path.join(HERE, family)
+        config = dataclasses.replace(_decoder_config(directory), scan=True)
+        with pytest.raises(CheckpointMismatchError, match=re.escape(says) + ".*unroll them"):
+            _one_device("linen", directory, config)
+        logits, _ = _one_device("linen", directory, dataclasses.replace(config, scan=False))  # (the fix)
+        _assert_hubs(logits, directory)
 
 
 def _target(config: DecoderConfig):

@@ -29,9 +29,10 @@ TOKENS = (np.arange(4000) * 7 % 64).astype(np.int32)  # (every id of the tiny ch
 
 def _apart(family: str, sizes: dict, api: str, steps: int = 2, tune=FineTune, batch: int = 4):
     """The largest loss and parameter differences of ``steps`` float64 steps on ``sizes`` and on
-    one device, unsharded."""
+    one device, unsharded (``api`` ``"linen-scan"``: Linen's blocks in a scan)."""
     with jax.enable_x64(True):
-        kw = dict(batch=batch, seq_len=16, api=api, schedule=Schedule(lr=1e-3), dtype="float64")
+        api, scan = api.removesuffix("-scan"), api.endswith("-scan")
+        kw = dict(batch=batch, seq_len=16, api=api, scan=scan, schedule=Schedule(lr=1e-3), dtype="float64")
         sharded = tune(os.path.join(HERE, family), sizes, **kw)
         twin = sharded.twin()
         losses = [
@@ -49,7 +50,7 @@ def _apart(family: str, sizes: dict, api: str, steps: int = 2, tune=FineTune, ba
     [
         ("llama", {"data": 2, "fsdp": 2, "tensor": 2}, "linen"),
         ("gemma3", {"fsdp": 2, "context": 2, "tensor": 2}, "nnx"),  # (local and global layers)
-        ("mistral", {"fsdp": 4, "context": 2}, "linen"),  # (a window the ring skips blocks past)
+        ("mistral", {"fsdp": 4, "context": 2}, "linen-scan"),  # (a window the ring skips past; scanned)
         ("qwen3_moe", {"fsdp": 2, "expert": 2, "tensor": 2}, "nnx"),
     ],
     ids=lambda x: x if isinstance(x, str) else "-".join(f"{k}{v}" for k, v in x.items()),

@@ -147,7 +147,9 @@ def suite_section(previous: str | None) -> str:
     Not measured yet: run `python tests/suite_time.py --record`.
     """
     found = re.search(re.escape(SUITE_START) + r".*?" + re.escape(SUITE_END), previous or "", re.S)
-    block = found.group(0) if found else (
-        f"{SUITE_START}\nNot measured yet: run `python tests/suite_time.py --record`.\n{SUITE_END}"
+    block = (
+        found.group(0)
+        if found
+        else (f"{SUITE_START}\nNot measured yet: run `python tests/suite_time.py --record`.\n{SUITE_END}")
     )
     return "\n### The test suite\n\n" + block + "\n"

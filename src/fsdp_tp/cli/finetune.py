@@ -101,7 +101,7 @@ def finetune(args, out: TextIO) -> int:
     schedule = Schedule(args.lr, args.warmup, args.steps, args.clip_norm)
     tune = FineTune(
         args.from_dir, sizes, batch=args.batch, seq_len=args.seq_len, api=args.api, schedule=schedule,
-        seed=args.seed,
+        seed=args.seed, scan=args.scan_layers,
     )  # fmt: skip
     say = lambda line: print(line, file=out, flush=True)
     params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tune.state.params))
@@ -132,6 +132,7 @@ def _meta(args, tokens: Tokens) -> dict:
         "seed": args.seed,
         "schedule": {"lr": args.lr, "warmup": args.warmup, "steps": args.steps, "clip_norm": args.clip_norm},
         "api": args.api,
+        "scan_layers": args.scan_layers,
     }
 
 
@@ -200,6 +201,7 @@ def _check(args, sizes: dict, tokens: Tokens, say) -> bool:
     with jax.enable_x64(True):
         schedule = Schedule(args.lr, args.warmup, args.steps, args.clip_norm)
         kw = dict(batch=args.batch, seq_len=args.seq_len, api=args.api, schedule=schedule, seed=args.seed)
+        kw |= dict(scan=args.scan_layers)
         sharded = FineTune(args.from_dir, sizes, dtype="float64", **kw)
         twin = sharded.twin()
         losses = [sharded.step(sharded.batch_at(tokens, i)) for i in range(args.check)]

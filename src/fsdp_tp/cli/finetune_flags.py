@@ -26,6 +26,11 @@ def add_finetune_flags(p: argparse.ArgumentParser) -> None:
         "--mesh", default="data=2,fsdp=2,tensor=2", help="axis sizes: data, fsdp, expert, context, tensor"
     )
     p.add_argument("--api", choices=APIS, default="linen", help="the decoder's Flax API")
+    p.add_argument(
+        "--scan-layers",
+        action="store_true",
+        help="the blocks in one scan: one layer traced and compiled, whatever the depth (its layers alike)",
+    )
     p.add_argument("--steps", type=int, default=20, help="fine-tuning steps (the schedule's length)")
     p.add_argument("--batch", type=int, default=8, help="windows a step (split over data, fsdp, expert)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens a window")

@@ -63,10 +63,25 @@ class DecoderConfig:
     expert_hidden: int = 0  # (each expert's MLP width)
     normalize_top_k: bool = False  # (a token's k weights renormalized to sum to 1)
     moe_layers: tuple[int, ...] = ()  # (the layers whose MLP is the mixture)
+    scan: bool = False  # (the blocks in one nn.scan / nnx.scan, stacked on a leading layer dim)
 
     def window(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window: each query sees itself and ``window - 1`` before it."""
         return self.windows[layer] if self.windows else None
+
+    def require_uniform(self) -> None:
+        """Refuses a scan over layers that compute differently (one traced layer for all):
+        windows, RoPE or MLPs that differ by layer, naming them."""
+        differ = []
+        if len(set(self.windows)) > 1:
+            differ.append(f"sliding windows {list(self.windows)}")
+        if 0 < len(self.moe_layers) < self.layers:
+            differ.append(f"mixture layers {list(self.moe_layers)} of {self.layers}")
+        if differ:
+            raise CheckpointMismatchError(
+                f"DecoderConfig(scan=True): its layers differ ({'; '.join(differ)}), and a scan traces "
+                f"one layer for all; unroll them (scan=False), as {self.family} is unrolled by default."
+            )
 
     def mixture(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is the mixture of experts (else the dense MLP)."""

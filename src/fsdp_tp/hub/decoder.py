@@ -64,7 +64,8 @@ def _norm(c: DecoderConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
 
 
 def _norm_init(c: DecoderConfig):
-    """A norm's weight at init: ones (scale 1), or Gemma's zeros (scale 1 + 0)."""
+    """A norm's weight at init: ones (scale 1), or Gemma's zeros (scale 1 + 0); float32 as the
+    projections' are (flax's default: under ``jax.enable_x64`` an initializer's is float64)."""
     return nn.initializers.zeros if c.norm_offset else nn.initializers.ones
 
 
@@ -113,8 +114,8 @@ class _LinenAttention(nn.Module):
         k = nn.Einsum((c.d, c.kv_heads, c.head_dim), "BTD,DNH->BTNH", c.qkv_bias, name="k")(x)
         v = nn.Einsum((c.d, c.kv_heads, c.head_dim), "BTD,DNH->BTNH", c.qkv_bias, name="v")(x)
         if c.qk_norm:
-            q = _norm(c, q, self.param("q_norm", _norm_init(c), (c.head_dim,)))
-            k = _norm(c, k, self.param("k_norm", _norm_init(c), (c.head_dim,)))
+            q = _norm(c, q, self.param("q_norm", _norm_init(c), (c.head_dim,), jnp.float32))
+            k = _norm(c, k, self.param("k_norm", _norm_init(c), (c.head_dim,), jnp.float32))
         attended = _attention(c, self.layer, q, k, v, positions, segments)
         return nn.Einsum((c.heads, c.head_dim, c.d), "BTNH,NHD->BTD", False, name="out")(attended)
 
@@ -137,7 +138,7 @@ class _LinenBlock(nn.Module):
     @nn.compact
     def __call__(self, x, positions, segments):
         c = self.config
-        norm = lambda name, h: _norm(c, h, self.param(name, _norm_init(c), (c.d,)))
+        norm = lambda name, h: _norm(c, h, self.param(name, _norm_init(c), (c.d,), jnp.float32))
         h = _LinenAttention(c, self.layer, name="attn")(norm("attn_norm", x), positions, segments)
         x = x + (norm("attn_post_norm", h) if c.sandwich_norms else h)
         h = norm("mlp_norm", x)
@@ -147,6 +148,13 @@ class _LinenBlock(nn.Module):
         else:
             h = _LinenMLP(c, name="mlp")(h)
         return x + (norm("mlp_post_norm", h) if c.sandwich_norms else h)
+
+
+class _LinenLayer(_LinenBlock):
+    """A block as ``nn.scan`` runs it: ``(carry, output)``."""
+
+    def __call__(self, x, positions, segments):
+        return super().__call__(x, positions, segments), None
 
 
 class Decoder(nn.Module):
@@ -162,9 +170,16 @@ class Decoder(nn.Module):
         tokens, positions, segments = _inputs(tokens, positions, segment_ids)
         embed = nn.Embed(c.vocab, c.d, name="embed")
         x = _embedded(c, embed(tokens))
-        for i in range(c.layers):
+        if c.scan:  # (one traced layer; its parameters stacked on a leading layer dim, "blocks")
+            c.require_uniform()
+            stack = nn.scan(
+                _LinenLayer, variable_axes={"params": 0}, split_rngs={"params": True}, length=c.layers,
+                in_axes=(nn.broadcast, nn.broadcast), metadata_params={nn.PARTITION_NAME: None},
+            )  # fmt: skip
+            x, _ = stack(c, 0, name="blocks")(x, positions, segments)
+        for i in range(0 if c.scan else c.layers):
             x = _LinenBlock(c, i, name=f"block_{i}")(x, positions, segments)
-        x = _norm(c, x, self.param("final_norm", _norm_init(c), (c.d,)))
+        x = _norm(c, x, self.param("final_norm", _norm_init(c), (c.d,), jnp.float32))
         if c.tied:
             return _capped(c, embed.attend(x))
         return _capped(c, nn.Einsum((c.d, c.vocab), "BTD,DV->BTV", False, name="head")(x))
@@ -172,7 +187,7 @@ class Decoder(nn.Module):
 
 def _weight(c: DecoderConfig, size: int) -> nnx.Param:
     """An NNX norm's weight at init (:func:`_norm_init`'s)."""
-    return nnx.Param(jnp.zeros((size,)) if c.norm_offset else jnp.ones((size,)))
+    return nnx.Param((jnp.zeros if c.norm_offset else jnp.ones)((size,), jnp.float32))
 
 
 class _NNXAttention(nnx.Module):
@@ -238,7 +253,16 @@ class NNXDecoder(nnx.Module):
         # (NNX's Embed fixes its compute dtype to the init's, float32: it would round what a
         # load puts there, float64 say; None computes in the parameters' dtype, as Linen's does)
         self.embed.dtype = None
-        for i in range(c.layers):  # (named as Linen names them: one mapping serves both)
+        if c.scan:  # (stacked on a leading layer dim, as nn.scan stacks Linen's: "blocks")
+            c.require_uniform()
+
+            @nnx.split_rngs(splits=c.layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def stack(rngs):
+                return _NNXBlock(c, rngs, 0)
+
+            self.blocks = stack(rngs)
+        for i in range(0 if c.scan else c.layers):  # (named as Linen names them: one mapping serves both)
             setattr(self, f"block_{i}", _NNXBlock(c, rngs, i))
         self.final_norm = _weight(c, c.d)
         if not c.tied:
@@ -248,7 +272,12 @@ class NNXDecoder(nnx.Module):
         c = self.config
         tokens, positions, segments = _inputs(tokens, positions, segment_ids)
         x = _embedded(c, self.embed(tokens))
-        for i in range(c.layers):
+        if c.scan:
+            run = lambda block, x, positions, segments: block(x, positions, segments)
+            x = nnx.scan(run, in_axes=(0, nnx.Carry, None, None), out_axes=nnx.Carry)(
+                self.blocks, x, positions, segments
+            )
+        for i in range(0 if c.scan else c.layers):
             x = getattr(self, f"block_{i}")(x, positions, segments)
         x = _norm(c, x, self.final_norm[...])
         return _capped(c, self.embed.attend(x) if c.tied else self.head(x))

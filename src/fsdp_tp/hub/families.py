@@ -5,7 +5,8 @@ transformers stores a Linear's weight ``(out, in)``; the decoder's einsum kernel
 heads, head_dim)`` for q/k/v, ``(heads, head_dim, out)`` for the attention's output, ``(in,
 out)`` for the MLP and the head. So each projection is a transpose, and the attention's a split
 of ``heads * head_dim`` into its two dims. A mixture's experts, one tensor each in the checkpoint,
-are stacked into the bank's leading expert dim (each at its index).
+are stacked into the bank's leading expert dim (each at its index); a scanned decoder's layers
+into the leading layer dim of ``blocks/...`` the same way.
 
 >>> from fsdp_tp.hub.config import DecoderConfig
 >>> rules, ignore = mapping(DecoderConfig(64, 32, 4, 2, 8, 48, 2))
@@ -15,12 +16,15 @@ are stacked into the bank's leading expert dim (each at its index).
 
 from __future__ import annotations
 
+import dataclasses
+
 from .config import DecoderConfig
 from .mapping import Rule, SplitDim, Take, Transpose
 
 __all__ = ["mapping"]
 
 _LAYER = r"model\.layers\.(\d+)\."
+_BLOCK = "block_\\1/"  # (the layer's parameters, unrolled: the pattern's first group)
 
 
 def mapping(config: DecoderConfig) -> tuple[list[Rule], list[str]]:
@@ -66,11 +70,22 @@ def mapping(config: DecoderConfig) -> tuple[list[Rule], list[str]]:
             at=(r"\2",),
         ),
     ]
+    if config.scan:  # (a scanned decoder's blocks: one parameter a weight, each layer at its index)
+        rules = [_stacked(rule) for rule in rules]
     ignore = [_LAYER + r"self_attn\.rotary_emb\.inv_freq"]
     if config.tied:  # (the head is the embedding: a stored copy of it is not read)
         rules = [rule for rule in rules if rule.path != "head/kernel"]
         ignore.append(r"lm_head\.weight")
     return rules, ignore
+
+
+def _stacked(rule: Rule) -> Rule:
+    """``rule`` for the scanned decoder: ``block_N/...`` is ``blocks/...`` at layer ``N``."""
+    if not rule.path.startswith(_BLOCK):
+        return rule
+    scanned = lambda path: "blocks/" + path.removeprefix(_BLOCK)
+    also = tuple((scanned(path), views) for path, views in rule.also)
+    return dataclasses.replace(rule, path=scanned(rule.path), at=(r"\1", *rule.at), also=also)
 
 
 def _fused(config: DecoderConfig, heads: tuple, kv_heads: tuple, linear: tuple) -> list[Rule]:

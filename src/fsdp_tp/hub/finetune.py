@@ -92,12 +92,14 @@ class FineTune:
         schedule: Schedule = Schedule(),
         seed: int = 0,
         dtype=None,
+        scan: bool = False,
         devices=None,
     ):
         self.directory, self.api, self.schedule, self.seed = directory, api, schedule, seed
         self.batch_size, self.seq_len = batch, seq_len
         self.checkpoint = Checkpoint(directory)
-        self.config = config = DecoderConfig.from_hub(self.checkpoint.config)
+        config = dataclasses.replace(DecoderConfig.from_hub(self.checkpoint.config), scan=scan)
+        self.config = config
         sizes = {**{"data": 1, "fsdp": 1, "expert": 1}, **sizes, "tensor": sizes.get("tensor", 1)}
         self.sizes = sizes
         self.mesh = make_mesh(sizes, devices=devices)
@@ -176,7 +178,8 @@ class FineTune:
         """The same fine-tune on one device, unsharded: ``--check``'s reference."""
         return FineTune(
             self.directory, {}, batch=self.batch_size, seq_len=self.seq_len, api=self.api,
-            schedule=self.schedule, seed=self.seed, dtype=self.dtype, devices=jax.devices()[:1],
+            schedule=self.schedule, seed=self.seed, dtype=self.dtype, scan=self.config.scan,
+            devices=jax.devices()[:1],
         )  # fmt: skip
 
 

@@ -66,6 +66,8 @@ def fsdp_rules(config: DecoderConfig, axes: str | tuple[str, ...] = "fsdp") -> l
             (r"experts/(gate|up)/kernel$", P(None, axes)),
             (r"experts/down/kernel$", P(None, None, axes)),
         ]
+    if config.scan:  # (a scanned decoder's blocks: the leading layer dim whole, each layer split alike)
+        rules = [(p, spec if p == r"embedding$" else P(None, *spec)) for p, spec in rules]
     return rules if config.tied else [*rules, (r"head/kernel$", P(axes))]
 
 
