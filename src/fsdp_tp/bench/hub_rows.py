@@ -1,6 +1,8 @@
 """Loading a checkpoint (issue 100): :func:`fsdp_tp.hub.load` straight into FSDP's shards against
-the obvious loader (every tensor read whole into host memory, then laid out and ``device_put``),
-on a Llama-shaped float32 checkpoint written locally.
+orbax's safetensors layout (``orbax.checkpoint.experimental.v1``, ``CheckpointLayout.SAFETENSORS``:
+each stored tensor read into the shards that, viewed, are the parameter's; the views then run on
+the devices) and the obvious loader (every tensor read whole into host memory, then laid out and
+``device_put``), on a Llama-shaped float32 checkpoint written locally.
 
 Each loader runs in a process of its own, on 8 CPU devices, FSDP over all of them. Measured there:
 the bytes read from the file against its data bytes, and the host memory the load takes beyond
@@ -20,8 +22,11 @@ import tempfile
 import textwrap
 
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
-__all__ = ["HUB_CONFIG", "HubMeasured", "hub_costs", "hub_section", "write_llama"]
+from ..hub.mapping import SplitDim, Transpose
+
+__all__ = ["HUB_CONFIG", "HubMeasured", "hub_costs", "hub_section", "stored_spec", "write_llama"]
 
 # 4 layers of a 1B-class Llama (d 2048, GQA 16/4 heads of 128, MLP 5632, vocabulary 32,000):
 # 311 M parameters, 1.25 GB in float32.
@@ -72,6 +77,31 @@ def write_llama(directory: str, config: dict) -> int:
     return sum(t.nbytes for t in tensors.values())
 
 
+def stored_spec(views, shapes, spec) -> P:
+    """The spec of a stored tensor whose shards, through ``views`` (its ``shapes`` before each
+    and after the last), are a parameter's shards under ``spec``: a transpose's dims permuted
+    back, a split dim's first part's axis for the whole dim (its other parts whole).
+
+    >>> from fsdp_tp.hub.mapping import SplitDim, Transpose
+    >>> stored_spec((Transpose(), SplitDim(1, (4, -1))), [(32, 8), (8, 32), (8, 4, 8)], P("fsdp"))
+    P(None, 'fsdp')
+    """
+    entries = list(spec) + [None] * (len(shapes[-1]) - len(spec))
+    for view, shape in zip(reversed(views), reversed(shapes[:-1]), strict=True):
+        if isinstance(view, Transpose):
+            perm = view._perm(len(shape))
+            back = [None] * len(shape)
+            for out_dim, in_dim in enumerate(perm):
+                back[in_dim] = entries[out_dim]
+            entries = back
+        elif isinstance(view, SplitDim):
+            count = len(view.sizes)
+            if any(e is not None for e in entries[view.dim + 1 : view.dim + count]):
+                raise ValueError(f"{view}: a split inside a dim's inner parts is no stored box")
+            entries = [*entries[: view.dim + 1], *entries[view.dim + count :]]
+    return P(*entries)
+
+
 # One loader in a fresh process: prints what it read, its peak of host buffers and the bytes
 # its devices hold, as JSON.
 _LOADER = textwrap.dedent(
@@ -95,10 +125,35 @@ _LOADER = textwrap.dedent(
     laid = lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, p))
     target = jax.tree.map(laid, shapes, specs)
     rules, ignore = mapping(config)
+    if kind == "orbax_safetensors_layout":  # (its imports before the measure; its count of bytes)
+        import orbax.checkpoint.experimental.v1
+        reported = {}
+        jax.monitoring.register_scalar_listener(lambda name, value, **_: reported.__setitem__(name, value))
     tracemalloc.start()
     start = time.perf_counter()
     if kind == "fsdp_tp":
         params, report = load(checkpoint, target, rules, ignore)
+    elif kind == "orbax_safetensors_layout":  # orbax reads each stored tensor into the shards
+        # that, viewed, are the parameter's; the views (transposes, heads) then run on the devices
+        import orbax.checkpoint.experimental.v1 as ocp
+        from fsdp_tp.bench.hub_rows import stored_spec
+        leaves = jax.tree_util.tree_flatten_with_path(target)[0]
+        plan = match(rules, {n: checkpoint.shape(n) for n in checkpoint.names()},
+                     {fsdp_tp.rules.path_of(p): t.shape for p, t in leaves}, ignore)
+        sources = {fsdp_tp.rules.path_of(p): (plan[fsdp_tp.rules.path_of(p)][0], t) for p, t in leaves}
+        abstract = {
+            source.name: jax.ShapeDtypeStruct(source.shape, t.dtype, sharding=NamedSharding(
+                mesh, stored_spec(source.views, source.shapes(), t.sharding.spec)))
+            for source, t in sources.values()
+        }
+        with ocp.Context(checkpoint_layout=ocp.options.CheckpointLayout.SAFETENSORS):
+            stored = ocp.load(directory, abstract_state=abstract)
+        params = {
+            path: jax.jit(lambda x, s=source, t=t: s.block(x, tuple((0, n) for n in t.shape)),
+                          out_shardings=t.sharding)(stored.pop(source.name))
+            for path, (source, t) in sources.items()
+        }
+        read = int(reported["/jax/orbax/read/safetensors/bytes_read"])  # (orbax's own count)
     else:  # every tensor read whole, then laid out and put on the devices
         stored = {name: checkpoint.read(name) for name in checkpoint.names()}
         leaves = jax.tree_util.tree_flatten_with_path(target)[0]
@@ -113,7 +168,7 @@ _LOADER = textwrap.dedent(
     seconds = time.perf_counter() - start
     _, peak = tracemalloc.get_traced_memory()
     held = sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards)
-    read = checkpoint.bytes_read
+    read = read if kind == "orbax_safetensors_layout" else checkpoint.bytes_read
     print(json.dumps(dict(read=read, peak=peak, held=held, seconds=seconds)))
     """
 )
@@ -133,7 +188,7 @@ def hub_costs(config: dict = HUB_CONFIG) -> HubMeasured:
         d, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
         largest = 4 * max(v * d, f * d)
         runs = {}
-        for kind in ("fsdp_tp", "read_then_device_put"):
+        for kind in ("fsdp_tp", "orbax_safetensors_layout", "read_then_device_put"):
             done = subprocess.run(
                 [sys.executable, "-c", _LOADER, kind, directory], capture_output=True, text=True, check=False
             )
@@ -156,9 +211,11 @@ def hub_section(m: HubMeasured) -> str:
         f"\n### Loading a downloaded checkpoint\n\n"
         f"A Llama-shaped float32 checkpoint of {gb(m.data_bytes)} ({HUB_CONFIG['num_hidden_layers']} "
         f"layers of d {HUB_CONFIG['hidden_size']}, vocabulary {HUB_CONFIG['vocab_size']:,}), loaded onto "
-        f"FSDP over 8 CPU devices by `fsdp_tp.hub.load` and by reading every tensor whole then "
-        f"`device_put`. Host buffers: the most NumPy held at once during the load (the devices' own "
-        f"buffers not counted), and ÷ the largest tensor ({gb(m.largest)}).\n\n"
+        f"FSDP over 8 CPU devices by `fsdp_tp.hub.load`, by orbax's safetensors layout (orbax "
+        f"0.12.8's `experimental.v1`, its defaults: each stored tensor read into the shards whose "
+        f"transposes and head splits, run on the devices after, are the parameter's), and by reading "
+        f"every tensor whole then `device_put`. Host buffers: the most NumPy held at once during the "
+        f"load (the devices' own buffers not counted), and ÷ the largest tensor ({gb(m.largest)}).\n\n"
         "| loader | bytes read ÷ the file's data | host buffers at peak (÷ largest tensor) | the devices "
         "hold | seconds ÷ fsdp_tp's |\n|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
     )

@@ -145,7 +145,7 @@ def run_benchmarks(
     context = context_costs(blocks, steps)
     print("context: ring attention vs all-gathered k, v measured", file=out, flush=True)
     loaded = hub_costs()
-    print("hub: a 1.25 GB checkpoint loaded to shards vs read whole then device_put", file=out, flush=True)
+    print("hub: a 1.25 GB checkpoint loaded to shards vs orbax's layout vs read whole", file=out, flush=True)
     wires = [wire(label) for label in POLICIES]
     wire_times = timed_steps(wires, blocks, steps)
     losses = {
