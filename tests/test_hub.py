@@ -104,6 +104,9 @@ def test_a_checkpoint_loaded_gives_the_hubs_logits_on_one_device(family, api):
     for directory in (os.path.join(HERE, family), os.path.join(HERE, family, "bf16")):  # (bf16: its own)
         logits, report = _one_device(api, directory)
         _assert_hubs(logits, directory)
+        # (Dense projections: the same tensors into (in, out) kernels, N * H flat)
+        logits, _ = _one_device(api, directory, _variant(_decoder_config(directory), "dense"))
+        _assert_hubs(logits, directory)
         assert report.blocks == len(
             jax.tree.leaves(_target(DecoderConfig.from_hub(Checkpoint(directory).config)))
         )
@@ -148,12 +151,17 @@ def test_each_part_of_the_mapping_and_llama3_scaling_shows_in_the_logits():
         assert np.abs(logits - want).max() > 1e-3
 
 
+def _variant(config: DecoderConfig, variant: str) -> DecoderConfig:
+    """``config`` scanned and/or with Dense projections: ``"scan"``, ``"dense"``, ``"scan-dense"``."""
+    return dataclasses.replace(config, scan="scan" in variant, dense="dense" in variant)
+
+
 def _step_logits(
-    api: str, axes: dict, batch_axes: tuple, checkpoint: Checkpoint, tokens, out=None, scan=False
+    api: str, axes: dict, batch_axes: tuple, checkpoint: Checkpoint, tokens, out=None, variant=""
 ):
     """The logits the library's step computes on ``tokens`` with the decoder loaded from
     ``checkpoint`` into its layout on ``axes`` (Megatron's tensor split, FSDP over ``batch_axes``)."""
-    config = dataclasses.replace(DecoderConfig.from_hub(checkpoint.config), scan=scan)
+    config = _variant(DecoderConfig.from_hub(checkpoint.config), variant)
     mesh = make_mesh(axes)
     split = "context" in axes
     spec = P(batch_axes[0], "context") if split else P(batch_axes)
@@ -196,20 +204,22 @@ MESHES = {
     # (the experts over expert, each one's hidden dim over tensor; tokens sent to them)
     "fsdp2-expert2-tensor2": ({"fsdp": 2, "expert": 2, "tensor": 2}, ("fsdp", "expert")),
 }
-LAYOUTS = [(family, mesh, False) for family in FAMILIES for mesh in list(MESHES)[:2]] + [
-    ("qwen3_moe", "fsdp2-expert2-tensor2", False),
-    # (scanned: each layer's tensors stacked into one parameter a weight, split alike)
-    ("llama", "data2-fsdp2-tensor2", True),
-    ("phi3", "fsdp2-context2-tensor2", True),
+LAYOUTS = [(family, mesh, "") for family in FAMILIES for mesh in list(MESHES)[:2]] + [
+    ("qwen3_moe", "fsdp2-expert2-tensor2", ""),
+    # (scanned: each layer's tensors stacked into one parameter a weight, split alike; Dense
+    # projections: heads flat in the kernels, q/k/v biases split with their columns)
+    ("llama", "data2-fsdp2-tensor2", "scan"),
+    ("phi3", "fsdp2-context2-tensor2", "scan-dense"),
+    ("qwen2", "data2-fsdp2-tensor2", "dense"),
 ]
 
 
 @pytest.mark.parametrize("api", ["linen", "nnx"])
 @pytest.mark.parametrize(
-    "family, mesh, scan", LAYOUTS, ids=[f"{f}-{m}" + ("-scan" if s else "") for f, m, s in LAYOUTS]
+    "family, mesh, variant", LAYOUTS, ids=[f"{f}-{m}" + (f"-{v}" if v else "") for f, m, v in LAYOUTS]
 )
 def test_a_checkpoint_loaded_into_the_librarys_layout_gives_the_hubs_logits(
-    family, mesh, scan, api, tmp_path
+    family, mesh, variant, api, tmp_path
 ):
     (axes, batch_axes), directory = MESHES[mesh], os.path.join(HERE, family)
     tokens, rows = _tokens(), lambda x: x
@@ -217,7 +227,7 @@ def test_a_checkpoint_loaded_into_the_librarys_layout_gives_the_hubs_logits(
         rows = lambda x: np.concatenate([x, x[::-1]])
         tokens = jnp.concatenate([tokens, tokens[::-1]])
     checkpoint = Checkpoint(directory, coalesce=0)
-    logits, report = _step_logits(api, axes, batch_axes, checkpoint, tokens, tmp_path / "export", scan)
+    logits, report = _step_logits(api, axes, batch_axes, checkpoint, tokens, tmp_path / "export", variant)
     _assert_hubs(logits, directory, rows)
     # One process holds every device here: it reads each byte of the checkpoint once (a block
     # that several of its devices hold, once), however the layout cuts the tensors.
@@ -376,13 +386,16 @@ def _roles(rules, modules: list[str]) -> dict:
     return {m: next((role for pattern, role in rules if re.search(pattern, m)), None) for m in modules}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "qwen3_moe"])  # (untied, tied, fused, experts)
+@pytest.mark.parametrize(
+    "family", ["llama", "qwen3", "phi3", "qwen3_moe", "qwen2-dense"]
+)  # (untied, tied, fused, experts, Dense projections with biases)
 def test_auto_finds_the_hand_written_megatron_plan(family):
     from flax import nnx
 
     import fsdp_tp.linen
 
-    config = _decoder_config(os.path.join(HERE, family))
+    family, _, variant = family.partition("-")
+    config = _variant(_decoder_config(os.path.join(HERE, family)), variant)
     tokens = jax.ShapeDtypeStruct((2, 12), jnp.int32)
     modules = sorted({p.rsplit("/", 1)[0] for p in map(param_path, _paths(_target(config)))})
     abstract = nnx.eval_shape(lambda: NNXDecoder(config, nnx.Rngs(0)))

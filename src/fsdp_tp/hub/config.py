@@ -64,6 +64,7 @@ class DecoderConfig:
     normalize_top_k: bool = False  # (a token's k weights renormalized to sum to 1)
     moe_layers: tuple[int, ...] = ()  # (the layers whose MLP is the mixture)
     scan: bool = False  # (the blocks in one nn.scan / nnx.scan, stacked on a leading layer dim)
+    dense: bool = False  # (nn.Dense / nnx.Linear projections, (in, out) kernels: heads flattened)
 
     def window(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window: each query sees itself and ``window - 1`` before it."""

@@ -3,18 +3,19 @@ the Hub's own implementation computes.
 
 What it computes is :class:`~fsdp_tp.hub.config.DecoderConfig`'s (read from ``config.json``):
 Llama's blocks, and Qwen's, Mistral's, Phi-3's and Gemma 3's differences, each a field. The
-numerics both front ends share are written once here (norm, RoPE and attention, gate,
-embedding scale, soft-cap); the modules only hold the parameters.
+numerics both front ends share are written once (:mod:`fsdp_tp.hub.numerics`); the modules
+here only hold the parameters.
 
 A mixture of experts (Qwen 3 MoE's) is the library's block (:class:`~fsdp_tp.models.moe.LinenMoE`,
 ``block_1/moe/router`` and the bank ``block_1/moe/experts/gate`` of ``(E, d, h)``): dropless,
 softmax then top-k, as transformers routes.
 
-Einsum projections, one per Hub weight (``q``, ``k``, ``v``, ``out``; ``gate``, ``up``,
-``down``), so the Megatron plan is one rule a projection (:mod:`fsdp_tp.hub.layout`); the attention is
-the library's (:func:`~fsdp_tp.attention.attend`: under a sequence split, computed across
-devices). Both front ends' parameters have the same paths, ``block_0/attn/q/kernel``, so one
-mapping from the checkpoint's names serves both (:mod:`fsdp_tp.hub.families`).
+Einsum projections (or ``nn.Dense`` / ``nnx.Linear`` ones: ``DecoderConfig(dense=True)``),
+one per Hub weight (``q``, ``k``, ``v``, ``out``; ``gate``, ``up``, ``down``), so the Megatron
+plan is one rule a projection (:mod:`fsdp_tp.hub.layout`); the attention is the library's
+(:func:`~fsdp_tp.attention.attend`: under a sequence split, computed across devices). Both
+front ends' parameters have the same paths, ``block_0/attn/q/kernel``, so one mapping from the
+checkpoint's names serves both (:mod:`fsdp_tp.hub.families`).
 
 >>> import jax, jax.numpy as jnp
 >>> config = DecoderConfig(vocab=64, d=32, heads=4, kv_heads=2, head_dim=8, hidden=48, layers=2)
@@ -27,80 +28,31 @@ mapping from the checkpoint's names serves both (:mod:`fsdp_tp.hub.families`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from ..attention import attend
 from ..models.moe import LinenMoE, NNXMoE
-from .config import DecoderConfig, rope_frequencies
+from . import numerics
+from .config import DecoderConfig
 
 __all__ = ["Decoder", "NNXDecoder"]
 
 
-def _rope(x: jax.Array, positions: jax.Array, inv: np.ndarray) -> jax.Array:
-    """RoPE on ``x`` (B, T, N, H): the two halves of each head rotated, as transformers' ``rotate_half``."""
-    angle = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv)  # (B or 1, T, H/2)
-    cos, sin = (
-        jnp.concatenate([f, f], -1)[..., None, :].astype(x.dtype) for f in (jnp.cos(angle), jnp.sin(angle))
-    )
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+def _linen_linear(c: DecoderConfig, features_in: int, features: int, name: str) -> nn.Module:
+    """A bias-free ``(in, out)`` projection: ``nn.Dense``, or the einsum of the same kernel."""
+    if c.dense:
+        return nn.Dense(features, use_bias=False, name=name)
+    return nn.Einsum((features_in, features), "BTD,DF->BTF", False, name=name)
 
 
-def _norm(c: DecoderConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
-    """transformers' RMSNorm, normalized in float32 at least: Llama's scales the result cast back
-    by ``weight``; Gemma's scales in float32 by ``1 + weight``, then casts."""
-    wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    normed = wide * jax.lax.rsqrt(jnp.mean(wide * wide, axis=-1, keepdims=True) + c.norm_eps)
-    if c.norm_offset:
-        return (normed * (c.norm_offset + weight.astype(wide.dtype))).astype(x.dtype)
-    return weight * normed.astype(x.dtype)
-
-
-def _norm_init(c: DecoderConfig):
-    """A norm's weight at init: ones (scale 1), or Gemma's zeros (scale 1 + 0); float32 as the
-    projections' are (flax's default: under ``jax.enable_x64`` an initializer's is float64)."""
-    return nn.initializers.zeros if c.norm_offset else nn.initializers.ones
-
-
-def _attention(c: DecoderConfig, layer: int, q, k, v, positions, segments) -> jax.Array:
-    """RoPE (the layer's frequencies) then the library's attention (the layer's window); Gemma's
-    scores scaled by ``query_scale ** -0.5`` in place of ``head_dim ** -0.5``, on the queries."""
-    inv = rope_frequencies(c, layer)
-    q, k = _rope(q, positions, inv), _rope(k, positions, inv)
-    if c.query_scale is not None:
-        q = q * jnp.asarray((c.head_dim / c.query_scale) ** 0.5, q.dtype)
-    return attend(q, k, v, segment_ids=segments, window=c.window(layer))
-
-
-def _gate(c: DecoderConfig, gate: jax.Array) -> jax.Array:
-    return jax.nn.gelu(gate, approximate=True) if c.activation == "gelu_tanh" else jax.nn.silu(gate)
-
-
-def _embedded(c: DecoderConfig, x: jax.Array) -> jax.Array:
-    """Gemma's embeddings times ``sqrt(d)`` (in the embedding's dtype, as transformers rounds it)."""
-    return x * jnp.asarray(c.d**0.5, jnp.float32).astype(x.dtype) if c.embed_scale else x
-
-
-def _capped(c: DecoderConfig, logits: jax.Array) -> jax.Array:
-    """Gemma's final soft-cap, ``cap * tanh(logits / cap)``."""
-    return logits if c.logit_cap is None else jnp.tanh(logits / c.logit_cap) * c.logit_cap
-
-
-def _inputs(tokens, positions, segment_ids) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """``(tokens, positions, segment_ids)`` from the arguments or from a batch mapping given as
-    ``tokens`` (``{"tokens", "positions", "segment_ids"}``, as the library's packed batches):
-    positions ``0 .. T-1`` where none are given."""
-    if isinstance(tokens, Mapping):
-        tokens, positions, segment_ids = (tokens.get(k) for k in ("tokens", "positions", "segment_ids"))
-    positions = jnp.arange(tokens.shape[-1])[None] if positions is None else positions
-    return tokens, positions, segment_ids
+def _nnx_linear(c: DecoderConfig, features_in: int, features: int, rngs: nnx.Rngs) -> nnx.Module:
+    """:func:`_linen_linear` in NNX: ``nnx.Linear`` or ``nnx.Einsum``."""
+    if c.dense:
+        return nnx.Linear(features_in, features, use_bias=False, rngs=rngs)
+    return nnx.Einsum("BTD,DF->BTF", (features_in, features), None, rngs=rngs)
 
 
 class _LinenAttention(nn.Module):
@@ -110,13 +62,23 @@ class _LinenAttention(nn.Module):
     @nn.compact
     def __call__(self, x, positions, segments):
         c = self.config
-        q = nn.Einsum((c.d, c.heads, c.head_dim), "BTD,DNH->BTNH", c.qkv_bias, name="q")(x)
-        k = nn.Einsum((c.d, c.kv_heads, c.head_dim), "BTD,DNH->BTNH", c.qkv_bias, name="k")(x)
-        v = nn.Einsum((c.d, c.kv_heads, c.head_dim), "BTD,DNH->BTNH", c.qkv_bias, name="v")(x)
+        if c.dense:  # (N * H output features, read as N heads: a device's N / T under the split)
+            dense = lambda n, name: nn.Dense(n * c.head_dim, use_bias=c.qkv_bias, name=name)(x)
+            project = lambda n, name: numerics.heads(c, dense(n, name))
+        else:
+            kernel = lambda n: (c.d, n, c.head_dim)
+            project = lambda n, name: nn.Einsum(kernel(n), "BTD,DNH->BTNH", c.qkv_bias, name=name)(x)
+        q, k, v = project(c.heads, "q"), project(c.kv_heads, "k"), project(c.kv_heads, "v")
         if c.qk_norm:
-            q = _norm(c, q, self.param("q_norm", _norm_init(c), (c.head_dim,), jnp.float32))
-            k = _norm(c, k, self.param("k_norm", _norm_init(c), (c.head_dim,), jnp.float32))
-        attended = _attention(c, self.layer, q, k, v, positions, segments)
+            q = numerics.rms_norm(
+                c, q, self.param("q_norm", numerics.norm_init(c), (c.head_dim,), jnp.float32)
+            )
+            k = numerics.rms_norm(
+                c, k, self.param("k_norm", numerics.norm_init(c), (c.head_dim,), jnp.float32)
+            )
+        attended = numerics.attention(c, self.layer, q, k, v, positions, segments)
+        if c.dense:
+            return nn.Dense(c.d, use_bias=False, name="out")(numerics.flat(attended))
         return nn.Einsum((c.heads, c.head_dim, c.d), "BTNH,NHD->BTD", False, name="out")(attended)
 
 
@@ -126,9 +88,8 @@ class _LinenMLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         c = self.config
-        gate = nn.Einsum((c.d, c.hidden), "BTD,DF->BTF", False, name="gate")(x)
-        up = nn.Einsum((c.d, c.hidden), "BTD,DF->BTF", False, name="up")(x)
-        return nn.Einsum((c.hidden, c.d), "BTF,FD->BTD", False, name="down")(_gate(c, gate) * up)
+        gate, up = _linen_linear(c, c.d, c.hidden, "gate")(x), _linen_linear(c, c.d, c.hidden, "up")(x)
+        return _linen_linear(c, c.hidden, c.d, "down")(numerics.gate(c, gate) * up)
 
 
 class _LinenBlock(nn.Module):
@@ -138,7 +99,9 @@ class _LinenBlock(nn.Module):
     @nn.compact
     def __call__(self, x, positions, segments):
         c = self.config
-        norm = lambda name, h: _norm(c, h, self.param(name, _norm_init(c), (c.d,), jnp.float32))
+        norm = lambda name, h: numerics.rms_norm(
+            c, h, self.param(name, numerics.norm_init(c), (c.d,), jnp.float32)
+        )
         h = _LinenAttention(c, self.layer, name="attn")(norm("attn_norm", x), positions, segments)
         x = x + (norm("attn_post_norm", h) if c.sandwich_norms else h)
         h = norm("mlp_norm", x)
@@ -167,9 +130,9 @@ class Decoder(nn.Module):
     @nn.compact
     def __call__(self, tokens, positions=None, segment_ids=None):
         c = self.config
-        tokens, positions, segments = _inputs(tokens, positions, segment_ids)
+        tokens, positions, segments = numerics.inputs(tokens, positions, segment_ids)
         embed = nn.Embed(c.vocab, c.d, name="embed")
-        x = _embedded(c, embed(tokens))
+        x = numerics.embedded(c, embed(tokens))
         if c.scan:  # (one traced layer; its parameters stacked on a leading layer dim, "blocks")
             c.require_uniform()
             stack = nn.scan(
@@ -179,45 +142,50 @@ class Decoder(nn.Module):
             x, _ = stack(c, 0, name="blocks")(x, positions, segments)
         for i in range(0 if c.scan else c.layers):
             x = _LinenBlock(c, i, name=f"block_{i}")(x, positions, segments)
-        x = _norm(c, x, self.param("final_norm", _norm_init(c), (c.d,), jnp.float32))
+        x = numerics.rms_norm(c, x, self.param("final_norm", numerics.norm_init(c), (c.d,), jnp.float32))
         if c.tied:
-            return _capped(c, embed.attend(x))
-        return _capped(c, nn.Einsum((c.d, c.vocab), "BTD,DV->BTV", False, name="head")(x))
+            return numerics.capped(c, embed.attend(x))
+        return numerics.capped(c, _linen_linear(c, c.d, c.vocab, "head")(x))
 
 
 def _weight(c: DecoderConfig, size: int) -> nnx.Param:
-    """An NNX norm's weight at init (:func:`_norm_init`'s)."""
+    """An NNX norm's weight at init (:func:`norm_init`'s)."""
     return nnx.Param((jnp.zeros if c.norm_offset else jnp.ones)((size,), jnp.float32))
 
 
 class _NNXAttention(nnx.Module):
     def __init__(self, c: DecoderConfig, rngs: nnx.Rngs, layer: int = 0):
         self.config, self.layer = c, layer
-        bias = lambda n: (n, c.head_dim) if c.qkv_bias else None
-        self.q = nnx.Einsum("BTD,DNH->BTNH", (c.d, c.heads, c.head_dim), bias(c.heads), rngs=rngs)
-        self.k = nnx.Einsum("BTD,DNH->BTNH", (c.d, c.kv_heads, c.head_dim), bias(c.kv_heads), rngs=rngs)
-        self.v = nnx.Einsum("BTD,DNH->BTNH", (c.d, c.kv_heads, c.head_dim), bias(c.kv_heads), rngs=rngs)
-        self.out = nnx.Einsum("BTNH,NHD->BTD", (c.heads, c.head_dim, c.d), None, rngs=rngs)
+        project: Callable[[int], nnx.Module]
+        if c.dense:
+            project = lambda n: nnx.Linear(c.d, n * c.head_dim, use_bias=c.qkv_bias, rngs=rngs)
+            self.out: nnx.Module = nnx.Linear(c.heads * c.head_dim, c.d, use_bias=False, rngs=rngs)
+        else:
+            bias = lambda n: (n, c.head_dim) if c.qkv_bias else None
+            project = lambda n: nnx.Einsum("BTD,DNH->BTNH", (c.d, n, c.head_dim), bias(n), rngs=rngs)
+            self.out = nnx.Einsum("BTNH,NHD->BTD", (c.heads, c.head_dim, c.d), None, rngs=rngs)
+        self.q, self.k, self.v = project(c.heads), project(c.kv_heads), project(c.kv_heads)
         if c.qk_norm:
             self.q_norm, self.k_norm = _weight(c, c.head_dim), _weight(c, c.head_dim)
 
     def __call__(self, x, positions, segments):
         c = self.config
-        q, k = self.q(x), self.k(x)
+        shaped = (lambda h: numerics.heads(c, h)) if c.dense else (lambda h: h)
+        q, k, v = shaped(self.q(x)), shaped(self.k(x)), shaped(self.v(x))
         if c.qk_norm:
-            q, k = _norm(c, q, self.q_norm[...]), _norm(c, k, self.k_norm[...])
-        return self.out(_attention(c, self.layer, q, k, self.v(x), positions, segments))
+            q, k = numerics.rms_norm(c, q, self.q_norm[...]), numerics.rms_norm(c, k, self.k_norm[...])
+        attended = numerics.attention(c, self.layer, q, k, v, positions, segments)
+        return self.out(numerics.flat(attended) if c.dense else attended)
 
 
 class _NNXMLP(nnx.Module):
     def __init__(self, c: DecoderConfig, rngs: nnx.Rngs):
         self.config = c
-        self.gate = nnx.Einsum("BTD,DF->BTF", (c.d, c.hidden), None, rngs=rngs)
-        self.up = nnx.Einsum("BTD,DF->BTF", (c.d, c.hidden), None, rngs=rngs)
-        self.down = nnx.Einsum("BTF,FD->BTD", (c.hidden, c.d), None, rngs=rngs)
+        self.gate, self.up = _nnx_linear(c, c.d, c.hidden, rngs), _nnx_linear(c, c.d, c.hidden, rngs)
+        self.down = _nnx_linear(c, c.hidden, c.d, rngs)
 
     def __call__(self, x):
-        return self.down(_gate(self.config, self.gate(x)) * self.up(x))
+        return self.down(numerics.gate(self.config, self.gate(x)) * self.up(x))
 
 
 class _NNXBlock(nnx.Module):
@@ -237,11 +205,11 @@ class _NNXBlock(nnx.Module):
 
     def __call__(self, x, positions, segments):
         c = self.config
-        h = self.attn(_norm(c, x, self.attn_norm[...]), positions, segments)
-        x = x + (_norm(c, h, self.attn_post_norm[...]) if c.sandwich_norms else h)
-        h = _norm(c, x, self.mlp_norm[...])
+        h = self.attn(numerics.rms_norm(c, x, self.attn_norm[...]), positions, segments)
+        x = x + (numerics.rms_norm(c, h, self.attn_post_norm[...]) if c.sandwich_norms else h)
+        h = numerics.rms_norm(c, x, self.mlp_norm[...])
         h = self.moe(h)[0] if c.mixture(self.layer) else self.mlp(h)
-        return x + (_norm(c, h, self.mlp_post_norm[...]) if c.sandwich_norms else h)
+        return x + (numerics.rms_norm(c, h, self.mlp_post_norm[...]) if c.sandwich_norms else h)
 
 
 class NNXDecoder(nnx.Module):
@@ -266,12 +234,12 @@ class NNXDecoder(nnx.Module):
             setattr(self, f"block_{i}", _NNXBlock(c, rngs, i))
         self.final_norm = _weight(c, c.d)
         if not c.tied:
-            self.head = nnx.Einsum("BTD,DV->BTV", (c.d, c.vocab), None, rngs=rngs)
+            self.head = _nnx_linear(c, c.d, c.vocab, rngs)
 
     def __call__(self, tokens, positions=None, segment_ids=None):
         c = self.config
-        tokens, positions, segments = _inputs(tokens, positions, segment_ids)
-        x = _embedded(c, self.embed(tokens))
+        tokens, positions, segments = numerics.inputs(tokens, positions, segment_ids)
+        x = numerics.embedded(c, self.embed(tokens))
         if c.scan:
             run = lambda block, x, positions, segments: block(x, positions, segments)
             x = nnx.scan(run, in_axes=(0, nnx.Carry, None, None), out_axes=nnx.Carry)(
@@ -279,5 +247,5 @@ class NNXDecoder(nnx.Module):
             )
         for i in range(0 if c.scan else c.layers):
             x = getattr(self, f"block_{i}")(x, positions, segments)
-        x = _norm(c, x, self.final_norm[...])
-        return _capped(c, self.embed.attend(x) if c.tied else self.head(x))
+        x = numerics.rms_norm(c, x, self.final_norm[...])
+        return numerics.capped(c, self.embed.attend(x) if c.tied else self.head(x))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from .config import DecoderConfig
-from .mapping import Rule, SplitDim, Take, Transpose
+from .mapping import Rule, SplitDim, Take, Transpose, View
 
 __all__ = ["mapping"]
 
@@ -30,10 +30,12 @@ _BLOCK = "block_\\1/"  # (the layer's parameters, unrolled: the pattern's first 
 def mapping(config: DecoderConfig) -> tuple[list[Rule], list[str]]:
     """The rules that load a Llama-layout checkpoint into the decoder of ``config``, and the
     stored tensors to leave unread (older exports' rotary tables, which the decoder computes)."""
-    heads = (Transpose(), SplitDim(1, (config.heads, -1)))  # (N*H, D) -> (D, N, H)
-    kv_heads = (Transpose(), SplitDim(1, (config.kv_heads, -1)))
-    linear = (Transpose(),)
-    per_head = lambda n: (SplitDim(0, (n, -1)),)
+    linear: tuple[View, ...] = (Transpose(),)
+    # (N*H, D) -> (D, N, H); the output's (D, N*H) -> (N*H, D) -> (N, H, D); a bias (N*H,) -> (N, H).
+    # Dense kernels keep N * H flat: a transpose each, the biases as stored.
+    split = lambda dim, n: () if config.dense else (SplitDim(dim, (n, -1)),)
+    heads, kv_heads = (*linear, *split(1, config.heads)), (*linear, *split(1, config.kv_heads))
+    out, per_head = (*linear, *split(0, config.heads)), lambda n: split(0, n)
     rules = _fused(config, heads, kv_heads, linear) if config.family == "phi3" else []
     rules += [
         Rule(r"model\.embed_tokens\.weight", "embed/embedding"),
@@ -50,12 +52,7 @@ def mapping(config: DecoderConfig) -> tuple[list[Rule], list[str]]:
         Rule(_LAYER + r"self_attn\.q_proj\.weight", r"block_\1/attn/q/kernel", heads),
         Rule(_LAYER + r"self_attn\.k_proj\.weight", r"block_\1/attn/k/kernel", kv_heads),
         Rule(_LAYER + r"self_attn\.v_proj\.weight", r"block_\1/attn/v/kernel", kv_heads),
-        # (D, N*H) -> (N*H, D) -> (N, H, D)
-        Rule(
-            _LAYER + r"self_attn\.o_proj\.weight",
-            r"block_\1/attn/out/kernel",
-            (Transpose(), SplitDim(0, (config.heads, -1))),
-        ),
+        Rule(_LAYER + r"self_attn\.o_proj\.weight", r"block_\1/attn/out/kernel", out),
         Rule(_LAYER + r"mlp\.(gate|up|down)_proj\.weight", r"block_\1/mlp/\2/kernel", linear),
         # Qwen 2's biases, Qwen 3's norms of each head
         Rule(_LAYER + r"self_attn\.q_proj\.bias", r"block_\1/attn/q/bias", per_head(config.heads)),

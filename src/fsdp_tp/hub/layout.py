@@ -55,7 +55,7 @@ def fsdp_rules(config: DecoderConfig, axes: str | tuple[str, ...] = "fsdp") -> l
     """
     rules = [
         (r"attn/(q|k|v)/kernel$", P(axes)),
-        (r"attn/out/kernel$", P(None, None, axes)),
+        (r"attn/out/kernel$", P(None, axes) if config.dense else P(None, None, axes)),
         (r"mlp/(gate|up)/kernel$", P(axes)),
         (r"mlp/down/kernel$", P(None, axes)),
         (r"embedding$", P(None, axes)),
