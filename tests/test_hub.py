@@ -5,7 +5,8 @@ implementation: logits that transformers (torch) computed on a tiny checkpoint i
 (``examples/hub_checkpoints``, recorded once by ``record.py`` there) against the decoder loaded
 from it, Linen and NNX, on one device and on data x fsdp x tensor and fsdp x context x tensor
 meshes, the mixture's on fsdp x expert x tensor too (the library's Megatron, expert and FSDP
-layouts, the sequence split by the step), each process
+layouts, the sequence split by the step), scanned and with Dense projections too; a fine-tune
+the library exported read by transformers as the library reads it; each process
 reading each byte it holds once (two processes: each its half); exported back bit for bit; the
 checkpoint's problems named tensor by tensor before anything is read (each named fix loads);
 "auto" finding the hand-written plan. The format itself: ``tests/test_safetensors.py``.
@@ -111,6 +112,19 @@ def test_a_checkpoint_loaded_gives_the_hubs_logits_on_one_device(family, api):
             jax.tree.leaves(_target(DecoderConfig.from_hub(Checkpoint(directory).config)))
         )
         assert report.bytes_read == report.bytes_stored  # (every byte once, a fused tensor's too)
+
+
+def test_a_fine_tune_the_library_exported_reads_in_transformers_as_in_the_library():
+    # examples/hub_checkpoints/llama_tuned: the tiny Llama fine-tuned 3 steps on data x fsdp x
+    # tensor and exported by the library (tune.py there); its logits recorded by transformers
+    # from that export (record.py). The library reads the file as transformers does.
+    tuned = os.path.join(HERE, "llama_tuned")
+    assert Checkpoint(tuned).config == Checkpoint(LLAMA).config
+    for api in ("linen", "nnx"):
+        logits, _ = _one_device(api, tuned)
+        _assert_hubs(logits, tuned)
+    moved = np.load(os.path.join(tuned, "logits.npy")) - np.load(os.path.join(LLAMA, "logits.npy"))
+    assert np.abs(moved).max() > 0.1
 
 
 def test_each_part_of_the_mapping_and_llama3_scaling_shows_in_the_logits():
