@@ -457,19 +457,21 @@ def test_plan_from_a_config_alone_says_what_each_of_4096_devices_holds_and_reads
     # An 8B model on data 8 x fsdp 64 x tensor 8, no weights, no devices: every weight matrix is
     # split 512 ways (its D over fsdp, its heads, features or vocabulary over tensor), each norm
     # whole; a device reads its elements in the checkpoint's bfloat16.
-    from fsdp_tp.cli.main import main
-
-    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_8B))
-    out = io.StringIO()
-    argv = ["plan", "--from", str(tmp_path), "--mesh", "data=8,fsdp=64,tensor=8", "--batch", "512"]
-    assert main(argv, out=out) == 0
+    out = _planned(tmp_path, LLAMA_3_8B, "data=8,fsdp=64,tensor=8", 512)
     total, norms = 8_030_261_248, (2 * 32 + 1) * 4096  # (Llama 3 8B's parameters; its norms')
     elements = (total - norms) // 512 + norms
-    assert (
-        f"reads per device: {2 * elements:,} B of the checkpoint ({elements:,} elements of 2 B"
-        in out.getvalue()
-    )
-    assert f"params {4 * elements:,} B" in out.getvalue()  # (float32 on the devices)
+    assert f"reads per device: {2 * elements:,} B of the checkpoint ({elements:,} elements of 2 B" in out
+    assert f"params {4 * elements:,} B" in out  # (float32 on the devices)
+
+
+def _planned(tmp_path, config: dict, mesh: str, batch: int) -> str:
+    """What ``fsdp-tp plan --from`` prints for a directory holding ``config`` alone."""
+    from fsdp_tp.cli.main import main
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = io.StringIO()
+    assert main(["plan", "--from", str(tmp_path), "--mesh", mesh, "--batch", str(batch)], out=out) == 0
+    return out.getvalue()
 
 
 QWEN3_30B_A3B = {  # (Qwen3-30B-A3B's config.json: its sizes and its mixture)
@@ -498,15 +500,10 @@ def test_plan_from_a_mixture_of_experts_config_splits_the_experts_over_expert(tm
     # Qwen3-30B-A3B on fsdp 16 x expert 8 x tensor 4: each expert kernel split 512 ways (its
     # experts over expert, D over fsdp, the expert's hidden over tensor), the attention, the
     # embedding and the head 64 ways (fsdp x tensor; expert splits the batch), routers and norms whole.
-    from fsdp_tp.cli.main import main
-
-    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
-    out = io.StringIO()
-    argv = ["plan", "--from", str(tmp_path), "--mesh", "fsdp=16,expert=8,tensor=4", "--batch", "128"]
-    assert main(argv, out=out) == 0
+    out = _planned(tmp_path, QWEN3_30B_A3B, "fsdp=16,expert=8,tensor=4", 128)
     v, d, layers, heads, kv, h, e, f = 151936, 2048, 48, 32, 4, 128, 128, 768
     dense = 2 * v * d + layers * d * h * (2 * heads + 2 * kv)  # (embedding, head, q k v out)
     experts, whole = layers * 3 * e * d * f, layers * (d * e + 2 * d + 2 * h) + d  # (routers and norms)
     assert dense + experts + whole == 30_532_122_624  # (Qwen3-30B-A3B's parameters)
     elements = dense // 64 + experts // 512 + whole
-    assert f"reads per device: {2 * elements:,} B of the checkpoint ({elements:,} elements" in out.getvalue()
+    assert f"reads per device: {2 * elements:,} B of the checkpoint ({elements:,} elements" in out
