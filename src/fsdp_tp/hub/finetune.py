@@ -32,12 +32,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax.core.meta import unbox
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .._types import PyTree
 from ..gradients import sync_gradients
+from ..linen.rule_transform import shard_by_rules as linen_shard_by_rules
 from ..mesh import make_mesh
+from ..nnx import shard_by_rules as nnx_shard_by_rules
 from ..recipe.data import Tokens, windows_at
 from ..sharded_init import abstract_init
 from ..tp.pieces import vocab_parallel_cross_entropy
@@ -79,7 +82,8 @@ class FineTune:
     ``expert``, ``context``, ``tensor``; those left out are 1), ready to train on batches of
     ``batch`` windows of ``seq_len`` tokens. ``api``: the decoder's Flax API, ``"linen"`` or
     ``"nnx"``; ``dtype``: the parameters' (default the decoder's, float32; ``"float64"`` under
-    ``jax.enable_x64`` for a proof); ``devices``: the mesh's (default: the first of all)."""
+    ``jax.enable_x64`` for a proof); ``scan``: the blocks in one scan
+    (:class:`~fsdp_tp.hub.config.DecoderConfig`'s); ``devices``: the mesh's (default: all)."""
 
     def __init__(
         self,
@@ -164,8 +168,6 @@ class FineTune:
 
     def params(self) -> PyTree:
         """The parameters, gathered to host arrays."""
-        from flax.core.meta import unbox
-
         return jax.tree.map(np.asarray, unbox(self.state.params))
 
     def export(self, directory: str | os.PathLike, dtype: str | None = None) -> None:
@@ -185,15 +187,11 @@ class FineTune:
 
 def _front_end(api: str, config: DecoderConfig, storage: list, tp: list, axes: tuple):
     """``(init(key, batch), apply(params, batch))`` of the decoder in ``api``, laid out by rules."""
-    import fsdp_tp
-
     if api == "linen":
-        model = fsdp_tp.shard_by_rules(Decoder, storage, batch_axes=axes, tp_rules=tp)(config)
+        model = linen_shard_by_rules(Decoder, storage, batch_axes=axes, tp_rules=tp)(config)
         return (lambda key, b: model.init(key, b)["params"]), (lambda p, b: model.apply({"params": p}, b))
     if api == "nnx":
-        import fsdp_tp.nnx
-
         make = functools.partial(NNXDecoder, config)
-        sharded = fsdp_tp.nnx.shard_by_rules(make, storage, batch_axes=axes, tp_rules=tp)
+        sharded = nnx_shard_by_rules(make, storage, batch_axes=axes, tp_rules=tp)
         return (lambda key, b: sharded.init(key)[0]), (lambda p, b: sharded.merge(p)(b))
     raise ValueError(f"FineTune(api={api!r}): the decoder is written in 'linen' and 'nnx'; pass one of them.")
