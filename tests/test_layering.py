@@ -356,6 +356,7 @@ IMPORT_LINEN = {
     "bench.auto_rows": "finds the Linen Llama's plan (fsdp_tp.linen.find_tp_rules)",
     "cli.fit": "fsdp-tp plan prints the Linen GPT's plan (fsdp_tp.linen.find_tp_rules)",
     "recipe.moe_lm": "fsdp-tp train --experts --api linen lays the Linen MoE LM out by rules",
+    "hub.finetune": "fsdp-tp finetune --api linen lays the Linen decoder out by rules",
     "testing._front": "check_sharded lays a user's Linen model out (fsdp_tp.linen._testing)",
 }
 
