@@ -70,7 +70,6 @@ def finetune(args, out: TextIO) -> int:
 
     from ..hub import DecoderConfig
     from ..hub.directory import Checkpoint
-    from ..hub.finetune import FineTune, Schedule
     from ..mesh import simulate_cpu_devices
     from .machine import check_platforms, uses_accelerator
     from .settings import mesh_sizes
@@ -98,11 +97,7 @@ def finetune(args, out: TextIO) -> int:
             f"--mesh {args.mesh}: {math.prod(sizes.values())} devices, but {jax.device_count()} are "
             f"here; give sizes whose product is {jax.device_count()}."
         )
-    schedule = Schedule(args.lr, args.warmup, args.steps, args.clip_norm)
-    tune = FineTune(
-        args.from_dir, sizes, batch=args.batch, seq_len=args.seq_len, api=args.api, schedule=schedule,
-        seed=args.seed, scan=args.scan_layers,
-    )  # fmt: skip
+    tune = _fine_tune(args, sizes)
     say = lambda line: print(line, file=out, flush=True)
     params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tune.state.params))
     say(
@@ -120,6 +115,18 @@ def finetune(args, out: TextIO) -> int:
         tune.export(args.export, args.export_dtype)
         say(f"exported the tuned model to {args.export} ({args.export_dtype or 'each tensor in its dtype'})")
     return code
+
+
+def _fine_tune(args, sizes: dict, dtype=None):
+    """The command's :class:`~fsdp_tp.hub.finetune.FineTune`, by its flags (``dtype``: the
+    parameters', float64 for ``--check``)."""
+    from ..hub.finetune import FineTune, Schedule
+
+    schedule = Schedule(args.lr, args.warmup, args.steps, args.clip_norm)
+    return FineTune(
+        args.from_dir, sizes, batch=args.batch, seq_len=args.seq_len, api=args.api, schedule=schedule,
+        seed=args.seed, dtype=dtype, scan=args.scan_layers,
+    )  # fmt: skip
 
 
 def _meta(args, tokens: Tokens) -> dict:
@@ -196,13 +203,8 @@ def _check(args, sizes: dict, tokens: Tokens, say) -> bool:
     layout); the run itself then starts afresh, in the decoder's dtype."""
     import jax
 
-    from ..hub.finetune import FineTune, Schedule
-
     with jax.enable_x64(True):
-        schedule = Schedule(args.lr, args.warmup, args.steps, args.clip_norm)
-        kw = dict(batch=args.batch, seq_len=args.seq_len, api=args.api, schedule=schedule, seed=args.seed)
-        kw |= dict(scan=args.scan_layers)
-        sharded = FineTune(args.from_dir, sizes, dtype="float64", **kw)
+        sharded = _fine_tune(args, sizes, dtype="float64")
         twin = sharded.twin()
         losses = [sharded.step(sharded.batch_at(tokens, i)) for i in range(args.check)]
         twin_losses = [twin.step(twin.batch_at(tokens, i)) for i in range(args.check)]

@@ -60,8 +60,7 @@ def hub_plan(directory: str | Path, sizes: dict, batch: int, seq_len: int) -> tu
     config = DecoderConfig.from_hub(json.loads((path / "config.json").read_text()))
     batch_axes = tuple(a for a in ("data", "fsdp", "expert") if a in sizes)
     storage = fsdp_rules(config) if sizes.get("fsdp", 1) > 1 else []
-    split = sizes.get("tensor", 1) > 1 or (config.moe_layers and sizes.get("expert", 1) > 1)
-    tp = tp_rules(config, sizes=sizes) if split else []
+    tp = tp_rules(config, sizes=sizes)  # (only what the mesh splits)
     model = fsdp_tp.shard_by_rules(Decoder, storage, batch_axes=batch_axes, tp_rules=tp)(config)
     tx = optax.adamw(1e-5)
 

@@ -111,10 +111,7 @@ class FineTune:
         self.axes = (*BATCH_AXES, "context") if split else BATCH_AXES  # (what the loss averages over)
         self.spec = P(BATCH_AXES, "context") if split else P(BATCH_AXES)
         storage = fsdp_rules(config, ("fsdp", "context") if split else "fsdp")
-        # (Megatron's plan where tensor splits, the experts' where expert does; else none)
-        splits = sizes["tensor"] > 1 or (config.moe_layers and sizes["expert"] > 1)
-        tp = tp_rules(config, sizes=sizes) if splits else []
-        init, self._apply = _front_end(api, config, storage, tp, self.axes)
+        init, self._apply = _front_end(api, config, storage, tp_rules(config, sizes=sizes), self.axes)
         tx = schedule.optimizer()
         state_fn = lambda key, b: TrainState.create(apply_fn=None, params=init(key, b), tx=tx, rng=key)
         key = jax.random.key(seed)

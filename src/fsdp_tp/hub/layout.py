@@ -30,7 +30,15 @@ def tp_rules(
     on the vocabulary for :func:`~fsdp_tp.vocab_parallel_cross_entropy`, or whole where
     ``gather_logits`` (for a loss that reads them whole, as ``check_sharded``'s twin does).
     A mixture's experts by the mesh's axis ``sizes`` (:func:`~fsdp_tp.models.moe.expert_rules`:
-    over ``expert``, each one's hidden dim over ``tensor``); its router whole."""
+    over ``expert``, each one's hidden dim over ``tensor``); its router whole. Given ``sizes``,
+    only what they split: no Megatron rule where ``tensor`` is 1 (nothing at all where ``expert``
+    is 1 too); left out, the plan for a ``tensor`` axis that splits and no ``expert`` axis.
+
+    >>> tp_rules(DecoderConfig(64, 32, 4, 2, 8, 48, 2), sizes={"fsdp": 8, "tensor": 1})
+    []
+    """
+    sizes = {"tensor": 2} if sizes is None else sizes
+    megatron = sizes.get("tensor", 1) > 1
     rules = [
         (r"embed$", VocabParallel()),
         (r"attn/(q|k|v)$", ColumnParallel()),
@@ -38,10 +46,11 @@ def tp_rules(
         (r"mlp/(gate|up)$", ColumnParallel()),
         (r"mlp/down$", RowParallel()),
     ]
-    rules = rules if _dense(config) else rules[:3]
-    if config.moe_layers:  # (no sizes: each expert's hidden dim over tensor, the experts whole)
-        rules += expert_rules({"tensor": 2} if sizes is None else sizes)
-    return rules if config.tied else [*rules, (r"head$", ColumnParallel(gather_output=gather_logits))]
+    rules = (rules if _dense(config) else rules[:3]) if megatron else []
+    if config.moe_layers:
+        rules += expert_rules(sizes)
+    head = megatron and not config.tied
+    return [*rules, (r"head$", ColumnParallel(gather_output=gather_logits))] if head else rules
 
 
 def fsdp_rules(config: DecoderConfig, axes: str | tuple[str, ...] = "fsdp") -> list:
